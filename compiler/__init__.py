@@ -1,0 +1,1 @@
+"""The front door: capture, plan file, decorator and CLI."""

@@ -1,0 +1,44 @@
+"""User-facing errors.
+
+A ``PartitaError`` is a mistake a user can fix (bad flag, untraceable model,
+infeasible budget, wrong plan file). The CLI prints its message, without a
+traceback, and exits with code 2. Anything else is a bug in partita and keeps
+its traceback.
+"""
+
+from __future__ import annotations
+
+
+class PartitaError(Exception):
+    """A user error: one clear message naming what is wrong and how to fix it."""
+
+    exit_code = 2
+
+    def __init__(self, message: str, *, hint: str | None = None) -> None:
+        self.message = message
+        self.hint = hint
+        super().__init__(message if hint is None else f"{message}\n  hint: {hint}")
+
+
+class CaptureError(PartitaError):
+    """The model could not be captured as an FX graph."""
+
+
+class ClusterError(PartitaError):
+    """An unknown preset or a malformed cluster file."""
+
+
+class InputSpecError(PartitaError):
+    """A malformed ``--input NAME=DTYPE[SHAPE]``."""
+
+
+class PlanError(PartitaError):
+    """A plan file that cannot be used: corrupt, another version, another model or world size."""
+
+
+class InfeasibleError(PartitaError):
+    """No plan satisfies the constraints; the message names the binding ones and what to relax."""
+
+
+class ModelLoadError(PartitaError):
+    """``FILE.py:NAME`` could not be loaded."""
