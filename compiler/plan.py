@@ -1,0 +1,368 @@
+"""The plan file: the only contract between planning and running.
+
+A ``Plan`` is a frozen, typed structure written as versioned JSON (never
+pickle: a plan from elsewhere must never run code) and checked against the
+JSON Schema in ``plan_schema.json`` on load. It is designed for all four
+axes (data, tensor, pipeline parallel and ZeRO) even where a version of the
+planner decides only some of them.
+
+Loading refuses, with a message that says what differs:
+- another schema ``version``;
+- a plan made for another model (graph fingerprint);
+- a plan made for another world size (``dp * tp * pp``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import types
+import typing
+from dataclasses import dataclass, field
+from enum import Enum
+from pathlib import Path
+from typing import Any, Mapping
+
+from partita.compiler.errors import PlanError
+
+SCHEMA_VERSION = 1
+SCHEMA_PATH = Path(__file__).with_name("plan_schema.json")
+
+
+class MeshAxis(str, Enum):
+    """Names of the device-mesh axes, outermost first in ``MESH_ORDER``."""
+
+    PP = "pp"
+    DP = "dp"
+    TP = "tp"
+
+
+# Megatron's placement: TP innermost (consecutive ranks share a node's NVLink),
+# DP next, PP outermost (stages across nodes).
+MESH_ORDER: tuple[MeshAxis, ...] = (MeshAxis.PP, MeshAxis.DP, MeshAxis.TP)
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    name: str
+    fingerprint: str
+    num_params: int
+    param_bytes: int
+    inputs: tuple[str, ...]  # "NAME=DTYPE[SHAPE]" as captured
+    capture_method: str
+    num_nodes: int
+    repeated_layers: tuple[str, ...] = ()  # e.g. "transformer.h x12 (Block)"
+
+
+@dataclass(frozen=True)
+class Mesh:
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+
+    def __post_init__(self) -> None:
+        for axis in MeshAxis:
+            size = getattr(self, axis.value)
+            if not isinstance(size, int) or size < 1:
+                raise ValueError(f"mesh axis {axis.value}={size!r} must be a positive integer")
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """Axis sizes in ``MESH_ORDER``."""
+        return tuple(getattr(self, a.value) for a in MESH_ORDER)
+
+    @property
+    def axis_names(self) -> tuple[str, ...]:
+        return tuple(a.value for a in MESH_ORDER)
+
+    def __str__(self) -> str:
+        return f"dp={self.dp} x tp={self.tp} x pp={self.pp}"
+
+
+@dataclass(frozen=True)
+class Training:
+    """How one optimizer step consumes the global batch."""
+
+    global_batch: int
+    micro_batch_size: int  # samples per micro-batch on one data-parallel rank
+    grad_accum_steps: int  # micro-batches per data-parallel rank per step
+    precision: str = "fp32"  # "fp32" | "bf16-mixed" | "fp16-mixed"
+    optimizer: str = "adamw"  # "adamw" | "adam" | "sgd" | "sgd-momentum" | "none"
+    zero_stage: int = 0
+    schedule: str = "none"  # pipeline schedule: "none" | "gpipe" | "1f1b"
+    inference: bool = False
+
+    def __post_init__(self) -> None:
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise ValueError(f"zero_stage={self.zero_stage} must be 0, 1, 2 or 3")
+        for name in ("global_batch", "micro_batch_size", "grad_accum_steps"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be at least 1")
+
+
+@dataclass(frozen=True)
+class ParamDecision:
+    """Where one parameter lives: its layout on each mesh axis and its stage."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    layout: Mapping[str, str]  # mesh axis -> "replicate" | "shard(DIM)"
+    stage: int = 0
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One kind of collective the plan expects each rank to run per step."""
+
+    kind: str  # "all_reduce" | "all_gather" | "reduce_scatter" | "all_to_all" | "send_recv"
+    axis: str  # mesh axis it runs over
+    bytes: int  # payload per call
+    count: int  # calls per step
+    group_size: int
+    purpose: str  # e.g. "gradient averaging"
+    seconds: float  # predicted time per step, all calls
+
+
+@dataclass(frozen=True)
+class Stage:
+    index: int
+    nodes: int  # number of graph nodes in the stage
+    first_node: str
+    last_node: str
+    params: int
+    predicted_time_s: float
+    memory_bytes: int
+
+
+@dataclass(frozen=True)
+class MemoryBreakdown:
+    """Bytes per device."""
+
+    params: int
+    grads: int
+    optimizer: int
+    activations: int
+    capacity: int
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optimizer + self.activations
+
+    @property
+    def fits(self) -> bool:
+        return self.total <= self.capacity
+
+
+@dataclass(frozen=True)
+class Prediction:
+    step_time_s: float
+    compute_s: float
+    comm_s: Mapping[str, float]  # kind of communication -> exposed seconds per step
+    optimizer_s: float
+    memory: MemoryBreakdown  # the most loaded device
+    traffic_bytes: Mapping[str, int]  # kind -> bytes sent per device per step
+    samples_per_s: float
+    tokens_per_s: float | None
+    model_tflops_per_device: float
+    mfu: float
+
+
+@dataclass(frozen=True)
+class Alternative:
+    """A candidate the planner weighed, and why it lost."""
+
+    mesh: Mesh
+    micro_batch_size: int
+    grad_accum_steps: int
+    zero_stage: int
+    step_time_s: float | None  # None when it does not fit
+    memory_bytes: int
+    fits: bool
+    chosen: bool
+    reason: str
+
+
+@dataclass(frozen=True)
+class SolverReport:
+    method: str  # e.g. "exhaustive enumeration" or "CP-SAT"
+    status: str  # "OPTIMAL" | "FEASIBLE" | ...
+    objective: float
+    seconds: float
+    candidates: int
+    gap: float = 0.0
+    notes: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Plan:
+    model: ModelInfo
+    cluster: Mapping[str, Any]  # the cluster spec the plan was made for
+    mesh: Mesh
+    training: Training
+    predicted: Prediction
+    solver: SolverReport
+    params: tuple[ParamDecision, ...] = ()
+    collectives: tuple[Collective, ...] = ()
+    stages: tuple[Stage, ...] = ()
+    alternatives: tuple[Alternative, ...] = ()
+    analysis_seconds: Mapping[str, float] = field(default_factory=dict)
+    version: int = SCHEMA_VERSION
+
+    def __post_init__(self) -> None:
+        t = self.training
+        per_step = self.mesh.dp * t.micro_batch_size * t.grad_accum_steps
+        if per_step != t.global_batch:
+            raise ValueError(
+                f"dp={self.mesh.dp} x micro_batch_size={t.micro_batch_size} x "
+                f"grad_accum_steps={t.grad_accum_steps} = {per_step} does not equal "
+                f"global_batch={t.global_batch}"
+            )
+
+    @property
+    def world_size(self) -> int:
+        return self.mesh.world_size
+
+    # -- serialisation -------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        out = _to_jsonable(self)
+        out["world_size"] = self.world_size
+        return out
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=False) + "\n"
+
+    def save(self, path: str | Path) -> Path:
+        path = Path(path)
+        path.write_text(self.to_json())
+        return path
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "Plan":
+        data = dict(data)
+        data.pop("world_size", None)
+        return _from_jsonable(cls, data)
+
+    def check_matches(
+        self, *, fingerprint: str | None = None, world_size: int | None = None
+    ) -> None:
+        """Refuse a plan made for another model or world size, saying what differs."""
+        if fingerprint is not None and fingerprint != self.model.fingerprint:
+            raise PlanError(
+                f"this plan was made for another model: plan fingerprint "
+                f"{self.model.fingerprint} ({self.model.name}, {self.model.num_params:,} params, "
+                f"inputs {', '.join(self.model.inputs)}), this model's is {fingerprint}",
+                hint="recompile the plan for this model with `partita compile`",
+            )
+        if world_size is not None and world_size != self.world_size:
+            raise PlanError(
+                f"this plan needs {self.world_size} processes ({self.mesh}), "
+                f"but {world_size} were launched",
+                hint=f"launch with `torchrun --nproc-per-node {self.world_size}` "
+                f"or recompile for {world_size} devices",
+            )
+
+
+def load_plan(
+    path: str | Path, *, fingerprint: str | None = None, world_size: int | None = None
+) -> Plan:
+    """Read and validate a plan file; optionally check it against a model and world size."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise PlanError(f"cannot read plan file {path}: {e.strerror}") from e
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise PlanError(
+            f"{path} is not a valid plan file: JSON error at line {e.lineno}, column {e.colno}: {e.msg}",
+            hint="the file may be truncated or edited by hand; recompile it with `partita compile`",
+        ) from e
+    plan = plan_from_data(data, source=str(path))
+    plan.check_matches(fingerprint=fingerprint, world_size=world_size)
+    return plan
+
+
+def plan_from_data(data: Any, *, source: str = "plan") -> Plan:
+    """Validate parsed JSON against the schema and build a ``Plan``."""
+    if not isinstance(data, dict):
+        raise PlanError(f"{source} is not a plan file: expected a JSON object, got {type(data).__name__}")
+    version = data.get("version")
+    if version != SCHEMA_VERSION:
+        raise PlanError(
+            f"{source} has plan format version {version!r}; this partita reads version {SCHEMA_VERSION}",
+            hint="recompile the plan with this version of partita",
+        )
+    import jsonschema
+
+    schema = json.loads(SCHEMA_PATH.read_text())
+    try:
+        jsonschema.validate(data, schema)
+    except jsonschema.ValidationError as e:
+        where = "/".join(str(p) for p in e.absolute_path) or "(top level)"
+        raise PlanError(
+            f"{source} is not a valid plan file: at {where}: {e.message}",
+            hint="recompile it with `partita compile`",
+        ) from e
+    try:
+        plan = Plan.from_dict(data)
+    except (ValueError, TypeError, KeyError) as e:
+        raise PlanError(f"{source} is not a consistent plan: {e}") from e
+    if data.get("world_size") not in (None, plan.world_size):
+        raise PlanError(
+            f"{source} is not a consistent plan: world_size {data['world_size']} "
+            f"but mesh {plan.mesh} has {plan.world_size} devices"
+        )
+    return plan
+
+
+# -- generic dataclass <-> JSON ------------------------------------------------
+
+
+def _to_jsonable(obj: Any) -> Any:
+    if dataclasses.is_dataclass(obj):
+        return {f.name: _to_jsonable(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, Enum):
+        return obj.value
+    if isinstance(obj, Mapping):
+        return {str(k): _to_jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_to_jsonable(v) for v in obj]
+    return obj
+
+
+def _from_jsonable(tp: Any, value: Any) -> Any:
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        if value is None:
+            return None
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return _from_jsonable(args[0], value)
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, Mapping):
+            raise TypeError(f"{tp.__name__} must be an object, got {value!r}")
+        hints = typing.get_type_hints(tp)
+        names = {f.name for f in dataclasses.fields(tp)}
+        unknown = set(value) - names
+        if unknown:
+            raise KeyError(f"unknown field(s) {sorted(unknown)} in {tp.__name__}")
+        return tp(**{k: _from_jsonable(hints[k], v) for k, v in value.items()})
+    if origin is tuple:
+        args = typing.get_args(tp)
+        inner = args[0] if args else Any
+        return tuple(_from_jsonable(inner, v) for v in value)
+    if origin in (Mapping, dict) or tp is Mapping:
+        args = typing.get_args(tp)
+        inner = args[1] if len(args) == 2 else Any
+        return {k: _from_jsonable(inner, v) for k, v in value.items()}
+    if tp is float and isinstance(value, int):
+        return float(value)
+    return value
+
+
