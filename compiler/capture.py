@@ -1,0 +1,271 @@
+"""Capture a model as an FX graph of ATen ops, on fake tensors.
+
+``capture`` is the front door of the compiler: it turns a model (a class or a
+factory that builds one, or a module instance with real weights) and the
+shapes of its inputs into a ``CapturedModel``. No real memory is used for
+parameters built by a factory: they are created under ``FakeTensorMode``.
+The primary method is ``torch.export.export(strict=False)`` (training IR, with
+``nn_module_stack``, ``stack_trace`` and fake ``val`` on every node);
+``torch.fx.symbolic_trace`` is the fallback when export refuses a model for a
+reason other than data-dependent control flow, with shapes then propagated by
+``ShapeProp`` on fake tensors. A model that cannot be captured raises
+``CaptureError`` naming the module and the source line.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import linecache
+import logging
+import os
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from types import FrameType, TracebackType
+
+import torch
+import torch.fx
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.export import ExportedProgram
+from torch.fx.passes.shape_prop import ShapeProp, TensorMetadata
+
+from partita.compiler.errors import CaptureError
+from partita.compiler.inputs import InputSpec
+
+EXPORT = "torch.export"
+SYMBOLIC_TRACE = "torch.fx.symbolic_trace"
+
+_TORCH_DIR = os.path.dirname(torch.__file__)
+_DATA_DEPENDENT = ("GuardOnDataDependentSymNode", "data-dependent", "data dependent")
+
+
+@dataclass
+class CapturedModel:
+    """A captured model: its FX graph and what the analyses need to know about it.
+
+    ``params`` and ``buffers`` map qualified names (``transformer.h.0.attn.c_attn.weight``)
+    to (shape, dtype). Tied parameters appear once, under their first name.
+    """
+
+    graph_module: torch.fx.GraphModule
+    exported: ExportedProgram | None
+    method: str
+    inputs: tuple[InputSpec, ...]
+    params: dict[str, tuple[tuple[int, ...], torch.dtype]]
+    buffers: dict[str, tuple[tuple[int, ...], torch.dtype]]
+    name: str
+    seconds: float
+    # placeholder / get_attr node name -> qualified param or buffer name
+    state_nodes: dict[str, str] = field(default_factory=dict)
+
+
+def capture(
+    model: torch.nn.Module | Callable[[], torch.nn.Module],
+    inputs: Sequence[InputSpec],
+    *,
+    name: str | None = None,
+) -> CapturedModel:
+    """Capture ``model`` against fake inputs of the ``inputs`` shapes.
+
+    ``model`` is a zero-argument callable building an ``nn.Module`` (built under
+    ``FakeTensorMode``: a 70B-parameter shape costs no parameter memory) or an
+    ``nn.Module`` instance (exported with its real parameters fake-ified by
+    export itself; they are not copied).
+    """
+    start = time.perf_counter()
+    inputs = tuple(inputs)
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    if isinstance(model, torch.nn.Module):
+        module = model
+    elif callable(model):
+        try:
+            with mode:
+                module = model()
+        except Exception as e:
+            raise _capture_error(e, model, None, "building the model under fake tensors failed") from e
+        if not isinstance(module, torch.nn.Module):
+            raise CaptureError(
+                f"{_name_of(model)}() returned {type(module).__name__}, not an nn.Module",
+                hint="pass an nn.Module subclass, a factory returning one, or a module instance",
+            )
+    else:
+        raise CaptureError(
+            f"cannot capture {type(model).__name__}: expected an nn.Module or a zero-argument factory",
+        )
+
+    with mode:
+        args = tuple(_example(spec) for spec in inputs)
+    try:
+        with _quiet_tracer_logs():
+            exported = torch.export.export(module, args, strict=False)
+        gm, method = exported.graph_module, EXPORT
+        state_nodes = {**exported.graph_signature.inputs_to_parameters, **exported.graph_signature.inputs_to_buffers}
+    except Exception as export_error:
+        if _is_data_dependent(export_error):
+            raise _capture_error(
+                export_error, module, inputs, "data-dependent Python control flow",
+                hint="remove data-dependent Python control flow (e.g. `if torch.rand([]) < p:`) "
+                "or mark the module as a leaf",
+            ) from export_error
+        exported = None
+        gm, method = _symbolic_trace(module, args, mode, export_error, inputs)
+        state_nodes = {n.name: str(n.target) for n in gm.graph.nodes if n.op == "get_attr"}
+
+    params = {k: (tuple(p.shape), p.dtype) for k, p in module.named_parameters()}
+    buffers = {k: (tuple(b.shape), b.dtype) for k, b in module.named_buffers()}
+    return CapturedModel(
+        graph_module=gm,
+        exported=exported,
+        method=method,
+        inputs=inputs,
+        params=params,
+        buffers=buffers,
+        name=name or type(module).__name__,
+        seconds=time.perf_counter() - start,
+        state_nodes=state_nodes,
+    )
+
+
+
+@contextlib.contextmanager
+def _quiet_tracer_logs() -> Iterator[None]:
+    """Hold back what export writes to stderr while it runs; replay it only on success.
+
+    On a failed guard export logs a multi-line warning and prints the partial
+    graph to stderr; the CaptureError raised from that failure says it in one
+    message and the partial graph stays on the chained exception.
+    """
+    logger = logging.getLogger("torch.fx.experimental.symbolic_shapes")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    held = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(held):
+            yield
+    finally:
+        logger.setLevel(level)
+    sys.stderr.write(held.getvalue())
+
+
+def _example(spec: InputSpec) -> torch.Tensor:
+    # Zeros are valid token ids and valid floats; under fake mode no memory is used.
+    return torch.zeros(spec.shape, dtype=spec.dtype)
+
+
+class _InlineAllModules(torch.fx.Tracer):
+    """Trace through every module, so the graph holds functions (F.linear, ...) rather than
+    opaque ``call_module`` nodes, and ``nn_module_stack`` names the innermost module."""
+
+    def __init__(self) -> None:
+        super().__init__(autowrap_functions=(), param_shapes_constant=False)
+        self.record_stack_traces = True
+
+    def is_leaf_module(self, m: torch.nn.Module, module_qualified_name: str) -> bool:
+        return False
+
+
+def _symbolic_trace(
+    module: torch.nn.Module,
+    args: tuple[torch.Tensor, ...],
+    mode: FakeTensorMode,
+    export_error: Exception,
+    inputs: tuple[InputSpec, ...],
+) -> tuple[torch.fx.GraphModule, str]:
+    try:
+        tracer = _InlineAllModules()
+        graph = tracer.trace(module)
+        gm = torch.fx.GraphModule(tracer.root, graph, type(module).__name__)
+        with mode:
+            ShapeProp(gm, fake_mode=mode).propagate(*args)
+    except Exception as trace_error:
+        # The export error is the one that names the cause best; the fallback's is chained under it.
+        err = _capture_error(export_error, module, inputs, "torch.export failed and torch.fx.symbolic_trace "
+                             f"could not take over ({type(trace_error).__name__}: {_first_line(trace_error)})")
+        raise err from export_error
+    for node in gm.graph.nodes:  # give fallback nodes export's `val` key, so passes read one key
+        meta = node.meta.get("tensor_meta")
+        if meta is not None and "val" not in node.meta:
+            node.meta["val"] = _fake_from_meta(meta, mode)
+    return gm, SYMBOLIC_TRACE
+
+
+def _fake_from_meta(meta: object, mode: FakeTensorMode) -> object:
+    if isinstance(meta, TensorMetadata):
+        with mode:
+            return torch.empty_strided(meta.shape, meta.stride, dtype=meta.dtype)
+    if isinstance(meta, (tuple, list)):
+        return type(meta)(_fake_from_meta(m, mode) for m in meta)
+    if isinstance(meta, dict):
+        return {k: _fake_from_meta(v, mode) for k, v in meta.items()}
+    return meta
+
+
+def _is_data_dependent(e: BaseException) -> bool:
+    while e is not None:
+        text = f"{type(e).__name__}: {e}"
+        if any(marker in text for marker in _DATA_DEPENDENT):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+def _capture_error(
+    e: BaseException,
+    model: object,
+    inputs: tuple[InputSpec, ...] | None,
+    what: str,
+    hint: str | None = None,
+) -> CaptureError:
+    """One message: which module, which user line, what went wrong; the trace stays in __cause__."""
+    module_path, source = _locate(e, model)
+    where = f"in module {module_path!r}" if module_path is not None else f"in {_name_of(model)}"
+    where += f" at {source}" if source else ""
+    shapes = f" with inputs {', '.join(map(str, inputs))}" if inputs else ""
+    return CaptureError(
+        f"cannot capture {_name_of(model)}{shapes}: {what} {where}: {type(e).__name__}: {_first_line(e)}",
+        hint=hint or "make the forward traceable by torch.export (see the chained error) or mark the module as a leaf",
+    )
+
+
+def _locate(e: BaseException, model: object) -> tuple[str | None, str | None]:
+    """The innermost module executing when ``e`` was raised and the deepest non-torch source line."""
+    names = {id(m): n for n, m in model.named_modules()} if isinstance(model, torch.nn.Module) else {}
+    module_path: str | None = None
+    source: str | None = None
+    for frame, lineno in _frames(e):
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, torch.nn.Module) and id(owner) in names:
+            module_path = names[id(owner)] or "<root>"
+            module_path = f"{module_path} ({type(owner).__name__})"
+        filename = frame.f_code.co_filename
+        if not filename.startswith(_TORCH_DIR) and not filename.startswith("<"):
+            source = f"{filename}:{lineno}"
+            line = _source_line(filename, lineno)
+            if line:
+                source += f" `{line}`"
+    return module_path, source
+
+
+def _frames(e: BaseException) -> Iterator[tuple[FrameType, int]]:
+    """(frame, line) pairs from outermost to where ``e`` was raised."""
+    tb: TracebackType | None = e.__traceback__
+    while tb is not None:
+        yield tb.tb_frame, tb.tb_lineno
+        tb = tb.tb_next
+
+
+def _source_line(filename: str, lineno: int) -> str:
+    return linecache.getline(filename, lineno).strip()
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else ""
+
+
+def _name_of(model: object) -> str:
+    if isinstance(model, torch.nn.Module):
+        return type(model).__name__
+    return getattr(model, "__qualname__", None) or getattr(model, "__name__", None) or repr(model)
