@@ -1,0 +1,289 @@
+"""Cluster specs: built-in presets and small TOML files.
+
+A cluster is ``nodes`` x ``gpus_per_node`` identical devices. Bandwidths are
+per device and per direction, in bytes/s, as the alpha-beta model of
+shared/REFERENCE.md wants them: the bandwidth one device gets when every
+device in the group sends at once.
+
+Preset figures (vendor, dense, no sparsity; shared/REFERENCE.md):
+- A100 SXM 80GB: 312 TFLOP/s bf16, 19.5 fp32 (no TF32), 2.0 TB/s HBM,
+  NVLink 600 GB/s bidirectional = 300 GB/s per direction; DGX A100: 8 x 200 Gb/s
+  HDR InfiniBand = 25 GB/s per GPU between nodes.
+- H100 SXM 80GB: 989 TFLOP/s bf16, 67 fp32, 3.35 TB/s, NVLink 900 GB/s
+  bidirectional = 450 per direction; 8 x 400 Gb/s NDR = 50 GB/s per GPU.
+- H200 SXM 141GB: as H100, with 141 GB at 4.8 TB/s.
+- ``ethernet-10g``: 8 A100 PCIe 80GB per node, no NVLink (PCIe 4.0 x16,
+  32 GB/s per direction nominal), one 10 GbE port per node (1.25 GB/s)
+  shared by its 8 GPUs = 0.156 GB/s per GPU between nodes.
+- Latencies are assumptions, not vendor figures: 5 us inside a node (NCCL's
+  small-message all-reduce on NVSwitch), 10 us between nodes over
+  InfiniBand, 50 us over Ethernet/TCP.
+- ``local``: this machine's CPU processes; rough defaults, replaced by
+  ``partita calibrate``.
+
+Achieved matmul throughput is below peak: each preset carries an efficiency
+factor (0.7 for large GEMMs on A100/H100, REFERENCE.md's 70-80% range).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+from partita.compiler.errors import ClusterError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+GB = 1e9
+TFLOPS = 1e12
+
+
+@dataclass(frozen=True)
+class Link:
+    """One class of link: per-device bandwidth (bytes/s, one direction) and latency per hop."""
+
+    bandwidth: float
+    latency: float
+    name: str
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    name: str
+    nodes: int
+    gpus_per_node: int
+    device: str  # torch device type the runtime uses: "cuda" | "cpu"
+    device_name: str
+    memory_bytes: int  # per device
+    flops: Mapping[str, float]  # peak dense FLOP/s per device by dtype: "bf16", "fp16", "fp32"
+    efficiency: float  # achieved / peak for the model's matmuls
+    hbm_bandwidth: float  # bytes/s per device (optimizer step is memory-bound)
+    intra_node_bandwidth: float  # bytes/s per device, one direction
+    inter_node_bandwidth: float  # bytes/s per device, one direction
+    intra_node_latency: float  # seconds per hop
+    inter_node_latency: float
+    nvlink: bool
+    memory_reserve: float = 0.1  # fraction of memory kept back (allocator, NCCL buffers, workspace)
+    step_overhead_s: float = 0.0  # fixed cost per micro-batch (launch, Python)
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        for name in ("nodes", "gpus_per_node"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise ClusterError(f"cluster {self.name!r}: {name}={v!r} must be a positive integer")
+        for name in ("memory_bytes", "efficiency", "hbm_bandwidth", "intra_node_bandwidth", "inter_node_bandwidth"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and v > 0 and math.isfinite(v)):
+                raise ClusterError(f"cluster {self.name!r}: {name}={v!r} must be a positive number")
+        if not 0 < self.efficiency <= 1:
+            raise ClusterError(f"cluster {self.name!r}: efficiency={self.efficiency} must be in (0, 1]")
+        if not self.flops or any(v <= 0 for v in self.flops.values()):
+            raise ClusterError(f"cluster {self.name!r}: flops needs a positive rate per dtype, got {dict(self.flops)}")
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+    @property
+    def usable_memory(self) -> int:
+        return int(self.memory_bytes * (1 - self.memory_reserve))
+
+    @property
+    def intra_link(self) -> Link:
+        return Link(self.intra_node_bandwidth, self.intra_node_latency, "NVLink" if self.nvlink else "intra-node")
+
+    @property
+    def inter_link(self) -> Link:
+        return Link(self.inter_node_bandwidth, self.inter_node_latency, "inter-node")
+
+    def link_for_group(self, group_size: int, stride: int = 1) -> Link:
+        """The slowest link a group of ``group_size`` ranks spaced ``stride`` apart spans.
+
+        Ranks are numbered node by node, so a group stays inside a node when
+        its span ``(group_size - 1) * stride + 1`` fits in one node and the node
+        size is a multiple of that span.
+        """
+        if group_size <= 1:
+            return self.intra_link
+        span = (group_size - 1) * stride + 1
+        if self.nodes == 1 or (span <= self.gpus_per_node and self.gpus_per_node % (group_size * stride) == 0):
+            return self.intra_link
+        return self.inter_link
+
+    def peak_flops(self, dtype: str) -> float:
+        if dtype in self.flops:
+            return self.flops[dtype]
+        if dtype == "fp16" and "bf16" in self.flops:
+            return self.flops["bf16"]
+        return self.flops.get("fp32", min(self.flops.values()))
+
+    def with_nodes(self, nodes: int) -> "ClusterSpec":
+        if not isinstance(nodes, int) or nodes < 1:
+            raise ClusterError(f"--nodes {nodes!r} must be a positive integer")
+        return dataclasses.replace(self, nodes=nodes)
+
+    def with_devices(self, gpus_per_node: int) -> "ClusterSpec":
+        if not isinstance(gpus_per_node, int) or gpus_per_node < 1:
+            raise ClusterError(f"devices per node {gpus_per_node!r} must be a positive integer")
+        return dataclasses.replace(self, gpus_per_node=gpus_per_node)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["flops"] = dict(self.flops)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "ClusterSpec":
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+    def to_toml(self) -> str:
+        """The human-unit TOML form read by ``load_cluster``."""
+        lines = [
+            f"# partita cluster file{(': ' + self.source) if self.source else ''}",
+            f'name = "{self.name}"',
+            f"nodes = {self.nodes}",
+            f"gpus_per_node = {self.gpus_per_node}",
+            f'device = "{self.device}"',
+            f'device_name = "{self.device_name}"',
+            f"memory_gb = {self.memory_bytes / GB:.6g}",
+            f"efficiency = {self.efficiency:.6g}",
+            f"hbm_gb_per_s = {self.hbm_bandwidth / GB:.6g}",
+            f"intra_node_gb_per_s = {self.intra_node_bandwidth / GB:.6g}",
+            f"inter_node_gb_per_s = {self.inter_node_bandwidth / GB:.6g}",
+            f"intra_node_latency_us = {self.intra_node_latency * 1e6:.6g}",
+            f"inter_node_latency_us = {self.inter_node_latency * 1e6:.6g}",
+            f"nvlink = {'true' if self.nvlink else 'false'}",
+            f"memory_reserve = {self.memory_reserve:.6g}",
+            f"step_overhead_ms = {self.step_overhead_s * 1e3:.6g}",
+            "",
+            "[tflops]",
+        ]
+        lines += [f"{k} = {v / TFLOPS:.6g}" for k, v in self.flops.items()]
+        return "\n".join(lines) + "\n"
+
+
+_TOML_KEYS = {
+    "name": ("name", str, 1),
+    "nodes": ("nodes", int, 1),
+    "gpus_per_node": ("gpus_per_node", int, 1),
+    "device": ("device", str, 1),
+    "device_name": ("device_name", str, 1),
+    "memory_gb": ("memory_bytes", float, GB),
+    "efficiency": ("efficiency", float, 1),
+    "hbm_gb_per_s": ("hbm_bandwidth", float, GB),
+    "intra_node_gb_per_s": ("intra_node_bandwidth", float, GB),
+    "inter_node_gb_per_s": ("inter_node_bandwidth", float, GB),
+    "intra_node_latency_us": ("intra_node_latency", float, 1e-6),
+    "inter_node_latency_us": ("inter_node_latency", float, 1e-6),
+    "nvlink": ("nvlink", bool, 1),
+    "memory_reserve": ("memory_reserve", float, 1),
+    "step_overhead_ms": ("step_overhead_s", float, 1e-3),
+    "source": ("source", str, 1),
+}
+_REQUIRED_TOML = ("nodes", "gpus_per_node", "memory_gb", "intra_node_gb_per_s", "inter_node_gb_per_s")
+
+
+def _a100_like(name: str, **kw: Any) -> ClusterSpec:
+    base = dict(
+        name=name, nodes=1, gpus_per_node=8, device="cuda", device_name="A100 SXM 80GB",
+        memory_bytes=int(80 * GB), flops={"bf16": 312 * TFLOPS, "fp16": 312 * TFLOPS, "fp32": 19.5 * TFLOPS},
+        efficiency=0.7, hbm_bandwidth=2.0e12, intra_node_bandwidth=300 * GB, inter_node_bandwidth=25 * GB,
+        intra_node_latency=5e-6, inter_node_latency=10e-6, nvlink=True,
+        source="DGX A100: NVLink 600 GB/s bidirectional, 8x HDR 200 Gb/s (REFERENCE.md)",
+    )
+    base.update(kw)
+    return ClusterSpec(**base)
+
+
+def _presets() -> dict[str, ClusterSpec]:
+    h100 = dict(
+        device_name="H100 SXM 80GB", flops={"bf16": 989 * TFLOPS, "fp16": 989 * TFLOPS, "fp32": 67 * TFLOPS},
+        hbm_bandwidth=3.35e12, intra_node_bandwidth=450 * GB, inter_node_bandwidth=50 * GB,
+    )
+    return {
+        "dgx-a100": _a100_like("dgx-a100"),
+        "dgx-h100": _a100_like(
+            "dgx-h100", **h100, source="DGX H100: NVLink 900 GB/s bidirectional, 8x NDR 400 Gb/s (REFERENCE.md)"
+        ),
+        "h200": _a100_like(
+            "h200", **{**h100, "device_name": "H200 SXM 141GB", "memory_bytes": int(141 * GB), "hbm_bandwidth": 4.8e12},
+            source="HGX H200: 141 GB HBM3e 4.8 TB/s, NVLink 900 GB/s, 8x NDR 400 Gb/s (REFERENCE.md)",
+        ),
+        "ethernet-10g": _a100_like(
+            "ethernet-10g", device_name="A100 PCIe 80GB", intra_node_bandwidth=32 * GB,
+            inter_node_bandwidth=1.25 * GB / 8, inter_node_latency=50e-6, nvlink=False,
+            source="8 A100 PCIe per node, no NVLink (PCIe 4.0 x16), 10 GbE per node shared by 8 GPUs",
+        ),
+        "local": ClusterSpec(
+            name="local", nodes=1, gpus_per_node=4, device="cpu", device_name="CPU process (gloo)",
+            memory_bytes=int(4 * GB), flops={"fp32": 20e9, "bf16": 5e9}, efficiency=1.0, hbm_bandwidth=5 * GB,
+            intra_node_bandwidth=1.0 * GB, inter_node_bandwidth=1.0 * GB, intra_node_latency=100e-6,
+            inter_node_latency=100e-6, nvlink=False, memory_reserve=0.25, step_overhead_s=2e-3,
+            source="rough defaults for CPU processes on gloo; run `partita calibrate` to measure",
+        ),
+    }
+
+
+PRESETS: Mapping[str, ClusterSpec] = _presets()
+
+
+def load_cluster(name_or_path: str, *, nodes: int | None = None, devices: int | None = None) -> ClusterSpec:
+    """A preset by name, or a TOML cluster file by path; ``nodes``/``devices`` scale it."""
+    if name_or_path in PRESETS:
+        spec = PRESETS[name_or_path]
+    elif name_or_path.endswith(".toml") or Path(name_or_path).exists():
+        spec = _load_toml(Path(name_or_path))
+    else:
+        raise ClusterError(
+            f"unknown cluster {name_or_path!r}",
+            hint=f"use a preset ({', '.join(PRESETS)}) or a path to a .toml cluster file "
+            "(`partita calibrate -o local.toml` writes one)",
+        )
+    if devices is not None:
+        spec = spec.with_devices(devices)
+    if nodes is not None:
+        spec = spec.with_nodes(nodes)
+    return spec
+
+
+def _load_toml(path: Path) -> ClusterSpec:
+    try:
+        raw = tomllib.loads(path.read_text())
+    except OSError as e:
+        raise ClusterError(f"cannot read cluster file {path}: {e.strerror}") from e
+    except tomllib.TOMLDecodeError as e:
+        raise ClusterError(f"cluster file {path} is not valid TOML: {e}") from e
+    missing = [k for k in _REQUIRED_TOML if k not in raw]
+    if missing:
+        raise ClusterError(f"cluster file {path} lacks {', '.join(missing)}", hint="see `partita calibrate` output for the format")
+    unknown = set(raw) - set(_TOML_KEYS) - {"tflops"}
+    if unknown:
+        raise ClusterError(f"cluster file {path}: unknown key(s) {', '.join(sorted(unknown))}")
+    kw: dict[str, Any] = dict(
+        name=path.stem, device="cuda", device_name="GPU", efficiency=1.0, hbm_bandwidth=2e12,
+        intra_node_latency=5e-6, inter_node_latency=10e-6, nvlink=False, source=str(path),
+    )
+    for key, value in raw.items():
+        if key == "tflops":
+            continue
+        field_name, typ, scale = _TOML_KEYS[key]
+        if typ in (int, float) and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            raise ClusterError(f"cluster file {path}: {key} = {value!r} must be a number")
+        if typ is int and not isinstance(value, int):
+            raise ClusterError(f"cluster file {path}: {key} = {value!r} must be an integer")
+        kw[field_name] = value * scale if typ is float else value
+    kw["memory_bytes"] = int(kw["memory_bytes"])
+    tflops = raw.get("tflops")
+    if not isinstance(tflops, dict) or not tflops:
+        raise ClusterError(f"cluster file {path} needs a [tflops] table, e.g. fp32 = 19.5, bf16 = 312")
+    kw["flops"] = {k: float(v) * TFLOPS for k, v in tflops.items()}
+    return ClusterSpec(**kw)
