@@ -1,0 +1,129 @@
+"""Forward and backward FLOPs per node.
+
+``annotate_flops`` reads ``op``, ``kind``, ``shapes``, ``dtypes``, ``inputs`` and ``in_shapes``
+(written by ``to_networkx``) and writes ``flops_fwd`` and ``flops_bwd`` (ints) on
+every node, plus ``requires_grad`` (whether the node's output carries a gradient).
+Totals go to ``G.graph["flops_fwd"]`` and ``G.graph["flops_bwd"]``.
+
+Forward rules (one multiply-add = 2 FLOPs):
+- matmul-likes (mm, addmm, bmm, matmul, linear, baddbmm): 2 m n k, i.e.
+  2 x output elements x the contracted dim;
+- convolution: 2 x output elements x (C_in / groups) x kernel elements;
+- scaled_dot_product_attention: 4 b heads s_q s_k d (QK^T and AV; no saving
+  for the causal mask, as in Megatron's count);
+- views, reshapes, copies, factories, gathers (embedding), placeholders, getitem: 0;
+- reductions (sum, mean, amax, var, logsumexp, ...): 1 per input element;
+- everything else (elementwise, norms, softmax, dropout, activations): 1 per output element.
+
+Backward rules:
+- matmul-likes and convolution: the forward count for each of the two operands
+  (activation, weight) that needs a gradient: 2x when both do, 1x when only one
+  does (the first layer's input needs none);
+- attention: 2.5x forward, FlashAttention's accounting (the backward recomputes
+  QK^T and does four matmuls: 5 matmuls against the forward's 2);
+- embedding: 1 per output element (the scatter-add into the weight's gradient);
+- other differentiable ops: 1x forward;
+- nodes whose output needs no gradient (no parameter upstream, integer outputs): 0.
+"""
+
+from __future__ import annotations
+
+import math
+
+import networkx as nx
+
+_MATMUL = {"mm", "addmm", "bmm", "matmul", "linear", "baddbmm"}
+_CONV = {"convolution", "conv1d", "conv2d", "conv3d", "_convolution", "conv_transpose1d", "conv_transpose2d"}
+_ATTENTION = {"scaled_dot_product_attention", "_scaled_dot_product_flash_attention",
+              "_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention_for_cpu"}
+_FREE = {
+    "view", "_unsafe_view", "reshape", "transpose", "t", "permute", "expand", "expand_as", "split",
+    "split_with_sizes", "chunk", "unbind", "getitem", "slice", "select", "unsqueeze", "squeeze",
+    "flatten", "unflatten", "contiguous", "clone", "detach", "alias", "lift_fresh_copy", "to", "_to_copy",
+    "type_as", "arange", "zeros", "ones", "full", "empty", "zeros_like", "ones_like", "full_like",
+    "empty_like", "scalar_tensor", "embedding", "index_select", "cat", "stack", "sym_size", "sym_numel",
+    "sym_stride", "triu", "tril", "copy", "copy_", "index", "gather", "masked_fill_placeholder",
+}
+_REDUCTIONS = {"sum", "mean", "amax", "amin", "max", "min", "var", "std", "var_mean", "prod", "norm",
+               "logsumexp", "argmax", "argmin", "all", "any"}
+_NO_GRAD_OPS = {"argmax", "argmin", "eq", "ne", "lt", "le", "gt", "ge", "all", "any", "arange", "zeros",
+                "ones", "full", "empty", "scalar_tensor", "zeros_like", "ones_like", "full_like",
+                "empty_like", "logical_not", "logical_and", "logical_or", "bitwise_not", "sym_size"}
+_FLOAT = {"float16", "bfloat16", "float32", "float64"}
+
+
+def base_op(op: str) -> str:
+    """``"aten.addmm.default"`` -> ``"addmm"``; ``"torch._C._nn.linear"`` -> ``"linear"``."""
+    parts = op.split(".")
+    if parts[0] == "aten" and len(parts) >= 2:
+        return parts[1]
+    return parts[-1]
+
+
+def annotate_flops(G: nx.DiGraph) -> nx.DiGraph:
+    """Write ``flops_fwd``, ``flops_bwd`` and ``requires_grad`` on every node (rules in the module doc)."""
+    for name in nx.topological_sort(G):
+        a = G.nodes[name]
+        op = base_op(a["op"])
+        a["requires_grad"] = _requires_grad(G, name, op)
+        a["flops_fwd"] = _forward(a, op)
+        a["flops_bwd"] = _backward(G, name, op) if a["requires_grad"] else 0
+    G.graph["flops_fwd"] = sum(a["flops_fwd"] for _, a in G.nodes(data=True))
+    G.graph["flops_bwd"] = sum(a["flops_bwd"] for _, a in G.nodes(data=True))
+    return G
+
+
+def _requires_grad(G: nx.DiGraph, name: str, op: str) -> bool:
+    a = G.nodes[name]
+    if a["kind"] == "param":
+        return True
+    if a["kind"] in ("input", "buffer", "output") or op in _NO_GRAD_OPS:
+        return False
+    if not any(d in _FLOAT for d in a["dtypes"]):
+        return False
+    return any(G.nodes[p]["requires_grad"] for p in G.predecessors(name))
+
+
+def _forward(a: dict, op: str) -> int:
+    if a["kind"] != "call" or not a["shapes"]:
+        return 0
+    out = math.prod(a["shapes"][0])
+    ins = a["in_shapes"]
+    if op in _MATMUL:
+        operand = ins[1] if op in ("addmm", "baddbmm") else ins[0]
+        if op == "linear":
+            return 2 * out * ins[1][-1]  # weight (out, in)
+        return 2 * out * operand[-1]
+    if op in _CONV:
+        weight = ins[1]  # (C_out, C_in / groups, *kernel)
+        return 2 * out * math.prod(weight[1:])
+    if op in _ATTENTION:
+        q, k = ins[0], ins[1]  # (b, heads, s, d)
+        return 4 * math.prod(q[:-2]) * q[-2] * k[-2] * q[-1]
+    if op in _FREE:
+        return 0
+    if op in _REDUCTIONS:
+        return math.prod(ins[0]) if ins else out
+    return out
+
+
+def _backward(G: nx.DiGraph, name: str, op: str) -> int:
+    a = G.nodes[name]
+    if a["kind"] != "call":
+        return 0
+    if op in _MATMUL or op in _CONV:
+        preds = _ordered_operands(G, name, op)
+        return a["flops_fwd"] * sum(1 for p in preds if G.nodes[p]["requires_grad"])
+    if op in _ATTENTION:
+        return int(2.5 * a["flops_fwd"])
+    if op == "embedding":
+        return math.prod(a["shapes"][0])
+    return a["flops_fwd"]
+
+
+def _ordered_operands(G: nx.DiGraph, name: str, op: str) -> list[str]:
+    """The two contracted operands' node names (activation, weight) in argument order."""
+    preds = G.nodes[name]["inputs"]
+    if op in ("addmm", "baddbmm"):
+        return preds[1:3] if len(preds) >= 3 else preds
+    return preds[:2]

@@ -1,0 +1,185 @@
+"""The captured FX graph as a networkx DiGraph that analyses annotate.
+
+``to_networkx`` makes one DiGraph node per FX node (keyed by the FX node's
+name) with edges along data flow. It reads ``node.meta["val"]`` (fake values),
+``node.meta["nn_module_stack"]`` and ``node.meta["stack_trace"]`` and writes:
+
+- ``op``: ``"aten.mm.default"``, ``"placeholder"``, ``"get_attr"``, ``"output"``,
+  or a dotted Python name for functions in a symbolic_trace graph;
+- ``kind``: ``"param"``, ``"buffer"``, ``"input"``, ``"call"`` or ``"output"``;
+- ``module`` / ``module_type``: the innermost module path (``"transformer.h.3.attn.c_attn"``,
+  ``""`` for the root) and its class name; parameters and buffers take the module owning them;
+- ``shapes`` / ``dtypes`` / ``out_bytes``: every tensor output's shape (tuple), dtype (str)
+  and their total bytes;
+- ``inputs`` / ``in_shapes``: the names and shapes of the tensor arguments in argument
+  order, repeats kept (what FLOP rules read);
+- ``param_name`` and ``param_bytes`` on param nodes, ``buffer_name`` on buffer nodes;
+- ``source``: the user's ``file:line`` (deepest non-torch frame of the stack trace) or ``""``;
+- ``depends_on_input``: whether a model input is an ancestor.
+
+Graph attributes: ``capture_method``, ``model``, ``inputs`` (InputSpec texts).
+``graph_fingerprint`` hashes what makes two graphs the same for a plan.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from typing import Any
+
+import networkx as nx
+import torch
+import torch.fx
+
+from partita.compiler.capture import CapturedModel
+
+_TORCH_DIR = os.path.dirname(torch.__file__)
+_FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+)')
+
+
+def to_networkx(captured: CapturedModel) -> nx.DiGraph:
+    """One node per FX node of ``captured.graph_module``, annotated as the module docstring says."""
+    G = nx.DiGraph(
+        capture_method=captured.method,
+        model=captured.name,
+        inputs=[str(spec) for spec in captured.inputs],
+    )
+    fx_nodes = list(captured.graph_module.graph.nodes)
+    module_types = _module_types(fx_nodes)
+    for node in fx_nodes:
+        G.add_node(node.name, **_attributes(node, captured, module_types))
+        for src in node.all_input_nodes:
+            G.add_edge(src.name, node.name)
+    for name in nx.topological_sort(G):
+        attrs = G.nodes[name]
+        attrs["depends_on_input"] = attrs["kind"] == "input" or any(
+            G.nodes[p]["depends_on_input"] for p in G.predecessors(name)
+        )
+    return G
+
+
+def graph_fingerprint(G: nx.DiGraph) -> str:
+    """A 16-hex-digit sha256 of ops, edges, shapes, dtypes and parameter names.
+
+    Built from node names and strings only (no ids, no Python hash), so it is
+    the same in every process; any change of shape, parameter name or structure changes it.
+    """
+    nodes = [
+        [n, a["op"], a["kind"], [list(s) for s in a["shapes"]], a["dtypes"], a.get("param_name", ""),
+         a.get("buffer_name", "")]
+        for n, a in G.nodes(data=True)
+    ]
+    edges = sorted([u, v] for u, v in G.edges)
+    text = json.dumps({"nodes": nodes, "edges": edges, "inputs": G.graph.get("inputs", [])}, sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def op_name(node: torch.fx.Node) -> str:
+    """``"aten.mm.default"`` for an ATen overload; a dotted name for other callables."""
+    if node.op in ("placeholder", "get_attr", "output"):
+        return node.op
+    if node.op == "call_method":
+        return f"Tensor.{node.target}"
+    if node.op == "call_module":
+        return f"module.{node.target}"
+    target = node.target
+    if isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        return str(target)
+    module = getattr(target, "__module__", None) or ""
+    name = getattr(target, "__qualname__", None) or getattr(target, "__name__", None) or str(target)
+    return f"{module}.{name}" if module else name
+
+
+def tensor_values(val: Any) -> list[torch.Tensor]:
+    """The tensors in a node's ``meta["val"]`` (a tensor, or a tuple/list holding some)."""
+    if isinstance(val, torch.Tensor):
+        return [val]
+    if isinstance(val, (tuple, list)):
+        return [t for v in val for t in tensor_values(v)]
+    return []
+
+
+def _attributes(node: torch.fx.Node, captured: CapturedModel, module_types: dict[str, str]) -> dict[str, Any]:
+    tensors = tensor_values(node.meta.get("val"))
+    kind = _kind(node, captured)
+    attrs: dict[str, Any] = {
+        "op": op_name(node),
+        "kind": kind,
+        "shapes": [tuple(int(d) for d in t.shape) for t in tensors],
+        "dtypes": [str(t.dtype).removeprefix("torch.") for t in tensors],
+        "out_bytes": sum(t.numel() * t.element_size() for t in tensors),
+        **_tensor_args(node),
+        "source": _user_source(node.meta.get("stack_trace") or ""),
+    }
+    if kind in ("param", "buffer"):
+        qualified = captured.state_nodes[node.name]
+        attrs["param_name" if kind == "param" else "buffer_name"] = qualified
+        attrs["module"] = qualified.rpartition(".")[0]
+        attrs["module_type"] = module_types.get(attrs["module"], "")
+        if kind == "param":
+            attrs["param_bytes"] = attrs["out_bytes"]
+    else:
+        attrs["module"], attrs["module_type"] = _innermost_module(node)
+    return attrs
+
+
+def _kind(node: torch.fx.Node, captured: CapturedModel) -> str:
+    if node.op == "output":
+        return "output"
+    if node.op in ("placeholder", "get_attr") and node.name in captured.state_nodes:
+        return "param" if captured.state_nodes[node.name] in captured.params else "buffer"
+    if node.op == "placeholder":
+        return "input"
+    return "call"
+
+
+def _tensor_args(node: torch.fx.Node) -> dict[str, list]:
+    """``inputs`` (names) and ``in_shapes`` of the node's tensor arguments, in argument order."""
+    names: list[str] = []
+    shapes: list[tuple[int, ...]] = []
+
+    def visit(arg: torch.fx.Node) -> torch.fx.Node:
+        tensors = tensor_values(arg.meta.get("val"))
+        if tensors:
+            names.append(arg.name)
+            shapes.append(tuple(int(d) for d in tensors[0].shape))
+        return arg
+
+    torch.fx.map_arg((node.args, node.kwargs), visit)
+    return {"inputs": names, "in_shapes": shapes}
+
+
+def _innermost_module(node: torch.fx.Node) -> tuple[str, str]:
+    stack = node.meta.get("nn_module_stack")
+    if not stack:
+        return "", ""
+    path, cls = list(stack.values())[-1]
+    return _clean_path(path), _class_name(cls)
+
+
+def _module_types(fx_nodes: list[torch.fx.Node]) -> dict[str, str]:
+    """Module path -> class name, from every nn_module_stack entry in the graph."""
+    types: dict[str, str] = {}
+    for node in fx_nodes:
+        for path, cls in (node.meta.get("nn_module_stack") or {}).values():
+            types.setdefault(_clean_path(path), _class_name(cls))
+    return types
+
+
+def _clean_path(path: str) -> str:
+    # strict export spells paths as L['self'].a.b; non-strict and fx as a.b
+    return re.sub(r"^L\['self'\]\.?", "", path)
+
+
+def _class_name(cls: Any) -> str:
+    if isinstance(cls, type):
+        return cls.__name__
+    return str(cls).rsplit(".", 1)[-1]
+
+
+def _user_source(stack_trace: str) -> str:
+    """``file:line`` of the deepest frame outside torch, or ``""``."""
+    user = [m for m in _FRAME.finditer(stack_trace) if not m["file"].startswith(_TORCH_DIR)]
+    return f"{user[-1]['file']}:{user[-1]['line']}" if user else ""
