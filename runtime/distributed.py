@@ -1,0 +1,90 @@
+"""Process group and device mesh for one rank.
+
+``init_distributed`` is the only place the runtime starts torch.distributed.
+Under torchrun (``WORLD_SIZE``/``RANK`` in the environment) it joins the
+default process group; outside it, it returns a single-process context and
+starts nothing, so a script written for partita also runs as a plain script.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from partita.compiler.plan import Mesh
+
+
+@dataclass(frozen=True)
+class DistContext:
+    """Where this process sits: its rank, the world, and the device it computes on."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    backend: str  # "nccl" | "gloo" | "none" (single process)
+    device: torch.device
+    initialized_here: bool  # True when init_distributed started the process group
+
+    @property
+    def is_distributed(self) -> bool:
+        return self.world_size > 1
+
+
+def _backend() -> str:
+    # Chosen from the build, never hard-coded: the CPU build has no NCCL, and the
+    # combined "cpu:gloo,cuda:nccl" string fails there.
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def _device(local_rank: int) -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def init_distributed(timeout_s: float = 120) -> DistContext:
+    """Join (or reuse) the default process group; a single-process context outside torchrun.
+
+    ``timeout_s`` bounds every collective: a rank that issues a collective its
+    peers never match fails after this long instead of torch's default 30 minutes.
+    """
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if dist.is_available() and dist.is_initialized():
+        rank, world = dist.get_rank(), dist.get_world_size()
+        local_rank = int(os.environ.get("LOCAL_RANK", str(rank)))
+        device = _device(local_rank)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        return DistContext(rank, world, local_rank, str(dist.get_backend()), device, False)
+    if "WORLD_SIZE" not in os.environ or "RANK" not in os.environ:
+        return DistContext(0, 1, 0, "none", _device(0), False)
+    backend = _backend()
+    device = _device(local_rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(
+        backend,
+        timeout=timedelta(seconds=timeout_s),
+        device_id=device if device.type == "cuda" else None,
+    )
+    return DistContext(dist.get_rank(), dist.get_world_size(), local_rank, backend, device, True)
+
+
+def build_mesh(mesh: Mesh, ctx: DistContext) -> DeviceMesh | None:
+    """The plan's mesh as a torch DeviceMesh (axes in ``MESH_ORDER``); None for one process."""
+    if ctx.world_size == 1:
+        return None
+    return init_device_mesh(ctx.device.type, mesh.shape, mesh_dim_names=mesh.axis_names)
+
+
+def destroy(ctx: DistContext | None = None) -> None:
+    """Tear down the default process group if there is one (and, given ``ctx``, only if ours)."""
+    if ctx is not None and not ctx.initialized_here:
+        return
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,214 @@
+"""Runs a plan: one ``ParallelModel`` per rank, whose ``train_step`` is the user's loop.
+
+``compose`` is the one place that states in which order a plan's parts are
+applied to the user's module; each part lives in the runtime file named for its
+axis (``data_parallel.py`` today; tensor, pipeline and ZeRO files beside it later).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.optim import Optimizer
+
+from partita.compiler.errors import PartitaError, PlanError
+from partita.compiler.plan import MeshAxis, Plan
+from partita.runtime.data_parallel import DEFAULT_BUCKET_BYTES, CollectiveCounter, GradientAverager
+from partita.runtime.distributed import DistContext, build_mesh, init_distributed
+
+LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
+OptimizerFactory = Callable[[Iterable[nn.Parameter]], Optimizer]
+
+
+def refuse_unsupported(plan: Plan) -> None:
+    """Raise ``PlanError`` for plan parts this runtime cannot execute, rather than run them wrong."""
+    later = "this runtime executes data-parallel plans; {} arrives in a later version"
+    if plan.mesh.tp > 1:
+        raise PlanError(later.format(f"tp={plan.mesh.tp}"), hint="recompile with --tp 1")
+    if plan.mesh.pp > 1:
+        raise PlanError(later.format(f"pp={plan.mesh.pp}"), hint="recompile with --pp 1")
+    t = plan.training
+    if t.zero_stage > 0:
+        raise PlanError(later.format(f"zero_stage={t.zero_stage}"), hint="recompile with zero=0")
+    if t.schedule != "none":
+        raise PlanError(later.format(f"the {t.schedule!r} pipeline schedule"))
+    if t.precision != "fp32":
+        raise PlanError(later.format(f"precision {t.precision!r}"), hint="recompile with fp32")
+
+
+@dataclass
+class _Program:
+    """What ``compose`` builds for this rank."""
+
+    module: nn.Module
+    optimizer: Optimizer
+    averager: GradientAverager | None
+    dp_group: dist.ProcessGroup | None
+    dp_rank: int
+    dp_size: int
+
+
+def _broadcast_from_rank0(module: nn.Module, group: dist.ProcessGroup) -> None:
+    src = dist.get_global_rank(group, 0)
+    with torch.no_grad():
+        for t in list(module.parameters()) + list(module.buffers()):
+            dist.broadcast(t.data, src=src, group=group)
+
+
+def compose(
+    module: nn.Module,
+    plan: Plan,
+    ctx: DistContext,
+    optimizer: OptimizerFactory,
+    counter: CollectiveCounter,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+) -> _Program:
+    """Apply a plan's parts to ``module`` for this rank, in this order:
+
+    1. tensor parallel: shard parameters (a later version). First, because
+       every later part must see the parameters as this rank holds them.
+    2. pipeline split: keep this rank's stage (a later version). After TP, so a
+       stage holds already-sharded layers; before DP/ZeRO, so those wrap only
+       the stage's own parameters.
+    3. ZeRO / data parallel: broadcast the replicas, hook gradient averaging
+       (ZeRO sharding of optimizer state will sit here). After TP and PP,
+       because it acts on the final local parameters; and the optimizer is
+       built last of all for the same reason.
+    4. the schedule: ``ParallelModel.train_step``'s micro-batch loop (a
+       pipeline schedule will replace it), which drives all of the above.
+    """
+    plan.check_matches(world_size=ctx.world_size)
+    refuse_unsupported(plan)
+    module = module.to(ctx.device)
+    device_mesh = build_mesh(plan.mesh, ctx)
+    # 1. tensor parallel: tp == 1 (refused above otherwise).
+    # 2. pipeline split: pp == 1.
+    # 3. data parallel.
+    averager = None
+    dp_group, dp_rank, dp_size = None, 0, 1
+    if device_mesh is not None and plan.mesh.dp > 1:
+        dp_mesh = device_mesh[MeshAxis.DP.value]
+        dp_group, dp_rank, dp_size = dp_mesh.get_group(), dp_mesh.get_local_rank(), plan.mesh.dp
+        _broadcast_from_rank0(module, dp_group)
+        averager = GradientAverager(
+            module.parameters(), dp_group, bucket_bytes=bucket_bytes, counter=counter,
+            axis=MeshAxis.DP.value,
+        )
+    return _Program(module, optimizer(module.parameters()), averager, dp_group, dp_rank, dp_size)
+
+
+class ParallelModel(nn.Module):
+    """The user's module, run as the plan says; ``train_step`` is the whole training step.
+
+    Calling it, and attribute access, fall through to the wrapped module.
+    Parameters are broadcast from dp rank 0 at construction: ranks that built
+    the model under different seeds would otherwise train different replicas
+    and silently diverge, since averaged gradients cannot bring them together.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        plan: Plan,
+        *,
+        loss_fn: LossFn,
+        optimizer: OptimizerFactory,
+        ctx: DistContext | None = None,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    ) -> None:
+        super().__init__()
+        self.ctx = ctx if ctx is not None else init_distributed()
+        self.plan = plan
+        self.loss_fn = loss_fn
+        self.collectives = CollectiveCounter()  # calls issued by the last train_step
+        program = compose(module, plan, self.ctx, optimizer, self.collectives, bucket_bytes)
+        self.module = program.module
+        self.optimizer = program.optimizer
+        self._program = program
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(super().__getattr__("module"), name)
+
+    def _share(self, t: torch.Tensor, what: str, local: bool) -> torch.Tensor:
+        """This rank's rows of ``t``, on its device, after checking the batch size."""
+        tr, p = self.plan.training, self._program
+        expected = tr.global_batch // p.dp_size if local else tr.global_batch
+        size = t.shape[0] if t.dim() > 0 else None
+        if size != expected:
+            scope = (f"this rank's share (global_batch={tr.global_batch} / dp={p.dp_size})"
+                     if local else f"the plan's global_batch")
+            raise PartitaError(
+                f"train_step got {what} with batch size {size}, but {scope} is {expected}",
+                hint=None if local else "pass the same global batch on every rank, or local=True "
+                f"with {tr.global_batch // p.dp_size} rows per rank",
+            )
+        if not local and p.dp_size > 1:
+            t = t.narrow(0, p.dp_rank * expected // p.dp_size, expected // p.dp_size)
+        return t.to(self.ctx.device, non_blocking=True)
+
+    def train_step(self, *inputs: torch.Tensor, targets: torch.Tensor, local: bool = False) -> float:
+        """One optimizer step over the global batch; returns its mean loss (equal on every rank).
+
+        By default every rank passes the same global batch and takes its dp
+        slice; with ``local=True`` each passes only its own share. The share is
+        run as ``grad_accum_steps`` micro-batches of ``micro_batch_size``; the
+        gradient is that of the mean loss over the global batch.
+        """
+        tr, p = self.plan.training, self._program
+        xs = [self._share(x, f"input {i}", local) for i, x in enumerate(inputs)]
+        y = self._share(targets, "targets", local)
+        self.collectives.reset()
+        steps, mbs = tr.grad_accum_steps, tr.micro_batch_size
+        loss_sum = torch.zeros((), dtype=torch.float32, device=self.ctx.device)
+        loss_work = None
+        for i in range(steps):
+            last = i == steps - 1
+            rows = slice(i * mbs, (i + 1) * mbs)
+            loss = self.loss_fn(self.module(*(x[rows] for x in xs)), y[rows])
+            loss_sum += loss.detach().float()
+            if last and p.dp_group is not None:
+                # Average the loss while the last backward runs.
+                loss_sum.div_(steps * p.dp_size)
+                loss_work = dist.all_reduce(loss_sum, group=p.dp_group, async_op=True)
+                self.collectives.record("all_reduce", MeshAxis.DP.value, loss_sum.element_size())
+            if p.averager is not None:
+                p.averager.begin(sync=last)
+            # Each rank's gradient is the mean over its share; the averager's dp mean
+            # then makes it the mean over the global batch.
+            (loss / steps).backward()
+        if p.averager is not None:
+            p.averager.finish()
+        self.optimizer.step()
+        if p.averager is not None:
+            p.averager.zero_grad()
+        else:
+            self.optimizer.zero_grad(set_to_none=True)
+        if loss_work is not None:
+            loss_work.wait()
+        else:
+            loss_sum.div_(steps)
+        return float(loss_sum)
+
+
+def apply_plan(
+    module: nn.Module,
+    plan: Plan,
+    *,
+    loss_fn: LossFn,
+    optimizer: OptimizerFactory,
+    ctx: DistContext | None = None,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+) -> ParallelModel:
+    """Wrap ``module`` to run ``plan`` on this rank (the parts are applied by ``compose``)."""
+    return ParallelModel(module, plan, loss_fn=loss_fn, optimizer=optimizer, ctx=ctx,
+                         bucket_bytes=bucket_bytes)
