@@ -57,8 +57,10 @@ class CapturedModel:
     buffers: dict[str, tuple[tuple[int, ...], torch.dtype]]
     name: str
     seconds: float
-    # placeholder / get_attr node name -> qualified param or buffer name
-    state_nodes: dict[str, str] = field(default_factory=dict)
+    # placeholder / get_attr node name -> qualified parameter (buffer) name; a tied
+    # parameter's nodes all name its first qualified name, the one in ``params``
+    param_nodes: dict[str, str] = field(default_factory=dict)
+    buffer_nodes: dict[str, str] = field(default_factory=dict)
 
 
 def capture(
@@ -101,7 +103,9 @@ def capture(
         with _quiet_tracer_logs():
             exported = torch.export.export(module, args, strict=False)
         gm, method = exported.graph_module, EXPORT
-        state_nodes = {**exported.graph_signature.inputs_to_parameters, **exported.graph_signature.inputs_to_buffers}
+        signature = exported.graph_signature
+        param_targets = dict(signature.inputs_to_parameters)
+        buffer_targets = {**signature.inputs_to_buffers, **signature.inputs_to_lifted_tensor_constants}
     except Exception as export_error:
         if _is_data_dependent(export_error):
             raise _capture_error(
@@ -111,10 +115,15 @@ def capture(
             ) from export_error
         exported = None
         gm, method = _symbolic_trace(module, args, mode, export_error, inputs)
-        state_nodes = {n.name: str(n.target) for n in gm.graph.nodes if n.op == "get_attr"}
+        attrs = {n.name: str(n.target) for n in gm.graph.nodes if n.op == "get_attr"}
+        param_names = set(dict(module.named_parameters(remove_duplicate=False)))
+        param_targets = {k: v for k, v in attrs.items() if v in param_names}
+        buffer_targets = {k: v for k, v in attrs.items() if v not in param_names}
 
     params = {k: (tuple(p.shape), p.dtype) for k, p in module.named_parameters()}
     buffers = {k: (tuple(b.shape), b.dtype) for k, b in module.named_buffers()}
+    canonical = {**_canonical_names(module.named_parameters(remove_duplicate=False)),
+                 **_canonical_names(module.named_buffers(remove_duplicate=False))}
     return CapturedModel(
         graph_module=gm,
         exported=exported,
@@ -124,8 +133,15 @@ def capture(
         buffers=buffers,
         name=name or type(module).__name__,
         seconds=time.perf_counter() - start,
-        state_nodes=state_nodes,
+        param_nodes={k: canonical.get(v, v) for k, v in param_targets.items()},
+        buffer_nodes={k: canonical.get(v, v) for k, v in buffer_targets.items()},
     )
+
+
+def _canonical_names(named: Iterator[tuple[str, torch.Tensor]]) -> dict[str, str]:
+    """Every qualified name -> the first name of the same tensor (tied weights share one)."""
+    first: dict[int, str] = {}
+    return {name: first.setdefault(id(t), name) for name, t in named}
 
 
 

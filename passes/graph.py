@@ -13,11 +13,14 @@ name) with edges along data flow. It reads ``node.meta["val"]`` (fake values),
   and their total bytes;
 - ``inputs`` / ``in_shapes``: the names and shapes of the tensor arguments in argument
   order, repeats kept (what FLOP rules read);
-- ``param_name`` and ``param_bytes`` on param nodes, ``buffer_name`` on buffer nodes;
+- ``param_name`` and ``param_bytes`` on param nodes, ``buffer_name`` on buffer nodes; a
+  tied parameter (GPT-2's lm_head and wte) can have several nodes with one ``param_name``:
+  count its bytes once per name;
 - ``source``: the user's ``file:line`` (deepest non-torch frame of the stack trace) or ``""``;
 - ``depends_on_input``: whether a model input is an ancestor.
 
-Graph attributes: ``capture_method``, ``model``, ``inputs`` (InputSpec texts).
+Graph attributes: ``capture_method``, ``model``, ``inputs`` (InputSpec texts) and
+``module_types`` (every module path seen in ``nn_module_stack`` -> class name).
 ``graph_fingerprint`` hashes what makes two graphs the same for a plan.
 """
 
@@ -48,6 +51,7 @@ def to_networkx(captured: CapturedModel) -> nx.DiGraph:
     )
     fx_nodes = list(captured.graph_module.graph.nodes)
     module_types = _module_types(fx_nodes)
+    G.graph["module_types"] = module_types
     for node in fx_nodes:
         G.add_node(node.name, **_attributes(node, captured, module_types))
         for src in node.all_input_nodes:
@@ -114,7 +118,7 @@ def _attributes(node: torch.fx.Node, captured: CapturedModel, module_types: dict
         "source": _user_source(node.meta.get("stack_trace") or ""),
     }
     if kind in ("param", "buffer"):
-        qualified = captured.state_nodes[node.name]
+        qualified = (captured.param_nodes if kind == "param" else captured.buffer_nodes)[node.name]
         attrs["param_name" if kind == "param" else "buffer_name"] = qualified
         attrs["module"] = qualified.rpartition(".")[0]
         attrs["module_type"] = module_types.get(attrs["module"], "")
@@ -128,8 +132,10 @@ def _attributes(node: torch.fx.Node, captured: CapturedModel, module_types: dict
 def _kind(node: torch.fx.Node, captured: CapturedModel) -> str:
     if node.op == "output":
         return "output"
-    if node.op in ("placeholder", "get_attr") and node.name in captured.state_nodes:
-        return "param" if captured.state_nodes[node.name] in captured.params else "buffer"
+    if node.name in captured.param_nodes:
+        return "param"
+    if node.name in captured.buffer_nodes:
+        return "buffer"
     if node.op == "placeholder":
         return "input"
     return "call"

@@ -1,0 +1,110 @@
+"""A model's profile: the analyses run in order, summed into one frozen record.
+
+``profile_model`` builds the DiGraph (``to_networkx``), then annotates FLOPs
+(``annotate_flops``), saved activations (``annotate_saved_activations``) and
+repeated layers (``find_repeated_layers``), and fingerprints the graph. The
+order matters only in that every pass reads the attributes ``to_networkx``
+writes; the annotated graph stays on the profile for the solvers.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import networkx as nx
+
+from partita.compiler.capture import CapturedModel
+from partita.compiler.inputs import dtype_name
+from partita.passes.activations import annotate_saved_activations
+from partita.passes.flops import annotate_flops
+from partita.passes.graph import graph_fingerprint, to_networkx
+from partita.passes.repeats import RepeatedBlock, find_repeated_layers
+
+
+@dataclass(frozen=True)
+class ModelProfile:
+    """What the planner needs to know about a model, at the captured batch size.
+
+    ``flops_*`` and ``saved_bytes_*`` are for the captured inputs; use
+    ``activation_bytes(micro_batch)`` for another micro-batch. ``param_dtype`` is
+    the most common parameter dtype (by bytes).
+    """
+
+    name: str
+    capture_method: str
+    num_params: int
+    param_bytes: int
+    param_dtype: str
+    num_nodes: int
+    batch_size: int
+    seq_len: int | None
+    flops_fwd: int
+    flops_bwd: int
+    saved_bytes_batch: int
+    saved_bytes_fixed: int
+    repeated: tuple[RepeatedBlock, ...]
+    fingerprint: str
+    capture_seconds: float
+    analysis_seconds: float
+    graph: nx.DiGraph = field(compare=False, repr=False)
+
+    def activation_bytes(self, micro_batch: int) -> int:
+        """Saved-for-backward bytes of one micro-batch of ``micro_batch`` samples."""
+        if micro_batch <= 0:
+            raise ValueError(f"micro_batch must be positive, got {micro_batch}")
+        return self.saved_bytes_batch * micro_batch // self.batch_size + self.saved_bytes_fixed
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready fields (the graph is left out)."""
+        return {
+            "name": self.name, "capture_method": self.capture_method, "num_params": self.num_params,
+            "param_bytes": self.param_bytes, "param_dtype": self.param_dtype, "num_nodes": self.num_nodes,
+            "batch_size": self.batch_size, "seq_len": self.seq_len, "flops_fwd": self.flops_fwd,
+            "flops_bwd": self.flops_bwd, "saved_bytes_batch": self.saved_bytes_batch,
+            "saved_bytes_fixed": self.saved_bytes_fixed, "repeated": [b.to_dict() for b in self.repeated],
+            "fingerprint": self.fingerprint, "capture_seconds": self.capture_seconds,
+            "analysis_seconds": self.analysis_seconds,
+        }
+
+
+def profile_model(captured: CapturedModel) -> ModelProfile:
+    """Run the analyses over ``captured`` and summarise them."""
+    start = time.perf_counter()
+    G = to_networkx(captured)
+    annotate_flops(G)
+    annotate_saved_activations(G, captured)
+    repeated = find_repeated_layers(G)
+
+    numels = {k: _numel(shape) for k, (shape, _) in captured.params.items()}
+    bytes_by_dtype: dict[str, int] = {}
+    for k, (shape, dtype) in captured.params.items():
+        bytes_by_dtype[dtype_name(dtype)] = bytes_by_dtype.get(dtype_name(dtype), 0) + numels[k] * dtype.itemsize
+    first = captured.inputs[0] if captured.inputs else None
+    return ModelProfile(
+        name=captured.name,
+        capture_method=captured.method,
+        num_params=sum(numels.values()),
+        param_bytes=sum(bytes_by_dtype.values()),
+        param_dtype=max(bytes_by_dtype, key=bytes_by_dtype.get) if bytes_by_dtype else "",
+        num_nodes=G.number_of_nodes(),
+        batch_size=first.shape[0] if first else 1,
+        seq_len=first.shape[1] if first and first.is_integer and len(first.shape) >= 2 else None,
+        flops_fwd=G.graph["flops_fwd"],
+        flops_bwd=G.graph["flops_bwd"],
+        saved_bytes_batch=G.graph["saved_bytes_batch"],
+        saved_bytes_fixed=G.graph["saved_bytes_fixed"],
+        repeated=tuple(repeated),
+        fingerprint=graph_fingerprint(G),
+        capture_seconds=captured.seconds,
+        analysis_seconds=time.perf_counter() - start,
+        graph=G,
+    )
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
