@@ -1,0 +1,156 @@
+"""Measure this machine for the cost model: matmul FLOP/s and gloo all-reduce alpha/beta.
+
+``nproc`` local processes run at once (as a data-parallel job on this machine
+would), each with ``max(1, cores // nproc)`` torch threads. Each times fp32
+matmuls, all at the same time; then they all-reduce messages of several sizes
+and the ring model
+
+    t(S) = 2 (n - 1) alpha + 2 S (n - 1) / n / beta
+
+is fitted to the median times by least squares on relative error (so the
+small messages, which set alpha, count as much as the large ones, which set
+beta). Converting the result into a cluster file is the cluster module's job.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import socket
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+DEFAULT_SIZES = tuple(4096 * 4**k for k in range(8))  # 4 KiB .. 64 MiB
+DEFAULT_REPEATS = 5
+MATMUL_N = 1024
+MATMUL_SECONDS = 1.0
+TIMEOUT_S = 60
+
+
+@dataclass(frozen=True)
+class CalibrationResult:
+    nproc: int
+    matmul_flops: float  # fp32 FLOP/s of one process while all nproc compute at once (median)
+    allreduce_beta: float  # bytes/s
+    allreduce_alpha: float  # seconds per ring step
+    memory_bytes_per_process: int  # total RAM / nproc
+    cpu_name: str
+    samples: tuple[tuple[int, float], ...]  # (message bytes, median seconds per all-reduce)
+    seconds: float  # wall time of the calibration
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _total_memory() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def _matmul_flops(n: int, seconds: float) -> float:
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    torch.mm(a, b)  # warm-up
+    calls, start = 0, time.perf_counter()
+    while (elapsed := time.perf_counter() - start) < seconds:
+        torch.mm(a, b)
+        calls += 1
+    return 2 * n**3 * calls / elapsed
+
+
+def _allreduce_seconds(nbytes: int, repeats: int) -> float:
+    t = torch.zeros(max(1, nbytes // 4), dtype=torch.float32)
+    dist.all_reduce(t)  # warm-up
+    times = []
+    for _ in range(repeats):
+        dist.barrier()
+        start = time.perf_counter()
+        dist.all_reduce(t)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _worker(rank: int, nproc: int, port: int, sizes: tuple[int, ...], repeats: int,
+            threads: int, outdir: str) -> None:
+    torch.set_num_threads(threads)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=nproc, timeout=timedelta(seconds=TIMEOUT_S))
+    try:
+        dist.barrier()
+        flops = _matmul_flops(MATMUL_N, MATMUL_SECONDS)
+        dist.barrier()
+        samples = [(s, _allreduce_seconds(s, repeats)) for s in sizes]
+        # Every rank waits for the slowest, so rank 0's times are the collective's.
+        Path(outdir, f"rank{rank}.json").write_text(json.dumps({"flops": flops, "samples": samples}))
+    finally:
+        dist.destroy_process_group()
+
+
+def fit_alpha_beta(samples: list[tuple[int, float]], nproc: int) -> tuple[float, float]:
+    """(alpha, beta) of t(S) = 2(n-1) alpha + 2S(n-1)/n / beta, least squares on relative error.
+
+    Writing t = a + b x with x = 2S(n-1)/n, each sample is weighted by 1/t.
+    A fitted intercept below zero (noise) is clamped: alpha = 0, b refitted alone.
+    """
+    n = nproc
+    xs = [2 * s * (n - 1) / n for s, _ in samples]
+    ts = [t for _, t in samples]
+    ws = [1 / t**2 for t in ts]  # squared weights of the relative residuals
+    sw = sum(ws)
+    swx = sum(w * x for w, x in zip(ws, xs))
+    swxx = sum(w * x * x for w, x in zip(ws, xs))
+    swt = sum(w * t for w, t in zip(ws, ts))
+    swxt = sum(w * x * t for w, x, t in zip(ws, xs, ts))
+    det = sw * swxx - swx**2
+    a = (swxx * swt - swx * swxt) / det
+    b = (sw * swxt - swx * swt) / det
+    if a < 0:
+        a, b = 0.0, swxt / swxx
+    return a / (2 * (n - 1)), 1 / b
+
+
+def calibrate(nproc: int = 4, *, sizes: tuple[int, ...] = DEFAULT_SIZES,
+              repeats: int = DEFAULT_REPEATS) -> CalibrationResult:
+    """Measure matmul FLOP/s per process and gloo all-reduce alpha/beta among ``nproc`` processes."""
+    if nproc < 2:
+        raise ValueError(f"nproc={nproc}: an all-reduce needs at least 2 processes")
+    if len(sizes) < 2:
+        raise ValueError(f"need at least 2 message sizes to fit alpha and beta, got {len(sizes)}")
+    start = time.perf_counter()
+    threads = max(1, (os.cpu_count() or 1) // nproc)
+    with tempfile.TemporaryDirectory() as outdir:
+        mp.spawn(_worker, args=(nproc, _free_port(), tuple(sizes), repeats, threads, outdir),
+                 nprocs=nproc)
+        results = [json.loads(Path(outdir, f"rank{r}.json").read_text()) for r in range(nproc)]
+    samples = tuple((int(s), float(t)) for s, t in results[0]["samples"])
+    alpha, beta = fit_alpha_beta(list(samples), nproc)
+    return CalibrationResult(
+        nproc=nproc,
+        matmul_flops=statistics.median(r["flops"] for r in results),
+        allreduce_beta=beta,
+        allreduce_alpha=alpha,
+        memory_bytes_per_process=_total_memory() // nproc,
+        cpu_name=_cpu_name(),
+        samples=samples,
+        seconds=time.perf_counter() - start,
+    )
