@@ -111,5 +111,5 @@ def parse_input_spec(text: str) -> InputSpec:
     try:
         dtype = parse_dtype(dtype_text)
     except InputSpecError as e:
-        raise InputSpecError(f"malformed input {text!r}: {e.message}", hint=e.hint) from None
+        raise InputSpecError(f"malformed input {text!r}: {e.message}", hint=f"{e.hint}; write {_FORM}") from None
     return InputSpec(name, dtype, tuple(int(d) for d in dims))
