@@ -1,0 +1,209 @@
+"""``@partita.parallelize``: the one line a user adds.
+
+    @partita.parallelize(inputs={"idx": "int64[16,64]"}, cluster="local")
+    class GPT(nn.Module): ...
+
+    model = GPT(config)                      # plain model outside torchrun
+    loss = model.train_step(idx, targets=y)  # the same call whatever the plan
+
+Under torchrun every rank builds the model; rank 0 captures and plans (or
+loads and checks ``plan=``) and sends the plan to the others as JSON, then
+each rank runs its part of it. Outside torchrun the same object trains in
+one process, so a script runs unchanged both ways.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Mapping, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from partita.compiler.errors import PartitaError
+from partita.compiler.inputs import InputSpec, parse_input_spec
+from partita.compiler.plan import Plan, load_plan, plan_from_data
+
+OptimizerFactory = Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]
+
+
+def default_loss(output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy; (B, T, V) logits against (B, T) targets are flattened."""
+    if output.dim() > 2:
+        return F.cross_entropy(output.flatten(0, -2), targets.flatten())
+    return F.cross_entropy(output, targets)
+
+
+def default_optimizer(params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=1e-3)
+
+
+def optimizer_kind(factory: OptimizerFactory) -> str:
+    """The cost model's name for what ``factory`` builds (probed on a one-element parameter)."""
+    probe = factory([torch.nn.Parameter(torch.zeros(1))])
+    if isinstance(probe, torch.optim.AdamW):
+        return "adamw"
+    if isinstance(probe, torch.optim.Adam):
+        return "adam"
+    if isinstance(probe, torch.optim.SGD):
+        return "sgd-momentum" if probe.defaults.get("momentum", 0) else "sgd"
+    raise PartitaError(
+        f"optimizer {type(probe).__name__} has no memory model yet",
+        hint="use torch.optim.AdamW, Adam or SGD",
+    )
+
+
+def _parse_inputs(inputs: Mapping[str, str] | Sequence[str] | None) -> tuple[InputSpec, ...]:
+    if inputs is None:
+        return ()
+    if isinstance(inputs, Mapping):
+        return tuple(parse_input_spec(f"{k}={v}") for k, v in inputs.items())
+    return tuple(parse_input_spec(s) for s in inputs)
+
+
+@dataclass(frozen=True)
+class ParallelizeSpec:
+    """Everything the decorator was given; `partita compile` reads it too."""
+
+    inputs: tuple[InputSpec, ...] = ()
+    cluster: str = "local"
+    nodes: int | None = None
+    devices: int | None = None
+    batch: int | None = None
+    precision: str | None = None
+    optimizer: OptimizerFactory = default_optimizer
+    loss: Callable[[Any, torch.Tensor], torch.Tensor] = default_loss
+    plan: str | None = None
+    pins: Mapping[str, int] = field(default_factory=dict)
+
+
+class Parallelized:
+    """A model class or factory wrapped by ``@parallelize``: calling it builds a ParallelModel."""
+
+    def __init__(self, target: Callable[..., torch.nn.Module], spec: ParallelizeSpec) -> None:
+        self.target = target
+        self.spec = spec
+        functools.update_wrapper(self, target)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return _wrap(self.target(*args, **kwargs), self.spec)
+
+    def __repr__(self) -> str:
+        return f"partita.parallelize({getattr(self.target, '__name__', self.target)!r})"
+
+
+def parallelize(
+    target: Any = None,
+    /,
+    *,
+    inputs: Mapping[str, str] | Sequence[str] | None = None,
+    cluster: str = "local",
+    nodes: int | None = None,
+    devices: int | None = None,
+    batch: int | None = None,
+    precision: str | None = None,
+    optimizer: OptimizerFactory | None = None,
+    loss: Callable[[Any, torch.Tensor], torch.Tensor] | None = None,
+    plan: str | None = None,
+    dp: int | None = None,
+    micro_batch_size: int | None = None,
+    grad_accum_steps: int | None = None,
+) -> Any:
+    """Plan and run ``target`` in parallel.
+
+    On a class or factory (as a decorator) it returns a ``Parallelized``
+    that builds the model, plans it and wraps it; on an ``nn.Module``
+    instance it wraps that instance directly. ``inputs`` are example inputs
+    as ``{"name": "dtype[shape]"}`` (their leading dim is the global batch
+    unless ``batch`` says otherwise); ``plan`` is a plan file to use instead
+    of planning. ``dp``, ``micro_batch_size`` and ``grad_accum_steps`` pin
+    those decisions.
+    """
+    pins = {k: v for k, v in (("dp", dp), ("micro_batch_size", micro_batch_size),
+                               ("grad_accum_steps", grad_accum_steps)) if v is not None}
+    spec = ParallelizeSpec(
+        inputs=_parse_inputs(inputs), cluster=cluster, nodes=nodes, devices=devices, batch=batch,
+        precision=precision, optimizer=optimizer or default_optimizer, loss=loss or default_loss,
+        plan=plan, pins=pins,
+    )
+    if target is None:
+        return lambda t: parallelize(t, **_spec_kwargs(spec))
+    if isinstance(target, torch.nn.Module):
+        return _wrap(target, spec)
+    if callable(target):
+        return Parallelized(target, spec)
+    raise PartitaError(f"parallelize() takes an nn.Module, a model class or a factory, not {type(target).__name__}")
+
+
+def _spec_kwargs(spec: ParallelizeSpec) -> dict[str, Any]:
+    return dict(
+        inputs=[str(s) for s in spec.inputs], cluster=spec.cluster, nodes=spec.nodes, devices=spec.devices,
+        batch=spec.batch, precision=spec.precision, optimizer=spec.optimizer, loss=spec.loss, plan=spec.plan,
+        **spec.pins,
+    )
+
+
+def plan_for(module: torch.nn.Module, spec: ParallelizeSpec, world_size: int) -> Plan:
+    """Compile (or load and check) the plan for ``module`` on ``world_size`` processes."""
+    from partita.compiler.capture import capture
+    from partita.compiler.compile import compile_model
+    from partita.passes.cluster import load_cluster
+    from partita.passes.constraints import Pins
+    from partita.passes.graph import graph_fingerprint, to_networkx
+
+    plan_path = spec.plan or os.environ.get("PARTITA_PLAN")
+    if plan_path:
+        plan = load_plan(plan_path, world_size=world_size)
+        specs = tuple(parse_input_spec(s) for s in plan.model.inputs)
+        fingerprint = graph_fingerprint(to_networkx(capture(module, specs)))
+        plan.check_matches(fingerprint=fingerprint)
+        return plan
+    if not spec.inputs:
+        raise PartitaError(
+            "parallelize() needs example inputs to plan, e.g. inputs={'idx': 'int64[16,64]'}",
+            hint="or pass plan='PLAN.json' made by `partita compile`",
+        )
+    cluster = load_cluster(spec.cluster, nodes=spec.nodes, devices=spec.devices)
+    if cluster.name == "local" and world_size > cluster.world_size:
+        cluster = cluster.with_devices(world_size)
+    return compile_model(
+        module, spec.inputs, cluster, global_batch=spec.batch, precision=spec.precision,
+        optimizer=optimizer_kind(spec.optimizer), pins=Pins(world_size=world_size, **spec.pins),
+    ).plan
+
+
+def _wrap(module: torch.nn.Module, spec: ParallelizeSpec) -> Any:
+    from partita.runtime.distributed import init_distributed
+    from partita.runtime.engine import apply_plan
+
+    ctx = init_distributed()
+    if ctx.world_size == 1:
+        plan = plan_for(module, spec, 1)
+    else:
+        # Rank 0 plans; the others receive the plan file's JSON text (never a pickle).
+        text = ""
+        if ctx.rank == 0:
+            try:
+                text = plan_for(module, spec, ctx.world_size).to_json()
+            except PartitaError as e:
+                text = json.dumps({"error": str(e)})
+        data = json.loads(_broadcast_text(text, ctx.device))
+        if "error" in data:
+            raise PartitaError(f"rank 0 could not plan: {data['error']}")
+        plan = plan_from_data(data, source="plan from rank 0")
+    return apply_plan(module, plan, loss_fn=spec.loss, optimizer=spec.optimizer, ctx=ctx)
+
+
+def _broadcast_text(text: str, device: torch.device) -> str:
+    """Rank 0's ``text`` on every rank, sent as bytes in a tensor."""
+    import torch.distributed as dist
+
+    raw = torch.frombuffer(bytearray(text.encode()) or bytearray(1), dtype=torch.uint8).to(device)
+    size = torch.tensor([raw.numel()], dtype=torch.int64, device=device)
+    dist.broadcast(size, src=0)
+    buf = raw if dist.get_rank() == 0 else torch.empty(int(size.item()), dtype=torch.uint8, device=device)
+    dist.broadcast(buf, src=0)
+    return buf.cpu().numpy().tobytes().decode()

@@ -1,0 +1,311 @@
+"""The `partita` command line.
+
+    partita compile FILE.py:NAME --input idx=int64[16,64] --cluster local -o plan.json
+    partita show plan.json
+    partita estimate FILE.py:NAME|--params 7B [--dp 8] [--cluster dgx-a100] [--batch B]
+    partita calibrate -o local.toml
+    partita run plan.json train.py [ARGS...]
+    partita demo
+
+A user error (bad flag, untraceable model, infeasible budget, wrong plan
+file) ends with one message on stderr and exit code 2, no traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+from typing import Any, Sequence
+
+import click
+from rich.console import Console
+from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from partita.compiler.errors import PartitaError
+
+console = Console()
+err_console = Console(stderr=True)
+
+
+def _progress() -> Progress:
+    return Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(),
+                    console=err_console, transient=False)
+
+
+def _cluster(name: str, nodes: int | None, devices: int | None):
+    from partita.passes.cluster import load_cluster
+
+    return load_cluster(name, nodes=nodes, devices=devices)
+
+
+def _input_specs(texts: Sequence[str]):
+    from partita.compiler.inputs import parse_input_spec
+
+    return tuple(parse_input_spec(t) for t in texts)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="partita")
+def cli() -> None:
+    """partita: plan how to train a PyTorch model across many devices, then run the plan."""
+
+
+_cluster_options = [
+    click.option("--cluster", "cluster_name", default="local", show_default=True,
+                 help="preset (dgx-a100, dgx-h100, h200, ethernet-10g, local) or a .toml cluster file"),
+    click.option("--nodes", type=int, default=None, help="scale the cluster to N nodes"),
+    click.option("--devices", type=int, default=None, help="devices per node (e.g. local processes)"),
+]
+
+
+def cluster_options(f: Any) -> Any:
+    for opt in reversed(_cluster_options):
+        f = opt(f)
+    return f
+
+
+@cli.command("compile")
+@click.argument("target")
+@click.option("--input", "inputs", multiple=True, metavar="NAME=DTYPE[SHAPE]",
+              help="an example input, e.g. idx=int64[16,64]; repeat for several")
+@cluster_options
+@click.option("--batch", type=int, default=None, help="global batch (default: the first input's leading dim)")
+@click.option("--precision", type=click.Choice(["fp32", "bf16-mixed", "fp16-mixed"]), default=None,
+              help="default: bf16-mixed on GPUs, fp32 on CPU")
+@click.option("--optimizer", type=click.Choice(["adamw", "adam", "sgd", "sgd-momentum"]), default="adamw",
+              show_default=True)
+@click.option("--dp", type=int, default=None, help="pin the data-parallel degree")
+@click.option("--micro-batch-size", type=int, default=None, help="pin the micro-batch size")
+@click.option("--grad-accum-steps", type=int, default=None, help="pin the gradient-accumulation steps")
+@click.option("--tp", type=int, default=None, help="pin the tensor-parallel degree (only 1 in this version)")
+@click.option("--pp", type=int, default=None, help="pin the pipeline-parallel degree (only 1 in this version)")
+@click.option("--zero", type=int, default=None, help="pin the ZeRO stage (only 0 in this version)")
+@click.option("-o", "--output", type=click.Path(dir_okay=False), default="plan.json", show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="print the plan as JSON instead of tables")
+def compile_cmd(target: str, inputs: tuple[str, ...], cluster_name: str, nodes: int | None, devices: int | None,
+                batch: int | None, precision: str | None, optimizer: str, dp: int | None,
+                micro_batch_size: int | None, grad_accum_steps: int | None, tp: int | None, pp: int | None,
+                zero: int | None, output: str, as_json: bool) -> None:
+    """Capture TARGET (FILE.py:NAME), analyse it, and write a plan for the cluster."""
+    from partita.compiler.compile import compile_model
+    from partita.compiler.loader import load_target
+    from partita.compiler.report import plan_report
+    from partita.passes.constraints import Pins
+
+    model = load_target(target)
+    spec = model.spec
+    specs = _input_specs(inputs) if inputs else tuple(getattr(spec, "inputs", ()))
+    if not specs:
+        raise PartitaError(f"{target} needs example inputs", hint="pass --input NAME=DTYPE[SHAPE], e.g. --input idx=int64[16,64]")
+    if spec is not None and cluster_name == "local" and nodes is None and devices is None:
+        cluster_name, nodes, devices = spec.cluster, spec.nodes, spec.devices
+    cluster = _cluster(cluster_name, nodes, devices)
+    pins = Pins(dp=dp, tp=tp, pp=pp, zero_stage=zero, micro_batch_size=micro_batch_size,
+                grad_accum_steps=grad_accum_steps)
+    with _progress() as progress:
+        result = compile_model(model.factory, specs, cluster, global_batch=batch or getattr(spec, "batch", None),
+                               precision=precision or getattr(spec, "precision", None), optimizer=optimizer,
+                               pins=pins, name=model.name, progress=progress)
+    path = result.plan.save(output)
+    if as_json:
+        click.echo(result.plan.to_json(), nl=False)
+    else:
+        console.print(plan_report(result.plan, params=False))
+        console.print(f"plan written to [bold]{path}[/]")
+
+
+@cli.command()
+@click.argument("plan_path", metavar="PLAN.json")
+@click.option("--json", "as_json", is_flag=True, help="print the validated plan as JSON")
+def show(plan_path: str, as_json: bool) -> None:
+    """Print a plan file for a person."""
+    from partita.compiler.plan import load_plan
+    from partita.compiler.report import plan_report
+
+    plan = load_plan(plan_path)
+    if as_json:
+        click.echo(plan.to_json(), nl=False)
+    else:
+        console.print(plan_report(plan))
+
+
+_SUFFIX = {"": 1, "K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12}
+
+
+def parse_count(text: str) -> int:
+    """'7B', '65e9', '1.5M', '124000000' -> an integer count."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([KMBGT]?)\s*", text, flags=re.IGNORECASE)
+    if not m:
+        raise PartitaError(f"--params {text!r} is not a parameter count", hint="e.g. --params 7B, 65e9 or 124M")
+    return int(float(m.group(1)) * _SUFFIX[m.group(2).upper()])
+
+
+@cli.command()
+@click.argument("target", required=False)
+@click.option("--params", "params_text", default=None, help="a parameter count instead of a model, e.g. 65B")
+@click.option("--input", "inputs", multiple=True, metavar="NAME=DTYPE[SHAPE]")
+@cluster_options
+@click.option("--dp", type=int, default=None, help="data-parallel degree (default: every device)")
+@click.option("--batch", type=int, default=None, help="global batch (default: the first input's leading dim)")
+@click.option("--precision", type=click.Choice(["fp32", "bf16-mixed", "fp16-mixed"]), default=None)
+@click.option("--optimizer", type=click.Choice(["adamw", "adam", "sgd", "sgd-momentum"]), default="adamw",
+              show_default=True)
+@click.option("--json", "as_json", is_flag=True)
+def estimate(target: str | None, params_text: str | None, inputs: tuple[str, ...], cluster_name: str,
+             nodes: int | None, devices: int | None, dp: int | None, batch: int | None, precision: str | None,
+             optimizer: str, as_json: bool) -> None:
+    """What fits: per-device memory of DP and ZeRO-1/2/3, and each one's traffic per step."""
+    from partita.compiler.compile import default_precision
+    from partita.compiler.report import fmt_bytes, fmt_count, fmt_time, memory_row
+    from partita.passes.cost_model import element_bytes
+    from partita.passes.zero import estimate_strategies
+
+    if (target is None) == (params_text is None):
+        raise PartitaError("give a model (FILE.py:NAME) or --params N, not both or neither")
+    cluster = _cluster(cluster_name, nodes, devices)
+    dp = dp or cluster.world_size
+    if dp < 1:
+        raise PartitaError(f"--dp {dp} must be a positive integer")
+    precision = precision or default_precision(cluster)
+    note = ""
+    if params_text is not None:
+        num_params, activations, name = parse_count(params_text), 0, f"{params_text} parameters"
+        note = "activations not counted: give a model and --input to include them"
+    else:
+        from partita.compiler.capture import capture
+        from partita.compiler.loader import load_target
+        from partita.passes.profile import profile_model
+
+        model = load_target(target)
+        specs = _input_specs(inputs) if inputs else tuple(getattr(model.spec, "inputs", ()))
+        if not specs:
+            raise PartitaError(f"{target} needs example inputs", hint="pass --input NAME=DTYPE[SHAPE]")
+        with _progress() as progress:
+            task = progress.add_task("capturing and analysing", total=1)
+            profile = profile_model(capture(model.factory, specs, name=model.name))
+            progress.update(task, completed=1)
+        global_batch = batch or profile.batch_size
+        if global_batch % dp:
+            raise PartitaError(f"global batch {global_batch} does not divide over dp={dp}",
+                               hint=f"use --batch a multiple of {dp} or a different --dp")
+        captured_bytes = 4 if profile.param_dtype == "torch.float32" else 2
+        activations = profile.activation_bytes(global_batch // dp) * element_bytes(precision) // captured_bytes
+        num_params, name = profile.num_params, profile.name
+        note = f"activations at micro-batch {global_batch // dp} per device (no accumulation)"
+    rows = estimate_strategies(num_params, activations, cluster, dp=dp, precision=precision, optimizer=optimizer)
+    if as_json:
+        click.echo(json.dumps({
+            "model": name, "num_params": num_params, "cluster": cluster.name, "world_size": cluster.world_size,
+            "dp": dp, "precision": precision, "optimizer": optimizer,
+            "strategies": [{
+                "name": r.name, "zero_stage": r.zero_stage, "params": r.memory.params, "grads": r.memory.grads,
+                "optimizer": r.memory.optimizer, "activations": r.memory.activations, "total": r.memory.total,
+                "capacity": r.memory.capacity, "fits": r.fits, "traffic_bytes": r.traffic_bytes, "comm_s": r.comm_s,
+            } for r in rows],
+        }, indent=2))
+        return
+    t = Table(title=f"what fits: {name} ({fmt_count(num_params)} params), {precision} {optimizer}, "
+                    f"dp={dp} on {cluster.name} ({cluster.nodes}x{cluster.gpus_per_node} {cluster.device_name})",
+              title_justify="left")
+    for col in ("strategy", "params", "grads", "optimizer", "activations", "total/device", "usable", "fits",
+                "traffic/step", "comm time"):
+        t.add_column(col)
+    for r in rows:
+        t.add_row(r.name, *memory_row(r.memory), fmt_bytes(r.traffic_bytes), fmt_time(r.comm_s))
+    console.print(t)
+    console.print(f"[dim]{note}; usable = {fmt_bytes(cluster.memory_bytes)} less "
+                  f"{cluster.memory_reserve:.0%} reserve; traffic in {element_bytes(precision)}-byte elements[/]")
+
+
+@cli.command()
+@click.option("--nproc", type=int, default=4, show_default=True, help="local processes to measure between")
+@click.option("-o", "--output", type=click.Path(dir_okay=False), default="local.toml", show_default=True)
+def calibrate(nproc: int, output: str) -> None:
+    """Measure this machine (matmul FLOP/s, gloo all-reduce bandwidth and latency) into a cluster file."""
+    import dataclasses
+
+    from partita.passes.cluster import PRESETS
+    from partita.runtime.calibrate import calibrate as measure
+
+    if nproc < 2:
+        raise PartitaError(f"--nproc {nproc}: calibration needs at least 2 processes")
+    with _progress() as progress:
+        task = progress.add_task(f"measuring matmul and gloo all-reduce on {nproc} processes", total=1)
+        r = measure(nproc)
+        progress.update(task, completed=1)
+    spec = dataclasses.replace(
+        PRESETS["local"], name="local-calibrated", gpus_per_node=nproc, device_name=r.cpu_name,
+        memory_bytes=int(r.memory_bytes_per_process), flops={"fp32": r.matmul_flops, "bf16": r.matmul_flops / 4},
+        intra_node_bandwidth=r.allreduce_beta, inter_node_bandwidth=r.allreduce_beta,
+        intra_node_latency=r.allreduce_alpha, inter_node_latency=r.allreduce_alpha,
+        source=f"partita calibrate: {nproc} processes on {r.cpu_name}, {r.seconds:.0f} s",
+    )
+    Path(output).write_text(spec.to_toml())
+    from partita.compiler.report import fmt_bytes, fmt_time
+
+    t = Table(title="calibration", show_header=False, title_justify="left")
+    t.add_row("matmul (fp32, per process)", f"{r.matmul_flops / 1e9:.1f} GFLOP/s")
+    t.add_row("all-reduce bandwidth (beta)", f"{fmt_bytes(r.allreduce_beta)}/s")
+    t.add_row("all-reduce latency (alpha)", fmt_time(r.allreduce_alpha))
+    t.add_row("memory per process", fmt_bytes(r.memory_bytes_per_process))
+    console.print(t)
+    console.print(f"cluster file written to [bold]{output}[/]; use it with --cluster {output}")
+
+
+@cli.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
+@click.argument("plan_path", metavar="PLAN.json")
+@click.argument("script")
+@click.argument("args", nargs=-1, type=click.UNPROCESSED)
+def run(plan_path: str, script: str, args: tuple[str, ...]) -> None:
+    """Launch SCRIPT under torchrun with one process per device of PLAN.json.
+
+    The script's `partita.parallelize(...)` picks the plan up from the
+    PARTITA_PLAN environment variable.
+    """
+    import os
+
+    from partita.compiler.plan import load_plan
+    from partita.runtime.launch import run_torchrun
+
+    plan = load_plan(plan_path)
+    if not Path(script).is_file():
+        raise PartitaError(f"script {script} does not exist")
+    env = dict(os.environ, PARTITA_PLAN=str(Path(plan_path).resolve()))
+    sys.exit(run_torchrun(plan.world_size, [script, *args], env=env))
+
+
+@cli.command()
+@click.option("--nproc", type=int, default=4, show_default=True)
+@click.option("--steps", type=int, default=5, show_default=True)
+@click.option("-o", "--output", type=click.Path(dir_okay=False), default="demo.plan.json", show_default=True)
+def demo(nproc: int, steps: int, output: str) -> None:
+    """Plan the example GPT for `local`, train it on NPROC gloo processes, check against one process."""
+    from partita.compiler.demo import run_demo
+
+    run_demo(nproc=nproc, steps=steps, output=output, console=console, progress=_progress())
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Entry point: user errors print one message and exit 2."""
+    try:
+        cli.main(args=list(argv) if argv is not None else None, prog_name="partita", standalone_mode=False)
+    except PartitaError as e:
+        err_console.print(f"[bold red]error:[/] {e.message}", highlight=False)
+        if e.hint:
+            err_console.print(f"  [yellow]hint:[/] {e.hint}", highlight=False)
+        sys.exit(e.exit_code)
+    except click.exceptions.Abort:
+        err_console.print("aborted")
+        sys.exit(130)
+    except click.ClickException as e:
+        e.show()
+        sys.exit(2)
+    except click.exceptions.Exit as e:
+        sys.exit(e.exit_code)
+
+
+if __name__ == "__main__":
+    main()

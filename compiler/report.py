@@ -1,0 +1,136 @@
+"""Rich tables a person reads: a plan (`partita show`, the compile summary) and the what-fits table."""
+
+from __future__ import annotations
+
+from typing import Iterable, Sequence
+
+from rich.console import Group, RenderableType
+from rich.table import Table
+
+from partita.compiler.plan import MemoryBreakdown, Plan
+
+
+def fmt_bytes(n: float) -> str:
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+def fmt_time(s: float | None) -> str:
+    if s is None:
+        return "-"
+    if s >= 1:
+        return f"{s:.3g} s"
+    if s >= 1e-3:
+        return f"{s * 1e3:.3g} ms"
+    return f"{s * 1e6:.3g} us"
+
+
+def fmt_count(n: float) -> str:
+    for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.3g}{unit}"
+    return f"{n:.0f}"
+
+
+def _kv(title: str, rows: Iterable[tuple[str, str]]) -> Table:
+    t = Table(title=title, show_header=False, title_justify="left", title_style="bold")
+    t.add_column(style="cyan")
+    t.add_column()
+    for k, v in rows:
+        t.add_row(k, v)
+    return t
+
+
+def memory_row(m: MemoryBreakdown) -> list[str]:
+    return [fmt_bytes(m.params), fmt_bytes(m.grads), fmt_bytes(m.optimizer), fmt_bytes(m.activations),
+            fmt_bytes(m.total), fmt_bytes(m.capacity), "[green]yes[/]" if m.fits else "[red]no[/]"]
+
+
+def plan_summary(plan: Plan) -> RenderableType:
+    """The compile summary and the head of `partita show`."""
+    m, t, p, c = plan.model, plan.training, plan.predicted, plan.cluster
+    comm = ", ".join(f"{k} {fmt_time(v)}" for k, v in p.comm_s.items()) or "none"
+    rows = [
+        ("model", f"{m.name}: {fmt_count(m.num_params)} params, {m.num_nodes} graph nodes ({m.capture_method})"),
+        ("inputs", ", ".join(m.inputs)),
+        ("cluster", f"{c['name']}: {c['nodes']} node(s) x {c['gpus_per_node']} {c.get('device_name', '')}"),
+        ("mesh", f"{plan.mesh} = {plan.world_size} device(s)"),
+        ("batch", f"global {t.global_batch} = dp {plan.mesh.dp} x micro-batch {t.micro_batch_size} "
+                  f"x {t.grad_accum_steps} accumulation step(s)"),
+        ("training", f"{t.precision}, {t.optimizer}, ZeRO-{t.zero_stage}"
+                     + (", inference" if t.inference else "")),
+        ("step time", f"{fmt_time(p.step_time_s)} = compute {fmt_time(p.compute_s)} + comm ({comm}) "
+                      f"+ optimizer {fmt_time(p.optimizer_s)}"),
+        ("throughput", f"{p.samples_per_s:,.1f} samples/s"
+                       + (f", {p.tokens_per_s:,.0f} tokens/s" if p.tokens_per_s else "")
+                       + f", {p.model_tflops_per_device:.3g} model TFLOP/s per device, MFU {p.mfu:.1%}"),
+        ("memory/device", f"{fmt_bytes(p.memory.total)} of {fmt_bytes(p.memory.capacity)} usable "
+                          f"(params {fmt_bytes(p.memory.params)}, grads {fmt_bytes(p.memory.grads)}, "
+                          f"optimizer {fmt_bytes(p.memory.optimizer)}, activations {fmt_bytes(p.memory.activations)})"),
+        ("traffic/device", ", ".join(f"{k} {fmt_bytes(v)}/step" for k, v in p.traffic_bytes.items()) or "none"),
+        ("solver", f"{plan.solver.method}: {plan.solver.status}, {plan.solver.candidates} candidates, "
+                   f"{fmt_time(plan.solver.seconds)}"),
+        ("fingerprint", m.fingerprint),
+    ]
+    if m.repeated_layers:
+        rows.insert(1, ("repeated", "; ".join(m.repeated_layers)))
+    return _kv("partita plan", rows)
+
+
+def alternatives_table(plan: Plan) -> Table:
+    t = Table(title="alternatives weighed", title_justify="left", title_style="bold")
+    for col in ("mesh", "micro-batch", "accum", "step time", "memory/device", "why"):
+        t.add_column(col)
+    for a in plan.alternatives:
+        style = "bold green" if a.chosen else ("red" if not a.fits else "")
+        t.add_row(str(a.mesh), str(a.micro_batch_size), str(a.grad_accum_steps), fmt_time(a.step_time_s),
+                  fmt_bytes(a.memory_bytes), a.reason, style=style)
+    return t
+
+
+def collectives_table(plan: Plan) -> Table:
+    t = Table(title="collectives per step (each rank)", title_justify="left", title_style="bold")
+    for col in ("kind", "axis", "group", "bytes/call", "calls", "time", "purpose"):
+        t.add_column(col)
+    for c in plan.collectives:
+        t.add_row(c.kind, c.axis, str(c.group_size), fmt_bytes(c.bytes), str(c.count), fmt_time(c.seconds), c.purpose)
+    return t
+
+
+def params_table(plan: Plan, limit: int = 40) -> Table:
+    """Parameters grouped by module, with their layout on each mesh axis."""
+    t = Table(title="parameters by module", title_justify="left", title_style="bold")
+    for col in ("module", "params", "elements", "layout", "stage"):
+        t.add_column(col)
+    groups: dict[str, list] = {}
+    for p in plan.params:
+        groups.setdefault(p.name.rpartition(".")[0] or "(root)", []).append(p)
+    for i, (mod, ps) in enumerate(groups.items()):
+        if i == limit:
+            t.add_row(f"... {len(groups) - limit} more modules", "", "", "", "")
+            break
+        n = sum(_numel(p.shape) for p in ps)
+        layouts = sorted({", ".join(f"{k}={v}" for k, v in p.layout.items()) for p in ps})
+        t.add_row(mod, ", ".join(p.name.rpartition(".")[2] for p in ps), fmt_count(n), "; ".join(layouts),
+                  ", ".join(sorted({str(p.stage) for p in ps})))
+    return t
+
+
+def _numel(shape: Sequence[int]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def plan_report(plan: Plan, *, params: bool = True) -> RenderableType:
+    parts: list[RenderableType] = [plan_summary(plan)]
+    if plan.collectives:
+        parts.append(collectives_table(plan))
+    if plan.alternatives:
+        parts.append(alternatives_table(plan))
+    if params and plan.params:
+        parts.append(params_table(plan))
+    return Group(*parts)

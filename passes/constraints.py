@@ -1,0 +1,67 @@
+"""What the user asks of a plan: the training set-up and any pinned decisions.
+
+Pins (``--dp 4``, ``zero=1``, ...) are constraints handed to the same solvers
+that decide the free parts; they are not a second code path. A pin the
+current planner cannot honour is refused here, with the reason.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from partita.compiler.errors import PartitaError
+from partita.passes.cost_model import OPTIMIZERS, PRECISIONS
+
+
+@dataclass(frozen=True)
+class Pins:
+    """Decisions fixed by the user; ``None`` leaves one to the planner."""
+
+    dp: int | None = None
+    tp: int | None = None
+    pp: int | None = None
+    zero_stage: int | None = None
+    micro_batch_size: int | None = None
+    grad_accum_steps: int | None = None
+    world_size: int | None = None  # e.g. the processes torchrun launched
+
+    def __post_init__(self) -> None:
+        for name in ("dp", "tp", "pp", "micro_batch_size", "grad_accum_steps", "world_size"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or v < 1):
+                raise PartitaError(f"--{name.replace('_', '-')} {v!r} must be a positive integer")
+        if self.zero_stage is not None and self.zero_stage not in (0, 1, 2, 3):
+            raise PartitaError(f"--zero {self.zero_stage!r} must be 0, 1, 2 or 3")
+        # This planner decides the data-parallel axis; the others arrive in later versions.
+        for name, what in (("tp", "tensor"), ("pp", "pipeline")):
+            v = getattr(self, name)
+            if v not in (None, 1):
+                raise PartitaError(
+                    f"--{name} {v}: this version plans and runs data-parallel training only; "
+                    f"{what} parallelism arrives in a later version",
+                    hint=f"drop --{name} (or pass --{name} 1)",
+                )
+        if self.zero_stage not in (None, 0):
+            raise PartitaError(
+                f"--zero {self.zero_stage}: ZeRO's memory arithmetic is in `partita estimate`, "
+                "but its runtime arrives in a later version",
+                hint="drop --zero (or pass --zero 0)",
+            )
+
+
+@dataclass(frozen=True)
+class TrainingRequest:
+    """The training set-up a plan is made for."""
+
+    global_batch: int
+    precision: str = "fp32"
+    optimizer: str = "adamw"
+    inference: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.global_batch, int) or self.global_batch < 1:
+            raise PartitaError(f"--batch {self.global_batch!r} must be a positive integer")
+        if self.precision not in PRECISIONS:
+            raise PartitaError(f"--precision {self.precision!r} is not one of {', '.join(PRECISIONS)}")
+        if self.optimizer not in OPTIMIZERS:
+            raise PartitaError(f"--optimizer {self.optimizer!r} is not one of {', '.join(OPTIMIZERS)}")
