@@ -42,7 +42,7 @@ _FREE = {
     "flatten", "unflatten", "contiguous", "clone", "detach", "alias", "lift_fresh_copy", "to", "_to_copy",
     "type_as", "arange", "zeros", "ones", "full", "empty", "zeros_like", "ones_like", "full_like",
     "empty_like", "scalar_tensor", "embedding", "index_select", "cat", "stack", "sym_size", "sym_numel",
-    "sym_stride", "triu", "tril", "copy", "copy_", "index", "gather", "masked_fill_placeholder",
+    "sym_stride", "triu", "tril", "copy", "copy_", "index", "gather",
 }
 _REDUCTIONS = {"sum", "mean", "amax", "amin", "max", "min", "var", "std", "var_mean", "prod", "norm",
                "logsumexp", "argmax", "argmin", "all", "any"}
