@@ -14,8 +14,9 @@ Measured on the 2-core CI machine (Intel Xeon, torch 2.13 CPU, gloo),
     MLP 1024x4 (4.2 M)    93.5 / 96.9 = 0.965   62.1 / 62.3 = 0.997   89.7 / 91.8 = 0.977
     GPT tiny (0.14 M)     35.3 / 39.9 = 0.883   11.3 / 11.7 = 0.963   11.3 / 12.2 = 0.929
 
-partita is level with DDP or a few percent faster here (its gradients are
-views into the buckets, so it skips DDP's copies into and out of them). The
+partita is level with DDP or a few percent faster here (probably because its
+gradients are views into the buckets, so it skips DDP's copies into and out of
+them; not measured separately). The
 absolute times move 50% between runs on this shared machine; only the
 side-by-side ratio means anything, and it moves by several percent too.
 """

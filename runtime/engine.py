@@ -104,7 +104,9 @@ def compose(
 class ParallelModel(nn.Module):
     """The user's module, run as the plan says; ``train_step`` is the whole training step.
 
-    Calling it, and attribute access, fall through to the wrapped module.
+    Calling it, and attribute access, fall through to the wrapped module; a
+    backward run outside ``train_step`` accumulates gradients locally and does
+    not average them.
     Parameters are broadcast from dp rank 0 at construction: ranks that built
     the model under different seeds would otherwise train different replicas
     and silently diverge, since averaged gradients cannot bring them together.
