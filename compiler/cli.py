@@ -26,8 +26,9 @@ from rich.table import Table
 
 from partita.compiler.errors import PartitaError
 
-console = Console()
-err_console = Console(stderr=True)
+# Piped output (files, CI logs) gets wide tables rather than rich's 80-column default.
+console = Console() if sys.stdout.isatty() else Console(width=160)
+err_console = Console(stderr=True) if sys.stderr.isatty() else Console(stderr=True, width=160)
 
 
 def _progress() -> Progress:
@@ -172,7 +173,7 @@ def estimate(target: str | None, params_text: str | None, inputs: tuple[str, ...
     precision = precision or default_precision(cluster)
     note = ""
     if params_text is not None:
-        num_params, activations, name = parse_count(params_text), 0, f"{params_text} parameters"
+        num_params, activations, name = parse_count(params_text), 0, "--params"
         note = "activations not counted: give a model and --input to include them"
     else:
         from partita.compiler.capture import capture

@@ -171,6 +171,7 @@ def build_plan(
         zero_stage=0,
         schedule="none",
         inference=request.inference,
+        grad_bucket_bytes=decision.bucket_bytes,
     )
     solver = SolverReport(
         method="exhaustive enumeration over (dp, micro-batch size)",
@@ -203,12 +204,16 @@ def _dp_collectives(decision: DataParallelDecision, cluster: ClusterSpec, reques
     by_size: dict[int, int] = {}
     for b in decision.buckets:
         by_size[b] = by_size.get(b, 0) + 1
-    return tuple(
+    grads = tuple(
         Collective(kind="all_reduce", axis=MeshAxis.DP.value, bytes=size, count=count, group_size=dp,
                    purpose="gradient averaging (one bucket per call, after the last micro-batch)",
                    seconds=count * collective_time("all_reduce", size, dp, link))
         for size, count in by_size.items()
     )
+    loss = Collective(kind="all_reduce", axis=MeshAxis.DP.value, bytes=4, count=1, group_size=dp,
+                      purpose="loss averaging (the step's loss, same on every rank)",
+                      seconds=collective_time("all_reduce", 4, dp, link))
+    return grads + (loss,)
 
 
 def _alternatives(decision: DataParallelDecision) -> tuple[Alternative, ...]:

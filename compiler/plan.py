@@ -95,6 +95,7 @@ class Training:
     zero_stage: int = 0
     schedule: str = "none"  # pipeline schedule: "none" | "gpipe" | "1f1b"
     inference: bool = False
+    grad_bucket_bytes: int = 25 * 1024 * 1024  # gradients are all-reduced in buckets of this size
 
     def __post_init__(self) -> None:
         if self.zero_stage not in (0, 1, 2, 3):

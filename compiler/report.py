@@ -20,6 +20,10 @@ def fmt_bytes(n: float) -> str:
 def fmt_time(s: float | None) -> str:
     if s is None:
         return "-"
+    if s >= 3600:
+        return f"{s / 3600:.3g} h"
+    if s >= 60:
+        return f"{s / 60:.3g} min"
     if s >= 1:
         return f"{s:.3g} s"
     if s >= 1e-3:

@@ -75,6 +75,7 @@ class DataParallelDecision:
     best: Candidate
     candidates: tuple[Candidate, ...]  # every candidate, best first among those that fit
     buckets: tuple[int, ...]  # gradient bucket payloads, bytes
+    bucket_bytes: int  # the cap the buckets were packed to
     reasons: dict[tuple[int, int], str]  # (dp, micro_batch) -> why it lost ("" for best)
     seconds: float
 
@@ -189,7 +190,7 @@ def choose_data_parallel(
     best = fitting[0]
     reasons = {(c.dp, c.micro_batch_size): _reason(c, best) for c in candidates}
     ordered = fitting + sorted((c for c in candidates if not c.fits), key=lambda c: c.memory.total)
-    return DataParallelDecision(best, tuple(ordered), tuple(buckets), reasons, time.perf_counter() - t0)
+    return DataParallelDecision(best, tuple(ordered), tuple(buckets), bucket_bytes, reasons, time.perf_counter() - t0)
 
 
 def _reason(c: Candidate, best: Candidate) -> str:
@@ -212,14 +213,14 @@ def _reason(c: Candidate, best: Candidate) -> str:
 
 
 def _infeasible(profile: Profile, cluster: ClusterSpec, request: TrainingRequest, candidates: list[Candidate]) -> InfeasibleError:
-    least = min(candidates, key=lambda c: c.memory.total)
+    least = min(candidates, key=lambda c: (c.memory.total, -c.dp))
     m = least.memory
     gb = 1e9
     zero = []
     for stage in (1, 2, 3):
         z = memory_per_device(profile, request, dp=least.dp, micro_batch=least.micro_batch_size, zero_stage=stage,
                               capacity=cluster.usable_memory)
-        zero.append(f"ZeRO-{stage} {z.total / gb:.1f} GB")
+        zero.append(f"ZeRO-{stage} {z.total / gb:.1f} GB" + (" (fits)" if z.fits else ""))
     return InfeasibleError(
         f"no data-parallel plan fits: the smallest, dp={least.dp} with micro-batch {least.micro_batch_size}, needs "
         f"{m.total / gb:.1f} GB per device (params {m.params / gb:.1f} + grads {m.grads / gb:.1f} + optimizer "

@@ -17,7 +17,7 @@ from torch.optim import Optimizer
 
 from partita.compiler.errors import PartitaError, PlanError
 from partita.compiler.plan import MeshAxis, Plan
-from partita.runtime.data_parallel import DEFAULT_BUCKET_BYTES, CollectiveCounter, GradientAverager
+from partita.runtime.data_parallel import CollectiveCounter, GradientAverager
 from partita.runtime.distributed import DistContext, build_mesh, init_distributed
 
 LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
@@ -65,7 +65,7 @@ def compose(
     ctx: DistContext,
     optimizer: OptimizerFactory,
     counter: CollectiveCounter,
-    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    bucket_bytes: int | None = None,
 ) -> _Program:
     """Apply a plan's parts to ``module`` for this rank, in this order:
 
@@ -95,7 +95,7 @@ def compose(
         dp_group, dp_rank, dp_size = dp_mesh.get_group(), dp_mesh.get_local_rank(), plan.mesh.dp
         _broadcast_from_rank0(module, dp_group)
         averager = GradientAverager(
-            module.parameters(), dp_group, bucket_bytes=bucket_bytes, counter=counter,
+            module.parameters(), dp_group, bucket_bytes=bucket_bytes or plan.training.grad_bucket_bytes, counter=counter,
             axis=MeshAxis.DP.value,
         )
     return _Program(module, optimizer(module.parameters()), averager, dp_group, dp_rank, dp_size)
@@ -120,7 +120,7 @@ class ParallelModel(nn.Module):
         loss_fn: LossFn,
         optimizer: OptimizerFactory,
         ctx: DistContext | None = None,
-        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        bucket_bytes: int | None = None,
     ) -> None:
         super().__init__()
         self.ctx = ctx if ctx is not None else init_distributed()
@@ -209,7 +209,7 @@ def apply_plan(
     loss_fn: LossFn,
     optimizer: OptimizerFactory,
     ctx: DistContext | None = None,
-    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    bucket_bytes: int | None = None,
 ) -> ParallelModel:
     """Wrap ``module`` to run ``plan`` on this rank (the parts are applied by ``compose``)."""
     return ParallelModel(module, plan, loss_fn=loss_fn, optimizer=optimizer, ctx=ctx,

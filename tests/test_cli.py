@@ -1,0 +1,135 @@
+"""The CLI end to end: compile, show, estimate, run, and one clear message (exit 2) for each bad input."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from partita.compiler.cli import main
+from partita.compiler.plan import SCHEMA_VERSION, load_plan
+
+ROOT = Path(__file__).resolve().parents[1]
+GPT = f"{ROOT}/examples/models.py:gpt_tiny"
+PARTITA = str(Path(sys.executable).with_name("partita"))
+
+
+def run_cli(capsys, *args):
+    """Run the CLI in this process; return (exit code, stdout, stderr)."""
+    try:
+        main([str(a) for a in args])
+        code = 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 1
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+@pytest.fixture(scope="module")
+def plan_path(tmp_path_factory):
+    path = tmp_path_factory.mktemp("plans") / "gpt.plan.json"
+    # The installed console script, as a user runs it.
+    r = subprocess.run([PARTITA, "compile", GPT, "--input", "idx=int64[16,64]", "--cluster", "local",
+                        "--devices", "4", "-o", str(path)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "dp=4 x tp=1 x pp=1" in r.stdout and "plan written to" in r.stdout
+    return path
+
+
+def test_compile_writes_a_valid_plan(plan_path):
+    plan = load_plan(plan_path)
+    data = json.loads(plan_path.read_text())
+    assert data["version"] == SCHEMA_VERSION and data["world_size"] == 4
+    assert plan.mesh.dp == 4 and plan.training.global_batch == 16
+    assert plan.model.capture_method == "torch.export"
+    assert plan.model.num_params == 137_216 or plan.model.num_params > 100_000
+    assert plan.collectives and plan.collectives[0].kind == "all_reduce"
+    assert any(a.chosen for a in plan.alternatives)
+    assert plan.predicted.memory.fits and plan.predicted.step_time_s > 0
+    assert {"capture", "analysis", "solve"} <= set(plan.analysis_seconds)
+
+
+def test_show_prints_the_plan(capsys, plan_path):
+    code, out, _ = run_cli(capsys, "show", plan_path)
+    assert code == 0
+    for text in ("dp=4 x tp=1 x pp=1", "all_reduce", "alternatives weighed", "transformer.h x2", "lm_head"):
+        assert text in out
+
+
+def test_estimate_params_65b_zero3_on_10gbe(capsys):
+    code, out, _ = run_cli(capsys, "estimate", "--params", "65B", "--cluster", "ethernet-10g", "--nodes", "8",
+                           "--json")
+    assert code == 0
+    data = json.loads(out)
+    rows = {r["name"]: r for r in data["strategies"]}
+    assert data["dp"] == 64
+    assert rows["DP"]["total"] == 65e9 * 16 and not rows["DP"]["fits"]
+    assert rows["ZeRO-3"]["total"] == pytest.approx(65e9 * 16 / 64, rel=1e-9) and rows["ZeRO-3"]["fits"]
+    # ZeRO-3 sends 3 x 65B x 2 bytes x 63/64 per device per step
+    assert rows["ZeRO-3"]["traffic_bytes"] == pytest.approx(390e9 * 63 / 64)
+    # across 10 GbE shared by 8 GPUs per node that is over half an hour of communication per step
+    assert rows["ZeRO-3"]["comm_s"] > 2000
+
+
+def test_estimate_model_table(capsys):
+    code, out, _ = run_cli(capsys, "estimate", GPT, "--input", "idx=int64[16,64]", "--dp", "4")
+    assert code == 0
+    for text in ("DP", "ZeRO-1", "ZeRO-2", "ZeRO-3", "activations", "fits"):
+        assert text in out
+
+
+BAD_MODEL = '''
+import torch
+from torch import nn
+
+class LayerDrop(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        if torch.rand([]) < 0.5:
+            return x
+        return self.lin(x)
+'''
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["compile", "{bad}:LayerDrop", "--input", "x=float32[4,8]"], "data-dependent"),
+        (["compile", GPT, "--input", "idx=int64[16,64]", "--cluster", "dgx-z900"], "unknown cluster 'dgx-z900'"),
+        (["compile", GPT, "--input", "idx=int64[16,64"], "malformed input 'idx=int64[16,64'"),
+        (["compile", GPT, "--input", "idx=int64[16,64]", "--dp", "3"], "global batch 16 does not divide over dp=3"),
+        (["compile", GPT, "--input", "idx=int64[16,64]", "--tp", "2"], "tensor parallelism arrives"),
+        (["compile", "{bad}:Nope", "--input", "x=float32[4,8]"], "has no 'Nope'"),
+        (["show", "{corrupt}"], "not a valid plan file"),
+        (["show", "{old}"], "plan format version 0"),
+        (["show", "{missing}"], "cannot read plan file"),
+        (["estimate", "--params", "lots"], "not a parameter count"),
+    ],
+)
+def test_bad_input_gets_one_clear_message_and_exit_2(capsys, tmp_path, plan_path, args, message):
+    bad = tmp_path / "bad_model.py"
+    bad.write_text(BAD_MODEL)
+    corrupt = tmp_path / "corrupt.json"
+    corrupt.write_text(plan_path.read_text()[: 500])
+    old = tmp_path / "old.json"
+    data = json.loads(plan_path.read_text())
+    data["version"] = 0
+    old.write_text(json.dumps(data))
+    subs = {"{bad}": str(bad), "{corrupt}": str(corrupt), "{old}": str(old), "{missing}": str(tmp_path / "no.json")}
+    args = [next((a.replace(k, v) for k, v in subs.items() if k in a), a) for a in args]
+    code, out, err = run_cli(capsys, *args)
+    assert code == 2, (out, err)
+    assert message in " ".join(err.split())
+    assert "Traceback" not in err and "Traceback" not in out
+    assert [l for l in err.splitlines() if l.startswith("error:")].__len__() == 1
+
+
+def test_console_script_exit_code_for_a_user_error(tmp_path):
+    r = subprocess.run([PARTITA, "show", str(tmp_path / "none.json")], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2
+    assert "Traceback" not in r.stderr and "cannot read plan file" in r.stderr
