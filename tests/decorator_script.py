@@ -1,0 +1,49 @@
+"""A user's training script: one decorator, one train_step call. Run by tests/test_decorator.py
+under torchrun (the plan made by rank 0) and under `partita run PLAN.json` (the plan from a file).
+
+usage: decorator_script.py OUT.json
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import partita  # noqa: E402
+from examples.models import gpt_tiny  # noqa: E402
+
+STEPS, BATCH, SEQ = 3, 8, 32
+
+
+@partita.parallelize(inputs={"idx": f"int64[{BATCH},{SEQ}]"}, cluster="local", grad_accum_steps=2,
+                     optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-2, eps=1e-5))
+def make_model():
+    torch.manual_seed(0)
+    return gpt_tiny()
+
+
+def batches():
+    g = torch.Generator().manual_seed(7)
+    for _ in range(STEPS):
+        seq = torch.randint(0, 256, (BATCH, SEQ + 1), generator=g)
+        yield seq[:, :-1], seq[:, 1:]
+
+
+if __name__ == "__main__":
+    model = make_model()
+    losses = [model.train_step(x, targets=y) for x, y in batches()]
+    if model.ctx.rank == 0:
+        out = Path(sys.argv[1])
+        torch.save({k: v.detach() for k, v in model.module.state_dict().items()}, out.with_suffix(".pt"))
+        out.write_text(json.dumps({
+            "losses": losses,
+            "world_size": model.ctx.world_size,
+            "mesh": [model.plan.mesh.dp, model.plan.mesh.tp, model.plan.mesh.pp],
+            "micro_batch_size": model.plan.training.micro_batch_size,
+            "grad_accum_steps": model.plan.training.grad_accum_steps,
+            "counted": [list(t) for t in model.collectives.as_tuples()],
+            "planned": [[c.kind, c.axis, c.bytes, c.count] for c in model.plan.collectives],
+        }))

@@ -1,0 +1,109 @@
+"""The decorator path end to end: the same user script in one process, under torchrun, and under
+`partita run`, against a plain single-process loop; the collectives each rank ran equal the plan's."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import partita
+from partita.compiler.api import default_loss
+from partita.compiler.compile import compile_model
+from partita.compiler.errors import PlanError
+from partita.compiler.inputs import parse_input_spec
+from partita.passes.cluster import load_cluster
+from partita.passes.constraints import Pins
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+from examples.models import GPT, GPTConfig, gpt_tiny  # noqa: E402
+
+sys.path.insert(0, str(HERE))
+import decorator_script as script  # noqa: E402
+
+PARTITA = str(Path(sys.executable).with_name("partita"))
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+def reference():
+    """A plain loop: whole batch, no partita."""
+    torch.manual_seed(0)
+    model = gpt_tiny()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-5)
+    losses = []
+    for x, y in script.batches():
+        loss = default_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, model.state_dict()
+
+
+@pytest.fixture(scope="module")
+def ref():
+    return reference()
+
+
+def check(out: Path, ref, world: int) -> None:
+    data = json.loads(out.read_text())
+    ref_losses, ref_state = ref
+    assert data["world_size"] == world and data["mesh"] == [world, 1, 1]
+    assert data["grad_accum_steps"] == 2  # pinned on the decorator
+    assert data["micro_batch_size"] * 2 * world == script.BATCH
+    assert data["losses"] == pytest.approx(ref_losses, rel=1e-5, abs=1e-6)
+    state = torch.load(out.with_suffix(".pt"), weights_only=True)
+    for k, v in ref_state.items():
+        torch.testing.assert_close(state[k], v, rtol=1e-5, atol=1e-5, msg=k)
+    # every collective the rank ran is in the plan's prediction, with the same bytes and count
+    assert any(c[0] == "all_reduce" and c[2] > 4 for c in data["counted"])  # gradient buckets ran
+    assert sorted(map(tuple, data["counted"])) == sorted(map(tuple, data["planned"]))
+
+
+def test_outside_torchrun_the_decorated_model_trains_in_one_process(ref):
+    model = script.make_model()
+    assert model.ctx.world_size == 1 and model.plan.mesh.dp == 1
+    logits = model(next(script.batches())[0])  # behaves as the plain model
+    assert logits.shape == (script.BATCH, script.SEQ, 256)
+    losses = [model.train_step(x, targets=y) for x, y in script.batches()]
+    assert losses == pytest.approx(ref[0], rel=1e-5, abs=1e-6)
+
+
+def test_under_torchrun_rank0_plans_and_ranks_match_one_process(tmp_path, ref):
+    out = tmp_path / "torchrun.json"
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                        str(HERE / "decorator_script.py"), str(out)], env=ENV, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    check(out, ref, 2)
+
+
+def test_partita_run_with_a_plan_file(tmp_path, ref):
+    plan = tmp_path / "plan.json"
+    c = subprocess.run([PARTITA, "compile", f"{HERE / 'decorator_script.py'}:make_model", "--devices", "4",
+                        "--grad-accum-steps", "2", "-o", str(plan)], env=ENV, capture_output=True, text=True,
+                       timeout=300)
+    assert c.returncode == 0, c.stderr[-3000:]
+    out = tmp_path / "run.json"
+    r = subprocess.run([PARTITA, "run", str(plan), str(HERE / "decorator_script.py"), str(out)], env=ENV,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    check(out, ref, 4)
+
+
+def test_a_plan_for_another_model_or_world_size_is_refused(tmp_path):
+    specs = [parse_input_spec("idx=int64[8,32]")]
+    plan = compile_model(gpt_tiny, specs, load_cluster("local", devices=1), pins=Pins(world_size=1)).plan
+    path = plan.save(tmp_path / "tiny.json")
+    torch.manual_seed(0)
+    other = GPT(GPTConfig(vocab_size=256, block_size=64, n_layer=3, n_head=4, n_embd=64))
+    with pytest.raises(PlanError, match="this plan was made for another model"):
+        partita.parallelize(other, plan=str(path))
+    plan4 = compile_model(gpt_tiny, specs, load_cluster("local", devices=4), pins=Pins(world_size=4)).plan
+    path4 = plan4.save(tmp_path / "tiny4.json")
+    with pytest.raises(PlanError, match="this plan needs 4 processes"):
+        partita.parallelize(gpt_tiny(), plan=str(path4))
