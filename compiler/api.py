@@ -158,7 +158,9 @@ def plan_for(module: torch.nn.Module, spec: ParallelizeSpec, world_size: int) ->
     if plan_path:
         plan = load_plan(plan_path, world_size=world_size)
         specs = tuple(parse_input_spec(s) for s in plan.model.inputs)
-        fingerprint = graph_fingerprint(to_networkx(capture(module, specs)))
+        targets = parse_input_spec(plan.model.targets) if plan.model.targets else None
+        captured = capture(module, specs, loss=spec.loss if plan.model.loss else None, targets=targets)
+        fingerprint = graph_fingerprint(to_networkx(captured))
         plan.check_matches(fingerprint=fingerprint)
         return plan
     if not spec.inputs:
@@ -171,7 +173,7 @@ def plan_for(module: torch.nn.Module, spec: ParallelizeSpec, world_size: int) ->
         cluster = cluster.with_devices(world_size)
     return compile_model(
         module, spec.inputs, cluster, global_batch=spec.batch, precision=spec.precision,
-        optimizer=optimizer_kind(spec.optimizer), pins=Pins(world_size=world_size, **spec.pins),
+        optimizer=optimizer_kind(spec.optimizer), pins=Pins(world_size=world_size, **spec.pins), loss=spec.loss,
     ).plan
 
 

@@ -15,6 +15,7 @@ reason other than data-dependent control flow, with shapes then propagated by
 from __future__ import annotations
 
 import contextlib
+import inspect
 import io
 import linecache
 import logging
@@ -22,6 +23,7 @@ import os
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 from dataclasses import dataclass, field
 from types import FrameType, TracebackType
 
@@ -38,7 +40,7 @@ EXPORT = "torch.export"
 SYMBOLIC_TRACE = "torch.fx.symbolic_trace"
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
-_DATA_DEPENDENT = ("GuardOnDataDependentSymNode", "data-dependent", "data dependent")
+_DATA_DEPENDENT = ("GuardOnDataDependentSymNode", "DataDependentOutputException", "data-dependent", "data dependent")
 
 
 @dataclass
@@ -61,6 +63,9 @@ class CapturedModel:
     # parameter's nodes all name its first qualified name, the one in ``params``
     param_nodes: dict[str, str] = field(default_factory=dict)
     buffer_nodes: dict[str, str] = field(default_factory=dict)
+    # training graphs: the loss is captured with the model, its targets are the last placeholder
+    targets: InputSpec | None = None
+    loss: str | None = None
 
 
 def capture(
@@ -68,8 +73,15 @@ def capture(
     inputs: Sequence[InputSpec],
     *,
     name: str | None = None,
+    loss: Callable[[Any, torch.Tensor], torch.Tensor] | None = None,
+    targets: InputSpec | None = None,
 ) -> CapturedModel:
     """Capture ``model`` against fake inputs of the ``inputs`` shapes.
+
+    With ``loss``, the graph is the training graph ``loss(model(*inputs),
+    targets)``: the loss's ops are captured too, so the solvers can lay out
+    (say) a vocabulary-parallel cross-entropy. ``targets`` defaults to what
+    the model's output implies: integer class indices of ``output.shape[:-1]``.
 
     ``model`` is a zero-argument callable building an ``nn.Module`` (built under
     ``FakeTensorMode``: a 70B-parameter shape costs no parameter memory) or an
@@ -99,8 +111,13 @@ def capture(
 
     with mode:
         args = tuple(_example(spec) for spec in inputs)
+    if loss is not None and targets is None:
+        targets = _infer_targets(module, args, mode)
+    if loss is not None:
+        with mode:
+            args = args + (_example(targets),)
     try:
-        with _quiet_tracer_logs():
+        with _quiet_tracer_logs(), _forward_with_loss(module, loss):
             exported = torch.export.export(module, args, strict=False)
         gm, method = exported.graph_module, EXPORT
         signature = exported.graph_signature
@@ -133,6 +150,8 @@ def capture(
         buffers=buffers,
         name=name or type(module).__name__,
         seconds=time.perf_counter() - start,
+        targets=targets if loss is not None else None,
+        loss=getattr(loss, "__name__", type(loss).__name__) if loss is not None else None,
         param_nodes={k: canonical.get(v, v) for k, v in param_targets.items()},
         buffer_nodes={k: canonical.get(v, v) for k, v in buffer_targets.items()},
     )
@@ -163,6 +182,55 @@ def _quiet_tracer_logs() -> Iterator[None]:
     finally:
         logger.setLevel(level)
     sys.stderr.write(held.getvalue())
+
+
+def _infer_targets(module: torch.nn.Module, args: tuple[torch.Tensor, ...], mode: FakeTensorMode) -> InputSpec:
+    """Class-index targets for the model's output: int64 of ``output.shape[:-1]``."""
+    try:
+        with mode, torch.no_grad(), _quiet_tracer_logs():
+            out = module(*args)
+    except Exception as e:
+        if _is_data_dependent(e):
+            raise _capture_error(
+                e, module, None, "data-dependent Python control flow",
+                hint="remove data-dependent Python control flow (e.g. `if torch.rand([]) < p:`) "
+                "or mark the module as a leaf",
+            ) from e
+        raise _capture_error(e, module, None, "running the model on fake inputs to find its output shape failed") from e
+    if not isinstance(out, torch.Tensor) or out.dim() < 1:
+        raise CaptureError(
+            f"cannot infer the loss targets: the model returns {type(out).__name__}, not a tensor of logits",
+            hint="pass the targets' shape explicitly (e.g. --target targets=int64[16,64])",
+        )
+    return InputSpec("targets", torch.int64, tuple(out.shape[:-1]) or (1,))
+
+
+@contextlib.contextmanager
+def _forward_with_loss(module: torch.nn.Module, loss: Callable[[Any, torch.Tensor], torch.Tensor] | None) -> Iterator[None]:
+    """Make ``module.forward(*inputs, targets)`` return ``loss(forward(*inputs), targets)`` while
+    exporting, so parameter names and module paths stay the model's own; restored afterwards."""
+    if loss is None:
+        yield
+        return
+    inner = module.forward
+
+    def forward_and_loss(*args: Any) -> torch.Tensor:
+        *inputs, targets = args
+        return loss(inner(*inputs), targets)
+
+    # Keep the model's argument names (placeholders are named after them), plus ``targets``.
+    params = [p.replace(kind=inspect.Parameter.POSITIONAL_OR_KEYWORD)
+              for p in inspect.signature(inner).parameters.values()
+              if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+    names = {p.name for p in params}
+    target_name = "targets" if "targets" not in names else "loss_targets"
+    params.append(inspect.Parameter(target_name, inspect.Parameter.POSITIONAL_OR_KEYWORD))
+    forward_and_loss.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
+    module.forward = forward_and_loss  # an instance attribute shadows the class's forward
+    try:
+        yield
+    finally:
+        del module.forward
 
 
 def _example(spec: InputSpec) -> torch.Tensor:

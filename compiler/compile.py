@@ -59,17 +59,25 @@ def compile_model(
     inference: bool = False,
     pins: Pins = Pins(),
     name: str | None = None,
+    loss: Callable[[Any, torch.Tensor], torch.Tensor] | None = None,
+    targets: InputSpec | None = None,
     progress: Any = None,
 ) -> CompileResult:
     """Capture ``model`` on ``inputs``, analyse it, decide a plan for ``cluster``.
 
-    ``global_batch`` defaults to the leading dimension of the first input.
-    ``progress`` is an optional rich ``Progress`` to report the phases on.
+    For training the loss (default: cross-entropy) is captured with the model,
+    so its ops are analysed and laid out too; ``targets`` defaults to what the
+    model's output implies. ``global_batch`` defaults to the leading dimension
+    of the first input. ``progress`` is an optional rich ``Progress``.
     """
     timings: dict[str, float] = {}
     phase = _phases(progress)
+    if not inference and loss is None:
+        from partita.compiler.api import default_loss
+
+        loss = default_loss
     with phase("capturing the model"):
-        captured = capture(model, inputs, name=name)
+        captured = capture(model, inputs, name=name, loss=None if inference else loss, targets=targets)
     timings["capture"] = captured.seconds
     with phase("analysing the graph"):
         t0 = time.perf_counter()
@@ -161,6 +169,8 @@ def build_plan(
         capture_method=profile.capture_method,
         num_nodes=profile.num_nodes,
         repeated_layers=tuple(f"{r.prefix} x{len(r.indices)} ({r.module_type})" for r in profile.repeated),
+        targets=str(captured.targets) if captured.targets is not None else None,
+        loss=captured.loss,
     )
     training = Training(
         global_batch=B,

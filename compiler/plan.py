@@ -52,6 +52,8 @@ class ModelInfo:
     capture_method: str
     num_nodes: int
     repeated_layers: tuple[str, ...] = ()  # e.g. "transformer.h x12 (Block)"
+    targets: str | None = None  # "NAME=DTYPE[SHAPE]" of the loss's targets when the loss is in the graph
+    loss: str | None = None  # the loss function captured with the model (training graphs)
 
 
 @dataclass(frozen=True)
@@ -127,6 +129,44 @@ class Collective:
     group_size: int
     purpose: str  # e.g. "gradient averaging"
     seconds: float  # predicted time per step, all calls
+
+
+@dataclass(frozen=True)
+class InputLayout:
+    """How one tensor input of a node arrives over the tensor-parallel group.
+
+    Placements are ``"replicate"`` (every rank holds the whole tensor),
+    ``"shard(D)"`` (rank r holds the r-th slice of dim D) or ``"partial"``
+    (the ranks' tensors sum to the value). A gradient placement uses the same
+    words for the gradient tensor; ``"none"`` where no gradient flows.
+    """
+
+    src: str  # producer node
+    index: int  # which of the producer's tensor outputs
+    have: str  # the producer's output placement
+    need: str  # the placement this node's strategy consumes
+    grad: str  # placement of the gradient this node produces for the input
+    grad_need: str  # the gradient placement the producer expects
+    fwd: str  # collective run in forward to turn have into need ("none", "slice", "all_gather", ...)
+    bwd: str  # collective run in backward to turn grad into grad_need
+    bytes: int  # bytes of the whole tensor
+
+
+@dataclass(frozen=True)
+class NodeDecision:
+    """The tensor-parallel layout chosen for one graph node."""
+
+    name: str  # FX node name
+    op: str
+    module: str
+    strategy: str  # "replicate", "col", "row", "vocab", "heads", "shard(D)", ...
+    out: tuple[str, ...]  # placement of each tensor output
+    ins: tuple[InputLayout, ...] = ()  # one per tensor input, in node.all_input_nodes order
+    internal: tuple[str, ...] = ()  # collectives the op runs itself, "KIND:BYTES" (e.g. vocab-parallel softmax)
+    layer: str = ""  # repeated layer it belongs to, e.g. "transformer.h.3"
+    stage: int = 0
+    flops_fwd: int = 0
+    compute_s: float = 0.0  # predicted forward + backward time on one device
 
 
 @dataclass(frozen=True)
@@ -208,6 +248,7 @@ class Plan:
     predicted: Prediction
     solver: SolverReport
     params: tuple[ParamDecision, ...] = ()
+    nodes: tuple[NodeDecision, ...] = ()
     collectives: tuple[Collective, ...] = ()
     stages: tuple[Stage, ...] = ()
     alternatives: tuple[Alternative, ...] = ()
