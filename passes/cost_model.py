@@ -135,6 +135,16 @@ def collective_time(kind: str, nbytes: float, n: int, link: Link) -> float:
     return (n - 1) * link.latency + nbytes * frac / link.bandwidth
 
 
+def reshard_time(kind: str, nbytes: float, n: int, link: Link) -> float:
+    """Time of one tensor-parallel reshard (passes/tp_strategies.reshard_kind) of a tensor of
+    ``nbytes`` (its whole size) over ``n`` ranks. "none" and "slice" are local and free."""
+    if kind in ("none", "slice"):
+        return 0.0
+    if kind == "invalid":
+        raise ValueError("an invalid reshard has no cost; the strategy must not ask for it")
+    return collective_time(kind, nbytes, n, link)
+
+
 def collective_traffic(kind: str, nbytes: float, n: int) -> float:
     """Bytes one rank sends in one ring collective of ``nbytes`` over ``n`` ranks."""
     if kind in ("broadcast", "send_recv"):

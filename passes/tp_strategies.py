@@ -87,8 +87,9 @@ def reshard_kind(src: str, dst: str) -> str:
 class Strategy:
     """One way to run a node over a TP group of size t.
 
-    ``ins``/``grads`` follow the node's tensor inputs in ``node.all_input_nodes``
-    order (the DiGraph node attribute ``inputs``); ``out`` its tensor outputs.
+    ``ins``/``grads`` follow the node's tensor arguments as the DiGraph node
+    attribute ``inputs`` lists them (argument order, repeats kept); ``out`` its
+    tensor outputs (one entry for a single tensor, one per item of a tuple).
     ``compute_fraction`` is local FLOPs / the node's FLOPs (1/t when split,
     1 when replicated); ``memory_fraction`` the share of the node's output and
     saved bytes one rank holds; ``internal`` the collectives the op itself runs
