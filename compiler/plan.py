@@ -171,13 +171,20 @@ class NodeDecision:
 
 @dataclass(frozen=True)
 class Stage:
+    """One pipeline stage (a plan without a pipeline has one)."""
+
     index: int
     nodes: int  # number of graph nodes in the stage
     first_node: str
     last_node: str
     params: int
-    predicted_time_s: float
-    memory_bytes: int
+    predicted_time_s: float  # the stage's busy time per step
+    memory_bytes: int  # per device of the stage
+    forward_s: float = 0.0  # one micro-batch's forward on one device of the stage
+    backward_s: float = 0.0  # one micro-batch's backward
+    ranks: tuple[int, ...] = ()  # global ranks holding this stage
+    modules: tuple[str, ...] = ()  # top-level module paths it holds, e.g. "transformer.h.0-11"
+    send_bytes: int = 0  # activation bytes sent to the next stage per micro-batch
 
 
 @dataclass(frozen=True)
