@@ -29,7 +29,7 @@ from partita.compiler.plan import (
 )
 from partita.passes.cluster import ClusterSpec
 from partita.passes.constraints import Pins, TrainingRequest
-from partita.passes.cost_model import collective_time, compute_dtype
+from partita.passes.cost_model import collective_time, compute_dtype, compute_time
 from partita.passes.data_parallel import Candidate, DataParallelDecision, choose_data_parallel
 from partita.passes.profile import ModelProfile, profile_model
 
@@ -156,9 +156,14 @@ def build_plan(
     )
     collectives = _dp_collectives(decision, cluster, request)
     calls = [n.name for n in captured.graph_module.graph.nodes if n.op not in ("placeholder", "output", "get_attr")]
+    per_sample = 1 / profile.batch_size * best.micro_batch_size
     stage = Stage(
         index=0, nodes=profile.num_nodes, first_node=calls[0] if calls else "", last_node=calls[-1] if calls else "",
         params=profile.num_params, predicted_time_s=step, memory_bytes=best.memory.total,
+        forward_s=compute_time(profile.flops_fwd * per_sample, cluster, request.precision),
+        backward_s=0.0 if request.inference else compute_time(profile.flops_bwd * per_sample, cluster, request.precision),
+        ranks=tuple(range(mesh.world_size)),
+        modules=_top_modules(captured),
     )
     model = ModelInfo(
         name=profile.name,
@@ -204,6 +209,14 @@ def build_plan(
         alternatives=_alternatives(decision),
         analysis_seconds=timings,
     )
+
+
+def _top_modules(captured: CapturedModel) -> tuple[str, ...]:
+    """The model's top-level submodules owning parameters, in order (e.g. "transformer", "lm_head")."""
+    seen: dict[str, None] = {}
+    for name in captured.params:
+        seen.setdefault(name.split(".")[0], None)
+    return tuple(seen)
 
 
 def _dp_collectives(decision: DataParallelDecision, cluster: ClusterSpec, request: TrainingRequest) -> tuple[Collective, ...]:
