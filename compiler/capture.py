@@ -125,11 +125,7 @@ def capture(
         buffer_targets = {**signature.inputs_to_buffers, **signature.inputs_to_lifted_tensor_constants}
     except Exception as export_error:
         if _is_data_dependent(export_error):
-            raise _capture_error(
-                export_error, module, inputs, "data-dependent Python control flow",
-                hint="remove data-dependent Python control flow (e.g. `if torch.rand([]) < p:`) "
-                "or mark the module as a leaf",
-            ) from export_error
+            raise _data_dependent_error(export_error, module, inputs) from export_error
         exported = None
         gm, method = _symbolic_trace(module, args, mode, export_error, inputs)
         attrs = {n.name: str(n.target) for n in gm.graph.nodes if n.op == "get_attr"}
@@ -191,11 +187,7 @@ def _infer_targets(module: torch.nn.Module, args: tuple[torch.Tensor, ...], mode
             out = module(*args)
     except Exception as e:
         if _is_data_dependent(e):
-            raise _capture_error(
-                e, module, None, "data-dependent Python control flow",
-                hint="remove data-dependent Python control flow (e.g. `if torch.rand([]) < p:`) "
-                "or mark the module as a leaf",
-            ) from e
+            raise _data_dependent_error(e, module, None) from e
         raise _capture_error(e, module, None, "running the model on fake inputs to find its output shape failed") from e
     if not isinstance(out, torch.Tensor) or out.dim() < 1:
         raise CaptureError(
@@ -293,6 +285,13 @@ def _is_data_dependent(e: BaseException) -> bool:
             return True
         e = e.__cause__ or e.__context__
     return False
+
+
+def _data_dependent_error(e: BaseException, module: torch.nn.Module, inputs: tuple[InputSpec, ...] | None) -> CaptureError:
+    return _capture_error(
+        e, module, inputs, "data-dependent Python control flow",
+        hint="remove data-dependent Python control flow (e.g. `if torch.rand([]) < p:`) or mark the module as a leaf",
+    )
 
 
 def _capture_error(

@@ -5,6 +5,7 @@ Both the CLI (`partita compile`) and the decorator call ``compile_model``.
 
 from __future__ import annotations
 
+import math
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -90,7 +91,7 @@ def compile_model(
         inference=inference,
     )
     with phase("solving"):
-        numels = [_numel(shape) for shape, _ in captured.params.values()]
+        numels = [math.prod(shape) for shape, _ in captured.params.values()]
         decision = choose_data_parallel(profile, numels, cluster, request, pins)
         timings["solve"] = decision.seconds
     plan = build_plan(profile, captured, cluster, request, decision, timings)
@@ -112,13 +113,6 @@ def _phases(progress: Any) -> Callable[[str], Any]:
             progress.update(self.task, completed=1)
 
     return _Phase
-
-
-def _numel(shape: Sequence[int]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 
 
 def build_plan(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Iterable, Sequence
 
 from rich.console import Group, RenderableType
@@ -115,18 +116,11 @@ def params_table(plan: Plan, limit: int = 40) -> Table:
         if i == limit:
             t.add_row(f"... {len(groups) - limit} more modules", "", "", "", "")
             break
-        n = sum(_numel(p.shape) for p in ps)
+        n = sum(math.prod(p.shape) for p in ps)
         layouts = sorted({", ".join(f"{k}={v}" for k, v in p.layout.items()) for p in ps})
         t.add_row(mod, ", ".join(p.name.rpartition(".")[2] for p in ps), fmt_count(n), "; ".join(layouts),
                   ", ".join(sorted({str(p.stage) for p in ps})))
     return t
-
-
-def _numel(shape: Sequence[int]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 
 
 def plan_report(plan: Plan, *, params: bool = True) -> RenderableType:
