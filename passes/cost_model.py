@@ -215,3 +215,33 @@ def data_parallel_step(
         optimizer_s=optimizer_time(state, cluster),
         traffic_bytes={"dp_all_reduce": round(traffic)} if dp > 1 else {},
     )
+
+
+def mesh_step(
+    *,
+    micro_batch_s: Mapping[str, float],
+    grad_accum: int,
+    dp: int,
+    tp: int,
+    grad_buckets: list[int],
+    state: ModelStateMemory,
+    cluster: ClusterSpec,
+) -> StepCost:
+    """One step on a (dp, tp) mesh: ``grad_accum`` micro-batches, then one all-reduce per
+    gradient bucket of the device's LOCAL parameter shards over the dp group, then the optimizer.
+
+    ``micro_batch_s`` is one micro-batch's forward+backward on one device, by part:
+    ``"compute"`` (local FLOPs) and tensor-parallel communication (``"tp_forward"``,
+    ``"tp_backward"``, ``"tp_internal"``), as the TP solver predicts them. The dp group's
+    ranks lie ``tp`` apart (TP innermost, compiler/plan.MESH_ORDER), so its link is
+    ``link_for_group(dp, stride=tp)``.
+    """
+    per_micro = dict(micro_batch_s)
+    compute = grad_accum * (per_micro.pop("compute", 0.0) + cluster.step_overhead_s)
+    comm = {k: grad_accum * v for k, v in per_micro.items() if v}
+    traffic: dict[str, int] = {}
+    if dp > 1 and grad_buckets:
+        link = cluster.link_for_group(dp, stride=tp)
+        comm["dp_all_reduce"] = sum(collective_time("all_reduce", b, dp, link) for b in grad_buckets)
+        traffic["dp_all_reduce"] = round(sum(collective_traffic("all_reduce", b, dp) for b in grad_buckets))
+    return StepCost(compute_s=compute, comm_s=comm, optimizer_s=optimizer_time(state, cluster), traffic_bytes=traffic)

@@ -1,0 +1,685 @@
+"""The tensor-parallel ILP: one strategy per node, for one TP degree t and one micro-batch.
+
+Reads the annotated DiGraph of a ``ModelProfile`` (node attributes ``kind``,
+``shapes``, ``dtypes``, ``inputs``, ``flops_fwd``, ``flops_bwd``,
+``saved_bytes``, ``depends_on_input``, ``param_name``, ``layer``) and the
+candidate strategies of every node (``tp_strategies.node_strategies``).
+Writes nothing on the graph: it returns a ``TPSolution`` (node -> Strategy,
+the cost and memory of that choice, and a ``TPSolveReport``).
+
+Formulation
+-----------
+Sets. V: the graph's nodes, grouped into classes c in C (below); S_c the
+strategies of class c; E the data edges u -> v, grouped into edge classes
+k = (c(u), c(v)) in K with c(u) != c(v) (an edge inside one class is folded
+into that class's node cost, see "Classes").
+
+Variables (``_add_choice_variables``, ``_add_edge_variables``):
+    x[c,s] in {0,1}        class c runs strategy s
+    e[k,i,j] in [0,1]      edge class k joins producer strategy i and consumer
+                           strategy j (continuous: integral once x is)
+
+Objective (``_set_objective``): predicted seconds of one micro-batch's
+forward + backward on one device,
+
+    min  sum_c sum_s  n[c,s] x[c,s]  +  sum_k sum_(i,j) w[k,i,j] e[k,i,j]
+
+    n[c,s] = sum_{v in c} compute_time((F_fwd(v) + F_bwd(v)) * frac_s * beta(v))
+                          + sum over s's internal collectives of collective_time
+                          + the edges folded into the class
+    w[k,i,j] = sum_{u->v in k} sum_{input slots of v fed by u}
+                 reshard_time(reshard_kind(out_i, in_j), bytes)               (forward)
+               + reshard_time(reshard_kind(grad_j, grad_convention(out_i)), bytes) (backward)
+
+with beta(v) = micro_batch / captured batch for nodes that depend on a model
+input (1 otherwise), tensor bytes at the training precision for floating
+tensors, and every collective on the TP group's link ``cluster.link_for_group(t)``.
+All time formulas are passes/cost_model.py's.
+
+Constraints, each family named (the name prefixes every row of the family):
+    one_strategy[c]     sum_s x[c,s] = 1                      (_add_choice_variables)
+    edge_out[k,i]       sum_j e[k,i,j] = x[c(u),i]             (_add_edge_variables)
+    edge_in[k,j]        sum_i e[k,i,j] = x[c(v),j]             (_add_edge_variables)
+    invalid pairs       e[k,i,j] is not created when either reshard is "invalid"
+    memory              sum_c sum_s m[c,s] x[c,s] <= budget      (_add_memory_constraint)
+
+    m[c,s] = sum_{params p in c} numel(p) * bytes_per_param * (1/t if s shards p else 1)
+             + sum_{v in c} saved_bytes(v) * mem_frac_s * beta(v) * precision ratio
+
+bytes_per_param = params + grads + optimizer of ``state_bytes_per_param``
+(16 for mixed-precision Adam). The two edge families make e the product
+x[c(u),i] x[c(v),j] exactly (a transport polytope with one-hot margins has
+one point), so the model is tight without the e <= x, e >= x + x - 1 rows.
+
+Classes (exact reductions, ``_classes``):
+- Identical repeated layers (``RepeatedBlock``s): the node at position p of
+  every layer of a block shares one class. This ties the layers to one layout
+  (what Megatron does, and what a runtime applying one per-layer plan can
+  execute); it is a restriction, not always the untied optimum (a memory
+  budget might like some layers sharded and others not). An 80- or 96-layer
+  graph becomes as small as one layer plus embedding and head; the
+  multiplicities enter n, w and m.
+- Parameter nodes with the same ``param_name`` (tied weights) share a class,
+  and their model state is counted once.
+- Edges between layers (layer i, position p -> layer i+1, position q) become
+  one edge class (p, q) with multiplicity L - 1; an edge whose two ends fall in
+  one class is exact as a node cost: both ends run the same strategy.
+
+Elementwise chains are not merged: after tying, the GPT-3 175B model has a few
+hundred choice variables and solves in well under a second (benchmarks/
+tp_planning_time.py), and merging a chain is exact only when every member's
+strategies are in bijection with its neighbour's, which the strategy lists
+do not promise (a dropout may accept ``partial``, a GELU may not).
+
+Solver
+------
+HiGHS through pywraplp (``SOLVER = "HIGHS"``). Measured on this 2-core
+machine on the GPT-3 175B graph at t=8 (``python benchmarks/tp_planning_time.py
+--solvers``): see that benchmark's docstring for the table; HiGHS proved
+optimality fastest, in line with shared/TORCH_ON_CPU.md (HiGHS 13 s, SCIP
+19.5 s, CP-SAT 1 worker 21 s on a larger Alpa-style model; CP-SAT with its
+default 2 workers stalls). CP-SAT is run with num_workers=1 and
+linearization_level=2 when asked for.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Mapping, Sequence
+
+import networkx as nx
+from ortools.linear_solver import pywraplp
+
+from partita.compiler.errors import InfeasibleError
+from partita.passes.cluster import ClusterSpec
+from partita.passes.cost_model import (
+    collective_time,
+    compute_time,
+    element_bytes,
+    reshard_time,
+    state_bytes_per_param,
+)
+from partita.passes.repeats import RepeatedBlock
+from partita.passes.tp_strategies import Strategy, grad_convention, reshard_kind, shard_dim
+
+SOLVER = "HIGHS"
+SOLVERS = ("HIGHS", "SCIP", "CBC", "CP-SAT")
+
+StrategyFn = Callable[[nx.DiGraph, str, int], Sequence[Strategy]]
+
+_INT_BYTES = {"int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "bool": 1, "float64": 8}
+_FLOAT = ("float32", "float16", "bfloat16", "float64")
+
+
+class SolverError(RuntimeError):
+    """The solver failed (not an infeasible model: an abnormal status, a time-out without a solution)."""
+
+
+# -- inputs ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TPSetting:
+    """What the costs are evaluated for: the TP degree, one micro-batch, the training set-up."""
+
+    t: int
+    micro_batch: int
+    captured_batch: int
+    precision: str
+    optimizer: str = "adamw"
+    inference: bool = False
+    memory_budget: float = math.inf  # bytes per device
+
+    def __post_init__(self) -> None:
+        if self.t < 1 or self.micro_batch < 1 or self.captured_batch < 1:
+            raise ValueError(f"t={self.t}, micro_batch={self.micro_batch}, captured_batch={self.captured_batch} "
+                             "must all be positive")
+
+
+@dataclass(frozen=True)
+class StrategyCost:
+    """One strategy of one class, summed over the class's members."""
+
+    compute_s: float  # local FLOPs, forward + backward
+    internal_s: float  # collectives the op runs itself
+    fwd_s: float = 0.0  # edges folded into the class (both ends in it), forward
+    bwd_s: float = 0.0
+    param_numel: float = 0.0  # local parameter elements on one device (after sharding)
+    activation_bytes: float = 0.0  # saved for backward, local
+    valid: bool = True  # False when a folded edge would need an invalid reshard
+
+    def memory(self, bytes_per_param: float) -> float:
+        return self.param_numel * bytes_per_param + self.activation_bytes
+
+    @property
+    def time_s(self) -> float:
+        return self.compute_s + self.internal_s + self.fwd_s + self.bwd_s
+
+
+@dataclass(frozen=True)
+class NodeClass:
+    """Nodes that share one choice variable set."""
+
+    key: str  # representative node
+    members: tuple[str, ...]
+    strategies: tuple[Strategy, ...]
+    costs: tuple[StrategyCost, ...]
+
+
+@dataclass(frozen=True)
+class EdgeClass:
+    """Edges from class ``src`` to class ``dst``; ``fwd_s[i][j]`` is None where the pair is invalid."""
+
+    src: str
+    dst: str
+    count: int  # graph edges it stands for
+    fwd_s: tuple[tuple[float | None, ...], ...]
+    bwd_s: tuple[tuple[float | None, ...], ...]
+
+    def cost(self, i: int, j: int) -> float | None:
+        f = self.fwd_s[i][j]
+        return None if f is None else f + self.bwd_s[i][j]
+
+
+@dataclass(frozen=True)
+class TPProblem:
+    """The solver's whole input: classes, edge classes, the memory budget."""
+
+    setting: TPSetting
+    classes: tuple[NodeClass, ...]
+    edges: tuple[EdgeClass, ...]
+    class_of: Mapping[str, str]  # node -> class key
+    bytes_per_param: float
+    num_nodes: int
+    num_edges: int
+
+    @property
+    def combinations(self) -> int:
+        return math.prod(len(c.strategies) for c in self.classes)
+
+
+# -- outputs --------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TPSolveReport:
+    solver: str
+    status: str  # "OPTIMAL" | "FEASIBLE" | "INFEASIBLE" | "EXHAUSTIVE"
+    objective_s: float
+    bound_s: float
+    gap: float
+    solve_seconds: float
+    build_seconds: float
+    variables: int
+    constraints: int
+    classes: int
+    nodes: int
+
+
+@dataclass(frozen=True)
+class TPSolution:
+    """The chosen strategy of every node and what it costs per micro-batch on one device."""
+
+    choice: Mapping[str, Strategy]
+    class_choice: Mapping[str, int]  # class key -> strategy index
+    compute_s: float
+    tp_forward_s: float
+    tp_backward_s: float
+    tp_internal_s: float
+    param_numel: float  # local parameter elements per device
+    activation_bytes: float
+    memory_bytes: float
+    report: TPSolveReport
+
+    @property
+    def time_s(self) -> float:
+        return self.compute_s + self.tp_forward_s + self.tp_backward_s + self.tp_internal_s
+
+
+# -- building the problem --------------------------------------------------------
+
+
+def build_problem(
+    G: nx.DiGraph,
+    setting: TPSetting,
+    cluster: ClusterSpec,
+    *,
+    strategies: StrategyFn | None = None,
+    repeated: Sequence[RepeatedBlock] = (),
+) -> TPProblem:
+    """Cost every strategy of every node class and every edge class (formulas in the module docstring)."""
+    if strategies is None:
+        from partita.passes.tp_strategies import node_strategies as strategies  # type: ignore[attr-defined]
+    t = setting.t
+    link = cluster.link_for_group(t)
+    state = state_bytes_per_param(setting.precision, setting.optimizer, inference=setting.inference)
+    scale = setting.micro_batch / setting.captured_batch
+    captured_float = _captured_float_bytes(G)
+    act_ratio = element_bytes(setting.precision) / captured_float
+
+    groups = _classes(G, repeated)
+    class_of = {n: key for key, members in groups.items() for n in members}
+    strat = {key: tuple(strategies(G, key, t)) for key in groups}
+    for key, ss in strat.items():
+        if not ss:
+            raise ValueError(f"node {key} ({G.nodes[key]['op']}) has no strategy at t={t}")
+
+    def beta(n: str) -> float:
+        return scale if G.nodes[n].get("depends_on_input") else 1.0
+
+    def out_bytes(n: str, i: int) -> float:
+        a = G.nodes[n]
+        return _numel(a["shapes"][i]) * _elem_bytes(a["dtypes"][i], setting.precision) * beta(n)
+
+    # node costs
+    folded: dict[str, list[list[float]]] = {k: [[0.0, 0.0, 1.0] for _ in strat[k]] for k in groups}
+    edge_acc: dict[tuple[str, str], dict] = {}
+    matrix_cache: dict[tuple, tuple] = {}
+    num_edges = 0
+    for v in G.nodes:
+        for j, u in enumerate(G.nodes[v].get("inputs", [])):
+            num_edges += 1
+            cu, cv = class_of[u], class_of[v]
+            i_out = output_index(G, u, v)
+            nbytes = out_bytes(u, i_out)
+            key = (cu, cv, i_out, j, nbytes)
+            if key not in matrix_cache:
+                matrix_cache[key] = _edge_matrix(strat[cu], strat[cv], i_out, j, nbytes, t, link, setting.inference)
+            fwd, bwd = matrix_cache[key]
+            if cu == cv:  # both ends run the same strategy
+                for s in range(len(strat[cu])):
+                    if fwd[s][s] is None:
+                        folded[cu][s][2] = 0.0
+                    else:
+                        folded[cu][s][0] += fwd[s][s]
+                        folded[cu][s][1] += bwd[s][s]
+                continue
+            acc = edge_acc.setdefault((cu, cv), {"count": 0, "fwd": None, "bwd": None})
+            acc["count"] += 1
+            acc["fwd"] = _add_matrix(acc["fwd"], fwd)
+            acc["bwd"] = _add_matrix(acc["bwd"], bwd)
+
+    classes = []
+    for key, members in groups.items():
+        costs = []
+        for s, st in enumerate(strat[key]):
+            compute = internal = act = 0.0
+            for n in members:
+                a = G.nodes[n]
+                flops = a.get("flops_fwd", 0) + (0 if setting.inference else a.get("flops_bwd", 0))
+                if flops:
+                    compute += compute_time(flops * st.compute_fraction * beta(n), cluster, setting.precision)
+                for kind, nb in st.internal:
+                    internal += collective_time(kind, nb * beta(n), t, link)
+                if not setting.inference:
+                    act += a.get("saved_bytes", 0) * st.memory_fraction * beta(n) * act_ratio
+            fwd_s, bwd_s, valid = folded[key][s]
+            costs.append(StrategyCost(compute, internal, fwd_s, bwd_s, _param_numel(G, members, st, t), act,
+                                      bool(valid)))
+        classes.append(NodeClass(key, tuple(members), strat[key], tuple(costs)))
+    edges = tuple(EdgeClass(cu, cv, acc["count"], acc["fwd"], acc["bwd"]) for (cu, cv), acc in edge_acc.items())
+    return TPProblem(setting, tuple(classes), edges, class_of, state.total, G.number_of_nodes(), num_edges)
+
+
+def output_index(G: nx.DiGraph, u: str, v: str) -> int:
+    """Which of ``u``'s tensor outputs ``v`` reads: 0 for a single output; for a
+    ``getitem`` of a multi-output node, its index argument (``args[1]``, from
+    passes/graph.py); else its rank among ``u``'s getitem readers in graph order."""
+    if len(G.nodes[u]["shapes"]) <= 1:
+        return 0
+    a = G.nodes[v]
+    if a["op"].endswith("getitem"):
+        args = a.get("args")
+        if args and len(args) > 1 and isinstance(args[1], int):
+            return args[1]
+        readers = [w for w in G.successors(u) if G.nodes[w]["op"].endswith("getitem")]
+        order = {n: i for i, n in enumerate(G.nodes)}
+        readers.sort(key=order.__getitem__)
+        return readers.index(v)
+    raise ValueError(f"node {v} ({a['op']}) reads the {len(G.nodes[u]['shapes'])}-output node {u} "
+                     "other than through getitem: the TP solver cannot tell which output")
+
+
+def _edge_matrix(src: Sequence[Strategy], dst: Sequence[Strategy], i_out: int, j: int, nbytes: float, t: int,
+                 link, inference: bool) -> tuple:
+    fwd: list[list[float | None]] = []
+    bwd: list[list[float | None]] = []
+    for su in src:
+        if i_out >= len(su.out):
+            raise ValueError(f"strategy {su.name} has {len(su.out)} outputs; an edge reads output {i_out}")
+        have = su.out[i_out]
+        frow, brow = [], []
+        for sv in dst:
+            kf = reshard_kind(have, sv.ins[j])
+            kb = "none" if inference else reshard_kind(sv.grads[j], grad_convention(have))
+            if "invalid" in (kf, kb):
+                frow.append(None)
+                brow.append(None)
+            else:
+                frow.append(reshard_time(kf, nbytes, t, link))
+                brow.append(reshard_time(kb, nbytes, t, link))
+        fwd.append(frow)
+        bwd.append(brow)
+    return fwd, bwd
+
+
+def _add_matrix(acc, m):
+    if acc is None:
+        return tuple(tuple(row) for row in m)
+    return tuple(tuple(None if a is None or b is None else a + b for a, b in zip(ra, rb)) for ra, rb in zip(acc, m))
+
+
+def _param_numel(G: nx.DiGraph, members: Sequence[str], st: Strategy, t: int) -> float:
+    """Local parameter elements of the class's distinct parameters under ``st``."""
+    seen: set[str] = set()
+    total = 0.0
+    for n in members:
+        a = G.nodes[n]
+        if a["kind"] != "param" or a["param_name"] in seen:
+            continue
+        seen.add(a["param_name"])
+        sharded = bool(st.out) and shard_dim(st.out[0]) is not None
+        total += _numel(a["shapes"][0]) / (t if sharded else 1)
+    return total
+
+
+def _classes(G: nx.DiGraph, repeated: Sequence[RepeatedBlock]) -> dict[str, list[str]]:
+    """Union of nodes at the same position of identical layers, and of parameter nodes sharing a name."""
+    parent = {n: n for n in G.nodes}
+
+    def find(n: str) -> str:
+        while parent[n] != n:
+            parent[n] = parent[parent[n]]
+            n = parent[n]
+        return n
+
+    def union(a: str, b: str) -> None:
+        ra, rb = find(a), find(b)
+        if ra != rb:
+            parent[rb] = ra
+
+    by_layer: dict[str, list[str]] = {}
+    for n, a in G.nodes(data=True):
+        if a.get("layer"):
+            by_layer.setdefault(a["layer"], []).append(n)
+    for block in repeated:
+        layers = [by_layer.get(name, []) for name in block.layers]
+        first = layers[0]
+        for other in layers[1:]:
+            if len(other) != len(first):
+                raise ValueError(f"repeated block {block.prefix}: layers of {len(first)} and {len(other)} nodes")
+            for a, b in zip(first, other):
+                union(a, b)
+    by_param: dict[str, str] = {}
+    for n, a in G.nodes(data=True):
+        if a["kind"] == "param":
+            union(by_param.setdefault(a["param_name"], n), n)
+    groups: dict[str, list[str]] = {}
+    for n in G.nodes:  # graph order: the representative is the first member
+        groups.setdefault(find(n), []).append(n)
+    return {members[0]: members for members in groups.values()}
+
+
+def _captured_float_bytes(G: nx.DiGraph) -> int:
+    for _, a in G.nodes(data=True):
+        if a["kind"] == "param" and a["dtypes"]:
+            return _INT_BYTES.get(a["dtypes"][0], 2 if a["dtypes"][0] in ("float16", "bfloat16") else 4)
+    return 4
+
+
+def _elem_bytes(dtype: str, precision: str) -> int:
+    if dtype in _FLOAT and dtype != "float64":
+        return element_bytes(precision)
+    return _INT_BYTES.get(dtype, 4)
+
+
+def _numel(shape: Sequence[int]) -> int:
+    return math.prod(shape)
+
+
+# -- the ILP -----------------------------------------------------------------------
+
+
+@dataclass
+class _Model:
+    solver: pywraplp.Solver
+    x: dict[str, dict[int, pywraplp.Variable]] = field(default_factory=dict)
+    e: list[dict[tuple[int, int], pywraplp.Variable]] = field(default_factory=list)
+    memory: pywraplp.Constraint | None = None
+
+
+def solve_tp(problem: TPProblem, *, solver: str = SOLVER, time_limit_s: float = 120.0,
+             objective: str = "time") -> TPSolution:
+    """Solve ``problem``; raise ``InfeasibleError`` naming the binding constraint, ``SolverError`` on failure.
+
+    ``objective="memory"`` minimises per-device memory instead (used to report
+    the smallest layout when the budget cannot be met).
+    """
+    t0 = time.perf_counter()
+    m = _new_model(solver)
+    _add_choice_variables(m, problem)
+    _add_edge_variables(m, problem)
+    if objective == "time":
+        _add_memory_constraint(m, problem)
+    _set_objective(m, problem, objective)
+    build_s = time.perf_counter() - t0
+    m.solver.SetTimeLimit(int(time_limit_s * 1000))
+    t1 = time.perf_counter()
+    status = m.solver.Solve()
+    solve_s = time.perf_counter() - t1
+    if status == pywraplp.Solver.INFEASIBLE:
+        raise _infeasible(problem, solver, objective)
+    if status not in (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE):
+        raise SolverError(f"{solver} returned status {_STATUS.get(status, status)} on the TP model "
+                          f"(t={problem.setting.t}, micro-batch {problem.setting.micro_batch}, "
+                          f"{m.solver.NumVariables()} variables) after {solve_s:.1f} s")
+    pick = {key: next(s for s, var in xs.items() if var.solution_value() > 0.5) for key, xs in m.x.items()}
+    obj = m.solver.Objective().Value()
+    bound = m.solver.Objective().BestBound() if m.solver.IsMip() else obj
+    gap = abs(obj - bound) / max(abs(obj), 1e-30)
+    report = TPSolveReport(solver, _STATUS[status], obj, bound, gap, solve_s, build_s, m.solver.NumVariables(),
+                           m.solver.NumConstraints(), len(problem.classes), problem.num_nodes)
+    return evaluate(problem, pick, report)
+
+
+_STATUS = {pywraplp.Solver.OPTIMAL: "OPTIMAL", pywraplp.Solver.FEASIBLE: "FEASIBLE",
+           pywraplp.Solver.INFEASIBLE: "INFEASIBLE", pywraplp.Solver.UNBOUNDED: "UNBOUNDED",
+           pywraplp.Solver.ABNORMAL: "ABNORMAL", pywraplp.Solver.NOT_SOLVED: "NOT_SOLVED",
+           pywraplp.Solver.MODEL_INVALID: "MODEL_INVALID"}
+
+
+def _new_model(solver: str) -> _Model:
+    if solver not in SOLVERS:
+        raise ValueError(f"solver {solver!r} is not one of {', '.join(SOLVERS)}")
+    s = pywraplp.Solver.CreateSolver("CP_SAT" if solver == "CP-SAT" else solver)
+    if s is None:
+        raise SolverError(f"OR-Tools has no {solver} backend in this build")
+    if solver == "CP-SAT":
+        # 2 workers (the default here) stall on 2 cores: shared/TORCH_ON_CPU.md
+        s.SetSolverSpecificParametersAsString("num_workers:1 linearization_level:2")
+    else:
+        s.SetNumThreads(1)
+    return _Model(s)
+
+
+def _add_choice_variables(m: _Model, p: TPProblem) -> None:
+    """x[c,s] binaries and one_strategy[c]: sum_s x[c,s] = 1 (invalid strategies get no variable)."""
+    for c in p.classes:
+        xs = {s: m.solver.BoolVar(f"x[{c.key},{s}]") for s, cost in enumerate(c.costs) if cost.valid}
+        if not xs:
+            raise InfeasibleError(
+                f"layout compatibility: every strategy of node {c.key} needs an invalid reshard between "
+                "members of its class", hint="this is a strategy-list bug; report it with the model")
+        row = m.solver.Constraint(1, 1, f"one_strategy[{c.key}]")
+        for var in xs.values():
+            row.SetCoefficient(var, 1)
+        m.x[c.key] = xs
+
+
+def _add_edge_variables(m: _Model, p: TPProblem) -> None:
+    """e[k,i,j] for valid pairs; edge_out[k,i]: sum_j e = x[src,i]; edge_in[k,j]: sum_i e = x[dst,j]."""
+    for k, ec in enumerate(p.edges):
+        xs, xd = m.x[ec.src], m.x[ec.dst]
+        es = {(i, j): m.solver.NumVar(0, 1, f"e[{k},{i},{j}]")
+              for i in xs for j in xd if ec.fwd_s[i][j] is not None}
+        m.e.append(es)
+        for i, xi in xs.items():
+            row = m.solver.Constraint(0, 0, f"edge_out[{ec.src}->{ec.dst},{i}]")
+            row.SetCoefficient(xi, -1)
+            for j in xd:
+                if (i, j) in es:
+                    row.SetCoefficient(es[i, j], 1)
+        for j, xj in xd.items():
+            row = m.solver.Constraint(0, 0, f"edge_in[{ec.src}->{ec.dst},{j}]")
+            row.SetCoefficient(xj, -1)
+            for i in xs:
+                if (i, j) in es:
+                    row.SetCoefficient(es[i, j], 1)
+
+
+def _add_memory_constraint(m: _Model, p: TPProblem) -> None:
+    """memory: sum_c sum_s m[c,s] x[c,s] <= budget (bytes per device)."""
+    if not math.isfinite(p.setting.memory_budget):
+        return
+    row = m.solver.Constraint(-m.solver.infinity(), p.setting.memory_budget, "memory")
+    for c in p.classes:
+        for s, var in m.x[c.key].items():
+            row.SetCoefficient(var, c.costs[s].memory(p.bytes_per_param))
+    m.memory = row
+
+
+def _set_objective(m: _Model, p: TPProblem, objective: str) -> None:
+    """Seconds per micro-batch (or bytes per device with objective="memory")."""
+    obj = m.solver.Objective()
+    for c in p.classes:
+        for s, var in m.x[c.key].items():
+            cost = c.costs[s]
+            obj.SetCoefficient(var, cost.time_s if objective == "time" else cost.memory(p.bytes_per_param))
+    if objective == "time":
+        for ec, es in zip(p.edges, m.e):
+            for (i, j), var in es.items():
+                obj.SetCoefficient(var, ec.cost(i, j))
+    obj.SetMinimization()
+
+
+def _infeasible(p: TPProblem, solver: str, objective: str) -> InfeasibleError:
+    s = p.setting
+    if objective == "memory":
+        return InfeasibleError(
+            f"layout compatibility: no combination of strategies at t={s.t} has valid reshards on every edge",
+            hint="this is a strategy-list bug (every node should keep its replicate strategy); report it")
+    smallest = solve_tp(p, solver=solver, objective="memory")
+    gb = 1e9
+    err = InfeasibleError(
+        f"memory: the smallest layout needs {smallest.memory_bytes / gb:.1f} GB per device "
+        f"(model state {smallest.param_numel * p.bytes_per_param / gb:.1f} GB + activations "
+        f"{smallest.activation_bytes / gb:.1f} GB at micro-batch {s.micro_batch}), budget "
+        f"{s.memory_budget / gb:.1f} GB at tp={s.t}",
+        hint="raise tp, add devices, or lower the micro-batch")
+    err.constraint = "memory"  # type: ignore[attr-defined]
+    err.needed_bytes = smallest.memory_bytes  # type: ignore[attr-defined]
+    return err
+
+
+# -- evaluating a choice, and the exhaustive reference ------------------------------------------
+
+
+def evaluate(problem: TPProblem, pick: Mapping[str, int], report: TPSolveReport | None = None) -> TPSolution:
+    """The cost and memory of choosing strategy ``pick[c]`` for every class ``c``."""
+    compute = internal = fwd = bwd = numel = act = 0.0
+    for c in problem.classes:
+        cost = c.costs[pick[c.key]]
+        if not cost.valid:
+            raise ValueError(f"strategy {pick[c.key]} of {c.key} is invalid inside its class")
+        compute += cost.compute_s
+        internal += cost.internal_s
+        fwd += cost.fwd_s
+        bwd += cost.bwd_s
+        numel += cost.param_numel
+        act += cost.activation_bytes
+    for ec in problem.edges:
+        i, j = pick[ec.src], pick[ec.dst]
+        if ec.fwd_s[i][j] is None:
+            raise ValueError(f"edge {ec.src}->{ec.dst}: strategies {i}, {j} need an invalid reshard")
+        fwd += ec.fwd_s[i][j]
+        bwd += ec.bwd_s[i][j]
+    memory = numel * problem.bytes_per_param + act
+    total = compute + internal + fwd + bwd
+    if report is None:
+        report = TPSolveReport("evaluate", "EVALUATED", total, total, 0.0, 0.0, 0.0, 0, 0,
+                               len(problem.classes), problem.num_nodes)
+    strategies = {c.key: c.strategies for c in problem.classes}
+    choice = {n: strategies[k][pick[k]] for n, k in problem.class_of.items()}
+    return TPSolution(choice, dict(pick), compute, fwd, bwd, internal, numel, act, memory, report)
+
+
+def exhaustive_choice(problem: TPProblem, *, max_combinations: int = 5_000_000) -> TPSolution:
+    """The optimum by enumerating the product of all classes' strategies (small problems only).
+
+    Depth-first over the classes in order, with each partial assignment's cost
+    and memory accumulated; a branch is cut when its cost so far plus every
+    remaining class's cheapest strategy already reaches the best found, or its
+    memory so far plus every remaining class's smallest strategy exceeds the
+    budget. Both bounds are valid (all costs are non-negative), so the result
+    is the exact optimum of the product, independent of any solver.
+    """
+    if problem.combinations > max_combinations:
+        raise ValueError(f"{problem.combinations:.3g} combinations exceed max_combinations={max_combinations}")
+    t0 = time.perf_counter()
+    order = [c for c in problem.classes]
+    index = {c.key: k for k, c in enumerate(order)}
+    bpp = problem.bytes_per_param
+    # edges checked when their later end is assigned
+    incoming: list[list[tuple[EdgeClass, bool]]] = [[] for _ in order]
+    for ec in problem.edges:
+        a, b = index[ec.src], index[ec.dst]
+        incoming[max(a, b)].append((ec, a < b))
+    min_time = [min((c.time_s for c in cls.costs if c.valid), default=math.inf) for cls in order]
+    min_mem = [min((c.memory(bpp) for c in cls.costs if c.valid), default=math.inf) for cls in order]
+    rest_time = list(itertools.accumulate(reversed(min_time + [0.0])))[::-1]
+    rest_mem = list(itertools.accumulate(reversed(min_mem + [0.0])))[::-1]
+    budget = problem.setting.memory_budget
+    best = [math.inf, None]
+    pick: list[int] = [0] * len(order)
+
+    def visit(k: int, cost: float, mem: float) -> None:
+        if k == len(order):
+            if cost < best[0]:
+                best[0], best[1] = cost, list(pick)
+            return
+        cls = order[k]
+        for s, sc in enumerate(cls.costs):
+            if not sc.valid:
+                continue
+            c2, m2 = cost + sc.time_s, mem + sc.memory(bpp)
+            ok = True
+            for ec, src_first in incoming[k]:
+                other = pick[index[ec.src if src_first else ec.dst]]
+                w = ec.cost(other, s) if src_first else ec.cost(s, other)
+                if w is None:
+                    ok = False
+                    break
+                c2 += w
+            if not ok or c2 + rest_time[k + 1] >= best[0] or m2 + rest_mem[k + 1] > budget * (1 + 1e-12):
+                continue
+            pick[k] = s
+            visit(k + 1, c2, m2)
+
+    import sys
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(max(limit, len(order) + 100))
+    try:
+        visit(0, 0.0, 0.0)
+    finally:
+        sys.setrecursionlimit(limit)
+    if best[1] is None:
+        raise InfeasibleError(f"exhaustive search: no combination of strategies fits {budget / 1e9:.2f} GB")
+    chosen = {c.key: best[1][k] for k, c in enumerate(order)}
+    secs = time.perf_counter() - t0
+    report = TPSolveReport("exhaustive", "EXHAUSTIVE", best[0], best[0], 0.0, secs, 0.0, 0, 0, len(order),
+                           problem.num_nodes)
+    return evaluate(problem, chosen, report)
+
