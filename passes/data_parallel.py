@@ -132,6 +132,12 @@ def choose_data_parallel(
             f"{cluster.world_size} devices ({cluster.nodes} node(s) x {cluster.gpus_per_node})",
             hint="pass a cluster with enough devices (e.g. --nodes)",
         )
+    if pins.tp not in (None, 1):
+        raise PartitaError(
+            f"--tp {pins.tp}: this planner decides data parallelism only; tensor parallelism arrives "
+            "with the (dp, tp) mesh search (passes/tensor_parallel.choose_mesh)",
+            hint="drop --tp (or pass --tp 1)",
+        )
     B = request.global_batch
     if pins.dp is not None:
         if pins.dp > devices:

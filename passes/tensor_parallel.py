@@ -1,0 +1,337 @@
+"""The (dp, tp) mesh: how many ways each layer is split, how many replicas, how each splits its batch.
+
+Reads a ``ModelProfile`` (its annotated graph, repeated layers, captured
+batch), the parameter sizes, a ``ClusterSpec``, a ``TrainingRequest`` and
+``Pins``. Returns a ``MeshDecision``: the tensor-parallel degree tp, the
+data-parallel degree dp = world / tp, the micro-batch size and accumulation
+steps, the strategy of every node (from the TP ILP, passes/tp_ilp.py), the
+predicted step time and memory by part, the solver's report, and every
+alternative weighed with the reason it lost. Writes nothing on the graph;
+the compile pipeline turns the decision into a plan (``layout_decisions``).
+
+Space. tp runs over the divisors of ``gpus_per_node`` that divide the world
+size: a TP group exchanges activations inside every layer, so it stays
+inside one node on its fast links (shared/SEED_NOTES.md, Megatron's
+placement rule); a TP group never spans nodes, whatever the cluster. Ranks
+are laid out TP innermost (compiler/plan.MESH_ORDER), so each dp group's
+ranks are tp apart and its link is ``link_for_group(dp, stride=tp)``. For
+each tp, micro-batch sizes run over the divisors of the per-replica batch
+B / dp, smallest first.
+
+Cost of one candidate (cost_model.mesh_step): grad_accum x (the ILP's
+per-micro-batch time: compute + TP forward/backward/internal collectives,
+plus the cluster's per-micro-batch overhead) + the all-reduce of the LOCAL
+gradient shards over the dp group (bucketed as the runtime buckets them) +
+the optimizer step over the local model state. Memory: the ILP's layout
+(model state of the local shards + saved activations of one micro-batch)
+within the device's usable memory, a constraint of the ILP itself.
+
+Reuse. One ILP per (tp, micro-batch), each with the repeated layers tied
+(one layer's variables however deep the model); strategy lists are computed
+once per tp. Memory grows with the micro-batch for every layout, so once a
+micro-batch does not fit at some tp, the larger ones are reported as not
+fitting without a solve.
+
+Objective: the fastest predicted step that fits; ties go to the larger
+micro-batch, then the smaller tp (plain data parallelism when TP buys nothing).
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+from partita.compiler.errors import InfeasibleError, PartitaError
+from partita.compiler.plan import Alternative, MemoryBreakdown, Mesh
+from partita.passes.cluster import ClusterSpec
+from partita.passes.constraints import Pins, TrainingRequest
+from partita.passes.cost_model import StepCost, mesh_step, model_state_memory, state_bytes_per_param
+from partita.passes.data_parallel import DEFAULT_BUCKET_BYTES, gradient_buckets
+from partita.passes.profile import ModelProfile
+from partita.passes.tp_ilp import SOLVER, StrategyFn, TPSetting, TPSolution, TPSolveReport, build_problem, solve_tp
+from partita.passes.tp_strategies import Strategy, shard_dim
+
+
+@dataclass(frozen=True)
+class MeshCandidate:
+    """One (tp, micro-batch) weighed; ``cost``/``solver`` are None when it does not fit."""
+
+    tp: int
+    dp: int
+    micro_batch_size: int
+    grad_accum_steps: int
+    memory_bytes: int  # of the chosen layout, or of the smallest layout when it does not fit
+    fits: bool
+    cost: StepCost | None
+    memory: MemoryBreakdown | None
+    solver: TPSolveReport | None
+    reason: str = ""
+
+    @property
+    def step_s(self) -> float | None:
+        return self.cost.step_s if self.cost is not None else None
+
+
+@dataclass(frozen=True)
+class MeshDecision:
+    tp: int
+    dp: int
+    micro_batch_size: int
+    grad_accum_steps: int
+    choice: Mapping[str, Strategy]  # every graph node -> its strategy at this tp
+    cost: StepCost  # comm_s keys: tp_forward, tp_backward, tp_internal, dp_all_reduce
+    memory: MemoryBreakdown  # per device
+    solver: TPSolveReport  # of the chosen (tp, micro-batch) solve
+    alternatives: tuple[MeshCandidate, ...]  # every candidate, chosen first, then fitting by time, then misses
+    buckets: tuple[int, ...]  # gradient bucket payloads of the local shards, bytes
+    bucket_bytes: int
+    tp_link: str
+    dp_link: str
+    solves: int  # ILPs solved
+    seconds: float
+
+    @property
+    def step_s(self) -> float:
+        return self.cost.step_s
+
+    @property
+    def mesh(self) -> Mesh:
+        return Mesh(dp=self.dp, tp=self.tp)
+
+
+def choose_mesh(
+    profile: ModelProfile,
+    param_numels: Sequence[int],
+    cluster: ClusterSpec,
+    request: TrainingRequest,
+    pins: Pins = Pins(),
+    *,
+    strategies: StrategyFn | None = None,
+    solver: str = SOLVER,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+) -> MeshDecision:
+    """Search (tp, micro-batch), solving the TP ILP for each; see the module docstring."""
+    t0 = time.perf_counter()
+    world = _world(cluster, pins)
+    B = request.global_batch
+    G = profile.graph
+    if sum(param_numels) != _graph_param_numel(G):
+        raise ValueError(f"param_numels sum to {sum(param_numels):,} but the graph's parameters to "
+                         f"{_graph_param_numel(G):,}: they describe different models")
+    if strategies is None:
+        from partita.passes.tp_strategies import node_strategies as strategies  # type: ignore[attr-defined]
+    cached = functools.lru_cache(maxsize=None)(lambda node, t: tuple(strategies(G, node, t)))
+
+    state_per_param = state_bytes_per_param(request.precision, request.optimizer, inference=request.inference)
+    grad_elem = 0 if request.inference else int(state_per_param.grads)
+    candidates: list[MeshCandidate] = []
+    best: tuple[MeshCandidate, TPSolution, tuple[int, ...]] | None = None
+    solves = 0
+    for tp in _tp_degrees(cluster, world, pins):
+        dp = world // tp
+        if B % dp:
+            candidates.append(MeshCandidate(tp, dp, 0, 0, 0, False, None, None, None,
+                                            f"global batch {B} does not divide over dp={dp}"))
+            continue
+        too_big: tuple[int, int] | None = None  # (micro-batch, bytes) of the first that did not fit
+        for mb in _micro_batches(B // dp, pins):
+            accum = B // dp // mb
+            if too_big is not None:
+                candidates.append(MeshCandidate(tp, dp, mb, accum, too_big[1], False, None, None, None,
+                                                f"does not fit: micro-batch {too_big[0]} already needs "
+                                                f"{too_big[1] / 1e9:.1f} GB > {cluster.usable_memory / 1e9:.1f} GB"))
+                continue
+            setting = TPSetting(tp, mb, profile.batch_size, request.precision, request.optimizer,
+                                request.inference, cluster.usable_memory)
+            problem = build_problem(G, setting, cluster, strategies=lambda _G, n, t: cached(n, t),
+                                    repeated=profile.repeated)
+            solves += 1
+            try:
+                sol = solve_tp(problem, solver=solver)
+            except InfeasibleError as e:
+                if getattr(e, "constraint", None) != "memory":
+                    raise
+                too_big = (mb, round(e.needed_bytes))
+                candidates.append(MeshCandidate(tp, dp, mb, accum, too_big[1], False, None, None, None,
+                                                f"does not fit: {e.message}"))
+                continue
+            local = _local_numels(G, sol.choice, tp)
+            buckets = tuple(gradient_buckets(local, grad_elem, bucket_bytes)) if grad_elem else ()
+            state = model_state_memory(sum(local), state_per_param)
+            memory = MemoryBreakdown(state.params, state.grads, state.optimizer, round(sol.activation_bytes),
+                                     cluster.usable_memory)
+            cost = mesh_step(
+                micro_batch_s={"compute": sol.compute_s, "tp_forward": sol.tp_forward_s,
+                               "tp_backward": sol.tp_backward_s, "tp_internal": sol.tp_internal_s},
+                grad_accum=accum, dp=dp, tp=tp, grad_buckets=list(buckets), state=state, cluster=cluster)
+            if request.inference:
+                cost = StepCost(cost.compute_s, {k: v for k, v in cost.comm_s.items() if k != "dp_all_reduce"}, 0.0)
+            cand = MeshCandidate(tp, dp, mb, accum, memory.total, True, cost, memory, sol.report)
+            candidates.append(cand)
+            if best is None or _key(cand) < _key(best[0]):
+                best = (cand, sol, buckets)
+    if best is None:
+        raise _infeasible(candidates, cluster, world)
+    chosen, sol, buckets = best
+    ordered = _ordered(candidates, chosen)
+    return MeshDecision(
+        tp=chosen.tp, dp=chosen.dp, micro_batch_size=chosen.micro_batch_size,
+        grad_accum_steps=chosen.grad_accum_steps, choice=sol.choice, cost=chosen.cost, memory=chosen.memory,
+        solver=sol.report, alternatives=ordered, buckets=buckets, bucket_bytes=bucket_bytes,
+        tp_link=cluster.link_for_group(chosen.tp).name, dp_link=cluster.link_for_group(chosen.dp, stride=chosen.tp).name,
+        solves=solves, seconds=time.perf_counter() - t0,
+    )
+
+
+def plan_alternatives(decision: MeshDecision, limit: int = 12) -> tuple[Alternative, ...]:
+    """The alternatives in the plan's form: the chosen one, the fastest per tp, then the nearest misses."""
+    chosen = decision.alternatives[0]
+    picked = [chosen]
+    seen = {chosen.tp}
+    for c in decision.alternatives[1:]:
+        if c.fits and c.tp not in seen:
+            picked.append(c)
+            seen.add(c.tp)
+    picked += [c for c in decision.alternatives[1:] if c.fits and c not in picked][:2]
+    picked += [c for c in decision.alternatives if not c.fits and c.micro_batch_size][:3]
+    return tuple(
+        Alternative(mesh=Mesh(dp=c.dp, tp=c.tp), micro_batch_size=c.micro_batch_size,
+                    grad_accum_steps=c.grad_accum_steps, zero_stage=0, step_time_s=c.step_s,
+                    memory_bytes=c.memory_bytes, fits=c.fits, chosen=c is chosen, reason=c.reason)
+        for c in picked[:limit]
+    )
+
+
+# -- the space -----------------------------------------------------------------------
+
+
+def _world(cluster: ClusterSpec, pins: Pins) -> int:
+    if pins.world_size and pins.world_size > cluster.world_size:
+        raise PartitaError(
+            f"{pins.world_size} processes were launched but cluster {cluster.name!r} has "
+            f"{cluster.world_size} devices ({cluster.nodes} node(s) x {cluster.gpus_per_node})",
+            hint="pass a cluster with enough devices (e.g. --nodes)")
+    return pins.world_size or cluster.world_size
+
+
+def _tp_degrees(cluster: ClusterSpec, world: int, pins: Pins) -> list[int]:
+    """Divisors of gpus_per_node dividing the world (TP groups stay inside a node), narrowed by the pins."""
+    g = cluster.gpus_per_node
+    if pins.tp is not None:
+        if g % pins.tp:
+            raise PartitaError(f"--tp {pins.tp} does not divide {g} GPUs per node: a TP group must stay inside a node",
+                               hint=f"use one of {', '.join(map(str, _divisors(g)))}")
+        if world % pins.tp:
+            raise PartitaError(f"--tp {pins.tp} does not divide the world size {world}")
+    if pins.dp is not None:
+        if world % pins.dp:
+            raise PartitaError(f"--dp {pins.dp} does not divide the world size {world}")
+        tp = world // pins.dp
+        if pins.tp is not None and pins.tp != tp:
+            raise PartitaError(f"--dp {pins.dp} x --tp {pins.tp} = {pins.dp * pins.tp} devices, "
+                               f"but the world size is {world}")
+        if g % tp:
+            raise PartitaError(f"--dp {pins.dp} leaves tp={tp}, which does not divide {g} GPUs per node",
+                               hint="a TP group must stay inside a node")
+        return [tp]
+    if pins.tp is not None:
+        return [pins.tp]
+    return [d for d in _divisors(g) if world % d == 0]
+
+
+def _micro_batches(share: int, pins: Pins) -> list[int]:
+    mbs = [pins.micro_batch_size] if pins.micro_batch_size else _divisors(share)
+    if pins.grad_accum_steps:
+        mbs = [m for m in mbs if m * pins.grad_accum_steps == share]
+    return [m for m in mbs if share % m == 0]
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _graph_param_numel(G) -> int:
+    seen: dict[str, int] = {}
+    for _, a in G.nodes(data=True):
+        if a["kind"] == "param":
+            seen.setdefault(a["param_name"], _numel(a["shapes"][0]))
+    return sum(seen.values())
+
+
+def _local_numels(G, choice: Mapping[str, Strategy], tp: int) -> list[int]:
+    """Elements of each distinct parameter's local shard, in graph (registration) order."""
+    out: dict[str, int] = {}
+    for n, a in G.nodes(data=True):
+        if a["kind"] == "param" and a["param_name"] not in out:
+            st = choice[n]
+            sharded = bool(st.out) and shard_dim(st.out[0]) is not None
+            out[a["param_name"]] = _numel(a["shapes"][0]) // (tp if sharded else 1)
+    return list(out.values())
+
+
+def _numel(shape: Sequence[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+# -- choosing and explaining ----------------------------------------------------------
+
+
+def _key(c: MeshCandidate) -> tuple:
+    return (c.step_s, -c.micro_batch_size, c.tp)
+
+
+def _ordered(candidates: list[MeshCandidate], chosen: MeshCandidate) -> tuple[MeshCandidate, ...]:
+    fitting = sorted((c for c in candidates if c.fits), key=_key)
+    misses = sorted((c for c in candidates if not c.fits), key=lambda c: (c.memory_bytes == 0, c.memory_bytes))
+    out = []
+    for c in fitting + misses:
+        reason = c.reason if not c.fits else _reason(c, chosen)
+        out.append(c if c.reason == reason else _with_reason(c, reason))
+    return tuple(out)
+
+
+def _with_reason(c: MeshCandidate, reason: str) -> MeshCandidate:
+    return MeshCandidate(c.tp, c.dp, c.micro_batch_size, c.grad_accum_steps, c.memory_bytes, c.fits, c.cost,
+                         c.memory, c.solver, reason)
+
+
+def _reason(c: MeshCandidate, best: MeshCandidate) -> str:
+    if c is best:
+        return "chosen: fastest predicted step that fits"
+    a, b = c.cost, best.cost
+    parts = []
+
+    def differ(name: str, x: float, y: float) -> None:
+        if x > y * 1.001 + 1e-9:
+            parts.append(f"{name} {x * 1e3:.3g} ms vs {y * 1e3:.3g} ms")
+
+    differ("compute", a.compute_s, b.compute_s)
+    tp_a = sum(v for k, v in a.comm_s.items() if k.startswith("tp_"))
+    tp_b = sum(v for k, v in b.comm_s.items() if k.startswith("tp_"))
+    differ("TP communication", tp_a, tp_b)
+    differ("gradient all-reduce", a.comm_s.get("dp_all_reduce", 0.0), b.comm_s.get("dp_all_reduce", 0.0))
+    differ("optimizer", a.optimizer_s, b.optimizer_s)
+    if not parts:
+        parts.append("equal time; the larger micro-batch, then the smaller tp, break the tie")
+    return f"{c.step_s / best.step_s:.2f}x slower: " + "; ".join(parts)
+
+
+def _infeasible(candidates: list[MeshCandidate], cluster: ClusterSpec, world: int) -> InfeasibleError:
+    sized = [c for c in candidates if c.memory_bytes]
+    if not sized:
+        reasons = "; ".join(sorted({c.reason for c in candidates}))
+        return InfeasibleError(f"no (dp, tp) mesh of {world} devices is possible: {reasons}",
+                               hint="choose a global batch divisible by the data-parallel degree")
+    least = min(sized, key=lambda c: c.memory_bytes)
+    gb = 1e9
+    return InfeasibleError(
+        f"memory: no (dp, tp) mesh fits; the smallest layout (tp={least.tp}, micro-batch {least.micro_batch_size}) "
+        f"needs {least.memory_bytes / gb:.1f} GB per device, budget {cluster.usable_memory / gb:.1f} GB "
+        f"({cluster.memory_bytes / gb:.0f} GB less {cluster.memory_reserve:.0%} reserve)",
+        hint=f"tp is at most {cluster.gpus_per_node} (one node); add pipeline stages or ZeRO (later versions), "
+        "use devices with more memory, or lower the micro-batch")
