@@ -13,6 +13,10 @@ name) with edges along data flow. It reads ``node.meta["val"]`` (fake values),
   and their total bytes;
 - ``inputs`` / ``in_shapes``: the names and shapes of the tensor arguments in argument
   order, repeats kept (what FLOP rules read);
+- ``args`` / ``kwargs``: the node's arguments rendered as JSON-able values (ints, floats,
+  bools, None, strings, lists of them; dtypes and devices as strings), each tensor
+  argument as ``{"input": J}`` (its index in ``inputs``) and any other graph value as
+  ``{"node": NAME}`` (what the tensor-parallel rules read: dims, sizes, flags);
 - ``param_name`` and ``param_bytes`` on param nodes, ``buffer_name`` on buffer nodes; a
   tied parameter (GPT-2's lm_head and wte) can have several nodes with one ``param_name``:
   count its bytes once per name;
@@ -154,7 +158,35 @@ def _tensor_args(node: torch.fx.Node) -> dict[str, list]:
         return arg
 
     torch.fx.map_arg((node.args, node.kwargs), visit)
-    return {"inputs": names, "in_shapes": shapes}
+    return {"inputs": names, "in_shapes": shapes, **_rendered_args(node)}
+
+
+def _rendered_args(node: torch.fx.Node) -> dict[str, Any]:
+    """``args`` and ``kwargs`` as JSON-able values; tensors as their index in ``inputs``.
+
+    Visits arguments in the order ``torch.fx.map_arg`` does (args, then kwargs, depth
+    first), so the J-th tensor met here is the J-th entry of ``inputs``.
+    """
+    count = [0]
+
+    def render(a: Any) -> Any:
+        if isinstance(a, torch.fx.Node):
+            if tensor_values(a.meta.get("val")):
+                count[0] += 1
+                return {"input": count[0] - 1}
+            return {"node": a.name}
+        if isinstance(a, (list, tuple)):
+            return [render(x) for x in a]
+        if isinstance(a, dict):
+            return {str(k): render(v) for k, v in a.items()}
+        if a is None or isinstance(a, (bool, int, float, str)):
+            return a
+        if isinstance(a, torch.dtype):
+            return str(a).removeprefix("torch.")
+        return str(a)  # devices, layouts, memory formats
+
+    args = render(list(node.args))
+    return {"args": args, "kwargs": render(dict(node.kwargs))}
 
 
 def _innermost_module(node: torch.fx.Node) -> tuple[str, str]:

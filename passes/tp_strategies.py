@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import Any
 
 REPLICATE = "replicate"
 PARTIAL = "partial"
@@ -114,3 +115,127 @@ def replicated(n_in: int, n_out: int, grads: tuple[str, ...] | None = None) -> S
     """Every rank runs the whole op on whole tensors: the strategy every node has."""
     return Strategy("replicate", (REPLICATE,) * n_out, (REPLICATE,) * n_in,
                     grads if grads is not None else (REPLICATE,) * n_in)
+
+
+# -- the strategies of a graph node ------------------------------------------------
+
+_FLOATING = ("float", "bfloat16", "half", "complex")
+_NO_GRAD_OPS = frozenset({"detach", "_assert_tensor_metadata", "argmax", "argmin"})
+
+
+def op_key(op: str) -> tuple[str, str]:
+    """(packet, overload) of a DiGraph ``op``: ("add", "Tensor"); ("getitem", "") for operator.getitem."""
+    if op.endswith(".getitem"):
+        return "getitem", ""
+    parts = op.split(".")
+    if len(parts) == 3 and parts[0] == "aten":
+        return parts[1], parts[2]
+    return op, ""
+
+
+def _floating(dtype: str) -> bool:
+    return dtype.startswith(_FLOATING)
+
+
+def input_index(G: Any, node: str, j: int) -> int:
+    """Which tensor output of its producer the node's j-th tensor input is (getitem's index, else 0)."""
+    a = G.nodes[node]
+    if op_key(a["op"])[0] == "getitem" and j == 0:
+        return int(a["args"][1])
+    return 0
+
+
+def grad_flows(G: Any) -> dict[str, bool]:
+    """Node -> whether a gradient flows into its outputs in backward (a floating output
+    descending from a parameter through differentiable ops). Cached in
+    ``G.graph["tp_grad_flows"]``, the only attribute this module writes."""
+    cached = G.graph.get("tp_grad_flows")
+    if cached is not None and len(cached) == G.number_of_nodes():
+        return cached
+    import networkx as nx
+
+    flows: dict[str, bool] = {}
+    for n in nx.topological_sort(G):
+        a = G.nodes[n]
+        floating = any(_floating(d) for d in a["dtypes"])
+        if a["kind"] == "param":
+            flows[n] = floating
+        elif a["kind"] == "call":
+            flows[n] = (floating and op_key(a["op"])[0] not in _NO_GRAD_OPS
+                        and any(flows.get(src, False) for src in a["inputs"]))
+        else:
+            flows[n] = False
+    G.graph["tp_grad_flows"] = flows
+    return flows
+
+
+def node_strategies(G: Any, node: str, t: int) -> list[Strategy]:
+    """Every strategy of ``node`` over a TP group of ``t`` ranks; the first is replicated.
+
+    Reads the DiGraph attributes of passes/graph.py (``op``, ``kind``, ``args``,
+    ``kwargs``, ``inputs``, ``in_shapes``, ``shapes``, ``dtypes``); the rules per op
+    and their catalog are in passes/tp_rules.py. Placeholders: a parameter offers
+    "replicate" and "shard(D)" for each dim that divides by t; model inputs, targets
+    and buffers "replicate" only. The output node needs the loss replicated.
+    Gradient placements are "none" for inputs that carry no gradient (integer and
+    bool tensors, inputs not descending from a parameter) and for every input of a
+    node whose outputs carry none.
+    """
+    from partita.passes.tp_rules import OpView, op_rule
+
+    a = G.nodes[node]
+    n_in, n_out = len(a["inputs"]), len(a["shapes"])
+    flows = grad_flows(G)
+    if a["kind"] == "output":
+        base = replicated(n_in, 0, tuple(REPLICATE if flows.get(s) else NONE for s in a["inputs"]))
+        return [base]
+    if a["kind"] in ("param", "buffer", "input"):
+        out = [replicated(0, n_out)]
+        if a["kind"] == "param" and t > 1:
+            out += [Strategy(shard(d), (shard(d),), (), (), memory_fraction=1 / t)
+                    for d, size in enumerate(a["shapes"][0]) if size >= t and size % t == 0]
+        return out
+    srcs = a["inputs"]
+    idx = [input_index(G, node, j) for j in range(n_in)]
+    in_dtypes = [G.nodes[s]["dtypes"][i] if G.nodes[s]["dtypes"] else "" for s, i in zip(srcs, idx)]
+    in_shapes = [tuple(G.nodes[s]["shapes"][i]) if G.nodes[s]["shapes"] else tuple(sh)
+                 for s, i, sh in zip(srcs, idx, a["in_shapes"])]
+    strategies = [replicated(n_in, n_out)]
+    name, overload = op_key(a["op"])
+    rule = op_rule(name)
+    if rule is not None and t > 1:
+        view = OpView(name, overload, a.get("args", []), a.get("kwargs", {}), in_shapes,
+                      [tuple(s) for s in a["shapes"]], [_floating(d) for d in in_dtypes], t)
+        strategies += rule(view)
+    out_flows = flows.get(node, False)
+    carries = [out_flows and flows.get(s, False) and _floating(d) for s, d in zip(srcs, in_dtypes)]
+    floating_in = [_floating(d) for d in in_dtypes]
+    floating_out = all(_floating(d) for d in a["dtypes"])
+    result, names = [], set()
+    for s in strategies:
+        partial_on_ints = any(p == PARTIAL and not f for p, f in zip(s.ins, floating_in)) or (
+            PARTIAL in s.out and not floating_out)
+        if partial_on_ints:  # a sum of integer / bool parts means nothing
+            continue
+        grads = tuple(g if c else NONE for g, c in zip(s.grads, carries))
+        assert s.name not in names, f"{node}: two strategies named {s.name}"
+        names.add(s.name)
+        result.append(Strategy(s.name, s.out, s.ins, grads, s.compute_fraction, s.memory_fraction, s.internal))
+    return result
+
+
+def unsupported_ops(G: Any) -> dict[str, int]:
+    """Ops of call nodes that have no TP rule (so they run replicated) -> how many nodes.
+
+    Factories and whole-tensor statistics (``tp_rules.REPLICATE_BY_NATURE``) are
+    replicated by nature and not listed."""
+    from partita.passes.tp_rules import REPLICATE_BY_NATURE, op_rule
+
+    counts: dict[str, int] = {}
+    for _, a in G.nodes(data=True):
+        if a["kind"] != "call":
+            continue
+        name = op_key(a["op"])[0]
+        if op_rule(name) is None and name not in REPLICATE_BY_NATURE:
+            counts[a["op"]] = counts.get(a["op"], 0) + 1
+    return dict(sorted(counts.items()))
