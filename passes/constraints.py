@@ -32,14 +32,10 @@ class Pins:
                 raise PartitaError(f"--{name.replace('_', '-')} {v!r} must be a positive integer")
         if self.zero_stage is not None and self.zero_stage not in (0, 1, 2, 3):
             raise PartitaError(f"--zero {self.zero_stage!r} must be 0, 1, 2 or 3")
-        # The planner decides the data- and tensor-parallel axes (a tp pin is checked against
-        # the cluster in passes/tensor_parallel.py); pipelines and ZeRO arrive in later versions.
-        if self.pp not in (None, 1):
-            raise PartitaError(
-                f"--pp {self.pp}: this version plans data- and tensor-parallel training only; "
-                "pipeline parallelism arrives in a later version",
-                hint="drop --pp (or pass --pp 1)",
-            )
+        # The planners decide the data-, tensor- and pipeline-parallel axes (a tp pin is checked
+        # against the cluster in passes/tensor_parallel.py, a pp pin against the devices in
+        # passes/pipeline_parallel.py; a planner that cannot honour one refuses it); ZeRO's
+        # runtime arrives in a later version.
         if self.zero_stage not in (None, 0):
             raise PartitaError(
                 f"--zero {self.zero_stage}: ZeRO's memory arithmetic is in `partita estimate`, "

@@ -31,7 +31,7 @@ predicted step times are upper bounds on that term.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import Mapping, Sequence
 
 from partita.passes.cluster import ClusterSpec, Link
 
@@ -245,3 +245,105 @@ def mesh_step(
         comm["dp_all_reduce"] = sum(collective_time("all_reduce", b, dp, link) for b in grad_buckets)
         traffic["dp_all_reduce"] = round(sum(collective_traffic("all_reduce", b, dp) for b in grad_buckets))
     return StepCost(compute_s=compute, comm_s=comm, optimizer_s=optimizer_time(state, cluster), traffic_bytes=traffic)
+
+
+# -- pipeline schedules ------------------------------------------------------
+#
+# p stages, m micro-batches. GPipe and 1F1B take the same time: every stage runs
+# m forward + backward slots, and the slowest stage's slot sets the pace, so
+#
+#     step = (m + p - 1) x max_s slot_s + tail,    slot_s = F_s + B_s + overhead + P_s
+#
+# i.e. m slowest slots plus a bubble of (p - 1) of them: the bubble fraction
+# (p - 1)/m of REFERENCE.md. P_s is what stage s sends per micro-batch (its
+# activations forward, its input gradients back), each a point-to-point
+# transfer, exposed (no overlap with compute: an upper bound); what it
+# receives arrives on the other direction of the full-duplex link in the same
+# time as its neighbour's send. The tail after the last backward is per stage:
+# the gradient all-reduce over the stage's dp group, then the optimizer on the
+# stage's state; the slowest tail counts, plus the all-reduce of gradients of
+# parameters that two stages share (tied embeddings), once per step.
+# Memory is where the schedules differ: GPipe holds every micro-batch's
+# activations until the backward starts (m); 1F1B starts backward as soon as
+# the pipe is full, so stage i of p holds min(p - i, m) (Narayanan et al.).
+
+SCHEDULES = ("1f1b", "gpipe")
+
+
+def bubble_fraction(stages: int, micro_batches: int) -> float:
+    """Idle time over useful time of a pipeline: (p - 1) / m (GPipe and 1F1B alike)."""
+    if stages < 1 or micro_batches < 1:
+        raise ValueError(f"stages={stages} and micro_batches={micro_batches} must be at least 1")
+    return (stages - 1) / micro_batches
+
+
+def activations_in_flight(schedule: str, stage: int, stages: int, micro_batches: int) -> int:
+    """Micro-batches whose saved activations stage ``stage`` (0-based) of ``stages`` holds at its peak."""
+    if schedule not in SCHEDULES + ("none",):
+        raise ValueError(f"schedule {schedule!r} is not one of none, {', '.join(SCHEDULES)}")
+    if not 0 <= stage < stages:
+        raise ValueError(f"stage {stage} is not in 0..{stages - 1}")
+    if schedule == "none":
+        return 1  # no pipeline: one micro-batch at a time, gradients accumulated
+    if schedule == "gpipe":
+        return micro_batches
+    return min(stages - stage, micro_batches)
+
+
+def p2p_time(nbytes: float, link: Link) -> float:
+    """One point-to-point transfer between neighbouring stages; nothing to send costs nothing."""
+    return collective_time("send_recv", nbytes, 2, link) if nbytes > 0 else 0.0
+
+
+def stage_slot_time(compute_s: float, p2p_s: float, cluster: ClusterSpec) -> float:
+    """One micro-batch's slot on one stage: its forward + backward, the per-micro-batch overhead, its sends."""
+    return compute_s + cluster.step_overhead_s + p2p_s
+
+
+@dataclass(frozen=True)
+class PipelineStepCost:
+    """Predicted time of one step of a pipeline (p = 1 is plain gradient accumulation)."""
+
+    compute_s: float  # m x (forward + backward + overhead) of the slowest stage
+    p2p_s: float  # m x the slowest stage's sends
+    bubble_s: float  # (p - 1) x the slowest stage's slot
+    dp_all_reduce_s: float  # the slowest tail's gradient all-reduce over its dp group
+    tied_all_reduce_s: float  # gradients of parameters shared by two stages
+    optimizer_s: float  # the slowest tail's optimizer step
+    slowest_stage: int
+
+    @property
+    def step_s(self) -> float:
+        return self.compute_s + self.p2p_s + self.bubble_s + self.dp_all_reduce_s + self.tied_all_reduce_s + self.optimizer_s
+
+
+def pipeline_step(
+    *,
+    compute_s: Sequence[float],
+    p2p_s: Sequence[float],
+    micro_batches: int,
+    dp_all_reduce_s: Sequence[float],
+    optimizer_s: Sequence[float],
+    tied_all_reduce_s: float,
+    cluster: ClusterSpec,
+) -> PipelineStepCost:
+    """One step of a p-stage pipeline with ``micro_batches`` micro-batches (formula above).
+
+    Each sequence holds one value per stage: ``compute_s`` one micro-batch's forward +
+    backward, ``p2p_s`` its sends, ``dp_all_reduce_s`` and ``optimizer_s`` once per step.
+    """
+    p = len(compute_s)
+    if not (p == len(p2p_s) == len(dp_all_reduce_s) == len(optimizer_s)) or p == 0:
+        raise ValueError("pipeline_step needs one compute, p2p, all-reduce and optimizer time per stage")
+    slots = [stage_slot_time(c, x, cluster) for c, x in zip(compute_s, p2p_s)]
+    slow = max(range(p), key=lambda s: slots[s])
+    tail = max(range(p), key=lambda s: dp_all_reduce_s[s] + optimizer_s[s])
+    return PipelineStepCost(
+        compute_s=micro_batches * (compute_s[slow] + cluster.step_overhead_s),
+        p2p_s=micro_batches * p2p_s[slow],
+        bubble_s=(p - 1) * slots[slow],
+        dp_all_reduce_s=dp_all_reduce_s[tail],
+        tied_all_reduce_s=tied_all_reduce_s,
+        optimizer_s=optimizer_s[tail],
+        slowest_stage=slow,
+    )

@@ -138,6 +138,12 @@ def choose_data_parallel(
             "with the (dp, tp) mesh search (passes/tensor_parallel.choose_mesh)",
             hint="drop --tp (or pass --tp 1)",
         )
+    if pins.pp not in (None, 1):
+        raise PartitaError(
+            f"--pp {pins.pp}: this planner decides data parallelism only; pipelines are chosen by "
+            "passes/pipeline_parallel.choose_pipeline",
+            hint="drop --pp (or pass --pp 1)",
+        )
     B = request.global_batch
     if pins.dp is not None:
         if pins.dp > devices:

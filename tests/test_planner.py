@@ -122,8 +122,9 @@ def test_batch_that_does_not_divide_is_refused():
 
 
 def test_unsupported_pins_are_refused():
-    with pytest.raises(PartitaError, match="pipeline parallelism arrives"):
-        Pins(pp=2)
+    with pytest.raises(PartitaError, match="pipelines are chosen by"):  # a pp pin is the pipeline planner's
+        choose_data_parallel(FakeProfile(1000, 1e9, 100), [1000], PRESETS["local"], TrainingRequest(global_batch=8),
+                             Pins(pp=2))
     with pytest.raises(PartitaError, match="tensor parallelism arrives"):  # a tp pin is the mesh search's
         choose_data_parallel(FakeProfile(1000, 1e9, 100), [1000], PRESETS["local"], TrainingRequest(global_batch=8),
                              Pins(tp=2))

@@ -1,0 +1,662 @@
+"""The pipeline axis: where to cut the model into stages, how many micro-batches, which schedule.
+
+Reads a ``ModelProfile``'s annotated graph (``kind``, ``inputs``, ``out_bytes``,
+``dtypes``, ``flops_fwd``, ``flops_bwd``, ``requires_grad``, ``saved_bytes``,
+``param_name``, ``layer``, ``module``, ``depends_on_input``), a ``ClusterSpec``, a
+``TrainingRequest`` and ``Pins``. Writes nothing on the graph. Returns a
+``PipelineDecision``: stages count p, micro-batches m, schedule and cuts, the
+stages' time and memory, and every alternative weighed with why it lost.
+
+The order. Stages are contiguous runs of ``pipeline_order``: the captured
+(topological) order with every placeholder moved to just before its first
+user, so a stage owns the parameters it uses and the last stage reads the
+targets itself. Repeated layers run one after another in that order.
+
+The search space. When the graph has repeated layers a cut may only fall
+between two layers or between a layer and the code before or after the
+layers (L + 1 places for L layers); otherwise after any call node. A cut at
+boundary k (between positions k - 1 and k) sends every tensor live across it
+(produced before k, used at or after k) forward per micro-batch, and the
+gradients of those that carry one back.
+
+The solver, per (p, dp, micro-batch size, schedule): an exact dynamic program
+over the boundaries (a bottleneck partition). With K allowed boundaries,
+
+    f[s][k] = min_{j < k} max(f[s-1][j], slot(j, k, s))   subject to mem(j, k, s) <= budget
+
+where slot is a stage's forward + backward + overhead + sends per
+micro-batch (cost_model.stage_slot_time) and mem its model state plus the
+activations in flight under the schedule (cost_model.activations_in_flight).
+For fixed (p, m) the step (m + p - 1) max_s slot_s is minimised exactly by
+minimising the slowest slot, so the DP is exact for that part of the step;
+the per-step tail (gradient all-reduce, optimizer) is added for the cuts found.
+O(p K^2) segment evaluations, each O(1) from prefix sums (plus one bisect per
+shared parameter); with 97 boundaries and p = 8 that is 75k evaluations.
+OR-Tools is not used: the problem is one-dimensional and the DP is exact and
+milliseconds fast (benchmarks/pp_planning_time.py), where a CP-SAT model of
+the same min-max would need a variable per boundary and stage.
+
+Shared (tied) parameters. A parameter used in two stages (GPT-2's tied wte and
+lm_head) is held by both, counted in both stages' memory, and its gradient is
+all-reduced between them once per step. Both policies are weighed: cuts that
+split a shared parameter's users forbidden ("kept together"), or allowed and
+that all-reduce paid ("split").
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import time
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import networkx as nx
+
+from partita.compiler.errors import InfeasibleError, PartitaError
+from partita.compiler.plan import MemoryBreakdown, Stage
+from partita.passes.cluster import ClusterSpec, Link
+from partita.passes.constraints import Pins, TrainingRequest
+from partita.passes.cost_model import (
+    SCHEDULES,
+    PipelineStepCost,
+    activations_in_flight,
+    collective_time,
+    compute_time,
+    element_bytes,
+    model_state_memory,
+    optimizer_time,
+    p2p_time,
+    pipeline_step,
+    stage_slot_time,
+    state_bytes_per_param,
+)
+from partita.passes.data_parallel import gradient_buckets
+from partita.passes.profile import ModelProfile
+
+_PLACEHOLDERS = ("param", "buffer", "input")
+_FLOAT = {"float32": 4, "float64": 8, "float16": 2, "bfloat16": 2}
+INF = math.inf
+
+
+# -- the order and the search space ---------------------------------------------
+
+
+def pipeline_order(G: nx.DiGraph) -> list[str]:
+    """The graph's nodes in captured order, each placeholder moved to just before its first user."""
+    position = {n: i for i, n in enumerate(G.nodes)}
+
+    def key(n: str) -> tuple[int, int]:
+        if G.nodes[n]["kind"] in _PLACEHOLDERS:
+            users = [position[u] for u in G.successors(n)]
+            return (min(users), 0) if users else (position[n], 0)
+        return (position[n], 1)
+
+    order = sorted(G.nodes, key=key)
+    at = {n: i for i, n in enumerate(order)}
+    assert all(at[u] < at[v] for u, v in G.edges), "pipeline order must be topological"
+    return order
+
+
+def allowed_boundaries(G: nx.DiGraph, order: Sequence[str]) -> tuple[int, ...]:
+    """Boundaries k (a cut between positions k - 1 and k) the solver may cut at (module docstring)."""
+    n = len(order)
+    spans: dict[str, list[int]] = {}
+    for i, name in enumerate(order):
+        layer = G.nodes[name].get("layer")
+        if layer:
+            spans.setdefault(layer, [i, i])[1] = i
+    after_call = [k for k in range(1, n) if G.nodes[order[k - 1]]["kind"] == "call" and G.nodes[order[k]]["kind"] != "output"]
+    if not spans:
+        return tuple(after_call)
+    inside = set()
+    for lo, hi in spans.values():
+        inside.update(range(lo + 1, hi + 1))
+    in_layer = lambda i: bool(G.nodes[order[i]].get("layer"))  # noqa: E731
+    return tuple(k for k in after_call if k not in inside and (in_layer(k - 1) or in_layer(k)))
+
+
+# -- the solver's input ----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SharedParam:
+    """A parameter whose users a cut can separate: every stage with a user holds a copy."""
+
+    name: str
+    numel: int  # on one device (after tensor-parallel sharding)
+    users: tuple[int, ...]  # positions of its users, sorted
+
+
+@dataclass(frozen=True)
+class NodeCosts:
+    """One micro-batch's costs per position of the pipeline order, on one device of a stage.
+
+    The solver reads nothing else, so a tensor-parallel solve can hand in its own
+    per-node costs at a TP degree. ``send_bytes[k]`` / ``grad_bytes[k]`` are the
+    bytes crossing boundary k forward / backward (k = 0..N; 0 and N are empty).
+    """
+
+    order: tuple[str, ...]
+    forward_s: tuple[float, ...]
+    backward_s: tuple[float, ...]
+    saved_bytes: tuple[int, ...]
+    param_numel: tuple[int, ...]  # parameters used only at this position, local numel
+    send_bytes: tuple[int, ...]
+    grad_bytes: tuple[int, ...]
+    boundaries: tuple[int, ...]
+    shared: tuple[SharedParam, ...] = ()
+    modules: tuple[str, ...] = ()  # per position: its layer ("transformer.h.3"), a parameter's module, or ""
+    layers: frozenset[str] = frozenset()  # the repeated layers' names
+
+    def __post_init__(self) -> None:
+        n = len(self.order)
+        for name in ("forward_s", "backward_s", "saved_bytes", "param_numel"):
+            if len(getattr(self, name)) != n:
+                raise ValueError(f"NodeCosts.{name} has {len(getattr(self, name))} entries for {n} positions")
+        if len(self.send_bytes) != n + 1 or len(self.grad_bytes) != n + 1:
+            raise ValueError(f"NodeCosts needs {n + 1} boundary byte counts")
+
+
+def node_costs(profile: ModelProfile, cluster: ClusterSpec, request: TrainingRequest, micro_batch: int,
+               *, tp: int = 1) -> NodeCosts:
+    """Per-node costs from the profile, scaled from the captured batch to ``micro_batch``.
+
+    Batch-dependent nodes (``depends_on_input``) scale linearly, the rest stay; float
+    tensors take the precision's element size. ``tp > 1`` divides compute and
+    parameters evenly (ideal tensor parallelism, no TP communication): pass the TP
+    solver's per-node costs instead for real numbers.
+    """
+    G = profile.graph
+    order = pipeline_order(G)
+    at = {n: i for i, n in enumerate(order)}
+    batch = micro_batch / profile.batch_size
+    captured = _FLOAT.get(profile.param_dtype.removeprefix("torch."), 4)
+    act = element_bytes(request.precision) / captured
+
+    def scale(a: dict) -> float:
+        return batch if a["depends_on_input"] else 1.0
+
+    def nbytes(a: dict) -> float:
+        floating = any(d in _FLOAT for d in a["dtypes"])
+        return a["out_bytes"] * scale(a) * (act if floating else 1.0)
+
+    fwd, bwd, saved, params = [], [], [], [0] * len(order)
+    for name in order:
+        a = G.nodes[name]
+        fwd.append(compute_time(a["flops_fwd"] * scale(a) / tp, cluster, request.precision))
+        bwd.append(0.0 if request.inference else compute_time(a["flops_bwd"] * scale(a) / tp, cluster, request.precision))
+        saved.append(0 if request.inference else round(a["saved_bytes"] * scale(a) * act))
+    send = [0.0] * (len(order) + 2)
+    grad = [0.0] * (len(order) + 2)
+    users_by_param: dict[str, list[int]] = {}
+    numel_by_param: dict[str, int] = {}
+    for name in order:
+        a = G.nodes[name]
+        users = sorted(at[u] for u in G.successors(name))
+        if a["kind"] == "param":
+            pname = a.get("param_name", name)
+            users_by_param.setdefault(pname, []).extend(users or [at[name]])
+            numel_by_param[pname] = math.prod(a["shapes"][0]) // tp if a["shapes"] else 0
+            continue
+        if a["kind"] == "buffer" or not users or users[-1] <= at[name] + 1:
+            continue
+        first, last = at[name] + 1, users[-1]  # live across boundaries first..last
+        b = nbytes(a)
+        send[first] += b
+        send[last + 1] -= b
+        if a.get("requires_grad") and not request.inference:
+            grad[first] += b
+            grad[last + 1] -= b
+    boundaries = allowed_boundaries(G, order)
+    shared = []
+    for pname, users in users_by_param.items():
+        users = sorted(set(users))
+        lo, hi = users[0], users[-1]
+        if any(lo < k <= hi for k in boundaries):
+            shared.append(SharedParam(pname, numel_by_param[pname], tuple(users)))
+        else:
+            params[lo] += numel_by_param[pname]
+    return NodeCosts(
+        order=tuple(order), forward_s=tuple(fwd), backward_s=tuple(bwd), saved_bytes=tuple(saved),
+        param_numel=tuple(params), send_bytes=_running(send), grad_bytes=_running(grad),
+        boundaries=boundaries, shared=tuple(shared),
+        modules=tuple(G.nodes[n].get("layer") or (G.nodes[n]["module"] if G.nodes[n]["kind"] == "param" else "")
+                      for n in order),
+        layers=frozenset(a["layer"] for _, a in G.nodes(data=True) if a.get("layer")),
+    )
+
+
+def _running(diff: list[float]) -> tuple[int, ...]:
+    out, acc = [], 0.0
+    for d in diff[:-1]:
+        acc += d
+        out.append(round(acc))
+    return tuple(out)
+
+
+# -- the partition problem -------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StageSetup:
+    """What is fixed while cuts are searched: stage count, schedule, links, budget."""
+
+    stages: int
+    micro_batches: int
+    schedule: str
+    links: tuple[Link, ...]  # links[s]: between stage s and s + 1
+    capacity: int  # usable bytes per device
+    state: object  # cost_model.StateBytes
+
+
+class Partition:
+    """Segment costs of one ``NodeCosts`` under one ``StageSetup``, from prefix sums.
+
+    A segment is positions [j, k) on stage s.
+    """
+
+    def __init__(self, costs: NodeCosts, setup: StageSetup, cluster: ClusterSpec, *, forbid: Sequence[int] = ()):
+        self.costs, self.setup, self.cluster = costs, setup, cluster
+        self.n = len(costs.order)
+        self.compute = _prefix([f + b for f, b in zip(costs.forward_s, costs.backward_s)])
+        self.fwd = _prefix(costs.forward_s)
+        self.saved = _prefix(costs.saved_bytes)
+        self.params = _prefix(costs.param_numel)
+        blocked = set(forbid)
+        self.boundaries = tuple(k for k in costs.boundaries if k not in blocked)
+
+    def shared_in(self, j: int, k: int) -> list[SharedParam]:
+        out = []
+        for sp in self.costs.shared:
+            i = bisect.bisect_left(sp.users, j)
+            if i < len(sp.users) and sp.users[i] < k:
+                out.append(sp)
+        return out
+
+    def param_numel(self, j: int, k: int) -> int:
+        return self.params[k] - self.params[j] + sum(sp.numel for sp in self.shared_in(j, k))
+
+    def p2p(self, j: int, k: int, s: int) -> float:
+        """Stage s's sends per micro-batch: activations over boundary k, gradients back over j."""
+        p, c = self.setup.stages, self.costs
+        out = p2p_time(c.send_bytes[k], self.setup.links[s]) if s < p - 1 else 0.0
+        back = p2p_time(c.grad_bytes[j], self.setup.links[s - 1]) if s > 0 else 0.0
+        return out + back
+
+    def slot(self, j: int, k: int, s: int) -> float:
+        return stage_slot_time(self.compute[k] - self.compute[j], self.p2p(j, k, s), self.cluster)
+
+    def memory(self, j: int, k: int, s: int) -> MemoryBreakdown:
+        st = model_state_memory(self.param_numel(j, k), self.setup.state)
+        held = activations_in_flight(self.setup.schedule, s, self.setup.stages, self.setup.micro_batches)
+        return MemoryBreakdown(st.params, st.grads, st.optimizer, held * (self.saved[k] - self.saved[j]),
+                               self.setup.capacity)
+
+    def time_cost(self, j: int, k: int, s: int) -> float:
+        """The DP's segment cost: the slot, or infinity when the stage does not fit."""
+        return self.slot(j, k, s) if self.memory(j, k, s).fits else INF
+
+    def memory_cost(self, j: int, k: int, s: int) -> float:
+        return float(self.memory(j, k, s).total)
+
+
+def _prefix(values: Sequence[float]) -> list[float]:
+    out = [0]
+    for v in values:
+        out.append(out[-1] + v)
+    return out
+
+
+def solve_cuts(part: Partition, cost: Callable[[int, int, int], float] | None = None) -> tuple[float, tuple[int, ...]]:
+    """Exact bottleneck partition of positions 0..N into ``part.setup.stages`` segments at
+    ``part.boundaries``, minimising the largest ``cost(j, k, s)`` (default: ``part.time_cost``).
+
+    Returns (objective, bounds) with bounds = (0, b_1, ..., N); objective ``inf`` when no
+    partition has a finite cost (then bounds is empty).
+    """
+    cost = cost or part.time_cost
+    p, n = part.setup.stages, part.n
+    ends = list(part.boundaries)
+    if p == 1:
+        v = cost(0, n, 0)
+        return (v, (0, n)) if v < INF else (INF, ())
+    if len(ends) < p - 1:
+        return INF, ()
+    # best[s][k]: the least bottleneck of stages 0..s ending at boundary k; back[s][k]: its previous boundary
+    best: list[dict[int, float]] = [{k: cost(0, k, 0) for k in ends}]
+    back: list[dict[int, int]] = [{k: 0 for k in ends}]
+    for s in range(1, p):
+        targets = [n] if s == p - 1 else ends
+        row, prev = {}, {}
+        for k in targets:
+            v_best, j_best = INF, -1
+            for j in ends:
+                if j >= k:
+                    break
+                if best[s - 1].get(j, INF) >= v_best:
+                    continue
+                v = max(best[s - 1][j], cost(j, k, s))
+                if v < v_best:
+                    v_best, j_best = v, j
+            row[k], prev[k] = v_best, j_best
+        best.append(row)
+        back.append(prev)
+    v = best[p - 1][n]
+    if v == INF:
+        return INF, ()
+    bounds, k = [n], n
+    for s in range(p - 1, 0, -1):
+        k = back[s][k]
+        bounds.append(k)
+    return v, tuple([0] + bounds[::-1])
+
+
+# -- the decision ------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PipelineStage:
+    """One stage of a candidate: positions [start, stop) of the pipeline order."""
+
+    index: int
+    start: int
+    stop: int
+    first_node: str
+    last_node: str
+    params: int  # parameters held by one device (shared ones counted in every stage using them)
+    forward_s: float  # one micro-batch
+    backward_s: float
+    p2p_s: float  # its sends per micro-batch
+    slot_s: float  # forward + backward + overhead + sends
+    memory: MemoryBreakdown  # per device
+    in_flight: int  # micro-batches of activations held at the peak
+    send_bytes: int  # activations sent to the next stage per micro-batch
+    ranks: tuple[int, ...]
+    modules: tuple[str, ...]
+
+    def to_plan(self, micro_batches: int) -> Stage:
+        return Stage(
+            index=self.index, nodes=self.stop - self.start, first_node=self.first_node, last_node=self.last_node,
+            params=self.params, predicted_time_s=micro_batches * self.slot_s, memory_bytes=self.memory.total,
+            forward_s=self.forward_s, backward_s=self.backward_s, ranks=self.ranks, modules=self.modules,
+            send_bytes=self.send_bytes,
+        )
+
+
+@dataclass(frozen=True)
+class PipelineCandidate:
+    pp: int
+    dp: int
+    tp: int
+    micro_batch_size: int
+    micro_batches: int  # per data-parallel rank per step
+    schedule: str  # "none" (p = 1), "1f1b" or "gpipe"
+    shared_policy: str  # "" (no shared parameter), "kept together" or "split"
+    cuts: tuple[str, ...]  # the last node of every stage but the last
+    stages: tuple[PipelineStage, ...]
+    cost: PipelineStepCost | None  # None when it does not fit
+    memory: MemoryBreakdown  # the most loaded stage (with the least-memory cuts when none fits)
+
+    @property
+    def fits(self) -> bool:
+        return self.cost is not None
+
+    @property
+    def step_s(self) -> float:
+        return self.cost.step_s if self.cost else INF
+
+    @property
+    def key(self) -> tuple[int, int, int, str, str]:
+        return (self.pp, self.dp, self.micro_batch_size, self.schedule, self.shared_policy)
+
+
+@dataclass(frozen=True)
+class PipelineDecision:
+    best: PipelineCandidate
+    candidates: tuple[PipelineCandidate, ...]  # the fitting ones fastest first, then the rest by memory
+    reasons: dict[tuple[int, int, int, str, str], str]  # candidate.key -> why it lost ("chosen: ..." for best)
+    order: tuple[str, ...]  # the pipeline order stages are runs of
+    boundaries: tuple[int, ...]  # where cuts were allowed
+    shared: tuple[SharedParam, ...]  # parameters a cut could split (tied embeddings)
+    solves: int  # dynamic programs run
+    seconds: float
+
+    @property
+    def stages(self) -> tuple[PipelineStage, ...]:
+        return self.best.stages
+
+    def plan_stages(self) -> tuple[Stage, ...]:
+        return tuple(s.to_plan(self.best.micro_batches) for s in self.best.stages)
+
+
+def stage_links(cluster: ClusterSpec, pp: int, dp: int, tp: int) -> tuple[Link, ...]:
+    """The link between stage s and s + 1, ranks in MESH_ORDER (pp, dp, tp): pp outermost,
+    so rank (s, d, t) talks to (s + 1, d, t), ``dp * tp`` ranks further on."""
+    width = dp * tp
+    links = []
+    for s in range(pp - 1):
+        ranks = range(s * width, (s + 1) * width)
+        same_node = all(r // cluster.gpus_per_node == (r + width) // cluster.gpus_per_node for r in ranks)
+        links.append(cluster.intra_link if same_node else cluster.inter_link)
+    return tuple(links)
+
+
+def stage_of_nodes(profile: ModelProfile, cuts: Sequence[str]) -> dict[str, int]:
+    """node -> stage for ``cuts`` (the last node of every stage but the last), over ``pipeline_order``.
+
+    The one mechanism from a cut list to a node -> stage map (``split_module``'s
+    ``split_callback``); a shared parameter's placeholder goes with its first user,
+    and its other users' stages hold a copy (``PipelineDecision.shared``).
+    """
+    order = pipeline_order(profile.graph)
+    at = {n: i for i, n in enumerate(order)}
+    missing = [c for c in cuts if c not in at]
+    if missing:
+        raise ValueError(f"cut node(s) {', '.join(missing)} are not in the graph of {profile.name}")
+    ends = [at[c] + 1 for c in cuts]
+    if ends != sorted(set(ends)) or (ends and ends[-1] >= len(order)):
+        raise ValueError(f"cuts {list(cuts)} are not strictly increasing positions before the last node")
+    return {n: bisect.bisect_right(ends, i) for i, n in enumerate(order)}
+
+
+def choose_pipeline(
+    profile: ModelProfile,
+    cluster: ClusterSpec,
+    request: TrainingRequest,
+    pins: Pins = Pins(),
+    *,
+    devices_per_stage: int = 1,
+    schedules: Sequence[str] = SCHEDULES,
+    costs: Callable[[int], NodeCosts] | None = None,
+) -> PipelineDecision:
+    """Decide p, m, the schedule and the cuts jointly; see the module docstring.
+
+    Every device is used: pp x dp x devices_per_stage = devices (``pins.world_size``
+    or the cluster's). ``costs(micro_batch)`` replaces the profile's per-node costs
+    (a tensor-parallel solve at ``devices_per_stage``). ``schedules`` narrows the
+    schedules weighed (a runtime that runs only GPipe).
+    """
+    t0 = time.perf_counter()
+    devices = pins.world_size or cluster.world_size
+    tp = pins.tp or devices_per_stage
+    if devices % tp:
+        raise PartitaError(f"{tp} devices per stage do not divide {devices} devices")
+    bad = [s for s in schedules if s not in SCHEDULES]
+    if bad or not schedules:
+        raise PartitaError(f"schedule(s) {bad or '(none)'} are not among {', '.join(SCHEDULES)}")
+    if pins.pp and (devices // tp) % pins.pp:
+        raise PartitaError(f"--pp {pins.pp} does not divide {devices // tp} devices ({devices} / {tp} per stage)")
+    state = state_bytes_per_param(request.precision, request.optimizer, inference=request.inference)
+    build = costs or (lambda mb: node_costs(profile, cluster, request, mb, tp=tp))
+    cache: dict[int, NodeCosts] = {}
+    B = request.global_batch
+    candidates: list[PipelineCandidate] = []
+    solves = 0
+    for p in [pins.pp] if pins.pp else _divisors(devices // tp):
+        dp = devices // (tp * p)
+        if (pins.dp and pins.dp != dp) or B % dp:
+            continue
+        share = B // dp
+        for mb in [pins.micro_batch_size] if pins.micro_batch_size else _divisors(share):
+            m = share // mb
+            if share % mb or (pins.grad_accum_steps and pins.grad_accum_steps != m):
+                continue
+            c = cache.setdefault(mb, build(mb))
+            if p > len(c.boundaries) + 1:
+                continue
+            links = stage_links(cluster, p, dp, tp)
+            for schedule in ("none",) if p == 1 else schedules:
+                setup = StageSetup(p, m, schedule, links, cluster.usable_memory, state)
+                for policy, forbid in _shared_policies(c, p):
+                    part = Partition(c, setup, cluster, forbid=forbid)
+                    value, bounds = solve_cuts(part)
+                    solves += 1
+                    fits = value < INF
+                    if not fits:
+                        value, bounds = solve_cuts(part, part.memory_cost)
+                        solves += 1
+                        if not bounds:
+                            continue
+                    candidates.append(_candidate(part, bounds, dp, tp, mb, policy, fits, request))
+    if not candidates:
+        raise PartitaError(
+            f"no pipeline split matches: {devices} devices, {tp} per stage, global batch {B}, pins {pins}",
+            hint="the batch must divide over the data-parallel ranks; pp must divide devices / tp",
+        )
+    fitting = sorted((c for c in candidates if c.fits),
+                     key=lambda c: (c.step_s, c.memory.total, c.schedule != "1f1b", c.pp))
+    if not fitting:
+        raise _infeasible(candidates, cluster)
+    best = fitting[0]
+    reasons = {c.key: _reason(c, best) for c in candidates}
+    ordered = fitting + sorted((c for c in candidates if not c.fits), key=lambda c: c.memory.total)
+    any_costs = next(iter(cache.values()))
+    return PipelineDecision(best, tuple(ordered), reasons, any_costs.order, any_costs.boundaries, any_costs.shared,
+                            solves, time.perf_counter() - t0)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _shared_policies(c: NodeCosts, p: int) -> list[tuple[str, tuple[int, ...]]]:
+    if not c.shared or p == 1:
+        return [("", ())]
+    forbid = tuple(k for k in c.boundaries if any(sp.users[0] < k <= sp.users[-1] for sp in c.shared))
+    return [("kept together", forbid), ("split", ())]
+
+
+def _candidate(part: Partition, bounds: tuple[int, ...], dp: int, tp: int, mb: int, policy: str, fits: bool,
+               request: TrainingRequest) -> PipelineCandidate:
+    c, setup, cluster = part.costs, part.setup, part.cluster
+    p, width = setup.stages, dp * tp
+    grad_elem = 0 if request.inference else max(1, int(setup.state.grads))
+    stages, dp_s, opt_s = [], [], []
+    for s, (j, k) in enumerate(zip(bounds, bounds[1:])):
+        mem = part.memory(j, k, s)
+        numels = [n for n in c.param_numel[j:k] if n] + [sp.numel for sp in part.shared_in(j, k)]
+        buckets = gradient_buckets(numels, grad_elem) if grad_elem and dp > 1 else []
+        link = cluster.link_for_group(dp, stride=tp)
+        dp_s.append(sum(collective_time("all_reduce", b, dp, link) for b in buckets))
+        opt_s.append(0.0 if request.inference else optimizer_time(model_state_memory(sum(numels), setup.state), cluster))
+        stages.append(PipelineStage(
+            index=s, start=j, stop=k, first_node=c.order[j], last_node=c.order[k - 1], params=sum(numels),
+            forward_s=part.fwd[k] - part.fwd[j], backward_s=part.compute[k] - part.compute[j] - (part.fwd[k] - part.fwd[j]),
+            p2p_s=part.p2p(j, k, s), slot_s=part.slot(j, k, s), memory=mem,
+            in_flight=activations_in_flight(setup.schedule, s, p, setup.micro_batches),
+            send_bytes=c.send_bytes[k] if s < p - 1 else 0, ranks=tuple(range(s * width, (s + 1) * width)),
+            modules=_modules(part, j, k),
+        ))
+    tied = 0.0
+    for sp in c.shared:
+        holders = sorted({bisect.bisect_right(bounds[1:-1], u) for u in sp.users})
+        if len(holders) > 1 and grad_elem:
+            span = setup.links[holders[0]:holders[-1]]
+            link = min(span, key=lambda ln: ln.bandwidth)
+            tied += collective_time("all_reduce", sp.numel * grad_elem, len(holders), link)
+    cost = pipeline_step(
+        compute_s=[st.forward_s + st.backward_s for st in stages], p2p_s=[st.p2p_s for st in stages],
+        micro_batches=setup.micro_batches, dp_all_reduce_s=dp_s, optimizer_s=opt_s, tied_all_reduce_s=tied,
+        cluster=cluster,
+    ) if fits else None
+    return PipelineCandidate(
+        pp=p, dp=dp, tp=tp, micro_batch_size=mb, micro_batches=setup.micro_batches, schedule=setup.schedule,
+        shared_policy=policy, cuts=tuple(c.order[k - 1] for k in bounds[1:-1]), stages=tuple(stages), cost=cost,
+        memory=max((st.memory for st in stages), key=lambda mm: mm.total),
+    )
+
+
+def _modules(part: Partition, j: int, k: int) -> tuple[str, ...]:
+    """Layers as ``prefix.a-b`` runs, then the other modules owning parameters, in order."""
+    out: list[str] = []
+    run: list[str] = []  # [prefix, first index, last index] of the current run of layers
+    for label in part.costs.modules[j:k]:
+        prefix, _, index = label.rpartition(".")
+        if label and index.isdigit() and label in part.costs.layers:
+            if run and run[0] == prefix and int(index) in (int(run[2]), int(run[2]) + 1):
+                run[2] = index
+                continue
+            if run:
+                out.append(_run_name(run))
+            run = [prefix, index, index]
+        elif label and label not in out:
+            if run:
+                out.append(_run_name(run))
+                run = []
+            out.append(label)
+    if run:
+        out.append(_run_name(run))
+    return tuple(out)
+
+
+def _run_name(run: list[str]) -> str:
+    prefix, a, b = run
+    return f"{prefix}.{a}" if a == b else f"{prefix}.{a}-{b}"
+
+
+def _label(c: PipelineCandidate) -> str:
+    sched = "" if c.schedule == "none" else f" {c.schedule.upper()}"
+    return f"pp={c.pp} x dp={c.dp}, {c.micro_batches} micro-batch(es) of {c.micro_batch_size}{sched}"
+
+
+def _binding(c: PipelineCandidate) -> str:
+    """The most loaded stage of ``c``, in words and GB."""
+    st = max(c.stages, key=lambda s: s.memory.total)
+    m = st.memory
+    return (f"stage {st.index} needs {_gb(m.total)} (params {_gb(m.params)} + grads {_gb(m.grads)} + "
+            f"optimizer {_gb(m.optimizer)} + activations of {st.in_flight} micro-batch(es) "
+            f"{_gb(m.activations)}), budget {_gb(m.capacity)}")
+
+
+def _gb(nbytes: float) -> str:
+    return f"{nbytes / 1e9:.2f} GB" if nbytes >= 1e8 else f"{nbytes / 1e6:.3g} MB"
+
+
+def _reason(c: PipelineCandidate, best: PipelineCandidate) -> str:
+    if c is best:
+        return "chosen: fastest predicted step that fits"
+    if not c.fits:
+        return f"does not fit even with its least-memory cuts: {_binding(c)}"
+    a, b = c.cost, best.cost
+    assert a is not None and b is not None
+    if c.step_s <= best.step_s * (1 + 1e-9):
+        return (f"same step time, more memory: {_gb(c.memory.total)} vs {_gb(best.memory.total)}"
+                + (" (GPipe holds all m micro-batches, 1F1B at most p)" if c.schedule == "gpipe" else ""))
+    parts = [f"{name} {x * 1e3:.3g} ms vs {y * 1e3:.3g} ms"
+             for name, x, y in (("compute", a.compute_s, b.compute_s), ("bubble", a.bubble_s, b.bubble_s),
+                                ("p2p", a.p2p_s, b.p2p_s), ("gradient all-reduce", a.dp_all_reduce_s, b.dp_all_reduce_s),
+                                ("tied all-reduce", a.tied_all_reduce_s, b.tied_all_reduce_s),
+                                ("optimizer", a.optimizer_s, b.optimizer_s))
+             if x > y * 1.001 + 1e-12]
+    return f"{c.step_s / best.step_s:.2f}x slower: " + "; ".join(parts or ["slower overall"])
+
+
+def _infeasible(candidates: list[PipelineCandidate], cluster: ClusterSpec) -> InfeasibleError:
+    least = min(candidates, key=lambda c: (c.memory.total, -c.pp))
+    return InfeasibleError(
+        f"no pipeline plan fits: the least memory, {_label(least)}, with the cuts that minimise the largest "
+        f"stage: {_binding(least)} ({cluster.memory_bytes / 1e9:.0f} GB less {cluster.memory_reserve:.0%} reserve)",
+        hint="add devices (more stages), use smaller micro-batches, tensor parallelism within a stage, "
+        "or ZeRO to shard the optimizer state",
+    )
