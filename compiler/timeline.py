@@ -1,0 +1,211 @@
+"""The predicted pipeline schedule of a plan, as a timeline per stage, and a measured one from a trace.
+
+``predicted_timeline(plan)`` reads ``plan.stages[*].forward_s/backward_s``,
+``plan.training.schedule`` and ``plan.training.grad_accum_steps`` (the
+micro-batches per step) and plays the schedule: each stage runs its
+micro-batches' forwards and backwards in the schedule's order, a forward as
+soon as the previous stage's forward of that micro-batch is done, a backward
+as soon as the next stage's backward of it is done. Point-to-point sends are
+taken as free (the plan's stage times already include them where the
+planner counted them), so the timeline shows compute and bubbles only.
+
+``load_trace(path)`` reads a measured Chrome/Perfetto trace the pipeline
+runtime writes; ``measured_timeline(trace)`` turns it into the same shape.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+from partita.compiler.errors import PlanError
+from partita.compiler.plan import Plan
+
+FORWARD, BACKWARD = "forward", "backward"
+
+
+@dataclass(frozen=True)
+class Slot:
+    """One micro-batch's forward or backward on one stage, in seconds from the step's start."""
+
+    stage: int
+    kind: str  # "forward" | "backward"
+    microbatch: int
+    start: float
+    end: float
+
+
+@dataclass(frozen=True)
+class Timeline:
+    schedule: str
+    stages: int
+    microbatches: int
+    slots: tuple[Slot, ...]
+    source: str = "predicted"  # or "measured (rank R)" per stage
+
+    @property
+    def makespan(self) -> float:
+        return max((s.end for s in self.slots), default=0.0) - min((s.start for s in self.slots), default=0.0)
+
+    def busy(self, stage: int) -> float:
+        return sum(s.end - s.start for s in self.slots if s.stage == stage)
+
+    def bubble_fraction(self, stage: int) -> float:
+        """The share of the step this stage waits (idle between its first and the step's last op)."""
+        span = self.makespan
+        return 0.0 if span <= 0 else max(0.0, 1.0 - self.busy(stage) / span)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "schedule": self.schedule, "stages": self.stages, "microbatches": self.microbatches,
+            "source": self.source, "makespan": self.makespan,
+            "busy": [self.busy(s) for s in range(self.stages)],
+            "bubble": [self.bubble_fraction(s) for s in range(self.stages)],
+            # compact rows: stage, 0 forward / 1 backward, micro-batch, start, end
+            "slots": [[s.stage, 0 if s.kind == FORWARD else 1, s.microbatch, s.start, s.end] for s in self.slots],
+        }
+
+
+def stage_order(schedule: str, stage: int, stages: int, microbatches: int,
+                inference: bool = False) -> list[tuple[str, int]]:
+    """The order one stage runs its micro-batches' forwards and backwards in."""
+    m = microbatches
+    if inference:
+        return [(FORWARD, i) for i in range(m)]
+    if schedule == "gpipe":
+        return [(FORWARD, i) for i in range(m)] + [(BACKWARD, i) for i in range(m)]
+    # "1f1b" (and "interleaved-1f1b", drawn without its virtual stages), and "none":
+    # with one stage, 1F1B is plain gradient accumulation, forward then backward per micro-batch.
+    warmup = min(stages - stage - 1, m) if schedule != "none" else 0
+    order = [(FORWARD, i) for i in range(warmup)]
+    for i in range(m - warmup):
+        order += [(FORWARD, warmup + i), (BACKWARD, i)]
+    order += [(BACKWARD, i) for i in range(m - warmup, m)]
+    return order
+
+
+def predicted_timeline(plan: Plan) -> Timeline:
+    """Play the plan's schedule over its stages' forward and backward times."""
+    t = plan.training
+    stages = plan.stages or ()
+    S, M = max(1, len(stages)), t.grad_accum_steps
+    fwd = [s.forward_s for s in stages] or [0.0]
+    bwd = [0.0 if t.inference else s.backward_s for s in stages] or [0.0]
+    orders = [stage_order(t.schedule, s, S, M, t.inference) for s in range(S)]
+    done: dict[tuple[str, int, int], float] = {}  # (kind, stage, micro-batch) -> end
+    slots: list[Slot] = []
+    pos, free = [0] * S, [0.0] * S
+    while any(pos[s] < len(orders[s]) for s in range(S)):
+        progressed = False
+        for s in range(S):
+            while pos[s] < len(orders[s]):
+                kind, mb = orders[s][pos[s]]
+                deps = [(FORWARD, s, mb)] if kind == BACKWARD else []
+                if kind == FORWARD and s > 0:
+                    deps.append((FORWARD, s - 1, mb))
+                if kind == BACKWARD and s < S - 1:
+                    deps.append((BACKWARD, s + 1, mb))
+                if any(d not in done for d in deps):
+                    break
+                start = max([free[s], *(done[d] for d in deps)])
+                end = start + (fwd[s] if kind == FORWARD else bwd[s])
+                done[(kind, s, mb)] = free[s] = end
+                slots.append(Slot(s, kind, mb, start, end))
+                pos[s] += 1
+                progressed = True
+        assert progressed, f"schedule {t.schedule} deadlocks with {S} stages and {M} micro-batches"
+    return Timeline(t.schedule, S, M, tuple(sorted(slots, key=lambda x: (x.stage, x.start))))
+
+
+# -- measured traces ------------------------------------------------------------
+
+
+def load_trace(path: str | Path) -> dict[str, Any]:
+    """Read a measured pipeline trace (Chrome/Perfetto JSON) and check its shape.
+
+    Expected: ``{"traceEvents": [{"name", "cat": "forward"|"backward", "ph": "X",
+    "ts": us, "dur": us, "pid": rank, "tid": stage, "args": {"stage", "microbatch", "rank"}}],
+    "metadata": {"fingerprint", "mesh"}}``; events of other phases (``"M"`` metadata) are allowed
+    and ignored.
+    """
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except OSError as e:
+        raise PlanError(f"cannot read trace file {path}: {e.strerror}") from e
+    except json.JSONDecodeError as e:
+        raise PlanError(f"{path} is not a trace file: JSON error at line {e.lineno}, column {e.colno}: {e.msg}",
+                        hint="pass the trace JSON the pipeline runtime wrote") from e
+    check_trace(data, source=str(path))
+    return data
+
+
+def check_trace(data: Any, *, source: str = "trace") -> None:
+    """Raise PlanError naming the first event (by index) that does not fit the trace format."""
+    if not isinstance(data, dict) or not isinstance(data.get("traceEvents"), list):
+        raise PlanError(f"{source} is not a pipeline trace: expected an object with a \"traceEvents\" list",
+                        hint="pass the trace JSON the pipeline runtime wrote")
+    meta = data.get("metadata", {})
+    if not isinstance(meta, dict):
+        raise PlanError(f"{source}: \"metadata\" must be an object, got {type(meta).__name__}")
+    spans = 0
+    for i, ev in enumerate(data["traceEvents"]):
+        if not isinstance(ev, dict):
+            raise PlanError(f"{source}: traceEvents[{i}] is not an object")
+        if ev.get("ph") != "X":
+            continue
+        if ev.get("cat") not in (FORWARD, BACKWARD):
+            raise PlanError(f"{source}: traceEvents[{i}] ({ev.get('name')!r}) has cat {ev.get('cat')!r}; "
+                            f"expected \"forward\" or \"backward\"")
+        for key in ("ts", "dur"):
+            if not isinstance(ev.get(key), (int, float)) or isinstance(ev.get(key), bool) or ev[key] < 0:
+                raise PlanError(f"{source}: traceEvents[{i}] ({ev.get('name')!r}) needs a non-negative "
+                                f"number \"{key}\" (microseconds), got {ev.get(key)!r}")
+        args = ev.get("args")
+        if not isinstance(args, dict):
+            raise PlanError(f"{source}: traceEvents[{i}] ({ev.get('name')!r}) has no \"args\" object")
+        for key in ("stage", "microbatch"):
+            v = args.get(key)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise PlanError(f"{source}: traceEvents[{i}] ({ev.get('name')!r}) needs a non-negative integer "
+                                f"args.{key}, got {v!r}")
+        spans += 1
+    if not spans:
+        raise PlanError(f"{source} has no forward or backward spans (events with \"ph\": \"X\")")
+
+
+def trace_rank(ev: Mapping[str, Any]) -> int:
+    return int(ev["args"].get("rank", ev.get("pid", 0)))
+
+
+def measured_timeline(trace: Mapping[str, Any], plan: Plan) -> Timeline:
+    """The measured schedule, one row per stage from the lowest rank that ran it, from the trace's first span.
+
+    Refuses a trace recorded for another model or with stages the plan does not have.
+    """
+    check_trace(trace)
+    fp = trace.get("metadata", {}).get("fingerprint")
+    if fp is not None and fp != plan.model.fingerprint:
+        raise PlanError(f"the trace was recorded for graph fingerprint {fp}, "
+                        f"but the plan is for {plan.model.fingerprint} ({plan.model.name})",
+                        hint="pass the trace of a run of this plan")
+    spans = [ev for ev in trace["traceEvents"] if ev.get("ph") == "X"]
+    S = max(1, len(plan.stages))
+    bad = sorted({ev["args"]["stage"] for ev in spans if ev["args"]["stage"] >= S})
+    if bad:
+        raise PlanError(f"the trace has stage(s) {bad}, but the plan has {S} stage(s)")
+    rank_of_stage: dict[int, int] = {}
+    for ev in spans:
+        s = ev["args"]["stage"]
+        rank_of_stage[s] = min(rank_of_stage.get(s, trace_rank(ev)), trace_rank(ev))
+    t0 = min(ev["ts"] for ev in spans)
+    slots = tuple(sorted(
+        (Slot(ev["args"]["stage"], ev["cat"], ev["args"]["microbatch"], (ev["ts"] - t0) / 1e6,
+              (ev["ts"] + ev["dur"] - t0) / 1e6)
+         for ev in spans if trace_rank(ev) == rank_of_stage[ev["args"]["stage"]]),
+        key=lambda x: (x.stage, x.start)))
+    ranks = ", ".join(f"stage {s}: rank {r}" for s, r in sorted(rank_of_stage.items()))
+    M = 1 + max(s.microbatch for s in slots)
+    return Timeline(plan.training.schedule, S, M, slots, source=f"measured ({ranks})")
