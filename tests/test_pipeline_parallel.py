@@ -1,0 +1,270 @@
+"""The pipeline planner rediscovers known answers: even layer splits, a head-heavy last
+stage, no pipeline when data parallelism is cheaper, a pipeline when memory forces one,
+the (p - 1)/m bubble, and the DP's cuts equal an exhaustive search's."""
+
+import dataclasses
+import itertools
+import random
+
+import pytest
+import torch.nn as nn
+
+from examples.models import GPT, GPTConfig, gpt_tiny
+from partita.compiler.api import default_loss
+from partita.compiler.capture import capture
+from partita.compiler.errors import InfeasibleError, PartitaError
+from partita.compiler.inputs import parse_input_spec
+from partita.passes.cluster import GB, PRESETS, load_cluster
+from partita.passes.constraints import Pins, TrainingRequest
+from partita.passes.cost_model import bubble_fraction, collective_time, state_bytes_per_param
+from partita.passes.pipeline_parallel import (
+    INF,
+    NodeCosts,
+    Partition,
+    SharedParam,
+    StageSetup,
+    choose_pipeline,
+    node_costs,
+    pipeline_order,
+    solve_cuts,
+    stage_links,
+    stage_of_nodes,
+)
+from partita.passes.profile import profile_model
+
+FP32 = TrainingRequest(global_batch=8)
+
+
+def _profile(factory, spec="idx=int64[8,128]"):
+    return profile_model(capture(factory, [parse_input_spec(spec)], loss=default_loss))
+
+
+def _gpt(**kw):
+    cfg = dict(vocab_size=256, block_size=128, n_layer=8, n_head=4, n_embd=64)
+    cfg.update(kw)
+    return lambda: GPT(GPTConfig(**cfg))
+
+
+def _layers_per_stage(decision):
+    G = decision_profile[id(decision)].graph
+    stage = stage_of_nodes(decision_profile[id(decision)], decision.best.cuts)
+    counts = [set() for _ in decision.stages]
+    for n, s in stage.items():
+        if G.nodes[n].get("layer"):
+            counts[s].add(G.nodes[n]["layer"])
+    return [len(c) for c in counts]
+
+
+decision_profile: dict[int, object] = {}
+
+
+def _choose(profile, cluster, request=FP32, pins=Pins(), **kw):
+    d = choose_pipeline(profile, cluster, request, pins, **kw)
+    decision_profile[id(d)] = profile
+    return d
+
+
+@pytest.fixture(scope="module")
+def gpt8():
+    return _profile(_gpt())
+
+
+@pytest.fixture(scope="module")
+def gpt_big_vocab():
+    return _profile(_gpt(n_layer=12, vocab_size=2048))
+
+
+def test_uniform_gpt_gets_equal_layers_per_stage(gpt8):
+    d = _choose(gpt8, load_cluster("local", devices=4), pins=Pins(pp=4))
+    assert _layers_per_stage(d) == [2, 2, 2, 2]
+    assert d.stages[0].modules[:2] == ("transformer.wte", "transformer.wpe")
+    assert d.stages[-1].modules[-2:] == ("transformer.ln_f", "lm_head")
+    # the search space is the layer boundaries: 8 layers, 9 places
+    assert len(d.boundaries) == 9
+
+
+def test_big_vocabulary_gives_the_last_stage_fewer_layers(gpt_big_vocab):
+    d = _choose(gpt_big_vocab, load_cluster("local", devices=4), pins=Pins(pp=4))
+    layers = _layers_per_stage(d)
+    assert sum(layers) == 12
+    assert layers[-1] < min(layers[1:-1]), layers  # lm_head (2 b s h V) outweighs layers
+    # and it is balanced: no other split has a faster slowest stage (see the exhaustive test too)
+    slots = [s.slot_s for s in d.stages]
+    assert max(slots) < 1.5 * min(slots)
+
+
+def test_no_pipeline_when_the_model_fits_and_data_parallel_is_cheaper():
+    d = _choose(_profile(gpt_tiny, "idx=int64[8,64]"), load_cluster("local", devices=4))
+    assert d.best.pp == 1 and d.best.dp == 4 and d.best.schedule == "none"
+    piped = [c for c in d.candidates if c.pp > 1 and c.fits]
+    assert piped and all("bubble" in d.reasons[c.key] for c in piped)
+
+
+def _local_24gb(devices=4):
+    return dataclasses.replace(PRESETS["local"], memory_bytes=int(24 * GB), gpus_per_node=devices)
+
+
+def test_pipeline_when_no_device_holds_the_model():
+    prof = _profile(_gpt(n_layer=16, n_embd=2560, n_head=20, vocab_size=50304))  # 1.5B params, fp32 Adam 24 GB
+    cluster = _local_24gb()
+    assert prof.num_params * 16 > cluster.usable_memory
+    d = _choose(prof, cluster)
+    assert d.best.pp > 1 and d.best.fits
+    assert all(s.memory.fits for s in d.stages)
+    flat = [c for c in d.candidates if c.pp == 1]
+    assert flat and not any(c.fits for c in flat)
+    assert all(d.reasons[c.key].startswith("does not fit") for c in flat)
+
+
+def test_a_13b_gpt_in_fp32_adam_on_four_24gb_devices_is_refused_naming_the_stage():
+    # 12.9B parameters x 16 bytes = 206 GB: even four stages need 52 GB each
+    prof = _profile(_gpt(n_layer=40, n_embd=5120, n_head=40, vocab_size=32000), "idx=int64[1,128]")
+    with pytest.raises(InfeasibleError, match=r"stage \d needs .* budget 18.00 GB") as e:
+        choose_pipeline(prof, _local_24gb(), TrainingRequest(global_batch=4))
+    assert "ZeRO" in str(e.value)
+
+
+def test_bubble_shrinks_with_more_micro_batches():
+    wide = _profile(_gpt(n_embd=1024, n_head=16))  # wide enough that compute, not p2p latency, sets the slot
+    cluster = PRESETS["dgx-a100"].with_devices(4)  # no per-micro-batch overhead
+    req = TrainingRequest(global_batch=32, precision="bf16-mixed")
+    steps, bubbles = [], []
+    for m in (1, 2, 4, 8, 16, 32):
+        best = _choose(wide, cluster, req, Pins(pp=4, grad_accum_steps=m)).best
+        c = best.cost
+        assert c.bubble_s / (c.compute_s + c.p2p_s) == pytest.approx(bubble_fraction(4, m))
+        steps.append(best.step_s)
+        bubbles.append(c.bubble_s)
+    assert bubbles == sorted(bubbles, reverse=True) and steps == sorted(steps, reverse=True)
+    # the free choice takes the most micro-batches
+    assert _choose(wide, cluster, req, Pins(pp=4)).best.micro_batches == 32
+
+
+def test_1f1b_holds_fewer_micro_batches_than_gpipe(gpt8):
+    cluster = load_cluster("local", devices=4)
+    d = _choose(gpt8, cluster, pins=Pins(pp=4, grad_accum_steps=8))
+    one = next(c for c in d.candidates if c.schedule == "1f1b")
+    gp = next(c for c in d.candidates if c.schedule == "gpipe")
+    assert [s.in_flight for s in one.stages] == [4, 3, 2, 1]
+    assert [s.in_flight for s in gp.stages] == [8, 8, 8, 8]
+    assert one.step_s == gp.step_s and one.memory.total < gp.memory.total
+    assert d.best.schedule == "1f1b" and "GPipe holds all m" in d.reasons[gp.key]
+    assert _choose(gpt8, cluster, pins=Pins(pp=4), schedules=("gpipe",)).best.schedule == "gpipe"
+
+
+def test_cut_sends_b_s_h_per_micro_batch_on_the_stage_link(gpt8):
+    d = _choose(gpt8, load_cluster("local", devices=4), pins=Pins(pp=2, micro_batch_size=2))
+    assert d.stages[0].send_bytes == 2 * 128 * 64 * 4  # b s h fp32 elements
+    a100 = PRESETS["dgx-a100"].with_nodes(4)
+    assert stage_links(a100, 4, 8, 1) == (a100.inter_link,) * 3  # a stage per node
+    two = PRESETS["dgx-a100"].with_nodes(2)  # 4 stages of 4 ranks: two stages per node
+    assert stage_links(two, 4, 4, 1) == (two.intra_link, two.inter_link, two.intra_link)
+
+
+def test_stage_of_nodes_is_a_contiguous_topological_split(gpt8):
+    d = _choose(gpt8, load_cluster("local", devices=4), pins=Pins(pp=4))
+    stage = stage_of_nodes(gpt8, d.best.cuts)
+    G = gpt8.graph
+    assert set(stage) == set(G.nodes) and set(stage.values()) == {0, 1, 2, 3}
+    assert all(stage[u] <= stage[v] for u, v in G.edges)
+    for n, a in G.nodes(data=True):
+        if a["kind"] == "param":  # each parameter lives with its users
+            assert {stage[u] for u in G.successors(n)} == {stage[n]}
+    sizes = [sum(1 for s in stage.values() if s == i) for i in range(4)]
+    assert sizes == [s.stop - s.start for s in d.stages]
+    with pytest.raises(ValueError, match="not in the graph"):
+        stage_of_nodes(gpt8, ["no_such_node"])
+    with pytest.raises(ValueError, match="increasing"):
+        stage_of_nodes(gpt8, list(reversed(d.best.cuts)))
+
+
+class TiedGPT(GPT):
+    """GPT-2's tying: the head's weight is the token embedding's."""
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        self.lm_head.weight = self.transformer.wte.weight
+
+
+def test_tied_embeddings_are_held_by_both_stages_and_all_reduced():
+    cfg = GPTConfig(vocab_size=256, block_size=128, n_layer=4, n_head=4, n_embd=64)
+    prof = _profile(lambda: TiedGPT(cfg))
+    cluster = load_cluster("local", devices=2)
+    d = _choose(prof, cluster, pins=Pins(pp=2))
+    assert [sp.name for sp in d.shared] == ["transformer.wte.weight"]
+    # every cut between the layers separates the embedding from the head: only "split" can pipeline
+    assert d.best.shared_policy == "split"
+    wte = 256 * 64
+    assert all(s.params >= wte for s in d.stages)
+    assert sum(s.params for s in d.stages) == prof.num_params + wte
+    assert d.best.cost.tied_all_reduce_s == pytest.approx(collective_time("all_reduce", wte * 4, 2, cluster.intra_link))
+
+
+# -- the DP against exhaustive search -----------------------------------------------
+
+
+def _exhaustive(part: Partition) -> float:
+    p, n = part.setup.stages, part.n
+    best = INF
+    for cuts in itertools.combinations(part.boundaries, p - 1):
+        bounds = (0, *cuts, n)
+        best = min(best, max(part.time_cost(j, k, s) for s, (j, k) in enumerate(zip(bounds, bounds[1:]))))
+    return best
+
+
+def _check_against_exhaustive(costs, cluster, capacity):
+    state = state_bytes_per_param("fp32", "adamw")
+    for p in (1, 2, 3):
+        for schedule in (("none",) if p == 1 else ("1f1b", "gpipe")):
+            for m in (1, 2, 4):
+                links = stage_links(cluster, p, 1, 1)
+                part = Partition(costs, StageSetup(p, m, schedule, links, capacity, state), cluster)
+                value, bounds = solve_cuts(part)
+                assert value == _exhaustive(part)
+                if value < INF:
+                    segs = list(zip(bounds, bounds[1:]))
+                    assert max(part.time_cost(j, k, s) for s, (j, k) in enumerate(segs)) == value
+
+
+def test_dp_equals_exhaustive_search_on_random_small_graphs():
+    rng = random.Random(0)
+    cluster = dataclasses.replace(PRESETS["local"].with_nodes(3), gpus_per_node=1)  # every stage link inter-node
+    for _ in range(150):
+        n = rng.randint(2, 12)
+        send = [0] + [rng.choice([0, 1e5, 1e6, 1e7]) for _ in range(n - 1)] + [0]
+        costs = NodeCosts(
+            order=tuple(f"n{i}" for i in range(n)),
+            forward_s=tuple(rng.uniform(0, 1e-2) for _ in range(n)),
+            backward_s=tuple(rng.uniform(0, 2e-2) for _ in range(n)),
+            saved_bytes=tuple(rng.randint(0, 10**8) for _ in range(n)),
+            param_numel=tuple(rng.choice([0, 0, 10**6, 10**7]) for _ in range(n)),
+            send_bytes=tuple(round(x) for x in send), grad_bytes=tuple(round(x / 2) for x in send),
+            boundaries=tuple(k for k in range(1, n) if rng.random() < 0.8),
+            shared=(SharedParam("tied", 10**6, (0, n - 1)),) if rng.random() < 0.3 else (),
+        )
+        _check_against_exhaustive(costs, cluster, capacity=rng.choice([10**8, 3 * 10**8, 10**9, 10**10]))
+
+
+def test_dp_equals_exhaustive_search_on_a_captured_mlp():
+    prof = _profile(lambda: nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 48), nn.Tanh(),
+                                          nn.Linear(48, 10)), "x=float32[16,32]")
+    assert not prof.repeated  # cuts anywhere after a call node
+    cluster = load_cluster("local", devices=3)
+    costs = node_costs(prof, cluster, FP32, 4)
+    assert len(costs.boundaries) == 5  # after each Linear and activation but the last Linear
+    order = pipeline_order(prof.graph)
+    for i, n in enumerate(order):  # placeholders sit just before their first user
+        if prof.graph.nodes[n]["kind"] in ("param", "input"):
+            first = min(order.index(u) for u in prof.graph.successors(n))
+            assert all(prof.graph.nodes[x]["kind"] in ("param", "input") for x in order[i:first])
+    for capacity in (10**4, 10**5, 10**9):
+        _check_against_exhaustive(costs, cluster, capacity)
+
+
+def test_pins_are_honoured_or_refused(gpt8):
+    cluster = load_cluster("local", devices=4)
+    with pytest.raises(PartitaError, match="--pp 3 does not divide 4"):
+        choose_pipeline(gpt8, cluster, FP32, Pins(pp=3))
+    d = _choose(gpt8, cluster, pins=Pins(pp=2, micro_batch_size=2))
+    assert all(c.pp == 2 and c.micro_batch_size == 2 for c in d.candidates)
+    assert d.best.dp == 2 and d.best.micro_batches == 2
