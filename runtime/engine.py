@@ -2,12 +2,14 @@
 
 ``compose`` is the one place that states in which order a plan's parts are
 applied to the user's module; each part lives in the runtime file named for its
-axis (``data_parallel.py`` today; tensor, pipeline and ZeRO files beside it later).
+axis (``tensor_parallel.py``, ``data_parallel.py``; pipeline and ZeRO files beside
+them later).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Iterable
 
 import torch
@@ -19,6 +21,7 @@ from partita.compiler.errors import PartitaError, PlanError
 from partita.compiler.plan import MeshAxis, Plan
 from partita.runtime.data_parallel import CollectiveCounter, GradientAverager
 from partita.runtime.distributed import DistContext, build_mesh, init_distributed
+from partita.runtime.tensor_parallel import TensorParallel
 
 LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], Optimizer]
@@ -26,9 +29,10 @@ OptimizerFactory = Callable[[Iterable[nn.Parameter]], Optimizer]
 
 def refuse_unsupported(plan: Plan) -> None:
     """Raise ``PlanError`` for plan parts this runtime cannot execute, rather than run them wrong."""
-    later = "this runtime executes data-parallel plans; {} arrives in a later version"
-    if plan.mesh.tp > 1:
-        raise PlanError(later.format(f"tp={plan.mesh.tp}"), hint="recompile with --tp 1")
+    later = "this runtime executes data- and tensor-parallel plans; {} arrives in a later version"
+    if plan.mesh.tp > 1 and not plan.nodes:
+        raise PlanError(f"the plan has tp={plan.mesh.tp} but no tensor-parallel node decisions",
+                        hint="recompile the plan with `partita compile`")
     if plan.mesh.pp > 1:
         raise PlanError(later.format(f"pp={plan.mesh.pp}"), hint="recompile with --pp 1")
     t = plan.training
@@ -45,6 +49,7 @@ class _Program:
     """What ``compose`` builds for this rank."""
 
     module: nn.Module
+    loss: Callable[[list[torch.Tensor], torch.Tensor], torch.Tensor]  # one micro-batch's loss
     optimizer: Optimizer
     averager: GradientAverager | None
     dp_group: dist.ProcessGroup | None
@@ -66,27 +71,46 @@ def compose(
     optimizer: OptimizerFactory,
     counter: CollectiveCounter,
     bucket_bytes: int | None = None,
+    *,
+    loss_fn: LossFn,
+    checkpoint: str | Path | None = None,
 ) -> _Program:
     """Apply a plan's parts to ``module`` for this rank, in this order:
 
-    1. tensor parallel: shard parameters (a later version). First, because
-       every later part must see the parameters as this rank holds them.
+    1. tensor parallel: keep this rank's parameter shards and build the local
+       program over the "tp" group (tp == 1 keeps the eager module). First,
+       because every later part must see the parameters as this rank holds them.
     2. pipeline split: keep this rank's stage (a later version). After TP, so a
        stage holds already-sharded layers; before DP/ZeRO, so those wrap only
        the stage's own parameters.
-    3. ZeRO / data parallel: broadcast the replicas, hook gradient averaging
-       (ZeRO sharding of optimizer state will sit here). After TP and PP,
-       because it acts on the final local parameters; and the optimizer is
-       built last of all for the same reason.
+    3. ZeRO / data parallel: broadcast the (local) replicas over "dp", hook
+       gradient averaging (ZeRO sharding of optimizer state will sit here).
+       After TP and PP, because it acts on the final local parameters; and the
+       optimizer is built last of all for the same reason.
     4. the schedule: ``ParallelModel.train_step``'s micro-batch loop (a
        pipeline schedule will replace it), which drives all of the above.
     """
     plan.check_matches(world_size=ctx.world_size)
     refuse_unsupported(plan)
-    module = module.to(ctx.device)
     device_mesh = build_mesh(plan.mesh, ctx)
-    # 1. tensor parallel: tp == 1 (refused above otherwise).
-    # 2. pipeline split: pp == 1.
+    # 1. tensor parallel
+    if plan.mesh.tp > 1:
+        tp_group = device_mesh[MeshAxis.TP.value].get_group()
+        module = TensorParallel(module, plan, tp_group, loss_fn=loss_fn, counter=counter,
+                                device=ctx.device, checkpoint=checkpoint)
+        tp_module = module
+
+        def loss(xs: list[torch.Tensor], y: torch.Tensor) -> torch.Tensor:
+            return tp_module(*xs, targets=y)
+    else:
+        if checkpoint is not None:
+            module.load_state_dict(torch.load(checkpoint, weights_only=True, map_location="cpu"), assign=True)
+        module = module.to(ctx.device)
+        eager = module
+
+        def loss(xs: list[torch.Tensor], y: torch.Tensor) -> torch.Tensor:
+            return loss_fn(eager(*xs), y)
+    # 2. pipeline split: pp == 1 (refused above otherwise).
     # 3. data parallel.
     averager = None
     dp_group, dp_rank, dp_size = None, 0, 1
@@ -98,7 +122,7 @@ def compose(
             module.parameters(), dp_group, bucket_bytes=bucket_bytes or plan.training.grad_bucket_bytes, counter=counter,
             axis=MeshAxis.DP.value,
         )
-    return _Program(module, optimizer(module.parameters()), averager, dp_group, dp_rank, dp_size)
+    return _Program(module, loss, optimizer(module.parameters()), averager, dp_group, dp_rank, dp_size)
 
 
 class ParallelModel(nn.Module):
@@ -121,13 +145,15 @@ class ParallelModel(nn.Module):
         optimizer: OptimizerFactory,
         ctx: DistContext | None = None,
         bucket_bytes: int | None = None,
+        checkpoint: str | Path | None = None,
     ) -> None:
         super().__init__()
         self.ctx = ctx if ctx is not None else init_distributed()
         self.plan = plan
         self.loss_fn = loss_fn
         self.collectives = CollectiveCounter()  # calls issued by the last train_step
-        program = compose(module, plan, self.ctx, optimizer, self.collectives, bucket_bytes)
+        program = compose(module, plan, self.ctx, optimizer, self.collectives, bucket_bytes,
+                          loss_fn=loss_fn, checkpoint=checkpoint)
         self.module = program.module
         self.optimizer = program.optimizer
         self._program = program
@@ -176,7 +202,7 @@ class ParallelModel(nn.Module):
         for i in range(steps):
             last = i == steps - 1
             rows = slice(i * mbs, (i + 1) * mbs)
-            loss = self.loss_fn(self.module(*(x[rows] for x in xs)), y[rows])
+            loss = p.loss([x[rows] for x in xs], y[rows])
             loss_sum += loss.detach().float()
             if last and p.dp_group is not None:
                 # Average the loss while the last backward runs.
@@ -210,7 +236,12 @@ def apply_plan(
     optimizer: OptimizerFactory,
     ctx: DistContext | None = None,
     bucket_bytes: int | None = None,
+    checkpoint: str | Path | None = None,
 ) -> ParallelModel:
-    """Wrap ``module`` to run ``plan`` on this rank (the parts are applied by ``compose``)."""
+    """Wrap ``module`` to run ``plan`` on this rank (the parts are applied by ``compose``).
+
+    With ``checkpoint`` (a ``torch.save``d state dict) the weights come from the
+    file; under tensor parallelism each rank reads only its slices, so ``module``
+    may be built on the meta device."""
     return ParallelModel(module, plan, loss_fn=loss_fn, optimizer=optimizer, ctx=ctx,
-                         bucket_bytes=bucket_bytes)
+                         bucket_bytes=bucket_bytes, checkpoint=checkpoint)

@@ -74,7 +74,7 @@ def _small_llama() -> nn.Module:
 @pytest.mark.parametrize("factory, spec, out_shape, module_path", [
     (MLP, "x=float32[4,64]", (4, 10), "layers.1"),
     (SmallCNN, "x=float32[2,3,32,32]", (2, 10), "conv2"),
-    (gpt_tiny, "idx=int64[2,16]", (2, 16, 256), "transformer.h.1.attn.c_attn"),
+    (gpt_tiny, "idx=int64[2,16]", (2, 16, 256), "transformer.h.1.attn.v_proj"),
     (_small_gpt2, "input_ids=int64[2,16]", (2, 16, 512), "model.transformer.h.1.attn"),
     (_small_llama, "input_ids=int64[2,16]", (2, 16, 512), "model.model.layers.1.self_attn.q_proj"),
 ])

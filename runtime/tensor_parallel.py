@@ -1,0 +1,483 @@
+"""Tensor parallelism: run a plan's node decisions on this rank with local tensors.
+
+``TensorParallel`` captures the training graph (model + loss) itself, keeps only
+this rank's shard of every parameter (``NodeDecision.out`` of its placeholder,
+``ParamDecision.layout["tp"]``), and runs the graph with an fx Interpreter over
+LOCAL tensors. Each tensor input of a node is brought from the producer's
+placement (``InputLayout.have``) to the one the node's strategy needs through
+one autograd Function that runs the plan's ``fwd`` collective in forward and its
+``bwd`` collective in backward; the op then runs on the local pieces (with a
+few local implementations keyed by (op, strategy): vocabulary-parallel
+embedding, softmax and cross-entropy, row-parallel biases added on tp rank 0,
+means over a sharded dim divided by the global count).
+
+Local tensors rather than DTensor: explicit control means the collectives run
+are exactly the plan's, one per recorded reshard (and each op-internal one),
+so ``passes/tp_layout.tp_collectives`` predicts them call for call and the
+``CollectiveCounter`` checks it. Every local output's shape is checked against
+the plan; a mismatch raises naming the node.
+
+Placements (see passes/tp_strategies.py): "replicate", "shard(D)" (rank r holds
+the r-th of t equal slices of dim D), "partial" (the ranks' tensors sum to the
+value). Collective byte counts are the whole tensor's (the gathered / reduced
+tensor), as in the plan.
+"""
+
+from __future__ import annotations
+
+import operator
+import re
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.fx
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
+
+from partita.compiler.capture import CapturedModel, capture
+from partita.compiler.errors import PlanError
+from partita.compiler.inputs import InputSpec, parse_input_spec
+from partita.compiler.plan import InputLayout, MeshAxis, NodeDecision, Plan
+from partita.runtime.data_parallel import CollectiveCounter
+
+_SHARD = re.compile(r"^shard\((\d+)\)$")
+TP = MeshAxis.TP.value
+
+
+def _shard_dim(placement: str) -> int | None:
+    m = _SHARD.match(placement)
+    return int(m.group(1)) if m else None
+
+
+def _tensors(val: Any) -> list[Any]:
+    if isinstance(val, torch.Tensor):
+        return [val]
+    if isinstance(val, (tuple, list)):
+        return [t for v in val for t in _tensors(v)]
+    return []
+
+
+class TPGroup:
+    """The TP process group of this rank, with every collective counted (axis "tp")."""
+
+    def __init__(self, group: dist.ProcessGroup | None, counter: CollectiveCounter) -> None:
+        self.group = group
+        self.rank = dist.get_rank(group) if group is not None else 0
+        self.size = dist.get_world_size(group) if group is not None else 1
+        self.counter = counter
+
+    def _record(self, kind: str, t: torch.Tensor) -> None:
+        self.counter.record(kind, TP, t.numel() * t.element_size())
+
+    def all_reduce(self, x: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM) -> torch.Tensor:
+        """Sum (or ``op``) over the group into a new tensor; ``x`` is left alone."""
+        out = x.contiguous().clone()
+        self._record("all_reduce", out)
+        dist.all_reduce(out, op=op, group=self.group)
+        return out
+
+    def all_gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        local = x.movedim(dim, 0).contiguous()
+        out = local.new_empty((local.shape[0] * self.size, *local.shape[1:]))
+        self._record("all_gather", out)
+        dist.all_gather_into_tensor(out, local, group=self.group)
+        return out.movedim(0, dim)
+
+    def reduce_scatter(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        whole = x.movedim(dim, 0).contiguous()
+        out = whole.new_empty((whole.shape[0] // self.size, *whole.shape[1:]))
+        self._record("reduce_scatter", whole)
+        dist.reduce_scatter_tensor(out, whole, group=self.group)
+        return out.movedim(0, dim)
+
+    def all_to_all(self, x: torch.Tensor, src: int, dst: int) -> torch.Tensor:
+        """shard(src) -> shard(dst): send the k-th dst-slice to rank k, join the pieces along src."""
+        send = torch.stack(x.chunk(self.size, dim=dst)).contiguous()  # (t, ...local with dst/t)
+        recv = torch.empty_like(send)
+        self.counter.record("all_to_all", TP, send.numel() * send.element_size() * self.size)
+        dist.all_to_all_single(recv, send, group=self.group)
+        return torch.cat(recv.unbind(0), dim=src)
+
+    def take(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        """This rank's slice of dim ``dim`` (no traffic)."""
+        return x.chunk(self.size, dim=dim)[self.rank].contiguous()
+
+
+def reshard(g: TPGroup, x: torch.Tensor, kind: str, src: str, dst: str) -> torch.Tensor:
+    """Turn ``x`` (placement ``src``) into placement ``dst`` with the collective ``kind``."""
+    if kind == "none":
+        return x
+    s, d = _shard_dim(src), _shard_dim(dst)
+    if kind == "slice":
+        return g.take(x, d)
+    if kind == "all_gather":
+        return g.all_gather(x, s)
+    if kind == "all_reduce":
+        return g.all_reduce(x)
+    if kind == "reduce_scatter":
+        return g.reduce_scatter(x, d)
+    if kind == "all_to_all":
+        return g.all_to_all(x, s, d)
+    raise ValueError(f"unknown reshard {kind!r} ({src} -> {dst})")
+
+
+class _Reshard(torch.autograd.Function):
+    """One edge of the plan: ``fwd`` in forward, ``bwd`` on the gradient in backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, g: TPGroup, lay: InputLayout) -> torch.Tensor:
+        ctx.g, ctx.lay = g, lay
+        out = reshard(g, x, lay.fwd, lay.have, lay.need)
+        return out.view_as(out) if out is x else out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, None, None]:
+        lay = ctx.lay
+        return reshard(ctx.g, grad, lay.bwd, lay.grad, lay.grad_need), None, None
+
+
+def _edge(g: TPGroup, x: Any, lay: InputLayout) -> Any:
+    if not isinstance(x, torch.Tensor) or (lay.fwd == "none" and lay.bwd == "none"):
+        return x
+    return _Reshard.apply(x, g, lay)
+
+
+# -- local implementations keyed by (op, strategy) ----------------------------------
+
+class _VocabCrossEntropy(torch.autograd.Function):
+    """Mean cross-entropy of logits sharded on the class dim: 3 all-reduces, none in backward."""
+
+    @staticmethod
+    def forward(ctx: Any, logits: torch.Tensor, targets: torch.Tensor, g: TPGroup, ignore_index: int) -> torch.Tensor:
+        n, c = logits.shape  # (N, C/t)
+        lo = g.rank * c
+        m = g.all_reduce(logits.detach().amax(dim=1), dist.ReduceOp.MAX)  # (N,)
+        z = logits - m[:, None]
+        e = z.exp()
+        s = g.all_reduce(e.sum(dim=1))  # (N,)
+        valid = targets != ignore_index
+        local_t = targets - lo
+        mine = valid & (local_t >= 0) & (local_t < c)
+        picked = z.gather(1, local_t.clamp(0, c - 1)[:, None]).squeeze(1) * mine
+        target_logit = g.all_reduce(picked)  # (N,)
+        count = valid.sum()
+        loss = ((s.log() - target_logit) * valid).sum() / count
+        ctx.save_for_backward(e / s[:, None], local_t, mine, valid, count)
+        return loss
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        softmax, local_t, mine, valid, count = ctx.saved_tensors
+        out = softmax.clone()
+        rows = mine.nonzero().squeeze(1)
+        out[rows, local_t[rows]] -= 1
+        out *= (valid[:, None] * grad / count).to(out.dtype)
+        return out, None, None, None
+
+
+class _VocabSoftmax(torch.autograd.Function):
+    """(log-)softmax over a sharded dim: all-reduced max and sum in forward, one all-reduce back."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, dim: int, log: bool, g: TPGroup) -> torch.Tensor:
+        m = g.all_reduce(x.detach().amax(dim=dim, keepdim=True), dist.ReduceOp.MAX)
+        z = x - m
+        s = g.all_reduce(z.exp().sum(dim=dim, keepdim=True))
+        y = z - s.log() if log else z.exp() / s
+        ctx.save_for_backward(y)
+        ctx.dim, ctx.log, ctx.g = dim, log, g
+        return y
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        (y,) = ctx.saved_tensors
+        if ctx.log:
+            total = ctx.g.all_reduce(grad.sum(dim=ctx.dim, keepdim=True))
+            return grad - y.exp() * total, None, None, None
+        total = ctx.g.all_reduce((grad * y).sum(dim=ctx.dim, keepdim=True))
+        return y * (grad - total), None, None, None
+
+
+def _rank0(g: TPGroup, b: torch.Tensor) -> torch.Tensor:
+    """The bias on tp rank 0, zeros elsewhere (a partial sum adds it once); gradients flow on all."""
+    return b * (1.0 if g.rank == 0 else 0.0)
+
+
+def _embedding_vocab(g: TPGroup, n: torch.fx.Node, args: list, kwargs: dict) -> torch.Tensor:
+    w, idx = args[0], args[1]  # w (V/t, C), idx replicate
+    rows = w.shape[0]
+    lo = g.rank * rows
+    mine = (idx >= lo) & (idx < lo + rows)
+    local = torch.where(mine, idx - lo, torch.zeros_like(idx))
+    pad = args[2] if len(args) > 2 else kwargs.get("padding_idx", -1)
+    pad = pad - lo if pad is not None and 0 <= pad - lo < rows else -1
+    out = torch.ops.aten.embedding.default(w, local, pad, *args[3:])
+    return out * mine.unsqueeze(-1).to(out.dtype)
+
+
+def _row_bias(g: TPGroup, n: torch.fx.Node, args: list, kwargs: dict) -> torch.Tensor:
+    name = n.target.__name__.split(".")[0]
+    if name == "addmm":
+        b, x, w = args[:3]
+        return torch.ops.aten.addmm.default(_rank0(g, b), x, w, **kwargs)
+    if len(args) < 3 or args[2] is None:
+        return n.target(*args, **kwargs)
+    if name == "linear":
+        return torch.ops.aten.linear.default(args[0], args[1]) + _rank0(g, args[2])
+    rest = list(args)
+    rest[2] = None  # conv2d: the bias per output channel, on rank 0
+    return n.target(*rest, **kwargs) + _rank0(g, args[2]).view(1, -1, 1, 1)
+
+
+def _softmax_vocab(g: TPGroup, n: torch.fx.Node, args: list, kwargs: dict) -> torch.Tensor:
+    name = n.target.__name__.split(".")[0]
+    x, dim = args[0], args[1] % args[0].dim()
+    return _VocabSoftmax.apply(x, dim, "log" in name, g)
+
+
+def _ce_vocab(g: TPGroup, n: torch.fx.Node, args: list, kwargs: dict) -> torch.Tensor:
+    ignore = args[4] if len(args) > 4 else kwargs.get("ignore_index", -100)
+    return _VocabCrossEntropy.apply(args[0], args[1], g, ignore)
+
+
+def _ce_batch(g: TPGroup, n: torch.fx.Node, args: list, kwargs: dict) -> torch.Tensor:
+    """This rank's rows: the sum of their losses over the global count (a partial mean)."""
+    ignore = args[4] if len(args) > 4 else kwargs.get("ignore_index", -100)
+    logits, targets = args[0], args[1]
+    count = g.all_reduce((targets != ignore).sum())
+    return torch.nn.functional.cross_entropy(logits, targets, ignore_index=ignore, reduction="sum") / count
+
+
+_Local = Callable[[TPGroup, torch.fx.Node, list, dict], Any]
+_LOCAL_OPS: dict[tuple[str, str], _Local] = {
+    ("embedding", "vocab"): _embedding_vocab,
+    ("linear", "row"): _row_bias,
+    ("addmm", "row"): _row_bias,
+    ("conv2d", "row"): _row_bias,
+    ("_softmax", "vocab"): _softmax_vocab,
+    ("softmax", "vocab"): _softmax_vocab,
+    ("_log_softmax", "vocab"): _softmax_vocab,
+    ("log_softmax", "vocab"): _softmax_vocab,
+    ("cross_entropy_loss", "vocab"): _ce_vocab,
+    ("cross_entropy_loss", "shard(0)"): _ce_batch,
+}
+_SIZE_ARG = frozenset({"view", "reshape", "_unsafe_view", "expand"})
+
+
+def _packet(n: torch.fx.Node) -> str:
+    if n.target is operator.getitem:
+        return "getitem"
+    return getattr(n.target, "__name__", str(n.target)).split(".")[0]
+
+
+def local_shape(shape: torch.Size | tuple[int, ...], placement: str, t: int) -> tuple[int, ...]:
+    out = list(shape)
+    d = _shard_dim(placement)
+    if d is not None:
+        out[d] //= t
+    return tuple(out)
+
+
+# -- the local program -------------------------------------------------------------
+
+class _LocalInterpreter(torch.fx.Interpreter):
+    def __init__(self, program: "TensorParallel") -> None:
+        super().__init__(program.graph_module, garbage_collect_values=True)
+        self.p = program
+
+    def run_node(self, n: torch.fx.Node) -> Any:
+        if n.op in ("placeholder", "get_attr"):
+            return super().run_node(n)
+        d = self.p.decisions[n.name]
+        args, kwargs = self._local_args(n, d)
+        if n.op == "output":
+            return args[0]
+        if n.op != "call_function":
+            raise PlanError(f"node {n.name}: {n.op} nodes are not supported by the tensor-parallel runtime")
+        try:
+            out = self._run_op(n, d, args, kwargs)
+        except Exception as e:
+            raise RuntimeError(f"tensor-parallel node {n.format_node()} (strategy {d.strategy!r}, "
+                               f"module {d.module or '<root>'}) failed on tp rank {self.p.tp.rank}: {e}") from e
+        self.p.check_shapes(n, d, out)
+        return out
+
+    def _local_args(self, n: torch.fx.Node, d: NodeDecision) -> tuple[list, dict]:
+        j = 0
+        getitem = n.target is operator.getitem
+
+        def fetch(a: torch.fx.Node) -> Any:
+            nonlocal j
+            v = self.env[a]
+            if not _tensors(a.meta.get("val")):
+                return v
+            lay = d.ins[j]
+            j += 1
+            return v if getitem else _edge(self.p.tp, v, lay)
+
+        args = list(torch.fx.map_arg(n.args, fetch))
+        kwargs = dict(torch.fx.map_arg(n.kwargs, fetch))
+        if j != len(d.ins):
+            raise PlanError(f"node {n.name}: the plan lists {len(d.ins)} tensor inputs, the graph has {j}")
+        if getitem:
+            args = [_edge(self.p.tp, args[0][args[1]], d.ins[0])]
+        return args, kwargs
+
+    def _run_op(self, n: torch.fx.Node, d: NodeDecision, args: list, kwargs: dict) -> Any:
+        g = self.p.tp
+        name = _packet(n)
+        if name == "getitem":
+            return args[0]
+        local = _LOCAL_OPS.get((name, d.strategy))
+        if local is not None:
+            return local(g, n, args, kwargs)
+        val = n.meta.get("val")
+        if name in _SIZE_ARG:
+            args[1] = list(local_shape(val.shape, d.out[0], g.size))
+        elif name == "unflatten":
+            dim = args[1] % val.dim()
+            args[2] = list(local_shape(val.shape, d.out[0], g.size))[dim:dim + len(args[2])]
+        out = n.target(*args, **kwargs)
+        if name == "mean" and d.out[0] == "partial" and _shard_dim(d.ins[0].need) is not None:
+            out = out / g.size  # the local mean over a sharded dim, divided as by the global count
+        return out
+
+
+class TensorParallel(nn.Module):
+    """This rank's part of a tensor-parallel plan: local parameter shards and the local program.
+
+    ``forward(*inputs, targets)`` runs one micro-batch (inputs and targets whole,
+    replicated on the TP group) and returns the loss, equal on every TP rank.
+    Parameters come from ``module`` (its real weights are sliced, then the module's
+    tensors move to the meta device) or, when ``checkpoint`` is given, from a
+    ``torch.save``d state dict read with ``mmap=True`` so only each slice is read:
+    ``module`` may then live on the meta device.
+    """
+
+    def __init__(self, module: nn.Module, plan: Plan, group: dist.ProcessGroup | None, *,
+                 loss_fn: Callable[[Any, torch.Tensor], torch.Tensor], counter: CollectiveCounter,
+                 device: torch.device, checkpoint: str | Path | None = None) -> None:
+        super().__init__()
+        self.tp = TPGroup(group, counter)
+        self.plan = plan
+        self.device = device
+        self.decisions = {d.name: d for d in plan.nodes}
+        captured = _capture(module, plan, loss_fn)
+        self.graph_module = captured.graph_module
+        self._check_graph(captured)
+        state = torch.load(checkpoint, mmap=True, weights_only=True) if checkpoint is not None else None
+        self.shards = nn.ParameterDict()
+        self.placements: dict[str, str] = {}  # qualified parameter name -> tp placement
+        self._buffers_by_node: dict[str, torch.Tensor] = {}
+        self._param_by_node: dict[str, str] = {}  # placeholder -> key in self.shards
+        self._load(module, captured, state)
+        if state is None:
+            module.to("meta")  # drop the full tensors: this rank keeps only its slices
+
+    # -- construction ---------------------------------------------------------------
+
+    def _check_graph(self, captured: CapturedModel) -> None:
+        names = [n.name for n in captured.graph_module.graph.nodes]
+        missing = [n for n in names if n not in self.decisions]
+        if missing:
+            raise PlanError(
+                f"the plan has no tensor-parallel decision for {len(missing)} of the {len(names)} nodes of "
+                f"this model's training graph (first: {', '.join(missing[:3])})",
+                hint="recompile the plan for this model (and loss) with `partita compile`",
+            )
+
+    def _placement(self, node: str, qualified: str) -> str:
+        placement = self.decisions[node].out[0]
+        for p in self.plan.params:
+            if p.name == qualified and p.layout.get(TP, placement) != placement:
+                raise PlanError(f"parameter {qualified}: the plan's layout says tp={p.layout[TP]} but its "
+                                f"placeholder {node} is {placement}")
+        return placement
+
+    def _load(self, module: nn.Module, captured: CapturedModel, state: dict | None) -> None:
+        params = dict(module.named_parameters(remove_duplicate=False))
+        buffers = dict(module.named_buffers(remove_duplicate=False))
+        for node, qualified in captured.param_nodes.items():
+            placement = self._placement(node, qualified)
+            full = state[qualified] if state is not None else params[qualified]
+            d = _shard_dim(placement)
+            piece = full.detach() if d is None else full.detach().chunk(self.tp.size, dim=d)[self.tp.rank]
+            key = qualified.replace(".", "/")
+            self._param_by_node[node] = key
+            if key not in self.shards:
+                self.shards[key] = nn.Parameter(piece.to(self.device, copy=True).contiguous(),
+                                                requires_grad=params[qualified].requires_grad)
+                self.placements[qualified] = placement
+        for node, qualified in captured.buffer_nodes.items():
+            value = state.get(qualified) if state is not None else None
+            if value is None:
+                value = buffers.get(qualified)
+            if value is None and captured.exported is not None:
+                value = captured.exported.constants.get(qualified)
+            if value is None or value.device.type == "meta" or isinstance(value, FakeTensor):
+                raise PlanError(f"buffer {qualified} has no value: it is not in the checkpoint and the "
+                                f"module holds no real tensor for it",
+                                hint="save it in the checkpoint or build the module with real buffers")
+            self.register_buffer(qualified.replace(".", "__"), value.detach().to(self.device, copy=True),
+                                 persistent=False)
+            self._buffers_by_node[node] = getattr(self, qualified.replace(".", "__"))
+
+    # -- running -------------------------------------------------------------------------
+
+    def local_parameters(self) -> dict[str, tuple[nn.Parameter, str]]:
+        """Qualified name -> (this rank's shard, its tp placement)."""
+        return {k.replace("/", "."): (p, self.placements[k.replace("/", ".")]) for k, p in self.shards.items()}
+
+    def forward(self, *inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        users = iter((*inputs, targets))
+        args = []
+        for n in self.graph_module.graph.nodes:
+            if n.op != "placeholder":
+                continue
+            if n.name in self._buffers_by_node:
+                args.append(self._buffers_by_node[n.name])
+            elif n.name in self._param_by_node:
+                args.append(self.shards[self._param_by_node[n.name]])
+            else:
+                x = next(users)
+                want = tuple(n.meta["val"].shape)
+                if tuple(x.shape) != want:
+                    raise PlanError(f"input {n.name} has shape {tuple(x.shape)}, but the plan's micro-batch "
+                                    f"is {want}")
+                args.append(x.to(self.device))
+        out = _LocalInterpreter(self).run(*args)
+        return out[-1] if isinstance(out, (tuple, list)) else out
+
+    def check_shapes(self, n: torch.fx.Node, d: NodeDecision, out: Any) -> None:
+        """Raise if a local output's shape is not the plan's (the global shape, sharded)."""
+        expected = [local_shape(v.shape, p, self.tp.size) for v, p in zip(_tensors(n.meta.get("val")), d.out)]
+        got = [tuple(v.shape) for v in _tensors(out)]
+        if got != expected:
+            raise PlanError(
+                f"tensor-parallel node {n.format_node()} (strategy {d.strategy!r}, outputs {list(d.out)}) "
+                f"produced local shapes {got} on tp rank {self.tp.rank}, the plan expects {expected}"
+            )
+
+
+def _micro_batch_specs(plan: Plan) -> tuple[list[InputSpec], InputSpec | None]:
+    """The plan's input and target specs with the batch dim set to the micro-batch size."""
+    mbs = plan.training.micro_batch_size
+
+    def micro(text: str) -> InputSpec:
+        spec = parse_input_spec(text)
+        return InputSpec(spec.name, spec.dtype, (mbs, *spec.shape[1:]))
+
+    if not plan.model.inputs:
+        raise PlanError("a tensor-parallel plan must record the model's inputs (plan.model.inputs)")
+    return [micro(s) for s in plan.model.inputs], micro(plan.model.targets) if plan.model.targets else None
+
+
+def _capture(module: nn.Module, plan: Plan, loss_fn: Callable) -> CapturedModel:
+    inputs, targets = _micro_batch_specs(plan)
+    on_meta = any(t.device.type == "meta" for t in module.parameters())
+    # A meta module is captured through fake tensors (export cannot run some models on meta);
+    # its tensors are replaced by the local shards anyway.
+    model = (lambda: module.to_empty(device="cpu")) if on_meta else module
+    return capture(model, inputs, loss=loss_fn, targets=targets, name=plan.model.name)
