@@ -254,7 +254,8 @@ def diff_table(d: PlanDiff) -> RenderableType:
     title = f"plan diff: {d.a_name} (a) -> {d.b_name} (b)"
     if d.identical:
         return Group(f"[bold]{title}[/]: the plans make the same decisions and predictions")
-    fields = Table(title=title, title_justify="left", title_style="bold")
+    parts.append(f"[bold]{title}[/]")
+    fields = Table(title="decisions", title_justify="left", title_style="bold")
     for col in ("what", "a", "b"):
         fields.add_column(col)
     for group, changes in (("model", d.model), ("cluster", d.cluster), ("", (d.mesh,) if d.mesh else ()),

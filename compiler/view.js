@@ -288,7 +288,8 @@ function parseInternal(s) {
 function collSummary(coll) {
   const bytes = coll.reduce((s, c) => s + c.bytes, 0);
   const kinds = [...new Set(coll.map(c => c.kind))];
-  return coll.length === 1 ? `${coll[0].kind} ${fmtBytes(bytes)}` :
+  const dir = {forward: "fwd", backward: "bwd"}[coll[0].dir] || "in-op";
+  return coll.length === 1 ? `${dir} ${coll[0].kind} ${fmtBytes(bytes)}` :
     `${coll.length} collectives (${kinds.join(", ")}) ${fmtBytes(bytes)}`;
 }
 function edgeTip(ops, list) {
@@ -342,11 +343,23 @@ function graphSection(D) {
       markerHeight: 7, orient: "auto-start-reverse"}, svg("path", {d: "M0,0 L8,4 L0,8 z", class: "arrowhead"}))));
     const edgeLayer = svg("g", {class: "edges"}), boxLayer = svg("g", {class: "boxes"});
     root.append(edgeLayer, boxLayer);
-    // module-to-module edges
+    // module-to-module edges; a module feeding many later ones (rotary tables, masks) gets one bus line
+    const skipsFrom = new Map();
+    for (const ge of G.groupEdges) if (ge.b !== ge.a + 1) skipsFrom.set(ge.a, (skipsFrom.get(ge.a) || 0) + 1);
+    const busLane = new Map();
+    for (const [a, n] of skipsFrom) if (n >= 3) busLane.set(a, busLane.size);
+    for (const [a, lane] of busLane) {
+      const xb = X0 - 14 - 10 * lane, last = Math.max(...G.groupEdges.filter(e => e.a === a).map(e => e.b));
+      edgeLayer.append(svg("path", {d: `M${X0},${pos[a].top + BH / 2} H${xb} V${pos[last].top + BH / 2}`, class: "bus"}));
+    }
     for (const ge of G.groupEdges) {
       const a = pos[ge.a], b = pos[ge.b], hasColl = ge.coll.length > 0;
       let d, bx, by;
-      if (ge.b === ge.a + 1) {
+      if (busLane.has(ge.a) && ge.b !== ge.a + 1) {
+        const xb = X0 - 14 - 10 * busLane.get(ge.a), yb = b.top + BH / 2;
+        d = `M${xb},${yb} H${X0 - 2}`;
+        bx = xb - 4; by = yb;
+      } else if (ge.b === ge.a + 1) {
         const x = X0 + 28;
         d = `M${x},${a.bottom} L${x},${b.top - 1}`;
         bx = x + 10; by = (a.bottom + b.top) / 2;
@@ -356,7 +369,8 @@ function graphSection(D) {
         d = `M${xa},${ya} C${xa - w},${ya} ${xa - w},${yb} ${xa - 2},${yb}`;
         bx = xa - w * 0.75 - 4; by = (ya + yb) / 2;
       }
-      const g = svg("g", {class: "edge" + (hasColl ? " coll" : "") + (ge.b === ge.a + 1 ? "" : " skip"),
+      const g = svg("g", {class: "edge" + (hasColl ? " coll" : "") + (ge.b === ge.a + 1 ? "" : " skip") +
+        (busLane.has(ge.a) && ge.b !== ge.a + 1 ? " bus-tap" : ""),
         "data-from": G.groups[ge.a].key, "data-to": G.groups[ge.b].key});
       g.append(svg("path", {d, class: "line", "marker-end": "url(#arrow)"}), svg("path", {d, class: "hit"}));
       if (hasColl) g.append(badge(bx, by, collSummary(ge.coll), ge.b !== ge.a + 1));
@@ -377,8 +391,8 @@ function graphSection(D) {
       head.append(svg("text", {x: 10, y: 19, class: "mname", text: (open ? "▾ " : "▸ ") + g.key}));
       const stages = [...g.stages].sort((x, y) => x - y);
       head.append(svg("text", {x: W - 8, y: 19, class: "mmeta", "text-anchor": "end",
-        text: `${g.ops.length} ${G.fromNodes ? "ops" : "params"} · stage ${stages.join(",")}`}));
-      let cx = 10 + Math.min(230, 8.2 * (g.key.length + 2));
+        text: `${g.ops.length} ${G.fromNodes ? "op" : "param"}${g.ops.length === 1 ? "" : "s"} · stage ${stages.join(",")}`}));
+      let cx = 10 + Math.min(250, 8.4 * (g.key.length + 2));
       for (const [s, n] of [...g.splits.entries()].sort()) {
         cx += chip(head, cx, 8, n > 1 ? `${s} ×${n}` : s, s) + 4;
       }
@@ -435,8 +449,8 @@ function graphSection(D) {
   function opRow(o, y, g) {
     const row = svg("g", {class: "op", "data-node": o.name, transform: `translate(0,${y})`});
     row.append(svg("rect", {x: 6, width: W - 12, height: OH - 3, rx: 3, class: "opbg"}));
-    row.append(svg("text", {x: 14, y: 13, class: "opname", text: o.name}));
-    row.append(svg("text", {x: 200, y: 13, class: "optype", text: o.op.length > 34 ? o.op.slice(0, 33) + "…" : o.op}));
+    row.append(svg("text", {x: 14, y: 13, class: "opname", text: o.name.length > 30 ? o.name.slice(0, 29) + "…" : o.name}));
+    row.append(svg("text", {x: 230, y: 13, class: "optype", text: o.op.length > 28 ? o.op.slice(0, 27) + "…" : o.op}));
     if (o.weighted || !["replicate"].includes(o.strategy)) chip(row, W - 110, 2, o.strategy, o.strategy);
     const stageNote = o.stage !== g.stage ? ` (stage ${o.stage})` : "";
     tip(row, () => [`${o.name}: ${o.op}${stageNote}`, `module ${o.module || "(root)"}, strategy ${o.strategy}`,
