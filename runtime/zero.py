@@ -1,0 +1,434 @@
+"""ZeRO over the dp axis: optimizer state (1), gradients (2) and parameters (3) sharded.
+
+ZeRO acts on the rank's LOCAL parameters (its tensor-parallel shards, plain
+``nn.Parameter``s), never on modules, so it works the same whether forward
+runs eagerly or as an fx Interpreter over a captured graph.
+
+Layout. Parameters are grouped into flat buckets by the gradient-bucket rule
+of data_parallel.py (reverse order, closed at ``bucket_bytes`` or a change of
+dtype), so the planner predicts ZeRO's collectives from the same
+``bucket_layout``. A bucket of N elements is padded to ``ceil(N/dp) * dp``
+and dp rank r owns the contiguous slice ``[r*S, (r+1)*S)``, S = ceil(N/dp).
+Padding adds at most dp - 1 elements per bucket, to each of the tensors that
+are flat (parameters, gradients and optimizer state alike). The user's
+optimizer is built once, on one flat shard ``nn.Parameter`` per bucket; it
+must be elementwise (SGD, Adam, AdamW: not LAMB, not per-tensor norms) and it
+sees one param group.
+
+Per stage (Psi parameters, n dp ranks, m micro-batches per step; "RS" a
+reduce-scatter and "AG" an all-gather, each of a whole bucket, one per bucket):
+
+- 1: parameters and gradients stay full. ``.grad`` is a view into a flat
+  gradient bucket that accumulates locally over the micro-batches; in the last
+  backward each bucket is RS'd in place as soon as its gradients are ready
+  (overlapped with backward), leaving this rank's slice averaged. The
+  optimizer updates its slice in place and each parameter bucket is AG'd in
+  place. Per step: RS Psi + AG Psi = ``zero_traffic_elements(.., 1, n)``,
+  whatever m. (A gradient all-reduce, as stage 0, would send 3 Psi.)
+- 2: as 1, but gradients are RS'd after EVERY backward, in place in a
+  transient flat bucket built from the ``.grad``s as they become ready; the
+  full ``.grad`` is freed and the averaged slice is added to the bucket's
+  persistent shard gradient. Per step: m RS + 1 AG = (m + 1) Psi; equal to
+  the plan's 2 Psi at m = 1. Reducing only on the last micro-batch instead
+  would need full gradients between micro-batches: that is stage 1.
+- 3: parameters are held only as shards. A bucket is AG'd into a flat buffer
+  that the parameters view, just before forward first uses it
+  (``gather`` / the eager module pre-hook), and its storage is freed once
+  every parameter of the bucket has been released (``release`` / the
+  post-hook). ``release`` hooks the outputs so that the first gradient
+  flowing into them AGs the bucket again for backward; gradients are RS'd as
+  in stage 2, and the buffer is freed when the bucket's RS is launched. Per
+  micro-batch: AG + AG + RS = 3 Psi, so (3 m) Psi per step; the plan's 3 Psi
+  at m = 1. No prefetching: each AG runs when needed, not overlapped.
+
+Frozen parameters (``requires_grad=False``) stay full and replicated and are
+not counted. The parameters must already be equal across the dp group
+(``compose`` broadcasts them first).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, Iterable, Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.autograd.graph import register_multi_grad_hook
+from torch.optim import Optimizer
+
+from partita.runtime.data_parallel import DEFAULT_BUCKET_BYTES, CollectiveCounter, _bucket_members, grad_params
+
+OptimizerFactory = Callable[[Iterable[nn.Parameter]], Optimizer]
+
+
+class _FlatBucket:
+    """One bucket's parameters as a padded flat tensor, of which this rank owns one slice."""
+
+    def __init__(self, members: list[nn.Parameter], rank: int, size: int) -> None:
+        self.members = members
+        self.ids = frozenset(id(p) for p in members)
+        self.numel = sum(p.numel() for p in members)
+        self.shard_numel = -(-self.numel // size)  # S = ceil(N / n)
+        self.padded = self.shard_numel * size
+        self.dtype, self.device = members[0].dtype, members[0].device
+        self.elem = members[0].element_size()
+        self.own = slice(rank * self.shard_numel, (rank + 1) * self.shard_numel)
+        self.index = {id(p): i for i, p in enumerate(members)}
+        self.shapes = [p.shape for p in members]  # stage 3 parks the parameters as empty tensors
+        self.offsets = []
+        offset = 0
+        for p in members:
+            self.offsets.append(offset)
+            offset += p.numel()
+        self.params_flat = torch.empty(0)  # (padded,) the members' data; stage 3 frees its storage
+        self.grads_flat: torch.Tensor | None = None  # stage 1: (padded,) persistent, the members' .grad
+        self.grad_flat: torch.Tensor | None = None  # stages 2-3: (padded,) transient, this backward's
+        self.shard: nn.Parameter | None = None  # (S,) what the optimizer updates
+        self.ready: set[int] = set()  # members whose gradient this backward has produced
+        self.work: dist.Work | None = None
+        self.pending: set[int] = set()  # stage 3 forward: members gathered and not yet released
+        self.seen = False  # stage 3: gathered at least once in this forward
+
+    @property
+    def nbytes(self) -> int:
+        return self.padded * self.elem
+
+    def new_flat(self) -> torch.Tensor:
+        return torch.zeros(self.padded, dtype=self.dtype, device=self.device)
+
+    def flatten_data(self) -> torch.Tensor:
+        flat = self.new_flat()
+        for p, o in zip(self.members, self.offsets):
+            flat[o : o + p.numel()].copy_(p.detach().reshape(-1))
+        return flat
+
+    def view_params_into(self, flat: torch.Tensor) -> None:
+        """Make each member's data a view of ``flat`` (same Parameter objects, same storage)."""
+        for p, v in zip(self.members, self.unflatten(flat)):
+            p.data = v
+
+    def unflatten(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        return [flat[o : o + s.numel()].view(s) for s, o in zip(self.shapes, self.offsets)]
+
+
+
+
+def _is_freed(t: torch.Tensor) -> bool:
+    return t.untyped_storage().nbytes() == 0
+
+
+class ZeroProgram:
+    """ZeRO stage 1, 2 or 3 over the dp group for a list of local parameters.
+
+    Per step the train step calls, for each micro-batch,
+    ``begin_micro_batch(is_last)`` BEFORE its forward and ``after_backward()``
+    after its backward; then ``step()`` and ``zero_grad()``. Gradients must be
+    scaled by the caller so that their mean over the dp ranks is the step's
+    gradient (each bucket is divided by n before its sum reduce-scatter).
+    Stage 3 also needs ``install_module_hooks(module)`` (eager) or
+    ``gather`` / ``release`` around each use (an fx Interpreter).
+    """
+
+    def __init__(
+        self,
+        named_params: Iterable[tuple[str, nn.Parameter]],
+        stage: int,
+        group: dist.ProcessGroup,
+        *,
+        optimizer_factory: OptimizerFactory,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        counter: CollectiveCounter | None = None,
+        axis: str = "dp",
+    ) -> None:
+        if stage not in (1, 2, 3):
+            raise ValueError(f"zero stage={stage} must be 1, 2 or 3 (stage 0 is GradientAverager)")
+        named = list(named_params)
+        self.stage, self.group, self.axis = stage, group, axis
+        self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
+        self.counter = counter if counter is not None else CollectiveCounter()
+        self._by_name = {n: p for n, p in named}
+        self.buckets = [_FlatBucket(m, self.rank, self.size)
+                        for m in _bucket_members(grad_params(p for _, p in named), bucket_bytes)]
+        self._bucket_of: dict[int, _FlatBucket] = {id(p): b for b in self.buckets for p in b.members}
+        self.shards: list[nn.Parameter] = []
+        self._pinned = False  # inside gathered(): nothing is freed
+        with torch.no_grad():
+            for b in self.buckets:
+                b.shard = self._setup_bucket(b)
+                self.shards.append(b.shard)
+        for p in self._bucket_of_params():
+            p.register_post_accumulate_grad_hook(self._on_grad_ready)
+        self.optimizer = optimizer_factory(self.shards)
+        self._sync = False
+        self._next = 0  # buckets launch in index order, the same on every rank
+        self.launched_in_backward = 0  # buckets of the last backward launched by a hook (overlapped)
+
+    def _bucket_of_params(self) -> Iterator[nn.Parameter]:
+        for b in self.buckets:
+            yield from b.members
+
+    def _setup_bucket(self, b: _FlatBucket) -> nn.Parameter:
+        """Lay the bucket out flat; return the shard the optimizer updates."""
+        flat = b.flatten_data()  # (padded,)
+        b.view_params_into(flat)
+        b.params_flat = flat
+        if self.stage == 3:
+            shard = nn.Parameter(flat[b.own].clone())
+            shard.grad = torch.zeros_like(shard)
+            self._free_params(b, park=True)
+            return shard
+        shard = nn.Parameter(flat[b.own])  # a view: the optimizer updates the full parameters in place
+        if self.stage == 1:
+            b.grads_flat = b.new_flat()
+            for p, g in zip(b.members, b.unflatten(b.grads_flat)):
+                p.grad = g
+            shard.grad = b.grads_flat[b.own]
+        else:
+            shard.grad = torch.zeros_like(shard)
+        return shard
+
+    # -- backward: gradients -------------------------------------------------------------
+
+    def begin_micro_batch(self, is_last: bool) -> None:
+        """Before a micro-batch's forward; stage 1 communicates only in the last one."""
+        self._sync = is_last or self.stage >= 2
+        self._next = 0
+        self.launched_in_backward = 0
+        for b in self.buckets:
+            b.ready.clear()
+            b.work = None
+            if self.stage == 3:
+                b.seen = False
+
+    def _on_grad_ready(self, p: nn.Parameter) -> None:
+        if not self._sync:
+            return
+        b = self._bucket_of[id(p)]
+        if self.stage == 1:
+            view = b.unflatten(b.grads_flat)[b.index[id(p)]]
+            if p.grad is not view and p.grad.data_ptr() != view.data_ptr():  # .grad was reset
+                view.copy_(p.grad)
+            p.grad = view
+        else:
+            if b.grad_flat is None:
+                b.grad_flat = b.new_flat()
+            o = b.offsets[b.index[id(p)]]
+            b.grad_flat[o : o + p.grad.numel()].copy_(p.grad.reshape(-1))
+            p.grad = None  # the full gradient lives only until its bucket is built
+        b.ready.add(id(p))
+        self._launch_ready()
+
+    def _launch(self, b: _FlatBucket) -> None:
+        if self.stage == 1:
+            flat = b.grads_flat
+        else:
+            if b.grad_flat is None:  # no gradient reached this bucket: it still joins the collective
+                b.grad_flat = b.new_flat()
+            flat = b.grad_flat
+        flat.div_(self.size)
+        b.work = dist.reduce_scatter_single(flat[b.own], flat, group=self.group, async_op=True)
+        self.counter.record("reduce_scatter", self.axis, b.nbytes)
+        if self.stage == 3:
+            self._free_params(b, park=False)  # backward is done with them (autograd may still hold views)
+
+    def _launch_ready(self) -> None:
+        while self._next < len(self.buckets) and len(self.buckets[self._next].ready) == len(self.buckets[self._next].members):
+            self._launch(self.buckets[self._next])
+            self._next += 1
+            self.launched_in_backward += 1
+
+    def after_backward(self) -> None:
+        """After each micro-batch's backward: finish its reduce-scatters (stage 1: the last one's)."""
+        if not self._sync:
+            return
+        while self._next < len(self.buckets):  # buckets backward never completed (unused parameters)
+            self._launch(self.buckets[self._next])
+            self._next += 1
+        for b, shard in zip(self.buckets, self.shards):
+            b.work.wait()
+            b.work = None
+            if self.stage >= 2:
+                shard.grad += b.grad_flat[b.own]
+                b.grad_flat = None
+                for p in b.members:
+                    p.grad = None
+            if self.stage == 3:
+                self._free_params(b, park=True)
+        self._sync = False
+
+    # -- the step --------------------------------------------------------------------------
+
+    def step(self) -> None:
+        """The optimizer on this rank's shards; stages 1-2 then all-gather the full parameters."""
+        self.optimizer.step()
+        if self.stage == 3:
+            return
+        works = []
+        for b, shard in zip(self.buckets, self.shards):
+            works.append(dist.all_gather_single(b.params_flat, shard.detach(), group=self.group, async_op=True))
+            self.counter.record("all_gather", self.axis, b.nbytes)
+        for w in works:
+            w.wait()
+
+    def zero_grad(self) -> None:
+        for b, shard in zip(self.buckets, self.shards):
+            if self.stage == 1:
+                b.grads_flat.zero_()
+                for p, g in zip(b.members, b.unflatten(b.grads_flat)):
+                    p.grad = g
+            else:
+                shard.grad.zero_()
+
+    # -- stage 3: parameters gathered around their use -------------------------------------
+
+    def _materialize(self, b: _FlatBucket) -> None:
+        if not _is_freed(b.params_flat):
+            return
+        b.params_flat.untyped_storage().resize_(b.nbytes)
+        with torch.no_grad():
+            dist.all_gather_single(b.params_flat, b.shard.detach(), group=self.group)
+        self.counter.record("all_gather", self.axis, b.nbytes)
+        b.view_params_into(b.params_flat)
+
+    def _free_params(self, b: _FlatBucket, *, park: bool) -> None:
+        """Free a gathered bucket. The storage is released but kept (resized to 0), so the views
+        autograd saved in forward see the bucket again once backward gathers it; ``park`` (when no
+        backward can need them) also points the parameters at an empty tensor, so that stray use
+        fails with a shape error instead of reading freed memory."""
+        if self._pinned:
+            return
+        b.params_flat.untyped_storage().resize_(0)
+        if park:
+            for p in b.members:
+                p.data = b.params_flat[:0]
+
+    def _gather_ids(self, ids: Iterable[int]) -> None:
+        for b in self._buckets_of(ids):
+            if _is_freed(b.params_flat):
+                self._materialize(b)
+                b.pending = set(b.ids) if not b.seen else set(ids) & b.ids
+                b.seen = True
+
+    def _release_ids(self, ids: Iterable[int], outputs: object) -> None:
+        buckets = self._buckets_of(ids)
+        for b in buckets:
+            b.pending -= set(ids)
+            if not b.pending and not _is_freed(b.params_flat):
+                self._free_params(b, park=not torch.is_grad_enabled())
+        if torch.is_grad_enabled():
+            tensors = [t for t in _tensors(outputs) if t.requires_grad]
+            if tensors:  # the first gradient into these outputs precedes the backward that needs the parameters
+                register_multi_grad_hook(tensors, lambda _: [self._materialize(b) for b in buckets], mode="any")
+
+    def _buckets_of(self, ids: Iterable[int]) -> list[_FlatBucket]:
+        if self.stage != 3:
+            raise RuntimeError(f"gather/release are for ZeRO stage 3; this is stage {self.stage}")
+        out: list[_FlatBucket] = []
+        for i in ids:
+            b = self._bucket_of.get(i)
+            if b is not None and b not in out:
+                out.append(b)
+        return out
+
+    def gather(self, name: str) -> nn.Parameter:
+        """The full parameter ``name`` (gathered if it is not), for an executor to use in forward."""
+        p = self._by_name[name]
+        self._gather_ids([id(p)])
+        return p
+
+    def release(self, names: Sequence[str], outputs: object) -> object:
+        """Forward is done with ``names``: free their buckets once all members are released, and
+        gather them again when backward reaches ``outputs`` (the tensors computed from them)."""
+        self._release_ids([id(self._by_name[n]) for n in names], outputs)
+        return outputs
+
+    def install_module_hooks(self, module: nn.Module) -> list[torch.utils.hooks.RemovableHandle]:
+        """Eager stage 3: gather each module's own parameters before its forward, release after."""
+        handles = []
+        for m in module.modules():
+            ids = [id(p) for p in m.parameters(recurse=False) if id(p) in self._bucket_of]
+            if ids:
+                handles.append(m.register_forward_pre_hook(lambda _m, _a, ids=ids: self._gather_ids(ids)))
+                handles.append(m.register_forward_hook(lambda _m, _a, out, ids=ids: self._release_ids(ids, out)))
+        return handles
+
+    @contextlib.contextmanager
+    def gathered(self) -> Iterator[None]:
+        """Stage 3: every parameter full inside the block (to evaluate, compare or save); no-op otherwise."""
+        if self.stage != 3:
+            yield
+            return
+        for b in self.buckets:
+            self._materialize(b)
+        self._pinned = True
+        try:
+            yield
+        finally:
+            self._pinned = False
+            for b in self.buckets:
+                self._free_params(b, park=True)
+
+    # -- introspection ---------------------------------------------------------------------
+
+    def gather_grads(self) -> dict[str, torch.Tensor]:
+        """The averaged gradients of the step, full, by name (all-gathers every shard gradient)."""
+        names = {id(p): n for n, p in self._by_name.items()}
+        out = {}
+        for b, shard in zip(self.buckets, self.shards):
+            flat = b.new_flat()
+            dist.all_gather_single(flat, shard.grad.detach(), group=self.group)
+            self.counter.record("all_gather", self.axis, b.nbytes)
+            out.update({names[id(p)]: g.clone() for p, g in zip(b.members, b.unflatten(flat))})
+        return out
+
+    @property
+    def padding_elements(self) -> int:
+        """Elements added to make every bucket a multiple of n (at most n - 1 per bucket)."""
+        return sum(b.padded - b.numel for b in self.buckets)
+
+    def state_bytes(self) -> dict[str, int]:
+        """Bytes of model state this rank holds: the tensors it keeps between steps, padding
+        included; stage 3's transient gathered buckets are excluded (they are freed by then)."""
+        def nbytes(ts: Iterable[torch.Tensor]) -> int:
+            return sum(t.numel() * t.element_size() for t in ts)
+
+        if self.stage == 3:
+            params = nbytes(self.shards)
+            grads = nbytes(s.grad for s in self.shards)
+        else:
+            params = nbytes(b.params_flat for b in self.buckets)
+            grads = nbytes(b.grads_flat for b in self.buckets) if self.stage == 1 else nbytes(s.grad for s in self.shards)
+        optimizer = nbytes(t for state in self.optimizer.state.values() for t in state.values()
+                           if isinstance(t, torch.Tensor))
+        return {"params": params, "grads": grads, "optimizer": optimizer}
+
+
+def _tensors(obj: object) -> list[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, (list, tuple)):
+        return [t for o in obj for t in _tensors(o)]
+    if isinstance(obj, dict):
+        return [t for o in obj.values() for t in _tensors(o)]
+    return []
+
+
+def apply_zero(
+    named_params: Iterable[tuple[str, nn.Parameter]],
+    stage: int,
+    dp_group: dist.ProcessGroup,
+    *,
+    optimizer_factory: OptimizerFactory,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    counter: CollectiveCounter | None = None,
+    axis: str = "dp",
+) -> ZeroProgram:
+    """Shard these local parameters' model state over ``dp_group`` as ZeRO ``stage`` says.
+
+    ``named_params`` is e.g. ``module.named_parameters()`` after tensor parallelism
+    (the names are what ``gather``/``release`` take). The optimizer is built here
+    by ``optimizer_factory`` on the flat shards; use ``program.optimizer``.
+    """
+    return ZeroProgram(named_params, stage, dp_group, optimizer_factory=optimizer_factory,
+                       bucket_bytes=bucket_bytes, counter=counter, axis=axis)
