@@ -244,6 +244,8 @@ function buildGraph(p) {
       weighted: true, params: [q]};
   });
   const index = new Map(ops.map((o, i) => [o.name, i]));
+  const moduleGroup = new Map();
+  for (const o of ops) if (!moduleGroup.has(o.module)) moduleGroup.set(o.module, o.group);
   const groups = [], byKey = new Map();
   ops.forEach((o, i) => {
     if (!byKey.has(o.group)) {
@@ -277,9 +279,10 @@ function buildGraph(p) {
     g.innerColl = g.inner.flatMap(e => e.coll).concat(g.ops.flatMap(i => ops[i].internal.map(parseInternal)));
     g.splits = new Map();
     for (const i of g.ops) if (ops[i].weighted) g.splits.set(ops[i].strategy, (g.splits.get(ops[i].strategy) || 0) + 1);
-    g.params = [...paramsByModule.entries()].filter(([m]) => m === g.key || m.startsWith(g.key + ".")).flatMap(([, v]) => v);
+    g.params = [...paramsByModule.entries()].filter(([m]) => groupKeyOf(m, prefixes) === g.key).flatMap(([, v]) => v);
   }
-  return {ops, groups, edges, groupEdges: [...groupEdges.values()], fromNodes};
+  return {ops, groups, edges, groupEdges: [...groupEdges.values()], fromNodes,
+    groupOf: m => moduleGroup.get(m) || groupKeyOf(m, prefixes)};
 }
 function parseInternal(s) {
   const [kind, n] = s.split(":");
@@ -318,8 +321,12 @@ function changedModules(diff) {
 function graphSection(D) {
   const p = D.plan, G = buildGraph(p);
   const changed = changedModules(D.diff);
-  const groupChanges = g => [...changed.entries()].filter(([m]) => m === g.key || m.startsWith(g.key + ".") ||
-    G.ops.some(o => o.group === g.key && o.module === m)).flatMap(([, v]) => v);
+  const changesOf = new Map(); // group -> changes of the modules in it
+  for (const [m, lines] of changed) {
+    const key = G.groupOf(m === "(root)" ? "" : m);
+    changesOf.set(key, (changesOf.get(key) || []).concat(lines));
+  }
+  const groupChanges = g => changesOf.get(g.key) || [];
   const expanded = new Set();
   const holder = el("div", {class: "scroll graph-scroll"});
   const X0 = 190, W = 470, BH = 30, GAP = 26, OH = 21, ARC0 = X0 + W + 8, BADGE = X0 + W + 150;
@@ -449,8 +456,8 @@ function graphSection(D) {
   function opRow(o, y, g) {
     const row = svg("g", {class: "op", "data-node": o.name, transform: `translate(0,${y})`});
     row.append(svg("rect", {x: 6, width: W - 12, height: OH - 3, rx: 3, class: "opbg"}));
-    row.append(svg("text", {x: 14, y: 13, class: "opname", text: o.name.length > 30 ? o.name.slice(0, 29) + "…" : o.name}));
-    row.append(svg("text", {x: 230, y: 13, class: "optype", text: o.op.length > 28 ? o.op.slice(0, 27) + "…" : o.op}));
+    row.append(svg("text", {x: 14, y: 13, class: "opname", text: o.name.length > 36 ? "…" + o.name.slice(-35) : o.name}));
+    row.append(svg("text", {x: 262, y: 13, class: "optype", text: o.op.length > 24 ? o.op.slice(0, 23) + "…" : o.op}));
     if (o.weighted || !["replicate"].includes(o.strategy)) chip(row, W - 110, 2, o.strategy, o.strategy);
     const stageNote = o.stage !== g.stage ? ` (stage ${o.stage})` : "";
     tip(row, () => [`${o.name}: ${o.op}${stageNote}`, `module ${o.module || "(root)"}, strategy ${o.strategy}`,
