@@ -103,15 +103,19 @@ from partita.passes.cost_model import (
     state_bytes_per_param,
 )
 from partita.passes.repeats import RepeatedBlock
-from partita.passes.tp_strategies import Strategy, grad_convention, reshard_kind, shard_dim
+from partita.passes.tp_layout import tensor_bytes
+from partita.passes.tp_strategies import Strategy, grad_convention, input_index, reshard_kind, shard_dim
 
 SOLVER = "HIGHS"
+# The objective is handed to the solver in microseconds (memory in GB): solvers stop at an
+# absolute gap of about 1e-6 of the objective's unit, which in seconds would be 0.03% of a
+# millisecond-scale micro-batch. The relative gap asked for is all but zero: the tests compare
+# the ILP's optimum with the exhaustive one.
+_UNIT = {"time": 1e6, "memory": 1e-9}
+RELATIVE_GAP = 1e-9
 SOLVERS = ("HIGHS", "SCIP", "CBC", "CP-SAT")
 
 StrategyFn = Callable[[nx.DiGraph, str, int], Sequence[Strategy]]
-
-_INT_BYTES = {"int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "bool": 1, "float64": 8}
-_FLOAT = ("float32", "float16", "bfloat16", "float64")
 
 
 class SolverError(RuntimeError):
@@ -271,8 +275,7 @@ def build_problem(
         return scale if G.nodes[n].get("depends_on_input") else 1.0
 
     def out_bytes(n: str, i: int) -> float:
-        a = G.nodes[n]
-        return _numel(a["shapes"][i]) * _elem_bytes(a["dtypes"][i], setting.precision) * beta(n)
+        return tensor_bytes(G, n, i, element_bytes(setting.precision)) * beta(n)
 
     # node costs
     folded: dict[str, list[list[float]]] = {k: [[0.0, 0.0, 1.0] for _ in strat[k]] for k in groups}
@@ -283,7 +286,7 @@ def build_problem(
         for j, u in enumerate(G.nodes[v].get("inputs", [])):
             num_edges += 1
             cu, cv = class_of[u], class_of[v]
-            i_out = output_index(G, u, v)
+            i_out = input_index(G, v, j)
             nbytes = out_bytes(u, i_out)
             key = (cu, cv, i_out, j, nbytes)
             if key not in matrix_cache:
@@ -322,25 +325,6 @@ def build_problem(
         classes.append(NodeClass(key, tuple(members), strat[key], tuple(costs)))
     edges = tuple(EdgeClass(cu, cv, acc["count"], acc["fwd"], acc["bwd"]) for (cu, cv), acc in edge_acc.items())
     return TPProblem(setting, tuple(classes), edges, class_of, state.total, G.number_of_nodes(), num_edges)
-
-
-def output_index(G: nx.DiGraph, u: str, v: str) -> int:
-    """Which of ``u``'s tensor outputs ``v`` reads: 0 for a single output; for a
-    ``getitem`` of a multi-output node, its index argument (``args[1]``, from
-    passes/graph.py); else its rank among ``u``'s getitem readers in graph order."""
-    if len(G.nodes[u]["shapes"]) <= 1:
-        return 0
-    a = G.nodes[v]
-    if a["op"].endswith("getitem"):
-        args = a.get("args")
-        if args and len(args) > 1 and isinstance(args[1], int):
-            return args[1]
-        readers = [w for w in G.successors(u) if G.nodes[w]["op"].endswith("getitem")]
-        order = {n: i for i, n in enumerate(G.nodes)}
-        readers.sort(key=order.__getitem__)
-        return readers.index(v)
-    raise ValueError(f"node {v} ({a['op']}) reads the {len(G.nodes[u]['shapes'])}-output node {u} "
-                     "other than through getitem: the TP solver cannot tell which output")
 
 
 def _edge_matrix(src: Sequence[Strategy], dst: Sequence[Strategy], i_out: int, j: int, nbytes: float, t: int,
@@ -424,16 +408,11 @@ def _classes(G: nx.DiGraph, repeated: Sequence[RepeatedBlock]) -> dict[str, list
 
 
 def _captured_float_bytes(G: nx.DiGraph) -> int:
-    for _, a in G.nodes(data=True):
-        if a["kind"] == "param" and a["dtypes"]:
-            return _INT_BYTES.get(a["dtypes"][0], 2 if a["dtypes"][0] in ("float16", "bfloat16") else 4)
+    """Bytes per element the graph was captured at (its first floating parameter's)."""
+    for n, a in G.nodes(data=True):
+        if a["kind"] == "param" and a["dtypes"] and a["dtypes"][0].startswith(("float", "bfloat")):
+            return tensor_bytes(G, n, 0) // max(1, _numel(a["shapes"][0]))
     return 4
-
-
-def _elem_bytes(dtype: str, precision: str) -> int:
-    if dtype in _FLOAT and dtype != "float64":
-        return element_bytes(precision)
-    return _INT_BYTES.get(dtype, 4)
 
 
 def _numel(shape: Sequence[int]) -> int:
@@ -468,7 +447,9 @@ def solve_tp(problem: TPProblem, *, solver: str = SOLVER, time_limit_s: float = 
     build_s = time.perf_counter() - t0
     m.solver.SetTimeLimit(int(time_limit_s * 1000))
     t1 = time.perf_counter()
-    status = m.solver.Solve()
+    params = pywraplp.MPSolverParameters()
+    params.SetDoubleParam(params.RELATIVE_MIP_GAP, RELATIVE_GAP)
+    status = m.solver.Solve(params)
     solve_s = time.perf_counter() - t1
     if status == pywraplp.Solver.INFEASIBLE:
         raise _infeasible(problem, solver, objective)
@@ -477,8 +458,9 @@ def solve_tp(problem: TPProblem, *, solver: str = SOLVER, time_limit_s: float = 
                           f"(t={problem.setting.t}, micro-batch {problem.setting.micro_batch}, "
                           f"{m.solver.NumVariables()} variables) after {solve_s:.1f} s")
     pick = {key: next(s for s, var in xs.items() if var.solution_value() > 0.5) for key, xs in m.x.items()}
-    obj = m.solver.Objective().Value()
-    bound = m.solver.Objective().BestBound() if m.solver.IsMip() else obj
+    unit = _UNIT[objective]
+    obj = m.solver.Objective().Value() / unit
+    bound = (m.solver.Objective().BestBound() if m.solver.IsMip() else m.solver.Objective().Value()) / unit
     gap = abs(obj - bound) / max(abs(obj), 1e-30)
     report = TPSolveReport(solver, _STATUS[status], obj, bound, gap, solve_s, build_s, m.solver.NumVariables(),
                            m.solver.NumConstraints(), len(problem.classes), problem.num_nodes)
@@ -541,27 +523,29 @@ def _add_edge_variables(m: _Model, p: TPProblem) -> None:
 
 
 def _add_memory_constraint(m: _Model, p: TPProblem) -> None:
-    """memory: sum_c sum_s m[c,s] x[c,s] <= budget (bytes per device)."""
+    """memory: sum_c sum_s m[c,s] x[c,s] <= budget (per device, in GB for the solver's tolerances)."""
     if not math.isfinite(p.setting.memory_budget):
         return
-    row = m.solver.Constraint(-m.solver.infinity(), p.setting.memory_budget, "memory")
+    gb = _UNIT["memory"]
+    row = m.solver.Constraint(-m.solver.infinity(), p.setting.memory_budget * gb, "memory")
     for c in p.classes:
         for s, var in m.x[c.key].items():
-            row.SetCoefficient(var, c.costs[s].memory(p.bytes_per_param))
+            row.SetCoefficient(var, c.costs[s].memory(p.bytes_per_param) * gb)
     m.memory = row
 
 
 def _set_objective(m: _Model, p: TPProblem, objective: str) -> None:
-    """Seconds per micro-batch (or bytes per device with objective="memory")."""
+    """Seconds per micro-batch (or bytes per device with objective="memory"), in ``_UNIT``s."""
     obj = m.solver.Objective()
+    unit = _UNIT[objective]
     for c in p.classes:
         for s, var in m.x[c.key].items():
             cost = c.costs[s]
-            obj.SetCoefficient(var, cost.time_s if objective == "time" else cost.memory(p.bytes_per_param))
+            obj.SetCoefficient(var, unit * (cost.time_s if objective == "time" else cost.memory(p.bytes_per_param)))
     if objective == "time":
         for ec, es in zip(p.edges, m.e):
             for (i, j), var in es.items():
-                obj.SetCoefficient(var, ec.cost(i, j))
+                obj.SetCoefficient(var, unit * ec.cost(i, j))
     obj.SetMinimization()
 
 
@@ -616,70 +600,144 @@ def evaluate(problem: TPProblem, pick: Mapping[str, int], report: TPSolveReport 
     return TPSolution(choice, dict(pick), compute, fwd, bwd, internal, numel, act, memory, report)
 
 
-def exhaustive_choice(problem: TPProblem, *, max_combinations: int = 5_000_000) -> TPSolution:
-    """The optimum by enumerating the product of all classes' strategies (small problems only).
+def exhaustive_choice(problem: TPProblem, *, max_states: int = 2_000_000) -> TPSolution:
+    """The optimum over the product of all classes' strategies, by enumeration (small graphs only).
 
-    Depth-first over the classes in order, with each partial assignment's cost
-    and memory accumulated; a branch is cut when its cost so far plus every
-    remaining class's cheapest strategy already reaches the best found, or its
-    memory so far plus every remaining class's smallest strategy exceeds the
-    budget. Both bounds are valid (all costs are non-negative), so the result
-    is the exact optimum of the product, independent of any solver.
+    Independent of any solver. The classes are visited in an order where each
+    parameter or input comes just before its first reader; the cost of the
+    classes not yet visited depends on the visited ones only through the
+    *frontier* (visited classes with an edge to an unvisited one). Without a
+    memory budget, the enumeration of the rest is therefore shared between
+    prefixes with the same frontier picks (memoised on (position, frontier
+    picks)): exact, and it visits at most sum_k prod_{c in frontier(k)} |S_c|
+    states. With a finite budget the memory used so far matters too, so every
+    prefix is enumerated, cut only where its cost so far plus each remaining
+    class's cheapest strategy reaches the best found or its memory so far
+    plus each remaining class's smallest exceeds the budget (valid bounds:
+    costs are non-negative). ``max_states`` guards against a product too big.
     """
-    if problem.combinations > max_combinations:
-        raise ValueError(f"{problem.combinations:.3g} combinations exceed max_combinations={max_combinations}")
     t0 = time.perf_counter()
-    order = [c for c in problem.classes]
+    order = _visit_order(problem)
     index = {c.key: k for k, c in enumerate(order)}
-    bpp = problem.bytes_per_param
-    # edges checked when their later end is assigned
-    incoming: list[list[tuple[EdgeClass, bool]]] = [[] for _ in order]
+    back: list[list[tuple[EdgeClass, int, bool]]] = [[] for _ in order]  # edges to earlier classes
+    last_use = list(range(len(order)))
     for ec in problem.edges:
         a, b = index[ec.src], index[ec.dst]
-        incoming[max(a, b)].append((ec, a < b))
-    min_time = [min((c.time_s for c in cls.costs if c.valid), default=math.inf) for cls in order]
-    min_mem = [min((c.memory(bpp) for c in cls.costs if c.valid), default=math.inf) for cls in order]
+        back[max(a, b)].append((ec, min(a, b), a < b))
+        last_use[min(a, b)] = max(last_use[min(a, b)], max(a, b))
+    frontier = [[c for c in range(k) if last_use[c] >= k] for k in range(len(order) + 1)]
+    valid = [[s for s, c in enumerate(cls.costs) if c.valid] for cls in order]
+    bpp = problem.bytes_per_param
+    budget = problem.setting.memory_budget
+    visited = [0]
+
+    def step(k: int, s: int, pick: dict[int, int]) -> float | None:
+        """Cost of class k running s, with its edges to the already-picked classes."""
+        w = order[k].costs[s].time_s
+        for ec, other, src_first in back[k]:
+            c = ec.cost(pick[other], s) if src_first else ec.cost(s, pick[other])
+            if c is None:
+                return None
+            w += c
+        return w
+
+    if math.isfinite(budget):
+        best_cost, best_pick = _enumerate_with_budget(order, valid, step, bpp, budget, max_states, visited)
+    else:
+        memo: dict[tuple[int, tuple[int, ...]], tuple[float, int]] = {}
+
+        def rest(k: int, pick: dict[int, int]) -> float:
+            if k == len(order):
+                return 0.0
+            key = (k, tuple(pick[c] for c in frontier[k]))
+            if key in memo:
+                return memo[key][0]
+            visited[0] += 1
+            if visited[0] > max_states:
+                raise ValueError(f"exhaustive search passed max_states={max_states}")
+            best = (math.inf, -1)
+            for s in valid[k]:
+                w = step(k, s, pick)
+                if w is None:
+                    continue
+                pick[k] = s
+                total = w + rest(k + 1, pick)
+                del pick[k]
+                if total < best[0]:
+                    best = (total, s)
+            memo[key] = best
+            return best[0]
+
+        import sys
+        limit = sys.getrecursionlimit()
+        sys.setrecursionlimit(max(limit, 4 * len(order) + 100))
+        try:
+            best_cost = rest(0, {})
+        finally:
+            sys.setrecursionlimit(limit)
+        best_pick = {}
+        for k in range(len(order)):
+            best_pick[k] = memo[(k, tuple(best_pick[c] for c in frontier[k]))][1]
+    if not math.isfinite(best_cost):
+        raise InfeasibleError(f"exhaustive search: no combination of strategies fits {budget / 1e9:.2f} GB")
+    chosen = {order[k].key: s for k, s in best_pick.items()}
+    report = TPSolveReport("exhaustive", "OPTIMAL", best_cost, best_cost, 0.0, time.perf_counter() - t0, 0.0,
+                           visited[0], 0, len(order), problem.num_nodes)
+    return evaluate(problem, chosen, report)
+
+
+def _visit_order(problem: TPProblem) -> list[NodeClass]:
+    """Classes in graph order, each class that reads nothing (parameters, inputs) moved to just
+    before its first neighbour, so that it joins the frontier only while it is used."""
+    readers = {ec.dst for ec in problem.edges}
+    neighbours: dict[str, list[str]] = {c.key: [] for c in problem.classes}
+    for ec in problem.edges:
+        neighbours[ec.src].append(ec.dst)
+        neighbours[ec.dst].append(ec.src)
+    by_key = {c.key: c for c in problem.classes}
+    order: list[NodeClass] = []
+    placed: set[str] = set()
+    for c in problem.classes:
+        if c.key not in readers:
+            continue
+        for nb in neighbours[c.key]:
+            if nb not in placed and nb not in readers:
+                placed.add(nb)
+                order.append(by_key[nb])
+        placed.add(c.key)
+        order.append(c)
+    order += [c for c in problem.classes if c.key not in placed]
+    return order
+
+
+def _enumerate_with_budget(order, valid, step, bpp, budget, max_states, visited):
+    """Depth-first over every prefix, cut by the cost and memory bounds (see ``exhaustive_choice``)."""
+    min_time = [min((order[k].costs[s].time_s for s in valid[k]), default=math.inf) for k in range(len(order))]
+    min_mem = [min((order[k].costs[s].memory(bpp) for s in valid[k]), default=math.inf) for k in range(len(order))]
     rest_time = list(itertools.accumulate(reversed(min_time + [0.0])))[::-1]
     rest_mem = list(itertools.accumulate(reversed(min_mem + [0.0])))[::-1]
-    budget = problem.setting.memory_budget
-    best = [math.inf, None]
-    pick: list[int] = [0] * len(order)
+    by_cost = [sorted(valid[k], key=lambda s, k=k: order[k].costs[s].time_s) for k in range(len(order))]
+    best: list = [math.inf, {}]
+    pick: dict[int, int] = {}
 
     def visit(k: int, cost: float, mem: float) -> None:
         if k == len(order):
             if cost < best[0]:
-                best[0], best[1] = cost, list(pick)
+                best[0], best[1] = cost, dict(pick)
             return
-        cls = order[k]
-        for s, sc in enumerate(cls.costs):
-            if not sc.valid:
+        visited[0] += 1
+        if visited[0] > max_states:
+            raise ValueError(f"exhaustive search passed max_states={max_states}")
+        for s in by_cost[k]:
+            w = step(k, s, pick)
+            if w is None:
                 continue
-            c2, m2 = cost + sc.time_s, mem + sc.memory(bpp)
-            ok = True
-            for ec, src_first in incoming[k]:
-                other = pick[index[ec.src if src_first else ec.dst]]
-                w = ec.cost(other, s) if src_first else ec.cost(s, other)
-                if w is None:
-                    ok = False
-                    break
-                c2 += w
-            if not ok or c2 + rest_time[k + 1] >= best[0] or m2 + rest_mem[k + 1] > budget * (1 + 1e-12):
+            c2, m2 = cost + w, mem + order[k].costs[s].memory(bpp)
+            if c2 + rest_time[k + 1] >= best[0] or m2 + rest_mem[k + 1] > budget * (1 + 1e-12):
                 continue
             pick[k] = s
             visit(k + 1, c2, m2)
+            del pick[k]
 
-    import sys
-    limit = sys.getrecursionlimit()
-    sys.setrecursionlimit(max(limit, len(order) + 100))
-    try:
-        visit(0, 0.0, 0.0)
-    finally:
-        sys.setrecursionlimit(limit)
-    if best[1] is None:
-        raise InfeasibleError(f"exhaustive search: no combination of strategies fits {budget / 1e9:.2f} GB")
-    chosen = {c.key: best[1][k] for k, c in enumerate(order)}
-    secs = time.perf_counter() - t0
-    report = TPSolveReport("exhaustive", "EXHAUSTIVE", best[0], best[0], 0.0, secs, 0.0, 0, 0, len(order),
-                           problem.num_nodes)
-    return evaluate(problem, chosen, report)
-
+    visit(0, 0.0, 0.0)
+    return best[0], best[1]
