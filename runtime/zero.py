@@ -83,6 +83,7 @@ class _FlatBucket:
             offset += p.numel()
         self.params_flat = torch.empty(0)  # (padded,) the members' data; stage 3 frees its storage
         self.grads_flat: torch.Tensor | None = None  # stage 1: (padded,) persistent, the members' .grad
+        self.grad_views: list[torch.Tensor] = []  # stage 1: the members' .grad, views of grads_flat
         self.grad_flat: torch.Tensor | None = None  # stages 2-3: (padded,) transient, this backward's
         self.shard: nn.Parameter | None = None  # (S,) what the optimizer updates
         self.ready: set[int] = set()  # members whose gradient this backward has produced
@@ -157,16 +158,13 @@ class ZeroProgram:
             for b in self.buckets:
                 b.shard = self._setup_bucket(b)
                 self.shards.append(b.shard)
-        for p in self._bucket_of_params():
-            p.register_post_accumulate_grad_hook(self._on_grad_ready)
+        for b in self.buckets:
+            for p in b.members:
+                p.register_post_accumulate_grad_hook(self._on_grad_ready)
         self.optimizer = optimizer_factory(self.shards)
         self._sync = False
         self._next = 0  # buckets launch in index order, the same on every rank
         self.launched_in_backward = 0  # buckets of the last backward launched by a hook (overlapped)
-
-    def _bucket_of_params(self) -> Iterator[nn.Parameter]:
-        for b in self.buckets:
-            yield from b.members
 
     def _setup_bucket(self, b: _FlatBucket) -> nn.Parameter:
         """Lay the bucket out flat; return the shard the optimizer updates."""
@@ -181,7 +179,8 @@ class ZeroProgram:
         shard = nn.Parameter(flat[b.own])  # a view: the optimizer updates the full parameters in place
         if self.stage == 1:
             b.grads_flat = b.new_flat()
-            for p, g in zip(b.members, b.unflatten(b.grads_flat)):
+            b.grad_views = b.unflatten(b.grads_flat)
+            for p, g in zip(b.members, b.grad_views):
                 p.grad = g
             shard.grad = b.grads_flat[b.own]
         else:
@@ -206,7 +205,7 @@ class ZeroProgram:
             return
         b = self._bucket_of[id(p)]
         if self.stage == 1:
-            view = b.unflatten(b.grads_flat)[b.index[id(p)]]
+            view = b.grad_views[b.index[id(p)]]
             if p.grad is not view and p.grad.data_ptr() != view.data_ptr():  # .grad was reset
                 view.copy_(p.grad)
             p.grad = view
@@ -275,7 +274,7 @@ class ZeroProgram:
         for b, shard in zip(self.buckets, self.shards):
             if self.stage == 1:
                 b.grads_flat.zero_()
-                for p, g in zip(b.members, b.unflatten(b.grads_flat)):
+                for p, g in zip(b.members, b.grad_views):
                     p.grad = g
             else:
                 shard.grad.zero_()
