@@ -399,17 +399,25 @@ class TensorParallel(nn.Module):
     def _load(self, module: nn.Module, captured: CapturedModel, state: dict | None) -> None:
         params = dict(module.named_parameters(remove_duplicate=False))
         buffers = dict(module.named_buffers(remove_duplicate=False))
-        for node, qualified in captured.param_nodes.items():
+        used = {n.name for n in captured.graph_module.graph.nodes if n.users}
+        # a tied parameter can have several placeholders; the used ones say where it lives
+        order = sorted(captured.param_nodes.items(), key=lambda kv: kv[0] not in used)
+        for node, qualified in order:
+            key = qualified.replace(".", "/")
+            self._param_by_node[node] = key
+            if key in self.shards:
+                if node in used and self._placement(node, qualified) != self.placements[qualified]:
+                    raise PlanError(f"tied parameter {qualified} has placeholders with different "
+                                    f"placements ({node}: {self.decisions[node].out[0]}, "
+                                    f"another: {self.placements[qualified]})")
+                continue
             placement = self._placement(node, qualified)
             full = state[qualified] if state is not None else params[qualified]
             d = _shard_dim(placement)
             piece = full.detach() if d is None else full.detach().chunk(self.tp.size, dim=d)[self.tp.rank]
-            key = qualified.replace(".", "/")
-            self._param_by_node[node] = key
-            if key not in self.shards:
-                self.shards[key] = nn.Parameter(piece.to(self.device, copy=True).contiguous(),
-                                                requires_grad=params[qualified].requires_grad)
-                self.placements[qualified] = placement
+            self.shards[key] = nn.Parameter(piece.to(self.device, copy=True).contiguous(),
+                                            requires_grad=params[qualified].requires_grad)
+            self.placements[qualified] = placement
         for node, qualified in captured.buffer_nodes.items():
             value = state.get(qualified) if state is not None else None
             if value is None:

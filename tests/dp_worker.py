@@ -186,7 +186,7 @@ def check_refusals(ctx: DistContext, dp: int) -> None:
             PlanError, f"{dp + 1} processes", f"{dp} were launched")
     refused(lambda: ParallelModel(mlp(), make_plan(dp // 2, tp=2), loss_fn=F.mse_loss,
                                   optimizer=OPTIMIZERS["sgd"], ctx=ctx),
-            PlanError, "tp=2", "later version")
+            PlanError, "tp=2", "no tensor-parallel node decisions")
     refused(lambda: ParallelModel(mlp(), make_plan(dp, zero_stage=1), loss_fn=F.mse_loss,
                                   optimizer=OPTIMIZERS["sgd"], ctx=ctx),
             PlanError, "zero_stage=1")

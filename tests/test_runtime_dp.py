@@ -4,7 +4,7 @@ Each launch (2 and 4 ranks) runs many checks in one mp.spawn (see dp_worker.py):
 MLP and tiny GPT, AdamW and SGD, gradient accumulation over 2 micro-batches,
 3 steps; losses, first-step gradients and final parameters within fp32
 tolerance; collectives counted per step equal to a hand-built plan's list;
-plans for another world size or for tp/ZeRO refused; wrong batch sizes refused.
+plans for another world size, tp without node decisions or ZeRO refused; wrong batch sizes refused.
 """
 
 from __future__ import annotations

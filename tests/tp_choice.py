@@ -75,10 +75,13 @@ def tp_plan(module, inputs: list, loss, targets, *, tp: int, dp: int = 1, mbs: i
     choice = pinned_choice(G, tp, pins) if pins is not None else {}
     nodes = layout_decisions(G, tp, choice)
     by_name = {d.name: d for d in nodes}
+    placement: dict[str, str] = {}
+    for n, q in sorted(captured.param_nodes.items(), key=lambda kv: G.out_degree(kv[0]) == 0):
+        placement.setdefault(q, by_name[n].out[0])  # a tied parameter: where its used placeholder says
     params = tuple(
         ParamDecision(q, captured.params[q][0], str(captured.params[q][1]).removeprefix("torch."),
-                      {"tp": by_name[n].out[0], "dp": "replicate"})
-        for n, q in captured.param_nodes.items())
+                      {"tp": p, "dp": "replicate"})
+        for q, p in placement.items())
     collectives = tuple(Collective(k, "tp", b, n * accum, tp, p, 0.0) for k, b, n, p in tp_collectives(nodes))
     mem = MemoryBreakdown(params=0, grads=0, optimizer=0, activations=0, capacity=1 << 30)
     gb = dp * mbs * accum

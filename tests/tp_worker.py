@@ -1,0 +1,223 @@
+"""Checks run inside each rank of a multi-process tensor-parallel test (see test_runtime_tp.py).
+
+Every rank builds a plan from a Megatron-style hand choice (tests/tp_choice.py),
+runs partita's ParallelModel and, in the same process, a single-process
+reference of the same model on the same global batch, and compares losses each
+step, first-step gradients (gathered back to full) and the parameters after
+STEPS steps; it checks that the collectives counted each step equal the plan's
+list. Failures raise, so mp.spawn reports them; the largest errors are written
+to ``outdir`` for the log.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+from collections import Counter
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from dp_worker import GPT_VOCAB, OPTIMIZERS, SEQ, free_port, gpt_batch, gpt_loss  # noqa: F401
+from examples.models import MLP, LogitsOnly, gpt_tiny
+from partita.compiler.inputs import InputSpec
+from partita.compiler.plan import Collective
+from partita.runtime.data_parallel import bucket_layout
+from partita.runtime.distributed import DistContext, destroy, init_distributed
+from partita.runtime.engine import ParallelModel
+from tp_choice import MEGATRON, tp_plan
+
+RTOL, ATOL = 1e-4, 2e-5
+STEPS = 3
+MBS, ACCUM = 2, 2
+
+MLP_PINS = {(r"^layers\.0$", "linear"): "col", (r"^layers\.1$", "linear"): "row",
+            (r"^layers\.2$", "linear"): "col"}
+
+
+def mlp() -> nn.Module:
+    return MLP(d_in=16, hidden=32, d_out=8, layers=3)
+
+
+def mlp_batch(global_batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(global_batch, 16, generator=g), torch.randn(global_batch, 8, generator=g)
+
+
+def hf_gpt2_tiny() -> nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    cfg = GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=GPT_VOCAB, n_positions=64,
+                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation="sdpa",
+                     bos_token_id=0, eos_token_id=0)
+    return LogitsOnly(GPT2LMHeadModel(cfg))
+
+
+def hf_llama_tiny() -> nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=4,
+                      intermediate_size=128, vocab_size=GPT_VOCAB, max_position_embeddings=64,
+                      attn_implementation="sdpa", bos_token_id=0, eos_token_id=0)
+    return LogitsOnly(LlamaForCausalLM(cfg))
+
+
+# name -> (factory, batch, loss, input spec, target spec or None (inferred), pins)
+MODELS: dict[str, tuple] = {
+    "gpt": (gpt_tiny, gpt_batch, gpt_loss, InputSpec("idx", torch.int64, (1, SEQ)), None, MEGATRON),
+    "mlp": (mlp, mlp_batch, F.mse_loss, InputSpec("x", torch.float32, (1, 16)),
+            InputSpec("targets", torch.float32, (1, 8)), MLP_PINS),
+    "hf-gpt2": (hf_gpt2_tiny, gpt_batch, gpt_loss, InputSpec("input_ids", torch.int64, (1, SEQ)), None, MEGATRON),
+    "hf-llama": (hf_llama_tiny, gpt_batch, gpt_loss, InputSpec("input_ids", torch.int64, (1, SEQ)), None, MEGATRON),
+}
+
+
+def _max_err(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+def _gather(model: ParallelModel, local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Full tensors from this rank's shards (uncounted: a test's own collectives)."""
+    tp = model.module.tp
+    out = {}
+    for name, (_, placement) in model.module.local_parameters().items():
+        t = local[name].contiguous()
+        if placement.startswith("shard("):
+            dim = int(placement[6:-1])
+            parts = [torch.empty_like(t) for _ in range(tp.size)]
+            dist.all_gather(parts, t, group=tp.group)
+            t = torch.cat(parts, dim=dim)
+        out[name] = t
+    return out
+
+
+def expected_calls(plan, model: ParallelModel, bucket_bytes: int) -> list[tuple[str, str, int, int]]:
+    """The plan's TP collectives (grouped by kind, axis and bytes) plus the DP ones this run needs."""
+    calls: Counter = Counter()
+    for c in plan.collectives:
+        calls[(c.kind, c.axis, c.bytes)] += c.count
+    if plan.mesh.dp > 1:
+        for nbytes in bucket_layout(model.module.parameters(), bucket_bytes):
+            calls[("all_reduce", "dp", nbytes)] += 1
+        calls[("all_reduce", "dp", 4)] += 1  # the loss
+    return sorted((k, a, b, n) for (k, a, b), n in calls.items())
+
+
+def compare(ctx: DistContext, name: str, *, tp: int, dp: int = 1, replicated: bool = False,
+            checkpoint_dir: str | None = None, opt_name: str = "adamw") -> dict:
+    factory, batch, loss_fn, spec, target_spec, pins = MODELS[name]
+    torch.manual_seed(100)
+    reference = factory()
+    inputs = [InputSpec(spec.name, spec.dtype, (MBS, *spec.shape[1:]))]
+    plan = tp_plan(copy.deepcopy(reference), inputs, loss_fn, target_spec, tp=tp, dp=dp, mbs=MBS,
+                   accum=ACCUM, pins=None if replicated else pins)
+    assert plan.nodes and all(d.strategy == "replicate" for d in plan.nodes) == replicated
+    checkpoint = None
+    if checkpoint_dir is not None:  # weights from a file into a module on the meta device
+        checkpoint = Path(checkpoint_dir, f"{name}.pt")
+        if ctx.rank == 0:
+            torch.save(reference.state_dict(), checkpoint)
+        dist.barrier()
+        with torch.device("meta"):
+            module = factory()
+    else:
+        module = copy.deepcopy(reference)
+    bucket_bytes = 25 * 1024 * 1024
+    model = ParallelModel(module, plan, loss_fn=loss_fn, optimizer=OPTIMIZERS[opt_name], ctx=ctx,
+                          bucket_bytes=bucket_bytes, checkpoint=checkpoint)
+    local = model.module.local_parameters()
+    ref_params = dict(reference.named_parameters())
+    if checkpoint is not None:  # each rank holds exactly its slices of the saved weights
+        assert all(p.device.type == "meta" or type(p).__name__ == "FakeTensor" for p in module.parameters())
+        for n, (p, placement) in local.items():
+            want = ref_params[n].detach()
+            if placement.startswith("shard("):
+                want = want.chunk(tp, dim=int(placement[6:-1]))[model.module.tp.rank]
+            assert torch.equal(p.detach(), want), n
+    names = {id(p): n for n, (p, _) in local.items()}
+    grads: dict[str, torch.Tensor] = {}
+
+    def grab(optimizer, args, kwargs):
+        if not grads:
+            grads.update({names[id(p)]: p.grad.detach().clone()
+                          for g in optimizer.param_groups for p in g["params"]})
+    model.optimizer.register_step_pre_hook(grab)
+    ref_opt = OPTIMIZERS[opt_name](reference.parameters())
+    ref_grads: dict[str, torch.Tensor] = {}
+    x, y = batch(plan.training.global_batch)
+    want_calls = expected_calls(plan, model, bucket_bytes)
+    loss_errs = []
+    for step in range(STEPS):
+        loss = model.train_step(x, targets=y)
+        if dp == 1:  # the same micro-batches, so a replicated plan can match exactly
+            total = torch.zeros(())
+            for i in range(ACCUM):  # as train_step sums and scales them
+                rows = slice(i * MBS, (i + 1) * MBS)
+                part = loss_fn(reference(x[rows]), y[rows])
+                total += part.detach()
+                (part / ACCUM).backward()
+            ref_loss = float(total.div_(ACCUM))
+        else:
+            part = loss_fn(reference(x), y)
+            part.backward()
+            ref_loss = part.item()
+        if step == 0:
+            ref_grads = {n: p.grad.detach().clone() for n, p in reference.named_parameters()}
+        ref_opt.step()
+        ref_opt.zero_grad()
+        loss_errs.append(abs(loss - ref_loss))
+        if replicated:
+            assert loss == ref_loss, (loss, ref_loss)
+        assert abs(loss - ref_loss) <= ATOL + RTOL * abs(ref_loss), (name, step, loss, ref_loss)
+        assert model.collectives.as_tuples() == want_calls, (name, model.collectives.as_tuples(), want_calls)
+    full_grads = _gather(model, grads)
+    full_params = _gather(model, {n: p.detach() for n, (p, _) in local.items()})
+    ref_final = {n: p.detach() for n, p in reference.named_parameters()}
+    ref_grads = {n: ref_grads[n] for n in full_grads}
+    ref_final = {n: ref_final[n] for n in full_params}
+    for n in full_grads:
+        if replicated:
+            assert torch.equal(full_grads[n], ref_grads[n]), n
+        torch.testing.assert_close(full_grads[n], ref_grads[n], rtol=RTOL, atol=ATOL, msg=lambda m: f"{name} grad {n}: {m}")
+    for n in full_params:
+        if replicated:
+            assert torch.equal(full_params[n], ref_final[n]), n
+        torch.testing.assert_close(full_params[n], ref_final[n], rtol=RTOL, atol=ATOL, msg=lambda m: f"{name} param {n}: {m}")
+    return {
+        "case": f"{name}/dp={dp}/tp={tp}{'/replicated' if replicated else ''}{'/checkpoint' if checkpoint else ''}",
+        "loss_err": max(loss_errs),
+        "grad_err": _max_err(full_grads, ref_grads),
+        "param_err": _max_err(full_params, ref_final),
+        "tp_calls_per_step": sum(n for k, a, b, n in want_calls if a == "tp"),
+    }
+
+
+# launch name -> (world size, the checks each rank runs)
+LAUNCHES: dict[str, tuple[int, Callable[[DistContext, str], list[dict]]]] = {
+    "tp2": (2, lambda ctx, out: [
+        compare(ctx, "gpt", tp=2), compare(ctx, "mlp", tp=2),
+        compare(ctx, "gpt", tp=2, replicated=True),
+        compare(ctx, "gpt", tp=2, checkpoint_dir=out),
+        compare(ctx, "hf-gpt2", tp=2), compare(ctx, "hf-llama", tp=2),
+    ]),
+    "tp4": (4, lambda ctx, out: [compare(ctx, "gpt", tp=4), compare(ctx, "mlp", tp=4)]),
+    "dp2xtp2": (4, lambda ctx, out: [compare(ctx, "gpt", tp=2, dp=2), compare(ctx, "mlp", tp=2, dp=2, opt_name="sgd")]),
+}
+
+
+def worker(rank: int, launch: str, port: int, outdir: str) -> None:
+    world, checks = LAUNCHES[launch]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    ctx = init_distributed(timeout_s=30)
+    try:
+        results = checks(ctx, outdir)
+        Path(outdir, f"rank{rank}.json").write_text(json.dumps(results))
+    finally:
+        destroy(ctx)
