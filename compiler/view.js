@@ -457,8 +457,8 @@ function graphSection(D) {
     const row = svg("g", {class: "op", "data-node": o.name, transform: `translate(0,${y})`});
     row.append(svg("rect", {x: 6, width: W - 12, height: OH - 3, rx: 3, class: "opbg"}));
     row.append(svg("text", {x: 14, y: 13, class: "opname", text: o.name.length > 36 ? "…" + o.name.slice(-35) : o.name}));
-    row.append(svg("text", {x: 262, y: 13, class: "optype", text: o.op.length > 24 ? o.op.slice(0, 23) + "…" : o.op}));
-    if (o.weighted || !["replicate"].includes(o.strategy)) chip(row, W - 110, 2, o.strategy, o.strategy);
+    row.append(svg("text", {x: 262, y: 13, class: "optype", text: o.op.length > 20 ? o.op.slice(0, 19) + "…" : o.op}));
+    if (o.weighted || o.strategy !== "replicate") chip(row, W - 84, 2, o.strategy, o.strategy);
     const stageNote = o.stage !== g.stage ? ` (stage ${o.stage})` : "";
     tip(row, () => [`${o.name}: ${o.op}${stageNote}`, `module ${o.module || "(root)"}, strategy ${o.strategy}`,
       ...(o.out.length ? [`out: ${o.out.join(", ")}`] : []),
@@ -487,7 +487,9 @@ function graphSection(D) {
 const MEM_KINDS = [["params", "#4e79a7"], ["grads", "#59a14f"], ["optimizer", "#f28e2b"], ["activations", "#b07aa1"]];
 function memorySection(D) {
   const rows = D.memory, cap = Math.max(...rows.map(r => r.capacity));
-  const scaleMax = Math.max(cap, ...rows.map(r => r.total)) * 1.02;
+  // far below capacity, the bars use the space and capacity is marked off scale
+  const most = Math.max(...rows.map(r => r.total)), offScale = cap > 4 * most;
+  const scaleMax = offScale ? most * 1.1 : Math.max(cap, most) * 1.02;
   const L = 150, BW = 620, RH = 26, H = 24 + rows.length * (RH + 8) + 20;
   const root = svg("svg", {width: L + BW + 170, height: H, class: "memory"});
   const sx = v => L + BW * v / scaleMax;
@@ -512,9 +514,14 @@ function memorySection(D) {
       text: `${fmtBytes(r.total)} (${fmtPct(r.total / r.capacity)})${r.exact ? "" : " ≈"}`}));
     root.append(g);
   });
-  const xc = sx(cap);
-  root.append(svg("line", {x1: xc, x2: xc, y1: 12, y2: H - 14, class: "capacity"}));
-  root.append(svg("text", {x: xc, y: 10, class: "capacity-text", "text-anchor": "middle", text: `capacity ${fmtBytes(cap)}`}));
+  if (offScale) {
+    root.append(svg("text", {x: L + BW, y: 10, class: "capacity-text", "text-anchor": "end",
+      text: `capacity ${fmtBytes(cap)} (off scale, ${g3(cap / most)}x the most loaded) →`}));
+  } else {
+    const xc = sx(cap);
+    root.append(svg("line", {x1: xc, x2: xc, y1: 12, y2: H - 14, class: "capacity"}));
+    root.append(svg("text", {x: xc, y: 10, class: "capacity-text", "text-anchor": "middle", text: `capacity ${fmtBytes(cap)}`}));
+  }
   const table = el("table", {class: "mem-table"},
     el("thead", {}, el("tr", {}, ...["stage", "ranks", ...MEM_KINDS.map(k => k[0]), "total", "capacity", "fits"].map(
       t => el("th", {text: t})))),

@@ -1,0 +1,59 @@
+"""Screenshots of `partita view` for the README: the demo plan and a GPT-3-175B-like plan on 128 GPUs.
+
+    .venv/bin/python docs/make_screenshots.py
+
+Needs Chromium at /usr/bin/chromium and the playwright package (see tests/test_view.py).
+"""
+
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+
+from playwright.sync_api import sync_playwright  # noqa: E402
+from synthetic_plans import gpt3_175b_plan  # noqa: E402
+from test_view import CHROMIUM, CHROMIUM_ARGS  # noqa: E402
+
+from partita.compiler.view import render_html  # noqa: E402
+
+
+def demo_plan():
+    from partita.compiler.compile import compile_model
+    from partita.compiler.demo import BATCH, SEQ, demo_model
+    from partita.compiler.inputs import parse_input_spec
+    from partita.passes.cluster import load_cluster
+    from partita.passes.constraints import Pins
+
+    return compile_model(demo_model, [parse_input_spec(f"idx=int64[{BATCH},{SEQ}]")],
+                         load_cluster("local", devices=4), pins=Pins(world_size=4), name="gpt_tiny (demo)").plan
+
+
+def shoot(context, html: str, out: Path, expand: str | None) -> None:
+    with tempfile.NamedTemporaryFile("w", suffix=".html", delete=False) as f:
+        f.write(html)
+    page = context.new_page()
+    page.goto(Path(f.name).as_uri())
+    page.wait_for_selector("body[data-ready='1']")
+    if expand:
+        page.locator(f'g.module[data-group="{expand}"] .head').click()
+        page.mouse.move(0, 0)  # no tooltip in the picture
+    page.screenshot(path=str(out), full_page=True)
+    page.close()
+    print(f"{out.relative_to(ROOT)}: {out.stat().st_size / 1e3:,.0f} KB")
+
+
+def main() -> None:
+    with sync_playwright() as pw:
+        context = pw.chromium.launch_persistent_context(tempfile.mkdtemp(), executable_path=CHROMIUM,
+                                                        args=CHROMIUM_ARGS, headless=True,
+                                                        viewport={"width": 1400, "height": 1000})
+        shoot(context, render_html(demo_plan()), ROOT / "docs" / "view-demo.png", expand="transformer.h.0")
+        shoot(context, render_html(gpt3_175b_plan(validate=False)), ROOT / "docs" / "view-gpt3-175b.png",
+              expand="model.layers.0")
+        context.close()
+
+
+if __name__ == "__main__":
+    main()
