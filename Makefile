@@ -1,13 +1,14 @@
 # The two commands a newcomer runs: `make demo` and `make test`.
 # Each creates .venv if it is missing and installs the CPU build of torch and
-# partita with its test extras first.
+# partita with its test extras first. `make test` also installs Debian's
+# Chromium (as root, via apt-get) for the plan viewer's browser tests.
 
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.partita-installed
 
-.PHONY: demo test bench install clean
+.PHONY: demo test bench install browser clean
 
 install: $(STAMP)
 
@@ -19,14 +20,21 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q -e '.[test]'
 	touch $(STAMP)
 
+# Playwright drives Debian's chromium (never `playwright install`, which downloads a browser).
+browser:
+	@test -x /usr/bin/chromium || { \
+	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; \
+	  else echo "note: install Debian's chromium (sudo apt-get install chromium) to run the browser tests"; fi; }
+
 demo: $(STAMP)
 	$(BIN)/partita demo
 
-test: $(STAMP)
+test: $(STAMP) browser
 	$(BIN)/python -m pytest -q
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/dp_vs_ddp.py
+	$(BIN)/python benchmarks/predicted_vs_measured.py
 	$(BIN)/python benchmarks/capture_llama70b.py
 
 clean:

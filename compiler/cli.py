@@ -289,6 +289,18 @@ def demo(nproc: int, steps: int, output: str) -> None:
     run_demo(nproc=nproc, steps=steps, output=output, console=console, progress=_progress())
 
 
+def _register_plan_readers() -> None:
+    """`partita view` and `partita diff` live beside the page and the diff they make."""
+    from partita.compiler.diff import diff_command
+    from partita.compiler.view import view_command
+
+    cli.add_command(view_command, "view")
+    cli.add_command(diff_command, "diff")
+
+
+_register_plan_readers()
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     """Entry point: user errors print one message and exit 2."""
     try:

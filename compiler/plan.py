@@ -15,6 +15,7 @@ Loading refuses, with a message that says what differs:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import types
 import typing
@@ -386,6 +387,11 @@ def _to_jsonable(obj: Any) -> Any:
     return obj
 
 
+@functools.lru_cache(maxsize=None)
+def _type_hints(tp: type) -> dict[str, Any]:
+    return typing.get_type_hints(tp)
+
+
 def _from_jsonable(tp: Any, value: Any) -> Any:
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
@@ -396,7 +402,7 @@ def _from_jsonable(tp: Any, value: Any) -> Any:
     if dataclasses.is_dataclass(tp):
         if not isinstance(value, Mapping):
             raise TypeError(f"{tp.__name__} must be an object, got {value!r}")
-        hints = typing.get_type_hints(tp)
+        hints = _type_hints(tp)
         names = {f.name for f in dataclasses.fields(tp)}
         unknown = set(value) - names
         if unknown:
