@@ -217,6 +217,15 @@ def data_parallel_step(
     )
 
 
+def param_step_time(numel: float, state: StateBytes, dp: int, dp_link: Link, cluster: ClusterSpec) -> float:
+    """The per-step work one device does for ``numel`` parameter elements it holds: their
+    gradients' share of the dp all-reduce (bandwidth term: 2 S (n-1)/n / beta) and the
+    optimizer reading and writing their state. Linear in ``numel``, so a solver can price
+    a layout parameter by parameter; the per-bucket latencies are ``mesh_step``'s."""
+    allreduce = 2 * numel * state.grads * (dp - 1) / dp / dp_link.bandwidth if dp > 1 else 0.0
+    return allreduce + 2 * numel * state.total / cluster.hbm_bandwidth
+
+
 def mesh_step(
     *,
     micro_batch_s: Mapping[str, float],

@@ -144,7 +144,7 @@ def choose_mesh(
                                                 f"{too_big[1] / 1e9:.1f} GB > {cluster.usable_memory / 1e9:.1f} GB"))
                 continue
             setting = TPSetting(tp, mb, profile.batch_size, request.precision, request.optimizer,
-                                request.inference, cluster.usable_memory)
+                                request.inference, cluster.usable_memory, dp=dp, grad_accum=accum)
             problem = build_problem(G, setting, cluster, strategies=lambda _G, n, t: cached(n, t),
                                     repeated=profile.repeated)
             solves += 1

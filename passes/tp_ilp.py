@@ -20,13 +20,19 @@ Variables (``_add_choice_variables``, ``_add_edge_variables``):
                            strategy j (continuous: integral once x is)
 
 Objective (``_set_objective``): predicted seconds of one micro-batch's
-forward + backward on one device,
+forward + backward on one device, plus the step's per-parameter work
+amortised over the A = grad_accum micro-batches of a step,
 
     min  sum_c sum_s  n[c,s] x[c,s]  +  sum_k sum_(i,j) w[k,i,j] e[k,i,j]
 
     n[c,s] = sum_{v in c} compute_time((F_fwd(v) + F_bwd(v)) * frac_s * beta(v))
                           + sum over s's internal collectives of collective_time
                           + the edges folded into the class
+                          + param_step_time(local elements of c's parameters under s) / A
+
+(param_step_time: the local gradient shard's bandwidth share of the dp
+all-reduce on ``link_for_group(dp, stride=t)`` and the optimizer's pass over
+the local state; this is what makes a sharded embedding pay off at dp > 1.)
     w[k,i,j] = sum_{u->v in k} sum_{input slots of v fed by u}
                  reshard_time(reshard_kind(out_i, in_j), bytes)               (forward)
                + reshard_time(reshard_kind(grad_j, grad_convention(out_i)), bytes) (backward)
@@ -99,6 +105,7 @@ from partita.passes.cost_model import (
     collective_time,
     compute_time,
     element_bytes,
+    param_step_time,
     reshard_time,
     state_bytes_per_param,
 )
@@ -136,6 +143,8 @@ class TPSetting:
     optimizer: str = "adamw"
     inference: bool = False
     memory_budget: float = math.inf  # bytes per device
+    dp: int = 1  # data-parallel degree the step's gradient all-reduce runs over
+    grad_accum: int = 1  # micro-batches per step: per-step costs are amortised over them
 
     def __post_init__(self) -> None:
         if self.t < 1 or self.micro_batch < 1 or self.captured_batch < 1:
@@ -152,6 +161,7 @@ class StrategyCost:
     fwd_s: float = 0.0  # edges folded into the class (both ends in it), forward
     bwd_s: float = 0.0
     param_numel: float = 0.0  # local parameter elements on one device (after sharding)
+    step_s: float = 0.0  # per-step work for those parameters: dp all-reduce share + optimizer
     activation_bytes: float = 0.0  # saved for backward, local
     valid: bool = True  # False when a folded edge would need an invalid reshard
 
@@ -161,6 +171,10 @@ class StrategyCost:
     @property
     def time_s(self) -> float:
         return self.compute_s + self.internal_s + self.fwd_s + self.bwd_s
+
+    def objective(self, grad_accum: int) -> float:
+        """Seconds per micro-batch, the per-step work amortised over ``grad_accum`` micro-batches."""
+        return self.time_s + self.step_s / grad_accum
 
 
 @dataclass(frozen=True)
@@ -233,6 +247,7 @@ class TPSolution:
     tp_forward_s: float
     tp_backward_s: float
     tp_internal_s: float
+    param_step_s: float  # per step: the local parameters' dp all-reduce share (bandwidth) and optimizer
     param_numel: float  # local parameter elements per device
     activation_bytes: float
     memory_bytes: float
@@ -240,6 +255,7 @@ class TPSolution:
 
     @property
     def time_s(self) -> float:
+        """One micro-batch's forward + backward on one device."""
         return self.compute_s + self.tp_forward_s + self.tp_backward_s + self.tp_internal_s
 
 
@@ -259,6 +275,7 @@ def build_problem(
         from partita.passes.tp_strategies import node_strategies as strategies  # type: ignore[attr-defined]
     t = setting.t
     link = cluster.link_for_group(t)
+    dp_link = cluster.link_for_group(setting.dp, stride=t)
     state = state_bytes_per_param(setting.precision, setting.optimizer, inference=setting.inference)
     scale = setting.micro_batch / setting.captured_batch
     captured_float = _captured_float_bytes(G)
@@ -320,8 +337,9 @@ def build_problem(
                 if not setting.inference:
                     act += a.get("saved_bytes", 0) * st.memory_fraction * beta(n) * act_ratio
             fwd_s, bwd_s, valid = folded[key][s]
-            costs.append(StrategyCost(compute, internal, fwd_s, bwd_s, _param_numel(G, members, st, t), act,
-                                      bool(valid)))
+            numel = _param_numel(G, members, st, t)
+            step = param_step_time(numel, state, setting.dp, dp_link, cluster) if numel and not setting.inference else 0.0
+            costs.append(StrategyCost(compute, internal, fwd_s, bwd_s, numel, step, act, bool(valid)))
         classes.append(NodeClass(key, tuple(members), strat[key], tuple(costs)))
     edges = tuple(EdgeClass(cu, cv, acc["count"], acc["fwd"], acc["bwd"]) for (cu, cv), acc in edge_acc.items())
     return TPProblem(setting, tuple(classes), edges, class_of, state.total, G.number_of_nodes(), num_edges)
@@ -541,7 +559,8 @@ def _set_objective(m: _Model, p: TPProblem, objective: str) -> None:
     for c in p.classes:
         for s, var in m.x[c.key].items():
             cost = c.costs[s]
-            obj.SetCoefficient(var, unit * (cost.time_s if objective == "time" else cost.memory(p.bytes_per_param)))
+            value = cost.objective(p.setting.grad_accum) if objective == "time" else cost.memory(p.bytes_per_param)
+            obj.SetCoefficient(var, unit * value)
     if objective == "time":
         for ec, es in zip(p.edges, m.e):
             for (i, j), var in es.items():
@@ -573,7 +592,7 @@ def _infeasible(p: TPProblem, solver: str, objective: str) -> InfeasibleError:
 
 def evaluate(problem: TPProblem, pick: Mapping[str, int], report: TPSolveReport | None = None) -> TPSolution:
     """The cost and memory of choosing strategy ``pick[c]`` for every class ``c``."""
-    compute = internal = fwd = bwd = numel = act = 0.0
+    compute = internal = fwd = bwd = numel = act = step = 0.0
     for c in problem.classes:
         cost = c.costs[pick[c.key]]
         if not cost.valid:
@@ -583,6 +602,7 @@ def evaluate(problem: TPProblem, pick: Mapping[str, int], report: TPSolveReport 
         fwd += cost.fwd_s
         bwd += cost.bwd_s
         numel += cost.param_numel
+        step += cost.step_s
         act += cost.activation_bytes
     for ec in problem.edges:
         i, j = pick[ec.src], pick[ec.dst]
@@ -591,13 +611,13 @@ def evaluate(problem: TPProblem, pick: Mapping[str, int], report: TPSolveReport 
         fwd += ec.fwd_s[i][j]
         bwd += ec.bwd_s[i][j]
     memory = numel * problem.bytes_per_param + act
-    total = compute + internal + fwd + bwd
+    total = compute + internal + fwd + bwd + step / problem.setting.grad_accum
     if report is None:
         report = TPSolveReport("evaluate", "EVALUATED", total, total, 0.0, 0.0, 0.0, 0, 0,
                                len(problem.classes), problem.num_nodes)
     strategies = {c.key: c.strategies for c in problem.classes}
     choice = {n: strategies[k][pick[k]] for n, k in problem.class_of.items()}
-    return TPSolution(choice, dict(pick), compute, fwd, bwd, internal, numel, act, memory, report)
+    return TPSolution(choice, dict(pick), compute, fwd, bwd, internal, step, numel, act, memory, report)
 
 
 def exhaustive_choice(problem: TPProblem, *, max_states: int = 2_000_000) -> TPSolution:
@@ -629,11 +649,12 @@ def exhaustive_choice(problem: TPProblem, *, max_states: int = 2_000_000) -> TPS
     valid = [[s for s, c in enumerate(cls.costs) if c.valid] for cls in order]
     bpp = problem.bytes_per_param
     budget = problem.setting.memory_budget
+    accum = problem.setting.grad_accum
     visited = [0]
 
     def step(k: int, s: int, pick: dict[int, int]) -> float | None:
         """Cost of class k running s, with its edges to the already-picked classes."""
-        w = order[k].costs[s].time_s
+        w = order[k].costs[s].objective(accum)
         for ec, other, src_first in back[k]:
             c = ec.cost(pick[other], s) if src_first else ec.cost(s, pick[other])
             if c is None:
@@ -642,7 +663,8 @@ def exhaustive_choice(problem: TPProblem, *, max_states: int = 2_000_000) -> TPS
         return w
 
     if math.isfinite(budget):
-        best_cost, best_pick = _enumerate_with_budget(order, valid, step, bpp, budget, max_states, visited)
+        best_cost, best_pick = _enumerate_with_budget(order, valid, step, bpp, budget, max_states, visited,
+                                                           accum)
     else:
         memo: dict[tuple[int, tuple[int, ...]], tuple[float, int]] = {}
 
@@ -710,13 +732,13 @@ def _visit_order(problem: TPProblem) -> list[NodeClass]:
     return order
 
 
-def _enumerate_with_budget(order, valid, step, bpp, budget, max_states, visited):
+def _enumerate_with_budget(order, valid, step, bpp, budget, max_states, visited, accum):
     """Depth-first over every prefix, cut by the cost and memory bounds (see ``exhaustive_choice``)."""
-    min_time = [min((order[k].costs[s].time_s for s in valid[k]), default=math.inf) for k in range(len(order))]
+    min_time = [min((order[k].costs[s].objective(accum) for s in valid[k]), default=math.inf) for k in range(len(order))]
     min_mem = [min((order[k].costs[s].memory(bpp) for s in valid[k]), default=math.inf) for k in range(len(order))]
     rest_time = list(itertools.accumulate(reversed(min_time + [0.0])))[::-1]
     rest_mem = list(itertools.accumulate(reversed(min_mem + [0.0])))[::-1]
-    by_cost = [sorted(valid[k], key=lambda s, k=k: order[k].costs[s].time_s) for k in range(len(order))]
+    by_cost = [sorted(valid[k], key=lambda s, k=k: order[k].costs[s].objective(accum)) for k in range(len(order))]
     best: list = [math.inf, {}]
     pick: dict[int, int] = {}
 

@@ -1,0 +1,159 @@
+"""The tensor-parallel ILP: equal to exhaustive search on small graphs, and Megatron's layouts
+rediscovered from costs alone on graphs captured from examples/models.py under fake tensors."""
+
+from __future__ import annotations
+
+import functools
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from examples.models import GPT, MLP, GPTConfig, hf_gpt2  # noqa: E402
+from partita.compiler.api import default_loss  # noqa: E402
+from partita.compiler.capture import capture  # noqa: E402
+from partita.compiler.errors import InfeasibleError  # noqa: E402
+from partita.compiler.inputs import parse_input_spec  # noqa: E402
+from partita.passes.cluster import PRESETS  # noqa: E402
+from partita.passes.profile import profile_model  # noqa: E402
+from partita.passes.tp_ilp import TPSetting, build_problem, evaluate, exhaustive_choice, solve_tp  # noqa: E402
+from partita.passes.tp_layout import layout_decisions  # noqa: E402
+
+A100 = PRESETS["dgx-a100"]
+
+
+@functools.lru_cache(maxsize=None)
+def _profile(kind: str, layers: int = 1, width: int = 4096, heads: int = 32, vocab: int = 50304,
+             spec: str = "idx=int64[1,2048]"):
+    if kind == "mlp":
+        captured = capture(lambda: MLP(width, 4 * width, width, 2), [parse_input_spec(spec)],
+                           loss=lambda out, y: ((out - y) ** 2).mean(), targets=parse_input_spec(
+                               spec.replace("x=", "y=")))
+    elif kind == "gpt":
+        cfg = GPTConfig(vocab_size=vocab, block_size=2048, n_layer=layers, n_head=heads, n_embd=width)
+        captured = capture(lambda: GPT(cfg), [parse_input_spec(spec)], loss=default_loss)
+    else:
+        captured = capture(lambda: hf_gpt2(n_layer=layers, n_embd=width, n_head=heads, vocab_size=vocab,
+                                           n_positions=2048), [parse_input_spec(spec)], loss=default_loss)
+    return profile_model(captured)
+
+
+def _problem(prof, t, mb=None, *, tie=True, **setting):
+    s = TPSetting(t, mb or prof.batch_size, prof.batch_size, "bf16-mixed", **setting)
+    return build_problem(prof.graph, s, A100, repeated=prof.repeated if tie else ())
+
+
+def _by_module(prof, choice, op_suffix):
+    return {prof.graph.nodes[n]["module"]: s.name for n, s in choice.items()
+            if prof.graph.nodes[n]["op"].endswith(op_suffix)}
+
+
+# -- the ILP's optimum is the exhaustive optimum ------------------------------------------------
+
+
+@pytest.mark.parametrize("case", ["mlp t=2", "mlp t=4", "mlp t=4 memory-bound", "gpt 1 layer t=2",
+                                  "gpt 2 layers tied t=2"])
+def test_ilp_objective_equals_exhaustive_optimum(case):
+    if case.startswith("mlp"):
+        prof = _profile("mlp", width=1024, spec="x=float32[512,1024]")
+    elif "1 layer" in case:
+        prof = _profile("gpt", layers=1, width=1024, heads=16, vocab=8192, spec="idx=int64[2,256]")
+    else:
+        prof = _profile("gpt", layers=2, width=512, heads=8, vocab=4096, spec="idx=int64[2,128]")
+    t = 4 if "t=4" in case else 2
+    problem = _problem(prof, t, dp=4)
+    if "memory-bound" in case:  # a budget between the smallest layout and the unconstrained optimum
+        free = solve_tp(problem)
+        smallest = solve_tp(problem, objective="memory")
+        assert smallest.memory_bytes < free.memory_bytes
+        problem = _problem(prof, t, dp=4, memory_budget=(smallest.memory_bytes + free.memory_bytes) / 2)
+    ilp, exact = solve_tp(problem), exhaustive_choice(problem)
+    assert ilp.report.status == "OPTIMAL"
+    assert ilp.report.objective_s == pytest.approx(exact.report.objective_s, rel=1e-7)
+    # the solver's objective is the cost model's value of the choice it returns
+    assert evaluate(problem, ilp.class_choice).report.objective_s == pytest.approx(ilp.report.objective_s, rel=1e-7)
+    if "memory-bound" in case:
+        assert ilp.memory_bytes <= problem.setting.memory_budget
+        assert ilp.report.objective_s > free.report.objective_s  # the budget binds
+
+
+def test_tying_repeated_layers_costs_no_more_than_untied_here_and_shrinks_the_model():
+    prof = _profile("gpt", layers=4, width=512, heads=8, vocab=4096, spec="idx=int64[2,128]")
+    tied, untied = _problem(prof, 2), _problem(prof, 2, tie=False)
+    assert len(tied.classes) < len(untied.classes) / 2
+    a, b = solve_tp(tied), solve_tp(untied)
+    assert a.report.objective_s >= b.report.objective_s * (1 - 1e-9)  # a restriction...
+    assert a.report.objective_s == pytest.approx(b.report.objective_s, rel=1e-3)  # ...that costs nothing here
+
+
+def test_deep_model_is_as_small_as_one_layer():
+    two, eight = _profile("gpt", layers=2), _profile("gpt", layers=8)
+    assert len(_problem(eight, 8).classes) == len(_problem(two, 8).classes)
+
+
+# -- Megatron's layouts from costs alone (GPT, n_embd 4096, seq 2048, dgx-a100, t=8) -------------
+
+
+def test_megatron_mlp_and_attention_by_heads():
+    prof = _profile("gpt", layers=2)
+    sol = solve_tp(_problem(prof, 8, 1, dp=16, memory_budget=A100.usable_memory))
+    linears = _by_module(prof, sol.choice, "linear.default")
+    for i in range(2):
+        h = f"transformer.h.{i}"
+        assert linears[f"{h}.mlp.c_fc"] == "col" and linears[f"{h}.mlp.c_proj"] == "row"
+        assert {linears[f"{h}.attn.{p}_proj"] for p in "qkv"} == {"col"}
+        assert linears[f"{h}.attn.c_proj"] == "row"
+    assert set(_by_module(prof, sol.choice, "scaled_dot_product_attention.default").values()) == {"heads"}
+
+    # one forward and one backward all-reduce of activations per MLP block
+    decisions = layout_decisions(prof.graph, 8, sol.choice, elem_bytes=2)
+    act = 2 * 2048 * 4096  # (1, 2048, 4096) bf16
+    module = {d.name: d.module for d in decisions}
+    for i in range(2):
+        mlp = f"transformer.h.{i}.mlp"
+        fwd = [lay for d in decisions for lay in d.ins  # the block's output, reduced where it joins the residual
+               if lay.fwd == "all_reduce" and lay.bytes == act and module[lay.src].startswith(mlp)]
+        bwd = [lay for d in decisions for lay in d.ins  # the block input's gradient
+               if lay.bwd == "all_reduce" and lay.bytes == act and d.module.startswith(mlp)]
+        assert len(fwd) == 1 and len(bwd) == 1
+
+
+def test_vocabulary_parallel_head_and_cross_entropy_and_tied_embedding():
+    prof = _profile("gpt", layers=2)
+    sol = solve_tp(_problem(prof, 8, 1, dp=16, memory_budget=A100.usable_memory))
+    assert _by_module(prof, sol.choice, "linear.default")["lm_head"] == "col"  # vocabulary columns
+    assert set(_by_module(prof, sol.choice, "cross_entropy_loss.default").values()) == {"vocab"}
+    # the token table is sharded too (its hidden dim: one all-gather, cheaper than vocab's all-reduce)
+    wte = next(n for n, a in prof.graph.nodes(data=True) if a.get("param_name") == "transformer.wte.weight")
+    assert sol.choice[wte].name != "replicate"
+
+    tied = _profile("hf", layers=2, spec="input_ids=int64[1,2048]")  # GPT-2 ties wte and lm_head
+    sol = solve_tp(_problem(tied, 8, 1, dp=16, memory_budget=A100.usable_memory))
+    emb = [s.name for n, s in sol.choice.items() if tied.graph.nodes[n]["module"].endswith("wte")
+           and tied.graph.nodes[n]["op"].endswith("embedding.default")]
+    assert emb == ["vocab"]
+
+
+def test_small_widths_stay_replicated():
+    prof = _profile("gpt", layers=1, width=64, heads=4, vocab=256, spec="idx=int64[2,16]")
+    sol = solve_tp(_problem(prof, 8))
+    assert {s.name for s in sol.choice.values()} == {"replicate"}
+
+
+# -- failures are reported -------------------------------------------------------------------
+
+
+def test_infeasible_budget_names_the_constraint_and_what_to_relax():
+    prof = _profile("gpt", layers=2)
+    with pytest.raises(InfeasibleError, match=r"memory: the smallest layout needs [\d.]+ GB per device.*"
+                                              r"budget 1\.0 GB at tp=8") as e:
+        solve_tp(_problem(prof, 8, 1, memory_budget=1e9))
+    assert "raise tp, add devices, or lower the micro-batch" in str(e.value)
+
+
+def test_unknown_solver_is_refused():
+    prof = _profile("mlp", width=1024, spec="x=float32[512,1024]")
+    with pytest.raises(ValueError, match="not one of"):
+        solve_tp(_problem(prof, 2), solver="GUROBI")
