@@ -163,9 +163,10 @@ def node_costs(profile: ModelProfile, cluster: ClusterSpec, request: TrainingReq
     """Per-node costs from the profile, scaled from the captured batch to ``micro_batch``.
 
     Batch-dependent nodes (``depends_on_input``) scale linearly, the rest stay; float
-    tensors take the precision's element size. ``tp > 1`` divides compute and
-    parameters evenly (ideal tensor parallelism, no TP communication): pass the TP
-    solver's per-node costs instead for real numbers.
+    tensors take the precision's element size. ``tp > 1`` divides compute, parameters
+    and saved activations evenly (ideal tensor + sequence parallelism, Korthikanti's
+    (s b h / t)(34 + 5 a s / h), and no TP communication): pass the TP solver's per-node
+    costs instead for real numbers. What crosses a cut stays whole (b s h, not b s h / t).
     """
     G = profile.graph
     order = pipeline_order(G)
@@ -186,7 +187,7 @@ def node_costs(profile: ModelProfile, cluster: ClusterSpec, request: TrainingReq
         a = G.nodes[name]
         fwd.append(compute_time(a["flops_fwd"] * scale(a) / tp, cluster, request.precision))
         bwd.append(0.0 if request.inference else compute_time(a["flops_bwd"] * scale(a) / tp, cluster, request.precision))
-        saved.append(0 if request.inference else round(a["saved_bytes"] * scale(a) * act))
+        saved.append(0 if request.inference else round(a["saved_bytes"] * scale(a) * act / tp))
     send = [0.0] * (len(order) + 2)
     grad = [0.0] * (len(order) + 2)
     users_by_param: dict[str, list[int]] = {}
@@ -213,7 +214,8 @@ def node_costs(profile: ModelProfile, cluster: ClusterSpec, request: TrainingReq
     for pname, users in users_by_param.items():
         users = sorted(set(users))
         lo, hi = users[0], users[-1]
-        if any(lo < k <= hi for k in boundaries):
+        i = bisect.bisect_right(boundaries, lo)  # the first boundary after the first user
+        if i < len(boundaries) and boundaries[i] <= hi:
             shared.append(SharedParam(pname, numel_by_param[pname], tuple(users)))
         else:
             params[lo] += numel_by_param[pname]
@@ -265,6 +267,8 @@ class Partition:
         self.params = _prefix(costs.param_numel)
         blocked = set(forbid)
         self.boundaries = tuple(k for k in costs.boundaries if k not in blocked)
+        self.held = [activations_in_flight(setup.schedule, s, setup.stages, setup.micro_batches)
+                     for s in range(setup.stages)]
 
     def shared_in(self, j: int, k: int) -> list[SharedParam]:
         out = []
@@ -293,12 +297,24 @@ class Partition:
         return MemoryBreakdown(st.params, st.grads, st.optimizer, held * (self.saved[k] - self.saved[j]),
                                self.setup.capacity)
 
+    def memory_total(self, j: int, k: int, s: int) -> int:
+        """``memory(j, k, s).total`` without building the records (the DP's inner loop)."""
+        numel, st = self.param_numel(j, k), self.setup.state
+        state = round(numel * st.params) + round(numel * st.grads) + round(numel * st.optimizer)
+        return state + self.held[s] * (self.saved[k] - self.saved[j])
+
     def time_cost(self, j: int, k: int, s: int) -> float:
         """The DP's segment cost: the slot, or infinity when the stage does not fit."""
-        return self.slot(j, k, s) if self.memory(j, k, s).fits else INF
+        return self.slot(j, k, s) if self.memory_total(j, k, s) <= self.setup.capacity else INF
+
+    def time_floor(self, j: int, k: int, s: int) -> float:
+        """A lower bound on ``time_cost`` that never decreases as the segment grows (j falls)."""
+        if self.memory_total(j, k, s) > self.setup.capacity:
+            return INF
+        return self.compute[k] - self.compute[j] + self.cluster.step_overhead_s
 
     def memory_cost(self, j: int, k: int, s: int) -> float:
-        return float(self.memory(j, k, s).total)
+        return float(self.memory_total(j, k, s))
 
 
 def _prefix(values: Sequence[float]) -> list[float]:
@@ -308,14 +324,20 @@ def _prefix(values: Sequence[float]) -> list[float]:
     return out
 
 
-def solve_cuts(part: Partition, cost: Callable[[int, int, int], float] | None = None) -> tuple[float, tuple[int, ...]]:
+def solve_cuts(part: Partition, cost: Callable[[int, int, int], float] | None = None,
+               floor: Callable[[int, int, int], float] | None = None) -> tuple[float, tuple[int, ...]]:
     """Exact bottleneck partition of positions 0..N into ``part.setup.stages`` segments at
     ``part.boundaries``, minimising the largest ``cost(j, k, s)`` (default: ``part.time_cost``).
 
-    Returns (objective, bounds) with bounds = (0, b_1, ..., N); objective ``inf`` when no
-    partition has a finite cost (then bounds is empty).
+    ``floor(j, k, s)`` is a lower bound on the cost that never decreases as a segment
+    grows (default: ``part.time_floor`` for the time cost, the cost itself otherwise):
+    segments ending at k are tried longest-last and the scan stops once the floor
+    reaches the best found. Returns (objective, bounds) with bounds = (0, b_1, ..., N);
+    objective ``inf`` when no partition has a finite cost (then bounds is empty).
     """
-    cost = cost or part.time_cost
+    if cost is None:
+        cost, floor = part.time_cost, floor or part.time_floor
+    floor = floor or cost
     p, n = part.setup.stages, part.n
     ends = list(part.boundaries)
     if p == 1:
@@ -331,10 +353,10 @@ def solve_cuts(part: Partition, cost: Callable[[int, int, int], float] | None = 
         row, prev = {}, {}
         for k in targets:
             v_best, j_best = INF, -1
-            for j in ends:
-                if j >= k:
-                    break
-                if best[s - 1].get(j, INF) >= v_best:
+            for j in reversed(ends[:bisect.bisect_left(ends, k)]):
+                if floor(j, k, s) >= v_best:
+                    break  # longer segments cost at least as much
+                if best[s - 1][j] >= v_best:
                     continue
                 v = max(best[s - 1][j], cost(j, k, s))
                 if v < v_best:
@@ -502,7 +524,9 @@ def choose_pipeline(
             m = share // mb
             if share % mb or (pins.grad_accum_steps and pins.grad_accum_steps != m):
                 continue
-            c = cache.setdefault(mb, build(mb))
+            if mb not in cache:
+                cache[mb] = build(mb)
+            c = cache[mb]
             if p > len(c.boundaries) + 1:
                 continue
             links = stage_links(cluster, p, dp, tp)

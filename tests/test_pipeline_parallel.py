@@ -268,3 +268,19 @@ def test_pins_are_honoured_or_refused(gpt8):
     d = _choose(gpt8, cluster, pins=Pins(pp=2, micro_batch_size=2))
     assert all(c.pp == 2 and c.micro_batch_size == 2 for c in d.candidates)
     assert d.best.dp == 2 and d.best.micro_batches == 2
+
+
+def test_pipeline_step_by_hand():
+    from partita.passes.cost_model import activations_in_flight, pipeline_step
+
+    cluster = dataclasses.replace(PRESETS["local"], step_overhead_s=0.001)
+    c = pipeline_step(compute_s=[0.010, 0.012, 0.009], p2p_s=[0.001, 0.002, 0.001], micro_batches=4,
+                      dp_all_reduce_s=[0.0, 0.0, 0.0], optimizer_s=[0.003, 0.005, 0.004], tied_all_reduce_s=0.002,
+                      cluster=cluster)
+    slot = 0.012 + 0.001 + 0.002  # the slowest stage sets the pace
+    assert c.slowest_stage == 1
+    assert c.compute_s == pytest.approx(4 * 0.013) and c.p2p_s == pytest.approx(4 * 0.002)
+    assert c.bubble_s == pytest.approx(2 * slot)
+    assert c.step_s == pytest.approx((4 + 3 - 1) * slot + 0.005 + 0.002)
+    assert [activations_in_flight("1f1b", s, 4, 2) for s in range(4)] == [2, 2, 2, 1]
+    assert bubble_fraction(4, 8) == 3 / 8
