@@ -1,0 +1,90 @@
+"""The (dp, tp) mesh search: known answers from costs alone on GPT graphs captured under fake tensors."""
+
+from __future__ import annotations
+
+import functools
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from examples.models import GPT, GPTConfig  # noqa: E402
+from partita.compiler.api import default_loss  # noqa: E402
+from partita.compiler.capture import capture  # noqa: E402
+from partita.compiler.errors import PartitaError  # noqa: E402
+from partita.compiler.inputs import parse_input_spec  # noqa: E402
+from partita.passes.cluster import PRESETS  # noqa: E402
+from partita.passes.constraints import Pins, TrainingRequest  # noqa: E402
+from partita.passes.data_parallel import choose_data_parallel  # noqa: E402
+from partita.passes.profile import profile_model  # noqa: E402
+from partita.passes.tensor_parallel import choose_mesh, plan_alternatives  # noqa: E402
+
+
+@functools.lru_cache(maxsize=None)
+def _gpt(layers: int, width: int, heads: int, vocab: int = 50304, seq: int = 1024, batch: int = 1):
+    cfg = GPTConfig(vocab_size=vocab, block_size=seq, n_layer=layers, n_head=heads, n_embd=width)
+    captured = capture(lambda: GPT(cfg), [parse_input_spec(f"idx=int64[{batch},{seq}]")], loss=default_loss)
+    numels = [math.prod(shape) for shape, _ in captured.params.values()]
+    return profile_model(captured), numels
+
+
+def _mesh(prof_numels, cluster, batch, pins=Pins(), nodes=None):
+    prof, numels = prof_numels
+    c = PRESETS[cluster] if nodes is None else PRESETS[cluster].with_nodes(nodes)
+    return choose_mesh(prof, numels, c, TrainingRequest(global_batch=batch, precision="bf16-mixed"), pins)
+
+
+def test_small_model_is_plain_data_parallel_and_agrees_with_the_dp_planner():
+    small = _gpt(2, 256, 4, vocab=4096, seq=128)
+    d = _mesh(small, "dgx-a100", 64)
+    assert (d.tp, d.dp) == (1, 8)
+    assert {s.name for s in d.choice.values()} == {"replicate"}
+    slower = [a for a in d.alternatives if a.fits and a.tp > 1]
+    assert {a.tp for a in slower} == {2, 4, 8} and all("slower" in a.reason for a in slower)
+    # at tp=1 the mesh search prices a step as the data-parallel planner does
+    prof, numels = small
+    dp = choose_data_parallel(prof, numels, PRESETS["dgx-a100"], TrainingRequest(64, precision="bf16-mixed"))
+    assert (dp.best.dp, dp.best.micro_batch_size) == (d.dp, d.micro_batch_size)
+    assert d.step_s == pytest.approx(dp.best.step_s, rel=1e-3)
+    assert d.memory.total == pytest.approx(dp.best.memory.total, rel=1e-3)
+
+
+def test_no_tp_over_pcie_without_nvlink_when_the_model_fits():
+    d = _mesh(_gpt(12, 1024, 16), "ethernet-10g", 64)
+    assert d.tp == 1
+    assert any(a.fits and a.tp == 8 for a in d.alternatives)
+
+
+def test_tp_groups_never_span_nodes_on_ethernet():
+    d = _mesh(_gpt(12, 1024, 16), "ethernet-10g", 64, nodes=2)
+    assert max(a.tp for a in d.alternatives) <= 8
+    assert d.tp_link == "intra-node"
+
+
+def test_tp8_inside_dgx_nodes_when_the_model_needs_it():
+    big = _gpt(40, 7168, 56, seq=2048)  # ~25B parameters: 400 GB of model state
+    d = _mesh(big, "dgx-a100", 256, nodes=16)
+    assert (d.tp, d.dp) == (8, 16)
+    assert d.tp_link == "NVLink" and d.dp_link == "inter-node"
+    assert d.memory.fits
+    for tp in (1, 2, 4):
+        misses = [a for a in d.alternatives if a.tp == tp]
+        assert misses and not any(a.fits for a in misses)
+        assert all("does not fit" in a.reason for a in misses)
+    assert d.solver.status == "OPTIMAL"
+    assert d.cost.comm_s["tp_forward"] > 0 and d.cost.comm_s["dp_all_reduce"] > 0
+    alts = plan_alternatives(d)
+    assert alts[0].chosen and alts[0].mesh.tp == 8 and alts[0].reason.startswith("chosen")
+
+
+def test_tp_pin_is_honoured_and_checked():
+    small = _gpt(2, 256, 4, vocab=4096, seq=128)
+    assert _mesh(small, "dgx-a100", 64, Pins(tp=4)).tp == 4
+    assert _mesh(small, "dgx-a100", 64, Pins(dp=2)).tp == 4
+    with pytest.raises(PartitaError, match="--tp 3 does not divide 8 GPUs per node"):
+        _mesh(small, "dgx-a100", 64, Pins(tp=3))
+    with pytest.raises(PartitaError, match="--tp 16 does not divide 8 GPUs per node"):
+        _mesh(small, "dgx-a100", 64, Pins(tp=16), nodes=2)
