@@ -60,6 +60,7 @@ from partita.passes.constraints import Pins, TrainingRequest
 from partita.passes.cost_model import (
     SCHEDULES,
     PipelineStepCost,
+    StateBytes,
     activations_in_flight,
     collective_time,
     compute_time,
@@ -249,7 +250,7 @@ class StageSetup:
     schedule: str
     links: tuple[Link, ...]  # links[s]: between stage s and s + 1
     capacity: int  # usable bytes per device
-    state: object  # cost_model.StateBytes
+    state: StateBytes
 
 
 class Partition:

@@ -45,23 +45,17 @@ def _gpt(**kw):
     return lambda: GPT(GPTConfig(**cfg))
 
 
-def _layers_per_stage(decision):
-    G = decision_profile[id(decision)].graph
-    stage = stage_of_nodes(decision_profile[id(decision)], decision.best.cuts)
-    counts = [set() for _ in decision.stages]
+def _layers_per_stage(profile, decision):
+    stage = stage_of_nodes(profile, decision.best.cuts)
+    layers = [set() for _ in decision.stages]
     for n, s in stage.items():
-        if G.nodes[n].get("layer"):
-            counts[s].add(G.nodes[n]["layer"])
-    return [len(c) for c in counts]
-
-
-decision_profile: dict[int, object] = {}
+        if profile.graph.nodes[n].get("layer"):
+            layers[s].add(profile.graph.nodes[n]["layer"])
+    return [len(x) for x in layers]
 
 
 def _choose(profile, cluster, request=FP32, pins=Pins(), **kw):
-    d = choose_pipeline(profile, cluster, request, pins, **kw)
-    decision_profile[id(d)] = profile
-    return d
+    return choose_pipeline(profile, cluster, request, pins, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +70,7 @@ def gpt_big_vocab():
 
 def test_uniform_gpt_gets_equal_layers_per_stage(gpt8):
     d = _choose(gpt8, load_cluster("local", devices=4), pins=Pins(pp=4))
-    assert _layers_per_stage(d) == [2, 2, 2, 2]
+    assert _layers_per_stage(gpt8, d) == [2, 2, 2, 2]
     assert d.stages[0].modules[:2] == ("transformer.wte", "transformer.wpe")
     assert d.stages[-1].modules[-2:] == ("transformer.ln_f", "lm_head")
     # the search space is the layer boundaries: 8 layers, 9 places
@@ -85,7 +79,7 @@ def test_uniform_gpt_gets_equal_layers_per_stage(gpt8):
 
 def test_big_vocabulary_gives_the_last_stage_fewer_layers(gpt_big_vocab):
     d = _choose(gpt_big_vocab, load_cluster("local", devices=4), pins=Pins(pp=4))
-    layers = _layers_per_stage(d)
+    layers = _layers_per_stage(gpt_big_vocab, d)
     assert sum(layers) == 12
     assert layers[-1] < min(layers[1:-1]), layers  # lm_head (2 b s h V) outweighs layers
     # and it is balanced: no other split has a faster slowest stage (see the exhaustive test too)
