@@ -14,7 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from examples.models import GPT, GPTConfig  # noqa: E402
 from partita.compiler.api import default_loss  # noqa: E402
 from partita.compiler.capture import capture  # noqa: E402
-from partita.compiler.errors import PartitaError  # noqa: E402
+from partita.compiler.errors import InfeasibleError, PartitaError  # noqa: E402
 from partita.compiler.inputs import parse_input_spec  # noqa: E402
 from partita.passes.cluster import PRESETS  # noqa: E402
 from partita.passes.constraints import Pins, TrainingRequest  # noqa: E402
@@ -88,3 +88,12 @@ def test_tp_pin_is_honoured_and_checked():
         _mesh(small, "dgx-a100", 64, Pins(tp=3))
     with pytest.raises(PartitaError, match="--tp 16 does not divide 8 GPUs per node"):
         _mesh(small, "dgx-a100", 64, Pins(tp=16), nodes=2)
+
+
+def test_gpt3_175b_needs_more_than_tp_inside_a_node():
+    """175B x 16 bytes of model state / 8 = 350 GB per device: TP=8 is not enough without pipeline or ZeRO."""
+    gpt3 = _gpt(96, 12288, 96, vocab=50257, seq=2048)
+    with pytest.raises(InfeasibleError, match=r"memory: no \(dp, tp\) mesh fits; the smallest layout \(tp=8, "
+                                              r"micro-batch 1\) needs 3\d\d\.\d GB per device") as e:
+        _mesh(gpt3, "dgx-a100", 1536, nodes=16)
+    assert "add pipeline stages or ZeRO" in str(e.value)
