@@ -2,12 +2,19 @@
 
 ``compose`` is the one place that states in which order a plan's parts are
 applied to the user's module; each part lives in the runtime file named for its
-axis (``tensor_parallel.py``, ``data_parallel.py``; pipeline and ZeRO files beside
-them later).
+axis (``tensor_parallel.py``, ``pipeline_parallel.py``, ``data_parallel.py``; ZeRO
+beside them later).
+
+Tracing: ``ParallelModel.write_trace(path)`` (collective: every rank calls it)
+gathers each rank's per-micro-batch forward / backward spans to rank 0, which
+writes a Chrome/Perfetto trace (runtime/trace.py). With ``PARTITA_TRACE=path``
+in the environment, ``train_step`` does so after every step, so the file holds
+all steps so far when the run ends.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable
@@ -21,7 +28,9 @@ from partita.compiler.errors import PartitaError, PlanError
 from partita.compiler.plan import MeshAxis, Plan
 from partita.runtime.data_parallel import CollectiveCounter, GradientAverager
 from partita.runtime.distributed import DistContext, build_mesh, init_distributed
+from partita.runtime.pipeline_parallel import SCHEDULES, PipelineStage
 from partita.runtime.tensor_parallel import TensorParallel
+from partita.runtime.trace import BACKWARD, FORWARD, TraceRecorder
 
 LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], Optimizer]
@@ -29,17 +38,17 @@ OptimizerFactory = Callable[[Iterable[nn.Parameter]], Optimizer]
 
 def refuse_unsupported(plan: Plan) -> None:
     """Raise ``PlanError`` for plan parts this runtime cannot execute, rather than run them wrong."""
-    later = "this runtime executes data- and tensor-parallel plans; {} arrives in a later version"
-    if plan.mesh.tp > 1 and not plan.nodes:
-        raise PlanError(f"the plan has tp={plan.mesh.tp} but no tensor-parallel node decisions",
-                        hint="recompile the plan with `partita compile`")
-    if plan.mesh.pp > 1:
-        raise PlanError(later.format(f"pp={plan.mesh.pp}"), hint="recompile with --pp 1")
+    later = "this runtime executes data-, tensor- and pipeline-parallel plans; {} arrives in a later version"
+    for axis in ("tp", "pp"):
+        if getattr(plan.mesh, axis) > 1 and not plan.nodes:
+            raise PlanError(f"the plan has {axis}={getattr(plan.mesh, axis)} but no node decisions",
+                            hint="recompile the plan with `partita compile`")
     t = plan.training
     if t.zero_stage > 0:
         raise PlanError(later.format(f"zero_stage={t.zero_stage}"), hint="recompile with zero=0")
-    if t.schedule != "none":
-        raise PlanError(later.format(f"the {t.schedule!r} pipeline schedule"))
+    if plan.mesh.pp > 1 and not t.inference and t.schedule not in SCHEDULES:
+        raise PlanError(f"the plan has pp={plan.mesh.pp} but schedule {t.schedule!r}; this runtime runs "
+                        f"{' and '.join(SCHEDULES)}", hint="recompile the plan with `partita compile`")
     if t.precision != "fp32":
         raise PlanError(later.format(f"precision {t.precision!r}"), hint="recompile with fp32")
 
@@ -50,11 +59,12 @@ class _Program:
 
     module: nn.Module
     loss: Callable[[list[torch.Tensor], torch.Tensor], torch.Tensor]  # one micro-batch's loss
-    optimizer: Optimizer
+    optimizer: Optimizer | None  # None for an inference plan
     averager: GradientAverager | None
     dp_group: dist.ProcessGroup | None
     dp_rank: int
     dp_size: int
+    pipeline: PipelineStage | None = None  # pp > 1: this rank's stage, which runs the schedule
 
 
 def _broadcast_from_rank0(module: nn.Module, group: dist.ProcessGroup) -> None:
@@ -80,23 +90,33 @@ def compose(
     1. tensor parallel: keep this rank's parameter shards and build the local
        program over the "tp" group (tp == 1 keeps the eager module). First,
        because every later part must see the parameters as this rank holds them.
-    2. pipeline split: keep this rank's stage (a later version). After TP, so a
-       stage holds already-sharded layers; before DP/ZeRO, so those wrap only
-       the stage's own parameters.
+    2. pipeline split: keep this rank's stage. Built as the TP program
+       restricted to the stage's nodes (one construction: the stage shards and
+       holds only its own parameters, even at tp == 1, where the program runs
+       with a one-rank TP group); before DP/ZeRO, so those wrap only the stage's
+       own parameters.
     3. ZeRO / data parallel: broadcast the (local) replicas over "dp", hook
        gradient averaging (ZeRO sharding of optimizer state will sit here).
        After TP and PP, because it acts on the final local parameters; and the
        optimizer is built last of all for the same reason.
-    4. the schedule: ``ParallelModel.train_step``'s micro-batch loop (a
-       pipeline schedule will replace it), which drives all of the above.
+    4. the schedule: ``ParallelModel.train_step``'s micro-batch loop, or the
+       pipeline's GPipe / 1F1B schedule, which drives all of the above.
     """
     plan.check_matches(world_size=ctx.world_size)
     refuse_unsupported(plan)
     device_mesh = build_mesh(plan.mesh, ctx)
-    # 1. tensor parallel
-    if plan.mesh.tp > 1:
+    graph_loss = None if plan.training.inference else loss_fn  # an inference plan's graph has no loss
+    pipeline = None
+    # 1. tensor parallel, and 2. the pipeline split
+    if plan.mesh.pp > 1:
+        module = pipeline = PipelineStage(module, plan, device_mesh, loss_fn=graph_loss, counter=counter,
+                                          device=ctx.device, checkpoint=checkpoint)
+
+        def loss(xs: list[torch.Tensor], y: torch.Tensor) -> torch.Tensor:
+            raise AssertionError("a pipeline runs its own schedule")
+    elif plan.mesh.tp > 1:
         tp_group = device_mesh[MeshAxis.TP.value].get_group()
-        module = TensorParallel(module, plan, tp_group, loss_fn=loss_fn, counter=counter,
+        module = TensorParallel(module, plan, tp_group, loss_fn=graph_loss, counter=counter,
                                 device=ctx.device, checkpoint=checkpoint)
         tp_module = module
 
@@ -110,7 +130,6 @@ def compose(
 
         def loss(xs: list[torch.Tensor], y: torch.Tensor) -> torch.Tensor:
             return loss_fn(eager(*xs), y)
-    # 2. pipeline split: pp == 1 (refused above otherwise).
     # 3. data parallel.
     averager = None
     dp_group, dp_rank, dp_size = None, 0, 1
@@ -118,11 +137,13 @@ def compose(
         dp_mesh = device_mesh[MeshAxis.DP.value]
         dp_group, dp_rank, dp_size = dp_mesh.get_group(), dp_mesh.get_local_rank(), plan.mesh.dp
         _broadcast_from_rank0(module, dp_group)
+    if dp_group is not None and not plan.training.inference:
         averager = GradientAverager(
             module.parameters(), dp_group, bucket_bytes=bucket_bytes or plan.training.grad_bucket_bytes, counter=counter,
             axis=MeshAxis.DP.value,
         )
-    return _Program(module, loss, optimizer(module.parameters()), averager, dp_group, dp_rank, dp_size)
+    opt = None if plan.training.inference else optimizer(module.parameters())
+    return _Program(module, loss, opt, averager, dp_group, dp_rank, dp_size, pipeline)
 
 
 class ParallelModel(nn.Module):
@@ -157,9 +178,28 @@ class ParallelModel(nn.Module):
         self.module = program.module
         self.optimizer = program.optimizer
         self._program = program
+        self.trace = program.pipeline.trace if program.pipeline is not None else TraceRecorder(self.ctx.rank, 0)
+        self._trace_path = os.environ.get("PARTITA_TRACE")
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self.module(*args, **kwargs)
+        """The wrapped module's call; on a pipeline plan, the inputs (this rank's share of the
+        global batch, as ``train_step`` takes it) streamed through the stages: the whole
+        batch's output, on every rank."""
+        p = self._program
+        if p.pipeline is None:
+            return self.module(*args, **kwargs)
+        local = kwargs.pop("local", False)
+        if kwargs:
+            raise PartitaError(f"a pipeline model takes its inputs positionally; got {sorted(kwargs)}")
+        xs = [self._share(x, f"input {i}", local) for i, x in enumerate(args)]
+        self.collectives.reset()
+        return p.pipeline.infer(xs, p.dp_group)
+
+    def write_trace(self, path: str | Path) -> Path | None:
+        """Write the micro-batch timings of every step so far as a Chrome/Perfetto trace.
+
+        Collective: every rank calls it; rank 0 writes ``path`` (and returns it)."""
+        return self.trace.write(path, self.plan)
 
     def __getattr__(self, name: str) -> Any:
         try:
@@ -193,16 +233,24 @@ class ParallelModel(nn.Module):
         gradient is that of the mean loss over the global batch.
         """
         tr, p = self.plan.training, self._program
+        if self.optimizer is None:
+            raise PlanError("this is an inference plan (optimizer \"none\"): call the model, not train_step",
+                            hint="compile a training plan to train")
         xs = [self._share(x, f"input {i}", local) for i, x in enumerate(inputs)]
         y = self._share(targets, "targets", local)
         self.collectives.reset()
+        if p.pipeline is not None:
+            mean = p.pipeline.train_step(xs, y, p.averager, p.dp_group)
+            self._optimizer_step()
+            return mean
         steps, mbs = tr.grad_accum_steps, tr.micro_batch_size
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.ctx.device)
         loss_work = None
         for i in range(steps):
             last = i == steps - 1
             rows = slice(i * mbs, (i + 1) * mbs)
-            loss = p.loss([x[rows] for x in xs], y[rows])
+            with self.trace.span(FORWARD, i):
+                loss = p.loss([x[rows] for x in xs], y[rows])
             loss_sum += loss.detach().float()
             if last and p.dp_group is not None:
                 # Average the loss while the last backward runs.
@@ -213,19 +261,27 @@ class ParallelModel(nn.Module):
                 p.averager.begin(sync=last)
             # Each rank's gradient is the mean over its share; the averager's dp mean
             # then makes it the mean over the global batch.
-            (loss / steps).backward()
+            with self.trace.span(BACKWARD, i):
+                (loss / steps).backward()
         if p.averager is not None:
             p.averager.finish()
-        self.optimizer.step()
-        if p.averager is not None:
-            p.averager.zero_grad()
-        else:
-            self.optimizer.zero_grad(set_to_none=True)
+        self.trace.step += 1
+        self._optimizer_step()
         if loss_work is not None:
             loss_work.wait()
         else:
             loss_sum.div_(steps)
         return float(loss_sum)
+
+    def _optimizer_step(self) -> None:
+        p = self._program
+        self.optimizer.step()
+        if p.averager is not None:
+            p.averager.zero_grad()
+        else:
+            self.optimizer.zero_grad(set_to_none=True)
+        if self._trace_path:
+            self.write_trace(self._trace_path)
 
 
 def apply_plan(

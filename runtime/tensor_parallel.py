@@ -283,9 +283,20 @@ def local_shape(shape: torch.Size | tuple[int, ...], placement: str, t: int) -> 
 # -- the local program -------------------------------------------------------------
 
 class _LocalInterpreter(torch.fx.Interpreter):
+    """Runs graph nodes on local tensors as their decisions say; ``run_nodes`` runs a subset
+    (one pipeline stage) over an environment the caller seeds with the values it needs."""
+
     def __init__(self, program: "TensorParallel") -> None:
         super().__init__(program.graph_module, garbage_collect_values=True)
         self.p = program
+
+    def run_nodes(self, nodes: list[torch.fx.Node], env: dict[torch.fx.Node, Any]) -> dict[torch.fx.Node, Any]:
+        """Run ``nodes`` (no placeholders) in order; ``env`` holds every value they read from
+        elsewhere and receives their outputs."""
+        self.env = env
+        for n in nodes:
+            env[n] = self.run_node(n)
+        return env
 
     def run_node(self, n: torch.fx.Node) -> Any:
         if n.op in ("placeholder", "get_attr"):
@@ -357,16 +368,25 @@ class TensorParallel(nn.Module):
     """
 
     def __init__(self, module: nn.Module, plan: Plan, group: dist.ProcessGroup | None, *,
-                 loss_fn: Callable[[Any, torch.Tensor], torch.Tensor], counter: CollectiveCounter,
-                 device: torch.device, checkpoint: str | Path | None = None) -> None:
+                 loss_fn: Callable[[Any, torch.Tensor], torch.Tensor] | None, counter: CollectiveCounter,
+                 device: torch.device, checkpoint: str | Path | None = None,
+                 keep: Callable[[torch.fx.Node], bool] | None = None) -> None:
         super().__init__()
         self.tp = TPGroup(group, counter)
         self.plan = plan
         self.device = device
         self.decisions = {d.name: d for d in plan.nodes}
         captured = _capture(module, plan, loss_fn)
+        self.captured = captured
         self.graph_module = captured.graph_module
         self._check_graph(captured)
+        # The nodes this rank runs (a pipeline stage's; all by default): it holds the
+        # parameters and buffers they read, and no others.
+        graph = captured.graph_module.graph
+        self.nodes = [n for n in graph.nodes if n.op != "placeholder" and (keep is None or keep(n))]
+        kept = {n.name for n in self.nodes}
+        self._held = {n.name for n in graph.nodes if n.op == "placeholder" and (
+            keep is None or any(u.name in kept for u in n.users) or (not n.users and keep(n)))}
         state = torch.load(checkpoint, mmap=True, weights_only=True) if checkpoint is not None else None
         self.shards = nn.ParameterDict()
         self.placements: dict[str, str] = {}  # qualified parameter name -> tp placement
@@ -403,6 +423,8 @@ class TensorParallel(nn.Module):
         # a tied parameter can have several placeholders; the used ones say where it lives
         order = sorted(captured.param_nodes.items(), key=lambda kv: kv[0] not in used)
         for node, qualified in order:
+            if node not in self._held:
+                continue
             key = qualified.replace(".", "/")
             self._param_by_node[node] = key
             if key in self.shards:
@@ -419,6 +441,8 @@ class TensorParallel(nn.Module):
                                             requires_grad=params[qualified].requires_grad)
             self.placements[qualified] = placement
         for node, qualified in captured.buffer_nodes.items():
+            if node not in self._held:
+                continue
             value = state.get(qualified) if state is not None else None
             if value is None:
                 value = buffers.get(qualified)
@@ -438,25 +462,34 @@ class TensorParallel(nn.Module):
         """Qualified name -> (this rank's shard, its tp placement)."""
         return {k.replace("/", "."): (p, self.placements[k.replace("/", ".")]) for k, p in self.shards.items()}
 
-    def forward(self, *inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        users = iter((*inputs, targets))
-        args = []
-        for n in self.graph_module.graph.nodes:
-            if n.op != "placeholder":
-                continue
-            if n.name in self._buffers_by_node:
-                args.append(self._buffers_by_node[n.name])
-            elif n.name in self._param_by_node:
-                args.append(self.shards[self._param_by_node[n.name]])
-            else:
-                x = next(users)
-                want = tuple(n.meta["val"].shape)
-                if tuple(x.shape) != want:
-                    raise PlanError(f"input {n.name} has shape {tuple(x.shape)}, but the plan's micro-batch "
-                                    f"is {want}")
-                args.append(x.to(self.device))
-        out = _LocalInterpreter(self).run(*args)
-        return out[-1] if isinstance(out, (tuple, list)) else out
+    def forward(self, *inputs: torch.Tensor, targets: torch.Tensor | None = None) -> Any:
+        """One micro-batch through the whole graph: the loss (or, without a loss, the output)."""
+        users = iter((*inputs, targets) if targets is not None else inputs)
+        env = {n: self.placeholder_value(n, None if self.holds(n) else next(users))
+               for n in self.graph_module.graph.nodes if n.op == "placeholder"}
+        out = self.run_nodes(self.nodes, env)[self.nodes[-1]]
+        return out[-1] if isinstance(out, (tuple, list)) and targets is not None else out
+
+    def holds(self, n: torch.fx.Node) -> bool:
+        """Whether placeholder ``n`` is a parameter or buffer this rank holds (not a user input)."""
+        return n.name in self._param_by_node or n.name in self._buffers_by_node
+
+    def placeholder_value(self, n: torch.fx.Node, user: torch.Tensor | None) -> torch.Tensor:
+        """The local value of placeholder ``n``: this rank's shard or buffer, or the user's
+        micro-batch tensor ``user`` (checked against the captured shape)."""
+        if n.name in self._buffers_by_node:
+            return self._buffers_by_node[n.name]
+        if n.name in self._param_by_node:
+            return self.shards[self._param_by_node[n.name]]
+        want = tuple(n.meta["val"].shape)
+        if user is None or tuple(user.shape) != want:
+            got = None if user is None else tuple(user.shape)
+            raise PlanError(f"input {n.name} has shape {got}, but the plan's micro-batch is {want}")
+        return user.to(self.device)
+
+    def run_nodes(self, nodes: list[torch.fx.Node], env: dict[torch.fx.Node, Any]) -> dict[torch.fx.Node, Any]:
+        """Run ``nodes`` (a subset of ``self.nodes``, in graph order) over ``env``; see ``_LocalInterpreter``."""
+        return _LocalInterpreter(self).run_nodes(nodes, env)
 
     def check_shapes(self, n: torch.fx.Node, d: NodeDecision, out: Any) -> None:
         """Raise if a local output's shape is not the plan's (the global shape, sharded)."""

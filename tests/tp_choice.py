@@ -57,9 +57,10 @@ def pinned_choice(G: nx.DiGraph, t: int, pins: Mapping[tuple[str, str], str] = M
 
 
 def tp_plan(module, inputs: list, loss, targets, *, tp: int, dp: int = 1, mbs: int = 2, accum: int = 2,
-            pins: Mapping[tuple[str, str], str] | None = MEGATRON, dp_collectives: tuple = ()):
-    """A hand-built plan for ``module`` (captured at the micro-batch shape): nodes from
-    ``pinned_choice`` (``pins=None``: everything replicated), params, collectives."""
+            pins: Mapping[tuple[str, str], str] | None = MEGATRON, dp_collectives: tuple = (), captured=None):
+    """A hand-built plan for ``module`` (captured at the micro-batch shape, unless ``captured``
+    is that capture): nodes from ``pinned_choice`` (``pins=None``: everything replicated), params,
+    collectives."""
     from partita.compiler.capture import capture
     from partita.compiler.inputs import InputSpec
     from partita.compiler.plan import (
@@ -70,7 +71,8 @@ def tp_plan(module, inputs: list, loss, targets, *, tp: int, dp: int = 1, mbs: i
 
     micro = [InputSpec(s.name, s.dtype, (mbs, *s.shape[1:])) for s in inputs]
     mt = InputSpec(targets.name, targets.dtype, (mbs, *targets.shape[1:])) if targets is not None else None
-    captured = capture(module, micro, loss=loss, targets=mt)
+    if captured is None:
+        captured = capture(module, micro, loss=loss, targets=mt)
     G = to_networkx(captured)
     choice = pinned_choice(G, tp, pins) if pins is not None else {}
     nodes = layout_decisions(G, tp, choice)

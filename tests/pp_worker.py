@@ -1,0 +1,218 @@
+"""Checks run inside each rank of a multi-process pipeline-parallel test (see test_runtime_pp.py).
+
+Every rank builds a pipeline plan with tests/pp_choice.py (the planner's
+capture, profile and ``stage_of_nodes`` at chosen layer boundaries; TP from
+tests/tp_choice.py), runs partita's ParallelModel and, in the same process, a
+single-process reference on the same global batch. It compares the loss of
+every step, the first step's gradients and the parameters after STEPS steps of
+the parameters its stage holds (gathered over tp to full), and checks that the
+p2p sends counted per step equal the tensors crossing its cuts (from the
+planner's graph) x micro-batches. Failures raise, so mp.spawn reports them.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from dp_worker import OPTIMIZERS, SEQ, free_port, gpt_batch, gpt_loss  # noqa: F401
+from examples.models import GPT, GPTConfig, gpt_tiny
+from partita.compiler.inputs import InputSpec
+from partita.compiler.timeline import load_trace, measured_timeline
+from partita.runtime.distributed import DistContext, destroy, init_distributed
+from partita.runtime.engine import ParallelModel
+from partita.runtime.pipeline_parallel import schedule_order
+from pp_choice import expected_sends, pp_plan
+from tp_choice import MEGATRON
+
+RTOL, ATOL = 1e-4, 2e-5
+STEPS = 3
+MBS = 2
+
+
+class TiedGPT(GPT):
+    """GPT-2's tying: the head's weight is the token embedding's."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__(cfg)
+        self.lm_head.weight = self.transformer.wte.weight
+
+
+def tied_gpt() -> GPT:
+    return TiedGPT(GPTConfig(vocab_size=256, block_size=64, n_layer=2, n_head=4, n_embd=64))
+
+
+def hf_llama_tiny():
+    from tp_worker import hf_llama_tiny as make
+
+    return make()
+
+
+MODELS: dict[str, tuple[Callable, InputSpec]] = {
+    "gpt": (gpt_tiny, InputSpec("idx", torch.int64, (1, SEQ))),
+    "tied-gpt": (tied_gpt, InputSpec("idx", torch.int64, (1, SEQ))),
+    "hf-llama": (hf_llama_tiny, InputSpec("input_ids", torch.int64, (1, SEQ))),
+}
+
+
+def _gather(model: ParallelModel, local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Full tensors from this rank's shards (uncounted: the test's own collectives)."""
+    tp = model.module.tp.tp
+    out = {}
+    for name, (_, placement) in model.module.local_parameters().items():
+        t = local[name].contiguous()
+        if placement.startswith("shard("):
+            parts = [torch.empty_like(t) for _ in range(tp.size)]
+            dist.all_gather(parts, t, group=tp.group)
+            t = torch.cat(parts, dim=int(placement[6:-1]))
+        out[name] = t
+    return out
+
+
+def _max_err(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    return max((float((a[k] - b[k]).abs().max()) for k in a), default=0.0)
+
+
+def compare(ctx: DistContext, name: str, *, pp: int, cuts_at: list[int], schedule: str, tp: int = 1,
+            dp: int = 1, accum: int = 4, trace_dir: str | None = None) -> dict:
+    factory, spec = MODELS[name]
+    torch.manual_seed(100)
+    reference = factory()
+    plan, profile, stage = pp_plan(copy.deepcopy(reference), [spec], gpt_loss, None, pp=pp, cuts_at=cuts_at,
+                                   schedule=schedule, tp=tp, dp=dp, mbs=MBS, accum=accum,
+                                   pins=None if tp == 1 else MEGATRON)
+    model = ParallelModel(copy.deepcopy(reference), plan, loss_fn=gpt_loss, optimizer=OPTIMIZERS["adamw"], ctx=ctx)
+    st = model.module
+    local = st.local_parameters()
+    names = {id(p): n for n, (p, _) in local.items()}
+    grads: dict[str, torch.Tensor] = {}
+
+    def grab(optimizer, args, kwargs):
+        if not grads:
+            grads.update({names[id(p)]: p.grad.detach().clone() for g in optimizer.param_groups for p in g["params"]})
+    model.optimizer.register_step_pre_hook(grab)
+    ref_opt = OPTIMIZERS["adamw"](reference.parameters())
+    x, y = gpt_batch(plan.training.global_batch)
+    sends = expected_sends(profile, stage, pp, accum)[st.index]
+    loss_errs, ref_grads = [], {}
+    for step in range(STEPS):
+        loss = model.train_step(x, targets=y)
+        if dp == 1:
+            total = torch.zeros(())
+            for i in range(accum):
+                rows = slice(i * MBS, (i + 1) * MBS)
+                part = gpt_loss(reference(x[rows]), y[rows])
+                total += part.detach()
+                (part / accum).backward()
+            ref_loss = float(total / accum)
+        else:
+            part = gpt_loss(reference(x), y)
+            part.backward()
+            ref_loss = part.item()
+        if step == 0:
+            ref_grads = {n: p.grad.detach().clone() for n, p in reference.named_parameters()}
+        ref_opt.step()
+        ref_opt.zero_grad()
+        loss_errs.append(abs(loss - ref_loss))
+        assert abs(loss - ref_loss) <= ATOL + RTOL * abs(ref_loss), (name, step, loss, ref_loss)
+        calls = model.collectives.calls
+        p2p = sum(n for (kind, axis, _), n in calls.items() if kind == "send_recv" and axis == "pp")
+        assert p2p == sends, (name, "stage", st.index, "p2p sends", p2p, "expected", sends)
+    full_grads = _gather(model, grads)
+    full_params = _gather(model, {n: p.detach() for n, (p, _) in local.items()})
+    ref_final = dict(reference.named_parameters())
+    assert full_params and set(full_params) <= set(ref_final), sorted(set(full_params) - set(ref_final))
+    for n in full_grads:
+        torch.testing.assert_close(full_grads[n], ref_grads[n], rtol=RTOL, atol=ATOL,
+                                   msg=lambda m: f"{name} stage {st.index} grad {n}: {m}")
+    for n in full_params:
+        torch.testing.assert_close(full_params[n], ref_final[n].detach(), rtol=RTOL, atol=ATOL,
+                                   msg=lambda m: f"{name} stage {st.index} param {n}: {m}")
+    # every parameter is held by some stage
+    held = [None] * dist.get_world_size()
+    dist.all_gather_object(held, sorted(full_params))
+    assert set().union(*map(set, held)) == set(ref_final), name
+    result = {
+        "case": f"{name}/dp={dp}/tp={tp}/pp={pp}/{schedule}/m={accum}", "stage": st.index,
+        "loss_err": max(loss_errs), "grad_err": _max_err(full_grads, {n: ref_grads[n] for n in full_grads}),
+        "param_err": _max_err(full_params, {n: ref_final[n].detach() for n in full_params}),
+        "p2p_sends_per_step": sends,
+    }
+    if trace_dir is not None:
+        result["trace"] = check_trace(model, plan, Path(trace_dir, f"{name}-{schedule}.json"))
+    return result
+
+
+def check_trace(model: ParallelModel, plan, path: Path) -> str:
+    """The trace has every micro-batch's F and B on every rank, in the schedule's order, and loads
+    in the plan viewer."""
+    model.write_trace(path)
+    dist.barrier()
+    trace = load_trace(path)
+    m, p = plan.training.grad_accum_steps, plan.mesh.pp
+    spans = [ev for ev in trace["traceEvents"] if ev["ph"] == "X"]
+    assert len(spans) == STEPS * 2 * m * plan.mesh.world_size, len(spans)
+    assert trace["metadata"]["fingerprint"] == plan.model.fingerprint
+    for s in range(p):
+        rank = plan.stages[s].ranks[0]
+        order = [(ev["name"][0], ev["args"]["microbatch"]) for ev in spans
+                 if ev["pid"] == rank and ev["args"]["step"] == 0]
+        assert order == schedule_order(plan.training.schedule, p, s, m), (s, order)
+    measured_timeline(trace, plan)
+    return "ok"
+
+
+def compare_inference(ctx: DistContext, name: str, *, pp: int, cuts_at: list[int], dp: int = 1) -> dict:
+    factory, spec = MODELS[name]
+    torch.manual_seed(100)
+    reference = factory()
+    plan, _, _ = pp_plan(copy.deepcopy(reference), [spec], gpt_loss, None, pp=pp, cuts_at=cuts_at, schedule="none",
+                         dp=dp, mbs=MBS, accum=4, pins=None, inference=True)
+    model = ParallelModel(copy.deepcopy(reference), plan, loss_fn=gpt_loss, optimizer=OPTIMIZERS["adamw"], ctx=ctx)
+    x, _ = gpt_batch(plan.training.global_batch)
+    out = model(x)
+    with torch.no_grad():
+        want = reference(x)
+    torch.testing.assert_close(out, want, rtol=RTOL, atol=ATOL)
+    return {"case": f"{name}/inference/dp={dp}/pp={pp}", "out_err": float((out - want).abs().max())}
+
+
+# launch name -> (world size, the checks each rank runs)
+LAUNCHES: dict[str, tuple[int, Callable[[DistContext, str], list[dict]]]] = {
+    "pp2": (2, lambda ctx, out: [
+        compare(ctx, "gpt", pp=2, cuts_at=[1], schedule="gpipe"),
+        compare(ctx, "gpt", pp=2, cuts_at=[1], schedule="1f1b"),
+        compare(ctx, "tied-gpt", pp=2, cuts_at=[1], schedule="1f1b"),
+        compare_inference(ctx, "gpt", pp=2, cuts_at=[1]),
+    ]),
+    "pp4-dp2xpp2-tp2xpp2": (4, lambda ctx, out: [
+        compare(ctx, "gpt", pp=4, cuts_at=[0, 1, 2], schedule="1f1b", trace_dir=out),
+        compare(ctx, "gpt", pp=4, cuts_at=[0, 1, 2], schedule="gpipe", trace_dir=out),
+        compare(ctx, "hf-llama", pp=4, cuts_at=[0, 1, 2], schedule="1f1b"),
+        compare(ctx, "gpt", pp=2, dp=2, cuts_at=[1], schedule="1f1b"),
+        compare(ctx, "gpt", pp=2, tp=2, cuts_at=[1], schedule="gpipe"),
+        compare_inference(ctx, "gpt", pp=2, dp=2, cuts_at=[1]),
+    ]),
+    "dp2xtp2xpp2": (8, lambda ctx, out: [
+        compare(ctx, "gpt", pp=2, tp=2, dp=2, cuts_at=[1], schedule="1f1b", accum=2),
+    ]),
+}
+
+
+def worker(rank: int, launch: str, port: int, outdir: str) -> None:
+    world, checks = LAUNCHES[launch]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    ctx = init_distributed(timeout_s=30)
+    try:
+        results = checks(ctx, outdir)
+        Path(outdir, f"rank{rank}.json").write_text(json.dumps(results))
+    finally:
+        destroy(ctx)
