@@ -109,6 +109,9 @@ def parallelize(
     loss: Callable[[Any, torch.Tensor], torch.Tensor] | None = None,
     plan: str | None = None,
     dp: int | None = None,
+    tp: int | None = None,
+    pp: int | None = None,
+    zero: int | None = None,
     micro_batch_size: int | None = None,
     grad_accum_steps: int | None = None,
 ) -> Any:
@@ -119,10 +122,12 @@ def parallelize(
     instance it wraps that instance directly. ``inputs`` are example inputs
     as ``{"name": "dtype[shape]"}`` (their leading dim is the global batch
     unless ``batch`` says otherwise); ``plan`` is a plan file to use instead
-    of planning. ``dp``, ``micro_batch_size`` and ``grad_accum_steps`` pin
-    those decisions.
+    of planning. ``dp``, ``tp``, ``pp``, ``zero``, ``micro_batch_size`` and
+    ``grad_accum_steps`` pin those decisions (the same keywords as
+    `partita compile`); the planner decides the rest.
     """
-    pins = {k: v for k, v in (("dp", dp), ("micro_batch_size", micro_batch_size),
+    pins = {k: v for k, v in (("dp", dp), ("tp", tp), ("pp", pp), ("zero_stage", zero),
+                               ("micro_batch_size", micro_batch_size),
                                ("grad_accum_steps", grad_accum_steps)) if v is not None}
     spec = ParallelizeSpec(
         inputs=_parse_inputs(inputs), cluster=cluster, nodes=nodes, devices=devices, batch=batch,
@@ -142,7 +147,7 @@ def _spec_kwargs(spec: ParallelizeSpec) -> dict[str, Any]:
     return dict(
         inputs=[str(s) for s in spec.inputs], cluster=spec.cluster, nodes=spec.nodes, devices=spec.devices,
         batch=spec.batch, precision=spec.precision, optimizer=spec.optimizer, loss=spec.loss, plan=spec.plan,
-        **spec.pins,
+        **{("zero" if k == "zero_stage" else k): v for k, v in spec.pins.items()},
     )
 
 

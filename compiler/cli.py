@@ -81,7 +81,7 @@ def cluster_options(f: Any) -> Any:
 @click.option("--dp", type=int, default=None, help="pin the data-parallel degree")
 @click.option("--micro-batch-size", type=int, default=None, help="pin the micro-batch size")
 @click.option("--grad-accum-steps", type=int, default=None, help="pin the gradient-accumulation steps")
-@click.option("--tp", type=int, default=None, help="pin the tensor-parallel degree (only 1 in this version)")
+@click.option("--tp", type=int, default=None, help="pin the tensor-parallel degree (inside a node)")
 @click.option("--pp", type=int, default=None, help="pin the pipeline-parallel degree (only 1 in this version)")
 @click.option("--zero", type=int, default=None, help="pin the ZeRO stage (only 0 in this version)")
 @click.option("-o", "--output", type=click.Path(dir_okay=False), default="plan.json", show_default=True)

@@ -5,6 +5,7 @@ Both the CLI (`partita compile`) and the decorator call ``compile_model``.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from contextlib import nullcontext
@@ -14,9 +15,9 @@ from typing import Any, Callable, Sequence
 import torch
 
 from partita.compiler.capture import CapturedModel, capture
+from partita.compiler.errors import PartitaError
 from partita.compiler.inputs import InputSpec
 from partita.compiler.plan import (
-    Alternative,
     Collective,
     MeshAxis,
     Mesh,
@@ -30,9 +31,10 @@ from partita.compiler.plan import (
 )
 from partita.passes.cluster import ClusterSpec
 from partita.passes.constraints import Pins, TrainingRequest
-from partita.passes.cost_model import collective_time, compute_dtype, compute_time
-from partita.passes.data_parallel import Candidate, DataParallelDecision, choose_data_parallel
+from partita.passes.cost_model import collective_time, compute_dtype, compute_time, element_bytes
 from partita.passes.profile import ModelProfile, profile_model
+from partita.passes.tensor_parallel import MeshDecision, choose_mesh, plan_alternatives
+from partita.passes.tp_layout import layout_decisions, tp_collectives
 
 MAX_ALTERNATIVES = 12
 
@@ -90,12 +92,49 @@ def compile_model(
         optimizer="none" if inference else optimizer,
         inference=inference,
     )
+    if pins.pp not in (None, 1):
+        raise PartitaError(f"--pp {pins.pp}: the planner does not yet place pipeline stages on this path",
+                           hint="drop --pp (or pass --pp 1)")
     with phase("solving"):
         numels = [math.prod(shape) for shape, _ in captured.params.values()]
-        decision = choose_data_parallel(profile, numels, cluster, request, pins)
+        decision = choose_mesh(profile, numels, cluster, request, pins)
         timings["solve"] = decision.seconds
-    plan = build_plan(profile, captured, cluster, request, decision, timings)
+    with phase("laying out the micro-batch graph"):
+        t0 = time.perf_counter()
+        micro = micro_batch_graph(model, captured, profile, decision.micro_batch_size, loss=loss)
+        timings["layout"] = time.perf_counter() - t0
+    plan = build_plan(profile, captured, cluster, request, decision, timings, micro_graph=micro)
     return CompileResult(plan, profile, captured)
+
+
+def micro_batch_graph(model: Any, captured: CapturedModel, profile: ModelProfile, micro_batch: int, *,
+                      loss: Callable[..., Any] | None) -> Any:
+    """The graph the runtime runs: the same model captured at the micro-batch shape.
+
+    Node decisions (their tensors' bytes, their shard sizes) are for what one
+    rank executes per micro-batch, so they are laid out on this graph; its node
+    names must be the captured graph's, which is checked.
+    """
+    if micro_batch == profile.batch_size:
+        return profile.graph
+    from partita.passes.flops import annotate_flops
+    from partita.passes.graph import to_networkx
+
+    def at(spec: InputSpec) -> InputSpec:
+        return dataclasses.replace(spec, shape=(micro_batch, *spec.shape[1:]))
+
+    small = capture(model, [at(s) for s in captured.inputs], name=captured.name, loss=loss if captured.loss else None,
+                    targets=at(captured.targets) if captured.targets is not None else None)
+    G = annotate_flops(to_networkx(small))
+    if list(G.nodes) != list(profile.graph.nodes):
+        raise RuntimeError(
+            f"capturing {captured.name} at micro-batch {micro_batch} gave another graph than at batch "
+            f"{profile.batch_size} ({len(G)} vs {len(profile.graph)} nodes): its structure depends on the batch size"
+        )
+    for n, a in profile.graph.nodes(data=True):  # keep the analyses' layer tags for the plan
+        if "layer" in a:
+            G.nodes[n]["layer"] = a["layer"]
+    return G
 
 
 def _phases(progress: Any) -> Callable[[str], Any]:
@@ -120,42 +159,50 @@ def build_plan(
     captured: CapturedModel,
     cluster: ClusterSpec,
     request: TrainingRequest,
-    decision: DataParallelDecision,
+    decision: MeshDecision,
     timings: dict[str, float],
+    *,
+    micro_graph: Any = None,
 ) -> Plan:
-    """Pack the analyses and decisions into the frozen plan file structure."""
-    best = decision.best
-    mesh = Mesh(dp=best.dp)
-    step = best.step_s
+    """Pack the analyses and decisions into the frozen plan file structure.
+
+    ``micro_graph`` is the graph at the micro-batch shape (``micro_batch_graph``),
+    on which the per-node layouts are recorded; the whole-batch graph otherwise.
+    """
+    d = decision
+    mesh = d.mesh
+    step = d.step_s
     B = request.global_batch
+    G = profile.graph
     flops_per_step = (profile.flops_fwd + (0 if request.inference else profile.flops_bwd)) / profile.batch_size * B
     achieved = flops_per_step / step / mesh.world_size
     peak = cluster.peak_flops(compute_dtype(request.precision))
     predicted = Prediction(
         step_time_s=step,
-        compute_s=best.cost.compute_s,
-        comm_s=dict(best.cost.comm_s),
-        optimizer_s=best.cost.optimizer_s,
-        memory=best.memory,
-        traffic_bytes=dict(best.cost.traffic_bytes),
+        compute_s=d.cost.compute_s,
+        comm_s={k: v for k, v in d.cost.comm_s.items() if v > 0},
+        optimizer_s=d.cost.optimizer_s,
+        memory=d.memory,
+        traffic_bytes=dict(d.cost.traffic_bytes),
         samples_per_s=B / step,
         tokens_per_s=B * profile.seq_len / step if profile.seq_len else None,
         model_tflops_per_device=achieved / 1e12,
         mfu=achieved / peak,
     )
-    params = tuple(
-        ParamDecision(name, tuple(shape), str(dtype).replace("torch.", ""),
-                      {MeshAxis.DP.value: "replicate"}, stage=0)
-        for name, (shape, dtype) in captured.params.items()
+    Gm = micro_graph if micro_graph is not None else G
+    _check_strategies(Gm, d)
+    nodes = tuple(
+        dataclasses.replace(n, compute_s=_node_compute_s(Gm, n.name, d, cluster, request))
+        for n in layout_decisions(Gm, d.tp, d.choice, elem_bytes=element_bytes(request.precision))
     )
-    collectives = _dp_collectives(decision, cluster, request)
+    params = _param_decisions(captured, G, d)
+    collectives = _dp_collectives(d, cluster, request) + _tp_plan_collectives(nodes, d, cluster)
     calls = [n.name for n in captured.graph_module.graph.nodes if n.op not in ("placeholder", "output", "get_attr")]
-    per_sample = 1 / profile.batch_size * best.micro_batch_size
     stage = Stage(
         index=0, nodes=profile.num_nodes, first_node=calls[0] if calls else "", last_node=calls[-1] if calls else "",
-        params=profile.num_params, predicted_time_s=step, memory_bytes=best.memory.total,
-        forward_s=compute_time(profile.flops_fwd * per_sample, cluster, request.precision),
-        backward_s=0.0 if request.inference else compute_time(profile.flops_bwd * per_sample, cluster, request.precision),
+        params=profile.num_params, predicted_time_s=step, memory_bytes=d.memory.total,
+        forward_s=sum(_fwd_share(Gm, n.name) * n.compute_s for n in nodes),
+        backward_s=sum((1 - _fwd_share(Gm, n.name)) * n.compute_s for n in nodes),
         ranks=tuple(range(mesh.world_size)),
         modules=_top_modules(captured),
     )
@@ -173,22 +220,27 @@ def build_plan(
     )
     training = Training(
         global_batch=B,
-        micro_batch_size=best.micro_batch_size,
-        grad_accum_steps=best.grad_accum_steps,
+        micro_batch_size=d.micro_batch_size,
+        grad_accum_steps=d.grad_accum_steps,
         precision=request.precision,
         optimizer=request.optimizer,
         zero_stage=0,
         schedule="none",
         inference=request.inference,
-        grad_bucket_bytes=decision.bucket_bytes,
+        grad_bucket_bytes=d.bucket_bytes,
     )
+    fitting = sum(c.fits for c in d.alternatives)
     solver = SolverReport(
-        method="exhaustive enumeration over (dp, micro-batch size)",
-        status="OPTIMAL",
+        method=f"(tp, micro-batch) enumeration; tensor-parallel ILP per candidate ({d.solver.solver}, "
+               f"{d.solver.classes} node classes, repeated layers tied)",
+        status=d.solver.status,
         objective=step,
-        seconds=decision.seconds,
-        candidates=len(decision.candidates),
-        notes=(f"{sum(c.fits for c in decision.candidates)} of {len(decision.candidates)} candidates fit memory",),
+        seconds=d.seconds,
+        candidates=len(d.alternatives),
+        gap=d.solver.gap,
+        notes=(f"{fitting} of {len(d.alternatives)} candidates fit memory; {d.solves} ILPs solved",
+               f"TP group on {d.tp_link}, DP group on {d.dp_link}",
+               *_unsupported_note(G)),
     )
     return Plan(
         model=model,
@@ -198,11 +250,68 @@ def build_plan(
         predicted=predicted,
         solver=solver,
         params=params,
+        nodes=nodes,
         collectives=collectives,
         stages=(stage,),
-        alternatives=_alternatives(decision),
+        alternatives=plan_alternatives(d),
         analysis_seconds=timings,
     )
+
+
+def _unsupported_note(G: Any) -> tuple[str, ...]:
+    from partita.passes.tp_strategies import unsupported_ops
+
+    ops = unsupported_ops(G)
+    if not ops:
+        return ()
+    return ("kept replicated (no TP rule): " + ", ".join(f"{op} x{n}" for op, n in sorted(ops.items())),)
+
+
+def _fwd_share(G: Any, node: str) -> float:
+    a = G.nodes[node]
+    total = a.get("flops_fwd", 0) + a.get("flops_bwd", 0)
+    return a.get("flops_fwd", 0) / total if total else 1.0
+
+
+def _check_strategies(G: Any, d: MeshDecision) -> None:
+    """Every chosen strategy must be one the micro-batch graph offers (its shards must divide there too)."""
+    if d.tp <= 1:
+        return
+    from partita.passes.tp_strategies import node_strategies
+
+    for n, s in d.choice.items():
+        offered = node_strategies(G, n, d.tp)
+        if not any(o.name == s.name and o.ins == s.ins and o.out == s.out for o in offered):
+            raise RuntimeError(f"node {n}: strategy {s.name!r} chosen at the full batch is not valid at micro-batch "
+                               f"{d.micro_batch_size} (its shards do not divide there)")
+
+
+def _node_compute_s(G: Any, node: str, d: MeshDecision, cluster: ClusterSpec, request: TrainingRequest) -> float:
+    """Forward + backward compute of one micro-batch of this node on one device, at its strategy's share
+    (``G`` is the micro-batch graph)."""
+    a = G.nodes[node]
+    flops = a.get("flops_fwd", 0) + (0 if request.inference else a.get("flops_bwd", 0))
+    strategy = d.choice.get(node)
+    fraction = strategy.compute_fraction if strategy is not None else 1.0
+    return compute_time(flops * fraction, cluster, request.precision)
+
+
+def _param_decisions(captured: CapturedModel, G: Any, d: MeshDecision) -> tuple[ParamDecision, ...]:
+    """Each parameter's layout: replicated over dp, its placeholder's chosen placement over tp."""
+    tp_layout: dict[str, str] = {}
+    for node, qual in captured.param_nodes.items():
+        if G.out_degree(node) == 0 and qual in tp_layout:
+            continue  # a tied parameter's unused duplicate placeholder
+        strategy = d.choice.get(node)
+        if G.out_degree(node) > 0 or qual not in tp_layout:
+            tp_layout[qual] = strategy.out[0] if strategy is not None else "replicate"
+    out = []
+    for name, (shape, dtype) in captured.params.items():
+        layout = {MeshAxis.DP.value: "replicate"}
+        if d.tp > 1:
+            layout[MeshAxis.TP.value] = tp_layout.get(name, "replicate")
+        out.append(ParamDecision(name, tuple(shape), str(dtype).replace("torch.", ""), layout, stage=0))
+    return tuple(out)
 
 
 def _top_modules(captured: CapturedModel) -> tuple[str, ...]:
@@ -213,13 +322,13 @@ def _top_modules(captured: CapturedModel) -> tuple[str, ...]:
     return tuple(seen)
 
 
-def _dp_collectives(decision: DataParallelDecision, cluster: ClusterSpec, request: TrainingRequest) -> tuple[Collective, ...]:
-    dp = decision.best.dp
+def _dp_collectives(d: MeshDecision, cluster: ClusterSpec, request: TrainingRequest) -> tuple[Collective, ...]:
+    dp = d.dp
     if dp <= 1 or request.inference:
         return ()
-    link = cluster.link_for_group(dp)
+    link = cluster.link_for_group(dp, stride=d.tp)
     by_size: dict[int, int] = {}
-    for b in decision.buckets:
+    for b in d.buckets:
         by_size[b] = by_size.get(b, 0) + 1
     grads = tuple(
         Collective(kind="all_reduce", axis=MeshAxis.DP.value, bytes=size, count=count, group_size=dp,
@@ -233,23 +342,14 @@ def _dp_collectives(decision: DataParallelDecision, cluster: ClusterSpec, reques
     return grads + (loss,)
 
 
-def _alternatives(decision: DataParallelDecision) -> tuple[Alternative, ...]:
-    """The chosen plan, the fastest fitting candidate per dp degree, and the nearest misses on memory."""
-    picked: list[Candidate] = [decision.best]
-    seen_dp = {decision.best.dp}
-    for c in decision.candidates:
-        if c.fits and c.dp not in seen_dp:
-            picked.append(c)
-            seen_dp.add(c.dp)
-    same_dp = [c for c in decision.candidates if c.fits and c.dp == decision.best.dp and c is not decision.best]
-    picked += same_dp[:2]
-    picked += [c for c in decision.candidates if not c.fits][:3]
-    picked = picked[:MAX_ALTERNATIVES]
+def _tp_plan_collectives(nodes: Sequence[Any], d: MeshDecision, cluster: ClusterSpec) -> tuple[Collective, ...]:
+    """The TP collectives of one micro-batch (tp_collectives), times the accumulation steps."""
+    if d.tp <= 1:
+        return ()
+    link = cluster.link_for_group(d.tp)
     return tuple(
-        Alternative(
-            mesh=Mesh(dp=c.dp), micro_batch_size=c.micro_batch_size, grad_accum_steps=c.grad_accum_steps,
-            zero_stage=0, step_time_s=c.step_s if c.fits else None, memory_bytes=c.memory.total,
-            fits=c.fits, chosen=c is decision.best, reason=decision.reasons[(c.dp, c.micro_batch_size)],
-        )
-        for c in picked
+        Collective(kind=kind, axis=MeshAxis.TP.value, bytes=nbytes, count=calls * d.grad_accum_steps,
+                   group_size=d.tp, purpose=purpose,
+                   seconds=calls * d.grad_accum_steps * collective_time(kind, nbytes, d.tp, link))
+        for kind, nbytes, calls, purpose in tp_collectives(nodes)
     )

@@ -228,12 +228,12 @@ def test_demo_plan_page(open_page, demo_plan, tmp_path):
     assert cells == {"params": fmt_bytes(p.memory.params), "grads": fmt_bytes(p.memory.grads),
                      "optimizer": fmt_bytes(p.memory.optimizer), "activations": fmt_bytes(p.memory.activations),
                      "total": fmt_bytes(p.memory.total)}
-    # no per-op decisions in a DP plan: modules come from the parameters; expanding one lists them
+    # expanding a decoder layer lists exactly the plan's nodes of that layer, in order
     first_layer = page.locator("g.module.layer").first
     key = first_layer.get_attribute("data-group")
     first_layer.locator(".head").click()
     rows = page.eval_on_selector_all(f'g.module[data-group="{key}"] g.op', "es => es.map(e => e.dataset.node)")
-    assert rows == [q.name for q in demo_plan.params if q.name.startswith(key + ".")]
+    assert rows and rows == [n.name for n in demo_plan.nodes if n.layer == key]
     assert page.locator("g.slot").count() == 2 * demo_plan.training.grad_accum_steps
     page.screenshot(path=str(tmp_path / "demo.png"), full_page=True)
     assert (tmp_path / "demo.png").stat().st_size > 20_000
