@@ -12,32 +12,36 @@ over steps (the first dropped as warm-up) of the mean over stages, and the
 idle fraction (span - busy) / span, predicted (p - 1)/(m + p - 1).
 Run: ``python benchmarks/pipeline_bubble.py [--stages 4] [--steps 6]``.
 
-Measured on the 2-core CI machine (torch 2.13 CPU, gloo), ``--steps 6``:
+Measured on the 2-core CI machine (torch 2.13 CPU, gloo), the first step
+dropped; "bubble" is measured / predicted (p-1)/m, "idle" measured / predicted
+(p-1)/(m+p-1):
 
-    p = 4 (4 processes on 2 cores: two stages at a time can compute)
-    schedule  m  bubble measured  predicted (p-1)/m  idle fraction measured  predicted
-    1f1b      4        1.06             0.75                 0.51              0.43
-    gpipe     4        1.05             0.75                 0.51              0.43
-    1f1b      8        0.68             0.38                 0.40              0.27
-    gpipe     8        0.62             0.38                 0.38              0.27
+    p = 4, --steps 8 (4 processes on 2 cores: at most two stages compute at once)
+    schedule  m   bubble       idle
+    1f1b      4   1.29 / 0.75  0.55 / 0.43
+    gpipe     4   1.74 / 0.75  0.63 / 0.43
+    1f1b      8   0.96 / 0.38  0.49 / 0.27
+    gpipe     8   1.17 / 0.38  0.53 / 0.27
 
-    p = 2 (2 processes, a core each)
-    schedule  m  bubble measured  predicted (p-1)/m  idle fraction measured  predicted
-    1f1b      4        0.37             0.25                 0.27              0.20
-    gpipe     4        0.37             0.25                 0.27              0.20
-    1f1b      8        0.21             0.12                 0.18              0.11
-    gpipe     8        0.20             0.12                 0.17              0.11
+    p = 2 (2 processes, a core each), two runs: --steps 6 | --steps 10
+    schedule  m   bubble                    idle
+    1f1b      4   0.34 / 0.25 | 0.48 / 0.25  0.25 / 0.20 | 0.32 / 0.20
+    gpipe     4   0.41 / 0.25 | 0.48 / 0.25  0.29 / 0.20 | 0.32 / 0.20
+    1f1b      8   0.21 / 0.12 | 0.25 / 0.12  0.18 / 0.11 | 0.20 / 0.11
+    gpipe     8   0.38 / 0.12 | 0.34 / 0.12  0.28 / 0.11 | 0.25 / 0.11
 
-The bubble falls with m as (p - 1)/m says (halving from m = 4 to 8 within
-~10-20%), and GPipe and 1F1B have the same bubble, as they should (1F1B
-saves activation memory, not time). The measured bubble sits above the
-prediction by a stage-imbalance and p2p share: the stages are not equal
-(stage 0 holds the embeddings, the last the head and the loss; its backward
-starts each micro-batch's chain), and each send/recv adds latency that the
-prediction leaves out. At p = 4 the processes outnumber the cores two to one,
-so the busy spans are stretched by time-slicing while neighbours compute: only
-the p = 2 rows measure the schedule cleanly here; rerun on a machine with a
-core per stage for the p = 4 figures.
+What holds: the bubble falls with m (1F1B: 0.34-0.48 at m = 4 to 0.21-0.25 at
+m = 8 for p = 2, about the halving (p - 1)/m predicts), and it grows with p.
+What does not: the measured bubble sits above the prediction, by ~1.4-2x at
+p = 2. The prediction assumes equal stages and free p2p; here the stages are
+unequal (stage 0 holds the embeddings, the last stage the head and the loss),
+every activation and gradient crosses gloo's TCP loopback with blocking
+receives, and the runs move by 20-40% between repeats on this shared machine.
+GPipe measured at or above 1F1B (equal in theory; GPipe also keeps all m
+micro-batches' activations live, which may cost it cache/allocator time; not
+measured separately). At p = 4 the processes outnumber the cores two to one,
+so busy spans stretch by time-slicing while neighbours compute: those rows do
+not measure the schedule; rerun on a machine with a core per stage.
 """
 
 from __future__ import annotations

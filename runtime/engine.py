@@ -39,9 +39,9 @@ OptimizerFactory = Callable[[Iterable[nn.Parameter]], Optimizer]
 def refuse_unsupported(plan: Plan) -> None:
     """Raise ``PlanError`` for plan parts this runtime cannot execute, rather than run them wrong."""
     later = "this runtime executes data-, tensor- and pipeline-parallel plans; {} arrives in a later version"
-    for axis in ("tp", "pp"):
+    for axis, what in (("tp", "tensor-parallel"), ("pp", "pipeline")):
         if getattr(plan.mesh, axis) > 1 and not plan.nodes:
-            raise PlanError(f"the plan has {axis}={getattr(plan.mesh, axis)} but no node decisions",
+            raise PlanError(f"the plan has {axis}={getattr(plan.mesh, axis)} but no {what} node decisions",
                             hint="recompile the plan with `partita compile`")
     t = plan.training
     if t.zero_stage > 0:
@@ -58,7 +58,7 @@ class _Program:
     """What ``compose`` builds for this rank."""
 
     module: nn.Module
-    loss: Callable[[list[torch.Tensor], torch.Tensor], torch.Tensor]  # one micro-batch's loss
+    loss: Callable[[list[torch.Tensor], torch.Tensor], torch.Tensor] | None  # one micro-batch's loss (pp == 1)
     optimizer: Optimizer | None  # None for an inference plan
     averager: GradientAverager | None
     dp_group: dist.ProcessGroup | None
@@ -111,9 +111,7 @@ def compose(
     if plan.mesh.pp > 1:
         module = pipeline = PipelineStage(module, plan, device_mesh, loss_fn=graph_loss, counter=counter,
                                           device=ctx.device, checkpoint=checkpoint)
-
-        def loss(xs: list[torch.Tensor], y: torch.Tensor) -> torch.Tensor:
-            raise AssertionError("a pipeline runs its own schedule")
+        loss = None  # the stage's schedule runs the micro-batches
     elif plan.mesh.tp > 1:
         tp_group = device_mesh[MeshAxis.TP.value].get_group()
         module = TensorParallel(module, plan, tp_group, loss_fn=graph_loss, counter=counter,

@@ -32,7 +32,7 @@ def pp_plan(module, inputs: list, loss, targets, *, pp: int, cuts_at: list[int],
             inference: bool = False):
     from partita.compiler.capture import capture
     from partita.compiler.inputs import InputSpec
-    from partita.compiler.plan import Mesh, Stage, Training
+    from partita.compiler.plan import Mesh, Stage
     from partita.passes.pipeline_parallel import stage_of_nodes
     from partita.passes.profile import profile_model
 

@@ -35,3 +35,51 @@ def test_pipeline_parallel_matches_single_process(launch, tmp_path):
         results = json.loads((tmp_path / f"rank{rank}.json").read_text())
         for r in results:
             print(rank, r)
+
+
+def _in_flight(order):
+    live = peak = 0
+    for action, _ in order:
+        live += 1 if action == "F" else -1
+        peak = max(peak, live)
+    return peak
+
+
+def test_schedules_run_every_micro_batch_once_and_1f1b_bounds_activations():
+    from partita.runtime.pipeline_parallel import schedule_order
+
+    p, m = 4, 8
+    assert schedule_order("1f1b", p, 0, 4) == [("F", 0), ("F", 1), ("F", 2), ("F", 3), ("B", 0), ("B", 1),
+                                               ("B", 2), ("B", 3)]
+    assert schedule_order("1f1b", p, 3, 4)[:4] == [("F", 0), ("B", 0), ("F", 1), ("B", 1)]
+    for s in range(p):
+        for kind in ("gpipe", "1f1b"):
+            order = schedule_order(kind, p, s, m)
+            assert sorted(order) == sorted([("F", k) for k in range(m)] + [("B", k) for k in range(m)])
+            assert all(order.index(("F", k)) < order.index(("B", k)) for k in range(m))
+        assert _in_flight(schedule_order("1f1b", p, s, m)) == p - s  # stage i holds p - i micro-batches
+        assert _in_flight(schedule_order("gpipe", p, s, m)) == m
+
+
+def test_split_refuses_a_stage_map_against_the_graph_order():
+    import torch
+
+    from dp_worker import SEQ, gpt_loss
+    from examples.models import gpt_tiny
+    from partita.compiler.capture import capture
+    from partita.compiler.errors import PlanError
+    from partita.compiler.inputs import InputSpec
+    from partita.runtime.pipeline_parallel import split_stages
+
+    c = capture(gpt_tiny(), [InputSpec("idx", torch.int64, (2, SEQ))], loss=gpt_loss)
+    graph = c.graph_module.graph
+    held = lambda n: n.name in c.param_nodes or n.name in c.buffer_nodes  # noqa: E731
+    names = [n.name for n in graph.nodes]
+    half = {n: int(i >= len(names) // 2) for i, n in enumerate(names)}
+    stages = split_stages(graph, half, 2, held)
+    assert stages[1].send == [] and stages[0].send == stages[1].recv and stages[0].send
+    backwards = {n: 1 - s for n, s in half.items()}
+    with pytest.raises(PlanError, match="stages must follow the graph's order"):
+        split_stages(graph, backwards, 2, held)
+    with pytest.raises(PlanError, match="no pipeline stage for node"):
+        split_stages(graph, {n: 0 for n in names[1:]}, 2, held)
