@@ -10,12 +10,11 @@ import math
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
 from partita.compiler.capture import CapturedModel, capture
-from partita.compiler.errors import PartitaError
 from partita.compiler.inputs import InputSpec
 from partita.compiler.plan import (
     Collective,
@@ -33,8 +32,9 @@ from partita.passes.cluster import ClusterSpec
 from partita.passes.constraints import Pins, TrainingRequest
 from partita.passes.cost_model import collective_time, compute_dtype, compute_time, element_bytes
 from partita.passes.profile import ModelProfile, profile_model
-from partita.passes.tensor_parallel import MeshDecision, choose_mesh, plan_alternatives
-from partita.passes.tp_layout import layout_decisions, tp_collectives
+from partita.passes.data_parallel import gradient_buckets
+from partita.passes.search import Decision, plan_search
+from partita.passes.tp_layout import layout_decisions, tensor_bytes, tp_collectives
 
 MAX_ALTERNATIVES = 12
 
@@ -92,12 +92,9 @@ def compile_model(
         optimizer="none" if inference else optimizer,
         inference=inference,
     )
-    if pins.pp not in (None, 1):
-        raise PartitaError(f"--pp {pins.pp}: the planner does not yet place pipeline stages on this path",
-                           hint="drop --pp (or pass --pp 1)")
     with phase("solving"):
         numels = [math.prod(shape) for shape, _ in captured.params.values()]
-        decision = choose_mesh(profile, numels, cluster, request, pins)
+        decision = plan_search(profile, numels, cluster, request, pins)
         timings["solve"] = decision.seconds
     with phase("laying out the micro-batch graph"):
         t0 = time.perf_counter()
@@ -159,7 +156,7 @@ def build_plan(
     captured: CapturedModel,
     cluster: ClusterSpec,
     request: TrainingRequest,
-    decision: MeshDecision,
+    decision: Decision,
     timings: dict[str, float],
     *,
     micro_graph: Any = None,
@@ -179,11 +176,11 @@ def build_plan(
     peak = cluster.peak_flops(compute_dtype(request.precision))
     predicted = Prediction(
         step_time_s=step,
-        compute_s=d.cost.compute_s,
-        comm_s={k: v for k, v in d.cost.comm_s.items() if v > 0},
-        optimizer_s=d.cost.optimizer_s,
+        compute_s=d.compute_s,
+        comm_s=dict(d.comm_s),
+        optimizer_s=d.optimizer_s,
         memory=d.memory,
-        traffic_bytes=dict(d.cost.traffic_bytes),
+        traffic_bytes=dict(d.traffic_bytes),
         samples_per_s=B / step,
         tokens_per_s=B * profile.seq_len / step if profile.seq_len else None,
         model_tflops_per_device=achieved / 1e12,
@@ -191,21 +188,15 @@ def build_plan(
     )
     Gm = micro_graph if micro_graph is not None else G
     _check_strategies(Gm, d)
+    times = {n: _node_times(Gm, n, d, cluster, request) for n in Gm.nodes}
     nodes = tuple(
-        dataclasses.replace(n, compute_s=_node_compute_s(Gm, n.name, d, cluster, request))
-        for n in layout_decisions(Gm, d.tp, d.choice, elem_bytes=element_bytes(request.precision))
+        dataclasses.replace(n, compute_s=sum(times[n.name]), stage=d.node_stage.get(n.name, 0))
+        for n in layout_decisions(Gm, mesh.tp, d.choice, elem_bytes=element_bytes(request.precision))
     )
     params = _param_decisions(captured, G, d)
-    collectives = _dp_collectives(d, cluster, request) + _tp_plan_collectives(nodes, d, cluster)
-    calls = [n.name for n in captured.graph_module.graph.nodes if n.op not in ("placeholder", "output", "get_attr")]
-    stage = Stage(
-        index=0, nodes=profile.num_nodes, first_node=calls[0] if calls else "", last_node=calls[-1] if calls else "",
-        params=profile.num_params, predicted_time_s=step, memory_bytes=d.memory.total,
-        forward_s=sum(_fwd_share(Gm, n.name) * n.compute_s for n in nodes),
-        backward_s=sum((1 - _fwd_share(Gm, n.name)) * n.compute_s for n in nodes),
-        ranks=tuple(range(mesh.world_size)),
-        modules=_top_modules(captured),
-    )
+    stages = d.stages or (_single_stage(profile, captured, times, d),)
+    collectives = (_dp_collectives(params, d, cluster, request) + _tp_plan_collectives(nodes, d, cluster)
+                   + _pp_collectives(Gm, nodes, d, cluster, request))
     model = ModelInfo(
         name=profile.name,
         fingerprint=profile.fingerprint,
@@ -224,23 +215,14 @@ def build_plan(
         grad_accum_steps=d.grad_accum_steps,
         precision=request.precision,
         optimizer=request.optimizer,
-        zero_stage=0,
-        schedule="none",
+        zero_stage=d.zero_stage,
+        schedule=d.schedule,
         inference=request.inference,
         grad_bucket_bytes=d.bucket_bytes,
     )
-    fitting = sum(c.fits for c in d.alternatives)
     solver = SolverReport(
-        method=f"(tp, micro-batch) enumeration; tensor-parallel ILP per candidate ({d.solver.solver}, "
-               f"{d.solver.classes} node classes, repeated layers tied)",
-        status=d.solver.status,
-        objective=step,
-        seconds=d.seconds,
-        candidates=len(d.alternatives),
-        gap=d.solver.gap,
-        notes=(f"{fitting} of {len(d.alternatives)} candidates fit memory; {d.solves} ILPs solved",
-               f"TP group on {d.tp_link}, DP group on {d.dp_link}",
-               *_unsupported_note(G)),
+        method=d.method, status=d.status, objective=step, seconds=d.seconds, candidates=d.candidates, gap=d.gap,
+        notes=(*d.notes, *_unsupported_note(G)),
     )
     return Plan(
         model=model,
@@ -252,9 +234,20 @@ def build_plan(
         params=params,
         nodes=nodes,
         collectives=collectives,
-        stages=(stage,),
-        alternatives=plan_alternatives(d),
+        stages=stages,
+        alternatives=d.alternatives,
         analysis_seconds=timings,
+    )
+
+
+def _single_stage(profile: ModelProfile, captured: CapturedModel, times: Mapping[str, tuple[float, float]],
+                  d: Decision) -> Stage:
+    calls = [n.name for n in captured.graph_module.graph.nodes if n.op not in ("placeholder", "output", "get_attr")]
+    return Stage(
+        index=0, nodes=profile.num_nodes, first_node=calls[0] if calls else "", last_node=calls[-1] if calls else "",
+        params=profile.num_params, predicted_time_s=d.step_s, memory_bytes=d.memory.total,
+        forward_s=sum(f for f, _ in times.values()), backward_s=sum(b for _, b in times.values()),
+        ranks=tuple(range(d.mesh.world_size)), modules=_top_modules(captured),
     )
 
 
@@ -267,50 +260,49 @@ def _unsupported_note(G: Any) -> tuple[str, ...]:
     return ("kept replicated (no TP rule): " + ", ".join(f"{op} x{n}" for op, n in sorted(ops.items())),)
 
 
-def _fwd_share(G: Any, node: str) -> float:
-    a = G.nodes[node]
-    total = a.get("flops_fwd", 0) + a.get("flops_bwd", 0)
-    return a.get("flops_fwd", 0) / total if total else 1.0
-
-
-def _check_strategies(G: Any, d: MeshDecision) -> None:
+def _check_strategies(G: Any, d: Decision) -> None:
     """Every chosen strategy must be one the micro-batch graph offers (its shards must divide there too)."""
-    if d.tp <= 1:
+    if d.mesh.tp <= 1:
         return
     from partita.passes.tp_strategies import node_strategies
 
     for n, s in d.choice.items():
-        offered = node_strategies(G, n, d.tp)
+        offered = node_strategies(G, n, d.mesh.tp)
         if not any(o.name == s.name and o.ins == s.ins and o.out == s.out for o in offered):
             raise RuntimeError(f"node {n}: strategy {s.name!r} chosen at the full batch is not valid at micro-batch "
                                f"{d.micro_batch_size} (its shards do not divide there)")
 
 
-def _node_compute_s(G: Any, node: str, d: MeshDecision, cluster: ClusterSpec, request: TrainingRequest) -> float:
-    """Forward + backward compute of one micro-batch of this node on one device, at its strategy's share
-    (``G`` is the micro-batch graph)."""
+def _node_times(G: Any, node: str, d: Decision, cluster: ClusterSpec,
+                request: TrainingRequest) -> tuple[float, float]:
+    """Forward and backward compute of one micro-batch of this node on one device, at its strategy's
+    share (``G`` is the micro-batch graph)."""
     a = G.nodes[node]
-    flops = a.get("flops_fwd", 0) + (0 if request.inference else a.get("flops_bwd", 0))
     strategy = d.choice.get(node)
     fraction = strategy.compute_fraction if strategy is not None else 1.0
-    return compute_time(flops * fraction, cluster, request.precision)
+    fwd = compute_time(a.get("flops_fwd", 0) * fraction, cluster, request.precision)
+    bwd = 0.0 if request.inference else compute_time(a.get("flops_bwd", 0) * fraction, cluster, request.precision)
+    return fwd, bwd
 
 
-def _param_decisions(captured: CapturedModel, G: Any, d: MeshDecision) -> tuple[ParamDecision, ...]:
-    """Each parameter's layout: replicated over dp, its placeholder's chosen placement over tp."""
+def _param_decisions(captured: CapturedModel, G: Any, d: Decision) -> tuple[ParamDecision, ...]:
+    """Each parameter's layout (replicated over dp, its used placeholder's placement over tp) and stage."""
     tp_layout: dict[str, str] = {}
+    stage: dict[str, int] = {}
     for node, qual in captured.param_nodes.items():
-        if G.out_degree(node) == 0 and qual in tp_layout:
+        used = G.out_degree(node) > 0
+        if not used and qual in tp_layout:
             continue  # a tied parameter's unused duplicate placeholder
         strategy = d.choice.get(node)
-        if G.out_degree(node) > 0 or qual not in tp_layout:
-            tp_layout[qual] = strategy.out[0] if strategy is not None else "replicate"
+        tp_layout[qual] = strategy.out[0] if strategy is not None else "replicate"
+        stage[qual] = d.node_stage.get(node, 0)
     out = []
     for name, (shape, dtype) in captured.params.items():
         layout = {MeshAxis.DP.value: "replicate"}
-        if d.tp > 1:
+        if d.mesh.tp > 1:
             layout[MeshAxis.TP.value] = tp_layout.get(name, "replicate")
-        out.append(ParamDecision(name, tuple(shape), str(dtype).replace("torch.", ""), layout, stage=0))
+        out.append(ParamDecision(name, tuple(shape), str(dtype).replace("torch.", ""), layout,
+                                 stage=stage.get(name, 0)))
     return tuple(out)
 
 
@@ -322,34 +314,82 @@ def _top_modules(captured: CapturedModel) -> tuple[str, ...]:
     return tuple(seen)
 
 
-def _dp_collectives(d: MeshDecision, cluster: ClusterSpec, request: TrainingRequest) -> tuple[Collective, ...]:
-    dp = d.dp
+def _dp_collectives(params: Sequence[ParamDecision], d: Decision, cluster: ClusterSpec,
+                    request: TrainingRequest) -> tuple[Collective, ...]:
+    """Gradient buckets of each stage's local parameters over its dp group, and the loss average."""
+    dp = d.mesh.dp
     if dp <= 1 or request.inference:
         return ()
-    link = cluster.link_for_group(dp, stride=d.tp)
-    by_size: dict[int, int] = {}
-    for b in d.buckets:
-        by_size[b] = by_size.get(b, 0) + 1
-    grads = tuple(
-        Collective(kind="all_reduce", axis=MeshAxis.DP.value, bytes=size, count=count, group_size=dp,
-                   purpose="gradient averaging (one bucket per call, after the last micro-batch)",
-                   seconds=count * collective_time("all_reduce", size, dp, link))
-        for size, count in by_size.items()
-    )
-    loss = Collective(kind="all_reduce", axis=MeshAxis.DP.value, bytes=4, count=1, group_size=dp,
-                      purpose="loss averaging (the step's loss, same on every rank)",
-                      seconds=collective_time("all_reduce", 4, dp, link))
-    return grads + (loss,)
+    link = cluster.link_for_group(dp, stride=d.mesh.tp)
+    grad_bytes = element_bytes(request.precision)
+    out: list[Collective] = []
+    for s in range(d.mesh.pp):
+        local = [math.prod(p.shape) // (d.mesh.tp if p.layout.get(MeshAxis.TP.value, "replicate").startswith("shard")
+                                          else 1) for p in params if p.stage == s]
+        by_size: dict[int, int] = {}
+        for b in gradient_buckets(local, grad_bytes, d.bucket_bytes):
+            by_size[b] = by_size.get(b, 0) + 1
+        out += [Collective(kind="all_reduce", axis=MeshAxis.DP.value, bytes=size, count=count, group_size=dp,
+                           purpose="gradient averaging (one bucket per call, after the last micro-batch)",
+                           seconds=count * collective_time("all_reduce", size, dp, link),
+                           stage=s if d.mesh.pp > 1 else None)
+                for size, count in by_size.items()]
+    out.append(Collective(kind="all_reduce", axis=MeshAxis.DP.value, bytes=4, count=1, group_size=dp,
+                          purpose="loss averaging (the step's loss, same on every rank)",
+                          seconds=collective_time("all_reduce", 4, dp, link)))
+    return tuple(out)
 
 
-def _tp_plan_collectives(nodes: Sequence[Any], d: MeshDecision, cluster: ClusterSpec) -> tuple[Collective, ...]:
-    """The TP collectives of one micro-batch (tp_collectives), times the accumulation steps."""
-    if d.tp <= 1:
+def _tp_plan_collectives(nodes: Sequence[Any], d: Decision, cluster: ClusterSpec) -> tuple[Collective, ...]:
+    """Each stage's TP collectives of one micro-batch (tp_collectives), times the micro-batches."""
+    tp = d.mesh.tp
+    if tp <= 1:
         return ()
-    link = cluster.link_for_group(d.tp)
-    return tuple(
-        Collective(kind=kind, axis=MeshAxis.TP.value, bytes=nbytes, count=calls * d.grad_accum_steps,
-                   group_size=d.tp, purpose=purpose,
-                   seconds=calls * d.grad_accum_steps * collective_time(kind, nbytes, d.tp, link))
-        for kind, nbytes, calls, purpose in tp_collectives(nodes)
-    )
+    link = cluster.link_for_group(tp)
+    out: list[Collective] = []
+    for s in range(d.mesh.pp):
+        mine = [n for n in nodes if n.stage == s]
+        out += [Collective(kind=kind, axis=MeshAxis.TP.value, bytes=nbytes, count=calls * d.grad_accum_steps,
+                           group_size=tp, purpose=purpose,
+                           seconds=calls * d.grad_accum_steps * collective_time(kind, nbytes, tp, link),
+                           stage=s if d.mesh.pp > 1 else None)
+                for kind, nbytes, calls, purpose in tp_collectives(mine)]
+    return tuple(out)
+
+
+def _pp_collectives(G: Any, nodes: Sequence[Any], d: Decision, cluster: ClusterSpec,
+                    request: TrainingRequest) -> tuple[Collective, ...]:
+    """Point-to-point sends between neighbouring stages: every tensor live across a cut, forward per
+    micro-batch, and its gradient back when it carries one (relayed through the stages in between)."""
+    if d.mesh.pp <= 1:
+        return ()
+    stage = {n.name: n.stage for n in nodes}
+    decisions = {n.name: n for n in nodes}
+    sends: dict[tuple[int, str, int], int] = {}  # (sending stage, direction, bytes) -> tensors per micro-batch
+    for n in nodes:
+        for lay in n.ins:
+            lo, hi = stage[lay.src], n.stage
+            if hi <= lo:
+                continue
+            nbytes = lay.bytes // (d.mesh.tp if lay.have.startswith("shard") else 1)
+            for s in range(lo, hi):
+                key = (s, "forward", nbytes)
+                sends[key] = sends.get(key, 0) + 1
+                if lay.grad != "none" and not request.inference:
+                    key = (s + 1, "backward", nbytes)
+                    sends[key] = sends.get(key, 0) + 1
+    del decisions
+    out = []
+    for (s, direction, nbytes), count in sorted(sends.items()):
+        link = cluster.inter_link if _crosses_nodes(s, direction, d, cluster) else cluster.intra_link
+        calls = count * d.grad_accum_steps
+        out.append(Collective(kind="send_recv", axis=MeshAxis.PP.value, bytes=nbytes, count=calls, group_size=2,
+                              purpose=f"{'activation to the next' if direction == 'forward' else 'gradient to the previous'} stage",
+                              seconds=calls * collective_time("send_recv", nbytes, 2, link), stage=s))
+    return tuple(out)
+
+
+def _crosses_nodes(s: int, direction: str, d: Decision, cluster: ClusterSpec) -> bool:
+    width = d.mesh.dp * d.mesh.tp
+    peer = s + 1 if direction == "forward" else s - 1
+    return (s * width) // cluster.gpus_per_node != (peer * width) // cluster.gpus_per_node

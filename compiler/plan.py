@@ -130,6 +130,7 @@ class Collective:
     group_size: int
     purpose: str  # e.g. "gradient averaging"
     seconds: float  # predicted time per step, all calls
+    stage: int | None = None  # the pipeline stage whose ranks run it; None: every rank
 
 
 @dataclass(frozen=True)

@@ -97,10 +97,55 @@ def alternatives_table(plan: Plan) -> Table:
 
 def collectives_table(plan: Plan) -> Table:
     t = Table(title="collectives per step (each rank)", title_justify="left", title_style="bold")
-    for col in ("kind", "axis", "group", "bytes/call", "calls", "time", "purpose"):
+    staged = plan.mesh.pp > 1
+    for col in ("stage",) * staged + ("kind", "axis", "group", "bytes/call", "calls", "time", "purpose"):
         t.add_column(col)
     for c in plan.collectives:
-        t.add_row(c.kind, c.axis, str(c.group_size), fmt_bytes(c.bytes), str(c.count), fmt_time(c.seconds), c.purpose)
+        head = ("all" if c.stage is None else str(c.stage),) * staged
+        t.add_row(*head, c.kind, c.axis, str(c.group_size), fmt_bytes(c.bytes), str(c.count), fmt_time(c.seconds),
+                  c.purpose)
+    return t
+
+
+def stages_table(plan: Plan) -> Table:
+    """The pipeline stages and the predicted schedule."""
+    t = plan.training
+    title = (f"pipeline: {len(plan.stages)} stages, {t.schedule}, {t.grad_accum_steps} micro-batches of "
+             f"{t.micro_batch_size}; bubble (p-1)/m = {(len(plan.stages) - 1) / t.grad_accum_steps:.1%}")
+    table = Table(title=title, title_justify="left", title_style="bold")
+    for col in ("stage", "ranks", "holds", "params", "forward", "backward", "busy/step", "memory/device",
+                "sends/micro-batch"):
+        table.add_column(col)
+    for s in plan.stages:
+        ranks = f"{s.ranks[0]}-{s.ranks[-1]}" if len(s.ranks) > 1 else ",".join(map(str, s.ranks))
+        table.add_row(str(s.index), ranks, ", ".join(s.modules) or f"{s.first_node} .. {s.last_node}",
+                      fmt_count(s.params), fmt_time(s.forward_s), fmt_time(s.backward_s),
+                      fmt_time(s.predicted_time_s), fmt_bytes(s.memory_bytes), fmt_bytes(s.send_bytes))
+    return table
+
+
+def tp_layout_table(plan: Plan, limit: int = 30) -> Table:
+    """Which modules are column-, row- or vocabulary-split: each parameterised op's strategy, by module."""
+    t = Table(title=f"tensor-parallel layout (tp={plan.mesh.tp})", title_justify="left", title_style="bold")
+    for col in ("module", "op", "split", "inserted collectives (forward / backward)"):
+        t.add_column(col)
+    seen: dict[tuple[str, str], list] = {}
+    for n in plan.nodes:
+        if n.strategy == "replicate" and not any(i.fwd not in ("none", "slice") or i.bwd not in ("none", "slice")
+                                                 for i in n.ins):
+            continue
+        if n.op in ("placeholder", "output"):
+            continue
+        key = (n.module or "<root>", n.op.removeprefix("aten.").split(".")[0])
+        seen.setdefault(key, []).append(n)
+    for i, ((module, op), ns) in enumerate(seen.items()):
+        if i == limit:
+            t.add_row(f"... {len(seen) - limit} more", "", "", "")
+            break
+        colls = sorted({f"{x.fwd}" for n in ns for x in n.ins if x.fwd not in ("none", "slice")})
+        bcolls = sorted({f"{x.bwd}" for n in ns for x in n.ins if x.bwd not in ("none", "slice")})
+        t.add_row(module, op, ", ".join(sorted({n.strategy for n in ns})),
+                  f"{', '.join(colls) or '-'} / {', '.join(bcolls) or '-'}")
     return t
 
 
@@ -125,6 +170,10 @@ def params_table(plan: Plan, limit: int = 40) -> Table:
 
 def plan_report(plan: Plan, *, params: bool = True) -> RenderableType:
     parts: list[RenderableType] = [plan_summary(plan)]
+    if len(plan.stages) > 1:
+        parts.append(stages_table(plan))
+    if plan.mesh.tp > 1 and plan.nodes:
+        parts.append(tp_layout_table(plan))
     if plan.collectives:
         parts.append(collectives_table(plan))
     if plan.alternatives:

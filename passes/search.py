@@ -1,0 +1,294 @@
+"""The joint search: mesh (dp, tp, pp), micro-batches, schedule, stage cuts and tensor splits, together.
+
+Reads a ``ModelProfile`` (the annotated graph), the parameter sizes, a
+``ClusterSpec``, a ``TrainingRequest`` and ``Pins``. Returns a ``Decision``:
+everything a plan records, with the predicted step time and memory, and every
+alternative weighed with the reason it lost. Writes nothing on the graph.
+
+How the space is covered (each part has one home; this module only joins them):
+
+- tp runs over the divisors of the GPUs per node (TP stays on a node's links);
+- pp = 1: passes/tensor_parallel.choose_mesh solves the TP ILP
+  (passes/tp_ilp.py) for every micro-batch size under the device's memory;
+- pp > 1: passes/pipeline_parallel.choose_pipeline cuts the model with its
+  exact dynamic program and picks p, m and the schedule; the per-node costs it
+  cuts by are those of the TP layout the ILP chooses at that tp and micro-batch
+  (``tp_node_costs``), so a stage's time includes its tensor-parallel
+  collectives. The ILP is solved once per (tp, micro-batch) over the whole
+  graph and reused for every p (its per-layer answer does not depend on where
+  the cuts fall); each stage's memory is then checked by the cut solver.
+
+Pruning: when a pp = 1 plan fits, pipelines are weighed at one tp only (the
+pinned one, else tp = 1, which needs no ILP): with the model fitting, a
+pipeline mostly adds its bubble (the 1F1B step is (m + p - 1)/m of the
+unpipelined one), and those alternatives let the plan say why none was
+taken. When nothing fits at pp = 1 (or pp is pinned), every tp is pipelined.
+
+The objective: the fastest predicted step that fits; ties go to fewer stages,
+then to the smaller tp.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any, Mapping, Sequence
+
+from partita.compiler.errors import InfeasibleError, PartitaError
+from partita.compiler.plan import Alternative, MemoryBreakdown, Mesh, Stage
+from partita.passes.cluster import ClusterSpec
+from partita.passes.constraints import Pins, TrainingRequest
+from partita.passes.cost_model import collective_time, compute_time, element_bytes, reshard_time
+from partita.passes.pipeline_parallel import (
+    NodeCosts,
+    PipelineCandidate,
+    PipelineDecision,
+    choose_pipeline,
+    node_costs,
+    stage_of_nodes,
+)
+from partita.passes.profile import ModelProfile
+from partita.passes.tensor_parallel import MeshDecision, choose_mesh, plan_alternatives
+from partita.passes.tp_ilp import TPSetting, build_problem, solve_tp
+from partita.passes.tp_strategies import NONE, Strategy, grad_convention, input_index, node_strategies, reshard_kind
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What the compile pipeline turns into a plan."""
+
+    mesh: Mesh
+    micro_batch_size: int
+    grad_accum_steps: int  # micro-batches per data-parallel rank per step
+    schedule: str  # "none" | "gpipe" | "1f1b"
+    zero_stage: int
+    choice: Mapping[str, Strategy]  # node -> tensor-parallel strategy
+    node_stage: Mapping[str, int]  # node -> pipeline stage
+    stages: tuple[Stage, ...]
+    step_s: float
+    compute_s: float
+    comm_s: Mapping[str, float]  # kind -> exposed seconds per step
+    optimizer_s: float
+    traffic_bytes: Mapping[str, int]
+    memory: MemoryBreakdown  # the most loaded device
+    buckets: tuple[int, ...]  # gradient buckets of one rank's local parameters (its stage's), bytes
+    bucket_bytes: int
+    alternatives: tuple[Alternative, ...]
+    method: str
+    status: str
+    gap: float
+    candidates: int
+    seconds: float
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+
+def plan_search(
+    profile: ModelProfile,
+    param_numels: Sequence[int],
+    cluster: ClusterSpec,
+    request: TrainingRequest,
+    pins: Pins = Pins(),
+) -> Decision:
+    """Decide every axis together; see the module docstring."""
+    t0 = time.perf_counter()
+    world = pins.world_size or cluster.world_size
+    options: list[Decision] = []
+    errors: list[InfeasibleError] = []
+    tried_pipeline = False
+    if pins.pp in (None, 1):
+        try:
+            options.append(_from_mesh(choose_mesh(profile, param_numels, cluster, request, replace(pins, pp=None)),
+                                      profile, cluster))
+        except InfeasibleError as e:
+            errors.append(e)
+    if pins.pp != 1 and world > 1:
+        tried_pipeline = True
+        # With a pp = 1 plan in hand, pipelines are weighed at tp = 1 only (cheap: no ILP), so
+        # the plan can say what a pipeline would cost; without one, at every tp.
+        degrees = _tp_degrees(cluster, world, pins) if (pins.pp or not options) else [pins.tp or 1]
+        for tp in degrees:
+            try:
+                decision = choose_pipeline(
+                    profile, cluster, request, replace(pins, tp=tp), devices_per_stage=tp,
+                    costs=lambda mb, tp=tp: tp_node_costs(profile, cluster, request, mb, tp),
+                )
+            except InfeasibleError as e:
+                errors.append(e)
+                continue
+            except PartitaError:
+                continue  # this tp leaves no pipeline split of the batch (e.g. dp does not divide it)
+            options.append(_from_pipeline(decision, profile, cluster, request, tp))
+    if not options:
+        if errors:
+            raise errors[-1] if tried_pipeline else errors[0]
+        raise PartitaError(f"no plan matches the pins {pins} on {world} devices")
+    options.sort(key=lambda d: (d.step_s, d.mesh.pp, d.mesh.tp))
+    best = options[0]
+    alternatives = _merge_alternatives(options)
+    notes = best.notes + (f"{len(options)} mesh families weighed "
+                          f"({', '.join(sorted({f'pp={o.mesh.pp} tp={o.mesh.tp}' for o in options}))})",)
+    return replace(best, alternatives=alternatives, seconds=time.perf_counter() - t0, notes=notes,
+                   candidates=sum(o.candidates for o in options))
+
+
+def _tp_degrees(cluster: ClusterSpec, world: int, pins: Pins) -> list[int]:
+    if pins.tp:
+        return [pins.tp]
+    return [t for t in range(1, cluster.gpus_per_node + 1) if cluster.gpus_per_node % t == 0 and world % t == 0]
+
+
+# -- pp = 1: the mesh search ----------------------------------------------------
+
+
+def _from_mesh(d: MeshDecision, profile: ModelProfile, cluster: ClusterSpec) -> Decision:
+    return Decision(
+        mesh=d.mesh, micro_batch_size=d.micro_batch_size, grad_accum_steps=d.grad_accum_steps, schedule="none",
+        zero_stage=0, choice=d.choice, node_stage={n: 0 for n in profile.graph.nodes}, stages=(),
+        step_s=d.step_s, compute_s=d.cost.compute_s, comm_s={k: v for k, v in d.cost.comm_s.items() if v > 0},
+        optimizer_s=d.cost.optimizer_s, traffic_bytes=dict(d.cost.traffic_bytes), memory=d.memory,
+        buckets=d.buckets, bucket_bytes=d.bucket_bytes, alternatives=plan_alternatives(d),
+        method=f"(tp, micro-batch) enumeration with a tensor-parallel ILP each ({d.solver.solver}, "
+               f"{d.solver.classes} node classes, repeated layers tied)",
+        status=d.solver.status, gap=d.solver.gap, candidates=len(d.alternatives), seconds=d.seconds,
+        notes=(f"{sum(c.fits for c in d.alternatives)} of {len(d.alternatives)} (tp, micro-batch) candidates fit "
+               f"memory; {d.solves} ILPs solved", f"TP group on {d.tp_link}, DP group on {d.dp_link}"),
+    )
+
+
+# -- pp > 1: the pipeline with the TP layout's costs ----------------------------
+
+
+def tp_choice(profile: ModelProfile, cluster: ClusterSpec, request: TrainingRequest, micro_batch: int,
+              tp: int) -> Mapping[str, Strategy]:
+    """The TP ILP's layout at (tp, micro-batch), by time alone (each stage's memory is the cut solver's)."""
+    G = profile.graph
+    if tp == 1:
+        return {n: node_strategies(G, n, 1)[0] for n in G.nodes}
+    setting = TPSetting(tp, micro_batch, profile.batch_size, request.precision, request.optimizer,
+                        request.inference)
+    return solve_tp(build_problem(G, setting, cluster, repeated=profile.repeated)).choice
+
+
+def tp_node_costs(profile: ModelProfile, cluster: ClusterSpec, request: TrainingRequest, micro_batch: int,
+                  tp: int) -> NodeCosts:
+    """Per-node costs of one micro-batch under the TP layout at ``tp``, in the pipeline order.
+
+    Each node's forward is its local FLOPs (the strategy's compute fraction), its
+    op-internal collectives and the forward reshards of its inputs; its backward
+    the local backward FLOPs and the backward reshards. Saved activations and
+    parameters are the local shares. The tensors crossing a cut keep the
+    profile's whole-tensor bytes (a shard would send less: an upper bound).
+    """
+    base = node_costs(profile, cluster, request, micro_batch, tp=1)
+    if tp == 1:
+        return base
+    G = profile.graph
+    choice = tp_choice(profile, cluster, request, micro_batch, tp)
+    link = cluster.link_for_group(tp)
+    scale = micro_batch / profile.batch_size
+    act = element_bytes(request.precision) / 4
+
+    def factor(n: str) -> float:
+        return scale if G.nodes[n].get("depends_on_input") else 1.0
+
+    def nbytes(n: str, i: int) -> float:
+        a = G.nodes[n]
+        numel = 1
+        for d in a["shapes"][i]:
+            numel *= d
+        floating = a["dtypes"][i].startswith(("float", "bfloat"))
+        return numel * (element_bytes(request.precision) if floating else 4) * factor(n)
+
+    fwd, bwd, saved = list(base.forward_s), list(base.backward_s), list(base.saved_bytes)
+    params = [0] * len(base.order)
+    at = {n: i for i, n in enumerate(base.order)}
+    for n in base.order:
+        a = G.nodes[n]
+        s = choice[n]
+        i = at[n]
+        f = compute_time(a.get("flops_fwd", 0) * factor(n) * s.compute_fraction, cluster, request.precision)
+        b = 0.0 if request.inference else compute_time(a.get("flops_bwd", 0) * factor(n) * s.compute_fraction,
+                                                       cluster, request.precision)
+        f += sum(collective_time(kind, size * factor(n), tp, link) for kind, size in s.internal)
+        for j, u in enumerate(a.get("inputs", [])):
+            have = choice[u].out[input_index(G, n, j)]
+            size = nbytes(u, input_index(G, n, j))
+            f += reshard_time(reshard_kind(have, s.ins[j]), size, tp, link)
+            if not request.inference and s.grads[j] != NONE:
+                b += reshard_time(reshard_kind(s.grads[j], grad_convention(have)), size, tp, link)
+        fwd[i], bwd[i] = f, b
+        saved[i] = 0 if request.inference else round(a.get("saved_bytes", 0) * factor(n) * act * s.memory_fraction)
+    # local parameter elements, each counted once where node_costs put it (its first user's position)
+    local: dict[str, float] = {}
+    for n, a in G.nodes(data=True):
+        if a["kind"] == "param":
+            whole = 1
+            for d in a["shapes"][0]:
+                whole *= d
+            sharded = choice[n].out and choice[n].out[0].startswith("shard")
+            local[a.get("param_name", n)] = min(local.get(a.get("param_name", n), whole), whole / tp if sharded else whole)
+    shared = {p.name for p in base.shared}
+    for n, a in G.nodes(data=True):
+        if a["kind"] != "param" or a.get("param_name", n) in shared:
+            continue
+        users = [at[u] for u in G.successors(n)]
+        pos = min(users) if users else at[n]
+        name = a.get("param_name", n)
+        if name in local:
+            params[pos] += round(local.pop(name))
+    shared_local = tuple(replace(p, numel=round(p.numel / tp) if any(
+        choice[n].out and choice[n].out[0].startswith("shard") for n, a in G.nodes(data=True)
+        if a["kind"] == "param" and a.get("param_name") == p.name) else p.numel) for p in base.shared)
+    return replace(base, forward_s=tuple(fwd), backward_s=tuple(bwd), saved_bytes=tuple(saved),
+                   param_numel=tuple(params), shared=shared_local)
+
+
+def _from_pipeline(d: PipelineDecision, profile: ModelProfile, cluster: ClusterSpec, request: TrainingRequest,
+                   tp: int) -> Decision:
+    best = d.best
+    c = best.cost
+    assert c is not None
+    choice = tp_choice(profile, cluster, request, best.micro_batch_size, tp)
+    node_stage = stage_of_nodes(profile, best.cuts) if best.pp > 1 else {n: 0 for n in profile.graph.nodes}
+    comm = {k: v for k, v in (("pp_send_recv", c.p2p_s), ("pp_bubble", c.bubble_s),
+                              ("dp_all_reduce", c.dp_all_reduce_s), ("tied_all_reduce", c.tied_all_reduce_s)) if v > 0}
+    heaviest = max(best.stages, key=lambda s: s.memory.total)
+    return Decision(
+        mesh=Mesh(dp=best.dp, tp=tp, pp=best.pp), micro_batch_size=best.micro_batch_size,
+        grad_accum_steps=best.micro_batches, schedule=best.schedule, zero_stage=0, choice=choice,
+        node_stage=node_stage, stages=d.plan_stages(), step_s=best.step_s, compute_s=c.compute_s, comm_s=comm,
+        optimizer_s=c.optimizer_s, traffic_bytes={}, memory=heaviest.memory, buckets=(), bucket_bytes=25 * 1024 * 1024,
+        alternatives=tuple(_pipeline_alternative(x, x is best, d.reasons[x.key]) for x in d.candidates[:12]),
+        method=f"exact cut DP over layer boundaries x (p, m, schedule) enumeration; TP ILP per (tp={tp}, micro-batch)",
+        status="OPTIMAL", gap=0.0, candidates=len(d.candidates), seconds=d.seconds,
+        notes=(f"{d.solves} cut programs solved", f"bubble {c.bubble_s / best.step_s:.1%} of the step"),
+    )
+
+
+def _pipeline_alternative(c: PipelineCandidate, chosen: bool, reason: str) -> Alternative:
+    return Alternative(mesh=Mesh(dp=c.dp, tp=c.tp, pp=c.pp), micro_batch_size=c.micro_batch_size,
+                       grad_accum_steps=c.micro_batches, zero_stage=0, step_time_s=c.step_s if c.fits else None,
+                       memory_bytes=c.memory.total, fits=c.fits, chosen=chosen, reason=reason)
+
+
+def _merge_alternatives(options: Sequence[Decision], limit: int = 16) -> tuple[Alternative, ...]:
+    """The chosen plan first, then each family's alternatives; the other families' winners say why they lost."""
+    best = options[0]
+    out: list[Alternative] = []
+    for i, o in enumerate(options):
+        for a in o.alternatives:
+            if a.chosen and i > 0:
+                slower = a.step_time_s / best.step_s if a.step_time_s else float("inf")
+                a = replace(a, chosen=False,
+                            reason=f"{slower:.2f}x slower than {best.mesh} ({a.reason.removeprefix('chosen: ')})")
+            elif a.chosen:
+                pass
+            out.append(a)
+    seen: set[tuple[Any, ...]] = set()
+    unique = []
+    for a in sorted(out, key=lambda a: (not a.chosen, not a.fits, a.step_time_s or float("inf"))):
+        key = (a.mesh, a.micro_batch_size, a.grad_accum_steps)
+        if key not in seen:
+            seen.add(key)
+            unique.append(a)
+    return tuple(unique[:limit])
