@@ -334,9 +334,10 @@ def _dp_collectives(params: Sequence[ParamDecision], d: Decision, cluster: Clust
                            seconds=count * collective_time("all_reduce", size, dp, link),
                            stage=s if d.mesh.pp > 1 else None)
                 for size, count in by_size.items()]
+    last = d.mesh.pp - 1
     out.append(Collective(kind="all_reduce", axis=MeshAxis.DP.value, bytes=4, count=1, group_size=dp,
                           purpose="loss averaging (the step's loss, same on every rank)",
-                          seconds=collective_time("all_reduce", 4, dp, link)))
+                          seconds=collective_time("all_reduce", 4, dp, link), stage=last if last else None))
     return tuple(out)
 
 
@@ -364,22 +365,23 @@ def _pp_collectives(G: Any, nodes: Sequence[Any], d: Decision, cluster: ClusterS
     if d.mesh.pp <= 1:
         return ()
     stage = {n.name: n.stage for n in nodes}
-    decisions = {n.name: n for n in nodes}
-    sends: dict[tuple[int, str, int], int] = {}  # (sending stage, direction, bytes) -> tensors per micro-batch
+    # each tensor crosses each cut once, however many nodes of later stages read it
+    crossing: dict[tuple[int, str, int], tuple[int, bool]] = {}  # (cut, src, index) -> (local bytes, carries grad)
     for n in nodes:
         for lay in n.ins:
             lo, hi = stage[lay.src], n.stage
-            if hi <= lo:
-                continue
             nbytes = lay.bytes // (d.mesh.tp if lay.have.startswith("shard") else 1)
             for s in range(lo, hi):
-                key = (s, "forward", nbytes)
-                sends[key] = sends.get(key, 0) + 1
-                if lay.grad != "none" and not request.inference:
-                    key = (s + 1, "backward", nbytes)
-                    sends[key] = sends.get(key, 0) + 1
-    del decisions
-    out = []
+                grad = crossing.get((s, lay.src, lay.index), (0, False))[1] or lay.grad != "none"
+                crossing[(s, lay.src, lay.index)] = (nbytes, grad)
+    sends: dict[tuple[int, str, int], int] = {}  # (sending stage, direction, bytes) -> tensors per micro-batch
+    for (s, _src, _index), (nbytes, grad) in crossing.items():
+        sends[(s, "forward", nbytes)] = sends.get((s, "forward", nbytes), 0) + 1
+        if grad and not request.inference:
+            sends[(s + 1, "backward", nbytes)] = sends.get((s + 1, "backward", nbytes), 0) + 1
+    out = [Collective(kind="broadcast", axis=MeshAxis.PP.value, bytes=4, count=1, group_size=d.mesh.pp,
+                      purpose="the step's loss from the last stage to every stage",
+                      seconds=collective_time("broadcast", 4, d.mesh.pp, cluster.inter_link))]
     for (s, direction, nbytes), count in sorted(sends.items()):
         link = cluster.inter_link if _crosses_nodes(s, direction, d, cluster) else cluster.intra_link
         calls = count * d.grad_accum_steps

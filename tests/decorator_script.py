@@ -45,5 +45,6 @@ if __name__ == "__main__":
             "micro_batch_size": model.plan.training.micro_batch_size,
             "grad_accum_steps": model.plan.training.grad_accum_steps,
             "counted": [list(t) for t in model.collectives.as_tuples()],
-            "planned": [[c.kind, c.axis, c.bytes, c.count] for c in model.plan.collectives],
+            # rank 0 holds pipeline stage 0 (pp is the outermost mesh axis)
+            "planned": [[c.kind, c.axis, c.bytes, c.count] for c in model.plan.collectives if c.stage in (None, 0)],
         }))

@@ -126,6 +126,23 @@ def test_partita_run_a_tensor_parallel_plan(tmp_path, ref):
     assert any(c[1] == "tp" for c in data["counted"])  # tensor-parallel collectives ran, as planned
 
 
+def test_partita_run_a_pipeline_plan(tmp_path, ref):
+    """The planner's own dp=2 x pp=2 1F1B plan, run by the runtime: same losses as one process, and
+    rank 0 (stage 0) runs exactly its stage's planned collectives and sends."""
+    plan = tmp_path / "pp.json"
+    c = subprocess.run([PARTITA, "compile", f"{HERE / 'decorator_script.py'}:make_model", "--devices", "4",
+                        "--pp", "2", "--grad-accum-steps", "2", "-o", str(plan)], env=ENV, capture_output=True,
+                       text=True, timeout=300)
+    assert c.returncode == 0, c.stderr[-3000:]
+    out = tmp_path / "pp.out.json"
+    r = subprocess.run([PARTITA, "run", str(plan), str(HERE / "decorator_script.py"), str(out)], env=ENV,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    check(out, ref, 4, mesh=(2, 1, 2), params=False)  # parameters per stage: see test_runtime_pp.py
+    data = json.loads(out.read_text())
+    assert any(c[0] == "send_recv" for c in data["counted"])
+
+
 def test_a_plan_for_another_model_or_world_size_is_refused(tmp_path):
     specs = [parse_input_spec("idx=int64[8,32]")]
     plan = compile_model(gpt_tiny, specs, load_cluster("local", devices=1), pins=Pins(world_size=1)).plan
