@@ -31,6 +31,7 @@ from partita.runtime.distributed import DistContext, build_mesh, init_distribute
 from partita.runtime.pipeline_parallel import SCHEDULES, PipelineStage
 from partita.runtime.tensor_parallel import TensorParallel
 from partita.runtime.trace import BACKWARD, FORWARD, TraceRecorder
+from partita.runtime.zero import ZeroProgram, apply_zero
 
 LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], Optimizer]
@@ -44,8 +45,14 @@ def refuse_unsupported(plan: Plan) -> None:
             raise PlanError(f"the plan has {axis}={getattr(plan.mesh, axis)} but no {what} node decisions",
                             hint="recompile the plan with `partita compile`")
     t = plan.training
-    if t.zero_stage > 0:
-        raise PlanError(later.format(f"zero_stage={t.zero_stage}"), hint="recompile with zero=0")
+    if t.zero_stage > 0 and plan.mesh.dp == 1:
+        raise PlanError(f"the plan has ZeRO-{t.zero_stage} but dp=1: there is no data-parallel group to shard over",
+                        hint="recompile the plan with `partita compile`")
+    if t.zero_stage > 0 and plan.mesh.pp > 1:
+        raise PlanError(later.format(f"ZeRO-{t.zero_stage} inside a pipeline"), hint="recompile with zero=0")
+    if t.zero_stage == 3 and plan.mesh.tp > 1:
+        raise PlanError(later.format("ZeRO-3 with tensor parallelism (parameters gathered inside the graph)"),
+                        hint="recompile with zero 1 or 2, or tp=1")
     if plan.mesh.pp > 1 and not t.inference and t.schedule not in SCHEDULES:
         raise PlanError(f"the plan has pp={plan.mesh.pp} but schedule {t.schedule!r}; this runtime runs "
                         f"{' and '.join(SCHEDULES)}", hint="recompile the plan with `partita compile`")
@@ -61,6 +68,7 @@ class _Program:
     loss: Callable[[list[torch.Tensor], torch.Tensor], torch.Tensor] | None  # one micro-batch's loss (pp == 1)
     optimizer: Optimizer | None  # None for an inference plan
     averager: GradientAverager | None
+    zero: ZeroProgram | None
     dp_group: dist.ProcessGroup | None
     dp_rank: int
     dp_size: int
@@ -95,10 +103,12 @@ def compose(
        holds only its own parameters, even at tp == 1, where the program runs
        with a one-rank TP group); before DP/ZeRO, so those wrap only the stage's
        own parameters.
-    3. ZeRO / data parallel: broadcast the (local) replicas over "dp", hook
-       gradient averaging (ZeRO sharding of optimizer state will sit here).
-       After TP and PP, because it acts on the final local parameters; and the
-       optimizer is built last of all for the same reason.
+    3. ZeRO / data parallel: broadcast the (local) replicas over "dp", then
+       either hook gradient averaging or shard the model state over "dp" (ZeRO
+       1/2/3: runtime/zero.py builds the optimizer on the flat shards; ZeRO-3
+       gathers parameters around each module's forward). After TP and PP,
+       because it acts on the final local parameters; and the optimizer is
+       built last of all for the same reason.
     4. the schedule: ``ParallelModel.train_step``'s micro-batch loop, or the
        pipeline's GPipe / 1F1B schedule, which drives all of the above.
     """
@@ -135,13 +145,21 @@ def compose(
         dp_mesh = device_mesh[MeshAxis.DP.value]
         dp_group, dp_rank, dp_size = dp_mesh.get_group(), dp_mesh.get_local_rank(), plan.mesh.dp
         _broadcast_from_rank0(module, dp_group)
-    if dp_group is not None and not plan.training.inference:
-        averager = GradientAverager(
-            module.parameters(), dp_group, bucket_bytes=bucket_bytes or plan.training.grad_bucket_bytes, counter=counter,
-            axis=MeshAxis.DP.value,
-        )
-    opt = None if plan.training.inference else optimizer(module.parameters())
-    return _Program(module, loss, opt, averager, dp_group, dp_rank, dp_size, pipeline)
+    zero = None
+    buckets = bucket_bytes or plan.training.grad_bucket_bytes
+    if dp_group is not None and not plan.training.inference and plan.training.zero_stage > 0:
+        zero = apply_zero(module.named_parameters(), plan.training.zero_stage, dp_group, optimizer_factory=optimizer,
+                          bucket_bytes=buckets, counter=counter, axis=MeshAxis.DP.value)
+        if plan.training.zero_stage == 3:
+            zero.install_module_hooks(module)  # the eager path (ZeRO-3 with tp > 1 is refused above)
+        opt = zero.optimizer
+    elif dp_group is not None and not plan.training.inference:
+        averager = GradientAverager(module.parameters(), dp_group, bucket_bytes=buckets, counter=counter,
+                                    axis=MeshAxis.DP.value)
+        opt = optimizer(module.parameters())
+    else:
+        opt = None if plan.training.inference else optimizer(module.parameters())
+    return _Program(module, loss, opt, averager, zero, dp_group, dp_rank, dp_size, pipeline)
 
 
 class ParallelModel(nn.Module):
@@ -247,6 +265,8 @@ class ParallelModel(nn.Module):
         for i in range(steps):
             last = i == steps - 1
             rows = slice(i * mbs, (i + 1) * mbs)
+            if p.zero is not None:
+                p.zero.begin_micro_batch(last)  # before the forward: ZeRO-3 gathers parameters in it
             with self.trace.span(FORWARD, i):
                 loss = p.loss([x[rows] for x in xs], y[rows])
             loss_sum += loss.detach().float()
@@ -257,10 +277,12 @@ class ParallelModel(nn.Module):
                 self.collectives.record("all_reduce", MeshAxis.DP.value, loss_sum.element_size())
             if p.averager is not None:
                 p.averager.begin(sync=last)
-            # Each rank's gradient is the mean over its share; the averager's dp mean
-            # then makes it the mean over the global batch.
+            # Each rank's gradient is the mean over its share; the averager's (or ZeRO's)
+            # dp mean then makes it the mean over the global batch.
             with self.trace.span(BACKWARD, i):
                 (loss / steps).backward()
+            if p.zero is not None:
+                p.zero.after_backward()
         if p.averager is not None:
             p.averager.finish()
         self.trace.step += 1
@@ -273,10 +295,14 @@ class ParallelModel(nn.Module):
 
     def _optimizer_step(self) -> None:
         p = self._program
-        self.optimizer.step()
-        if p.averager is not None:
+        if p.zero is not None:
+            p.zero.step()  # the optimizer on this rank's shards, then the parameters all-gathered
+            p.zero.zero_grad()
+        elif p.averager is not None:
+            self.optimizer.step()
             p.averager.zero_grad()
         else:
+            self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
         if self._trace_path:
             self.write_trace(self._trace_path)

@@ -171,6 +171,47 @@ def compare_with_reference(ctx: DistContext, dp: int, model_name: str, opt_name:
     }
 
 
+def compare_zero(ctx: DistContext, dp: int, stage: int, model_name: str) -> dict:
+    """A ZeRO-``stage`` plan run by ParallelModel against the plain model: losses each step, the
+    parameters (gathered) after the last, and the model state each rank holds against the cost model."""
+    from partita.passes.cost_model import model_state_memory, state_bytes_per_param
+
+    factory, batch, loss_fn = (
+        (mlp, mlp_batch, F.mse_loss) if model_name == "mlp" else (gpt_tiny, gpt_batch, gpt_loss)
+    )
+    torch.manual_seed(100)
+    reference = factory()
+    torch.manual_seed(100 + ctx.rank)
+    plan = make_plan(dp, zero_stage=stage)
+    model = ParallelModel(factory(), plan, loss_fn=loss_fn, optimizer=OPTIMIZERS["adamw"], ctx=ctx)
+    ref_opt = OPTIMIZERS["adamw"](reference.parameters())
+    x, y = batch(plan.training.global_batch)
+    loss_errs = []
+    for _ in range(STEPS):
+        loss = model.train_step(x, targets=y)
+        ref_loss = loss_fn(reference(x), y)
+        ref_loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        loss_errs.append(abs(loss - ref_loss.item()))
+        assert abs(loss - ref_loss.item()) <= ATOL + RTOL * abs(ref_loss.item()), (stage, loss, ref_loss.item())
+    zero = model._program.zero
+    with zero.gathered():
+        params = [p.detach().clone() for p in model.module.parameters()]
+    ref_params = [p.detach() for p in reference.parameters()]
+    for a, b in zip(params, ref_params):
+        torch.testing.assert_close(a, b, rtol=RTOL, atol=ATOL)
+    held = zero.state_bytes()
+    n = sum(p.numel() for p in reference.parameters())
+    predicted = model_state_memory(n, state_bytes_per_param("fp32", "adamw"), zero_stage=stage, dp=dp)
+    slack = 4 * (dp - 1) * len(zero.buckets) * 3 + 8 * len(zero.buckets)  # padding + AdamW's step counters
+    for part in ("params", "grads", "optimizer"):
+        assert abs(held[part] - getattr(predicted, part)) <= slack, (stage, part, held[part], getattr(predicted, part))
+    return {"case": f"zero{stage}/{model_name}/dp={dp}", "loss_err": max(loss_errs),
+            "param_err": _max_err(params, ref_params), "state_bytes": held,
+            "predicted": {"params": predicted.params, "grads": predicted.grads, "optimizer": predicted.optimizer}}
+
+
 def check_refusals(ctx: DistContext, dp: int) -> None:
     def refused(make: Callable[[], object], error: type, *words: str) -> None:
         try:
@@ -187,9 +228,6 @@ def check_refusals(ctx: DistContext, dp: int) -> None:
     refused(lambda: ParallelModel(mlp(), make_plan(dp // 2, tp=2), loss_fn=F.mse_loss,
                                   optimizer=OPTIMIZERS["sgd"], ctx=ctx),
             PlanError, "tp=2", "no tensor-parallel node decisions")
-    refused(lambda: ParallelModel(mlp(), make_plan(dp, zero_stage=1), loss_fn=F.mse_loss,
-                                  optimizer=OPTIMIZERS["sgd"], ctx=ctx),
-            PlanError, "zero_stage=1")
     plan = make_plan(dp)
     model = ParallelModel(mlp(), plan, loss_fn=F.mse_loss, optimizer=OPTIMIZERS["sgd"], ctx=ctx)
     gb = plan.training.global_batch
@@ -210,6 +248,7 @@ def worker(rank: int, world: int, port: int, outdir: str) -> None:
         results = [compare_with_reference(ctx, world, m, o)
                    for m in ("mlp", "gpt") for o in ("adamw", "sgd")]
         results.append(compare_with_reference(ctx, world, "mlp", "adamw", local=True))
+        results += [compare_zero(ctx, world, stage, "gpt") for stage in (1, 2, 3)]
         check_refusals(ctx, world)
         Path(outdir, f"rank{rank}.json").write_text(json.dumps(results))
     finally:
