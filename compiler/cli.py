@@ -82,14 +82,16 @@ def cluster_options(f: Any) -> Any:
 @click.option("--micro-batch-size", type=int, default=None, help="pin the micro-batch size")
 @click.option("--grad-accum-steps", type=int, default=None, help="pin the gradient-accumulation steps")
 @click.option("--tp", type=int, default=None, help="pin the tensor-parallel degree (inside a node)")
-@click.option("--pp", type=int, default=None, help="pin the pipeline-parallel degree (only 1 in this version)")
-@click.option("--zero", type=int, default=None, help="pin the ZeRO stage (only 0 in this version)")
+@click.option("--pp", type=int, default=None, help="pin the number of pipeline stages")
+@click.option("--zero", type=int, default=None, help="pin the ZeRO stage (0-3)")
+@click.option("--microbatches", type=int, default=None, help="pin the micro-batches per step (= --grad-accum-steps)")
+@click.option("--inference", is_flag=True, help="a forward-only plan: no gradients, no optimizer state")
 @click.option("-o", "--output", type=click.Path(dir_okay=False), default="plan.json", show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="print the plan as JSON instead of tables")
 def compile_cmd(target: str, inputs: tuple[str, ...], cluster_name: str, nodes: int | None, devices: int | None,
                 batch: int | None, precision: str | None, optimizer: str, dp: int | None,
                 micro_batch_size: int | None, grad_accum_steps: int | None, tp: int | None, pp: int | None,
-                zero: int | None, output: str, as_json: bool) -> None:
+                zero: int | None, microbatches: int | None, inference: bool, output: str, as_json: bool) -> None:
     """Capture TARGET (FILE.py:NAME), analyse it, and write a plan for the cluster."""
     from partita.compiler.compile import compile_model
     from partita.compiler.loader import load_target
@@ -104,12 +106,15 @@ def compile_cmd(target: str, inputs: tuple[str, ...], cluster_name: str, nodes: 
     if spec is not None and cluster_name == "local" and nodes is None and devices is None:
         cluster_name, nodes, devices = spec.cluster, spec.nodes, spec.devices
     cluster = _cluster(cluster_name, nodes, devices)
+    if microbatches is not None and grad_accum_steps not in (None, microbatches):
+        raise PartitaError(f"--microbatches {microbatches} and --grad-accum-steps {grad_accum_steps} disagree",
+                           hint="they are the same decision; pass one")
     pins = Pins(dp=dp, tp=tp, pp=pp, zero_stage=zero, micro_batch_size=micro_batch_size,
-                grad_accum_steps=grad_accum_steps)
+                grad_accum_steps=grad_accum_steps or microbatches)
     with _progress() as progress:
         result = compile_model(model.factory, specs, cluster, global_batch=batch or getattr(spec, "batch", None),
                                precision=precision or getattr(spec, "precision", None), optimizer=optimizer,
-                               pins=pins, name=model.name, progress=progress)
+                               pins=pins, name=model.name, progress=progress, inference=inference)
     path = result.plan.save(output)
     if as_json:
         click.echo(result.plan.to_json(), nl=False)
@@ -257,14 +262,17 @@ def calibrate(nproc: int, output: str) -> None:
 
 
 @cli.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
+@click.option("--trace", "trace_path", type=click.Path(dir_okay=False), default=None,
+              help="write a Chrome/Perfetto trace of every micro-batch's forward and backward per rank")
 @click.argument("plan_path", metavar="PLAN.json")
 @click.argument("script")
 @click.argument("args", nargs=-1, type=click.UNPROCESSED)
-def run(plan_path: str, script: str, args: tuple[str, ...]) -> None:
+def run(trace_path: str | None, plan_path: str, script: str, args: tuple[str, ...]) -> None:
     """Launch SCRIPT under torchrun with one process per device of PLAN.json.
 
     The script's `partita.parallelize(...)` picks the plan up from the
-    PARTITA_PLAN environment variable.
+    PARTITA_PLAN environment variable (and the trace path from PARTITA_TRACE);
+    `partita view PLAN.json --trace TRACE.json` puts the measured schedule beside the predicted one.
     """
     import os
 
@@ -275,6 +283,8 @@ def run(plan_path: str, script: str, args: tuple[str, ...]) -> None:
     if not Path(script).is_file():
         raise PartitaError(f"script {script} does not exist")
     env = dict(os.environ, PARTITA_PLAN=str(Path(plan_path).resolve()))
+    if trace_path:
+        env["PARTITA_TRACE"] = str(Path(trace_path).resolve())
     sys.exit(run_torchrun(plan.world_size, [script, *args], env=env))
 
 
