@@ -134,13 +134,21 @@ def test_partita_run_a_pipeline_plan(tmp_path, ref):
                         "--pp", "2", "--grad-accum-steps", "2", "-o", str(plan)], env=ENV, capture_output=True,
                        text=True, timeout=300)
     assert c.returncode == 0, c.stderr[-3000:]
-    out = tmp_path / "pp.out.json"
-    r = subprocess.run([PARTITA, "run", str(plan), str(HERE / "decorator_script.py"), str(out)], env=ENV,
-                       capture_output=True, text=True, timeout=300)
+    out, trace = tmp_path / "pp.out.json", tmp_path / "trace.json"
+    r = subprocess.run([PARTITA, "run", "--trace", str(trace), str(plan), str(HERE / "decorator_script.py"), str(out)],
+                       env=ENV, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     check(out, ref, 4, mesh=(2, 1, 2), params=False)  # parameters per stage: see test_runtime_pp.py
     data = json.loads(out.read_text())
     assert any(c[0] == "send_recv" for c in data["counted"])
+    # the measured schedule: every rank's forward and backward of every micro-batch of every step
+    from partita.compiler.plan import load_plan
+    from partita.compiler.view import load_trace, render_html
+
+    events = load_trace(trace)["traceEvents"]
+    assert len([e for e in events if e["cat"] == "forward"]) == 4 * script.STEPS * 2
+    assert {e["tid"] for e in events} == {0, 1}
+    assert "measured" in render_html(load_plan(plan), trace=load_trace(trace))
 
 
 def test_a_plan_for_another_model_or_world_size_is_refused(tmp_path):
