@@ -1,8 +1,8 @@
 """What the user asks of a plan: the training set-up and any pinned decisions.
 
 Pins (``--dp 4``, ``zero=1``, ...) are constraints handed to the same solvers
-that decide the free parts; they are not a second code path. A pin the
-current planner cannot honour is refused here, with the reason.
+that decide the free parts; they are not a second code path. A pin that can
+never be honoured (a ZeRO stage of 5) is refused here, with the reason.
 """
 
 from __future__ import annotations
@@ -32,16 +32,9 @@ class Pins:
                 raise PartitaError(f"--{name.replace('_', '-')} {v!r} must be a positive integer")
         if self.zero_stage is not None and self.zero_stage not in (0, 1, 2, 3):
             raise PartitaError(f"--zero {self.zero_stage!r} must be 0, 1, 2 or 3")
-        # The planners decide the data-, tensor- and pipeline-parallel axes (a tp pin is checked
-        # against the cluster in passes/tensor_parallel.py, a pp pin against the devices in
-        # passes/pipeline_parallel.py; a planner that cannot honour one refuses it); ZeRO's
-        # runtime arrives in a later version.
-        if self.zero_stage not in (None, 0):
-            raise PartitaError(
-                f"--zero {self.zero_stage}: ZeRO's memory arithmetic is in `partita estimate`, "
-                "but its runtime arrives in a later version",
-                hint="drop --zero (or pass --zero 0)",
-            )
+        # The planners decide every axis; a tp pin is checked against the cluster in
+        # passes/tensor_parallel.py, a pp pin against the devices in passes/pipeline_parallel.py,
+        # and a ZeRO pin narrows the stages passes/zero.zero_stages offers both.
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,19 @@ state, fp32 master weights included under mixed precision):
     ZeRO-1: (p + g) Psi + k Psi / Nd  ZeRO-3: (p + g + k) Psi / Nd
 
 Mixed-precision Adam is p = g = 2, k = 12 (16 bytes/param); fp32 Adam is
-p = g = 4, k = 8 (also 16).
+p = g = 4, k = 8 (also 16). ``sharded_state`` gives the same as bytes per
+parameter on one device, which is what the solvers' memory rows multiply.
+
+ZeRO's collectives (runtime/zero.py, per step, m micro-batches, one call per
+flat bucket, each bucket padded to a multiple of Nd elements):
+
+    ZeRO-0: all-reduce of the gradients          = 2 Psi (n-1)/n sent
+    ZeRO-1: RS(grads) + AG(params)               = 2 Psi (n-1)/n, whatever m
+    ZeRO-2: m RS(grads) + AG(params)             = (m + 1) Psi (n-1)/n
+    ZeRO-3: m (AG fwd + AG bwd + RS(grads))      = 3 m Psi (n-1)/n
+
+(``zero_collectives`` is the one list; traffic and time both read it.) Under
+ZeRO >= 1 the optimizer updates only the rank's 1/Nd slice of the state.
 
 Time. Compute is FLOPs / (peak FLOP/s of the dtype x efficiency).
 Collectives follow the alpha-beta ring model, S bytes over n ranks on the
@@ -30,6 +42,7 @@ predicted step times are upper bounds on that term.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
@@ -93,16 +106,24 @@ class ModelStateMemory:
         return self.params + self.grads + self.optimizer
 
 
-def model_state_memory(num_params: int, state: StateBytes, *, zero_stage: int = 0, dp: int = 1) -> ModelStateMemory:
-    """Per-device model state under ZeRO stage 0-3 over ``dp`` ranks (formulas in the module docstring)."""
-    if zero_stage not in (0, 1, 2, 3):
+ZERO_STAGES = (0, 1, 2, 3)
+
+
+def sharded_state(state: StateBytes, zero_stage: int = 0, dp: int = 1) -> StateBytes:
+    """Bytes per parameter held by one device under ZeRO ``zero_stage`` over ``dp`` ranks:
+    optimizer state / dp from stage 1, gradients / dp from 2, parameters / dp at 3."""
+    if zero_stage not in ZERO_STAGES:
         raise ValueError(f"zero_stage={zero_stage} must be 0, 1, 2 or 3")
     if dp < 1:
         raise ValueError(f"dp={dp} must be at least 1")
-    p = num_params * state.params / (dp if zero_stage >= 3 else 1)
-    g = num_params * state.grads / (dp if zero_stage >= 2 else 1)
-    o = num_params * state.optimizer / (dp if zero_stage >= 1 else 1)
-    return ModelStateMemory(round(p), round(g), round(o))
+    return StateBytes(state.params / (dp if zero_stage >= 3 else 1), state.grads / (dp if zero_stage >= 2 else 1),
+                      state.optimizer / (dp if zero_stage >= 1 else 1))
+
+
+def model_state_memory(num_params: int, state: StateBytes, *, zero_stage: int = 0, dp: int = 1) -> ModelStateMemory:
+    """Per-device model state under ZeRO stage 0-3 over ``dp`` ranks (formulas in the module docstring)."""
+    s = sharded_state(state, zero_stage, dp)
+    return ModelStateMemory(round(num_params * s.params), round(num_params * s.grads), round(num_params * s.optimizer))
 
 
 def max_params_fitting(memory_bytes: float, state: StateBytes) -> float:
@@ -155,17 +176,83 @@ def collective_traffic(kind: str, nbytes: float, n: int) -> float:
     return 2 * nbytes * frac if kind == "all_reduce" else nbytes * frac
 
 
-def zero_traffic_elements(num_params: int, zero_stage: int, dp: int) -> float:
+def zero_collectives(zero_stage: int, micro_batches: int = 1) -> tuple[tuple[str, int, str], ...]:
+    """The collectives ZeRO ``zero_stage`` runs per step over each bucket, as (kind, calls, what):
+    runtime/zero.py's counts (module docstring). Stage 0 is plain data parallelism."""
+    if zero_stage not in ZERO_STAGES:
+        raise ValueError(f"zero_stage={zero_stage} must be 0, 1, 2 or 3")
+    if micro_batches < 1:
+        raise ValueError(f"micro_batches={micro_batches} must be at least 1")
+    m = micro_batches
+    return {
+        0: (("all_reduce", 1, "grads"),),
+        1: (("reduce_scatter", 1, "grads"), ("all_gather", 1, "params")),
+        2: (("reduce_scatter", m, "grads"), ("all_gather", 1, "params")),
+        3: (("all_gather", 2 * m, "params"), ("reduce_scatter", m, "grads")),
+    }[zero_stage]
+
+
+def zero_traffic_elements(num_params: int, zero_stage: int, dp: int, micro_batches: int = 1) -> float:
     """Elements one rank sends per step for its model state under ZeRO over ``dp`` ranks.
 
-    Stages 0-2: gradient all-reduce (or reduce-scatter + parameter all-gather)
-    = 2 Psi (n-1)/n. Stage 3: parameters all-gathered for forward and again for
-    backward, gradients reduce-scattered = 3 Psi (n-1)/n, 1.5x data parallel.
+    Stage 0: gradient all-reduce = 2 Psi (n-1)/n. Stage 1: reduce-scatter +
+    parameter all-gather = 2 Psi (n-1)/n whatever the accumulation. Stage 2:
+    a reduce-scatter per micro-batch, (m + 1) Psi (n-1)/n. Stage 3: per
+    micro-batch two all-gathers (forward, backward) and a reduce-scatter,
+    3 m Psi (n-1)/n. At m = 1: 2, 2, 2, 3 Psi, ZeRO-3 1.5x data parallel.
     """
     if dp <= 1:
         return 0.0
-    factor = 3 if zero_stage == 3 else 2
-    return factor * num_params * (dp - 1) / dp
+    calls = sum(n * (2 if kind == "all_reduce" else 1) for kind, n, _ in zero_collectives(zero_stage, micro_batches))
+    return calls * num_params * (dp - 1) / dp
+
+
+def padded_bucket(nbytes: float, dp: int, elem_bytes: int) -> float:
+    """A ZeRO bucket's bytes padded to a multiple of ``dp`` elements (runtime/zero.py)."""
+    numel = math.ceil(nbytes / elem_bytes)
+    return math.ceil(numel / dp) * dp * elem_bytes
+
+
+@dataclass(frozen=True)
+class ZeroComm:
+    """One step's data-parallel collectives of one rank under a ZeRO stage, by kind."""
+
+    seconds: Mapping[str, float]  # "dp_all_reduce" (stage 0) or "zero_reduce_scatter" / "zero_all_gather"
+    traffic_bytes: Mapping[str, int]
+
+    @property
+    def total_s(self) -> float:
+        return sum(self.seconds.values())
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.traffic_bytes.values())
+
+
+def zero_step_comm(zero_stage: int, buckets: Sequence[float], dp: int, micro_batches: int, link: Link, *,
+                   elem_bytes: int = 2) -> ZeroComm:
+    """Time and bytes sent per step by one rank for its buckets (bytes of its LOCAL parameters'
+    gradients, one flat bucket each, as data_parallel.gradient_buckets packs them) over ``dp``
+    ranks on ``link``: ``zero_collectives`` calls per bucket, each exposed (no overlap).
+    ZeRO buckets are padded to a multiple of dp elements; stage 0's all-reduce is not."""
+    if dp <= 1 or not buckets:
+        return ZeroComm({}, {})
+    seconds: dict[str, float] = {}
+    traffic: dict[str, float] = {}
+    for kind, calls, _what in zero_collectives(zero_stage, micro_batches):
+        key = "dp_all_reduce" if kind == "all_reduce" else f"zero_{kind}"
+        for b in buckets:
+            size = b if zero_stage == 0 else padded_bucket(b, dp, elem_bytes)
+            seconds[key] = seconds.get(key, 0.0) + calls * collective_time(kind, size, dp, link)
+            traffic[key] = traffic.get(key, 0.0) + calls * collective_traffic(kind, size, dp)
+    return ZeroComm(seconds, {k: round(v) for k, v in traffic.items()})
+
+
+def zero_optimizer_time(num_params: float, state: StateBytes, zero_stage: int, dp: int, cluster: ClusterSpec) -> float:
+    """The optimizer's memory-bound pass over the state it updates: all of it at stage 0, the
+    rank's 1/dp slice (of every part of the state) under ZeRO >= 1."""
+    share = num_params / dp if zero_stage >= 1 else num_params
+    return 2 * share * state.total / cluster.hbm_bandwidth
 
 
 def optimizer_time(state: ModelStateMemory, cluster: ClusterSpec) -> float:
@@ -217,13 +304,19 @@ def data_parallel_step(
     )
 
 
-def param_step_time(numel: float, state: StateBytes, dp: int, dp_link: Link, cluster: ClusterSpec) -> float:
-    """The per-step work one device does for ``numel`` parameter elements it holds: their
-    gradients' share of the dp all-reduce (bandwidth term: 2 S (n-1)/n / beta) and the
-    optimizer reading and writing their state. Linear in ``numel``, so a solver can price
-    a layout parameter by parameter; the per-bucket latencies are ``mesh_step``'s."""
-    allreduce = 2 * numel * state.grads * (dp - 1) / dp / dp_link.bandwidth if dp > 1 else 0.0
-    return allreduce + 2 * numel * state.total / cluster.hbm_bandwidth
+def param_step_time(numel: float, state: StateBytes, dp: int, dp_link: Link, cluster: ClusterSpec, *,
+                    zero_stage: int = 0, micro_batches: int = 1) -> float:
+    """The per-step work one device does for ``numel`` parameter elements it holds: the
+    bandwidth term of their data-parallel collectives under ZeRO ``zero_stage`` (S (n-1)/n / beta
+    per reduce-scatter or all-gather, twice that per all-reduce; ``zero_collectives``) and the
+    optimizer's pass over their state (``zero_optimizer_time``). Linear in ``numel``, so a solver
+    can price a layout parameter by parameter; the per-bucket latencies are ``mesh_step``'s."""
+    comm = 0.0
+    if dp > 1:
+        per = {"grads": state.grads, "params": state.params}
+        for kind, calls, what in zero_collectives(zero_stage, micro_batches):
+            comm += calls * (2 if kind == "all_reduce" else 1) * numel * per[what] * (dp - 1) / dp / dp_link.bandwidth
+    return comm + zero_optimizer_time(numel, state, zero_stage, dp, cluster)
 
 
 def mesh_step(
@@ -235,25 +328,39 @@ def mesh_step(
     grad_buckets: list[int],
     state: ModelStateMemory,
     cluster: ClusterSpec,
+    zero_stage: int = 0,
+    local_params: float | None = None,
+    state_bytes: StateBytes | None = None,
 ) -> StepCost:
-    """One step on a (dp, tp) mesh: ``grad_accum`` micro-batches, then one all-reduce per
-    gradient bucket of the device's LOCAL parameter shards over the dp group, then the optimizer.
+    """One step on a (dp, tp) mesh: ``grad_accum`` micro-batches, then the data-parallel
+    collectives of the device's LOCAL parameter shards over the dp group, bucketed (one
+    all-reduce per gradient bucket at ZeRO-0, ZeRO's reduce-scatters and all-gathers otherwise:
+    ``zero_step_comm``), then the optimizer.
 
     ``micro_batch_s`` is one micro-batch's forward+backward on one device, by part:
     ``"compute"`` (local FLOPs) and tensor-parallel communication (``"tp_forward"``,
     ``"tp_backward"``, ``"tp_internal"``), as the TP solver predicts them. The dp group's
     ranks lie ``tp`` apart (TP innermost, compiler/plan.MESH_ORDER), so its link is
-    ``link_for_group(dp, stride=tp)``.
+    ``link_for_group(dp, stride=tp)``. ``state`` is the device's model state; under ZeRO >= 1
+    the optimizer pass is over ``local_params / dp`` parameters of ``state_bytes`` each.
     """
     per_micro = dict(micro_batch_s)
     compute = grad_accum * (per_micro.pop("compute", 0.0) + cluster.step_overhead_s)
     comm = {k: grad_accum * v for k, v in per_micro.items() if v}
     traffic: dict[str, int] = {}
     if dp > 1 and grad_buckets:
-        link = cluster.link_for_group(dp, stride=tp)
-        comm["dp_all_reduce"] = sum(collective_time("all_reduce", b, dp, link) for b in grad_buckets)
-        traffic["dp_all_reduce"] = round(sum(collective_traffic("all_reduce", b, dp) for b in grad_buckets))
-    return StepCost(compute_s=compute, comm_s=comm, optimizer_s=optimizer_time(state, cluster), traffic_bytes=traffic)
+        elem = int(state_bytes.grads) if state_bytes is not None and state_bytes.grads else 2
+        z = zero_step_comm(zero_stage, grad_buckets, dp, grad_accum, cluster.link_for_group(dp, stride=tp),
+                           elem_bytes=elem)
+        comm.update(z.seconds)
+        traffic.update(z.traffic_bytes)
+    if zero_stage >= 1:
+        if local_params is None or state_bytes is None:
+            raise ValueError("mesh_step under ZeRO >= 1 needs local_params and state_bytes for the optimizer's slice")
+        opt = zero_optimizer_time(local_params, state_bytes, zero_stage, dp, cluster)
+    else:
+        opt = optimizer_time(state, cluster)
+    return StepCost(compute_s=compute, comm_s=comm, optimizer_s=opt, traffic_bytes=traffic)
 
 
 # -- pipeline schedules ------------------------------------------------------
@@ -269,9 +376,13 @@ def mesh_step(
 # transfer, exposed (no overlap with compute: an upper bound); what it
 # receives arrives on the other direction of the full-duplex link in the same
 # time as its neighbour's send. The tail after the last backward is per stage:
-# the gradient all-reduce over the stage's dp group, then the optimizer on the
-# stage's state; the slowest tail counts, plus the all-reduce of gradients of
-# parameters that two stages share (tied embeddings), once per step.
+# the gradient all-reduce over the stage's dp group (under ZeRO its reduce-scatters
+# and all-gathers, zero_step_comm), then the optimizer on the stage's state; the
+# slowest tail counts, plus the all-reduce of gradients of parameters that two
+# stages share (tied embeddings), once per step. ZeRO-2/3's per-micro-batch
+# collectives are charged to the tail, m times over, exposed: their bytes and
+# time are exact, but a slot they lengthen would also lengthen the (p - 1)-slot
+# bubble, which this omits (an optimistic bias for ZeRO-3 inside a pipeline).
 # Memory is where the schedules differ: GPipe holds every micro-batch's
 # activations until the backward starts (m); 1F1B starts backward as soon as
 # the pipe is full, so stage i of p holds min(p - i, m) (Narayanan et al.).
@@ -316,7 +427,7 @@ class PipelineStepCost:
     compute_s: float  # m x (forward + backward + overhead) of the slowest stage
     p2p_s: float  # m x the slowest stage's sends
     bubble_s: float  # (p - 1) x the slowest stage's slot
-    dp_all_reduce_s: float  # the slowest tail's gradient all-reduce over its dp group
+    dp_all_reduce_s: float  # the slowest tail's data-parallel collectives (all-reduce, or ZeRO's) over its dp group
     tied_all_reduce_s: float  # gradients of parameters shared by two stages
     optimizer_s: float  # the slowest tail's optimizer step
     slowest_stage: int

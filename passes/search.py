@@ -143,7 +143,7 @@ def _tp_degrees(cluster: ClusterSpec, world: int, pins: Pins) -> list[int]:
 def _from_mesh(d: MeshDecision, profile: ModelProfile, cluster: ClusterSpec) -> Decision:
     return Decision(
         mesh=d.mesh, micro_batch_size=d.micro_batch_size, grad_accum_steps=d.grad_accum_steps, schedule="none",
-        zero_stage=0, choice=d.choice, node_stage={n: 0 for n in profile.graph.nodes}, stages=(),
+        zero_stage=d.zero_stage, choice=d.choice, node_stage={n: 0 for n in profile.graph.nodes}, stages=(),
         step_s=d.step_s, compute_s=d.cost.compute_s, comm_s={k: v for k, v in d.cost.comm_s.items() if v > 0},
         optimizer_s=d.cost.optimizer_s, traffic_bytes=dict(d.cost.traffic_bytes), memory=d.memory,
         buckets=d.buckets, bucket_bytes=d.bucket_bytes, alternatives=plan_alternatives(d),

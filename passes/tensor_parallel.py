@@ -18,22 +18,31 @@ ranks are tp apart and its link is ``link_for_group(dp, stride=tp)``. For
 each tp, micro-batch sizes run over the divisors of the per-replica batch
 B / dp, smallest first.
 
+ZeRO. For each (tp, micro-batch) the ZeRO stages of passes/zero.zero_stages
+are solved in order 0, 1, 2, 3 and the first that fits is kept (the pruning
+rule and why it is safe are in passes/zero.py); a ZeRO stage changes both the
+ILP's memory row (model state sharded over the dp group) and its per-parameter
+step cost (ZeRO's collectives instead of the all-reduce).
+
 Cost of one candidate (cost_model.mesh_step): grad_accum x (the ILP's
 per-micro-batch time: compute + TP forward/backward/internal collectives,
-plus the cluster's per-micro-batch overhead) + the all-reduce of the LOCAL
-gradient shards over the dp group (bucketed as the runtime buckets them) +
-the optimizer step over the local model state. Memory: the ILP's layout
-(model state of the local shards + saved activations of one micro-batch)
-within the device's usable memory, a constraint of the ILP itself.
+plus the cluster's per-micro-batch overhead) + the data-parallel collectives
+of the LOCAL shards over the dp group (bucketed as the runtime buckets them:
+one all-reduce per bucket at ZeRO-0, ZeRO's reduce-scatters and all-gathers
+otherwise) + the optimizer step over the local model state (its 1/dp slice
+under ZeRO). Memory: the ILP's layout (model state of the local shards under
+the ZeRO stage + saved activations of one micro-batch) within the device's
+usable memory, a constraint of the ILP itself.
 
-Reuse. One ILP per (tp, micro-batch), each with the repeated layers tied
-(one layer's variables however deep the model); strategy lists are computed
-once per tp. Memory grows with the micro-batch for every layout, so once a
-micro-batch does not fit at some tp, the larger ones are reported as not
-fitting without a solve.
+Reuse. One ILP per (tp, micro-batch, ZeRO stage) weighed, each with the
+repeated layers tied (one layer's variables however deep the model); strategy
+lists are computed once per tp. Memory grows with the micro-batch for every
+layout, so once a micro-batch does not fit at some (tp, ZeRO stage), the larger
+ones are reported as not fitting without a solve.
 
-Objective: the fastest predicted step that fits; ties go to the larger
-micro-batch, then the smaller tp (plain data parallelism when TP buys nothing).
+Objective: the fastest predicted step that fits; ties go to the smaller ZeRO
+stage, then the larger micro-batch, then the smaller tp (plain data
+parallelism when TP buys nothing).
 """
 
 from __future__ import annotations
@@ -48,6 +57,7 @@ from partita.compiler.plan import Alternative, MemoryBreakdown, Mesh
 from partita.passes.cluster import ClusterSpec
 from partita.passes.constraints import Pins, TrainingRequest
 from partita.passes.cost_model import StepCost, mesh_step, model_state_memory, state_bytes_per_param
+from partita.passes.zero import STRATEGY_NAMES, traffic_reason, zero_stages
 from partita.passes.data_parallel import DEFAULT_BUCKET_BYTES, gradient_buckets
 from partita.passes.profile import ModelProfile
 from partita.passes.tp_ilp import SOLVER, StrategyFn, TPSetting, TPSolution, TPSolveReport, build_problem, solve_tp
@@ -68,6 +78,7 @@ class MeshCandidate:
     memory: MemoryBreakdown | None
     solver: TPSolveReport | None
     reason: str = ""
+    zero_stage: int = 0
 
     @property
     def step_s(self) -> float | None:
@@ -91,6 +102,7 @@ class MeshDecision:
     dp_link: str
     solves: int  # ILPs solved
     seconds: float
+    zero_stage: int = 0
 
     @property
     def step_s(self) -> float:
@@ -135,53 +147,57 @@ def choose_mesh(
             candidates.append(MeshCandidate(tp, dp, 0, 0, 0, False, None, None, None,
                                             f"global batch {B} does not divide over dp={dp}"))
             continue
-        too_big: tuple[int, int] | None = None  # (micro-batch, bytes) of the first that did not fit
+        too_big: dict[int, tuple[int, int]] = {}  # ZeRO stage -> (micro-batch, bytes) of the first that did not fit
         for mb in _micro_batches(B // dp, pins):
             accum = B // dp // mb
-            if too_big is not None:
-                candidates.append(MeshCandidate(tp, dp, mb, accum, too_big[1], False, None, None, None,
-                                                f"does not fit: micro-batch {too_big[0]} already needs "
-                                                f"{too_big[1] / 1e9:.1f} GB > {cluster.usable_memory / 1e9:.1f} GB"))
-                continue
-            setting = TPSetting(tp, mb, profile.batch_size, request.precision, request.optimizer,
-                                request.inference, cluster.usable_memory, dp=dp, grad_accum=accum)
-            problem = build_problem(G, setting, cluster, strategies=lambda _G, n, t: cached(n, t),
-                                    repeated=profile.repeated)
-            solves += 1
-            try:
-                sol = solve_tp(problem, solver=solver)
-            except InfeasibleError as e:
-                if getattr(e, "constraint", None) != "memory":
-                    raise
-                too_big = (mb, round(e.needed_bytes))
-                candidates.append(MeshCandidate(tp, dp, mb, accum, too_big[1], False, None, None, None,
-                                                f"does not fit: {e.message}"))
-                continue
-            local = _local_numels(G, sol.choice, tp)
-            buckets = tuple(gradient_buckets(local, grad_elem, bucket_bytes)) if grad_elem else ()
-            state = model_state_memory(sum(local), state_per_param)
-            memory = MemoryBreakdown(state.params, state.grads, state.optimizer, round(sol.activation_bytes),
-                                     cluster.usable_memory)
-            cost = mesh_step(
-                micro_batch_s={"compute": sol.compute_s, "tp_forward": sol.tp_forward_s,
-                               "tp_backward": sol.tp_backward_s, "tp_internal": sol.tp_internal_s},
-                grad_accum=accum, dp=dp, tp=tp, grad_buckets=list(buckets), state=state, cluster=cluster)
-            if request.inference:
-                cost = StepCost(cost.compute_s, {k: v for k, v in cost.comm_s.items() if k != "dp_all_reduce"}, 0.0)
-            cand = MeshCandidate(tp, dp, mb, accum, memory.total, True, cost, memory, sol.report)
-            candidates.append(cand)
-            if best is None or _key(cand) < _key(best[0]):
-                best = (cand, sol, buckets)
+            for z in zero_stages(pins.zero_stage, dp, request.inference):
+                if z in too_big:
+                    mb0, need = too_big[z]
+                    candidates.append(MeshCandidate(tp, dp, mb, accum, need, False, None, None, None,
+                                                    f"does not fit: {_zero(z)}micro-batch {mb0} already needs "
+                                                    f"{need / 1e9:.1f} GB > {cluster.usable_memory / 1e9:.1f} GB", z))
+                    continue
+                setting = TPSetting(tp, mb, profile.batch_size, request.precision, request.optimizer,
+                                    request.inference, cluster.usable_memory, dp=dp, grad_accum=accum, zero_stage=z)
+                problem = build_problem(G, setting, cluster, strategies=lambda _G, n, t: cached(n, t),
+                                        repeated=profile.repeated)
+                solves += 1
+                try:
+                    sol = solve_tp(problem, solver=solver)
+                except InfeasibleError as e:
+                    if getattr(e, "constraint", None) != "memory":
+                        raise
+                    too_big[z] = (mb, round(e.needed_bytes))
+                    candidates.append(MeshCandidate(tp, dp, mb, accum, too_big[z][1], False, None, None, None,
+                                                    f"does not fit: {e.message}", z))
+                    continue
+                local = _local_numels(G, sol.choice, tp)
+                buckets = tuple(gradient_buckets(local, grad_elem, bucket_bytes)) if grad_elem else ()
+                state = model_state_memory(sum(local), state_per_param, zero_stage=z, dp=dp)
+                memory = MemoryBreakdown(state.params, state.grads, state.optimizer, round(sol.activation_bytes),
+                                         cluster.usable_memory)
+                cost = mesh_step(
+                    micro_batch_s={"compute": sol.compute_s, "tp_forward": sol.tp_forward_s,
+                                   "tp_backward": sol.tp_backward_s, "tp_internal": sol.tp_internal_s},
+                    grad_accum=accum, dp=dp, tp=tp, grad_buckets=list(buckets), state=state, cluster=cluster,
+                    zero_stage=z, local_params=sum(local), state_bytes=state_per_param)
+                if request.inference:
+                    cost = StepCost(cost.compute_s, {k: v for k, v in cost.comm_s.items() if k.startswith("tp_")}, 0.0)
+                cand = MeshCandidate(tp, dp, mb, accum, memory.total, True, cost, memory, sol.report, "", z)
+                candidates.append(cand)
+                if best is None or _key(cand) < _key(best[0]):
+                    best = (cand, sol, buckets)
+                break  # the first ZeRO stage that fits: larger ones only add traffic (passes/zero.py)
     if best is None:
         raise _infeasible(candidates, cluster, world)
     chosen, sol, buckets = best
-    ordered = _ordered(candidates, chosen)
+    ordered = _ordered(candidates, chosen, cluster)
     return MeshDecision(
         tp=chosen.tp, dp=chosen.dp, micro_batch_size=chosen.micro_batch_size,
         grad_accum_steps=chosen.grad_accum_steps, choice=sol.choice, cost=chosen.cost, memory=chosen.memory,
         solver=sol.report, alternatives=ordered, buckets=buckets, bucket_bytes=bucket_bytes,
         tp_link=cluster.link_for_group(chosen.tp).name, dp_link=cluster.link_for_group(chosen.dp, stride=chosen.tp).name,
-        solves=solves, seconds=time.perf_counter() - t0,
+        solves=solves, seconds=time.perf_counter() - t0, zero_stage=chosen.zero_stage,
     )
 
 
@@ -189,16 +205,20 @@ def plan_alternatives(decision: MeshDecision, limit: int = 12) -> tuple[Alternat
     """The alternatives in the plan's form: the chosen one, the fastest per tp, then the nearest misses."""
     chosen = decision.alternatives[0]
     picked = [chosen]
-    seen = {chosen.tp}
+    seen = {(chosen.tp, chosen.zero_stage)}
     for c in decision.alternatives[1:]:
-        if c.fits and c.tp not in seen:
+        if c.fits and (c.tp, c.zero_stage) not in seen:
             picked.append(c)
-            seen.add(c.tp)
+            seen.add((c.tp, c.zero_stage))
     picked += [c for c in decision.alternatives[1:] if c.fits and c not in picked][:2]
-    picked += [c for c in decision.alternatives if not c.fits and c.micro_batch_size][:3]
+    misses = [c for c in decision.alternatives if not c.fits and c.micro_batch_size]
+    by_zero = {}
+    for c in misses:  # the nearest miss of each ZeRO stage, then the nearest others
+        by_zero.setdefault(c.zero_stage, c)
+    picked += list(by_zero.values()) + [c for c in misses if c not in by_zero.values()][:2]
     return tuple(
         Alternative(mesh=Mesh(dp=c.dp, tp=c.tp), micro_batch_size=c.micro_batch_size,
-                    grad_accum_steps=c.grad_accum_steps, zero_stage=0, step_time_s=c.step_s,
+                    grad_accum_steps=c.grad_accum_steps, zero_stage=c.zero_stage, step_time_s=c.step_s,
                     memory_bytes=c.memory_bytes, fits=c.fits, chosen=c is chosen, reason=c.reason)
         for c in picked[:limit]
     )
@@ -282,25 +302,30 @@ def _numel(shape: Sequence[int]) -> int:
 
 
 def _key(c: MeshCandidate) -> tuple:
-    return (c.step_s, -c.micro_batch_size, c.tp)
+    return (c.step_s, c.zero_stage, -c.micro_batch_size, c.tp)
 
 
-def _ordered(candidates: list[MeshCandidate], chosen: MeshCandidate) -> tuple[MeshCandidate, ...]:
+def _zero(z: int) -> str:
+    return f"{STRATEGY_NAMES[z]}, " if z else ""
+
+
+def _ordered(candidates: list[MeshCandidate], chosen: MeshCandidate,
+             cluster: ClusterSpec) -> tuple[MeshCandidate, ...]:
     fitting = sorted((c for c in candidates if c.fits), key=_key)
     misses = sorted((c for c in candidates if not c.fits), key=lambda c: (c.memory_bytes == 0, c.memory_bytes))
     out = []
     for c in fitting + misses:
-        reason = c.reason if not c.fits else _reason(c, chosen)
+        reason = c.reason if not c.fits else _reason(c, chosen, cluster)
         out.append(c if c.reason == reason else _with_reason(c, reason))
     return tuple(out)
 
 
 def _with_reason(c: MeshCandidate, reason: str) -> MeshCandidate:
     return MeshCandidate(c.tp, c.dp, c.micro_batch_size, c.grad_accum_steps, c.memory_bytes, c.fits, c.cost,
-                         c.memory, c.solver, reason)
+                         c.memory, c.solver, reason, c.zero_stage)
 
 
-def _reason(c: MeshCandidate, best: MeshCandidate) -> str:
+def _reason(c: MeshCandidate, best: MeshCandidate, cluster: ClusterSpec | None = None) -> str:
     if c is best:
         return "chosen: fastest predicted step that fits"
     a, b = c.cost, best.cost
@@ -314,11 +339,23 @@ def _reason(c: MeshCandidate, best: MeshCandidate) -> str:
     tp_a = sum(v for k, v in a.comm_s.items() if k.startswith("tp_"))
     tp_b = sum(v for k, v in b.comm_s.items() if k.startswith("tp_"))
     differ("TP communication", tp_a, tp_b)
-    differ("gradient all-reduce", a.comm_s.get("dp_all_reduce", 0.0), b.comm_s.get("dp_all_reduce", 0.0))
+    dp_a, dp_b = _dp_comm(a), _dp_comm(b)
+    differ("gradient all-reduce" if not c.zero_stage and not best.zero_stage else "data-parallel collectives",
+           dp_a, dp_b)
     differ("optimizer", a.optimizer_s, b.optimizer_s)
     if not parts:
-        parts.append("equal time; the larger micro-batch, then the smaller tp, break the tie")
+        parts.append("equal time; the smaller ZeRO stage, the larger micro-batch, then the smaller tp, break the tie")
+    if c.zero_stage and dp_a > dp_b * 1.001 and cluster is not None:
+        parts.append(traffic_reason(c.zero_stage, _dp_bytes(a), cluster.link_for_group(c.dp, stride=c.tp), dp_a))
     return f"{c.step_s / best.step_s:.2f}x slower: " + "; ".join(parts)
+
+
+def _dp_comm(cost: StepCost) -> float:
+    return sum(v for k, v in cost.comm_s.items() if k == "dp_all_reduce" or k.startswith("zero_"))
+
+
+def _dp_bytes(cost: StepCost) -> float:
+    return sum(v for k, v in cost.traffic_bytes.items() if k == "dp_all_reduce" or k.startswith("zero_"))
 
 
 def _infeasible(candidates: list[MeshCandidate], cluster: ClusterSpec, world: int) -> InfeasibleError:
@@ -330,8 +367,9 @@ def _infeasible(candidates: list[MeshCandidate], cluster: ClusterSpec, world: in
     least = min(sized, key=lambda c: c.memory_bytes)
     gb = 1e9
     return InfeasibleError(
-        f"memory: no (dp, tp) mesh fits; the smallest layout (tp={least.tp}, micro-batch {least.micro_batch_size}) "
+        f"memory: no (dp, tp) mesh fits; the smallest layout (tp={least.tp}, {_zero(least.zero_stage)}"
+        f"micro-batch {least.micro_batch_size}) "
         f"needs {least.memory_bytes / gb:.1f} GB per device, budget {cluster.usable_memory / gb:.1f} GB "
         f"({cluster.memory_bytes / gb:.0f} GB less {cluster.memory_reserve:.0%} reserve)",
-        hint=f"tp is at most {cluster.gpus_per_node} (one node); add pipeline stages or ZeRO (later versions), "
+        hint=f"tp is at most {cluster.gpus_per_node} (one node); add pipeline stages, a higher ZeRO stage, "
         "use devices with more memory, or lower the micro-batch")

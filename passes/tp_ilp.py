@@ -30,9 +30,11 @@ amortised over the A = grad_accum micro-batches of a step,
                           + the edges folded into the class
                           + param_step_time(local elements of c's parameters under s) / A
 
-(param_step_time: the local gradient shard's bandwidth share of the dp
-all-reduce on ``link_for_group(dp, stride=t)`` and the optimizer's pass over
-the local state; this is what makes a sharded embedding pay off at dp > 1.)
+(param_step_time: the local shard's bandwidth share of the step's data-parallel
+collectives on ``link_for_group(dp, stride=t)``, under the setting's ZeRO stage z
+(2, 2, A + 1 or 3A elements per local element for z = 0..3, A micro-batches:
+cost_model.zero_collectives), and the optimizer's pass over the local state (its
+1/dp slice under z >= 1); this is what makes a sharded embedding pay off at dp > 1.)
     w[k,i,j] = sum_{u->v in k} sum_{input slots of v fed by u}
                  reshard_time(reshard_kind(out_i, in_j), bytes)               (forward)
                + reshard_time(reshard_kind(grad_j, grad_convention(out_i)), bytes) (backward)
@@ -52,8 +54,10 @@ Constraints, each family named (the name prefixes every row of the family):
     m[c,s] = sum_{params p in c} numel(p) * bytes_per_param * (1/t if s shards p else 1)
              + sum_{v in c} saved_bytes(v) * mem_frac_s * beta(v) * precision ratio
 
-bytes_per_param = params + grads + optimizer of ``state_bytes_per_param``
-(16 for mixed-precision Adam). The two edge families make e the product
+bytes_per_param = params + grads + optimizer of ``state_bytes_per_param`` as one
+device holds them under ZeRO z over the dp group (``cost_model.sharded_state``:
+optimizer / dp for z >= 1, gradients / dp for z >= 2, parameters / dp for z = 3;
+16 for mixed-precision Adam at z = 0, 2 + 2 + 12/dp at z = 1). The two edge families make e the product
 x[c(u),i] x[c(v),j] exactly (a transport polytope with one-hot margins has
 one point), so the model is tight without the e <= x, e >= x + x - 1 rows.
 
@@ -115,6 +119,7 @@ from partita.passes.cost_model import (
     element_bytes,
     param_step_time,
     reshard_time,
+    sharded_state,
     state_bytes_per_param,
 )
 from partita.passes.repeats import RepeatedBlock
@@ -153,11 +158,14 @@ class TPSetting:
     memory_budget: float = math.inf  # bytes per device
     dp: int = 1  # data-parallel degree the step's gradient all-reduce runs over
     grad_accum: int = 1  # micro-batches per step: per-step costs are amortised over them
+    zero_stage: int = 0  # ZeRO over the dp group: shards model state (memory) and sets the dp collectives
 
     def __post_init__(self) -> None:
         if self.t < 1 or self.micro_batch < 1 or self.captured_batch < 1:
             raise ValueError(f"t={self.t}, micro_batch={self.micro_batch}, captured_batch={self.captured_batch} "
                              "must all be positive")
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise ValueError(f"zero_stage={self.zero_stage} must be 0, 1, 2 or 3")
 
 
 @dataclass(frozen=True)
@@ -346,11 +354,13 @@ def build_problem(
                     act += a.get("saved_bytes", 0) * st.memory_fraction * beta(n) * act_ratio
             fwd_s, bwd_s, valid = folded[key][s]
             numel = _param_numel(G, members, st, t)
-            step = param_step_time(numel, state, setting.dp, dp_link, cluster) if numel and not setting.inference else 0.0
+            step = (param_step_time(numel, state, setting.dp, dp_link, cluster, zero_stage=setting.zero_stage,
+                                    micro_batches=setting.grad_accum) if numel and not setting.inference else 0.0)
             costs.append(StrategyCost(compute, internal, fwd_s, bwd_s, numel, step, act, bool(valid)))
         classes.append(NodeClass(key, tuple(members), strat[key], tuple(costs)))
     edges = tuple(EdgeClass(cu, cv, acc["count"], acc["fwd"], acc["bwd"]) for (cu, cv), acc in edge_acc.items())
-    return TPProblem(setting, tuple(classes), edges, class_of, state.total, G.number_of_nodes(), num_edges)
+    held = sharded_state(state, setting.zero_stage, setting.dp)
+    return TPProblem(setting, tuple(classes), edges, class_of, held.total, G.number_of_nodes(), num_edges)
 
 
 def _edge_matrix(src: Sequence[Strategy], dst: Sequence[Strategy], i_out: int, j: int, nbytes: float, t: int,
@@ -588,8 +598,9 @@ def _infeasible(p: TPProblem, solver: str, objective: str) -> InfeasibleError:
         f"memory: the smallest layout needs {smallest.memory_bytes / gb:.1f} GB per device "
         f"(model state {smallest.param_numel * p.bytes_per_param / gb:.1f} GB + activations "
         f"{smallest.activation_bytes / gb:.1f} GB at micro-batch {s.micro_batch}), budget "
-        f"{s.memory_budget / gb:.1f} GB at tp={s.t}",
-        hint="raise tp, add devices, or lower the micro-batch")
+        f"{s.memory_budget / gb:.1f} GB at tp={s.t}" + (f", ZeRO-{s.zero_stage} over dp={s.dp}" if s.zero_stage else ""),
+        hint="raise tp, add devices, or lower the micro-batch"
+        + ("; a higher ZeRO stage shards more of the model state" if s.zero_stage < 3 else ""))
     err.constraint = "memory"  # type: ignore[attr-defined]
     err.needed_bytes = smallest.memory_bytes  # type: ignore[attr-defined]
     return err

@@ -1,8 +1,30 @@
 """The ZeRO axis: how far to shard model state over the data-parallel group.
 
-This version has ZeRO's arithmetic (memory per device and traffic per step
-for stages 0-3, from the cost model) for `partita estimate`; the runtime and
-the planner's choice of stage arrive later.
+ZeRO's arithmetic (memory per device and traffic per step for stages 0-3,
+from the cost model) for `partita estimate`, and the axis's part in the joint
+search: which stages are weighed (``zero_stages``) and how a stage that lost
+is explained (``traffic_reason``). The solvers (passes/tensor_parallel.py at
+pp = 1, passes/pipeline_parallel.py at pp > 1) weigh the stages these return,
+with memory and time from cost_model.sharded_state / zero_step_comm.
+
+Pruning (one rule, both solvers): at one (mesh, micro-batch[, schedule, cuts
+policy]) the stages are tried in order 0, 1, 2, 3 and only the first that
+fits is kept. Why this loses nothing the cost model could show, and where it
+is a policy:
+
+- Among z >= 1 it is exact: the memory falls with z, the per-step traffic
+  grows (2, m + 1, 3m Psi; cost_model.zero_collectives) and the optimizer
+  pass is the same 1/dp slice, so a larger stage is never faster at the same
+  (mesh, micro-batch).
+- z = 0 over z = 1 is a policy: both send 2 Psi per step, and the cost model
+  credits ZeRO-1 with an optimizer pass over 1/dp of the state (it is
+  memory-bound, (1 - 1/dp) of a few tens of ms for a 7B model). Where plain
+  data parallelism fits, the planner does not buy that with ZeRO's second
+  runtime path and its exposed all-gather after the step.
+- A larger stage can still win by letting a larger micro-batch fit (fewer
+  per-micro-batch overheads, fewer pipeline bubbles), or by letting a mesh
+  fit at all (ZeRO instead of TP or PP): those are weighed, since z is chosen
+  per (mesh, micro-batch), and the costs decide.
 """
 
 from __future__ import annotations
@@ -10,7 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from partita.compiler.plan import MemoryBreakdown
-from partita.passes.cluster import ClusterSpec
+from partita.passes.cluster import ClusterSpec, Link
 from partita.passes.cost_model import (
     collective_time,
     element_bytes,
@@ -20,6 +42,22 @@ from partita.passes.cost_model import (
 )
 
 STRATEGY_NAMES = {0: "DP", 1: "ZeRO-1", 2: "ZeRO-2", 3: "ZeRO-3"}
+
+
+def zero_stages(pinned: int | None, dp: int, inference: bool) -> tuple[int, ...]:
+    """The stages to weigh, smallest first: the pinned one, else 0-3; only 0 where there is
+    nothing to shard over (dp = 1: every stage costs what stage 0 does) or no optimizer
+    state (inference)."""
+    if pinned is not None:
+        return (pinned,)
+    return (0,) if dp <= 1 or inference else (0, 1, 2, 3)
+
+
+def traffic_reason(zero_stage: int, traffic_bytes: float, link: Link, seconds: float) -> str:
+    """``"ZeRO-3: 390 GB/step over 1.25 GB/s = 312 s of traffic"``: a stage's data-parallel bytes
+    sent per device per step, the dp group's bandwidth, and the time the cost model gives them."""
+    return (f"{STRATEGY_NAMES[zero_stage]}: {traffic_bytes / 1e9:.3g} GB/step over "
+            f"{link.bandwidth / 1e9:.3g} GB/s ({link.name}) = {seconds:.3g} s of traffic")
 
 
 @dataclass(frozen=True)

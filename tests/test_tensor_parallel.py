@@ -71,11 +71,18 @@ def test_tp8_inside_dgx_nodes_when_the_model_needs_it():
     assert d.tp_link == "NVLink" and d.dp_link == "inter-node"
     assert d.memory.fits
     for tp in (1, 2, 4):
-        misses = [a for a in d.alternatives if a.tp == tp]
-        assert misses and not any(a.fits for a in misses)
-        assert all("does not fit" in a.reason for a in misses)
+        plain = [a for a in d.alternatives if a.tp == tp and a.zero_stage == 0]
+        assert plain and not any(a.fits for a in plain)
+        assert all("does not fit" in a.reason for a in plain)
+        # ZeRO makes these meshes fit, and loses by its traffic over InfiniBand
+        sharded = [a for a in d.alternatives if a.tp == tp and a.fits]
+        assert sharded and all(a.zero_stage > 0 and "slower" in a.reason for a in sharded)
     assert d.solver.status == "OPTIMAL"
-    assert d.cost.comm_s["tp_forward"] > 0 and d.cost.comm_s["dp_all_reduce"] > 0
+    assert d.cost.comm_s["tp_forward"] > 0
+    # ZeRO-1 lets micro-batch 16 fit at tp=8 (91.8 GB without it), amortising the TP collectives' latency
+    assert d.zero_stage in (0, 1)
+    dp_keys = ("dp_all_reduce",) if d.zero_stage == 0 else ("zero_reduce_scatter", "zero_all_gather")
+    assert all(d.cost.comm_s[k] > 0 for k in dp_keys)
     alts = plan_alternatives(d)
     assert alts[0].chosen and alts[0].mesh.tp == 8 and alts[0].reason.startswith("chosen")
 
@@ -95,5 +102,5 @@ def test_gpt3_175b_needs_more_than_tp_inside_a_node():
     gpt3 = _gpt(96, 12288, 96, vocab=50257, seq=2048)
     with pytest.raises(InfeasibleError, match=r"memory: no \(dp, tp\) mesh fits; the smallest layout \(tp=8, "
                                               r"micro-batch 1\) needs 3\d\d\.\d GB per device") as e:
-        _mesh(gpt3, "dgx-a100", 1536, nodes=16)
-    assert "add pipeline stages or ZeRO" in str(e.value)
+        _mesh(gpt3, "dgx-a100", 1536, Pins(zero_stage=0), nodes=16)
+    assert "add pipeline stages, a higher ZeRO stage" in str(e.value)
