@@ -211,6 +211,13 @@ class ParallelModel(nn.Module):
         self.collectives.reset()
         return p.pipeline.infer(xs, p.dp_group)
 
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Every parameter at full shape on every rank, however the plan spread them (a collective:
+        call it on every rank). runtime/checkpoint.py says how."""
+        from partita.runtime.checkpoint import full_state_dict
+
+        return full_state_dict(self)
+
     def write_trace(self, path: str | Path) -> Path | None:
         """Write the micro-batch timings of every step so far as a Chrome/Perfetto trace.
 

@@ -35,9 +35,10 @@ def batches():
 if __name__ == "__main__":
     model = make_model()
     losses = [model.train_step(x, targets=y) for x, y in batches()]
+    state = model.full_state_dict()  # every rank takes part
     if model.ctx.rank == 0:
         out = Path(sys.argv[1])
-        torch.save({k: v.detach() for k, v in model.module.state_dict().items()}, out.with_suffix(".pt"))
+        torch.save(state, out.with_suffix(".pt"))
         out.write_text(json.dumps({
             "losses": losses,
             "world_size": model.ctx.world_size,

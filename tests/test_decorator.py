@@ -49,7 +49,7 @@ def ref():
     return reference()
 
 
-def check(out: Path, ref, world: int, mesh: tuple[int, int, int] | None = None, params: bool = True) -> None:
+def check(out: Path, ref, world: int, mesh: tuple[int, int, int] | None = None) -> None:
     data = json.loads(out.read_text())
     ref_losses, ref_state = ref
     mesh = mesh or (world, 1, 1)
@@ -57,8 +57,9 @@ def check(out: Path, ref, world: int, mesh: tuple[int, int, int] | None = None, 
     assert data["grad_accum_steps"] == 2  # pinned on the decorator
     assert data["micro_batch_size"] * 2 * mesh[0] == script.BATCH
     assert data["losses"] == pytest.approx(ref_losses, rel=1e-5, abs=1e-6)
-    state = torch.load(out.with_suffix(".pt"), weights_only=True) if params else {}
-    for k, v in ref_state.items() if params else ():
+    state = torch.load(out.with_suffix(".pt"), weights_only=True)  # gathered from every rank's part
+    assert set(state) == set(ref_state)
+    for k, v in ref_state.items():
         torch.testing.assert_close(state[k], v, rtol=1e-5, atol=1e-5, msg=k)
     # every collective the rank ran is in the plan's prediction, with the same bytes and count
     assert any(c[0] == "all_reduce" and c[2] > 4 for c in data["counted"])  # gradient buckets ran
@@ -121,7 +122,7 @@ def test_partita_run_a_tensor_parallel_plan(tmp_path, ref):
     r = subprocess.run([PARTITA, "run", str(plan), str(HERE / "decorator_script.py"), str(out)], env=ENV,
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
-    check(out, ref, 4, mesh=(2, 2, 1), params=False)  # parameters: see test_runtime_tp.py (gathered shards)
+    check(out, ref, 4, mesh=(2, 2, 1))
     data = json.loads(out.read_text())
     assert any(c[1] == "tp" for c in data["counted"])  # tensor-parallel collectives ran, as planned
 
@@ -138,7 +139,7 @@ def test_partita_run_a_pipeline_plan(tmp_path, ref):
     r = subprocess.run([PARTITA, "run", "--trace", str(trace), str(plan), str(HERE / "decorator_script.py"), str(out)],
                        env=ENV, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
-    check(out, ref, 4, mesh=(2, 1, 2), params=False)  # parameters per stage: see test_runtime_pp.py
+    check(out, ref, 4, mesh=(2, 1, 2))
     data = json.loads(out.read_text())
     assert any(c[0] == "send_recv" for c in data["counted"])
     # the measured schedule: every rank's forward and backward of every micro-batch of every step

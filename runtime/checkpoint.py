@@ -1,0 +1,80 @@
+"""The whole model's parameters back from however the plan spread them.
+
+``full_state_dict(model)`` returns every parameter of the model at its full
+shape, on every rank, whatever the plan: tensor-parallel shards are
+all-gathered over "tp", pipeline stages broadcast what they hold, ZeRO
+shards are gathered. It is a collective: every rank must call it. Use it to
+save a checkpoint a single process can load, or to compare with a
+single-process run.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+from partita.compiler.plan import MESH_ORDER, MeshAxis, Plan
+from partita.runtime.tensor_parallel import TensorParallel
+
+if TYPE_CHECKING:
+    from partita.runtime.engine import ParallelModel
+
+_SHARD = "shard("
+
+
+def full_state_dict(model: "ParallelModel") -> dict[str, torch.Tensor]:
+    """Every parameter of the model at full shape, on every rank (a collective)."""
+    program = model._program
+    plan: Plan = model.plan
+    if program.zero is not None:
+        with program.zero.gathered():
+            return {k: v.detach().clone() for k, v in program.module.named_parameters()}
+    tp = _tensor_parallel(program)
+    if tp is None:  # the eager module holds whole parameters
+        return {k: v.detach().clone() for k, v in program.module.named_parameters()}
+    local = tp.local_parameters()
+    full: dict[str, torch.Tensor] = {}
+    group = tp.tp.group if plan.mesh.tp > 1 else None
+    for decision in plan.params:
+        if decision.name not in local:
+            continue
+        shard, placement = local[decision.name]
+        full[decision.name] = _gather(shard.detach(), placement, group, plan.mesh.tp)
+    if plan.mesh.pp > 1:
+        full = _from_every_stage(full, plan, model.ctx.device)
+    return full
+
+
+def _tensor_parallel(program: object) -> TensorParallel | None:
+    module = program.module  # type: ignore[attr-defined]
+    if isinstance(module, TensorParallel):
+        return module
+    pipeline = getattr(program, "pipeline", None)
+    return pipeline.tp if pipeline is not None else None
+
+
+def _gather(shard: torch.Tensor, placement: str, group: dist.ProcessGroup | None, t: int) -> torch.Tensor:
+    if group is None or not placement.startswith(_SHARD):
+        return shard.clone()
+    dim = int(placement[len(_SHARD):-1])
+    parts = [torch.empty_like(shard) for _ in range(t)]
+    dist.all_gather(parts, shard.contiguous(), group=group)
+    return torch.cat(parts, dim=dim)
+
+
+def _from_every_stage(mine: dict[str, torch.Tensor], plan: Plan, device: torch.device) -> dict[str, torch.Tensor]:
+    """Each parameter broadcast from the first rank of the stage that holds it, in plan order."""
+    width = plan.mesh.world_size // plan.mesh.pp  # ranks per stage: pp is the outermost axis
+    assert MESH_ORDER[0] is MeshAxis.PP
+    out: dict[str, torch.Tensor] = {}
+    for decision in plan.params:
+        src = decision.stage * width
+        dtype = getattr(torch, decision.dtype)
+        t = mine.get(decision.name)
+        buf = t.to(device) if t is not None and dist.get_rank() == src else torch.empty(
+            decision.shape, dtype=dtype, device=device)
+        dist.broadcast(buf, src=src)
+        out[decision.name] = buf.cpu()
+    return out
