@@ -36,6 +36,13 @@ OR-Tools is not used: the problem is one-dimensional and the DP is exact and
 milliseconds fast (benchmarks/pp_planning_time.py), where a CP-SAT model of
 the same min-max would need a variable per boundary and stage.
 
+ZeRO. Each (p, dp, micro-batch, schedule, shared-parameter policy) is cut
+at the ZeRO stages of passes/zero.zero_stages in order 0, 1, 2, 3, keeping the
+first that fits (the rule, and why it is safe, in passes/zero.py): a stage's
+model state is sharded over its dp group (``StageSetup.zero_stage``, ``dp``),
+and its tail pays ZeRO's collectives (cost_model.zero_step_comm) and the
+optimizer's 1/dp slice instead of the all-reduce and the whole state.
+
 Shared (tied) parameters. A parameter used in two stages (GPT-2's tied wte and
 lm_head) is held by both, counted in both stages' memory, and its gradient is
 all-reduced between them once per step. Both policies are weighed: cuts that
@@ -48,7 +55,7 @@ from __future__ import annotations
 import bisect
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Sequence
 
 import networkx as nx
@@ -66,14 +73,17 @@ from partita.passes.cost_model import (
     compute_time,
     element_bytes,
     model_state_memory,
-    optimizer_time,
     p2p_time,
     pipeline_step,
+    sharded_state,
     stage_slot_time,
     state_bytes_per_param,
+    zero_optimizer_time,
+    zero_step_comm,
 )
 from partita.passes.data_parallel import gradient_buckets
 from partita.passes.profile import ModelProfile
+from partita.passes.zero import STRATEGY_NAMES, traffic_reason, zero_stages
 
 _PLACEHOLDERS = ("param", "buffer", "input")
 _FLOAT = {"float32": 4, "float64": 8, "float16": 2, "bfloat16": 2}
@@ -251,6 +261,13 @@ class StageSetup:
     links: tuple[Link, ...]  # links[s]: between stage s and s + 1
     capacity: int  # usable bytes per device
     state: StateBytes
+    zero_stage: int = 0  # ZeRO over each stage's dp group
+    dp: int = 1
+
+    @property
+    def held(self) -> StateBytes:
+        """Bytes per parameter one device holds: ``state`` sharded by ZeRO over the dp group."""
+        return sharded_state(self.state, self.zero_stage, self.dp)
 
 
 class Partition:
@@ -293,14 +310,14 @@ class Partition:
         return stage_slot_time(self.compute[k] - self.compute[j], self.p2p(j, k, s), self.cluster)
 
     def memory(self, j: int, k: int, s: int) -> MemoryBreakdown:
-        st = model_state_memory(self.param_numel(j, k), self.setup.state)
+        st = model_state_memory(self.param_numel(j, k), self.setup.held)
         held = activations_in_flight(self.setup.schedule, s, self.setup.stages, self.setup.micro_batches)
         return MemoryBreakdown(st.params, st.grads, st.optimizer, held * (self.saved[k] - self.saved[j]),
                                self.setup.capacity)
 
     def memory_total(self, j: int, k: int, s: int) -> int:
         """``memory(j, k, s).total`` without building the records (the DP's inner loop)."""
-        numel, st = self.param_numel(j, k), self.setup.state
+        numel, st = self.param_numel(j, k), self.setup.held
         state = round(numel * st.params) + round(numel * st.grads) + round(numel * st.optimizer)
         return state + self.held[s] * (self.saved[k] - self.saved[j])
 
@@ -420,6 +437,9 @@ class PipelineCandidate:
     stages: tuple[PipelineStage, ...]
     cost: PipelineStepCost | None  # None when it does not fit
     memory: MemoryBreakdown  # the most loaded stage (with the least-memory cuts when none fits)
+    zero_stage: int = 0
+    dp_traffic_bytes: int = 0  # the slowest tail's data-parallel bytes sent per step
+    cut_for: int | None = None  # not fitting: None when cut for least memory, else the ZeRO stage whose cuts it shows
 
     @property
     def fits(self) -> bool:
@@ -430,15 +450,15 @@ class PipelineCandidate:
         return self.cost.step_s if self.cost else INF
 
     @property
-    def key(self) -> tuple[int, int, int, str, str]:
-        return (self.pp, self.dp, self.micro_batch_size, self.schedule, self.shared_policy)
+    def key(self) -> tuple[int, int, int, str, str, int]:
+        return (self.pp, self.dp, self.micro_batch_size, self.schedule, self.shared_policy, self.zero_stage)
 
 
 @dataclass(frozen=True)
 class PipelineDecision:
     best: PipelineCandidate
     candidates: tuple[PipelineCandidate, ...]  # the fitting ones fastest first, then the rest by memory
-    reasons: dict[tuple[int, int, int, str, str], str]  # candidate.key -> why it lost ("chosen: ..." for best)
+    reasons: dict[tuple[int, int, int, str, str, int], str]  # candidate.key -> why it lost ("chosen: ..." for best)
     order: tuple[str, ...]  # the pipeline order stages are runs of
     boundaries: tuple[int, ...]  # where cuts were allowed
     shared: tuple[SharedParam, ...]  # parameters a cut could split (tied embeddings)
@@ -532,18 +552,26 @@ def choose_pipeline(
                 continue
             links = stage_links(cluster, p, dp, tp)
             for schedule in ("none",) if p == 1 else schedules:
-                setup = StageSetup(p, m, schedule, links, cluster.usable_memory, state)
                 for policy, forbid in _shared_policies(c, p):
-                    part = Partition(c, setup, cluster, forbid=forbid)
-                    value, bounds = solve_cuts(part)
-                    solves += 1
-                    fits = value < INF
-                    if not fits:
+                    missed: list[Partition] = []  # smaller ZeRO stages that did not fit
+                    for z in zero_stages(pins.zero_stage, dp, request.inference):
+                        setup = StageSetup(p, m, schedule, links, cluster.usable_memory, state, z, dp)
+                        part = Partition(c, setup, cluster, forbid=forbid)
+                        value, bounds = solve_cuts(part)
+                        solves += 1
+                        if value < INF:
+                            # the stages that did not fit, costed at the cuts that fit one larger
+                            candidates += [replace(_candidate(x, bounds, dp, tp, mb, policy, False, request), cut_for=z)
+                                           for x in missed]
+                            candidates.append(_candidate(part, bounds, dp, tp, mb, policy, True, request))
+                            break  # larger stages only add traffic (passes/zero.py)
+                        missed.append(part)
+                    else:
+                        part = missed[-1]  # the least memory: the largest stage weighed, least-memory cuts
                         value, bounds = solve_cuts(part, part.memory_cost)
                         solves += 1
-                        if not bounds:
-                            continue
-                    candidates.append(_candidate(part, bounds, dp, tp, mb, policy, fits, request))
+                        if bounds:
+                            candidates.append(_candidate(part, bounds, dp, tp, mb, policy, False, request))
     if not candidates:
         raise PartitaError(
             f"no pipeline split matches: {devices} devices, {tp} per stage, global batch {B}, pins {pins}",
@@ -554,7 +582,7 @@ def choose_pipeline(
     if not fitting:
         raise _infeasible(candidates, cluster)
     best = fitting[0]
-    reasons = {c.key: _reason(c, best) for c in candidates}
+    reasons = {c.key: _reason(c, best, cluster) for c in candidates}
     ordered = fitting + sorted((c for c in candidates if not c.fits), key=lambda c: c.memory.total)
     any_costs = next(iter(cache.values()))
     return PipelineDecision(best, tuple(ordered), reasons, any_costs.order, any_costs.boundaries, any_costs.shared,
@@ -577,14 +605,17 @@ def _candidate(part: Partition, bounds: tuple[int, ...], dp: int, tp: int, mb: i
     c, setup, cluster = part.costs, part.setup, part.cluster
     p, width = setup.stages, dp * tp
     grad_elem = 0 if request.inference else max(1, int(setup.state.grads))
-    stages, dp_s, opt_s = [], [], []
+    stages, dp_s, opt_s, dp_bytes = [], [], [], []
     for s, (j, k) in enumerate(zip(bounds, bounds[1:])):
         mem = part.memory(j, k, s)
         numels = [n for n in c.param_numel[j:k] if n] + [sp.numel for sp in part.shared_in(j, k)]
         buckets = gradient_buckets(numels, grad_elem) if grad_elem and dp > 1 else []
         link = cluster.link_for_group(dp, stride=tp)
-        dp_s.append(sum(collective_time("all_reduce", b, dp, link) for b in buckets))
-        opt_s.append(0.0 if request.inference else optimizer_time(model_state_memory(sum(numels), setup.state), cluster))
+        zc = zero_step_comm(setup.zero_stage, buckets, dp, setup.micro_batches, link, elem_bytes=grad_elem or 2)
+        dp_s.append(zc.total_s)
+        dp_bytes.append(zc.total_bytes)
+        opt_s.append(0.0 if request.inference else
+                     zero_optimizer_time(sum(numels), setup.state, setup.zero_stage, dp, cluster))
         stages.append(PipelineStage(
             index=s, start=j, stop=k, first_node=c.order[j], last_node=c.order[k - 1], params=sum(numels),
             forward_s=part.fwd[k] - part.fwd[j], backward_s=part.compute[k] - part.compute[j] - (part.fwd[k] - part.fwd[j]),
@@ -608,7 +639,8 @@ def _candidate(part: Partition, bounds: tuple[int, ...], dp: int, tp: int, mb: i
     return PipelineCandidate(
         pp=p, dp=dp, tp=tp, micro_batch_size=mb, micro_batches=setup.micro_batches, schedule=setup.schedule,
         shared_policy=policy, cuts=tuple(c.order[k - 1] for k in bounds[1:-1]), stages=tuple(stages), cost=cost,
-        memory=max((st.memory for st in stages), key=lambda mm: mm.total),
+        memory=max((st.memory for st in stages), key=lambda mm: mm.total), zero_stage=setup.zero_stage,
+        dp_traffic_bytes=max(dp_bytes, default=0),
     )
 
 
@@ -642,7 +674,8 @@ def _run_name(run: list[str]) -> str:
 
 def _label(c: PipelineCandidate) -> str:
     sched = "" if c.schedule == "none" else f" {c.schedule.upper()}"
-    return f"pp={c.pp} x dp={c.dp}, {c.micro_batches} micro-batch(es) of {c.micro_batch_size}{sched}"
+    zero = f", {STRATEGY_NAMES[c.zero_stage]}" if c.zero_stage else ""
+    return f"pp={c.pp} x dp={c.dp}, {c.micro_batches} micro-batch(es) of {c.micro_batch_size}{sched}{zero}"
 
 
 def _binding(c: PipelineCandidate) -> str:
@@ -658,11 +691,15 @@ def _gb(nbytes: float) -> str:
     return f"{nbytes / 1e9:.2f} GB" if nbytes >= 1e8 else f"{nbytes / 1e6:.3g} MB"
 
 
-def _reason(c: PipelineCandidate, best: PipelineCandidate) -> str:
+def _reason(c: PipelineCandidate, best: PipelineCandidate, cluster: ClusterSpec) -> str:
     if c is best:
         return "chosen: fastest predicted step that fits"
     if not c.fits:
-        return f"does not fit even with its least-memory cuts: {_binding(c)}"
+        zero = f"{STRATEGY_NAMES[c.zero_stage]} " if c.zero_stage else ""
+        if c.cut_for is not None:
+            return (f"{zero}does not fit: no cuts fit; at the cuts that fit {STRATEGY_NAMES[c.cut_for]}, "
+                    f"{_binding(c)}")
+        return f"{zero}does not fit even with its least-memory cuts: {_binding(c)}"
     a, b = c.cost, best.cost
     assert a is not None and b is not None
     if c.step_s <= best.step_s * (1 + 1e-9):
@@ -670,10 +707,14 @@ def _reason(c: PipelineCandidate, best: PipelineCandidate) -> str:
                 + (" (GPipe holds all m micro-batches, 1F1B at most p)" if c.schedule == "gpipe" else ""))
     parts = [f"{name} {x * 1e3:.3g} ms vs {y * 1e3:.3g} ms"
              for name, x, y in (("compute", a.compute_s, b.compute_s), ("bubble", a.bubble_s, b.bubble_s),
-                                ("p2p", a.p2p_s, b.p2p_s), ("gradient all-reduce", a.dp_all_reduce_s, b.dp_all_reduce_s),
+                                ("p2p", a.p2p_s, b.p2p_s), ("data-parallel collectives" if c.zero_stage or best.zero_stage else "gradient all-reduce",
+                                 a.dp_all_reduce_s, b.dp_all_reduce_s),
                                 ("tied all-reduce", a.tied_all_reduce_s, b.tied_all_reduce_s),
                                 ("optimizer", a.optimizer_s, b.optimizer_s))
              if x > y * 1.001 + 1e-12]
+    if c.zero_stage and a.dp_all_reduce_s > b.dp_all_reduce_s * 1.001:
+        parts.append(traffic_reason(c.zero_stage, c.dp_traffic_bytes, cluster.link_for_group(c.dp, stride=c.tp),
+                                    a.dp_all_reduce_s))
     return f"{c.step_s / best.step_s:.2f}x slower: " + "; ".join(parts or ["slower overall"])
 
 

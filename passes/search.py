@@ -8,6 +8,12 @@ alternative weighed with the reason it lost. Writes nothing on the graph.
 How the space is covered (each part has one home; this module only joins them):
 
 - tp runs over the divisors of the GPUs per node (TP stays on a node's links);
+- the ZeRO stage z (0-3, or the pinned one) is weighed inside both solvers, per
+  (mesh, micro-batch): each tries z = 0, 1, 2, 3 and keeps the first that fits
+  (passes/zero.py says why nothing that could win is lost, and which part is
+  policy); z shards the model state over the dp group in the ILP's memory row
+  and the cut DP's stage memory, and replaces the dp all-reduce by ZeRO's
+  collectives, with the runtime's counts, in the step time;
 - pp = 1: passes/tensor_parallel.choose_mesh solves the TP ILP
   (passes/tp_ilp.py) for every micro-batch size under the device's memory;
 - pp > 1: passes/pipeline_parallel.choose_pipeline cuts the model with its
@@ -18,14 +24,20 @@ How the space is covered (each part has one home; this module only joins them):
   graph and reused for every p (its per-layer answer does not depend on where
   the cuts fall); each stage's memory is then checked by the cut solver.
 
-Pruning: when a pp = 1 plan fits, pipelines are weighed at one tp only (the
-pinned one, else tp = 1, which needs no ILP): with the model fitting, a
-pipeline mostly adds its bubble (the 1F1B step is (m + p - 1)/m of the
-unpipelined one), and those alternatives let the plan say why none was
-taken. When nothing fits at pp = 1 (or pp is pinned), every tp is pipelined.
+Pruning: when a pp = 1 plan fits without ZeRO, pipelines are weighed at one
+tp only (the pinned one, else tp = 1, which needs no ILP): with the model
+fitting, a pipeline mostly adds its bubble (the 1F1B step is (m + p - 1)/m of
+the unpipelined one), and those alternatives let the plan say why none was
+taken. When nothing fits at pp = 1 without ZeRO (or pp is pinned), every tp is
+pipelined: a pipeline divides the model state that ZeRO would otherwise
+gather and scatter over the dp group every step (GPT-3 175B on 128 A100s:
+ZeRO-3 at tp = 8 fits, but tp = 8 x pp = 8 is predicted 1.7x faster).
 
 The objective: the fastest predicted step that fits; ties go to fewer stages,
-then to the smaller tp.
+then to the smaller ZeRO stage, then to the smaller tp. Every alternative
+records its ZeRO stage, and a ZeRO stage that lost says why: the memory that
+did not fit, or its traffic per step over the dp group's link and the time
+that costs (passes/zero.traffic_reason).
 """
 
 from __future__ import annotations
@@ -38,7 +50,18 @@ from partita.compiler.errors import InfeasibleError, PartitaError
 from partita.compiler.plan import Alternative, MemoryBreakdown, Mesh, Stage
 from partita.passes.cluster import ClusterSpec
 from partita.passes.constraints import Pins, TrainingRequest
-from partita.passes.cost_model import collective_time, compute_time, element_bytes, reshard_time
+from partita.passes.cost_model import (
+    collective_time,
+    compute_time,
+    element_bytes,
+    model_state_memory,
+    reshard_time,
+    state_bytes_per_param,
+    zero_optimizer_time,
+    zero_step_comm,
+)
+from partita.passes.data_parallel import gradient_buckets
+from partita.passes.zero import STRATEGY_NAMES, traffic_reason
 from partita.passes.pipeline_parallel import (
     NodeCosts,
     PipelineCandidate,
@@ -103,9 +126,11 @@ def plan_search(
             errors.append(e)
     if pins.pp != 1 and world > 1:
         tried_pipeline = True
-        # With a pp = 1 plan in hand, pipelines are weighed at tp = 1 only (cheap: no ILP), so
-        # the plan can say what a pipeline would cost; without one, at every tp.
-        degrees = _tp_degrees(cluster, world, pins) if (pins.pp or not options) else [pins.tp or 1]
+        # With a pp = 1 plan in hand that needs no ZeRO, pipelines are weighed at tp = 1 only (cheap:
+        # no ILP), so the plan can say what a pipeline would cost; otherwise at every tp (a pipeline
+        # divides the state ZeRO would otherwise move every step).
+        fits_plain = bool(options) and options[0].zero_stage == 0
+        degrees = _tp_degrees(cluster, world, pins) if (pins.pp or not fits_plain) else [pins.tp or 1]
         for tp in degrees:
             try:
                 decision = choose_pipeline(
@@ -122,13 +147,46 @@ def plan_search(
         if errors:
             raise errors[-1] if tried_pipeline else errors[0]
         raise PartitaError(f"no plan matches the pins {pins} on {world} devices")
-    options.sort(key=lambda d: (d.step_s, d.mesh.pp, d.mesh.tp))
+    options.sort(key=lambda d: (d.step_s, d.mesh.pp, d.zero_stage, d.mesh.tp))
     best = options[0]
-    alternatives = _merge_alternatives(options)
+    alternatives = _merge_alternatives(options) + _pruned_zero(best, cluster, request, pins)
     notes = best.notes + (f"{len(options)} mesh families weighed "
-                          f"({', '.join(sorted({f'pp={o.mesh.pp} tp={o.mesh.tp}' for o in options}))})",)
+                          f"({', '.join(sorted({f'pp={o.mesh.pp} tp={o.mesh.tp}' for o in options}))})",
+                          "ZeRO: per (mesh, micro-batch) the first stage of 0-3 that fits is weighed; larger "
+                          "stages only add traffic there (passes/zero.py)" if pins.zero_stage is None
+                          else f"ZeRO-{pins.zero_stage} pinned")
     return replace(best, alternatives=alternatives, seconds=time.perf_counter() - t0, notes=notes,
                    candidates=sum(o.candidates for o in options))
+
+
+def _pruned_zero(best: Decision, cluster: ClusterSpec, request: TrainingRequest, pins: Pins) -> tuple[Alternative, ...]:
+    """The ZeRO stages above the chosen one, which the solvers did not weigh at its (mesh, micro-batch)
+    (passes/zero.py), priced at the chosen layout and cuts: the chosen step with its data-parallel
+    collectives replaced by theirs, so the plan says what each would have cost."""
+    dp, z0 = best.mesh.dp, best.zero_stage
+    if pins.zero_stage is not None or dp <= 1 or request.inference or z0 == 3:
+        return ()
+    state = state_bytes_per_param(request.precision, request.optimizer)
+    elem = int(state.grads)
+    numel = max(s.params for s in best.stages) if best.stages else sum(best.buckets) / elem
+    buckets = list(best.buckets) or gradient_buckets([round(numel)], elem, best.bucket_bytes)
+    link = cluster.link_for_group(dp, stride=best.mesh.tp)
+    dp_s = sum(v for k, v in best.comm_s.items() if k == "dp_all_reduce" or k.startswith("zero"))
+    dp_bytes = zero_step_comm(z0, buckets, dp, best.grad_accum_steps, link, elem_bytes=elem).total_bytes
+    out = []
+    for z in range(z0 + 1, 4):
+        comm = zero_step_comm(z, buckets, dp, best.grad_accum_steps, link, elem_bytes=elem)
+        opt = zero_optimizer_time(numel, state, z, dp, cluster)
+        step = best.step_s - dp_s - best.optimizer_s + comm.total_s + opt
+        out.append(Alternative(
+            mesh=best.mesh, micro_batch_size=best.micro_batch_size, grad_accum_steps=best.grad_accum_steps,
+            zero_stage=z, step_time_s=step, fits=True, chosen=False,
+            memory_bytes=model_state_memory(round(numel), state, zero_stage=z, dp=dp).total + best.memory.activations,
+            reason=f"not weighed: {STRATEGY_NAMES[z0]} already fits this mesh and micro-batch; "
+                   f"{traffic_reason(z, comm.total_bytes, link, comm.total_s)}, "
+                   f"{comm.total_bytes / max(dp_bytes, 1):.3g}x the traffic; optimizer {opt * 1e3:.3g} ms vs "
+                   f"{best.optimizer_s * 1e3:.3g} ms; {step / best.step_s:.2f}x the step at this layout"))
+    return tuple(out)
 
 
 def _tp_degrees(cluster: ClusterSpec, world: int, pins: Pins) -> list[int]:
@@ -250,15 +308,17 @@ def _from_pipeline(d: PipelineDecision, profile: ModelProfile, cluster: ClusterS
     assert c is not None
     choice = tp_choice(profile, cluster, request, best.micro_batch_size, tp)
     node_stage = stage_of_nodes(profile, best.cuts) if best.pp > 1 else {n: 0 for n in profile.graph.nodes}
+    dp_key = "dp_all_reduce" if best.zero_stage == 0 else f"zero{best.zero_stage}_collectives"
     comm = {k: v for k, v in (("pp_send_recv", c.p2p_s), ("pp_bubble", c.bubble_s),
-                              ("dp_all_reduce", c.dp_all_reduce_s), ("tied_all_reduce", c.tied_all_reduce_s)) if v > 0}
+                              (dp_key, c.dp_all_reduce_s), ("tied_all_reduce", c.tied_all_reduce_s)) if v > 0}
     heaviest = max(best.stages, key=lambda s: s.memory.total)
     return Decision(
         mesh=Mesh(dp=best.dp, tp=tp, pp=best.pp), micro_batch_size=best.micro_batch_size,
-        grad_accum_steps=best.micro_batches, schedule=best.schedule, zero_stage=0, choice=choice,
+        grad_accum_steps=best.micro_batches, schedule=best.schedule, zero_stage=best.zero_stage, choice=choice,
         node_stage=node_stage, stages=d.plan_stages(), step_s=best.step_s, compute_s=c.compute_s, comm_s=comm,
-        optimizer_s=c.optimizer_s, traffic_bytes={}, memory=heaviest.memory, buckets=(), bucket_bytes=25 * 1024 * 1024,
-        alternatives=tuple(_pipeline_alternative(x, x is best, d.reasons[x.key]) for x in d.candidates[:12]),
+        optimizer_s=c.optimizer_s, traffic_bytes={dp_key: best.dp_traffic_bytes} if best.dp_traffic_bytes else {},
+        memory=heaviest.memory, buckets=(), bucket_bytes=25 * 1024 * 1024,
+        alternatives=tuple(_pipeline_alternative(x, x is best, d.reasons[x.key]) for x in _diverse(d.candidates)),
         method=f"exact cut DP over layer boundaries x (p, m, schedule) enumeration; TP ILP per (tp={tp}, micro-batch)",
         status="OPTIMAL", gap=0.0, candidates=len(d.candidates), seconds=d.seconds,
         notes=(f"{d.solves} cut programs solved", f"bubble {c.bubble_s / best.step_s:.1%} of the step"),
@@ -267,12 +327,39 @@ def _from_pipeline(d: PipelineDecision, profile: ModelProfile, cluster: ClusterS
 
 def _pipeline_alternative(c: PipelineCandidate, chosen: bool, reason: str) -> Alternative:
     return Alternative(mesh=Mesh(dp=c.dp, tp=c.tp, pp=c.pp), micro_batch_size=c.micro_batch_size,
-                       grad_accum_steps=c.micro_batches, zero_stage=0, step_time_s=c.step_s if c.fits else None,
+                       grad_accum_steps=c.micro_batches, zero_stage=c.zero_stage,
+                       step_time_s=c.step_s if c.fits else None,
                        memory_bytes=c.memory.total, fits=c.fits, chosen=chosen, reason=reason)
 
 
-def _merge_alternatives(options: Sequence[Decision], limit: int = 16) -> tuple[Alternative, ...]:
-    """The chosen plan first, then each family's alternatives; the other families' winners say why they lost."""
+def _diverse(candidates: Sequence[PipelineCandidate], limit: int = 16) -> list[PipelineCandidate]:
+    """The chosen candidate, the fastest of each (pp, ZeRO stage), the nearest miss of each ZeRO
+    stage, then the rest in order (``candidates`` is fitting-fastest-first, then misses)."""
+    return _spread(candidates, lambda c: c.fits, lambda c: (c.pp, c.tp, c.zero_stage), lambda c: c.zero_stage, limit)
+
+
+def _spread(items: Sequence[Any], fits: Any, family: Any, stage: Any, limit: int) -> list[Any]:
+    """``items`` ordered best first: the first, one per family among the fitting, one per ZeRO stage
+    among the misses, then the rest, at most ``limit``."""
+    if not items:
+        return []
+    picked = [items[0]]
+    seen_family = {family(items[0])}
+    seen_stage: set[int] = set()
+    for x in items[1:]:
+        if fits(x) and family(x) not in seen_family:
+            seen_family.add(family(x))
+            picked.append(x)
+        elif not fits(x) and stage(x) not in seen_stage:
+            seen_stage.add(stage(x))
+            picked.append(x)
+    picked += [x for x in items if x not in picked]
+    return sorted(picked[:limit], key=lambda x: (x is not items[0], not fits(x), items.index(x)))
+
+
+def _merge_alternatives(options: Sequence[Decision], limit: int = 24) -> tuple[Alternative, ...]:
+    """The chosen plan first, then each family's alternatives; the other families' winners say why they lost.
+    Every (pp, tp, ZeRO stage) family that fits keeps its fastest, every ZeRO stage its nearest miss."""
     best = options[0]
     out: list[Alternative] = []
     for i, o in enumerate(options):
@@ -281,14 +368,13 @@ def _merge_alternatives(options: Sequence[Decision], limit: int = 16) -> tuple[A
                 slower = a.step_time_s / best.step_s if a.step_time_s else float("inf")
                 a = replace(a, chosen=False,
                             reason=f"{slower:.2f}x slower than {best.mesh} ({a.reason.removeprefix('chosen: ')})")
-            elif a.chosen:
-                pass
             out.append(a)
     seen: set[tuple[Any, ...]] = set()
     unique = []
     for a in sorted(out, key=lambda a: (not a.chosen, not a.fits, a.step_time_s or float("inf"))):
-        key = (a.mesh, a.micro_batch_size, a.grad_accum_steps)
+        key = (a.mesh, a.micro_batch_size, a.grad_accum_steps, a.zero_stage)
         if key not in seen:
             seen.add(key)
             unique.append(a)
-    return tuple(unique[:limit])
+    return tuple(_spread(unique, lambda a: a.fits, lambda a: (a.mesh.pp, a.mesh.tp, a.zero_stage),
+                         lambda a: a.zero_stage, limit))

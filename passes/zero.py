@@ -16,11 +16,17 @@ is a policy:
   grows (2, m + 1, 3m Psi; cost_model.zero_collectives) and the optimizer
   pass is the same 1/dp slice, so a larger stage is never faster at the same
   (mesh, micro-batch).
-- z = 0 over z = 1 is a policy: both send 2 Psi per step, and the cost model
-  credits ZeRO-1 with an optimizer pass over 1/dp of the state (it is
-  memory-bound, (1 - 1/dp) of a few tens of ms for a 7B model). Where plain
-  data parallelism fits, the planner does not buy that with ZeRO's second
-  runtime path and its exposed all-gather after the step.
+- z = 0 over z >= 1 is a policy, not a bound: ZeRO-1 sends the same 2 Psi
+  per step, and the cost model credits every ZeRO stage with an optimizer
+  pass over 1/dp of the state (memory-bound: 2 x 16 Psi / dp bytes of HBM
+  traffic), which on NVLink can outweigh even ZeRO-3's extra Psi (a 150M
+  model on 8 A100s: ZeRO-3 is predicted 0.95x the step). What the cost model
+  does not see is overlap: it exposes every collective, but a DP all-reduce
+  runs under the backward, while ZeRO's parameter all-gathers (after the
+  step, or before each use at stage 3, without prefetch in runtime/zero.py)
+  have nothing to hide behind. Where plain data parallelism fits, the planner
+  does not trade that for the optimizer pass; the plan lists the stages it
+  did not weigh with their traffic, optimizer time and predicted step.
 - A larger stage can still win by letting a larger micro-batch fit (fewer
   per-micro-batch overheads, fewer pipeline bubbles), or by letting a mesh
   fit at all (ZeRO instead of TP or PP): those are weighed, since z is chosen

@@ -102,12 +102,18 @@ def test_pipeline_when_no_device_holds_the_model():
     prof = _profile(_gpt(n_layer=16, n_embd=2560, n_head=20, vocab_size=50304))  # 1.5B params, fp32 Adam 24 GB
     cluster = _local_24gb()
     assert prof.num_params * 16 > cluster.usable_memory
-    d = _choose(prof, cluster)
+    d = _choose(prof, cluster, pins=Pins(zero_stage=0))
     assert d.best.pp > 1 and d.best.fits
     assert all(s.memory.fits for s in d.stages)
     flat = [c for c in d.candidates if c.pp == 1]
     assert flat and not any(c.fits for c in flat)
     assert all(d.reasons[c.key].startswith("does not fit") for c in flat)
+    # With ZeRO free, sharding the state over the 4 replicas is the other way to fit: the
+    # unsharded flat candidates still say why they lost, at the cuts that fit ZeRO
+    z = _choose(prof, cluster)
+    assert z.best.fits and (z.best.zero_stage > 0 or z.best.pp > 1)
+    flat0 = [c for c in z.candidates if c.pp == 1 and c.zero_stage == 0]
+    assert flat0 and all(z.reasons[c.key].startswith("does not fit") for c in flat0)
 
 
 def test_a_13b_gpt_in_fp32_adam_on_four_24gb_devices_is_refused_naming_the_stage():
