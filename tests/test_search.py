@@ -100,3 +100,16 @@ def test_gpt3_175b_on_dgx_nodes_is_tp8_inside_pipelines_across_not_zero3():
     assert z3 and all(a.step_time_s > d.step_s for a in z3)
     state = state_bytes_per_param("bf16-mixed", "adamw")
     assert d.memory.params + d.memory.grads + d.memory.optimizer <= model[0].num_params * state.total / d.mesh.tp
+
+
+def test_own_choice_at_least_as_fast_as_the_published_22b_run():
+    """Korthikanti et al. 2023, Table 5: 22B GPT, t=8 on one DGX A100, batch 4. Partita's unpinned
+    plan is predicted no slower than the published configuration priced by the same cost model."""
+    from benchmarks.published_runs import KORTHIKANTI, own_choice, price
+
+    run = KORTHIKANTI[0]
+    published = price(run)
+    assert published.fits and (published.decision.mesh.tp, published.decision.mesh.pp) == (8, 1)
+    assert published.decision.step_s == pytest.approx(run.iteration_s, rel=0.3)  # 1.10 s published
+    own = own_choice(run)
+    assert own.step_s <= published.decision.step_s * (1 + 1e-9)
