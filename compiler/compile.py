@@ -30,7 +30,14 @@ from partita.compiler.plan import (
 )
 from partita.passes.cluster import ClusterSpec
 from partita.passes.constraints import Pins, TrainingRequest
-from partita.passes.cost_model import collective_time, compute_dtype, compute_time, element_bytes
+from partita.passes.cost_model import (
+    collective_time,
+    compute_dtype,
+    compute_time,
+    element_bytes,
+    padded_bucket,
+    zero_collectives,
+)
 from partita.passes.profile import ModelProfile, profile_model
 from partita.passes.data_parallel import gradient_buckets
 from partita.passes.search import Decision, plan_search
@@ -326,14 +333,20 @@ def _dp_collectives(params: Sequence[ParamDecision], d: Decision, cluster: Clust
     for s in range(d.mesh.pp):
         local = [math.prod(p.shape) // (d.mesh.tp if p.layout.get(MeshAxis.TP.value, "replicate").startswith("shard")
                                           else 1) for p in params if p.stage == s]
-        by_size: dict[int, int] = {}
+        by_call: dict[tuple[str, int, str], int] = {}
         for b in gradient_buckets(local, grad_bytes, d.bucket_bytes):
-            by_size[b] = by_size.get(b, 0) + 1
-        out += [Collective(kind="all_reduce", axis=MeshAxis.DP.value, bytes=size, count=count, group_size=dp,
-                           purpose="gradient averaging (one bucket per call, after the last micro-batch)",
-                           seconds=count * collective_time("all_reduce", size, dp, link),
+            if d.zero_stage == 0:
+                key = ("all_reduce", b, "gradient averaging (one bucket per call, after the last micro-batch)")
+                by_call[key] = by_call.get(key, 0) + 1
+                continue
+            padded = round(padded_bucket(b, dp, grad_bytes))  # ZeRO's flat buckets split evenly over dp
+            for kind, calls, what in zero_collectives(d.zero_stage, d.grad_accum_steps):
+                key = (kind, padded, f"ZeRO-{d.zero_stage} {what} ({'reduce-scatter of gradients' if what == 'grads' else 'all-gather of parameters'})")
+                by_call[key] = by_call.get(key, 0) + calls
+        out += [Collective(kind=kind, axis=MeshAxis.DP.value, bytes=size, count=count, group_size=dp,
+                           purpose=purpose, seconds=count * collective_time(kind, size, dp, link),
                            stage=s if d.mesh.pp > 1 else None)
-                for size, count in by_size.items()]
+                for (kind, size, purpose), count in by_call.items()]
     last = d.mesh.pp - 1
     out.append(Collective(kind="all_reduce", axis=MeshAxis.DP.value, bytes=4, count=1, group_size=dp,
                           purpose="loss averaging (the step's loss, same on every rank)",

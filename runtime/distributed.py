@@ -8,6 +8,7 @@ starts nothing, so a script written for partita also runs as a plain script.
 
 from __future__ import annotations
 
+import atexit
 import os
 from dataclasses import dataclass
 from datetime import timedelta
@@ -72,7 +73,15 @@ def init_distributed(timeout_s: float = 120) -> DistContext:
         timeout=timedelta(seconds=timeout_s),
         device_id=device if device.type == "cuda" else None,
     )
+    # A user's script seldom tears the group down; collectives still in flight at interpreter
+    # exit (ZeRO-3's parameter gathers) then abort the process. Tear it down at exit instead.
+    atexit.register(_destroy_at_exit)
     return DistContext(dist.get_rank(), dist.get_world_size(), local_rank, backend, device, True)
+
+
+def _destroy_at_exit() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def build_mesh(mesh: Mesh, ctx: DistContext) -> DeviceMesh | None:

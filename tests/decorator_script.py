@@ -35,6 +35,7 @@ def batches():
 if __name__ == "__main__":
     model = make_model()
     losses = [model.train_step(x, targets=y) for x, y in batches()]
+    counted = [list(t) for t in model.collectives.as_tuples()]  # the last step's, before gathering below
     state = model.full_state_dict()  # every rank takes part
     if model.ctx.rank == 0:
         out = Path(sys.argv[1])
@@ -45,7 +46,7 @@ if __name__ == "__main__":
             "mesh": [model.plan.mesh.dp, model.plan.mesh.tp, model.plan.mesh.pp],
             "micro_batch_size": model.plan.training.micro_batch_size,
             "grad_accum_steps": model.plan.training.grad_accum_steps,
-            "counted": [list(t) for t in model.collectives.as_tuples()],
+            "counted": counted,
             # rank 0 holds pipeline stage 0 (pp is the outermost mesh axis)
             "planned": [[c.kind, c.axis, c.bytes, c.count] for c in model.plan.collectives if c.stage in (None, 0)],
         }))
