@@ -554,7 +554,7 @@ def choose_pipeline(
             for schedule in ("none",) if p == 1 else schedules:
                 for policy, forbid in _shared_policies(c, p):
                     missed: list[Partition] = []  # smaller ZeRO stages that did not fit
-                    for z in zero_stages(pins.zero_stage, dp, request.inference):
+                    for z in zero_stages(pins.zero_stage, dp, request.inference, tp=tp, pp=p):
                         setup = StageSetup(p, m, schedule, links, cluster.usable_memory, state, z, dp)
                         part = Partition(c, setup, cluster, forbid=forbid)
                         value, bounds = solve_cuts(part)
@@ -567,6 +567,8 @@ def choose_pipeline(
                             break  # larger stages only add traffic (passes/zero.py)
                         missed.append(part)
                     else:
+                        if not missed:  # no ZeRO stage the runtime executes at this (tp, p)
+                            continue
                         part = missed[-1]  # the least memory: the largest stage weighed, least-memory cuts
                         value, bounds = solve_cuts(part, part.memory_cost)
                         solves += 1

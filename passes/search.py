@@ -146,7 +146,10 @@ def plan_search(
     if not options:
         if errors:
             raise errors[-1] if tried_pipeline else errors[0]
-        raise PartitaError(f"no plan matches the pins {pins} on {world} devices")
+        from partita.passes.zero import RUNTIME_ZERO
+
+        raise PartitaError(f"no plan matches the pins {pins} on {world} devices"
+                           + (f" ({RUNTIME_ZERO})" if pins.zero_stage else ""))
     options.sort(key=lambda d: (d.step_s, d.mesh.pp, d.zero_stage, d.mesh.tp))
     best = options[0]
     alternatives = _merge_alternatives(options) + _pruned_zero(best, cluster, request, pins)

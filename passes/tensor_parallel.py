@@ -150,7 +150,7 @@ def choose_mesh(
         too_big: dict[int, tuple[int, int]] = {}  # ZeRO stage -> (micro-batch, bytes) of the first that did not fit
         for mb in _micro_batches(B // dp, pins):
             accum = B // dp // mb
-            for z in zero_stages(pins.zero_stage, dp, request.inference):
+            for z in zero_stages(pins.zero_stage, dp, request.inference, tp=tp):
                 if z in too_big:
                     mb0, need = too_big[z]
                     candidates.append(MeshCandidate(tp, dp, mb, accum, need, False, None, None, None,

@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from partita.compiler.plan import MemoryBreakdown
 from partita.passes.cluster import ClusterSpec, Link
 from partita.passes.cost_model import (
+    ZERO_STAGES,
     collective_time,
     element_bytes,
     model_state_memory,
@@ -50,13 +51,24 @@ from partita.passes.cost_model import (
 STRATEGY_NAMES = {0: "DP", 1: "ZeRO-1", 2: "ZeRO-2", 3: "ZeRO-3"}
 
 
-def zero_stages(pinned: int | None, dp: int, inference: bool) -> tuple[int, ...]:
+def zero_stages(pinned: int | None, dp: int, inference: bool, *, tp: int = 1, pp: int = 1) -> tuple[int, ...]:
     """The stages to weigh, smallest first: the pinned one, else 0-3; only 0 where there is
     nothing to shard over (dp = 1: every stage costs what stage 0 does) or no optimizer
-    state (inference)."""
+    state (inference).
+
+    Only what the runtime executes is weighed (runtime/engine.refuse_unsupported): no ZeRO
+    inside a pipeline yet, and no ZeRO-3 with tensor parallelism (its parameters would be
+    gathered inside the TP graph). A plan nobody can run is no plan: a pinned stage the
+    runtime cannot execute at this (tp, pp) gives nothing to weigh there (``RUNTIME_ZERO``
+    says why in the search's refusal).
+    """
+    runnable = tuple(z for z in ZERO_STAGES if (pp == 1 or z == 0) and (tp == 1 or z < 3))
     if pinned is not None:
-        return (pinned,)
-    return (0,) if dp <= 1 or inference else (0, 1, 2, 3)
+        return (pinned,) if pinned in runnable else ()
+    return (0,) if dp <= 1 or inference else runnable
+
+
+RUNTIME_ZERO = "the runtime executes ZeRO-1/2 with tensor parallelism, ZeRO-3 only without it, and no ZeRO inside a pipeline yet"
 
 
 def traffic_reason(zero_stage: int, traffic_bytes: float, link: Link, seconds: float) -> str:

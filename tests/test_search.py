@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from partita.compiler.errors import InfeasibleError
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from examples.models import GPT, GPTConfig  # noqa: E402
@@ -95,9 +97,12 @@ def test_gpt3_175b_on_dgx_nodes_is_tp8_inside_pipelines_across_not_zero3():
     d = _search(model, cluster, 64)
     assert d.mesh.tp == 8 and d.mesh.pp > 1 and d.zero_stage < 3
     assert cluster.link_for_group(d.mesh.tp).name == "NVLink"
-    # ZeRO-3 over the 16 nodes at tp=8 fits (350 GB / 16 of state), and loses by its traffic
-    z3 = [a for a in d.alternatives if a.zero_stage == 3 and a.mesh.pp == 1 and a.fits]
-    assert z3 and all(a.step_time_s > d.step_s for a in z3)
+    # Pure ZeRO-3 over all 128 GPUs (batch 128, one sample per rank) shards the state to
+    # 22 GB but a whole 96-layer micro-batch of activations does not fit beside it without
+    # recomputation: refused, naming the numbers. (ZeRO-3 with TP is not weighed: the runtime
+    # does not execute it yet.)
+    with pytest.raises(InfeasibleError, match="ZeRO-3.*budget 72.00 GB"):
+        _search(model, cluster, 128, Pins(zero_stage=3))
     state = state_bytes_per_param("bf16-mixed", "adamw")
     assert d.memory.params + d.memory.grads + d.memory.optimizer <= model[0].num_params * state.total / d.mesh.tp
 
