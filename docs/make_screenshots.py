@@ -1,4 +1,5 @@
-"""Screenshots of `partita view` for the README: the demo plan and a GPT-3-175B-like plan on 128 GPUs.
+"""Screenshots of `partita view` for the README: the demo plan and the planner's own plan for the
+GPT-3 175B shape on 16 DGX A100 nodes (128 GPUs), both made by `compile_model`.
 
     .venv/bin/python docs/make_screenshots.py
 
@@ -13,7 +14,6 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
 from playwright.sync_api import sync_playwright  # noqa: E402
-from synthetic_plans import gpt3_175b_plan  # noqa: E402
 from test_view import CHROMIUM, CHROMIUM_ARGS  # noqa: E402
 
 from partita.compiler.view import render_html  # noqa: E402
@@ -28,6 +28,21 @@ def demo_plan():
 
     return compile_model(demo_model, [parse_input_spec(f"idx=int64[{BATCH},{SEQ}]")],
                          load_cluster("local", devices=4), pins=Pins(world_size=4), name="gpt_tiny (demo)").plan
+
+
+def gpt3_plan():
+    sys.path.insert(0, str(ROOT))
+    from examples.models import GPT, GPTConfig
+
+    from partita.compiler.compile import compile_model
+    from partita.compiler.inputs import parse_input_spec
+    from partita.passes.cluster import load_cluster
+
+    def gpt3():
+        return GPT(GPTConfig(vocab_size=50257, block_size=2048, n_layer=96, n_head=96, n_embd=12288))
+
+    return compile_model(gpt3, [parse_input_spec("idx=int64[64,2048]")], load_cluster("dgx-a100", nodes=16),
+                         name="GPT-3 175B shape").plan
 
 
 def shoot(context, html: str, out: Path, expand: str | None) -> None:
@@ -50,8 +65,9 @@ def main() -> None:
                                                         args=CHROMIUM_ARGS, headless=True,
                                                         viewport={"width": 1400, "height": 1000})
         shoot(context, render_html(demo_plan()), ROOT / "docs" / "view-demo.png", expand="transformer.h.0")
-        shoot(context, render_html(gpt3_175b_plan(validate=False)), ROOT / "docs" / "view-gpt3-175b.png",
-              expand="model.layers.0")
+        plan = gpt3_plan()
+        plan.save(ROOT / "docs" / "gpt3-175b.plan.json")
+        shoot(context, render_html(plan), ROOT / "docs" / "view-gpt3-175b.png", expand="transformer.h.0")
         context.close()
 
 
