@@ -27,10 +27,14 @@ _SHARD = "shard("
 def full_state_dict(model: "ParallelModel") -> dict[str, torch.Tensor]:
     """Every parameter of the model at full shape, on every rank (a collective)."""
     program = model._program
-    plan: Plan = model.plan
     if program.zero is not None:
-        with program.zero.gathered():
-            return {k: v.detach().clone() for k, v in program.module.named_parameters()}
+        with program.zero.gathered():  # ZeRO's shards back to this rank's (TP-local) parameters
+            return _gathered(model, program)
+    return _gathered(model, program)
+
+
+def _gathered(model: "ParallelModel", program: object) -> dict[str, torch.Tensor]:
+    plan: Plan = model.plan
     tp = _tensor_parallel(program)
     if tp is None:  # the eager module holds whole parameters
         return {k: v.detach().clone() for k, v in program.module.named_parameters()}

@@ -152,6 +152,25 @@ def test_partita_run_a_pipeline_plan(tmp_path, ref):
     assert "measured" in render_html(load_plan(plan), trace=load_trace(trace))
 
 
+def test_partita_run_zero2_with_tensor_parallelism(tmp_path, ref):
+    """ZeRO-2 over dp=2 of the planner's dp=2 x tp=2 plan: same training as one process."""
+    fast = tmp_path / "fast.toml"
+    fast.write_text(load_cluster("local").to_toml().replace("intra_node_gb_per_s = 1", "intra_node_gb_per_s = 1e6")
+                    .replace("intra_node_latency_us = 100", "intra_node_latency_us = 0.001"))
+    plan = tmp_path / "zt.json"
+    c = subprocess.run([PARTITA, "compile", f"{HERE / 'decorator_script.py'}:make_model", "--cluster", str(fast),
+                        "--tp", "2", "--zero", "2", "--grad-accum-steps", "2", "-o", str(plan)], env=ENV,
+                       capture_output=True, text=True, timeout=300)
+    assert c.returncode == 0, c.stderr[-3000:]
+    out = tmp_path / "zt.out.json"
+    r = subprocess.run([PARTITA, "run", str(plan), str(HERE / "decorator_script.py"), str(out)], env=ENV,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    check(out, ref, 4, mesh=(2, 2, 1))
+    kinds = {(c[0], c[1]) for c in json.loads(out.read_text())["counted"]}
+    assert {("reduce_scatter", "dp"), ("all_gather", "dp")} <= kinds and any(a == "tp" for _, a in kinds)
+
+
 @pytest.mark.parametrize("zero", [1, 3])
 def test_partita_run_a_zero_plan(tmp_path, ref, zero):
     """The planner's ZeRO plans (pinned stage) on 4 processes: same training as one process, and the
