@@ -92,56 +92,51 @@ def test_under_torchrun_rank0_plans_and_ranks_match_one_process(tmp_path, ref):
     check(out, ref, 2)
 
 
-def test_partita_run_with_a_plan_file(tmp_path, ref):
-    plan = tmp_path / "plan.json"
-    c = subprocess.run([PARTITA, "compile", f"{HERE / 'decorator_script.py'}:make_model", "--devices", "4",
+def compile_and_run(tmp_path: Path, *compile_args: str, run_args: tuple[str, ...] = ()) -> tuple[Path, Path]:
+    """`partita compile` the script's model with ``compile_args``, then `partita run` the plan."""
+    plan, out = tmp_path / "plan.json", tmp_path / "out.json"
+    c = subprocess.run([PARTITA, "compile", f"{HERE / 'decorator_script.py'}:make_model", *compile_args,
                         "--grad-accum-steps", "2", "-o", str(plan)], env=ENV, capture_output=True, text=True,
                        timeout=300)
     assert c.returncode == 0, c.stderr[-3000:]
-    out = tmp_path / "run.json"
-    r = subprocess.run([PARTITA, "run", str(plan), str(HERE / "decorator_script.py"), str(out)], env=ENV,
+    r = subprocess.run([PARTITA, "run", *run_args, str(plan), str(HERE / "decorator_script.py"), str(out)], env=ENV,
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
+    return plan, out
+
+
+def fast_cluster(tmp_path: Path) -> str:
+    """4 CPU processes with NVLink-like links. On `local`'s slow gloo links the ILP rightly keeps
+    every op replicated at tp=2; here splitting pays, so the plan splits."""
+    fast = tmp_path / "fast.toml"
+    fast.write_text(load_cluster("local").to_toml().replace("intra_node_gb_per_s = 1", "intra_node_gb_per_s = 1e6")
+                    .replace("intra_node_latency_us = 100", "intra_node_latency_us = 0.001"))
+    return str(fast)
+
+
+def counted_kinds(out: Path) -> set[tuple[str, str]]:
+    return {(c[0], c[1]) for c in json.loads(out.read_text())["counted"]}
+
+
+def test_partita_run_with_a_plan_file(tmp_path, ref):
+    _, out = compile_and_run(tmp_path, "--devices", "4")
     check(out, ref, 4)
 
 
 def test_partita_run_a_tensor_parallel_plan(tmp_path, ref):
-    """The planner's own dp=2 x tp=2 plan (not a hand-built one), run by the runtime: same training.
-
-    On `local`'s slow gloo links the ILP rightly keeps every op replicated at tp=2; this cluster
-    file gives the 4 CPU processes NVLink-like links so that splitting pays and the plan splits."""
-    fast = tmp_path / "fast.toml"
-    fast.write_text(load_cluster("local").to_toml().replace("intra_node_gb_per_s = 1", "intra_node_gb_per_s = 1e6")
-                    .replace("intra_node_latency_us = 100", "intra_node_latency_us = 0.001"))
-    plan = tmp_path / "tp.json"
-    c = subprocess.run([PARTITA, "compile", f"{HERE / 'decorator_script.py'}:make_model", "--cluster", str(fast),
-                        "--tp", "2", "--grad-accum-steps", "2", "-o", str(plan)], env=ENV, capture_output=True,
-                       text=True, timeout=300)
-    assert c.returncode == 0, c.stderr[-3000:]
-    out = tmp_path / "tp.json.out"
-    r = subprocess.run([PARTITA, "run", str(plan), str(HERE / "decorator_script.py"), str(out)], env=ENV,
-                       capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-3000:]
+    """The planner's own dp=2 x tp=2 plan (not a hand-built one), run by the runtime: same training."""
+    _, out = compile_and_run(tmp_path, "--cluster", fast_cluster(tmp_path), "--tp", "2")
     check(out, ref, 4, mesh=(2, 2, 1))
-    data = json.loads(out.read_text())
-    assert any(c[1] == "tp" for c in data["counted"])  # tensor-parallel collectives ran, as planned
+    assert any(axis == "tp" for _, axis in counted_kinds(out))  # tensor-parallel collectives ran, as planned
 
 
 def test_partita_run_a_pipeline_plan(tmp_path, ref):
-    """The planner's own dp=2 x pp=2 1F1B plan, run by the runtime: same losses as one process, and
+    """The planner's own dp=2 x pp=2 1F1B plan, run by the runtime: same training as one process, and
     rank 0 (stage 0) runs exactly its stage's planned collectives and sends."""
-    plan = tmp_path / "pp.json"
-    c = subprocess.run([PARTITA, "compile", f"{HERE / 'decorator_script.py'}:make_model", "--devices", "4",
-                        "--pp", "2", "--grad-accum-steps", "2", "-o", str(plan)], env=ENV, capture_output=True,
-                       text=True, timeout=300)
-    assert c.returncode == 0, c.stderr[-3000:]
-    out, trace = tmp_path / "pp.out.json", tmp_path / "trace.json"
-    r = subprocess.run([PARTITA, "run", "--trace", str(trace), str(plan), str(HERE / "decorator_script.py"), str(out)],
-                       env=ENV, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-3000:]
+    trace = tmp_path / "trace.json"
+    plan, out = compile_and_run(tmp_path, "--devices", "4", "--pp", "2", run_args=("--trace", str(trace)))
     check(out, ref, 4, mesh=(2, 1, 2))
-    data = json.loads(out.read_text())
-    assert any(c[0] == "send_recv" for c in data["counted"])
+    assert ("send_recv", "pp") in counted_kinds(out)
     # the measured schedule: every rank's forward and backward of every micro-batch of every step
     from partita.compiler.plan import load_plan
     from partita.compiler.view import load_trace, render_html
@@ -154,20 +149,9 @@ def test_partita_run_a_pipeline_plan(tmp_path, ref):
 
 def test_partita_run_zero2_with_tensor_parallelism(tmp_path, ref):
     """ZeRO-2 over dp=2 of the planner's dp=2 x tp=2 plan: same training as one process."""
-    fast = tmp_path / "fast.toml"
-    fast.write_text(load_cluster("local").to_toml().replace("intra_node_gb_per_s = 1", "intra_node_gb_per_s = 1e6")
-                    .replace("intra_node_latency_us = 100", "intra_node_latency_us = 0.001"))
-    plan = tmp_path / "zt.json"
-    c = subprocess.run([PARTITA, "compile", f"{HERE / 'decorator_script.py'}:make_model", "--cluster", str(fast),
-                        "--tp", "2", "--zero", "2", "--grad-accum-steps", "2", "-o", str(plan)], env=ENV,
-                       capture_output=True, text=True, timeout=300)
-    assert c.returncode == 0, c.stderr[-3000:]
-    out = tmp_path / "zt.out.json"
-    r = subprocess.run([PARTITA, "run", str(plan), str(HERE / "decorator_script.py"), str(out)], env=ENV,
-                       capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-3000:]
+    _, out = compile_and_run(tmp_path, "--cluster", fast_cluster(tmp_path), "--tp", "2", "--zero", "2")
     check(out, ref, 4, mesh=(2, 2, 1))
-    kinds = {(c[0], c[1]) for c in json.loads(out.read_text())["counted"]}
+    kinds = counted_kinds(out)
     assert {("reduce_scatter", "dp"), ("all_gather", "dp")} <= kinds and any(a == "tp" for _, a in kinds)
 
 
@@ -175,18 +159,9 @@ def test_partita_run_zero2_with_tensor_parallelism(tmp_path, ref):
 def test_partita_run_a_zero_plan(tmp_path, ref, zero):
     """The planner's ZeRO plans (pinned stage) on 4 processes: same training as one process, and the
     reduce-scatters / all-gathers ran exactly as the plan lists them."""
-    plan = tmp_path / "zero.json"
-    c = subprocess.run([PARTITA, "compile", f"{HERE / 'decorator_script.py'}:make_model", "--devices", "4",
-                        "--zero", str(zero), "--grad-accum-steps", "2", "-o", str(plan)], env=ENV,
-                       capture_output=True, text=True, timeout=300)
-    assert c.returncode == 0, c.stderr[-3000:]
-    out = tmp_path / "zero.out.json"
-    r = subprocess.run([PARTITA, "run", str(plan), str(HERE / "decorator_script.py"), str(out)], env=ENV,
-                       capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-3000:]
+    _, out = compile_and_run(tmp_path, "--devices", "4", "--zero", str(zero))
     check(out, ref, 4)
-    kinds = {c[0] for c in json.loads(out.read_text())["counted"]}
-    assert {"reduce_scatter", "all_gather"} <= kinds
+    assert {("reduce_scatter", "dp"), ("all_gather", "dp")} <= counted_kinds(out)
 
 
 def test_a_plan_for_another_model_or_world_size_is_refused(tmp_path):
