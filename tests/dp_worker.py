@@ -238,6 +238,34 @@ def check_refusals(ctx: DistContext, dp: int) -> None:
             f"batch size {gb}", f"dp={dp}) is {gb // dp}")
 
 
+def run_launch(rank: int, launch: tuple[int, Callable[[DistContext, str], list[dict]]], port: int,
+               outdir: str) -> None:
+    """One rank of a launch (world size, checks): join the gloo group, run the checks, write
+    their results to ``outdir/rankN.json`` for the test to read."""
+    world, checks = launch
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    ctx = init_distributed(timeout_s=30)
+    try:
+        results = checks(ctx, outdir)
+        Path(outdir, f"rank{rank}.json").write_text(json.dumps(results))
+    finally:
+        destroy(ctx)
+
+
+def spawn_launch(worker: Callable[..., None], world: int, launch: str, tmp_path: Path) -> list[list[dict]]:
+    """Run ``worker`` on ``world`` spawned ranks; each rank's results, printed for the log."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(worker, args=(launch, free_port(), str(tmp_path)), nprocs=world)
+    per_rank = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(world)]
+    for rank, results in enumerate(per_rank):
+        for r in results:
+            print(rank, r)
+    return per_rank
+
+
 def worker(rank: int, world: int, port: int, outdir: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank))

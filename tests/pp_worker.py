@@ -13,19 +13,17 @@ planner's graph) x micro-batches. Failures raise, so mp.spawn reports them.
 from __future__ import annotations
 
 import copy
-import json
-import os
 from pathlib import Path
 from typing import Callable
 
 import torch
 import torch.distributed as dist
 
-from dp_worker import OPTIMIZERS, SEQ, free_port, gpt_batch, gpt_loss  # noqa: F401
+from dp_worker import OPTIMIZERS, SEQ, gpt_batch, gpt_loss, run_launch
 from examples.models import GPT, GPTConfig, gpt_tiny
 from partita.compiler.inputs import InputSpec
 from partita.compiler.timeline import load_trace, measured_timeline
-from partita.runtime.distributed import DistContext, destroy, init_distributed
+from partita.runtime.distributed import DistContext
 from partita.runtime.engine import ParallelModel
 from partita.runtime.pipeline_parallel import schedule_order
 from pp_choice import expected_sends, pp_plan
@@ -206,13 +204,4 @@ LAUNCHES: dict[str, tuple[int, Callable[[DistContext, str], list[dict]]]] = {
 
 
 def worker(rank: int, launch: str, port: int, outdir: str) -> None:
-    world, checks = LAUNCHES[launch]
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
-    torch.set_num_threads(1)
-    ctx = init_distributed(timeout_s=30)
-    try:
-        results = checks(ctx, outdir)
-        Path(outdir, f"rank{rank}.json").write_text(json.dumps(results))
-    finally:
-        destroy(ctx)
+    run_launch(rank, LAUNCHES[launch], port, outdir)

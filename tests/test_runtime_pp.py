@@ -11,18 +11,17 @@ stage, and the p2p sends per step equal to the tensors crossing the cuts.
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
 import pytest
-import torch.multiprocessing as mp
 
 ROOT = Path(__file__).resolve().parents[1]
 for path in (ROOT, ROOT / "tests"):  # spawned ranks inherit sys.path
     if str(path) not in sys.path:
         sys.path.insert(0, str(path))
 
+import dp_worker  # noqa: E402
 import pp_worker  # noqa: E402
 
 
@@ -30,11 +29,7 @@ import pp_worker  # noqa: E402
 @pytest.mark.parametrize("launch", list(pp_worker.LAUNCHES))
 def test_pipeline_parallel_matches_single_process(launch, tmp_path):
     world, _ = pp_worker.LAUNCHES[launch]
-    mp.spawn(pp_worker.worker, args=(launch, pp_worker.free_port(), str(tmp_path)), nprocs=world)
-    for rank in range(world):
-        results = json.loads((tmp_path / f"rank{rank}.json").read_text())
-        for r in results:
-            print(rank, r)
+    dp_worker.spawn_launch(pp_worker.worker, world, launch, tmp_path)
 
 
 def _in_flight(order):

@@ -12,8 +12,6 @@ to ``outdir`` for the log.
 from __future__ import annotations
 
 import copy
-import json
-import os
 from collections import Counter
 from pathlib import Path
 from typing import Callable
@@ -23,12 +21,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from dp_worker import GPT_VOCAB, OPTIMIZERS, SEQ, free_port, gpt_batch, gpt_loss  # noqa: F401
+from dp_worker import GPT_VOCAB, OPTIMIZERS, SEQ, gpt_batch, gpt_loss, run_launch
 from examples.models import MLP, LogitsOnly, gpt_tiny
 from partita.compiler.inputs import InputSpec
-from partita.compiler.plan import Collective
 from partita.runtime.data_parallel import bucket_layout
-from partita.runtime.distributed import DistContext, destroy, init_distributed
+from partita.runtime.distributed import DistContext
 from partita.runtime.engine import ParallelModel
 from tp_choice import MEGATRON, tp_plan
 
@@ -211,13 +208,4 @@ LAUNCHES: dict[str, tuple[int, Callable[[DistContext, str], list[dict]]]] = {
 
 
 def worker(rank: int, launch: str, port: int, outdir: str) -> None:
-    world, checks = LAUNCHES[launch]
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
-    torch.set_num_threads(1)
-    ctx = init_distributed(timeout_s=30)
-    try:
-        results = checks(ctx, outdir)
-        Path(outdir, f"rank{rank}.json").write_text(json.dumps(results))
-    finally:
-        destroy(ctx)
+    run_launch(rank, LAUNCHES[launch], port, outdir)
