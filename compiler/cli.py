@@ -83,7 +83,7 @@ def cluster_options(f: Any) -> Any:
 @click.option("--grad-accum-steps", type=int, default=None, help="pin the gradient-accumulation steps")
 @click.option("--tp", type=int, default=None, help="pin the tensor-parallel degree (inside a node)")
 @click.option("--pp", type=int, default=None, help="pin the number of pipeline stages")
-@click.option("--zero", type=int, default=None, help="pin the ZeRO stage (0-3; with TP at most 2, none inside a pipeline yet)")
+@click.option("--zero", type=int, default=None, help="pin the ZeRO stage (0-3) of every data-parallel group")
 @click.option("--microbatches", type=int, default=None, help="pin the micro-batches per step (= --grad-accum-steps)")
 @click.option("--inference", is_flag=True, help="a forward-only plan: no gradients, no optimizer state")
 @click.option("-o", "--output", type=click.Path(dir_okay=False), default="plan.json", show_default=True)

@@ -238,7 +238,7 @@ def _infeasible(profile: Profile, cluster: ClusterSpec, request: TrainingRequest
         f"{m.total / gb:.1f} GB per device (params {m.params / gb:.1f} + grads {m.grads / gb:.1f} + optimizer "
         f"{m.optimizer / gb:.1f} + activations {m.activations / gb:.1f}); budget {m.capacity / gb:.1f} GB "
         f"({cluster.memory_bytes / gb:.0f} GB less {cluster.memory_reserve:.0%} reserve)",
-        hint=f"sharding model state would need {', '.join(zero)} over dp={least.dp} (see `partita estimate`; "
-        "ZeRO, tensor and pipeline plans arrive in later versions); or use devices with more memory, "
+        hint=f"sharding model state would need {', '.join(zero)} over dp={least.dp} (see `partita estimate`), "
+        "or tensor / pipeline parallelism (`partita compile` weighs them all); or use devices with more memory, "
         "or a smaller batch per micro-step",
     )

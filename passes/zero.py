@@ -54,21 +54,20 @@ STRATEGY_NAMES = {0: "DP", 1: "ZeRO-1", 2: "ZeRO-2", 3: "ZeRO-3"}
 def zero_stages(pinned: int | None, dp: int, inference: bool, *, tp: int = 1, pp: int = 1) -> tuple[int, ...]:
     """The stages to weigh, smallest first: the pinned one, else 0-3; only 0 where there is
     nothing to shard over (dp = 1: every stage costs what stage 0 does) or no optimizer
-    state (inference).
+    state (inference), where a pinned ZeRO stage gives nothing to weigh.
 
-    Only what the runtime executes is weighed (runtime/engine.refuse_unsupported): no ZeRO
-    inside a pipeline yet, and no ZeRO-3 with tensor parallelism (its parameters would be
-    gathered inside the TP graph). A plan nobody can run is no plan: a pinned stage the
-    runtime cannot execute at this (tp, pp) gives nothing to weigh there (``RUNTIME_ZERO``
-    says why in the search's refusal).
+    Every stage composes with every (tp, pp) (runtime/zero.py: ZeRO acts on each stage's
+    TP-local parameters over its dp group; ZeRO-3 gathers them per graph node inside the
+    TP interpreter), so ``tp`` and ``pp`` no longer narrow the set; they stay in the
+    signature for the callers that pass them.
     """
-    runnable = tuple(z for z in ZERO_STAGES if (pp == 1 or z == 0) and (tp == 1 or z < 3))
-    if pinned is not None:
-        return (pinned,) if pinned in runnable else ()
-    return (0,) if dp <= 1 or inference else runnable
+    del tp, pp
+    if pinned is not None:  # a pinned ZeRO stage needs a dp group to shard over (RUNTIME_ZERO)
+        return (pinned,) if pinned == 0 or (dp > 1 and not inference) else ()
+    return (0,) if dp <= 1 or inference else ZERO_STAGES
 
 
-RUNTIME_ZERO = "the runtime executes ZeRO-1/2 with tensor parallelism, ZeRO-3 only without it, and no ZeRO inside a pipeline yet"
+RUNTIME_ZERO = "ZeRO shards model state over the data-parallel axis, so a pinned stage needs dp > 1 there"
 
 
 def traffic_reason(zero_stage: int, traffic_bytes: float, link: Link, seconds: float) -> str:

@@ -2,8 +2,8 @@
 
 ``compose`` is the one place that states in which order a plan's parts are
 applied to the user's module; each part lives in the runtime file named for its
-axis (``tensor_parallel.py``, ``pipeline_parallel.py``, ``data_parallel.py``; ZeRO
-beside them later).
+axis (``tensor_parallel.py``, ``pipeline_parallel.py``, ``data_parallel.py``,
+``zero.py``).
 
 Tracing: ``ParallelModel.write_trace(path)`` (collective: every rank calls it)
 gathers each rank's per-micro-batch forward / backward spans to rank 0, which
@@ -48,11 +48,6 @@ def refuse_unsupported(plan: Plan) -> None:
     if t.zero_stage > 0 and plan.mesh.dp == 1:
         raise PlanError(f"the plan has ZeRO-{t.zero_stage} but dp=1: there is no data-parallel group to shard over",
                         hint="recompile the plan with `partita compile`")
-    if t.zero_stage > 0 and plan.mesh.pp > 1:
-        raise PlanError(later.format(f"ZeRO-{t.zero_stage} inside a pipeline"), hint="recompile with zero=0")
-    if t.zero_stage == 3 and plan.mesh.tp > 1:
-        raise PlanError(later.format("ZeRO-3 with tensor parallelism (parameters gathered inside the graph)"),
-                        hint="recompile with zero 1 or 2, or tp=1")
     if plan.mesh.pp > 1 and not t.inference and t.schedule not in SCHEDULES:
         raise PlanError(f"the plan has pp={plan.mesh.pp} but schedule {t.schedule!r}; this runtime runs "
                         f"{' and '.join(SCHEDULES)}", hint="recompile the plan with `partita compile`")
@@ -73,6 +68,7 @@ class _Program:
     dp_rank: int
     dp_size: int
     pipeline: PipelineStage | None = None  # pp > 1: this rank's stage, which runs the schedule
+    tied_optimizer: Optimizer | None = None  # ZeRO in a pipeline: the parameters tied across stages
 
 
 def _broadcast_from_rank0(module: nn.Module, group: dist.ProcessGroup) -> None:
@@ -106,7 +102,8 @@ def compose(
     3. ZeRO / data parallel: broadcast the (local) replicas over "dp", then
        either hook gradient averaging or shard the model state over "dp" (ZeRO
        1/2/3: runtime/zero.py builds the optimizer on the flat shards; ZeRO-3
-       gathers parameters around each module's forward). After TP and PP,
+       gathers parameters per graph node in the TP interpreter, which runs
+       every tp > 1 or pp > 1 plan, else around each module's forward). After TP and PP,
        because it acts on the final local parameters; and the optimizer is
        built last of all for the same reason.
     4. the schedule: ``ParallelModel.train_step``'s micro-batch loop, or the
@@ -146,20 +143,35 @@ def compose(
         dp_group, dp_rank, dp_size = dp_mesh.get_group(), dp_mesh.get_local_rank(), plan.mesh.dp
         _broadcast_from_rank0(module, dp_group)
     zero = None
+    tied_opt = None
     buckets = bucket_bytes or plan.training.grad_bucket_bytes
     if dp_group is not None and not plan.training.inference and plan.training.zero_stage > 0:
-        zero = apply_zero(module.named_parameters(), plan.training.zero_stage, dp_group, optimizer_factory=optimizer,
+        # A parameter tied across pipeline stages stays whole on each (its copies' gradients are
+        # summed between the stages, which lay out their ZeRO buckets differently): plain dp
+        # averaging and its own optimizer, the same elementwise update.
+        tied = {id(q) for q, _ in pipeline._tied} if pipeline is not None else set()
+        zero = apply_zero([(n, q) for n, q in module.named_parameters() if id(q) not in tied],
+                          plan.training.zero_stage, dp_group, optimizer_factory=optimizer,
                           bucket_bytes=buckets, counter=counter, axis=MeshAxis.DP.value)
         if plan.training.zero_stage == 3:
-            zero.install_module_hooks(module)  # the eager path (ZeRO-3 with tp > 1 is refused above)
+            interpreter = pipeline.tp if pipeline is not None else module
+            if isinstance(interpreter, TensorParallel):
+                interpreter.param_access = zero  # each graph node gathers what it reads
+            else:
+                zero.install_module_hooks(module)  # the eager path: around each module's forward
         opt = zero.optimizer
+        if tied:
+            kept = [q for q in module.parameters() if id(q) in tied]
+            averager = GradientAverager(kept, dp_group, bucket_bytes=buckets, counter=counter,
+                                        axis=MeshAxis.DP.value)
+            tied_opt = optimizer(kept)
     elif dp_group is not None and not plan.training.inference:
         averager = GradientAverager(module.parameters(), dp_group, bucket_bytes=buckets, counter=counter,
                                     axis=MeshAxis.DP.value)
         opt = optimizer(module.parameters())
     else:
         opt = None if plan.training.inference else optimizer(module.parameters())
-    return _Program(module, loss, opt, averager, zero, dp_group, dp_rank, dp_size, pipeline)
+    return _Program(module, loss, opt, averager, zero, dp_group, dp_rank, dp_size, pipeline, tied_opt)
 
 
 class ParallelModel(nn.Module):
@@ -263,7 +275,7 @@ class ParallelModel(nn.Module):
         y = self._share(targets, "targets", local)
         self.collectives.reset()
         if p.pipeline is not None:
-            mean = p.pipeline.train_step(xs, y, p.averager, p.dp_group)
+            mean = p.pipeline.train_step(xs, y, p.averager, p.dp_group, p.zero)
             self._optimizer_step()
             return mean
         steps, mbs = tr.grad_accum_steps, tr.micro_batch_size
@@ -305,6 +317,9 @@ class ParallelModel(nn.Module):
         if p.zero is not None:
             p.zero.step()  # the optimizer on this rank's shards, then the parameters all-gathered
             p.zero.zero_grad()
+            if p.tied_optimizer is not None:
+                p.tied_optimizer.step()
+                p.averager.zero_grad()
         elif p.averager is not None:
             self.optimizer.step()
             p.averager.zero_grad()

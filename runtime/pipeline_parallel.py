@@ -50,7 +50,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
 
 import torch
 import torch.distributed as dist
@@ -62,6 +62,9 @@ from partita.compiler.plan import MeshAxis, Plan
 from partita.runtime.data_parallel import CollectiveCounter, GradientAverager
 from partita.runtime.tensor_parallel import TensorParallel, local_shape
 from partita.runtime.trace import BACKWARD, FORWARD, TraceRecorder
+
+if TYPE_CHECKING:
+    from partita.runtime.zero import ZeroProgram
 
 PP = MeshAxis.PP.value
 SCHEDULES = ("gpipe", "1f1b")
@@ -347,22 +350,29 @@ class PipelineStage(nn.Module):
     # -- a step ----------------------------------------------------------------------
 
     def train_step(self, xs: list[torch.Tensor], y: torch.Tensor, averager: GradientAverager | None,
-                   dp_group: dist.ProcessGroup | None) -> float:
+                   dp_group: dist.ProcessGroup | None, zero: "ZeroProgram | None" = None) -> float:
         """One step of the plan's schedule over this rank's share (``grad_accum_steps`` micro-batches);
-        gradients are averaged over "dp" and tied copies summed. Returns the global mean loss."""
+        gradients are averaged over "dp" (or reduce-scattered by ``zero``, runtime/zero.py, told
+        where each forward and backward starts) and tied copies summed. Returns the global mean loss."""
         tr = self.plan.training
         m, mbs = tr.grad_accum_steps, tr.micro_batch_size
         users = [*xs, y]
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
         for action, k in schedule_order(tr.schedule, self.num_stages, self.index, m):
             if action == "F":
+                if zero is not None:
+                    zero.begin_forward()
                 loss = self.forward_micro(k, [u[k * mbs:(k + 1) * mbs] for u in users])
                 if loss is not None:
                     loss_sum += loss.detach().float()
             else:
                 if averager is not None:
                     averager.begin(sync=k == m - 1)
+                if zero is not None:
+                    zero.begin_backward(k == m - 1)
                 self.backward_micro(k, 1.0 / m)
+                if zero is not None:
+                    zero.after_backward()
         if averager is not None:
             averager.finish()
         self.sync_tied()

@@ -28,7 +28,7 @@ from __future__ import annotations
 import operator
 import re
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
@@ -282,6 +282,23 @@ def local_shape(shape: torch.Size | tuple[int, ...], placement: str, t: int) -> 
 
 # -- the local program -------------------------------------------------------------
 
+class ParamAccess(Protocol):
+    """Who holds the parameters between their uses (ZeRO-3, runtime/zero.py): the interpreter
+    asks for a node's parameters before it runs and says when forward is done with them."""
+
+    def gather_params(self, params: Sequence[nn.Parameter]) -> None: ...
+
+    def used_params(self, params: Sequence[nn.Parameter], outputs: Any) -> None: ...
+
+    def release_params(self, params: Sequence[nn.Parameter], outputs: Any) -> None: ...
+
+
+def _aliases(op: Any) -> bool:
+    """Whether an aten op's output may be a view of its input (t, view, permute, slice...)."""
+    schema = getattr(op, "_schema", None)
+    return schema is not None and any(r.alias_info is not None for r in schema.returns)
+
+
 class _LocalInterpreter(torch.fx.Interpreter):
     """Runs graph nodes on local tensors as their decisions say; ``run_nodes`` runs a subset
     (one pipeline stage) over an environment the caller seeds with the values it needs."""
@@ -302,6 +319,9 @@ class _LocalInterpreter(torch.fx.Interpreter):
         if n.op in ("placeholder", "get_attr"):
             return super().run_node(n)
         d = self.p.decisions[n.name]
+        access, reads = self.p.param_access, self.p.param_reads.get(n.name)
+        if access is not None and reads:
+            access.gather_params(reads)  # before the inputs are resharded: they read the parameters
         args, kwargs = self._local_args(n, d)
         if n.op == "output":
             return args[0]
@@ -313,6 +333,11 @@ class _LocalInterpreter(torch.fx.Interpreter):
             raise RuntimeError(f"tensor-parallel node {n.format_node()} (strategy {d.strategy!r}, "
                                f"module {d.module or '<root>'}) failed on tp rank {self.p.tp.rank}: {e}") from e
         self.p.check_shapes(n, d, out)
+        if access is not None and reads:
+            access.used_params(reads, out)
+            done = self.p.param_last_reads.get(n.name)
+            if done:
+                access.release_params(done, out)
         return out
 
     def _local_args(self, n: torch.fx.Node, d: NodeDecision) -> tuple[list, dict]:
@@ -395,6 +420,39 @@ class TensorParallel(nn.Module):
         self._load(module, captured, state)
         if state is None:
             module.to("meta")  # drop the full tensors: this rank keeps only its slices
+        self.param_access: ParamAccess | None = None  # set by compose under ZeRO-3
+        self.param_reads, self.param_last_reads = self._param_readers()
+
+    def _param_readers(self) -> tuple[dict[str, list[nn.Parameter]], dict[str, list[nn.Parameter]]]:
+        """Per node this rank runs, the parameters it reads (directly, or through a chain of view
+        ops such as ``t`` or ``view``, whose outputs alias the parameter's storage), and per node
+        those it is the last in graph order to read: after it, forward is done with them."""
+        graph_nodes = list(self.graph_module.graph.nodes)
+        order = {n.name: i for i, n in enumerate(graph_nodes)}
+        placeholders = {n.name: n for n in graph_nodes if n.op == "placeholder"}
+        runs = {n.name for n in self.nodes}
+        reads: dict[str, list[nn.Parameter]] = {}
+        last: dict[str, str] = {}  # shard key -> its last reader (over all of a tied parameter's placeholders)
+        for node_name, key in self._param_by_node.items():
+            param = self.shards[key]
+            frontier = [u for u in placeholders[node_name].users if u.name in runs]
+            seen: set[str] = set()
+            while frontier:
+                u = frontier.pop()
+                if u.name in seen:
+                    continue
+                seen.add(u.name)
+                if not any(q is param for q in reads.setdefault(u.name, [])):
+                    reads[u.name].append(param)
+                if _aliases(u.target):
+                    frontier += [v for v in u.users if v.name in runs]
+            for name in seen:
+                if key not in last or order[name] > order[last[key]]:
+                    last[key] = name
+        last_reads: dict[str, list[nn.Parameter]] = {}
+        for key, node_name in last.items():
+            last_reads.setdefault(node_name, []).append(self.shards[key])
+        return reads, last_reads
 
     # -- construction ---------------------------------------------------------------
 

@@ -41,6 +41,23 @@ reduce-scatter and "AG" an all-gather, each of a whole bucket, one per bucket):
   micro-batch: AG + AG + RS = 3 Psi, so (3 m) Psi per step; the plan's 3 Psi
   at m = 1. No prefetching: each AG runs when needed, not overlapped.
 
+Composition (runtime/engine.compose). Under tensor parallelism the local
+parameters are TP shards, so the buckets are flat over shards and the dp group
+is each TP coordinate's. In a pipeline each stage shards only its own
+parameters over its dp group; the schedule calls ``begin_forward`` before each
+forward and ``begin_backward`` / ``after_backward`` around each backward (1F1B
+interleaves them), stage 1 reducing in the last micro-batch's backward (the
+same on every stage), stages 2-3 in each. Stage 3 inside the TP interpreter
+(runtime/tensor_parallel.py, ``ParamAccess``): each graph node gathers the
+buckets of the parameters it reads before it runs, hooks its outputs to gather
+them again in backward, and the last node of forward to read a parameter
+releases it; a node reading one through a view op (``t``, ``view``) counts as a
+reader, so no view of a freed bucket is used in forward. Under 1F1B a
+micro-batch's saved views of a bucket stay valid across the other
+micro-batches' gathers and frees: the storage is resized in place, never
+replaced. A parameter tied across stages is left out of ZeRO (compose averages
+it whole): the stages' buckets differ, so shards of its copies would not line up.
+
 Frozen parameters (``requires_grad=False``) stay full and replicated and are
 not counted. The parameters must already be equal across the dp group
 (``compose`` broadcasts them first).
@@ -190,15 +207,26 @@ class ZeroProgram:
     # -- backward: gradients -------------------------------------------------------------
 
     def begin_micro_batch(self, is_last: bool) -> None:
-        """Before a micro-batch's forward; stage 1 communicates only in the last one."""
+        """Before a micro-batch's forward, when its backward follows it (no pipeline): both
+        ``begin_forward`` and ``begin_backward``; stage 1 communicates only in the last one."""
+        self.begin_forward()
+        self.begin_backward(is_last)
+
+    def begin_forward(self) -> None:
+        """Before each micro-batch's forward (stage 3 tracks which buckets it has gathered)."""
+        if self.stage == 3:
+            for b in self.buckets:
+                b.seen = False
+
+    def begin_backward(self, is_last: bool) -> None:
+        """Before each micro-batch's backward. A pipeline schedule calls it apart from
+        ``begin_forward``: under 1F1B other micro-batches' forwards run in between."""
         self._sync = is_last or self.stage >= 2
         self._next = 0
         self.launched_in_backward = 0
         for b in self.buckets:
             b.ready.clear()
             b.work = None
-            if self.stage == 3:
-                b.seen = False
 
     def _on_grad_ready(self, p: nn.Parameter) -> None:
         if not self._sync:
@@ -315,6 +343,9 @@ class ZeroProgram:
             b.pending -= set(ids)
             if not b.pending and not _is_freed(b.params_flat):
                 self._free_params(b, park=not torch.is_grad_enabled())
+        self._gather_in_backward(buckets, outputs)
+
+    def _gather_in_backward(self, buckets: list[_FlatBucket], outputs: object) -> None:
         if torch.is_grad_enabled():
             tensors = [t for t in _tensors(outputs) if t.requires_grad]
             if tensors:  # the first gradient into these outputs precedes the backward that needs the parameters
@@ -341,6 +372,22 @@ class ZeroProgram:
         gather them again when backward reaches ``outputs`` (the tensors computed from them)."""
         self._release_ids([id(self._by_name[n]) for n in names], outputs)
         return outputs
+
+    # The interpreter's side (runtime/tensor_parallel.py's ``ParamAccess``): by Parameter object,
+    # per graph node. A node's backward needs the parameters it read, so every reader hooks its
+    # outputs; only the last reader in forward releases them.
+
+    def gather_params(self, params: Sequence[nn.Parameter]) -> None:
+        """Before a graph node reads ``params``: their buckets gathered, if freed."""
+        self._gather_ids([id(p) for p in params])
+
+    def used_params(self, params: Sequence[nn.Parameter], outputs: object) -> None:
+        """A node read ``params`` and made ``outputs``: gather again when backward reaches them."""
+        self._gather_in_backward(self._buckets_of([id(p) for p in params]), outputs)
+
+    def release_params(self, params: Sequence[nn.Parameter], outputs: object) -> None:
+        """The last node of forward to read ``params`` made ``outputs``: release them."""
+        self._release_ids([id(p) for p in params], outputs)
 
     def install_module_hooks(self, module: nn.Module) -> list[torch.utils.hooks.RemovableHandle]:
         """Eager stage 3: gather each module's own parameters before its forward, release after."""

@@ -156,6 +156,23 @@ def test_partita_run_zero2_with_tensor_parallelism(tmp_path, ref):
 
 
 @pytest.mark.parametrize("zero", [1, 3])
+def test_partita_run_zero_inside_a_pipeline(tmp_path, ref, zero):
+    """ZeRO over dp=2 of the planner's dp=2 x pp=2 1F1B plan: same training as one process, and
+    stage 0's reduce-scatters, all-gathers and sends ran exactly as the plan lists them."""
+    _, out = compile_and_run(tmp_path, "--devices", "4", "--pp", "2", "--zero", str(zero))
+    check(out, ref, 4, mesh=(2, 1, 2))
+    assert {("reduce_scatter", "dp"), ("all_gather", "dp"), ("send_recv", "pp")} <= counted_kinds(out)
+
+
+def test_partita_run_zero3_with_tensor_parallelism(tmp_path, ref):
+    """ZeRO-3 over dp=2 of the planner's dp=2 x tp=2 plan: parameters gathered per graph node."""
+    _, out = compile_and_run(tmp_path, "--cluster", fast_cluster(tmp_path), "--tp", "2", "--zero", "3")
+    check(out, ref, 4, mesh=(2, 2, 1))
+    kinds = counted_kinds(out)
+    assert {("reduce_scatter", "dp"), ("all_gather", "dp")} <= kinds and any(a == "tp" for _, a in kinds)
+
+
+@pytest.mark.parametrize("zero", [1, 3])
 def test_partita_run_a_zero_plan(tmp_path, ref, zero):
     """The planner's ZeRO plans (pinned stage) on 4 processes: same training as one process, and the
     reduce-scatters / all-gathers ran exactly as the plan lists them."""

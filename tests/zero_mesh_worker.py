@@ -1,0 +1,175 @@
+"""Checks run inside each rank of the ZeRO-with-TP-and-PP tests (see test_runtime_zero_mesh.py).
+
+ZeRO over the dp axis of a 2- or 3-axis mesh: each rank builds a test plan
+(tests/pp_choice.py's cuts, tests/tp_choice.py's Megatron TP) with the ZeRO
+stage set, runs partita's ParallelModel and, in the same process, a
+single-process reference on the same global batch, and checks:
+
+- the loss of every step, the first step's gradients (ZeRO's shard gradients
+  gathered over dp, then the TP shards over tp) and, after STEPS steps, every
+  parameter (``full_state_dict``) against the reference;
+- the model state each rank holds (the bytes of the tensors ZeRO keeps) against
+  ``cost_model.model_state_memory`` of the parameters its stage holds, exact up to
+  the documented padding (at most dp - 1 elements per bucket) and AdamW's step
+  counters;
+- the dp collectives of a step, call for call: ``zero_collectives(stage, m)`` per
+  bucket, buckets laid out by the planner's ``bucket_layout`` over the stage's
+  TP-local parameters; stage 3 keeps no gathered bucket after the step.
+
+A parameter tied across stages stays out of ZeRO (engine.compose): it is
+averaged whole, and its bytes are counted apart.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from dp_worker import OPTIMIZERS, gpt_batch, gpt_loss, run_launch
+from partita.passes.cost_model import model_state_memory, state_bytes_per_param, zero_collectives
+from partita.runtime.data_parallel import bucket_layout
+from partita.runtime.distributed import DistContext
+from partita.runtime.engine import ParallelModel
+from pp_choice import pp_plan
+from pp_worker import MODELS, _max_err
+from tp_choice import MEGATRON
+
+RTOL, ATOL = 1e-4, 2e-5
+STEPS = 3
+MBS = 2
+BUCKET_BYTES = 48 * 1024  # several buckets per stage, some straddling modules
+
+
+def _short(name: str) -> str:
+    """A ZeRO program's parameter name (``tp.shards.a/b``) as the model's (``a.b``)."""
+    return name.split("shards.")[-1].replace("/", ".")
+
+
+def _gather(tp_program, local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Full tensors from this rank's TP shards (uncounted: the test's own collectives)."""
+    tp = tp_program.tp
+    out = {}
+    for name, (_, placement) in tp_program.local_parameters().items():
+        t = local[name].contiguous()
+        if placement.startswith("shard(") and tp.size > 1:
+            parts = [torch.empty_like(t) for _ in range(tp.size)]
+            dist.all_gather(parts, t, group=tp.group)
+            t = torch.cat(parts, dim=int(placement[6:-1]))
+        out[name] = t
+    return out
+
+
+def compare(ctx: DistContext, name: str, *, zero: int, dp: int, pp: int = 1, tp: int = 1,
+            cuts_at: tuple[int, ...] = (), schedule: str = "1f1b", accum: int = 4) -> dict:
+    import dataclasses
+
+    factory, spec = MODELS[name]
+    torch.manual_seed(100)
+    reference = factory()
+    plan, _, _ = pp_plan(copy.deepcopy(reference), [spec], gpt_loss, None, pp=pp, cuts_at=list(cuts_at),
+                         schedule=schedule if pp > 1 else "none", tp=tp, dp=dp, mbs=MBS, accum=accum,
+                         pins=None if tp == 1 else MEGATRON)
+    plan = dataclasses.replace(plan, training=dataclasses.replace(plan.training, zero_stage=zero,
+                                                                  grad_bucket_bytes=BUCKET_BYTES))
+    model = ParallelModel(copy.deepcopy(reference), plan, loss_fn=gpt_loss, optimizer=OPTIMIZERS["adamw"], ctx=ctx)
+    zp = model._program.zero
+    assert zp is not None and zp.stage == zero
+    program = model._program
+    tp_program = program.pipeline.tp if program.pipeline is not None else model.module
+    local = tp_program.local_parameters()  # qualified name -> (TP-local parameter, placement)
+    in_zero = {id(p) for b in zp.buckets for p in b.members}
+    grads: dict[str, torch.Tensor] = {}
+
+    def grab(optimizer, args, kwargs):  # the first step's averaged gradients, before the update
+        if not grads:
+            grads.update({_short(n): g for n, g in zp.gather_grads().items()})
+            for q, (p, _) in local.items():
+                if id(p) not in in_zero and p.grad is not None:  # tied across stages: averaged whole
+                    grads[q] = p.grad.detach().clone()
+    zp.optimizer.register_step_pre_hook(grab)
+
+    ref_opt = OPTIMIZERS["adamw"](reference.parameters())
+    x, y = gpt_batch(plan.training.global_batch)
+    loss_errs, dp_calls = [], []
+    for step in range(STEPS):
+        loss = model.train_step(x, targets=y)
+        if step > 0:  # step 0's counts include the test's own gather_grads
+            dp_calls.append({(k, b): c for (k, axis, b), c in model.collectives.calls.items()
+                             if axis == "dp" and k in ("reduce_scatter", "all_gather")})
+        part = gpt_loss(reference(x), y)
+        part.backward()
+        if step == 0:
+            ref_grads = {n: p.grad.detach().clone() for n, p in reference.named_parameters()}
+        ref_opt.step()
+        ref_opt.zero_grad()
+        loss_errs.append(abs(loss - part.item()))
+        assert loss_errs[-1] <= ATOL + RTOL * abs(part.item()), (name, zero, step, loss, part.item())
+
+    full_grads = _gather(tp_program, {q: grads[q] for q in local})
+    for q, g in full_grads.items():
+        torch.testing.assert_close(g, ref_grads[q], rtol=RTOL, atol=ATOL,
+                                   msg=lambda m: f"{name} zero={zero} grad {q}: {m}")
+    final = model.full_state_dict()
+    ref_final = {n: p.detach() for n, p in reference.named_parameters()}
+    assert set(final) == set(ref_final), sorted(set(final) ^ set(ref_final))
+    for q in final:
+        torch.testing.assert_close(final[q], ref_final[q], rtol=RTOL, atol=ATOL,
+                                   msg=lambda m: f"{name} zero={zero} param {q}: {m}")
+
+    # Model state held: the cost model's figure for this rank's (stage's, TP-local) parameters.
+    bucket_of = {id(p): b for b in zp.buckets for p in b.members}
+    # the parameters at their TP-local shapes (ZeRO-3 parks them empty between uses)
+    zero_params = [torch.empty(bucket_of[id(p)].shapes[bucket_of[id(p)].index[id(p)]], device="meta",
+                               requires_grad=True) for p, _ in local.values() if id(p) in in_zero]
+    numel = sum(p.numel() for p in zero_params)
+    held = zp.state_bytes()
+    predicted = model_state_memory(numel, state_bytes_per_param("fp32", "adamw"), zero_stage=zero, dp=dp)
+    step_tensors = 4 * len(zp.buckets)  # AdamW's fp32 `step` per shard
+    pad_bound = 16 * (dp - 1) * len(zp.buckets) + step_tensors
+    assert 0 <= sum(held.values()) - predicted.total <= pad_bound, (name, zero, held, predicted)
+    if zero == 3:
+        assert all(b.params_flat.untyped_storage().nbytes() == 0 for b in zp.buckets), "a gathered bucket survived"
+
+    # The dp collectives of a step, call for call, from the planner's bucket rule.
+    layout = bucket_layout(zero_params, BUCKET_BYTES)
+    assert [b.numel * 4 for b in zp.buckets] == layout, (layout, [b.numel * 4 for b in zp.buckets])
+    expected: dict[tuple[str, int], int] = {}
+    for b in zp.buckets:
+        for kind, calls, _ in zero_collectives(zero, accum):
+            expected[(kind, b.nbytes)] = expected.get((kind, b.nbytes), 0) + calls
+    for calls in dp_calls:
+        assert calls == expected, (name, zero, calls, expected)
+    stage = program.pipeline.index if program.pipeline is not None else 0
+    return {
+        "case": f"{name}/zero{zero}/dp={dp}/tp={tp}/pp={pp}/{schedule if pp > 1 else 'none'}/m={accum}",
+        "stage": stage, "loss_err": max(loss_errs),
+        "grad_err": _max_err(full_grads, {q: ref_grads[q] for q in full_grads}),
+        "param_err": _max_err(final, ref_final),
+        "held": held, "predicted": [predicted.params, predicted.grads, predicted.optimizer],
+        "buckets": len(zp.buckets), "dp_calls_per_step": sum(expected.values()),
+        "tied_outside_zero": sum(1 for p, _ in local.values() if id(p) not in in_zero),
+    }
+
+
+LAUNCHES: dict[str, tuple[int, Callable[[DistContext, str], list[dict]]]] = {
+    "dp2xpp2": (4, lambda ctx, out: [
+        compare(ctx, "gpt", zero=1, dp=2, pp=2, cuts_at=(1,), schedule="1f1b"),
+        compare(ctx, "gpt", zero=2, dp=2, pp=2, cuts_at=(1,), schedule="gpipe"),
+        compare(ctx, "gpt", zero=3, dp=2, pp=2, cuts_at=(1,), schedule="1f1b"),
+        compare(ctx, "tied-gpt", zero=3, dp=2, pp=2, cuts_at=(1,), schedule="1f1b"),
+    ]),
+    "dp2xtp2": (4, lambda ctx, out: [
+        compare(ctx, "gpt", zero=3, dp=2, tp=2, accum=2),
+        compare(ctx, "hf-llama", zero=3, dp=2, tp=2, accum=2),
+    ]),
+    "dp2xtp2xpp2": (8, lambda ctx, out: [
+        compare(ctx, "gpt", zero=3, dp=2, tp=2, pp=2, cuts_at=(1,), schedule="1f1b", accum=2),
+    ]),
+}
+
+
+def worker(rank: int, launch: str, port: int, outdir: str) -> None:
+    run_launch(rank, LAUNCHES[launch], port, outdir)
