@@ -49,4 +49,8 @@ if __name__ == "__main__":
             "counted": counted,
             # rank 0 holds pipeline stage 0 (pp is the outermost mesh axis)
             "planned": [[c.kind, c.axis, c.bytes, c.count] for c in model.plan.collectives if c.stage in (None, 0)],
+            # the model state ZeRO keeps on this rank, and the plan's per-device prediction of it
+            "held": model._program.zero.state_bytes() if model._program.zero is not None else None,
+            "buckets": len(model._program.zero.buckets) if model._program.zero is not None else 0,
+            "predicted_state": [getattr(model.plan.predicted.memory, k) for k in ("params", "grads", "optimizer")],
         }))

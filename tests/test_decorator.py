@@ -164,10 +164,19 @@ def test_partita_run_zero_inside_a_pipeline(tmp_path, ref, zero):
     assert {("reduce_scatter", "dp"), ("all_gather", "dp"), ("send_recv", "pp")} <= counted_kinds(out)
 
 
+def held_matches_the_plan(out: Path, dp: int) -> None:
+    """The model state ZeRO holds on rank 0 is the plan's prediction, up to the padding (at most
+    dp - 1 elements of 16 bytes per bucket) and AdamW's 4-byte step counter per shard."""
+    data = json.loads(out.read_text())
+    held, n = sum(data["held"].values()), data["buckets"]
+    assert 0 <= held - sum(data["predicted_state"]) <= 16 * (dp - 1) * n + 4 * n, (data["held"], data["predicted_state"])
+
+
 def test_partita_run_zero3_with_tensor_parallelism(tmp_path, ref):
     """ZeRO-3 over dp=2 of the planner's dp=2 x tp=2 plan: parameters gathered per graph node."""
     _, out = compile_and_run(tmp_path, "--cluster", fast_cluster(tmp_path), "--tp", "2", "--zero", "3")
     check(out, ref, 4, mesh=(2, 2, 1))
+    held_matches_the_plan(out, 2)
     kinds = counted_kinds(out)
     assert {("reduce_scatter", "dp"), ("all_gather", "dp")} <= kinds and any(a == "tp" for _, a in kinds)
 
@@ -178,6 +187,7 @@ def test_partita_run_a_zero_plan(tmp_path, ref, zero):
     reduce-scatters / all-gathers ran exactly as the plan lists them."""
     _, out = compile_and_run(tmp_path, "--devices", "4", "--zero", str(zero))
     check(out, ref, 4)
+    held_matches_the_plan(out, 4)
     assert {("reduce_scatter", "dp"), ("all_gather", "dp")} <= counted_kinds(out)
 
 
