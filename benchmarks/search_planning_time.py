@@ -9,22 +9,21 @@ cut DP, every ZeRO stage weighed), and, of the solvers alone, one TP ILP
 (p, m) (at pp > 1 the ILP is solved by time alone, as ``tp_choice`` does: the
 cut DP checks each stage's memory).
 
-Measured on the 2-core CPU dev machine (torch 2.13 CPU), one run each, while a
-second benchmark shared the machine (so these are upper bounds):
+Measured on the 2-core CPU dev machine (torch 2.13 CPU), one run each, ZeRO 0-3
+weighed at every tp and pp, while other work shared the machine (upper bounds).
+"solved / pruned groups" counts the candidates costed and the pipeline (p,
+micro-batch) groups branch and bound left uncut (passes/pipeline_parallel.PipelineBound);
+``plan_search(prune=False)`` took 9.7 s, 47.4 s and 107.4 s (155, 331 and 644
+candidates) for the same three plans:
 
-| model | GPUs | batch | graph nodes | capture | analysis | joint search | candidates | one TP ILP | one cut DP | end to end | chosen |
+| model | GPUs | batch | graph nodes | capture | analysis | joint search | solved / pruned groups | one TP ILP | one cut DP | end to end | chosen |
 |---|---|---|---|---|---|---|---|---|---|---|---|
-| Llama-2-7B [1,4096] | 8 | 64 | 2192 | 5.6 s | 0.6 s | 6.2 s | 155 | 28 ms (317 vars) | - | 12.3 s | dp=8 tp=1 pp=1 ZeRO-1, mb=1 x 8, step 7.18 s |
-| Llama-2-70B [1,4096] | 64 | 512 | 5840 | 7.9 s | 1.6 s | 37.5 s | 331 | 282 ms (2408 vars) | 100 ms | 47.1 s | dp=1 tp=4 pp=16 ZeRO-0, mb=1 x 512 1F1B, step 79.0 s |
-| GPT-3 175B [1,2048] | 1024 | 1536 | 3666 | 14.0 s | 2.6 s | 108.5 s | 644 | 286 ms (741 vars) | 20 ms | 125.1 s | dp=32 tp=4 pp=8 ZeRO-1, mb=1 x 48 1F1B, step 20.1 s |
+| Llama-2-7B [1,4096] | 8 | 64 | 2192 | 10.5 s | 0.8 s | 7.5 s | 68 / 46 | 48 ms (317 vars) | - | 18.8 s | dp=8 tp=1 pp=1 ZeRO-1, mb=1 x 8 none, step 7.18 s |
+| Llama-2-70B [1,4096] | 64 | 512 | 5840 | 11.5 s | 2.0 s | 7.2 s | 131 / 170 | 175 ms (2408 vars) | 10 ms | 20.7 s | dp=1 tp=4 pp=16 ZeRO-0, mb=1 x 512 1f1b, step 79.04 s |
+| GPT-3 175B [1,2048] | 1024 | 1536 | 3666 | 5.9 s | 1.3 s | 5.1 s | 120 / 422 | 77 ms (741 vars) | 13 ms | 12.4 s | dp=32 tp=4 pp=8 ZeRO-1, mb=1 x 48 1f1b, step 20.09 s |
 
-The joint search dominates at scale, and it is many small solves, not one
-big one: an ILP is ~0.3 s and a cut DP 20-100 ms, but the search weighs every
-tp x every pp dividing the devices x every micro-batch dividing B/dp x up to
-four ZeRO stages x two schedules (644 candidates at 1,024 GPUs). ZeRO
-multiplies the cut DPs by up to 4 where the smaller stages do not fit (the
-pruning stops at the first that fits). The 7B case solves one ILP per (tp,
-micro-batch, stage) weighed, no pipeline DP at tp > 1 (a pp = 1 plan fits).
+With pruning the pipeline side is a few dozen cut DPs; at 7B the pp = 1 mesh search
+(one TP ILP per tp, micro-batch and ZeRO stage weighed) is most of what is left.
 """
 
 from __future__ import annotations
@@ -93,7 +92,7 @@ def run(name, factory, spec, gpus, batch):
         one_dp = f"{(time.perf_counter() - t) * 1e3:.0f} ms"
     return [
         f"{name} [1,{spec.split(',')[1]}", str(gpus), str(batch), str(profile.num_nodes),
-        f"{captured.seconds:.1f} s", f"{analysis:.1f} s", f"{search:.1f} s", str(d.candidates),
+        f"{captured.seconds:.1f} s", f"{analysis:.1f} s", f"{search:.1f} s", f"{d.candidates} / {d.pruned}",
         f"{one_ilp * 1e3:.0f} ms ({ilp.report.variables} vars)", one_dp,
         f"{captured.seconds + analysis + search:.1f} s",
         f"dp={d.mesh.dp} tp={tp} pp={d.mesh.pp} ZeRO-{d.zero_stage}, mb={mb} x {m} {d.schedule}, "
@@ -102,7 +101,8 @@ def run(name, factory, spec, gpus, batch):
 
 
 def main() -> None:
-    head = ["model", "GPUs", "batch", "graph nodes", "capture", "analysis", "joint search", "candidates",
+    head = ["model", "GPUs", "batch", "graph nodes", "capture", "analysis", "joint search",
+            "solved / pruned groups",
             "one TP ILP", "one cut DP", "end to end", "chosen"]
     print("| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head))

@@ -53,6 +53,7 @@ that all-reduce paid ("split").
 from __future__ import annotations
 
 import bisect
+import functools
 import math
 import time
 from dataclasses import dataclass, replace
@@ -159,6 +160,12 @@ class NodeCosts:
     shared: tuple[SharedParam, ...] = ()
     modules: tuple[str, ...] = ()  # per position: its layer ("transformer.h.3"), a parameter's module, or ""
     layers: frozenset[str] = frozenset()  # the repeated layers' names
+
+    @functools.cached_property
+    def prefix_sums(self) -> tuple[list[float], list[float], list[float], list[float]]:
+        """Prefix sums of (forward + backward, forward, saved bytes, parameters) over the order."""
+        return (_prefix([f + b for f, b in zip(self.forward_s, self.backward_s)]), _prefix(self.forward_s),
+                _prefix(self.saved_bytes), _prefix(self.param_numel))
 
     def __post_init__(self) -> None:
         n = len(self.order)
@@ -279,14 +286,14 @@ class Partition:
     def __init__(self, costs: NodeCosts, setup: StageSetup, cluster: ClusterSpec, *, forbid: Sequence[int] = ()):
         self.costs, self.setup, self.cluster = costs, setup, cluster
         self.n = len(costs.order)
-        self.compute = _prefix([f + b for f, b in zip(costs.forward_s, costs.backward_s)])
-        self.fwd = _prefix(costs.forward_s)
-        self.saved = _prefix(costs.saved_bytes)
-        self.params = _prefix(costs.param_numel)
+        # the prefix sums depend on the costs only: shared by every setup cut over them
+        self.compute, self.fwd, self.saved, self.params = costs.prefix_sums
         blocked = set(forbid)
         self.boundaries = tuple(k for k in costs.boundaries if k not in blocked)
         self.held = [activations_in_flight(setup.schedule, s, setup.stages, setup.micro_batches)
                      for s in range(setup.stages)]
+        held = setup.held  # bytes per parameter, read once: memory_total is the DP's inner loop
+        self._state_bytes = (held.params, held.grads, held.optimizer)
 
     def shared_in(self, j: int, k: int) -> list[SharedParam]:
         out = []
@@ -297,7 +304,10 @@ class Partition:
         return out
 
     def param_numel(self, j: int, k: int) -> int:
-        return self.params[k] - self.params[j] + sum(sp.numel for sp in self.shared_in(j, k))
+        numel = self.params[k] - self.params[j]
+        if self.costs.shared:
+            numel += sum(sp.numel for sp in self.shared_in(j, k))
+        return numel
 
     def p2p(self, j: int, k: int, s: int) -> float:
         """Stage s's sends per micro-batch: activations over boundary k, gradients back over j."""
@@ -317,8 +327,9 @@ class Partition:
 
     def memory_total(self, j: int, k: int, s: int) -> int:
         """``memory(j, k, s).total`` without building the records (the DP's inner loop)."""
-        numel, st = self.param_numel(j, k), self.setup.held
-        state = round(numel * st.params) + round(numel * st.grads) + round(numel * st.optimizer)
+        numel = self.param_numel(j, k)
+        params, grads, optimizer = self._state_bytes
+        state = round(numel * params) + round(numel * grads) + round(numel * optimizer)
         return state + self.held[s] * (self.saved[k] - self.saved[j])
 
     def time_cost(self, j: int, k: int, s: int) -> float:
@@ -464,6 +475,7 @@ class PipelineDecision:
     shared: tuple[SharedParam, ...]  # parameters a cut could split (tied embeddings)
     solves: int  # dynamic programs run
     seconds: float
+    pruned: tuple["PrunedCandidate", ...] = ()  # groups the pruned search did not cut (choose_pipeline)
 
     @property
     def stages(self) -> tuple[PipelineStage, ...]:
@@ -512,6 +524,9 @@ def choose_pipeline(
     devices_per_stage: int = 1,
     schedules: Sequence[str] = SCHEDULES,
     costs: Callable[[int], NodeCosts] | None = None,
+    floor_costs: Callable[[int], NodeCosts] | None = None,
+    prune: bool = False,
+    bound: float = INF,
 ) -> PipelineDecision:
     """Decide p, m, the schedule and the cuts jointly; see the module docstring.
 
@@ -519,6 +534,18 @@ def choose_pipeline(
     or the cluster's). ``costs(micro_batch)`` replaces the profile's per-node costs
     (a tensor-parallel solve at ``devices_per_stage``). ``schedules`` narrows the
     schedules weighed (a runtime that runs only GPipe).
+
+    ``prune`` turns on branch and bound (``PipelineBound``): (p, micro-batch) groups
+    are visited by their lower bound, and a group whose bound exceeds the fastest
+    step found so far (or ``bound``, a step found elsewhere) is recorded in
+    ``pruned`` without building its costs or cutting it; so is one that no cuts
+    could fit even at ``floor_costs(micro_batch)`` (per-node costs never above
+    ``costs``'; the profile's at tp = 1, which are exact there, by default). A ZeRO
+    stage that no cuts fit is found by a greedy pass (``any_cuts_fit``) instead of a
+    failed DP, and the least-memory DP of a group that fits nowhere is run only when
+    nothing fits at all. The best candidate is the exhaustive search's: nothing
+    pruned could have been faster. When everything here was pruned against an
+    outside ``bound``, ``AllPruned`` carries the record.
     """
     t0 = time.perf_counter()
     devices = pins.world_size or cluster.world_size
@@ -532,10 +559,11 @@ def choose_pipeline(
         raise PartitaError(f"--pp {pins.pp} does not divide {devices // tp} devices ({devices} / {tp} per stage)")
     state = state_bytes_per_param(request.precision, request.optimizer, inference=request.inference)
     build = costs or (lambda mb: node_costs(profile, cluster, request, mb, tp=tp))
+    if floor_costs is None and costs is None:
+        floor_costs = build
     cache: dict[int, NodeCosts] = {}
     B = request.global_batch
-    candidates: list[PipelineCandidate] = []
-    solves = 0
+    groups: list[tuple[int, int, int, int]] = []  # (p, dp, micro-batch size, micro-batches), in enumeration order
     for p in [pins.pp] if pins.pp else _divisors(devices // tp):
         dp = devices // (tp * p)
         if (pins.dp and pins.dp != dp) or B % dp:
@@ -545,35 +573,83 @@ def choose_pipeline(
             m = share // mb
             if share % mb or (pins.grad_accum_steps and pins.grad_accum_steps != m):
                 continue
-            if mb not in cache:
-                cache[mb] = build(mb)
-            c = cache[mb]
-            if p > len(c.boundaries) + 1:
+            groups.append((p, dp, mb, m))
+    bounder = PipelineBound(cluster, request, state, tp, floor_costs) if prune and floor_costs else None
+    visit = list(enumerate(groups))
+    if bounder is not None:  # the most promising first, so the incumbent falls early
+        visit.sort(key=lambda ig: bounder.step(*ig[1], zero_stages(pins.zero_stage, ig[1][1], request.inference,
+                                                                    tp=tp, pp=ig[1][0])))
+    found: list[tuple[int, PipelineCandidate]] = []  # (group index, candidate)
+    pruned: list[PrunedCandidate] = []
+    unfit: list[tuple[int, Partition, int, int, str]] = []  # groups no cuts fit at any ZeRO stage: DP deferred
+    solves = 0
+    for g, (p, dp, mb, m) in visit:
+        zs = zero_stages(pins.zero_stage, dp, request.inference, tp=tp, pp=p)
+        if not zs:
+            continue
+        links = stage_links(cluster, p, dp, tp)
+        if bounder is not None:
+            lb = bounder.step(p, dp, mb, m, zs)
+            best_s = min([bound] + [c.step_s for _, c in found])
+            if lb > best_s:
+                pruned.append(PrunedCandidate(p, dp, tp, mb, m, zs[0], lb, False,
+                                              f"not solved: lower bound {lb:.4g} s > best {best_s:.4g} s "
+                                              f"({bounder.explain(p, dp, mb, m, zs)})"))
                 continue
-            links = stage_links(cluster, p, dp, tp)
-            for schedule in ("none",) if p == 1 else schedules:
-                for policy, forbid in _shared_policies(c, p):
-                    missed: list[Partition] = []  # smaller ZeRO stages that did not fit
-                    for z in zero_stages(pins.zero_stage, dp, request.inference, tp=tp, pp=p):
-                        setup = StageSetup(p, m, schedule, links, cluster.usable_memory, state, z, dp)
-                        part = Partition(c, setup, cluster, forbid=forbid)
-                        value, bounds = solve_cuts(part)
-                        solves += 1
-                        if value < INF:
-                            # the stages that did not fit, costed at the cuts that fit one larger
-                            candidates += [replace(_candidate(x, bounds, dp, tp, mb, policy, False, request), cut_for=z)
-                                           for x in missed]
-                            candidates.append(_candidate(part, bounds, dp, tp, mb, policy, True, request))
-                            break  # larger stages only add traffic (passes/zero.py)
-                        missed.append(part)
-                    else:
-                        if not missed:  # no ZeRO stage the runtime executes at this (tp, p)
-                            continue
-                        part = missed[-1]  # the least memory: the largest stage weighed, least-memory cuts
-                        value, bounds = solve_cuts(part, part.memory_cost)
-                        solves += 1
-                        if bounds:
-                            candidates.append(_candidate(part, bounds, dp, tp, mb, policy, False, request))
+            if p > len(bounder.floor(mb).boundaries) + 1:
+                continue
+            plans = [(sch, forbid) for sch in (("none",) if p == 1 else schedules)
+                     for _, forbid in _shared_policies(bounder.floor(mb), p)]
+            if not any(any_cuts_fit(bounder.partition(mb, StageSetup(p, m, sch, links, cluster.usable_memory, state,
+                                                                     z, dp), forbid))
+                       for sch, forbid in plans for z in zs):
+                pruned.append(PrunedCandidate(
+                    p, dp, tp, mb, m, zs[-1], lb, True,
+                    f"does not fit: no cuts keep every stage within {_gb(cluster.usable_memory)} even at "
+                    f"1/{tp} of every layer's state and activations ({', '.join(STRATEGY_NAMES[z] for z in zs)})"))
+                continue
+        c = _cached(cache, build, mb)
+        if p > len(c.boundaries) + 1:
+            continue
+        for schedule, policy, forbid in [(sch, pol, fb) for sch in (("none",) if p == 1 else schedules)
+                                         for pol, fb in _shared_policies(c, p)]:
+            missed: list[Partition] = []  # smaller ZeRO stages that did not fit
+            for z in zs:
+                part = Partition(c, StageSetup(p, m, schedule, links, cluster.usable_memory, state, z, dp), cluster,
+                                 forbid=forbid)
+                if bounder is not None and not any_cuts_fit(part):
+                    missed.append(part)
+                    continue
+                value, bounds = solve_cuts(part)
+                solves += 1
+                if value < INF:
+                    # the stages that did not fit, costed at the cuts that fit one larger
+                    found += [(g, replace(_candidate(x, bounds, dp, tp, mb, policy, False, request), cut_for=z))
+                              for x in missed]
+                    found.append((g, _candidate(part, bounds, dp, tp, mb, policy, True, request)))
+                    break  # larger stages only add traffic (passes/zero.py)
+                missed.append(part)
+            else:
+                if not missed:  # no ZeRO stage the runtime executes at this (tp, p)
+                    continue
+                part = missed[-1]  # the least memory: the largest stage weighed, least-memory cuts
+                if bounder is not None:
+                    unfit.append((g, part, dp, mb, policy))
+                    continue
+                value, bounds = solve_cuts(part, part.memory_cost)
+                solves += 1
+                if bounds:
+                    found.append((g, _candidate(part, bounds, dp, tp, mb, policy, False, request)))
+    if bounder is not None and not any(c.fits for _, c in found):
+        if bound < INF and (found or pruned or unfit):
+            raise AllPruned(tuple(pruned) + tuple(_unfit_record(part, dp, tp, mb, cluster) for _, part, dp, mb, _ in unfit))
+        # nothing fits anywhere: the exhaustive search names the least-memory plan
+        return choose_pipeline(profile, cluster, request, pins, devices_per_stage=devices_per_stage,
+                               schedules=schedules, costs=costs)
+    for g, part, dp, mb, policy in unfit:
+        pruned.append(_unfit_record(part, dp, tp, mb, cluster))
+    found.sort(key=lambda gc: gc[0])  # enumeration order, whatever order the groups were visited in
+    candidates = [c for _, c in found]
     if not candidates:
         raise PartitaError(
             f"no pipeline split matches: {devices} devices, {tp} per stage, global batch {B}, pins {pins}",
@@ -588,7 +664,137 @@ def choose_pipeline(
     ordered = fitting + sorted((c for c in candidates if not c.fits), key=lambda c: c.memory.total)
     any_costs = next(iter(cache.values()))
     return PipelineDecision(best, tuple(ordered), reasons, any_costs.order, any_costs.boundaries, any_costs.shared,
-                            solves, time.perf_counter() - t0)
+                            solves, time.perf_counter() - t0, tuple(pruned))
+
+
+def _cached(cache: dict[int, NodeCosts], build: Callable[[int], NodeCosts], mb: int) -> NodeCosts:
+    if mb not in cache:
+        cache[mb] = build(mb)
+    return cache[mb]
+
+
+def _unfit_record(part: Partition, dp: int, tp: int, mb: int, cluster: ClusterSpec) -> PrunedCandidate:
+    st = part.setup
+    return PrunedCandidate(st.stages, dp, tp, mb, st.micro_batches, st.zero_stage, INF, True,
+                           f"does not fit: no cuts keep every stage within {_gb(cluster.usable_memory)} "
+                           f"({st.schedule}, up to {STRATEGY_NAMES[st.zero_stage]}); least-memory cuts not searched",
+                           st.schedule)
+
+
+# -- branch and bound ----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PrunedCandidate:
+    """A (p, micro-batch) group the pruned search did not cut, and why that loses nothing."""
+
+    pp: int
+    dp: int
+    tp: int
+    micro_batch_size: int
+    micro_batches: int
+    zero_stage: int  # the smallest ZeRO stage weighed (time bound) or the largest (memory)
+    lower_bound_s: float  # inf when it was pruned for memory
+    memory: bool  # pruned because no cuts fit, not because it was slower
+    reason: str
+    schedule: str = ""  # the one schedule no cuts fit ("": the whole group)
+
+
+class AllPruned(PartitaError):
+    """Every (p, micro-batch) group of a ``choose_pipeline(prune=True)`` call was pruned or fits
+    nowhere, while a plan found elsewhere (its ``bound``) fits: nothing here can win."""
+
+    def __init__(self, pruned: tuple[PrunedCandidate, ...]):
+        super().__init__(f"{len(pruned)} pipeline groups pruned: none can beat the bound")
+        self.pruned = pruned
+
+
+class PipelineBound:
+    """A lower bound on the step of every candidate of a (p, dp, micro-batch, m) group.
+
+    From ``pipeline_step``: step = (m + p - 1) max_s slot_s + max_s tail_s + tied.
+    The slowest slot is at least the mean, sum(forward + backward) / p + overhead
+    (sends >= 0), and the sum is at least the floor costs' (per-node compute at 1/tp
+    of the FLOPs, no TP collectives: every strategy's compute fraction is 1/tp or
+    1). The slowest tail is at least that of a stage holding 1/p of the local
+    parameters (at least 1/tp of each): its data-parallel collectives, one bucket's
+    latency plus the bandwidth of all its bytes, and its optimizer pass, both
+    non-decreasing in the parameters held (cost_model.zero_step_comm,
+    zero_optimizer_time). The tied all-reduce is >= 0. Over the ZeRO stages weighed
+    the least of these bounds is taken: which one fits is not known before cutting.
+    """
+
+    _SLACK = 1 - 1e-6  # float sums in another order, and the linear read-off of ``compute``
+
+    def __init__(self, cluster: ClusterSpec, request: TrainingRequest, state: StateBytes, tp: int,
+                 floor_costs: Callable[[int], NodeCosts]):
+        self.cluster, self.request, self.state, self.tp = cluster, request, state, tp
+        self._build = floor_costs
+        self._floors: dict[int, NodeCosts] = {}
+        self.grad_elem = 0 if request.inference else max(1, int(state.grads))
+
+    def floor(self, mb: int) -> NodeCosts:
+        return _cached(self._floors, self._build, mb)
+
+    def partition(self, mb: int, setup: StageSetup, forbid: Sequence[int]) -> Partition:
+        """The floor costs cut under ``setup``, with a byte of slack per 1e6 for rounding."""
+        return Partition(self.floor(mb), replace(setup, capacity=round(setup.capacity * (1 + 1e-6))), self.cluster,
+                         forbid=forbid)
+
+    def compute(self, mb: int) -> float:
+        """The floor costs' forward + backward of one micro-batch of ``mb``, summed. Each node's
+        is a + b mb (node_costs scales batch-dependent nodes linearly), so the sum is read off
+        the floors at micro-batches 1 and 2 rather than built at every size: only the groups
+        the bound does not prune need their floors position by position."""
+        one, two = self.floor(1).prefix_sums[0][-1], self.floor(2).prefix_sums[0][-1]
+        return one + (two - one) * (mb - 1)
+
+    def parts(self, p: int, dp: int, mb: int, m: int, z: int) -> tuple[float, float, float]:
+        """(compute + bubble, data-parallel collectives, optimizer) lower bounds, seconds."""
+        f = self.floor(1)  # parameters do not depend on the micro-batch
+        compute = self.compute(mb) * self._SLACK
+        numel = (f.prefix_sums[3][-1] + sum(sp.numel for sp in f.shared)) / p
+        slots = (m + p - 1) * (compute / p + self.cluster.step_overhead_s)
+        if self.request.inference or numel <= 0:
+            return slots, 0.0, 0.0
+        comm = 0.0
+        if dp > 1:
+            link = self.cluster.link_for_group(dp, stride=self.tp)
+            comm = zero_step_comm(z, [numel * self.grad_elem], dp, m, link, elem_bytes=self.grad_elem).total_s
+        return slots, comm * self._SLACK, zero_optimizer_time(numel, self.state, z, dp, self.cluster) * self._SLACK
+
+    def step(self, p: int, dp: int, mb: int, m: int, zs: Sequence[int]) -> float:
+        return min((sum(self.parts(p, dp, mb, m, z)) for z in zs), default=INF)
+
+    def explain(self, p: int, dp: int, mb: int, m: int, zs: Sequence[int]) -> str:
+        z = min(zs, key=lambda z: sum(self.parts(p, dp, mb, m, z)))
+        slots, comm, opt = self.parts(p, dp, mb, m, z)
+        return (f"pp={p} dp={dp} tp={self.tp}, {m} x {mb}: compute + bubble >= {slots:.4g} s, "
+                f"data-parallel collectives >= {comm:.3g} s, optimizer >= {opt:.3g} s at {STRATEGY_NAMES[z]}")
+
+
+def any_cuts_fit(part: Partition) -> bool:
+    """Whether some cuts keep every stage of ``part`` within its memory (exactly what makes
+    ``solve_cuts(part)`` finite), by one greedy pass: each stage takes the furthest boundary
+    that still fits. Exact because a segment's memory never falls as it grows, and a
+    partition into fewer fitting stages refines into p (a stage split in two holds no
+    more, and a stage further on holds no more activations under any schedule)."""
+    p, n, cap = part.setup.stages, part.n, part.setup.capacity
+    ends = part.boundaries
+    if p > 1 and len(ends) < p - 1:
+        return False
+    j, i = 0, 0  # i: the first boundary after j
+    for s in range(p):
+        if part.memory_total(j, n, s) <= cap:
+            return True
+        reach = -1
+        while i < len(ends) and part.memory_total(j, ends[i], s) <= cap:
+            reach = ends[i]
+            i += 1
+        if reach < 0:
+            return False
+        j = reach
+    return False
 
 
 def _divisors(n: int) -> list[int]:

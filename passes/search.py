@@ -33,6 +33,16 @@ pipelined: a pipeline divides the model state that ZeRO would otherwise
 gather and scatter over the dp group every step (GPT-3 175B on 128 A100s:
 ZeRO-3 at tp = 8 fits, but tp = 8 x pp = 8 is predicted 1.7x faster).
 
+Branch and bound (``prune=True``, the default): the fastest step found so far
+(the pp = 1 plan, then each tp's pipelines) is handed to the next
+choose_pipeline as a bound; there each (p, micro-batch) group is cut only when
+its lower bound (pipeline_parallel.PipelineBound) does not exceed the best, and
+when some cuts could fit it at 1/tp of every layer's memory. Pruned groups are
+listed in the alternatives with the bound they lost by. The TP layout and its
+per-node costs are solved once per (tp, micro-batch) (``_Layouts``) and shared by
+every p, dp and ZeRO stage. ``prune=False`` cuts everything: the same plan
+(tests/test_search_pruning.py).
+
 The objective: the fastest predicted step that fits; ties go to fewer stages,
 then to the smaller ZeRO stage, then to the smaller tp. Every alternative
 records its ZeRO stage, and a ZeRO stage that lost says why: the memory that
@@ -42,9 +52,10 @@ that costs (passes/zero.traffic_reason).
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field, replace
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from partita.compiler.errors import InfeasibleError, PartitaError
 from partita.compiler.plan import Alternative, MemoryBreakdown, Mesh, Stage
@@ -63,9 +74,11 @@ from partita.passes.cost_model import (
 from partita.passes.data_parallel import gradient_buckets
 from partita.passes.zero import STRATEGY_NAMES, traffic_reason
 from partita.passes.pipeline_parallel import (
+    AllPruned,
     NodeCosts,
     PipelineCandidate,
     PipelineDecision,
+    PrunedCandidate,
     choose_pipeline,
     node_costs,
     stage_of_nodes,
@@ -100,9 +113,10 @@ class Decision:
     method: str
     status: str
     gap: float
-    candidates: int
+    candidates: int  # solved
     seconds: float
     notes: tuple[str, ...] = field(default_factory=tuple)
+    pruned: int = 0  # pipeline (p, micro-batch) groups not cut: they could not win (plan_search)
 
 
 def plan_search(
@@ -111,12 +125,20 @@ def plan_search(
     cluster: ClusterSpec,
     request: TrainingRequest,
     pins: Pins = Pins(),
+    *,
+    prune: bool = True,
 ) -> Decision:
-    """Decide every axis together; see the module docstring."""
+    """Decide every axis together; see the module docstring.
+
+    ``prune=False`` solves every candidate (the exhaustive search the pruned one is
+    tested against): the same plan, slower, with every candidate's own numbers.
+    """
     t0 = time.perf_counter()
     world = pins.world_size or cluster.world_size
     options: list[Decision] = []
     errors: list[InfeasibleError] = []
+    pruned: list[PrunedCandidate] = []
+    layouts = _Layouts(profile, cluster, request)
     tried_pipeline = False
     if pins.pp in (None, 1):
         try:
@@ -132,17 +154,23 @@ def plan_search(
         fits_plain = bool(options) and options[0].zero_stage == 0
         degrees = _tp_degrees(cluster, world, pins) if (pins.pp or not fits_plain) else [pins.tp or 1]
         for tp in degrees:
+            best_s = min((o.step_s for o in options), default=math.inf)
             try:
                 decision = choose_pipeline(
                     profile, cluster, request, replace(pins, tp=tp), devices_per_stage=tp,
-                    costs=lambda mb, tp=tp: tp_node_costs(profile, cluster, request, mb, tp),
+                    costs=lambda mb, tp=tp: layouts.node_costs(mb, tp),
+                    floor_costs=layouts.floor(tp), prune=prune, bound=best_s,
                 )
+            except AllPruned as e:
+                pruned += e.pruned
+                continue
             except InfeasibleError as e:
                 errors.append(e)
                 continue
             except PartitaError:
                 continue  # this tp leaves no pipeline split of the batch (e.g. dp does not divide it)
-            options.append(_from_pipeline(decision, profile, cluster, request, tp))
+            pruned += decision.pruned
+            options.append(_from_pipeline(decision, profile, cluster, request, tp, layouts))
     if not options:
         if errors:
             raise errors[-1] if tried_pipeline else errors[0]
@@ -152,14 +180,72 @@ def plan_search(
                            + (f" ({RUNTIME_ZERO})" if pins.zero_stage else ""))
     options.sort(key=lambda d: (d.step_s, d.mesh.pp, d.zero_stage, d.mesh.tp))
     best = options[0]
-    alternatives = _merge_alternatives(options) + _pruned_zero(best, cluster, request, pins)
+    alternatives = (_merge_alternatives(options) + _pruned_zero(best, cluster, request, pins)
+                    + _pruned_pipelines(pruned, best))
+    solved = sum(o.candidates for o in options)
     notes = best.notes + (f"{len(options)} mesh families weighed "
                           f"({', '.join(sorted({f'pp={o.mesh.pp} tp={o.mesh.tp}' for o in options}))})",
                           "ZeRO: per (mesh, micro-batch) the first stage of 0-3 that fits is weighed; larger "
                           "stages only add traffic there (passes/zero.py)" if pins.zero_stage is None
                           else f"ZeRO-{pins.zero_stage} pinned")
+    if prune:
+        slower = sum(not x.memory for x in pruned)
+        notes += (f"{solved} candidates solved; {len(pruned)} pipeline (p, micro-batch) groups pruned before "
+                  f"cutting: {slower} by a lower bound above the best step found, {len(pruned) - slower} "
+                  "because no cuts fit memory (passes/pipeline_parallel.PipelineBound)",)
     return replace(best, alternatives=alternatives, seconds=time.perf_counter() - t0, notes=notes,
-                   candidates=sum(o.candidates for o in options))
+                   candidates=solved, pruned=len(pruned))
+
+
+def _pruned_pipelines(pruned: Sequence[PrunedCandidate], best: Decision, limit: int = 8) -> tuple[Alternative, ...]:
+    """The pipeline groups not cut, in the plan's form: per (pp, tp) the one nearest to winning
+    (the lowest bound), the slower-bound ones first; each says why it could not win."""
+    nearest: dict[tuple[int, int], PrunedCandidate] = {}
+    for x in sorted(pruned, key=lambda x: (x.memory, x.lower_bound_s)):
+        nearest.setdefault((x.pp, x.tp), x)
+    return tuple(
+        Alternative(mesh=Mesh(dp=x.dp, tp=x.tp, pp=x.pp), micro_batch_size=x.micro_batch_size,
+                    grad_accum_steps=x.micro_batches, zero_stage=x.zero_stage, step_time_s=None, memory_bytes=0,
+                    fits=False, chosen=False, reason=x.reason)
+        for x in list(nearest.values())[:limit])
+
+
+class _Layouts:
+    """The TP ILP's layout and per-node costs per (tp, micro-batch), solved once per plan_search and
+    shared by every p, dp, micro-batch count and ZeRO stage cut over them (the layout is by time
+    alone, so none of those change it), and by the chosen plan's record."""
+
+    def __init__(self, profile: ModelProfile, cluster: ClusterSpec, request: TrainingRequest):
+        self.profile, self.cluster, self.request = profile, cluster, request
+        self._choice: dict[tuple[int, int], Mapping[str, Strategy]] = {}
+        self._costs: dict[tuple[int, int], NodeCosts] = {}
+
+    def choice(self, micro_batch: int, tp: int) -> Mapping[str, Strategy]:
+        key = (micro_batch, tp)
+        if key not in self._choice:
+            self._choice[key] = tp_choice(self.profile, self.cluster, self.request, micro_batch, tp)
+        return self._choice[key]
+
+    def node_costs(self, micro_batch: int, tp: int) -> NodeCosts:
+        key = (micro_batch, tp)
+        if key not in self._costs:
+            self._costs[key] = tp_node_costs(self.profile, self.cluster, self.request, micro_batch, tp,
+                                             choice=self.choice(micro_batch, tp) if tp > 1 else None)
+        return self._costs[key]
+
+    def floor(self, tp: int) -> Callable[[int], NodeCosts] | None:
+        """Per-node costs never above ``node_costs(., tp)``'s, without the ILP: node_costs at tp
+        divides every node's FLOPs, saved bytes and parameters by tp (every strategy's compute and
+        memory fractions are 1/tp or 1) and charges no TP collectives. Exact at tp = 1. At tp > 1
+        only when the capture is fp32: tp_node_costs scales saved bytes from 4-byte elements and
+        node_costs from the captured ones, so otherwise it is not a floor and nothing is pruned."""
+        if tp > 1 and _FLOAT_BYTES.get(self.profile.param_dtype.removeprefix("torch.")) != 4:
+            return None
+        return lambda mb: node_costs(self.profile, self.cluster, self.request, mb, tp=tp) if tp > 1 \
+            else self.node_costs(mb, 1)
+
+
+_FLOAT_BYTES = {"float32": 4, "float64": 8, "float16": 2, "bfloat16": 2}
 
 
 def _pruned_zero(best: Decision, cluster: ClusterSpec, request: TrainingRequest, pins: Pins) -> tuple[Alternative, ...]:
@@ -231,7 +317,7 @@ def tp_choice(profile: ModelProfile, cluster: ClusterSpec, request: TrainingRequ
 
 
 def tp_node_costs(profile: ModelProfile, cluster: ClusterSpec, request: TrainingRequest, micro_batch: int,
-                  tp: int) -> NodeCosts:
+                  tp: int, *, choice: Mapping[str, Strategy] | None = None) -> NodeCosts:
     """Per-node costs of one micro-batch under the TP layout at ``tp``, in the pipeline order.
 
     Each node's forward is its local FLOPs (the strategy's compute fraction), its
@@ -244,7 +330,7 @@ def tp_node_costs(profile: ModelProfile, cluster: ClusterSpec, request: Training
     if tp == 1:
         return base
     G = profile.graph
-    choice = tp_choice(profile, cluster, request, micro_batch, tp)
+    choice = tp_choice(profile, cluster, request, micro_batch, tp) if choice is None else choice
     link = cluster.link_for_group(tp)
     scale = micro_batch / profile.batch_size
     act = element_bytes(request.precision) / 4
@@ -305,11 +391,11 @@ def tp_node_costs(profile: ModelProfile, cluster: ClusterSpec, request: Training
 
 
 def _from_pipeline(d: PipelineDecision, profile: ModelProfile, cluster: ClusterSpec, request: TrainingRequest,
-                   tp: int) -> Decision:
+                   tp: int, layouts: _Layouts) -> Decision:
     best = d.best
     c = best.cost
     assert c is not None
-    choice = tp_choice(profile, cluster, request, best.micro_batch_size, tp)
+    choice = layouts.choice(best.micro_batch_size, tp)
     node_stage = stage_of_nodes(profile, best.cuts) if best.pp > 1 else {n: 0 for n in profile.graph.nodes}
     dp_key = "dp_all_reduce" if best.zero_stage == 0 else f"zero{best.zero_stage}_collectives"
     comm = {k: v for k, v in (("pp_send_recv", c.p2p_s), ("pp_bubble", c.bubble_s),
