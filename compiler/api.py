@@ -77,7 +77,7 @@ class ParallelizeSpec:
     optimizer: OptimizerFactory = default_optimizer
     loss: Callable[[Any, torch.Tensor], torch.Tensor] = default_loss
     plan: str | None = None
-    pins: Mapping[str, int] = field(default_factory=dict)
+    pins: Mapping[str, int | str] = field(default_factory=dict)
 
 
 class Parallelized:
@@ -114,6 +114,8 @@ def parallelize(
     zero: int | None = None,
     micro_batch_size: int | None = None,
     grad_accum_steps: int | None = None,
+    microbatches: int | None = None,
+    schedule: str | None = None,
 ) -> Any:
     """Plan and run ``target`` in parallel.
 
@@ -122,13 +124,18 @@ def parallelize(
     instance it wraps that instance directly. ``inputs`` are example inputs
     as ``{"name": "dtype[shape]"}`` (their leading dim is the global batch
     unless ``batch`` says otherwise); ``plan`` is a plan file to use instead
-    of planning. ``dp``, ``tp``, ``pp``, ``zero``, ``micro_batch_size`` and
-    ``grad_accum_steps`` pin those decisions (the same keywords as
-    `partita compile`); the planner decides the rest.
+    of planning. ``dp``, ``tp``, ``pp``, ``zero``, ``micro_batch_size``,
+    ``microbatches`` (or its other name ``grad_accum_steps``) and ``schedule``
+    pin those decisions (the same keywords as `partita compile`); the planner
+    decides the rest.
     """
+    if microbatches is not None and grad_accum_steps not in (None, microbatches):
+        raise PartitaError(f"microbatches={microbatches} and grad_accum_steps={grad_accum_steps} disagree",
+                           hint="they are the same decision; pass one")
     pins = {k: v for k, v in (("dp", dp), ("tp", tp), ("pp", pp), ("zero_stage", zero),
                                ("micro_batch_size", micro_batch_size),
-                               ("grad_accum_steps", grad_accum_steps)) if v is not None}
+                               ("grad_accum_steps", grad_accum_steps or microbatches),
+                               ("schedule", schedule)) if v is not None}
     spec = ParallelizeSpec(
         inputs=_parse_inputs(inputs), cluster=cluster, nodes=nodes, devices=devices, batch=batch,
         precision=precision, optimizer=optimizer or default_optimizer, loss=loss or default_loss,

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from partita.compiler.errors import PartitaError
 from partita.passes.cost_model import OPTIMIZERS, PRECISIONS
+from partita.passes.cost_model import SCHEDULES as PIPELINE_SCHEDULES
 
 
 @dataclass(frozen=True)
@@ -24,6 +25,7 @@ class Pins:
     micro_batch_size: int | None = None
     grad_accum_steps: int | None = None
     world_size: int | None = None  # e.g. the processes torchrun launched
+    schedule: str | None = None  # the pipeline schedule, "1f1b" or "gpipe" (implies pp > 1)
 
     def __post_init__(self) -> None:
         for name in ("dp", "tp", "pp", "micro_batch_size", "grad_accum_steps", "world_size"):
@@ -32,6 +34,12 @@ class Pins:
                 raise PartitaError(f"--{name.replace('_', '-')} {v!r} must be a positive integer")
         if self.zero_stage is not None and self.zero_stage not in (0, 1, 2, 3):
             raise PartitaError(f"--zero {self.zero_stage!r} must be 0, 1, 2 or 3")
+        if self.schedule is not None:
+            if self.schedule not in PIPELINE_SCHEDULES:
+                raise PartitaError(f"--schedule {self.schedule!r} is not one of {', '.join(PIPELINE_SCHEDULES)}")
+            if self.pp == 1:
+                raise PartitaError(f"--schedule {self.schedule} schedules pipeline stages, but --pp 1 has none",
+                                   hint="pin --pp 2 or more, or drop --schedule")
         # The planners decide every axis; a tp pin is checked against the cluster in
         # passes/tensor_parallel.py, a pp pin against the devices in passes/pipeline_parallel.py,
         # and a ZeRO pin narrows the stages passes/zero.zero_stages offers both.

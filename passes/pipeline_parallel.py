@@ -564,9 +564,11 @@ def choose_pipeline(
     cache: dict[int, NodeCosts] = {}
     B = request.global_batch
     groups: list[tuple[int, int, int, int]] = []  # (p, dp, micro-batch size, micro-batches), in enumeration order
+    if pins.schedule is not None:  # a pinned schedule: only pipelines (p > 1) that run it
+        schedules = (pins.schedule,)
     for p in [pins.pp] if pins.pp else _divisors(devices // tp):
         dp = devices // (tp * p)
-        if (pins.dp and pins.dp != dp) or B % dp:
+        if (pins.dp and pins.dp != dp) or B % dp or (pins.schedule is not None and p == 1):
             continue
         share = B // dp
         for mb in [pins.micro_batch_size] if pins.micro_batch_size else _divisors(share):

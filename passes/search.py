@@ -140,7 +140,7 @@ def plan_search(
     pruned: list[PrunedCandidate] = []
     layouts = _Layouts(profile, cluster, request)
     tried_pipeline = False
-    if pins.pp in (None, 1):
+    if pins.pp in (None, 1) and pins.schedule is None:  # a pinned schedule asks for a pipeline
         try:
             options.append(_from_mesh(choose_mesh(profile, param_numels, cluster, request, replace(pins, pp=None)),
                                       profile, cluster))

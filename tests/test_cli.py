@@ -51,6 +51,20 @@ def test_compile_writes_a_valid_plan(plan_path):
     assert {"capture", "analysis", "solve"} <= set(plan.analysis_seconds)
 
 
+def test_compile_honours_every_pin_and_plans_the_rest(capsys, tmp_path):
+    """The issue's pin set on `partita compile` (pipeline stages, ZeRO, micro-batches, schedule):
+    each pinned decision is in the plan, the planner fills in the rest."""
+    path = tmp_path / "pinned.json"
+    code, out, err = run_cli(capsys, "compile", GPT, "--input", "idx=int64[16,64]", "--devices", "4", "--pp", "2",
+                             "--zero", "1", "--microbatches", "4", "--schedule", "gpipe", "-o", path)
+    assert code == 0, err
+    plan = load_plan(path)
+    assert (plan.mesh.pp, plan.mesh.dp * plan.mesh.tp) == (2, 2)
+    t = plan.training
+    assert (t.zero_stage, t.grad_accum_steps, t.schedule) == (1, 4, "gpipe")
+    assert {c.kind for c in plan.collectives if c.axis == "dp"} >= {"reduce_scatter", "all_gather"}
+
+
 def test_show_prints_the_plan(capsys, plan_path):
     code, out, _ = run_cli(capsys, "show", plan_path)
     assert code == 0
@@ -111,6 +125,8 @@ class LayerDrop(nn.Module):
         (["show", "{old}"], "plan format version 0"),
         (["show", "{missing}"], "cannot read plan file"),
         (["estimate", "--params", "lots"], "not a parameter count"),
+        (["compile", GPT, "--input", "idx=int64[16,64]", "--pp", "1", "--schedule", "gpipe"],
+         "--schedule gpipe schedules pipeline stages, but --pp 1 has none"),
     ],
 )
 def test_bad_input_gets_one_clear_message_and_exit_2(capsys, tmp_path, plan_path, args, message):

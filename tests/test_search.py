@@ -121,3 +121,18 @@ def test_own_choice_at_least_as_fast_as_the_published_22b_run():
     assert published.decision.step_s == pytest.approx(run.iteration_s, rel=0.3)  # 1.10 s published
     own = own_choice(run)
     assert own.step_s <= published.decision.step_s * (1 + 1e-9)
+
+
+def test_a_pinned_schedule_gives_a_pipeline_with_that_schedule():
+    """`--schedule gpipe` leaves the rest to the planner but only weighs pipelines run by GPipe;
+    with `--pp 1` there is nothing to schedule, and the pin is refused, saying so."""
+    from partita.compiler.errors import PartitaError
+
+    model = _gpt(4, 1024, 16)
+    d = _search(model, PRESETS["dgx-a100"].with_nodes(2), 64, Pins(schedule="gpipe"))
+    assert d.schedule == "gpipe" and d.mesh.pp > 1
+    assert _search(model, PRESETS["dgx-a100"].with_nodes(2), 64, Pins(schedule="1f1b", pp=2)).schedule == "1f1b"
+    with pytest.raises(PartitaError, match="--schedule 1f1b schedules pipeline stages, but --pp 1 has none"):
+        Pins(pp=1, schedule="1f1b")
+    with pytest.raises(PartitaError, match="--schedule 'zb' is not one of 1f1b, gpipe"):
+        Pins(schedule="zb")
