@@ -233,14 +233,11 @@ class _Layouts:
                                              choice=self.choice(micro_batch, tp) if tp > 1 else None)
         return self._costs[key]
 
-    def floor(self, tp: int) -> Callable[[int], NodeCosts] | None:
+    def floor(self, tp: int) -> Callable[[int], NodeCosts]:
         """Per-node costs never above ``node_costs(., tp)``'s, without the ILP: node_costs at tp
         divides every node's FLOPs, saved bytes and parameters by tp (every strategy's compute and
-        memory fractions are 1/tp or 1) and charges no TP collectives. Exact at tp = 1. At tp > 1
-        only when the capture is fp32: tp_node_costs scales saved bytes from 4-byte elements and
-        node_costs from the captured ones, so otherwise it is not a floor and nothing is pruned."""
-        if tp > 1 and _FLOAT_BYTES.get(self.profile.param_dtype.removeprefix("torch.")) != 4:
-            return None
+        memory fractions are 1/tp or 1) and charges no TP collectives. Exact at tp = 1. Both scale
+        the saved bytes from the captured element size to the precision's."""
         return lambda mb: node_costs(self.profile, self.cluster, self.request, mb, tp=tp) if tp > 1 \
             else self.node_costs(mb, 1)
 
@@ -333,7 +330,8 @@ def tp_node_costs(profile: ModelProfile, cluster: ClusterSpec, request: Training
     choice = tp_choice(profile, cluster, request, micro_batch, tp) if choice is None else choice
     link = cluster.link_for_group(tp)
     scale = micro_batch / profile.batch_size
-    act = element_bytes(request.precision) / 4
+    # saved bytes were measured at the captured element size; the precision's replaces it
+    act = element_bytes(request.precision) / _FLOAT_BYTES.get(profile.param_dtype.removeprefix("torch."), 4)
 
     def factor(n: str) -> float:
         return scale if G.nodes[n].get("depends_on_input") else 1.0
