@@ -29,23 +29,24 @@ of, and no figure here was re-derived to look better):
 - Rajbhandari et al., "ZeRO", SC'20, Table 1: model-state GB per device for
   7.5B/128B/1T at Nd = 1..1024 under Pos, Pos+g, Pos+g+p (K = 12).
 
-Results (2-core CPU dev machine, one run; "plan s" is capture + both plans):
+Results (2-core CPU dev machine, one run, 96 s in all; "plan s" is capture + both plans;
+ZeRO 0-3 weighed at every mesh):
 
 | source | model | GPUs | B | t x p x d, mb, ZeRO | published | published iter | partita iter | partita TFLOP/s/GPU | ratio | partita memory | partita's own choice | own iter | plan s |
 |---|---|---|---|---|---|---|---|---|---|---|---|---|---|
 | Korthikanti'23 T5 | GPT 22B | 8 | 4 | 8x1x1, 1, 0 | 1.10 s | 1.10 s | 0.98 s | 145 | 0.89 | 54 GB | t=4 p=1 d=2 mb=2 ZeRO-2 | 0.83 s | 6 |
-| Korthikanti'23 T5 | GPT 175B | 64 | 64 | 8x8x1, 1, 0 | 13.75 s | 13.75 s | 14.62 s | 151 | 1.06 | 71 GB | t=8 p=8 d=1 mb=1 ZeRO-0 | 14.62 s | 22 |
-| Korthikanti'23 T5 | GPT 530B | 280 | 280 | 8x35x1, 1, 0 | 37.83 s | 37.83 s | 53.37 s | 124 | 1.41 | 72 GB | t=8 p=35 d=1 mb=1 ZeRO-0 | 53.37 s | 66 |
-| Korthikanti'23 T5 | GPT 1T | 512 | 512 | 8x64x1, 1, 0 | 71.49 s (?) | 71.49 s | 77.73 s | 161 | 1.09 | 132 GB (does not fit 72 GB) | t=8 p=1 d=64 mb=1 ZeRO-3 | 314.73 s | 102 |
-| Narayanan'21 T2 | GPT 175B | 384 | 1536 | 8x12x4, 1, 0 | 153 TFLOP/s/GPU | 76.78 s (derived) | 51.95 s | 226 | 0.68 | 65 GB | t=4 p=8 d=12 mb=1 ZeRO-1 | 47.83 s | 115 |
-| Narayanan'21 T2 | GPT 175B | 768 | 1536 | 8x12x8, 1, 0 | 149 TFLOP/s/GPU | 39.42 s (derived) | 26.87 s | 219 | 0.68 | 65 GB | t=4 p=8 d=24 mb=1 ZeRO-1 | 25.60 s | 222 |
-| Narayanan'21 T2 | GPT 175B | 1536 | 1536 | 8x12x16, 1, 0 | 141 TFLOP/s/GPU | 20.83 s (derived) | 14.33 s | 205 | 0.69 | 65 GB | t=8 p=6 d=32 mb=1 ZeRO-1 | 14.14 s | 154 |
-| Narayanan'21 T2 | GPT 175B | 384 | 1536 | 1x1x384, 4, 3 | 144 TFLOP/s/GPU | 81.58 s (derived) | 89.17 s | 132 | 1.09 | 318 GB (does not fit 72 GB) | t=4 p=8 d=12 mb=1 ZeRO-1 | 47.83 s | 120 |
-| Narayanan'21 T2 | GPT 175B | 768 | 1536 | 1x1x768, 2, 3 | 88 TFLOP/s/GPU | 66.75 s (derived) | 75.61 s | 78 | 1.13 | 159 GB (does not fit 72 GB) | t=4 p=8 d=24 mb=1 ZeRO-1 | 25.60 s | 124 |
-| Narayanan'21 T2 | GPT 175B | 1536 | 1536 | 1x1x1536, 1, 3 | 44 TFLOP/s/GPU | 66.75 s (derived) | 78.84 s | 37 | 1.18 | 79 GB (does not fit 72 GB) | t=8 p=6 d=32 mb=1 ZeRO-1 | 14.14 s | 117 |
-| Narayanan'21 T2 | GPT 530B | 560 | 2240 | 8x35x2, 1, 0 | 171 TFLOP/s/GPU | 206.22 s (derived) | 196.26 s | 180 | 0.95 | 72 GB | t=8 p=14 d=5 mb=1 ZeRO-1 | 168.09 s | 137 |
-| Narayanan'21 T2 | GPT 530B | 2240 | 2240 | 8x35x8, 1, 0 | 159 TFLOP/s/GPU | 55.45 s (derived) | 53.75 s | 164 | 0.97 | 72 GB | t=8 p=14 d=20 mb=1 ZeRO-1 | 41.21 s | 136 |
-| Narayanan'21 T2 | GPT 530B | 2240 | 2240 | 1x1x2240, 1, 3 | 48 TFLOP/s/GPU | 183.66 s (derived) | 200.19 s | 44 | 1.09 | 145 GB (does not fit 72 GB) | t=8 p=14 d=20 mb=1 ZeRO-1 | 41.21 s | 128 |
+| Korthikanti'23 T5 | GPT 175B | 64 | 64 | 8x8x1, 1, 0 | 13.75 s | 13.75 s | 14.62 s | 151 | 1.06 | 71 GB | t=8 p=8 d=1 mb=1 ZeRO-0 | 14.62 s | 10 |
+| Korthikanti'23 T5 | GPT 530B | 280 | 280 | 8x35x1, 1, 0 | 37.83 s | 37.83 s | 53.37 s | 124 | 1.41 | 72 GB | t=8 p=35 d=1 mb=1 ZeRO-0 | 53.37 s | 12 |
+| Korthikanti'23 T5 | GPT 1T | 512 | 512 | 8x64x1, 1, 0 | 71.49 s (?) | 71.49 s | 77.73 s | 161 | 1.09 | 132 GB (does not fit 72 GB) | t=8 p=1 d=64 mb=1 ZeRO-3 | 314.73 s | 13 |
+| Narayanan'21 T2 | GPT 175B | 384 | 1536 | 8x12x4, 1, 0 | 153 TFLOP/s/GPU | 76.78 s (derived) | 51.95 s | 226 | 0.68 | 65 GB | t=4 p=8 d=12 mb=1 ZeRO-1 | 47.83 s | 6 |
+| Narayanan'21 T2 | GPT 175B | 768 | 1536 | 8x12x8, 1, 0 | 149 TFLOP/s/GPU | 39.42 s (derived) | 26.87 s | 219 | 0.68 | 65 GB | t=4 p=8 d=24 mb=1 ZeRO-1 | 25.60 s | 6 |
+| Narayanan'21 T2 | GPT 175B | 1536 | 1536 | 8x12x16, 1, 0 | 141 TFLOP/s/GPU | 20.83 s (derived) | 14.33 s | 205 | 0.69 | 65 GB | t=8 p=6 d=32 mb=1 ZeRO-1 | 14.14 s | 5 |
+| Narayanan'21 T2 | GPT 175B | 384 | 1536 | 1x1x384, 4, 3 | 144 TFLOP/s/GPU | 81.58 s (derived) | 89.17 s | 132 | 1.09 | 318 GB (does not fit 72 GB) | t=4 p=8 d=12 mb=1 ZeRO-1 | 47.83 s | 7 |
+| Narayanan'21 T2 | GPT 175B | 768 | 1536 | 1x1x768, 2, 3 | 88 TFLOP/s/GPU | 66.75 s (derived) | 75.61 s | 78 | 1.13 | 159 GB (does not fit 72 GB) | t=4 p=8 d=24 mb=1 ZeRO-1 | 25.60 s | 6 |
+| Narayanan'21 T2 | GPT 175B | 1536 | 1536 | 1x1x1536, 1, 3 | 44 TFLOP/s/GPU | 66.75 s (derived) | 78.84 s | 37 | 1.18 | 79 GB (does not fit 72 GB) | t=8 p=6 d=32 mb=1 ZeRO-1 | 14.14 s | 5 |
+| Narayanan'21 T2 | GPT 530B | 560 | 2240 | 8x35x2, 1, 0 | 171 TFLOP/s/GPU | 206.22 s (derived) | 196.26 s | 180 | 0.95 | 72 GB | t=8 p=14 d=5 mb=1 ZeRO-1 | 168.09 s | 6 |
+| Narayanan'21 T2 | GPT 530B | 2240 | 2240 | 8x35x8, 1, 0 | 159 TFLOP/s/GPU | 55.45 s (derived) | 53.75 s | 164 | 0.97 | 72 GB | t=8 p=14 d=20 mb=1 ZeRO-1 | 41.21 s | 6 |
+| Narayanan'21 T2 | GPT 530B | 2240 | 2240 | 1x1x2240, 1, 3 | 48 TFLOP/s/GPU | 183.66 s (derived) | 200.19 s | 44 | 1.09 | 145 GB (does not fit 72 GB) | t=8 p=14 d=20 mb=1 ZeRO-1 | 41.21 s | 5 |
 
 Reading it. "ratio" is partita / published iteration time. PTD-P 175B
 (Narayanan): 0.68-0.69, predicted too fast, and by the amount the two known
