@@ -77,7 +77,7 @@ class ParallelizeSpec:
     optimizer: OptimizerFactory = default_optimizer
     loss: Callable[[Any, torch.Tensor], torch.Tensor] = default_loss
     plan: str | None = None
-    pins: Mapping[str, int | str] = field(default_factory=dict)
+    pins: Mapping[str, int | str | bool] = field(default_factory=dict)
 
 
 class Parallelized:
@@ -116,6 +116,7 @@ def parallelize(
     grad_accum_steps: int | None = None,
     microbatches: int | None = None,
     schedule: str | None = None,
+    recompute: bool | None = None,
 ) -> Any:
     """Plan and run ``target`` in parallel.
 
@@ -125,8 +126,8 @@ def parallelize(
     as ``{"name": "dtype[shape]"}`` (their leading dim is the global batch
     unless ``batch`` says otherwise); ``plan`` is a plan file to use instead
     of planning. ``dp``, ``tp``, ``pp``, ``zero``, ``micro_batch_size``,
-    ``microbatches`` (or its other name ``grad_accum_steps``) and ``schedule``
-    pin those decisions (the same keywords as `partita compile`); the planner
+    ``microbatches`` (or its other name ``grad_accum_steps``), ``schedule`` and
+    ``recompute`` (activation recomputation on every stage, or never) pin those decisions (the same keywords as `partita compile`); the planner
     decides the rest.
     """
     if microbatches is not None and grad_accum_steps not in (None, microbatches):
@@ -135,7 +136,7 @@ def parallelize(
     pins = {k: v for k, v in (("dp", dp), ("tp", tp), ("pp", pp), ("zero_stage", zero),
                                ("micro_batch_size", micro_batch_size),
                                ("grad_accum_steps", grad_accum_steps or microbatches),
-                               ("schedule", schedule)) if v is not None}
+                               ("schedule", schedule), ("recompute", recompute)) if v is not None}
     spec = ParallelizeSpec(
         inputs=_parse_inputs(inputs), cluster=cluster, nodes=nodes, devices=devices, batch=batch,
         precision=precision, optimizer=optimizer or default_optimizer, loss=loss or default_loss,

@@ -87,14 +87,16 @@ def cluster_options(f: Any) -> Any:
 @click.option("--microbatches", type=int, default=None, help="pin the micro-batches per step (= --grad-accum-steps)")
 @click.option("--schedule", type=click.Choice(["1f1b", "gpipe"]), default=None,
               help="pin the pipeline schedule (the plan then has pipeline stages)")
+@click.option("--recompute/--no-recompute", default=None,
+              help="activation recomputation on every stage / on none (default: on the stages where memory binds)")
 @click.option("--inference", is_flag=True, help="a forward-only plan: no gradients, no optimizer state")
 @click.option("-o", "--output", type=click.Path(dir_okay=False), default="plan.json", show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="print the plan as JSON instead of tables")
 def compile_cmd(target: str, inputs: tuple[str, ...], cluster_name: str, nodes: int | None, devices: int | None,
                 batch: int | None, precision: str | None, optimizer: str, dp: int | None,
                 micro_batch_size: int | None, grad_accum_steps: int | None, tp: int | None, pp: int | None,
-                zero: int | None, microbatches: int | None, schedule: str | None, inference: bool, output: str,
-                as_json: bool) -> None:
+                zero: int | None, microbatches: int | None, schedule: str | None, recompute: bool | None,
+                inference: bool, output: str, as_json: bool) -> None:
     """Capture TARGET (FILE.py:NAME), analyse it, and write a plan for the cluster."""
     from partita.compiler.compile import compile_model
     from partita.compiler.loader import load_target
@@ -113,7 +115,8 @@ def compile_cmd(target: str, inputs: tuple[str, ...], cluster_name: str, nodes: 
         raise PartitaError(f"--microbatches {microbatches} and --grad-accum-steps {grad_accum_steps} disagree",
                            hint="they are the same decision; pass one")
     pins = Pins(dp=dp, tp=tp, pp=pp, zero_stage=zero, micro_batch_size=micro_batch_size,
-                grad_accum_steps=grad_accum_steps or microbatches, schedule=schedule)
+                grad_accum_steps=grad_accum_steps or microbatches, schedule=schedule,
+                recompute=recompute)
     with _progress() as progress:
         result = compile_model(model.factory, specs, cluster, global_batch=batch or getattr(spec, "batch", None),
                                precision=precision or getattr(spec, "precision", None), optimizer=optimizer,

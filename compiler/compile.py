@@ -361,13 +361,19 @@ def _tp_plan_collectives(nodes: Sequence[Any], d: Decision, cluster: ClusterSpec
         return ()
     link = cluster.link_for_group(tp)
     out: list[Collective] = []
+    recomputed = {st.index for st in d.stages if st.recompute}
     for s in range(d.mesh.pp):
         mine = [n for n in nodes if n.stage == s]
+        listed = tp_collectives(mine)
+        if s in recomputed:  # the layers' forward runs again in backward, its collectives with it
+            listed += [(kind, nbytes, calls, f"{purpose}, again when the layer is recomputed")
+                       for kind, nbytes, calls, purpose in tp_collectives([n for n in mine if n.layer])
+                       if purpose != "backward reshard"]
         out += [Collective(kind=kind, axis=MeshAxis.TP.value, bytes=nbytes, count=calls * d.grad_accum_steps,
                            group_size=tp, purpose=purpose,
                            seconds=calls * d.grad_accum_steps * collective_time(kind, nbytes, tp, link),
                            stage=s if d.mesh.pp > 1 else None)
-                for kind, nbytes, calls, purpose in tp_collectives(mine)]
+                for kind, nbytes, calls, purpose in listed]
     return tuple(out)
 
 

@@ -187,6 +187,9 @@ class Stage:
     ranks: tuple[int, ...] = ()  # global ranks holding this stage
     modules: tuple[str, ...] = ()  # top-level module paths it holds, e.g. "transformer.h.0-11"
     send_bytes: int = 0  # activation bytes sent to the next stage per micro-batch
+    # activation recomputation: each repeated layer of the stage (its nodes' ``layer``) keeps only
+    # its inputs in forward and recomputes its activations in backward
+    recompute: bool = False
 
 
 @dataclass(frozen=True)

@@ -53,6 +53,14 @@ def memory_row(m: MemoryBreakdown) -> list[str]:
             fmt_bytes(m.total), fmt_bytes(m.capacity), "[green]yes[/]" if m.fits else "[red]no[/]"]
 
 
+def _recompute_note(plan: Plan) -> str:
+    on = [s.index for s in plan.stages if s.recompute]
+    if not on:
+        return ""
+    where = "every stage" if len(on) == len(plan.stages) else f"stage(s) {', '.join(map(str, on))}"
+    return f", activations recomputed on {where}"
+
+
 def plan_summary(plan: Plan) -> RenderableType:
     """The compile summary and the head of `partita show`."""
     m, t, p, c = plan.model, plan.training, plan.predicted, plan.cluster
@@ -65,7 +73,7 @@ def plan_summary(plan: Plan) -> RenderableType:
         ("batch", f"global {t.global_batch} = dp {plan.mesh.dp} x micro-batch {t.micro_batch_size} "
                   f"x {t.grad_accum_steps} accumulation step(s)"),
         ("training", f"{t.precision}, {t.optimizer}, ZeRO-{t.zero_stage}"
-                     + (", inference" if t.inference else "")),
+                     + (", inference" if t.inference else "") + _recompute_note(plan)),
         ("step time", f"{fmt_time(p.step_time_s)} = compute {fmt_time(p.compute_s)} + comm ({comm}) "
                       f"+ optimizer {fmt_time(p.optimizer_s)}"),
         ("throughput", f"{p.samples_per_s:,.1f} samples/s"
@@ -118,8 +126,9 @@ def stages_table(plan: Plan) -> Table:
         table.add_column(col)
     for s in plan.stages:
         ranks = f"{s.ranks[0]}-{s.ranks[-1]}" if len(s.ranks) > 1 else ",".join(map(str, s.ranks))
+        backward = fmt_time(s.backward_s) + (" (recomputes)" if s.recompute else "")
         table.add_row(str(s.index), ranks, ", ".join(s.modules) or f"{s.first_node} .. {s.last_node}",
-                      fmt_count(s.params), fmt_time(s.forward_s), fmt_time(s.backward_s),
+                      fmt_count(s.params), fmt_time(s.forward_s), backward,
                       fmt_time(s.predicted_time_s), fmt_bytes(s.memory_bytes), fmt_bytes(s.send_bytes))
     return table
 

@@ -26,6 +26,7 @@ class Pins:
     grad_accum_steps: int | None = None
     world_size: int | None = None  # e.g. the processes torchrun launched
     schedule: str | None = None  # the pipeline schedule, "1f1b" or "gpipe" (implies pp > 1)
+    recompute: bool | None = None  # activation recomputation: on every stage, never, or (None) where memory binds
 
     def __post_init__(self) -> None:
         for name in ("dp", "tp", "pp", "micro_batch_size", "grad_accum_steps", "world_size"):

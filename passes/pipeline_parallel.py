@@ -43,6 +43,17 @@ model state is sharded over its dp group (``StageSetup.zero_stage``, ``dp``),
 and its tail pays ZeRO's collectives (cost_model.zero_step_comm) and the
 optimizer's 1/dp slice instead of the all-reduce and the whole state.
 
+Activation recomputation, per stage where memory binds. A stage whose cuts do
+not fit memory may recompute its repeated layers (``recompute_costs``): each
+layer keeps only what crosses its first boundary (its inputs, what a
+checkpoint keeps) and recomputes its forward in backward (backward + forward
+time, the forward's TP collectives included), plus one layer's full
+activations while it is recomputed. The DP decides it segment by segment: a
+stage recomputes exactly when it does not fit without (``Partition.recomputes``),
+so it never costs time where memory does not bind. ``Pins.recompute`` forces it
+on every stage (True) or off (False). Not with ZeRO-3 (the runtime gathers its
+parameters per node, which a recompute in backward would free under it).
+
 Shared (tied) parameters. A parameter used in two stages (GPT-2's tied wte and
 lm_head) is held by both, counted in both stages' memory, and its gradient is
 all-reduced between them once per step. Both policies are weighed: cuts that
@@ -176,6 +187,41 @@ class NodeCosts:
             raise ValueError(f"NodeCosts needs {n + 1} boundary byte counts")
 
 
+@dataclass(frozen=True)
+class Recompute:
+    """A stage's costs when its repeated layers recompute their activations (``recompute_costs``)."""
+
+    costs: NodeCosts  # saved bytes: only each layer's inputs; backward: + the layer's forward
+    transient_bytes: int  # one layer's full activations, rebuilt while its backward runs
+    forced: bool = False  # every stage recomputes (``Pins.recompute``), not only where memory binds
+
+
+def recompute_costs(c: NodeCosts, *, forced: bool = False) -> Recompute | None:
+    """``c`` with every repeated layer checkpointed at its boundaries; None without layers.
+
+    A layer keeps ``send_bytes`` at its first position (every tensor live across
+    that boundary: its inputs, an upper bound when something is relayed past it)
+    and nothing else; its backward runs its forward again first. The largest
+    layer's saved bytes are held once more while that layer is recomputed."""
+    if not c.layers:
+        return None
+    fwd, bwd, saved = list(c.forward_s), list(c.backward_s), list(c.saved_bytes)
+    per_layer: dict[str, int] = {}
+    current = ""  # the layer the previous position belonged to
+    for i, label in enumerate(c.modules):
+        # a layer's own nodes carry its name; its parameters (placed before their first user)
+        # their module's, below it
+        layer = label if label in c.layers else current if current and label.startswith(current + ".") else ""
+        if not layer:
+            current = ""
+            continue
+        per_layer[layer] = per_layer.get(layer, 0) + saved[i]
+        bwd[i] += fwd[i]
+        saved[i] = c.send_bytes[i] if layer != current else 0
+        current = layer
+    return Recompute(replace(c, backward_s=tuple(bwd), saved_bytes=tuple(saved)), max(per_layer.values()), forced)
+
+
 def node_costs(profile: ModelProfile, cluster: ClusterSpec, request: TrainingRequest, micro_batch: int,
                *, tp: int = 1) -> NodeCosts:
     """Per-node costs from the profile, scaled from the captured batch to ``micro_batch``.
@@ -283,11 +329,15 @@ class Partition:
     A segment is positions [j, k) on stage s.
     """
 
-    def __init__(self, costs: NodeCosts, setup: StageSetup, cluster: ClusterSpec, *, forbid: Sequence[int] = ()):
+    def __init__(self, costs: NodeCosts, setup: StageSetup, cluster: ClusterSpec, *, forbid: Sequence[int] = (),
+                 recompute: Recompute | None = None):
         self.costs, self.setup, self.cluster = costs, setup, cluster
         self.n = len(costs.order)
         # the prefix sums depend on the costs only: shared by every setup cut over them
         self.compute, self.fwd, self.saved, self.params = costs.prefix_sums
+        self.rc = recompute if setup.zero_stage < 3 else None
+        if self.rc is not None:
+            self._rc_compute, _, self._rc_saved, _ = self.rc.costs.prefix_sums
         blocked = set(forbid)
         self.boundaries = tuple(k for k in costs.boundaries if k not in blocked)
         self.held = [activations_in_flight(setup.schedule, s, setup.stages, setup.micro_batches)
@@ -316,30 +366,68 @@ class Partition:
         back = p2p_time(c.grad_bytes[j], self.setup.links[s - 1]) if s > 0 else 0.0
         return out + back
 
+    def recomputes(self, j: int, k: int, s: int) -> bool:
+        """Whether stage s over [j, k) recomputes its layers: when forced, else exactly when it
+        does not fit without and does with."""
+        if self.rc is None:
+            return False
+        return self.rc.forced or (self._plain_total(j, k, s) > self.setup.capacity
+                                  and self._rc_total(j, k, s) <= self.setup.capacity)
+
+    def compute_s(self, j: int, k: int, s: int) -> float:
+        """One micro-batch's forward + backward of the segment (recomputation included)."""
+        if self.recomputes(j, k, s):
+            return self._rc_compute[k] - self._rc_compute[j]
+        return self.compute[k] - self.compute[j]
+
     def slot(self, j: int, k: int, s: int) -> float:
-        return stage_slot_time(self.compute[k] - self.compute[j], self.p2p(j, k, s), self.cluster)
+        return stage_slot_time(self.compute_s(j, k, s), self.p2p(j, k, s), self.cluster)
 
     def memory(self, j: int, k: int, s: int) -> MemoryBreakdown:
         st = model_state_memory(self.param_numel(j, k), self.setup.held)
         held = activations_in_flight(self.setup.schedule, s, self.setup.stages, self.setup.micro_batches)
-        return MemoryBreakdown(st.params, st.grads, st.optimizer, held * (self.saved[k] - self.saved[j]),
-                               self.setup.capacity)
+        if self.recomputes(j, k, s):
+            act = held * (self._rc_saved[k] - self._rc_saved[j]) + self.rc.transient_bytes
+        else:
+            act = held * (self.saved[k] - self.saved[j])
+        return MemoryBreakdown(st.params, st.grads, st.optimizer, act, self.setup.capacity)
 
-    def memory_total(self, j: int, k: int, s: int) -> int:
-        """``memory(j, k, s).total`` without building the records (the DP's inner loop)."""
+    def _state_total(self, j: int, k: int) -> int:
         numel = self.param_numel(j, k)
         params, grads, optimizer = self._state_bytes
-        state = round(numel * params) + round(numel * grads) + round(numel * optimizer)
-        return state + self.held[s] * (self.saved[k] - self.saved[j])
+        return round(numel * params) + round(numel * grads) + round(numel * optimizer)
+
+    def _plain_total(self, j: int, k: int, s: int) -> int:
+        return self._state_total(j, k) + self.held[s] * (self.saved[k] - self.saved[j])
+
+    def _rc_total(self, j: int, k: int, s: int) -> int:
+        return (self._state_total(j, k) + self.held[s] * (self._rc_saved[k] - self._rc_saved[j])
+                + self.rc.transient_bytes)
+
+    def memory_total(self, j: int, k: int, s: int) -> int:
+        """``memory(j, k, s).total`` without building the records (the DP's inner loop). Whether
+        it fits the capacity never turns from no to yes as a segment grows, with or without
+        recomputation: each of the two totals grows with the segment."""
+        plain = self._plain_total(j, k, s)
+        if self.rc is None:
+            return plain
+        if self.rc.forced or plain > self.setup.capacity:
+            rc = self._rc_total(j, k, s)
+            if self.rc.forced or rc <= self.setup.capacity:
+                return rc
+        return plain
 
     def time_cost(self, j: int, k: int, s: int) -> float:
         """The DP's segment cost: the slot, or infinity when the stage does not fit."""
         return self.slot(j, k, s) if self.memory_total(j, k, s) <= self.setup.capacity else INF
 
     def time_floor(self, j: int, k: int, s: int) -> float:
-        """A lower bound on ``time_cost`` that never decreases as the segment grows (j falls)."""
+        """A lower bound on ``time_cost`` that never decreases as the segment grows (j falls):
+        the compute without recomputation, which only adds time."""
         if self.memory_total(j, k, s) > self.setup.capacity:
             return INF
+        if self.rc is not None and self.rc.forced:
+            return self._rc_compute[k] - self._rc_compute[j] + self.cluster.step_overhead_s
         return self.compute[k] - self.compute[j] + self.cluster.step_overhead_s
 
     def memory_cost(self, j: int, k: int, s: int) -> float:
@@ -425,13 +513,14 @@ class PipelineStage:
     send_bytes: int  # activations sent to the next stage per micro-batch
     ranks: tuple[int, ...]
     modules: tuple[str, ...]
+    recompute: bool = False  # its repeated layers recompute their activations in backward
 
     def to_plan(self, micro_batches: int) -> Stage:
         return Stage(
             index=self.index, nodes=self.stop - self.start, first_node=self.first_node, last_node=self.last_node,
             params=self.params, predicted_time_s=micro_batches * self.slot_s, memory_bytes=self.memory.total,
             forward_s=self.forward_s, backward_s=self.backward_s, ranks=self.ranks, modules=self.modules,
-            send_bytes=self.send_bytes,
+            send_bytes=self.send_bytes, recompute=self.recompute,
         )
 
 
@@ -576,6 +665,12 @@ def choose_pipeline(
             if share % mb or (pins.grad_accum_steps and pins.grad_accum_steps != m):
                 continue
             groups.append((p, dp, mb, m))
+    weigh_rc = not request.inference and pins.recompute is not False
+    rc_cache: dict[int, Recompute | None] = {}
+
+    def with_rc(c: NodeCosts) -> Recompute | None:
+        return recompute_costs(c, forced=bool(pins.recompute)) if weigh_rc else None
+
     bounder = PipelineBound(cluster, request, state, tp, floor_costs) if prune and floor_costs else None
     visit = list(enumerate(groups))
     if bounder is not None:  # the most promising first, so the incumbent falls early
@@ -603,7 +698,7 @@ def choose_pipeline(
             plans = [(sch, forbid) for sch in (("none",) if p == 1 else schedules)
                      for _, forbid in _shared_policies(bounder.floor(mb), p)]
             if not any(any_cuts_fit(bounder.partition(mb, StageSetup(p, m, sch, links, cluster.usable_memory, state,
-                                                                     z, dp), forbid))
+                                                                     z, dp), forbid, with_rc))
                        for sch, forbid in plans for z in zs):
                 pruned.append(PrunedCandidate(
                     p, dp, tp, mb, m, zs[-1], lb, True,
@@ -613,12 +708,14 @@ def choose_pipeline(
         c = _cached(cache, build, mb)
         if p > len(c.boundaries) + 1:
             continue
+        if mb not in rc_cache:
+            rc_cache[mb] = with_rc(c)
         for schedule, policy, forbid in [(sch, pol, fb) for sch in (("none",) if p == 1 else schedules)
                                          for pol, fb in _shared_policies(c, p)]:
             missed: list[Partition] = []  # smaller ZeRO stages that did not fit
             for z in zs:
                 part = Partition(c, StageSetup(p, m, schedule, links, cluster.usable_memory, state, z, dp), cluster,
-                                 forbid=forbid)
+                                 forbid=forbid, recompute=rc_cache[mb])
                 if bounder is not None and not any_cuts_fit(part):
                     missed.append(part)
                     continue
@@ -738,10 +835,14 @@ class PipelineBound:
     def floor(self, mb: int) -> NodeCosts:
         return _cached(self._floors, self._build, mb)
 
-    def partition(self, mb: int, setup: StageSetup, forbid: Sequence[int]) -> Partition:
-        """The floor costs cut under ``setup``, with a byte of slack per 1e6 for rounding."""
-        return Partition(self.floor(mb), replace(setup, capacity=round(setup.capacity * (1 + 1e-6))), self.cluster,
-                         forbid=forbid)
+    def partition(self, mb: int, setup: StageSetup, forbid: Sequence[int],
+                  recompute: Callable[[NodeCosts], Recompute | None] = lambda c: None) -> Partition:
+        """The floor costs cut under ``setup``, with a byte of slack per 1e6 for rounding (and the
+        floor of recomputation's memory where it is weighed: a layer's inputs and its largest
+        layer's activations never exceed the real ones either)."""
+        floor = self.floor(mb)
+        return Partition(floor, replace(setup, capacity=round(setup.capacity * (1 + 1e-6))), self.cluster,
+                         forbid=forbid, recompute=recompute(floor))
 
     def compute(self, mb: int) -> float:
         """The floor costs' forward + backward of one micro-batch of ``mb``, summed. Each node's
@@ -828,11 +929,11 @@ def _candidate(part: Partition, bounds: tuple[int, ...], dp: int, tp: int, mb: i
                      zero_optimizer_time(sum(numels), setup.state, setup.zero_stage, dp, cluster))
         stages.append(PipelineStage(
             index=s, start=j, stop=k, first_node=c.order[j], last_node=c.order[k - 1], params=sum(numels),
-            forward_s=part.fwd[k] - part.fwd[j], backward_s=part.compute[k] - part.compute[j] - (part.fwd[k] - part.fwd[j]),
+            forward_s=part.fwd[k] - part.fwd[j], backward_s=part.compute_s(j, k, s) - (part.fwd[k] - part.fwd[j]),
             p2p_s=part.p2p(j, k, s), slot_s=part.slot(j, k, s), memory=mem,
             in_flight=activations_in_flight(setup.schedule, s, p, setup.micro_batches),
             send_bytes=c.send_bytes[k] if s < p - 1 else 0, ranks=tuple(range(s * width, (s + 1) * width)),
-            modules=_modules(part, j, k),
+            modules=_modules(part, j, k), recompute=part.recomputes(j, k, s),
         ))
     tied = 0.0
     for sp in c.shared:

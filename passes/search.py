@@ -140,13 +140,15 @@ def plan_search(
     pruned: list[PrunedCandidate] = []
     layouts = _Layouts(profile, cluster, request)
     tried_pipeline = False
-    if pins.pp in (None, 1) and pins.schedule is None:  # a pinned schedule asks for a pipeline
+    # A pinned schedule asks for a pipeline; pinned recomputation is weighed by the pipeline search
+    # alone (at p = 1 too), which decides it per stage.
+    if pins.pp in (None, 1) and pins.schedule is None and not pins.recompute:
         try:
             options.append(_from_mesh(choose_mesh(profile, param_numels, cluster, request, replace(pins, pp=None)),
                                       profile, cluster))
         except InfeasibleError as e:
             errors.append(e)
-    if pins.pp != 1 and world > 1:
+    if (pins.pp != 1 and world > 1) or pins.recompute:
         tried_pipeline = True
         # With a pp = 1 plan in hand that needs no ZeRO, pipelines are weighed at tp = 1 only (cheap:
         # no ILP), so the plan can say what a pipeline would cost; otherwise at every tp (a pipeline

@@ -284,3 +284,25 @@ def test_pipeline_step_by_hand():
     assert c.step_s == pytest.approx((4 + 3 - 1) * slot + 0.005 + 0.002)
     assert [activations_in_flight("1f1b", s, 4, 2) for s in range(4)] == [2, 2, 2, 1]
     assert bubble_fraction(4, 8) == 3 / 8
+
+
+def test_recompute_costs_keep_each_layers_inputs_and_rerun_its_forward():
+    """Hand-worked: an embedding, then two layers of two nodes (a parameter of h.1 placed before
+    its first user). Each layer keeps what crosses its first boundary; its backward adds its
+    forward; one layer's saved bytes are held again while it is recomputed."""
+    from partita.passes.pipeline_parallel import NodeCosts, recompute_costs
+
+    c = NodeCosts(
+        order=("emb", "a0", "b0", "w1", "a1", "b1"),
+        forward_s=(1.0, 2.0, 3.0, 0.0, 2.0, 3.0), backward_s=(2.0, 4.0, 6.0, 0.0, 4.0, 6.0),
+        saved_bytes=(10, 100, 200, 0, 100, 250), param_numel=(5, 0, 0, 7, 0, 0),
+        send_bytes=(0, 8, 30, 8, 8, 30, 0), grad_bytes=(0, 8, 30, 8, 8, 30, 0), boundaries=(1, 3),
+        modules=("", "h.0", "h.0", "h.1.attn", "h.1", "h.1"), layers=frozenset({"h.0", "h.1"}),
+    )
+    rc = recompute_costs(c)
+    # each layer keeps the bytes crossing the boundary before its first node (8 each)
+    assert rc.costs.saved_bytes == (10, 8, 0, 0, 8, 0)
+    assert rc.costs.backward_s == (2.0, 6.0, 9.0, 0.0, 6.0, 9.0)
+    assert rc.costs.forward_s == c.forward_s
+    assert rc.transient_bytes == 350  # h.1: 100 + 250
+    assert recompute_costs(dataclasses.replace(c, layers=frozenset())) is None

@@ -136,3 +136,24 @@ def test_a_pinned_schedule_gives_a_pipeline_with_that_schedule():
         Pins(pp=1, schedule="1f1b")
     with pytest.raises(PartitaError, match="--schedule 'zb' is not one of 1f1b, gpipe"):
         Pins(schedule="zb")
+
+
+def test_recomputation_only_on_the_stages_where_memory_binds():
+    """GPT-3 175B, t=8 x p=8 on 64 A100s with micro-batches of 2: without recomputation the last
+    stage's state plus one micro-batch of activations is 80 GB, over the 72 GB budget. Weighed per
+    stage, recomputation goes to the first stages of 1F1B (they hold the most micro-batches in
+    flight) and nowhere it is not needed; forced on every stage it is slower."""
+    model = _gpt(96, 12288, 96, vocab=50257, seq=2048)
+    cluster = PRESETS["dgx-a100"].with_nodes(8)
+    pins = dict(tp=8, pp=8, micro_batch_size=2)
+    with pytest.raises(InfeasibleError, match=r"stage 7 needs 80.24 GB"):
+        _search(model, cluster, 64, Pins(**pins, recompute=False))
+    d = _search(model, cluster, 64, Pins(**pins))
+    flags = [s.recompute for s in d.stages]
+    assert flags[0] and not all(flags), flags
+    assert all(s.memory_bytes <= cluster.usable_memory for s in d.stages)
+    forced = _search(model, cluster, 64, Pins(**pins, recompute=True))
+    assert all(s.recompute for s in forced.stages) and forced.step_s > d.step_s
+    # a recomputing stage's backward runs its layers' forward again
+    for s in forced.stages:
+        assert s.backward_s > 2 * s.forward_s
