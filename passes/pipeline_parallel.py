@@ -713,6 +713,7 @@ def choose_pipeline(
         for schedule, policy, forbid in [(sch, pol, fb) for sch in (("none",) if p == 1 else schedules)
                                          for pol, fb in _shared_policies(c, p)]:
             missed: list[Partition] = []  # smaller ZeRO stages that did not fit
+            fitted = False
             for z in zs:
                 part = Partition(c, StageSetup(p, m, schedule, links, cluster.usable_memory, state, z, dp), cluster,
                                  forbid=forbid, recompute=rc_cache[mb])
@@ -725,10 +726,17 @@ def choose_pipeline(
                     # the stages that did not fit, costed at the cuts that fit one larger
                     found += [(g, replace(_candidate(x, bounds, dp, tp, mb, policy, False, request), cut_for=z))
                               for x in missed]
-                    found.append((g, _candidate(part, bounds, dp, tp, mb, policy, True, request)))
-                    break  # larger stages only add traffic (passes/zero.py)
+                    missed = []
+                    cand = _candidate(part, bounds, dp, tp, mb, policy, True, request)
+                    found.append((g, cand))
+                    fitted = True
+                    # Larger stages only add traffic (passes/zero.py), unless this one fits by
+                    # recomputing where a larger one, holding less state, might not need to.
+                    if part.rc is None or part.rc.forced or not any(st.recompute for st in cand.stages):
+                        break
+                    continue
                 missed.append(part)
-            else:
+            if not fitted:
                 if not missed:  # no ZeRO stage the runtime executes at this (tp, p)
                     continue
                 part = missed[-1]  # the least memory: the largest stage weighed, least-memory cuts
