@@ -29,63 +29,52 @@ of, and no figure here was re-derived to look better):
 - Rajbhandari et al., "ZeRO", SC'20, Table 1: model-state GB per device for
   7.5B/128B/1T at Nd = 1..1024 under Pos, Pos+g, Pos+g+p (K = 12).
 
-Results (2-core CPU dev machine, one run, 96 s in all; "plan s" is capture + both plans;
+Results (2-core CPU dev machine, one run, 262 s in all; "plan s" is capture + both plans;
 ZeRO 0-3 weighed at every mesh):
 
 | source | model | GPUs | B | t x p x d, mb, ZeRO | published | published iter | partita iter | partita TFLOP/s/GPU | ratio | partita memory | partita's own choice | own iter | plan s |
 |---|---|---|---|---|---|---|---|---|---|---|---|---|---|
-| Korthikanti'23 T5 | GPT 22B | 8 | 4 | 8x1x1, 1, 0 | 1.10 s | 1.10 s | 0.98 s | 145 | 0.89 | 54 GB | t=4 p=1 d=2 mb=2 ZeRO-2 | 0.83 s | 6 |
-| Korthikanti'23 T5 | GPT 175B | 64 | 64 | 8x8x1, 1, 0 | 13.75 s | 13.75 s | 14.62 s | 151 | 1.06 | 71 GB | t=8 p=8 d=1 mb=1 ZeRO-0 | 14.62 s | 10 |
-| Korthikanti'23 T5 | GPT 530B | 280 | 280 | 8x35x1, 1, 0 | 37.83 s | 37.83 s | 53.37 s | 124 | 1.41 | 72 GB | t=8 p=35 d=1 mb=1 ZeRO-0 | 53.37 s | 12 |
-| Korthikanti'23 T5 | GPT 1T | 512 | 512 | 8x64x1, 1, 0 | 71.49 s (?) | 71.49 s | 77.73 s | 161 | 1.09 | 132 GB (does not fit 72 GB) | t=8 p=1 d=64 mb=1 ZeRO-3 | 314.73 s | 13 |
-| Narayanan'21 T2 | GPT 175B | 384 | 1536 | 8x12x4, 1, 0 | 153 TFLOP/s/GPU | 76.78 s (derived) | 51.95 s | 226 | 0.68 | 65 GB | t=4 p=8 d=12 mb=1 ZeRO-1 | 47.83 s | 6 |
-| Narayanan'21 T2 | GPT 175B | 768 | 1536 | 8x12x8, 1, 0 | 149 TFLOP/s/GPU | 39.42 s (derived) | 26.87 s | 219 | 0.68 | 65 GB | t=4 p=8 d=24 mb=1 ZeRO-1 | 25.60 s | 6 |
-| Narayanan'21 T2 | GPT 175B | 1536 | 1536 | 8x12x16, 1, 0 | 141 TFLOP/s/GPU | 20.83 s (derived) | 14.33 s | 205 | 0.69 | 65 GB | t=8 p=6 d=32 mb=1 ZeRO-1 | 14.14 s | 5 |
-| Narayanan'21 T2 | GPT 175B | 384 | 1536 | 1x1x384, 4, 3 | 144 TFLOP/s/GPU | 81.58 s (derived) | 89.17 s | 132 | 1.09 | 318 GB (does not fit 72 GB) | t=4 p=8 d=12 mb=1 ZeRO-1 | 47.83 s | 7 |
-| Narayanan'21 T2 | GPT 175B | 768 | 1536 | 1x1x768, 2, 3 | 88 TFLOP/s/GPU | 66.75 s (derived) | 75.61 s | 78 | 1.13 | 159 GB (does not fit 72 GB) | t=4 p=8 d=24 mb=1 ZeRO-1 | 25.60 s | 6 |
-| Narayanan'21 T2 | GPT 175B | 1536 | 1536 | 1x1x1536, 1, 3 | 44 TFLOP/s/GPU | 66.75 s (derived) | 78.84 s | 37 | 1.18 | 79 GB (does not fit 72 GB) | t=8 p=6 d=32 mb=1 ZeRO-1 | 14.14 s | 5 |
-| Narayanan'21 T2 | GPT 530B | 560 | 2240 | 8x35x2, 1, 0 | 171 TFLOP/s/GPU | 206.22 s (derived) | 196.26 s | 180 | 0.95 | 72 GB | t=8 p=14 d=5 mb=1 ZeRO-1 | 168.09 s | 6 |
-| Narayanan'21 T2 | GPT 530B | 2240 | 2240 | 8x35x8, 1, 0 | 159 TFLOP/s/GPU | 55.45 s (derived) | 53.75 s | 164 | 0.97 | 72 GB | t=8 p=14 d=20 mb=1 ZeRO-1 | 41.21 s | 6 |
-| Narayanan'21 T2 | GPT 530B | 2240 | 2240 | 1x1x2240, 1, 3 | 48 TFLOP/s/GPU | 183.66 s (derived) | 200.19 s | 44 | 1.09 | 145 GB (does not fit 72 GB) | t=8 p=14 d=20 mb=1 ZeRO-1 | 41.21 s | 5 |
+| Korthikanti'23 T5 | GPT 22B | 8 | 4 | 8x1x1, 1, 0 | 1.10 s | 1.10 s | 0.98 s | 145 | 0.89 | 54 GB | t=4 p=1 d=2 mb=2 ZeRO-2 | 0.83 s | 10 |
+| Korthikanti'23 T5 | GPT 175B | 64 | 64 | 8x8x1, 1, 0 | 13.75 s | 13.75 s | 14.62 s | 151 | 1.06 | 71 GB | t=8 p=8 d=1 mb=1 ZeRO-0 | 14.62 s | 17 |
+| Korthikanti'23 T5 | GPT 530B | 280 | 280 | 8x35x1, 1, 0 | 37.83 s | 37.83 s | 51.86 s | 128 | 1.37 | 70 GB, recompute 13/35 stages | t=8 p=7 d=5 mb=1 ZeRO-1, recompute 6/7 stages | 50.76 s | 18 |
+| Korthikanti'23 T5 | GPT 1T | 512 | 512 | 8x64x1, 1, 0 | 71.49 s (?) | 71.49 s | 97.47 s | 129 | 1.36 | 71 GB, recompute 38/64 stages | t=8 p=16 d=4 mb=1 ZeRO-1, recompute 14/16 stages | 94.32 s | 23 |
+| Narayanan'21 T2 | GPT 175B | 384 | 1536 | 8x12x4, 1, 0 | 153 TFLOP/s/GPU | 76.78 s (derived) | 68.27 s | 172 | 0.89 | 36 GB, recompute 12/12 stages | t=4 p=8 d=12 mb=1 ZeRO-1 | 47.83 s | 22 |
+| Narayanan'21 T2 | GPT 175B | 768 | 1536 | 8x12x8, 1, 0 | 149 TFLOP/s/GPU | 39.42 s (derived) | 35.25 s | 167 | 0.89 | 36 GB, recompute 12/12 stages | t=4 p=8 d=24 mb=1 ZeRO-1 | 25.60 s | 21 |
+| Narayanan'21 T2 | GPT 175B | 1536 | 1536 | 8x12x16, 1, 0 | 141 TFLOP/s/GPU | 20.83 s (derived) | 18.75 s | 157 | 0.90 | 36 GB, recompute 12/12 stages | t=8 p=6 d=32 mb=1 ZeRO-1 | 14.14 s | 21 |
+| Narayanan'21 T2 | GPT 175B | 384 | 1536 | 1x1x384, 4, 3 | 144 TFLOP/s/GPU | 81.58 s (derived) | 89.17 s | 132 | 1.09 | 318 GB (does not fit 72 GB) | t=4 p=8 d=12 mb=1 ZeRO-1 | 47.83 s | 21 |
+| Narayanan'21 T2 | GPT 175B | 768 | 1536 | 1x1x768, 2, 3 | 88 TFLOP/s/GPU | 66.75 s (derived) | 75.61 s | 78 | 1.13 | 159 GB (does not fit 72 GB) | t=4 p=8 d=24 mb=1 ZeRO-1 | 25.60 s | 24 |
+| Narayanan'21 T2 | GPT 175B | 1536 | 1536 | 1x1x1536, 1, 3 | 44 TFLOP/s/GPU | 66.75 s (derived) | 78.84 s | 37 | 1.18 | 79 GB (does not fit 72 GB) | t=8 p=6 d=32 mb=1 ZeRO-1 | 14.14 s | 18 |
+| Narayanan'21 T2 | GPT 530B | 560 | 2240 | 8x35x2, 1, 0 | 171 TFLOP/s/GPU | 206.22 s (derived) | 196.17 s | 180 | 0.95 | 42 GB, recompute 35/35 stages | t=8 p=14 d=5 mb=1 ZeRO-1, recompute 1/14 stages | 168.09 s | 17 |
+| Narayanan'21 T2 | GPT 530B | 2240 | 2240 | 8x35x8, 1, 0 | 159 TFLOP/s/GPU | 55.45 s (derived) | 53.64 s | 164 | 0.97 | 42 GB, recompute 35/35 stages | t=8 p=14 d=20 mb=1 ZeRO-1 | 41.21 s | 22 |
+| Narayanan'21 T2 | GPT 530B | 2240 | 2240 | 1x1x2240, 1, 3 | 48 TFLOP/s/GPU | 183.66 s (derived) | 200.19 s | 44 | 1.09 | 145 GB (does not fit 72 GB) | t=8 p=14 d=20 mb=1 ZeRO-1 | 41.21 s | 24 |
 
-Reading it. "ratio" is partita / published iteration time. PTD-P 175B
-(Narayanan): 0.68-0.69, predicted too fast, and by the amount the two known
-omissions give: no recomputation (x 0.75 of their FLOPs) and one efficiency
-of 0.7 x 312 = 218 TFLOP/s for every matmul, where their 153 TFLOP/s counts
-recomputation (~115 TFLOP/s of useful work); partita's "TFLOP/s/GPU" column
-counts FLOPs as the paper does, so 205-226 is that efficiency less the
-predicted bubble and communication. ZeRO-3 without model parallelism: 1.09-
-1.18, and the trend is right: partita reproduces the collapse from 144 to 44
-TFLOP/s as the GPUs double at a fixed batch (its 132, 78, 37), because the
-3 m Psi of traffic per step does not shrink with the GPUs while the compute
-does; those three runs do not fit 80 GB in partita (no recomputation: 79-318
-GB), so they are priced with the memory check relaxed. PTD-P 530B: 0.95-
-0.97, close for a bad reason: without recomputation, 1F1B's first stages
-hold up to 35 micro-batches of activations, the cut DP must give them fewer
-layers (stages of 23 to 48 s per step at 280 GPUs), and that imbalance
-happens to cancel the missing recomputation; with the memory check relaxed
-the Korthikanti 530B run is 40.9 s (1.08) instead of 53.4 s (1.41).
-Korthikanti (selective recomputation, so the FLOPs are nearly partita's):
-0.89, 1.06, 1.41 (the memory-bound cuts above), 1.09 (1T does not fit
-without recomputation: 132 GB). Partita's own choice is at least as fast as
-the published configuration wherever that configuration fits partita's
-memory model (22B: t=4 d=2 ZeRO-2, 0.83 s vs 0.98 s; PTD-P 175B: t=4 p=8 with
-ZeRO-1, 4-8% faster; 530B: t=8 p=14 with ZeRO-1, 14-23% faster: fewer stages
-holding fewer micro-batches in flight); where it does not fit (ZeRO-3 rows,
-1T), the published time is not reachable without recomputation and partita's
-fitting choice is slower (1T: ZeRO-3 at 314.7 s). Partita's preference for
-t=4 over Megatron's t=8 at 384-768 GPUs is its cost model's: exposed TP
-all-reduces cost more than the deeper pipeline's bubble at m = 32-64.
+Reading it. "ratio" is partita / published iteration time. The SC'21 PTD-P
+runs ran full recomputation and are priced with it on every stage: 175B
+0.89-0.90 (0.68 before recomputation was modelled; what is left is one
+efficiency of 0.7 x 312 TFLOP/s for every matmul and every collective
+exposed), 530B 0.95-0.97. ZeRO-3 without model parallelism: 1.09-1.18, and
+the trend is right: partita reproduces the collapse from 144 to 44 TFLOP/s
+as the GPUs double at a fixed batch (its 132, 78, 37), because the 3 m Psi
+of traffic per step does not shrink with the GPUs while the compute does;
+partita does not recompute under ZeRO-3, so those runs do not fit 80 GB in
+its model (79-318 GB) and are priced with the memory check relaxed.
+Korthikanti (selective recomputation and sequence parallelism, neither
+modelled): 0.89, 1.06, then 1.37 and 1.36 for 530B and 1T, which fit only
+by recomputing whole layers on 13 of 35 and 38 of 64 stages (a third more
+compute each) where the paper recomputed a few percent. Partita's own
+choice is at least as fast as the published configuration wherever that
+configuration fits partita's memory model (22B: t=4 d=2 ZeRO-2, 0.83 s vs
+0.98 s; PTD-P 175B: t=4 p=8 with ZeRO-1, 1-8% faster; 530B: t=8 p=14 with
+ZeRO-1; Korthikanti 530B and 1T: fewer stages with ZeRO-1, recomputing on
+most, 2-3% faster). Partita's preference for t=4 over Megatron's t=8 at
+384-768 GPUs is its cost model's: exposed TP all-reduces cost more than the
+deeper pipeline's bubble at m = 32-64.
 
 What partita does not model, and which way each pushes its predictions:
-- activation recomputation: partita runs forward + backward (3 forward
-  passes of FLOPs), Megatron-LM 2021 ran 4 (full recomputation), so for the
-  SC'21 runs partita's compute is 3/4 of theirs at the same efficiency:
-  predicted faster. Korthikanti's selective recomputation adds ~2-3%.
-- memory without recomputation: a 175B stage of 8 layers holding 12
-  micro-batches of activations does not fit 80 GB; the published
-  configurations are priced with the memory check relaxed and the memory
-  partita predicts is shown (it is what recomputation buys).
+- recomputation: whole repeated layers, per stage (passes/
+  pipeline_parallel.recompute_costs): each keeps its inputs and reruns its
+  forward in backward. Selective recomputation is not modelled (its few
+  percent of extra time, and the memory it saves, are not distinguished).
 - sequence parallelism: not modelled (the layer norms and dropouts stay
   replicated over TP), a memory effect more than a time one.
 - interleaved schedules (v chunks per device), overlap of communication with
