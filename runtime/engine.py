@@ -51,6 +51,18 @@ def refuse_unsupported(plan: Plan) -> None:
     if plan.mesh.pp > 1 and not t.inference and t.schedule not in SCHEDULES:
         raise PlanError(f"the plan has pp={plan.mesh.pp} but schedule {t.schedule!r}; this runtime runs "
                         f"{' and '.join(SCHEDULES)}", hint="recompile the plan with `partita compile`")
+    recomputing = [s.index for s in plan.stages if s.recompute]
+    if recomputing and not plan.nodes:
+        raise PlanError(f"the plan recomputes activations on stage(s) {recomputing} but has no node "
+                        f"decisions to find the repeated layers by", hint="recompile the plan with `partita compile`")
+    if recomputing and t.zero_stage == 3:
+        # ZeRO-3 gathers a node's parameters before it runs and frees the bucket after forward's
+        # last reader; the rerun in backward would gather and release again, freeing the storage
+        # under the views the recomputed forward has just saved for the backward that follows.
+        raise PlanError(f"the plan recomputes activations on stage(s) {recomputing} with ZeRO-3: this runtime "
+                        f"cannot rerun a layer's forward while ZeRO-3 gathers and frees its parameters per node",
+                        hint="recompile with ZeRO <= 2 (`partita compile --zero 2`) or without "
+                        "recomputation (`--no-recompute`)")
     if t.precision != "fp32":
         raise PlanError(later.format(f"precision {t.precision!r}"), hint="recompile with fp32")
 
@@ -92,8 +104,14 @@ def compose(
     """Apply a plan's parts to ``module`` for this rank, in this order:
 
     1. tensor parallel: keep this rank's parameter shards and build the local
-       program over the "tp" group (tp == 1 keeps the eager module). First,
-       because every later part must see the parameters as this rank holds them.
+       program over the "tp" group (tp == 1 keeps the eager module, unless the
+       plan recomputes activations: then the program runs with a one-rank TP
+       group, so that recomputation is the interpreter's, as at tp > 1).
+       First, because every later part must see the parameters as this rank
+       holds them. Activation recomputation (``Stage.recompute``) runs inside
+       the program: each repeated layer of a recomputing stage is checkpointed
+       and its forward, TP collectives included, rerun in backward
+       (runtime/tensor_parallel.py); not with ZeRO-3 (``refuse_unsupported``).
     2. pipeline split: keep this rank's stage. Built as the TP program
        restricted to the stage's nodes (one construction: the stage shards and
        holds only its own parameters, even at tp == 1, where the program runs
@@ -119,8 +137,8 @@ def compose(
         module = pipeline = PipelineStage(module, plan, device_mesh, loss_fn=graph_loss, counter=counter,
                                           device=ctx.device, checkpoint=checkpoint)
         loss = None  # the stage's schedule runs the micro-batches
-    elif plan.mesh.tp > 1:
-        tp_group = device_mesh[MeshAxis.TP.value].get_group()
+    elif plan.mesh.tp > 1 or any(s.recompute for s in plan.stages):
+        tp_group = device_mesh[MeshAxis.TP.value].get_group() if plan.mesh.tp > 1 else None
         module = TensorParallel(module, plan, tp_group, loss_fn=graph_loss, counter=counter,
                                 device=ctx.device, checkpoint=checkpoint)
         tp_module = module

@@ -17,6 +17,23 @@ so ``passes/tp_layout.tp_collectives`` predicts them call for call and the
 ``CollectiveCounter`` checks it. Every local output's shape is checked against
 the plan; a mismatch raises naming the node.
 
+Activation recomputation (``Stage.recompute``). On a stage that recomputes,
+each maximal run of consecutive nodes (program order) of one repeated layer
+(``NodeDecision.layer``, e.g. "transformer.h.3") is a region, run under
+``torch.utils.checkpoint.checkpoint(use_reentrant=False)``: forward keeps only
+the region's inputs (the values it reads from outside, parameters included)
+and its outputs (the values read outside it: by later nodes, the output node
+or, in a pipeline, another stage, which the stage sends), and backward reruns
+the region's forward to rebuild what its backward needs. Nodes outside the
+layers (embeddings, final norm, head, loss) run as usual. The rerun is the
+region's whole forward (``early_stop=False``), so its reshards and op-internal
+collectives run once more per micro-batch, exactly the forward-side ones of the
+recomputed nodes, as the plan lists them and as Megatron does; the RNG state is
+restored for the rerun, so dropout draws the same mask. Only while gradients
+are enabled: an inference forward runs the nodes plainly. Not with ZeRO-3
+(engine.refuse_unsupported): the rerun would gather and release parameters
+under views the recomputed forward has just saved.
+
 Placements (see passes/tp_strategies.py): "replicate", "shard(D)" (rank r holds
 the r-th of t equal slices of dim D), "partial" (the ranks' tensors sum to the
 value). Collective byte counts are the whole tensor's (the gathered / reduced
@@ -27,12 +44,14 @@ from __future__ import annotations
 
 import operator
 import re
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Callable, Mapping, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
 import torch.fx
+import torch.utils.checkpoint
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 
@@ -299,6 +318,48 @@ def _aliases(op: Any) -> bool:
     return schema is not None and any(r.alias_info is not None for r in schema.returns)
 
 
+def recomputed_layers(plan: Plan) -> dict[str, str]:
+    """Node name -> its repeated layer, for the layer nodes of the stages that recompute."""
+    stages = {s.index for s in plan.stages if s.recompute}
+    return {d.name: d.layer for d in plan.nodes if d.layer and d.stage in stages}
+
+
+@dataclass(frozen=True)
+class Region:
+    """Consecutive nodes of one recomputed layer, what they read from outside, what is read of them."""
+
+    nodes: tuple[torch.fx.Node, ...]
+    inputs: tuple[torch.fx.Node, ...]  # values produced outside the region that its nodes read
+    outputs: tuple[torch.fx.Node, ...]  # its nodes with a user outside it (anywhere in the graph)
+
+
+def _region(run: list[torch.fx.Node]) -> Region:
+    inside = set(run)
+    inputs = dict.fromkeys(a for n in run for a in n.all_input_nodes if a not in inside)
+    outputs = [n for n in run if any(u not in inside for u in n.users)]
+    return Region(tuple(run), tuple(inputs), tuple(outputs))
+
+
+def recompute_regions(nodes: Sequence[torch.fx.Node], layer_of: Mapping[str, str]
+                      ) -> list[torch.fx.Node | Region]:
+    """``nodes`` in order, each maximal run of consecutive call nodes of one layer in
+    ``layer_of`` (``recomputed_layers``) grouped into a ``Region``."""
+    out: list[torch.fx.Node | Region] = []
+    run: list[torch.fx.Node] = []
+    for n in nodes:
+        layer = layer_of.get(n.name, "") if n.op == "call_function" else ""
+        if run and layer != layer_of[run[-1].name]:
+            out.append(_region(run))
+            run = []
+        if layer:
+            run.append(n)
+        else:
+            out.append(n)
+    if run:
+        out.append(_region(run))
+    return out
+
+
 class _LocalInterpreter(torch.fx.Interpreter):
     """Runs graph nodes on local tensors as their decisions say; ``run_nodes`` runs a subset
     (one pipeline stage) over an environment the caller seeds with the values it needs."""
@@ -311,9 +372,35 @@ class _LocalInterpreter(torch.fx.Interpreter):
         """Run ``nodes`` (no placeholders) in order; ``env`` holds every value they read from
         elsewhere and receives their outputs."""
         self.env = env
-        for n in nodes:
-            env[n] = self.run_node(n)
+        for item in self.p.regions(nodes):
+            if isinstance(item, Region):
+                self._run_region(item, env)
+            else:
+                env[item] = self.run_node(item)
         return env
+
+    def _run_region(self, r: Region, env: dict[torch.fx.Node, Any]) -> None:
+        """Run a recomputed layer's nodes under a non-reentrant checkpoint: their values live in
+        a local environment, and only the outputs reach ``env``."""
+        def forward(*values: Any) -> tuple[Any, ...]:  # also the rerun in backward
+            outer = self.env
+            self.env = local = dict(zip(r.inputs, values))
+            try:
+                for n in r.nodes:
+                    local[n] = self.run_node(n)
+            finally:
+                self.env = outer
+            return tuple(local[n] for n in r.outputs)
+
+        values = [env[a] for a in r.inputs]
+        if not torch.is_grad_enabled():  # nothing is saved for backward: nothing to recompute
+            outs = forward(*values)
+        else:
+            # The whole forward again, no early stop: stopping once the saved tensors are rebuilt
+            # would skip a layer's trailing reshards (its row-parallel all-reduce), which the plan
+            # lists twice; and the stop is an exception that run_node would report as a failure.
+            outs = torch.utils.checkpoint.checkpoint(forward, *values, use_reentrant=False, early_stop=False)
+        env.update(zip(r.outputs, outs))
 
     def run_node(self, n: torch.fx.Node) -> Any:
         if n.op in ("placeholder", "get_attr"):
@@ -422,6 +509,15 @@ class TensorParallel(nn.Module):
             module.to("meta")  # drop the full tensors: this rank keeps only its slices
         self.param_access: ParamAccess | None = None  # set by compose under ZeRO-3
         self.param_reads, self.param_last_reads = self._param_readers()
+        self.recomputed = recomputed_layers(plan)  # node -> layer, on the stages that recompute
+        self._regions: dict[tuple[str, ...], list[torch.fx.Node | Region]] = {}
+
+    def regions(self, nodes: list[torch.fx.Node]) -> list[torch.fx.Node | Region]:
+        """``nodes`` with their recomputed layers grouped (``recompute_regions``), once per node list."""
+        key = tuple(n.name for n in nodes)
+        if key not in self._regions:
+            self._regions[key] = recompute_regions(nodes, self.recomputed)
+        return self._regions[key]
 
     def _param_readers(self) -> tuple[dict[str, list[nn.Parameter]], dict[str, list[nn.Parameter]]]:
         """Per node this rank runs, the parameters it reads (directly, or through a chain of view
