@@ -714,7 +714,10 @@ def choose_pipeline(
                                          for pol, fb in _shared_policies(c, p)]:
             missed: list[Partition] = []  # smaller ZeRO stages that did not fit
             fitted = False
+            best_here = INF  # this group's best fitting step so far (over the ZeRO stages)
             for z in zs:
+                if fitted and bounder is not None and sum(bounder.parts(p, dp, mb, m, z)) > min(best_here, bound):
+                    break  # past a fit that recomputes: this stage's lower bound already loses to it
                 part = Partition(c, StageSetup(p, m, schedule, links, cluster.usable_memory, state, z, dp), cluster,
                                  forbid=forbid, recompute=rc_cache[mb])
                 if bounder is not None and not any_cuts_fit(part):
@@ -730,6 +733,7 @@ def choose_pipeline(
                     cand = _candidate(part, bounds, dp, tp, mb, policy, True, request)
                     found.append((g, cand))
                     fitted = True
+                    best_here = min(best_here, cand.step_s)
                     # Larger stages only add traffic (passes/zero.py), unless this one fits by
                     # recomputing where a larger one, holding less state, might not need to.
                     if part.rc is None or part.rc.forced or not any(st.recompute for st in cand.stages):
