@@ -181,6 +181,19 @@ def test_partita_run_zero3_with_tensor_parallelism(tmp_path, ref):
     assert {("reduce_scatter", "dp"), ("all_gather", "dp")} <= kinds and any(a == "tp" for _, a in kinds)
 
 
+def test_partita_run_a_recomputing_tensor_parallel_plan(tmp_path, ref):
+    """`--recompute` on the planner's dp=2 x tp=2 plan: every layer reruns its forward in backward.
+    Same training as one process, and the TP collectives the recompute repeats are in the plan's
+    list (check compares every collective, call for call)."""
+    plan, out = compile_and_run(tmp_path, "--cluster", fast_cluster(tmp_path), "--tp", "2", "--recompute")
+    check(out, ref, 4, mesh=(2, 2, 1))
+    from partita.compiler.plan import load_plan
+
+    p = load_plan(plan)
+    assert all(s.recompute for s in p.stages)
+    assert any("again when the layer is recomputed" in c.purpose for c in p.collectives)
+
+
 @pytest.mark.parametrize("zero", [1, 3])
 def test_partita_run_a_zero_plan(tmp_path, ref, zero):
     """The planner's ZeRO plans (pinned stage) on 4 processes: same training as one process, and the
