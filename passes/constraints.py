@@ -35,6 +35,10 @@ class Pins:
                 raise PartitaError(f"--{name.replace('_', '-')} {v!r} must be a positive integer")
         if self.zero_stage is not None and self.zero_stage not in (0, 1, 2, 3):
             raise PartitaError(f"--zero {self.zero_stage!r} must be 0, 1, 2 or 3")
+        if self.recompute and self.zero_stage == 3:
+            raise PartitaError("--recompute with --zero 3: recomputation reruns a layer's forward in backward, "
+                               "where ZeRO-3 would free the parameters it gathers under it",
+                               hint="pin --zero 2 or lower, or drop --recompute")
         if self.schedule is not None:
             if self.schedule not in PIPELINE_SCHEDULES:
                 raise PartitaError(f"--schedule {self.schedule!r} is not one of {', '.join(PIPELINE_SCHEDULES)}")

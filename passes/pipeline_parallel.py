@@ -682,6 +682,8 @@ def choose_pipeline(
     solves = 0
     for g, (p, dp, mb, m) in visit:
         zs = zero_stages(pins.zero_stage, dp, request.inference, tp=tp, pp=p)
+        if pins.recompute:  # pinned recomputation: not under ZeRO-3 (see the module docstring)
+            zs = tuple(z for z in zs if z < 3)
         if not zs:
             continue
         links = stage_links(cluster, p, dp, tp)
