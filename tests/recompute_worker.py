@@ -32,7 +32,7 @@ from partita.runtime.engine import ParallelModel
 from pp_choice import pp_plan
 from pp_worker import MODELS, _max_err
 from tp_choice import MEGATRON
-from zero_mesh_worker import _gather, _short
+from zero_mesh_worker import _gather, _short, reference_step
 
 RTOL, ATOL = 1e-4, 2e-5
 STEPS = 3
@@ -139,7 +139,7 @@ def compare(ctx: DistContext, name: str, *, tp: int = 1, dp: int = 1, pp: int = 
 
     ref_opt = OPTIMIZERS["adamw"](reference.parameters())
     x, y = gpt_batch(plan.training.global_batch)
-    loss_errs, plain_errs = [], []
+    loss_errs, plain_errs, ref_grads = [], [], {}
     for step in range(STEPS):
         loss = model.train_step(x, targets=y)
         with_rc = Counter(model.collectives.calls)
@@ -148,15 +148,10 @@ def compare(ctx: DistContext, name: str, *, tp: int = 1, dp: int = 1, pp: int = 
         if step > 0:  # step 0's counts include the test's own gather_grads
             diff = {k: with_rc[k] - without[k] for k in with_rc.keys() | without.keys() if with_rc[k] != without[k]}
             assert diff == dict(extra), (name, stage, "recompute added", diff, "expected", dict(extra))
-        part = gpt_loss(reference(x), y)
-        part.backward()
-        if step == 0:
-            ref_grads = {n: p.grad.detach().clone() for n, p in reference.named_parameters()}
-        ref_opt.step()
-        ref_opt.zero_grad()
-        loss_errs.append(abs(loss - part.item()))
+        ref_loss = reference_step(reference, ref_opt, x, y, ref_grads if step == 0 else None)
+        loss_errs.append(abs(loss - ref_loss))
         plain_errs.append(abs(loss - plain_loss))
-        assert loss_errs[-1] <= ATOL + RTOL * abs(part.item()), (name, step, loss, part.item())
+        assert loss_errs[-1] <= ATOL + RTOL * abs(ref_loss), (name, step, loss, ref_loss)
 
     full_grads = _gather(_tp_program(model), grads)
     for q, g in full_grads.items():

@@ -62,6 +62,18 @@ def _gather(tp_program, local: dict[str, torch.Tensor]) -> dict[str, torch.Tenso
     return out
 
 
+def reference_step(reference: torch.nn.Module, optimizer, x: torch.Tensor, y: torch.Tensor,
+                   grads: dict[str, torch.Tensor] | None) -> float:
+    """One single-process step on the whole global batch; its gradients into ``grads`` if given."""
+    loss = gpt_loss(reference(x), y)
+    loss.backward()
+    if grads is not None:
+        grads.update({n: p.grad.detach().clone() for n, p in reference.named_parameters()})
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss.item()
+
+
 def compare(ctx: DistContext, name: str, *, zero: int, dp: int, pp: int = 1, tp: int = 1,
             cuts_at: tuple[int, ...] = (), schedule: str = "1f1b", accum: int = 4) -> dict:
     import dataclasses
@@ -93,20 +105,15 @@ def compare(ctx: DistContext, name: str, *, zero: int, dp: int, pp: int = 1, tp:
 
     ref_opt = OPTIMIZERS["adamw"](reference.parameters())
     x, y = gpt_batch(plan.training.global_batch)
-    loss_errs, dp_calls = [], []
+    loss_errs, dp_calls, ref_grads = [], [], {}
     for step in range(STEPS):
         loss = model.train_step(x, targets=y)
         if step > 0:  # step 0's counts include the test's own gather_grads
             dp_calls.append({(k, b): c for (k, axis, b), c in model.collectives.calls.items()
                              if axis == "dp" and k in ("reduce_scatter", "all_gather")})
-        part = gpt_loss(reference(x), y)
-        part.backward()
-        if step == 0:
-            ref_grads = {n: p.grad.detach().clone() for n, p in reference.named_parameters()}
-        ref_opt.step()
-        ref_opt.zero_grad()
-        loss_errs.append(abs(loss - part.item()))
-        assert loss_errs[-1] <= ATOL + RTOL * abs(part.item()), (name, zero, step, loss, part.item())
+        ref_loss = reference_step(reference, ref_opt, x, y, ref_grads if step == 0 else None)
+        loss_errs.append(abs(loss - ref_loss))
+        assert loss_errs[-1] <= ATOL + RTOL * abs(ref_loss), (name, zero, step, loss, ref_loss)
 
     full_grads = _gather(tp_program, {q: grads[q] for q in local})
     for q, g in full_grads.items():
