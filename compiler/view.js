@@ -97,6 +97,12 @@ function changedFields(diff) {
   return out;
 }
 
+function recomputeText(p) {
+  const on = p.stages.filter(st => st.recompute).map(st => st.index);
+  if (!on.length) return "none";
+  return on.length === p.stages.length ? "every stage" : `stage(s) ${on.join(", ")}`;
+}
+
 function header(D) {
   const p = D.plan, t = p.training, pr = p.predicted, c = p.cluster, s = p.solver;
   const was = changedFields(D.diff);
@@ -106,6 +112,7 @@ function header(D) {
     ["mesh", "mesh", `${meshText(p.mesh)} = ${p.world_size} device(s)`],
     ["zero", "ZeRO", `stage ${t.zero_stage}`],
     ["schedule", "schedule", t.schedule],
+    ["recompute", "recomputation", recomputeText(p)],
     ["microbatches", "micro-batches", `${t.grad_accum_steps} of ${t.micro_batch_size} sample(s) per dp rank`],
     ["step", "step time", fmtTime(pr.step_time_s)],
     ["tokens", "tokens/s", pr.tokens_per_s === null ? "-" : fmtNum(pr.tokens_per_s, 0)],
@@ -496,7 +503,8 @@ function memorySection(D) {
   rows.forEach((r, i) => {
     const y = 20 + i * (RH + 8);
     const g = svg("g", {class: "mem-bar", "data-stage": r.stage});
-    g.append(svg("text", {x: 4, y: y + 17, class: "axis", text: `stage ${r.stage} · ${rankRange(r.ranks)}`}));
+    const rc = (D.plan.stages[r.stage] || {}).recompute ? " · recomputes" : "";
+    g.append(svg("text", {x: 4, y: y + 17, class: "axis", text: `stage ${r.stage} · ${rankRange(r.ranks)}${rc}`}));
     g.append(svg("rect", {x: L, y, width: BW, height: RH, class: "mem-bg"}));
     let x = L;
     for (const [kind, colour] of MEM_KINDS) {

@@ -309,3 +309,16 @@ def test_gpt3_175b_on_128_gpus_page(open_page, tmp_path):
     assert page.text_content('[data-field="schedule"]') == "1f1b"
     page.screenshot(path=str(tmp_path / "gpt3.png"), full_page=True)
     assert (tmp_path / "gpt3.png").stat().st_size > 50_000
+
+
+def test_a_recomputing_stage_is_marked(open_page, tp_pp_plan):
+    """The header says which stages recompute their activations, and so does their memory bar."""
+    import dataclasses
+
+    stages = tuple(dataclasses.replace(s, recompute=s.index == 0) for s in tp_pp_plan.stages)
+    page = open_page(render_html(dataclasses.replace(tp_pp_plan, stages=stages)))
+    assert page.text_content('[data-field="recompute"]') == "stage(s) 0"
+    labels = texts(page, "g.mem-bar text.axis")
+    assert [("recomputes" in t) for t in labels] == [s.recompute for s in stages], labels
+    page = open_page(render_html(tp_pp_plan))
+    assert page.text_content('[data-field="recompute"]') == "none"
