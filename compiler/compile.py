@@ -41,7 +41,7 @@ from partita.passes.cost_model import (
 from partita.passes.profile import ModelProfile, profile_model
 from partita.passes.data_parallel import gradient_buckets
 from partita.passes.search import Decision, plan_search
-from partita.passes.tp_layout import layout_decisions, tensor_bytes, tp_collectives
+from partita.passes.tp_layout import layout_decisions, recompute_collectives, tensor_bytes, tp_collectives
 
 MAX_ALTERNATIVES = 12
 
@@ -366,9 +366,7 @@ def _tp_plan_collectives(nodes: Sequence[Any], d: Decision, cluster: ClusterSpec
         mine = [n for n in nodes if n.stage == s]
         listed = tp_collectives(mine)
         if s in recomputed:  # the layers' forward runs again in backward, its collectives with it
-            listed += [(kind, nbytes, calls, f"{purpose}, again when the layer is recomputed")
-                       for kind, nbytes, calls, purpose in tp_collectives([n for n in mine if n.layer])
-                       if purpose != "backward reshard"]
+            listed += recompute_collectives([n for n in mine if n.layer])
         out += [Collective(kind=kind, axis=MeshAxis.TP.value, bytes=nbytes, count=calls * d.grad_accum_steps,
                            group_size=tp, purpose=purpose,
                            seconds=calls * d.grad_accum_steps * collective_time(kind, nbytes, tp, link),

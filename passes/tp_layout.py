@@ -118,3 +118,26 @@ def tp_collectives(decisions: tuple[NodeDecision, ...] | list[NodeDecision]) -> 
             kind, _, nbytes = entry.partition(":")
             calls[(kind, int(nbytes), internal_purpose(d.op, d.strategy))] += 1
     return sorted((k, b, n, p) for (k, b, p), n in calls.items())
+
+
+# Internal collectives an op runs in its backward, the last of its ``internal`` entries
+# (runtime/tensor_parallel.py: a vocabulary-parallel (log-)softmax all-reduces max and sum in
+# forward and one sum in backward; the vocabulary cross-entropy runs all three in forward).
+_BACKWARD_INTERNAL = {(op, "vocab"): 1 for op in ("softmax", "_softmax", "log_softmax", "_log_softmax")}
+
+
+def recompute_collectives(decisions: tuple[NodeDecision, ...] | list[NodeDecision]) -> list[tuple[str, int, int, str]]:
+    """(kind, bytes, calls, purpose) that recomputing ``decisions`` in backward runs again per
+    micro-batch: their forward reshards and the forward part of their internal collectives."""
+    calls: Counter = Counter()
+    for d in decisions:
+        for lay in d.ins:
+            if lay.fwd not in _LOCAL:
+                calls[(lay.fwd, lay.bytes, "forward reshard, again when the layer is recomputed")] += 1
+        packet = d.op.split(".")[1] if d.op.startswith("aten.") else d.op
+        back = _BACKWARD_INTERNAL.get((packet, d.strategy), 0)
+        for entry in d.internal[:len(d.internal) - back]:
+            kind, _, nbytes = entry.partition(":")
+            calls[(kind, int(nbytes), f"{internal_purpose(d.op, d.strategy)}, again when the layer is recomputed")] += 1
+    return sorted((k, b, n, p) for (k, b, p), n in calls.items())
+

@@ -37,7 +37,6 @@ from zero_mesh_worker import _gather, _short, reference_step
 RTOL, ATOL = 1e-4, 2e-5
 STEPS = 3
 MBS = 2
-_LOCAL = ("none", "slice")  # reshards that move no bytes
 
 
 def _with_layers(plan, profile):
@@ -81,18 +80,16 @@ def _measure_saved(model: ParallelModel, store: list[int]) -> None:
 
 
 def _recomputed_forward_calls(plan, model: ParallelModel) -> Counter:
-    """Per step: the forward-side TP collectives of the recomputed nodes this rank runs, from the plan."""
+    """Per step: the TP collectives recomputing this rank's nodes repeats, by the planner's
+    ``tp_layout.recompute_collectives`` (the function compile.py lists them with)."""
+    from partita.passes.tp_layout import recompute_collectives
+
     stages = {s.index for s in plan.stages if s.recompute}
     runs = {n.name for n in _tp_program(model).nodes}
+    mine = [d for d in plan.nodes if d.layer and d.stage in stages and d.name in runs]
     calls: Counter = Counter()
-    for d in plan.nodes:
-        if d.layer and d.stage in stages and d.name in runs:
-            for lay in d.ins:
-                if lay.fwd not in _LOCAL:
-                    calls[(lay.fwd, "tp", lay.bytes)] += plan.training.grad_accum_steps
-            for entry in d.internal:
-                kind, _, nbytes = entry.partition(":")
-                calls[(kind, "tp", int(nbytes))] += plan.training.grad_accum_steps
+    for kind, nbytes, n, _ in recompute_collectives(mine):
+        calls[(kind, "tp", nbytes)] += n * plan.training.grad_accum_steps
     return calls
 
 

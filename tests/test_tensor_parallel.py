@@ -104,3 +104,18 @@ def test_gpt3_175b_needs_more_than_tp_inside_a_node():
                                               r"micro-batch 1\) needs 3\d\d\.\d GB per device") as e:
         _mesh(gpt3, "dgx-a100", 1536, Pins(zero_stage=0), nodes=16)
     assert "add pipeline stages, a higher ZeRO stage" in str(e.value)
+
+
+def test_recomputing_repeats_the_forward_collectives_only():
+    """A vocabulary-parallel softmax all-reduces twice in forward and once in backward; a column
+    input all-gathered in forward and reduced back: recomputing repeats the forward ones."""
+    from partita.compiler.plan import InputLayout, NodeDecision
+    from partita.passes.tp_layout import recompute_collectives
+
+    soft = NodeDecision("sm", "aten._softmax.default", "m", "vocab", ("shard(1)",),
+                        internal=("all_reduce:64", "all_reduce:64", "all_reduce:64"), layer="h.0")
+    lin = NodeDecision("mm", "aten.linear.default", "m", "row", ("partial",),
+                       ins=(InputLayout("x", 0, "shard(1)", "replicate", "replicate", "shard(1)", "all_gather", "slice", 128),),
+                       layer="h.0")
+    got = {(k, b): n for k, b, n, _ in recompute_collectives([soft, lin])}
+    assert got == {("all_reduce", 64): 2, ("all_gather", 128): 1}
