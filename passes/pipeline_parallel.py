@@ -222,6 +222,12 @@ def recompute_costs(c: NodeCosts, *, forced: bool = False) -> Recompute | None:
     return Recompute(replace(c, backward_s=tuple(bwd), saved_bytes=tuple(saved)), max(per_layer.values()), forced)
 
 
+def activation_scale(profile: ModelProfile, request: TrainingRequest) -> float:
+    """The precision's element size over the captured one: the profile measured saved and sent
+    bytes at the capture's dtype, the plan holds floating tensors at the precision's."""
+    return element_bytes(request.precision) / _FLOAT.get(profile.param_dtype.removeprefix("torch."), 4)
+
+
 def node_costs(profile: ModelProfile, cluster: ClusterSpec, request: TrainingRequest, micro_batch: int,
                *, tp: int = 1) -> NodeCosts:
     """Per-node costs from the profile, scaled from the captured batch to ``micro_batch``.
@@ -236,8 +242,7 @@ def node_costs(profile: ModelProfile, cluster: ClusterSpec, request: TrainingReq
     order = pipeline_order(G)
     at = {n: i for i, n in enumerate(order)}
     batch = micro_batch / profile.batch_size
-    captured = _FLOAT.get(profile.param_dtype.removeprefix("torch."), 4)
-    act = element_bytes(request.precision) / captured
+    act = activation_scale(profile, request)
 
     def scale(a: dict) -> float:
         return batch if a["depends_on_input"] else 1.0
@@ -366,19 +371,32 @@ class Partition:
         back = p2p_time(c.grad_bytes[j], self.setup.links[s - 1]) if s > 0 else 0.0
         return out + back
 
+    def _choice(self, j: int, k: int, s: int) -> tuple[int, bool]:
+        """(bytes per device, whether it recomputes) of stage s over [j, k): the one place the
+        stage's recomputation is decided. Forced, it always recomputes; otherwise exactly when
+        it does not fit without and does with. Whether the total fits never turns from no to
+        yes as a segment grows: each of the two totals grows with the segment."""
+        state = self._state_total(j, k)
+        plain = state + self.held[s] * (self.saved[k] - self.saved[j])
+        rc, cap = self.rc, self.setup.capacity
+        if rc is None or (not rc.forced and plain <= cap):
+            return plain, False
+        total = state + self.held[s] * (self._rc_saved[k] - self._rc_saved[j]) + rc.transient_bytes
+        if rc.forced or total <= cap:
+            return total, True
+        return plain, False
+
     def recomputes(self, j: int, k: int, s: int) -> bool:
-        """Whether stage s over [j, k) recomputes its layers: when forced, else exactly when it
-        does not fit without and does with."""
-        if self.rc is None:
-            return False
-        return self.rc.forced or (self._plain_total(j, k, s) > self.setup.capacity
-                                  and self._rc_total(j, k, s) <= self.setup.capacity)
+        """Whether stage s over [j, k) recomputes its layers (``_choice``)."""
+        return self._choice(j, k, s)[1]
+
+    def _compute(self, j: int, k: int, recompute: bool) -> float:
+        compute = self._rc_compute if recompute else self.compute
+        return compute[k] - compute[j]
 
     def compute_s(self, j: int, k: int, s: int) -> float:
         """One micro-batch's forward + backward of the segment (recomputation included)."""
-        if self.recomputes(j, k, s):
-            return self._rc_compute[k] - self._rc_compute[j]
-        return self.compute[k] - self.compute[j]
+        return self._compute(j, k, self.recomputes(j, k, s))
 
     def slot(self, j: int, k: int, s: int) -> float:
         return stage_slot_time(self.compute_s(j, k, s), self.p2p(j, k, s), self.cluster)
@@ -397,38 +415,24 @@ class Partition:
         params, grads, optimizer = self._state_bytes
         return round(numel * params) + round(numel * grads) + round(numel * optimizer)
 
-    def _plain_total(self, j: int, k: int, s: int) -> int:
-        return self._state_total(j, k) + self.held[s] * (self.saved[k] - self.saved[j])
-
-    def _rc_total(self, j: int, k: int, s: int) -> int:
-        return (self._state_total(j, k) + self.held[s] * (self._rc_saved[k] - self._rc_saved[j])
-                + self.rc.transient_bytes)
-
     def memory_total(self, j: int, k: int, s: int) -> int:
-        """``memory(j, k, s).total`` without building the records (the DP's inner loop). Whether
-        it fits the capacity never turns from no to yes as a segment grows, with or without
-        recomputation: each of the two totals grows with the segment."""
-        plain = self._plain_total(j, k, s)
-        if self.rc is None:
-            return plain
-        if self.rc.forced or plain > self.setup.capacity:
-            rc = self._rc_total(j, k, s)
-            if self.rc.forced or rc <= self.setup.capacity:
-                return rc
-        return plain
+        """``memory(j, k, s).total`` without building the records (the DP's inner loop)."""
+        return self._choice(j, k, s)[0]
 
     def time_cost(self, j: int, k: int, s: int) -> float:
         """The DP's segment cost: the slot, or infinity when the stage does not fit."""
-        return self.slot(j, k, s) if self.memory_total(j, k, s) <= self.setup.capacity else INF
+        total, recompute = self._choice(j, k, s)
+        if total > self.setup.capacity:
+            return INF
+        return stage_slot_time(self._compute(j, k, recompute), self.p2p(j, k, s), self.cluster)
 
     def time_floor(self, j: int, k: int, s: int) -> float:
         """A lower bound on ``time_cost`` that never decreases as the segment grows (j falls):
         the compute without recomputation, which only adds time."""
         if self.memory_total(j, k, s) > self.setup.capacity:
             return INF
-        if self.rc is not None and self.rc.forced:
-            return self._rc_compute[k] - self._rc_compute[j] + self.cluster.step_overhead_s
-        return self.compute[k] - self.compute[j] + self.cluster.step_overhead_s
+        forced = self.rc is not None and self.rc.forced
+        return self._compute(j, k, forced) + self.cluster.step_overhead_s
 
     def memory_cost(self, j: int, k: int, s: int) -> float:
         return float(self.memory_total(j, k, s))

@@ -79,6 +79,7 @@ from partita.passes.pipeline_parallel import (
     PipelineCandidate,
     PipelineDecision,
     PrunedCandidate,
+    activation_scale,
     choose_pipeline,
     node_costs,
     stage_of_nodes,
@@ -239,12 +240,9 @@ class _Layouts:
         """Per-node costs never above ``node_costs(., tp)``'s, without the ILP: node_costs at tp
         divides every node's FLOPs, saved bytes and parameters by tp (every strategy's compute and
         memory fractions are 1/tp or 1) and charges no TP collectives. Exact at tp = 1. Both scale
-        the saved bytes from the captured element size to the precision's."""
+        the saved bytes by the same ``activation_scale``."""
         return lambda mb: node_costs(self.profile, self.cluster, self.request, mb, tp=tp) if tp > 1 \
             else self.node_costs(mb, 1)
-
-
-_FLOAT_BYTES = {"float32": 4, "float64": 8, "float16": 2, "bfloat16": 2}
 
 
 def _pruned_zero(best: Decision, cluster: ClusterSpec, request: TrainingRequest, pins: Pins) -> tuple[Alternative, ...]:
@@ -332,8 +330,7 @@ def tp_node_costs(profile: ModelProfile, cluster: ClusterSpec, request: Training
     choice = tp_choice(profile, cluster, request, micro_batch, tp) if choice is None else choice
     link = cluster.link_for_group(tp)
     scale = micro_batch / profile.batch_size
-    # saved bytes were measured at the captured element size; the precision's replaces it
-    act = element_bytes(request.precision) / _FLOAT_BYTES.get(profile.param_dtype.removeprefix("torch."), 4)
+    act = activation_scale(profile, request)
 
     def factor(n: str) -> float:
         return scale if G.nodes[n].get("depends_on_input") else 1.0

@@ -16,7 +16,6 @@ import torch
 import torch.distributed as dist
 
 from partita.compiler.plan import MESH_ORDER, MeshAxis, Plan
-from partita.runtime.tensor_parallel import TensorParallel
 
 if TYPE_CHECKING:
     from partita.runtime.engine import ParallelModel
@@ -35,7 +34,7 @@ def full_state_dict(model: "ParallelModel") -> dict[str, torch.Tensor]:
 
 def _gathered(model: "ParallelModel", program: object) -> dict[str, torch.Tensor]:
     plan: Plan = model.plan
-    tp = _tensor_parallel(program)
+    tp = model.tensor_parallel
     if tp is None:  # the eager module holds whole parameters
         return {k: v.detach().clone() for k, v in program.module.named_parameters()}
     local = tp.local_parameters()
@@ -49,14 +48,6 @@ def _gathered(model: "ParallelModel", program: object) -> dict[str, torch.Tensor
     if plan.mesh.pp > 1:
         full = _from_every_stage(full, plan, model.ctx.device)
     return full
-
-
-def _tensor_parallel(program: object) -> TensorParallel | None:
-    module = program.module  # type: ignore[attr-defined]
-    if isinstance(module, TensorParallel):
-        return module
-    pipeline = getattr(program, "pipeline", None)
-    return pipeline.tp if pipeline is not None else None
 
 
 def _gather(shard: torch.Tensor, placement: str, group: dist.ProcessGroup | None, t: int) -> torch.Tensor:

@@ -82,6 +82,17 @@ class _Program:
     pipeline: PipelineStage | None = None  # pp > 1: this rank's stage, which runs the schedule
     tied_optimizer: Optimizer | None = None  # ZeRO in a pipeline: the parameters tied across stages
 
+    @property
+    def interpreter(self) -> TensorParallel | None:
+        """This rank's TP program (its stage's, in a pipeline); None on the eager path."""
+        return _interpreter(self.module, self.pipeline)
+
+
+def _interpreter(module: nn.Module, pipeline: PipelineStage | None) -> TensorParallel | None:
+    if pipeline is not None:
+        return pipeline.tp
+    return module if isinstance(module, TensorParallel) else None
+
 
 def _broadcast_from_rank0(module: nn.Module, group: dist.ProcessGroup) -> None:
     src = dist.get_global_rank(group, 0)
@@ -172,8 +183,8 @@ def compose(
                           plan.training.zero_stage, dp_group, optimizer_factory=optimizer,
                           bucket_bytes=buckets, counter=counter, axis=MeshAxis.DP.value)
         if plan.training.zero_stage == 3:
-            interpreter = pipeline.tp if pipeline is not None else module
-            if isinstance(interpreter, TensorParallel):
+            interpreter = _interpreter(module, pipeline)
+            if interpreter is not None:
                 interpreter.param_access = zero  # each graph node gathers what it reads
             else:
                 zero.install_module_hooks(module)  # the eager path: around each module's forward
@@ -240,6 +251,12 @@ class ParallelModel(nn.Module):
         xs = [self._share(x, f"input {i}", local) for i, x in enumerate(args)]
         self.collectives.reset()
         return p.pipeline.infer(xs, p.dp_group)
+
+    @property
+    def tensor_parallel(self) -> TensorParallel | None:
+        """This rank's TP program (its stage's, in a pipeline; also at tp = 1 there or when the
+        plan recomputes); None when the eager module runs."""
+        return self._program.interpreter
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every parameter at full shape on every rank, however the plan spread them (a collective:

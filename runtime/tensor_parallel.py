@@ -514,6 +514,8 @@ class TensorParallel(nn.Module):
 
     def regions(self, nodes: list[torch.fx.Node]) -> list[torch.fx.Node | Region]:
         """``nodes`` with their recomputed layers grouped (``recompute_regions``), once per node list."""
+        if not self.recomputed:  # nothing recomputes: every micro-batch runs the list as it is
+            return nodes
         key = tuple(n.name for n in nodes)
         if key not in self._regions:
             self._regions[key] = recompute_regions(nodes, self.recomputed)

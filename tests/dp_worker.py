@@ -108,6 +108,18 @@ def _grab_grads(opt: torch.optim.Optimizer, store: list) -> None:
     opt.register_step_pre_hook(hook)
 
 
+def reference_step(reference: torch.nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callable,
+                   x: torch.Tensor, y: torch.Tensor, grads: dict[str, torch.Tensor] | None = None) -> float:
+    """One single-process step on the whole global batch; its gradients into ``grads`` if given."""
+    loss = loss_fn(reference(x), y)
+    loss.backward()
+    if grads is not None:
+        grads.update({n: p.grad.detach().clone() for n, p in reference.named_parameters()})
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss.item()
+
+
 def _max_err(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
     return max(float((x - y).abs().max()) for x, y in zip(a, b))
 
@@ -147,12 +159,9 @@ def compare_with_reference(ctx: DistContext, dp: int, model_name: str, opt_name:
             loss = model.train_step(x[rows], targets=y[rows], local=True)
         else:
             loss = model.train_step(x, targets=y)
-        ref_loss = loss_fn(reference(x), y)
-        ref_loss.backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
-        loss_errs.append(abs(loss - ref_loss.item()))
-        assert abs(loss - ref_loss.item()) <= ATOL + RTOL * abs(ref_loss.item()), (loss, ref_loss.item())
+        ref_loss = reference_step(reference, ref_opt, loss_fn, x, y)
+        loss_errs.append(abs(loss - ref_loss))
+        assert abs(loss - ref_loss) <= ATOL + RTOL * abs(ref_loss), (loss, ref_loss)
         assert model.collectives.as_tuples() == expected_calls, (
             model.collectives.as_tuples(), expected_calls)
         averager = model._program.averager
@@ -189,12 +198,9 @@ def compare_zero(ctx: DistContext, dp: int, stage: int, model_name: str) -> dict
     loss_errs = []
     for _ in range(STEPS):
         loss = model.train_step(x, targets=y)
-        ref_loss = loss_fn(reference(x), y)
-        ref_loss.backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
-        loss_errs.append(abs(loss - ref_loss.item()))
-        assert abs(loss - ref_loss.item()) <= ATOL + RTOL * abs(ref_loss.item()), (stage, loss, ref_loss.item())
+        ref_loss = reference_step(reference, ref_opt, loss_fn, x, y)
+        loss_errs.append(abs(loss - ref_loss))
+        assert abs(loss - ref_loss) <= ATOL + RTOL * abs(ref_loss), (stage, loss, ref_loss)
     zero = model._program.zero
     with zero.gathered():
         params = [p.detach().clone() for p in model.module.parameters()]

@@ -26,13 +26,11 @@ from typing import Callable
 import torch
 from torch.autograd.graph import saved_tensors_hooks
 
-from dp_worker import OPTIMIZERS, gpt_batch, gpt_loss, run_launch
+from dp_worker import OPTIMIZERS, gpt_batch, gpt_loss, reference_step, run_launch
 from partita.runtime.distributed import DistContext
 from partita.runtime.engine import ParallelModel
-from pp_choice import pp_plan
-from pp_worker import MODELS, _max_err
-from tp_choice import MEGATRON
-from zero_mesh_worker import _gather, _short, reference_step
+from pp_worker import _max_err
+from zero_mesh_worker import _gather, _short, mesh_case
 
 RTOL, ATOL = 1e-4, 2e-5
 STEPS = 3
@@ -46,16 +44,11 @@ def _with_layers(plan, profile):
                                                  for d in plan.nodes))
 
 
-def _tp_program(model: ParallelModel):
-    p = model._program
-    return p.pipeline.tp if p.pipeline is not None else model.module
-
-
 def _measure_saved(model: ParallelModel, store: list[int]) -> None:
     """Append to ``store`` the activation bytes each micro-batch's forward saves for backward."""
     program = model._program
-    tp = _tp_program(model)
-    held = {t.untyped_storage().data_ptr() for t in (*tp.parameters(), *tp.buffers())}
+    holder = model.tensor_parallel or model.module  # the module holding this rank's parameters
+    held = {t.untyped_storage().data_ptr() for t in (*holder.parameters(), *holder.buffers())}
 
     def measured(run: Callable) -> Callable:
         def go(*args, **kwargs):
@@ -85,7 +78,7 @@ def _recomputed_forward_calls(plan, model: ParallelModel) -> Counter:
     from partita.passes.tp_layout import recompute_collectives
 
     stages = {s.index for s in plan.stages if s.recompute}
-    runs = {n.name for n in _tp_program(model).nodes}
+    runs = {n.name for n in model.tensor_parallel.nodes}
     mine = [d for d in plan.nodes if d.layer and d.stage in stages and d.name in runs]
     calls: Counter = Counter()
     for kind, nbytes, n, _ in recompute_collectives(mine):
@@ -96,7 +89,7 @@ def _recomputed_forward_calls(plan, model: ParallelModel) -> Counter:
 def _grab_grads(model: ParallelModel, store: dict[str, torch.Tensor]) -> None:
     """The first step's averaged TP-local gradients, by parameter name, before the update."""
     zp = model._program.zero
-    names = {id(p): q for q, (p, _) in _tp_program(model).local_parameters().items()}
+    names = {id(p): q for q, (p, _) in model.tensor_parallel.local_parameters().items()}
 
     def grab(optimizer, args, kwargs):
         if store:
@@ -110,12 +103,7 @@ def _grab_grads(model: ParallelModel, store: dict[str, torch.Tensor]) -> None:
 
 def compare(ctx: DistContext, name: str, *, tp: int = 1, dp: int = 1, pp: int = 1, cuts_at: tuple[int, ...] = (),
             schedule: str = "1f1b", zero: int = 0, recompute: tuple[int, ...] = (0,), accum: int = 2) -> dict:
-    factory, spec = MODELS[name]
-    torch.manual_seed(100)
-    reference = factory()
-    plan, profile, _ = pp_plan(copy.deepcopy(reference), [spec], gpt_loss, None, pp=pp, cuts_at=list(cuts_at),
-                               schedule=schedule if pp > 1 else "none", tp=tp, dp=dp, mbs=MBS, accum=accum,
-                               pins=None if tp == 1 else MEGATRON)
+    reference, plan, profile = mesh_case(name, pp=pp, tp=tp, dp=dp, cuts_at=cuts_at, schedule=schedule, accum=accum)
     plan = _with_layers(plan, profile)
     plan = dataclasses.replace(plan, training=dataclasses.replace(plan.training, zero_stage=zero))
     rc_plan = dataclasses.replace(plan, stages=tuple(dataclasses.replace(s, recompute=s.index in recompute)
@@ -145,12 +133,12 @@ def compare(ctx: DistContext, name: str, *, tp: int = 1, dp: int = 1, pp: int = 
         if step > 0:  # step 0's counts include the test's own gather_grads
             diff = {k: with_rc[k] - without[k] for k in with_rc.keys() | without.keys() if with_rc[k] != without[k]}
             assert diff == dict(extra), (name, stage, "recompute added", diff, "expected", dict(extra))
-        ref_loss = reference_step(reference, ref_opt, x, y, ref_grads if step == 0 else None)
+        ref_loss = reference_step(reference, ref_opt, gpt_loss, x, y, ref_grads if step == 0 else None)
         loss_errs.append(abs(loss - ref_loss))
         plain_errs.append(abs(loss - plain_loss))
         assert loss_errs[-1] <= ATOL + RTOL * abs(ref_loss), (name, step, loss, ref_loss)
 
-    full_grads = _gather(_tp_program(model), grads)
+    full_grads = _gather(model.tensor_parallel, grads)
     for q, g in full_grads.items():
         torch.testing.assert_close(g, ref_grads[q], rtol=RTOL, atol=ATOL, msg=lambda m: f"{name} grad {q}: {m}")
     final = model.full_state_dict()

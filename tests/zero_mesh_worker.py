@@ -28,7 +28,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from dp_worker import OPTIMIZERS, gpt_batch, gpt_loss, run_launch
+from dp_worker import OPTIMIZERS, gpt_batch, gpt_loss, reference_step, run_launch
 from partita.passes.cost_model import model_state_memory, state_bytes_per_param, zero_collectives
 from partita.runtime.data_parallel import bucket_layout
 from partita.runtime.distributed import DistContext
@@ -62,35 +62,30 @@ def _gather(tp_program, local: dict[str, torch.Tensor]) -> dict[str, torch.Tenso
     return out
 
 
-def reference_step(reference: torch.nn.Module, optimizer, x: torch.Tensor, y: torch.Tensor,
-                   grads: dict[str, torch.Tensor] | None) -> float:
-    """One single-process step on the whole global batch; its gradients into ``grads`` if given."""
-    loss = gpt_loss(reference(x), y)
-    loss.backward()
-    if grads is not None:
-        grads.update({n: p.grad.detach().clone() for n, p in reference.named_parameters()})
-    optimizer.step()
-    optimizer.zero_grad()
-    return loss.item()
+def mesh_case(name: str, *, pp: int, tp: int, dp: int, cuts_at: tuple[int, ...], schedule: str, accum: int):
+    """(reference model, test plan, profile) for MODELS[name] on a dp x tp x pp mesh
+    (tests/pp_choice.py's cuts, tests/tp_choice.py's Megatron TP at tp > 1)."""
+    factory, spec = MODELS[name]
+    torch.manual_seed(100)
+    reference = factory()
+    plan, profile, _ = pp_plan(copy.deepcopy(reference), [spec], gpt_loss, None, pp=pp, cuts_at=list(cuts_at),
+                               schedule=schedule if pp > 1 else "none", tp=tp, dp=dp, mbs=MBS, accum=accum,
+                               pins=None if tp == 1 else MEGATRON)
+    return reference, plan, profile
 
 
 def compare(ctx: DistContext, name: str, *, zero: int, dp: int, pp: int = 1, tp: int = 1,
             cuts_at: tuple[int, ...] = (), schedule: str = "1f1b", accum: int = 4) -> dict:
     import dataclasses
 
-    factory, spec = MODELS[name]
-    torch.manual_seed(100)
-    reference = factory()
-    plan, _, _ = pp_plan(copy.deepcopy(reference), [spec], gpt_loss, None, pp=pp, cuts_at=list(cuts_at),
-                         schedule=schedule if pp > 1 else "none", tp=tp, dp=dp, mbs=MBS, accum=accum,
-                         pins=None if tp == 1 else MEGATRON)
+    reference, plan, _ = mesh_case(name, pp=pp, tp=tp, dp=dp, cuts_at=cuts_at, schedule=schedule, accum=accum)
     plan = dataclasses.replace(plan, training=dataclasses.replace(plan.training, zero_stage=zero,
                                                                   grad_bucket_bytes=BUCKET_BYTES))
     model = ParallelModel(copy.deepcopy(reference), plan, loss_fn=gpt_loss, optimizer=OPTIMIZERS["adamw"], ctx=ctx)
     zp = model._program.zero
     assert zp is not None and zp.stage == zero
     program = model._program
-    tp_program = program.pipeline.tp if program.pipeline is not None else model.module
+    tp_program = model.tensor_parallel
     local = tp_program.local_parameters()  # qualified name -> (TP-local parameter, placement)
     in_zero = {id(p) for b in zp.buckets for p in b.members}
     grads: dict[str, torch.Tensor] = {}
@@ -111,7 +106,7 @@ def compare(ctx: DistContext, name: str, *, zero: int, dp: int, pp: int = 1, tp:
         if step > 0:  # step 0's counts include the test's own gather_grads
             dp_calls.append({(k, b): c for (k, axis, b), c in model.collectives.calls.items()
                              if axis == "dp" and k in ("reduce_scatter", "all_gather")})
-        ref_loss = reference_step(reference, ref_opt, x, y, ref_grads if step == 0 else None)
+        ref_loss = reference_step(reference, ref_opt, gpt_loss, x, y, ref_grads if step == 0 else None)
         loss_errs.append(abs(loss - ref_loss))
         assert loss_errs[-1] <= ATOL + RTOL * abs(ref_loss), (name, zero, step, loss, ref_loss)
 
