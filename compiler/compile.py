@@ -27,6 +27,7 @@ from partita.compiler.plan import (
     SolverReport,
     Stage,
     Training,
+    tied_stages,
 )
 from partita.passes.cluster import ClusterSpec
 from partita.passes.constraints import Pins, TrainingRequest
@@ -38,6 +39,7 @@ from partita.passes.cost_model import (
     padded_bucket,
     zero_collectives,
 )
+from partita.passes.pipeline_parallel import stage_links
 from partita.passes.profile import ModelProfile, profile_model
 from partita.passes.data_parallel import gradient_buckets
 from partita.passes.search import Decision, plan_search
@@ -202,8 +204,10 @@ def build_plan(
     )
     params = _param_decisions(captured, G, d)
     stages = d.stages or (_single_stage(profile, captured, times, d),)
-    collectives = (_dp_collectives(params, d, cluster, request) + _tp_plan_collectives(nodes, d, cluster)
-                   + _pp_collectives(Gm, nodes, d, cluster, request))
+    tied = _tied(captured, G, d) if d.mesh.pp > 1 else {}
+    collectives = (_dp_collectives(params, tied, d, cluster, request) + _tp_plan_collectives(nodes, d, cluster)
+                   + _pp_collectives(captured, nodes, d, cluster, request) + _tied_collectives(params, tied, d, cluster,
+                                                                                         request))
     model = ModelInfo(
         name=profile.name,
         fingerprint=profile.fingerprint,
@@ -321,9 +325,43 @@ def _top_modules(captured: CapturedModel) -> tuple[str, ...]:
     return tuple(seen)
 
 
-def _dp_collectives(params: Sequence[ParamDecision], d: Decision, cluster: ClusterSpec,
-                    request: TrainingRequest) -> tuple[Collective, ...]:
-    """Gradient buckets of each stage's local parameters over its dp group, and the loss average."""
+def _tied(captured: CapturedModel, G: Any, d: Decision) -> dict[str, tuple[int, ...]]:
+    """Parameters read on several pipeline stages -> those stages (``tied_stages``, the runtime's rule)."""
+    readers = {n: list(G.successors(n)) for n in captured.param_nodes if n in G}
+    return tied_stages(captured.param_nodes, readers, d.node_stage)
+
+
+def _local_numel(p: ParamDecision, tp: int) -> int:
+    """Elements of ``p`` one rank holds: its shard over "tp", else all of it."""
+    sharded = p.layout.get(MeshAxis.TP.value, "replicate").startswith("shard")
+    return math.prod(p.shape) // (tp if sharded else 1)
+
+
+def _tied_collectives(params: Sequence[ParamDecision], tied: Mapping[str, tuple[int, ...]], d: Decision,
+                      cluster: ClusterSpec, request: TrainingRequest) -> tuple[Collective, ...]:
+    """The tied-gradient all-reduce of each parameter held on several stages, listed for every
+    stage that takes part (runtime/pipeline_parallel.py ``sync_tied``)."""
+    if request.inference:
+        return ()
+    grad_bytes = element_bytes(request.precision)
+    by_name = {p.name: p for p in params}
+    links = stage_links(cluster, d.mesh.pp, d.mesh.dp, d.mesh.tp)
+    out = []
+    for name, stages in tied.items():
+        nbytes = _local_numel(by_name[name], d.mesh.tp) * grad_bytes
+        link = min(links[stages[0]:stages[-1]], key=lambda ln: ln.bandwidth)
+        for s in stages:
+            out.append(Collective(kind="all_reduce", axis=MeshAxis.PP.value, bytes=nbytes, count=1,
+                                  group_size=len(stages), purpose=f"gradient of {name}, shared by stages "
+                                  f"{', '.join(map(str, stages))} (summed between its copies)",
+                                  seconds=collective_time("all_reduce", nbytes, len(stages), link), stage=s))
+    return tuple(out)
+
+
+def _dp_collectives(params: Sequence[ParamDecision], tied: Mapping[str, tuple[int, ...]], d: Decision,
+                    cluster: ClusterSpec, request: TrainingRequest) -> tuple[Collective, ...]:
+    """Gradient buckets of each stage's local parameters over its dp group, and the loss average.
+    A parameter tied across stages is a local parameter of every stage holding it."""
     dp = d.mesh.dp
     if dp <= 1 or request.inference:
         return ()
@@ -331,18 +369,23 @@ def _dp_collectives(params: Sequence[ParamDecision], d: Decision, cluster: Clust
     grad_bytes = element_bytes(request.precision)
     out: list[Collective] = []
     for s in range(d.mesh.pp):
-        local = [math.prod(p.shape) // (d.mesh.tp if p.layout.get(MeshAxis.TP.value, "replicate").startswith("shard")
-                                          else 1) for p in params if p.stage == s]
+        mine = [p for p in params if s in tied.get(p.name, (p.stage,))]
+        # under ZeRO a parameter tied across stages stays whole and is averaged as in plain DP
+        # (runtime/engine.py): its copies' stages lay their ZeRO buckets out differently
+        whole = [p for p in mine if p.name in tied] if d.zero_stage else []
+        sharded = [p for p in mine if p not in whole]
         by_call: dict[tuple[str, int, str], int] = {}
-        for b in gradient_buckets(local, grad_bytes, d.bucket_bytes):
-            if d.zero_stage == 0:
-                key = ("all_reduce", b, "gradient averaging (one bucket per call, after the last micro-batch)")
-                by_call[key] = by_call.get(key, 0) + 1
-                continue
-            padded = round(padded_bucket(b, dp, grad_bytes))  # ZeRO's flat buckets split evenly over dp
-            for kind, calls, what in zero_collectives(d.zero_stage, d.grad_accum_steps):
-                key = (kind, padded, f"ZeRO-{d.zero_stage} {what} ({'reduce-scatter of gradients' if what == 'grads' else 'all-gather of parameters'})")
-                by_call[key] = by_call.get(key, 0) + calls
+        for zero_stage, group in ((d.zero_stage, sharded), (0, whole)):
+            local = [_local_numel(p, d.mesh.tp) for p in group]
+            for b in gradient_buckets(local, grad_bytes, d.bucket_bytes):
+                if zero_stage == 0:
+                    key = ("all_reduce", b, "gradient averaging (one bucket per call, after the last micro-batch)")
+                    by_call[key] = by_call.get(key, 0) + 1
+                    continue
+                padded = round(padded_bucket(b, dp, grad_bytes))  # ZeRO's flat buckets split evenly over dp
+                for kind, calls, what in zero_collectives(zero_stage, d.grad_accum_steps):
+                    key = (kind, padded, f"ZeRO-{zero_stage} {what} ({'reduce-scatter of gradients' if what == 'grads' else 'all-gather of parameters'})")
+                    by_call[key] = by_call.get(key, 0) + calls
         out += [Collective(kind=kind, axis=MeshAxis.DP.value, bytes=size, count=count, group_size=dp,
                            purpose=purpose, seconds=count * collective_time(kind, size, dp, link),
                            stage=s if d.mesh.pp > 1 else None)
@@ -375,17 +418,21 @@ def _tp_plan_collectives(nodes: Sequence[Any], d: Decision, cluster: ClusterSpec
     return tuple(out)
 
 
-def _pp_collectives(G: Any, nodes: Sequence[Any], d: Decision, cluster: ClusterSpec,
+def _pp_collectives(captured: CapturedModel, nodes: Sequence[Any], d: Decision, cluster: ClusterSpec,
                     request: TrainingRequest) -> tuple[Collective, ...]:
     """Point-to-point sends between neighbouring stages: every tensor live across a cut, forward per
-    micro-batch, and its gradient back when it carries one (relayed through the stages in between)."""
+    micro-batch, and its gradient back when it carries one (relayed through the stages in between).
+    Parameters and buffers never cross: each stage reading one holds it (tied copies)."""
     if d.mesh.pp <= 1:
         return ()
     stage = {n.name: n.stage for n in nodes}
+    held = captured.param_nodes.keys() | captured.buffer_nodes.keys()
     # each tensor crosses each cut once, however many nodes of later stages read it
     crossing: dict[tuple[int, str, int], tuple[int, bool]] = {}  # (cut, src, index) -> (local bytes, carries grad)
     for n in nodes:
         for lay in n.ins:
+            if lay.src in held:
+                continue
             lo, hi = stage[lay.src], n.stage
             nbytes = lay.bytes // (d.mesh.tp if lay.have.startswith("shard") else 1)
             for s in range(lo, hi):
@@ -399,8 +446,9 @@ def _pp_collectives(G: Any, nodes: Sequence[Any], d: Decision, cluster: ClusterS
     out = [Collective(kind="broadcast", axis=MeshAxis.PP.value, bytes=4, count=1, group_size=d.mesh.pp,
                       purpose="the step's loss from the last stage to every stage",
                       seconds=collective_time("broadcast", 4, d.mesh.pp, cluster.inter_link))]
+    links = stage_links(cluster, d.mesh.pp, d.mesh.dp, d.mesh.tp)  # the planner's: its cuts were priced on them
     for (s, direction, nbytes), count in sorted(sends.items()):
-        link = cluster.inter_link if _crosses_nodes(s, direction, d, cluster) else cluster.intra_link
+        link = links[s if direction == "forward" else s - 1]
         calls = count * d.grad_accum_steps
         out.append(Collective(kind="send_recv", axis=MeshAxis.PP.value, bytes=nbytes, count=calls, group_size=2,
                               purpose=f"{'activation to the next' if direction == 'forward' else 'gradient to the previous'} stage",
@@ -408,7 +456,3 @@ def _pp_collectives(G: Any, nodes: Sequence[Any], d: Decision, cluster: ClusterS
     return tuple(out)
 
 
-def _crosses_nodes(s: int, direction: str, d: Decision, cluster: ClusterSpec) -> bool:
-    width = d.mesh.dp * d.mesh.tp
-    peer = s + 1 if direction == "forward" else s - 1
-    return (s * width) // cluster.gpus_per_node != (peer * width) // cluster.gpus_per_node

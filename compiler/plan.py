@@ -22,7 +22,7 @@ import typing
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 
 from partita.compiler.errors import PlanError
 
@@ -84,6 +84,36 @@ class Mesh:
 
     def __str__(self) -> str:
         return f"dp={self.dp} x tp={self.tp} x pp={self.pp}"
+
+    def rank(self, *, pp: int, dp: int, tp: int) -> int:
+        """The global rank at these coordinates (``MESH_ORDER``: pp outermost, tp innermost)."""
+        return (pp * self.dp + dp) * self.tp + tp
+
+    def coords(self, rank: int) -> dict[str, int]:
+        """``rank``'s coordinate on each axis, by axis name (the inverse of ``rank``)."""
+        pp, rest = divmod(rank, self.dp * self.tp)
+        dp, tp = divmod(rest, self.tp)
+        return {MeshAxis.PP.value: pp, MeshAxis.DP.value: dp, MeshAxis.TP.value: tp}
+
+    def stage_ranks(self, stage: int) -> tuple[int, ...]:
+        """The ranks of pipeline stage ``stage``, in rank order."""
+        width = self.dp * self.tp
+        return tuple(range(stage * width, (stage + 1) * width))
+
+
+def tied_stages(param_of: Mapping[str, str], readers: Mapping[str, Iterable[str]],
+                stage_of: Mapping[str, int]) -> dict[str, tuple[int, ...]]:
+    """Each parameter read on several pipeline stages -> those stages, sorted (the one rule the
+    planner lists the tied-gradient all-reduce by and the runtime runs it by).
+
+    ``param_of`` maps a graph placeholder to its parameter's name (a tied parameter may have
+    several placeholders), ``readers`` a placeholder to the nodes reading it, ``stage_of`` a node
+    to its stage. A stage holds a parameter when one of its nodes reads it: a placeholder no node
+    reads (a tied parameter's unused duplicate) puts it on no stage."""
+    stages: dict[str, set[int]] = {}
+    for node, name in param_of.items():
+        stages.setdefault(name, set()).update(stage_of[r] for r in readers.get(node, ()))
+    return {name: tuple(sorted(s)) for name, s in sorted(stages.items()) if len(s) > 1}
 
 
 @dataclass(frozen=True)

@@ -224,3 +224,27 @@ def llama2_70b(num_hidden_layers: int = 80) -> LogitsOnly:
     """
     return hf_llama(num_hidden_layers=num_hidden_layers, hidden_size=8192, num_attention_heads=64,
                     num_key_value_heads=8, intermediate_size=28672, vocab_size=32000)
+
+
+class MaskedLMLogits(nn.Module):
+    """Wrap a Hugging Face masked LM so ``forward(input_ids)`` returns the logits tensor."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=input_ids).logits
+
+
+def hf_bert_mlm(num_hidden_layers: int = 2, hidden_size: int = 64, num_attention_heads: int = 4,
+                intermediate_size: int = 128, vocab_size: int = 512, dropout: float = 0.0) -> MaskedLMLogits:
+    """transformers' BertForMaskedLM from a config (random init, no download). Its MLM decoder's
+    weight is tied to the word embedding, and its decoder bias appears under two names."""
+    from transformers import BertConfig, BertForMaskedLM
+
+    cfg = BertConfig(num_hidden_layers=num_hidden_layers, hidden_size=hidden_size,
+                     num_attention_heads=num_attention_heads, intermediate_size=intermediate_size,
+                     vocab_size=vocab_size, hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout,
+                     attn_implementation="sdpa")
+    return MaskedLMLogits(BertForMaskedLM(cfg))

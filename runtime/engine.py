@@ -178,7 +178,7 @@ def compose(
         # A parameter tied across pipeline stages stays whole on each (its copies' gradients are
         # summed between the stages, which lay out their ZeRO buckets differently): plain dp
         # averaging and its own optimizer, the same elementwise update.
-        tied = {id(q) for q, _ in pipeline._tied} if pipeline is not None else set()
+        tied = {id(q) for q in pipeline.tied_parameters} if pipeline is not None else set()
         zero = apply_zero([(n, q) for n, q in module.named_parameters() if id(q) not in tied],
                           plan.training.zero_stage, dp_group, optimizer_factory=optimizer,
                           bucket_bytes=buckets, counter=counter, axis=MeshAxis.DP.value)

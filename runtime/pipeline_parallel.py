@@ -58,7 +58,7 @@ import torch.fx
 from torch import nn
 
 from partita.compiler.errors import PlanError
-from partita.compiler.plan import MeshAxis, Plan
+from partita.compiler.plan import MeshAxis, Plan, tied_stages
 from partita.runtime.data_parallel import CollectiveCounter, GradientAverager
 from partita.runtime.tensor_parallel import TensorParallel, local_shape
 from partita.runtime.trace import BACKWARD, FORWARD, TraceRecorder
@@ -234,35 +234,40 @@ class PipelineStage(nn.Module):
     # -- tied parameters ---------------------------------------------------------
 
     def _tie_groups(self, mesh: Any, stage_of: Mapping[str, int], captured: Any
-                    ) -> list[tuple[nn.Parameter, dist.ProcessGroup]]:
-        """(this stage's copy, the group of its copies) for each parameter held on several stages.
-
-        Every rank creates every group, in the same order (``new_group`` is collective)."""
+                    ) -> list[tuple[str, nn.Parameter, dist.ProcessGroup]]:
+        """(name, this stage's copy, the group of its copies) for each parameter held on several
+        stages, by name: the plan's stage map and the graph decide it (``tied_stages``), so every
+        stage derives the same list in the same order. Every rank creates every group, in that
+        order (``new_group`` is collective)."""
         graph = self.tp.graph_module.graph
-        holders: dict[str, set[int]] = {}
-        for n in graph.nodes:
-            q = captured.param_nodes.get(n.name)
-            if q is not None:
-                holders.setdefault(q, set()).update({stage_of[u.name] for u in n.users} or {stage_of[n.name]})
+        readers = {n.name: [u.name for u in n.users] for n in graph.nodes if n.name in captured.param_nodes}
         m, local = self.plan.mesh, self.local_parameters()
         out = []
-        for q, stages in sorted(holders.items()):
-            if len(stages) < 2:
-                continue
+        for q, stages in tied_stages(captured.param_nodes, readers, stage_of).items():
             for dp in range(m.dp):
                 for tp in range(m.tp):
-                    ranks = [(s * m.dp + dp) * m.tp + tp for s in sorted(stages)]
+                    ranks = [m.rank(pp=s, dp=dp, tp=tp) for s in stages]
                     group = dist.new_group(ranks)
                     if self.rank in ranks:
-                        out.append((local[q][0], group))
+                        out.append((q, local[q][0], group))
         return out
 
+    @property
+    def tied_parameters(self) -> list[nn.Parameter]:
+        """This stage's copies of the parameters it shares with other stages."""
+        return [p for _, p, _ in self._tied]
+
     def sync_tied(self) -> None:
-        """Sum the gradients of tied copies over the stages holding them (after dp averaging)."""
-        for param, group in self._tied:
-            if param.grad is not None:
-                self.counter.record("all_reduce", PP, param.grad.numel() * param.grad.element_size())
-                dist.all_reduce(param.grad, group=group)
+        """Sum the gradients of tied copies over the stages holding them (after dp averaging).
+
+        Every holder takes part every step, whether or not its copy received a gradient (a copy
+        whose stage's nodes gave it none contributes zeros): skipping the call on one stage
+        would leave the others waiting in it."""
+        for _, param, group in self._tied:
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
+            self.counter.record("all_reduce", PP, param.grad.numel() * param.grad.element_size())
+            dist.all_reduce(param.grad, group=group)
 
     # -- point to point ------------------------------------------------------------
 

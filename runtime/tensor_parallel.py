@@ -497,8 +497,13 @@ class TensorParallel(nn.Module):
         graph = captured.graph_module.graph
         self.nodes = [n for n in graph.nodes if n.op != "placeholder" and (keep is None or keep(n))]
         kept = {n.name for n in self.nodes}
+        # A placeholder no node reads is held on its own stage only when no other placeholder of
+        # the same tensor is read (a tied parameter's unused duplicate is no copy to hold).
+        same = {**captured.param_nodes, **captured.buffer_nodes}
+        read = {same.get(n.name, n.name) for n in graph.nodes if n.op == "placeholder" and n.users}
         self._held = {n.name for n in graph.nodes if n.op == "placeholder" and (
-            keep is None or any(u.name in kept for u in n.users) or (not n.users and keep(n)))}
+            keep is None or any(u.name in kept for u in n.users)
+            or (not n.users and same.get(n.name, n.name) not in read and keep(n)))}
         state = torch.load(checkpoint, mmap=True, weights_only=True) if checkpoint is not None else None
         self.shards = nn.ParameterDict()
         self.placements: dict[str, str] = {}  # qualified parameter name -> tp placement

@@ -1,0 +1,95 @@
+"""Tied parameters across pipeline stages, through the planner's own plans (issue: the tp x pp
+deadlock). BERT's MLM head (decoder weight tied to the word embedding, its bias under two names)
+and a GPT with a tied lm_head, at tp2 x pp2 and dp2 x tp2 x pp2 under torchrun: the same losses and
+final parameters as one process, and every rank runs exactly the collectives its plan lists for its
+stage, the tied-gradient all-reduce included."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from partita.compiler.api import default_loss
+from partita.compiler.compile import compile_model
+from partita.compiler.inputs import parse_input_spec
+from partita.compiler.plan import tied_stages
+from partita.passes.cluster import load_cluster
+from partita.passes.constraints import Pins
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import tied_script as script  # noqa: E402
+from test_decorator import calls, fast_cluster  # noqa: E402
+
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+def reference(name: str, batch: int):
+    model = script.build(name)
+    opt = script.optimizer(model.parameters())
+    losses = []
+    for x, y in script.batches(batch):
+        loss = default_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, model.state_dict()
+
+
+def compile_plan(tmp_path: Path, name: str, *, dp: int, batch: int) -> Path:
+    cluster = load_cluster(fast_cluster(tmp_path), devices=4 * dp)
+    spec = parse_input_spec(f"{script.INPUT[name]}=int64[{batch},{script.SEQ}]")
+    plan = compile_model(script.build(name), [spec], cluster, pins=Pins(world_size=4 * dp, dp=dp, tp=2, pp=2),
+                         optimizer="adamw").plan
+    path = tmp_path / f"{name}.plan.json"
+    plan.save(path)
+    return path
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dp", [1, 2])
+def test_tied_models_train_under_tp_and_pp_as_one_process(tmp_path, dp):
+    batch = 4 * dp
+    plans = {name: compile_plan(tmp_path, name, dp=dp, batch=batch) for name in script.MODELS}
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={4 * dp}",
+                        str(HERE / "tied_script.py"), str(tmp_path), *(f"{n}={p}" for n, p in plans.items())],
+                       env=ENV, capture_output=True, text=True, timeout=400)
+    assert r.returncode == 0, r.stderr[-4000:]
+    for name in script.MODELS:
+        ref_losses, ref_state = reference(name, batch)
+        for rank in range(4 * dp):
+            data = json.loads((tmp_path / f"{name}.rank{rank}.json").read_text())
+            assert data["losses"] == pytest.approx(ref_losses, rel=1e-5, abs=1e-5), (name, rank)
+            assert calls(data["counted"]) == calls(data["planned"]), (name, rank)
+            tied = [c for c in data["counted"] if c[1] == "pp" and c[0] == "all_reduce"]
+            assert tied, (name, rank, "no tied-gradient all-reduce ran")  # both stages hold a copy
+        state = torch.load(tmp_path / f"{name}.pt", weights_only=True)
+        assert set(state) <= set(ref_state)
+        for k, v in state.items():
+            torch.testing.assert_close(v, ref_state[k], rtol=1e-4, atol=1e-5, msg=k)
+
+
+def test_an_unused_duplicate_placeholder_puts_a_tied_parameter_on_no_stage():
+    """BERT's decoder bias has two placeholders; the one no node reads sits on stage 0 by graph
+    order. Counting it made stage 0 a holder that never got a gradient and skipped the all-reduce
+    its peers waited in."""
+    param_of = {"p_bias": "cls.bias", "p_decoder_bias": "cls.bias", "p_wte": "wte", "p_ln": "ln"}
+    readers = {"p_decoder_bias": ["add_9"], "p_wte": ["embedding", "linear_9"], "p_ln": ["layer_norm"]}
+    stage_of = {"p_bias": 0, "p_decoder_bias": 1, "add_9": 1, "embedding": 0, "linear_9": 1, "layer_norm": 0,
+                "p_wte": 0, "p_ln": 0}
+    assert tied_stages(param_of, readers, stage_of) == {"wte": (0, 1)}
+
+
+def test_a_bert_plan_lists_the_tied_all_reduce_on_both_stages(tmp_path):
+    plan = compile_model(script.build("bert"), [parse_input_spec(f"input_ids=int64[4,{script.SEQ}]")],
+                         load_cluster("local", devices=4), pins=Pins(world_size=4, tp=2, pp=2)).plan
+    tied = [c for c in plan.collectives if c.axis == "pp" and c.kind == "all_reduce"]
+    assert sorted(c.stage for c in tied) == [0, 1]
+    assert all("word_embeddings" in c.purpose and c.group_size == 2 for c in tied)
+    # the word embedding (512 x 64 floats, replicated or vocab-sharded over tp=2)
+    assert all(c.bytes in (script.VOCAB * 64 * 4, script.VOCAB * 64 * 4 // 2) for c in tied)
