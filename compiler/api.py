@@ -78,6 +78,7 @@ class ParallelizeSpec:
     loss: Callable[[Any, torch.Tensor], torch.Tensor] = default_loss
     plan: str | None = None
     pins: Mapping[str, int | str | bool] = field(default_factory=dict)
+    watchdog_s: float | None = None  # runtime/watchdog.py; None: PARTITA_WATCHDOG_S or its default
 
 
 class Parallelized:
@@ -117,6 +118,7 @@ def parallelize(
     microbatches: int | None = None,
     schedule: str | None = None,
     recompute: bool | None = None,
+    watchdog_s: float | None = None,
 ) -> Any:
     """Plan and run ``target`` in parallel.
 
@@ -128,8 +130,12 @@ def parallelize(
     of planning. ``dp``, ``tp``, ``pp``, ``zero``, ``micro_batch_size``,
     ``microbatches`` (or its other name ``grad_accum_steps``), ``schedule`` and
     ``recompute`` (activation recomputation on every stage, or never) pin those decisions (the same keywords as `partita compile`); the planner
-    decides the rest.
+    decides the rest. ``watchdog_s`` bounds how long a step may wait in a collective before
+    every rank reports what it waits in and the job exits (default 300 s or
+    ``PARTITA_WATCHDOG_S``; 0 turns the watchdog off).
     """
+    if watchdog_s is not None and not (isinstance(watchdog_s, (int, float)) and 0 <= watchdog_s < float("inf")):
+        raise PartitaError(f"watchdog_s={watchdog_s!r} must be a number of seconds >= 0 (0 turns it off)")
     if microbatches is not None and grad_accum_steps not in (None, microbatches):
         raise PartitaError(f"microbatches={microbatches} and grad_accum_steps={grad_accum_steps} disagree",
                            hint="they are the same decision; pass one")
@@ -140,7 +146,7 @@ def parallelize(
     spec = ParallelizeSpec(
         inputs=_parse_inputs(inputs), cluster=cluster, nodes=nodes, devices=devices, batch=batch,
         precision=precision, optimizer=optimizer or default_optimizer, loss=loss or default_loss,
-        plan=plan, pins=pins,
+        plan=plan, pins=pins, watchdog_s=watchdog_s,
     )
     if target is None:
         return lambda t: parallelize(t, **_spec_kwargs(spec))
@@ -155,6 +161,7 @@ def _spec_kwargs(spec: ParallelizeSpec) -> dict[str, Any]:
     return dict(
         inputs=[str(s) for s in spec.inputs], cluster=spec.cluster, nodes=spec.nodes, devices=spec.devices,
         batch=spec.batch, precision=spec.precision, optimizer=spec.optimizer, loss=spec.loss, plan=spec.plan,
+        watchdog_s=spec.watchdog_s,
         **{("zero" if k == "zero_stage" else k): v for k, v in spec.pins.items()},
     )
 
@@ -194,7 +201,7 @@ def _wrap(module: torch.nn.Module, spec: ParallelizeSpec) -> Any:
     from partita.runtime.distributed import init_distributed
     from partita.runtime.engine import apply_plan
 
-    ctx = init_distributed()
+    ctx = init_distributed(watchdog_s=spec.watchdog_s)
     if ctx.world_size == 1:
         plan = plan_for(module, spec, 1)
     else:
@@ -209,7 +216,8 @@ def _wrap(module: torch.nn.Module, spec: ParallelizeSpec) -> Any:
         if "error" in data:
             raise PartitaError(f"rank 0 could not plan: {data['error']}")
         plan = plan_from_data(data, source="plan from rank 0")
-    return apply_plan(module, plan, loss_fn=spec.loss, optimizer=spec.optimizer, ctx=ctx)
+    return apply_plan(module, plan, loss_fn=spec.loss, optimizer=spec.optimizer, ctx=ctx,
+                      watchdog_s=spec.watchdog_s)
 
 
 def _broadcast_text(text: str, device: torch.device) -> str:

@@ -270,10 +270,13 @@ def calibrate(nproc: int, output: str) -> None:
 @cli.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
 @click.option("--trace", "trace_path", type=click.Path(dir_okay=False), default=None,
               help="write a Chrome/Perfetto trace of every micro-batch's forward and backward per rank")
+@click.option("--watchdog", "watchdog_s", type=click.FloatRange(min=0, max=1e9), default=None, metavar="SECONDS",
+              help="end the job when a step waits this long in a collective, every rank saying what it "
+              "waits in (default 300; 0: off)")
 @click.argument("plan_path", metavar="PLAN.json")
 @click.argument("script")
 @click.argument("args", nargs=-1, type=click.UNPROCESSED)
-def run(trace_path: str | None, plan_path: str, script: str, args: tuple[str, ...]) -> None:
+def run(trace_path: str | None, watchdog_s: float | None, plan_path: str, script: str, args: tuple[str, ...]) -> None:
     """Launch SCRIPT under torchrun with one process per device of PLAN.json.
 
     The script's `partita.parallelize(...)` picks the plan up from the
@@ -291,6 +294,8 @@ def run(trace_path: str | None, plan_path: str, script: str, args: tuple[str, ..
     env = dict(os.environ, PARTITA_PLAN=str(Path(plan_path).resolve()))
     if trace_path:
         env["PARTITA_TRACE"] = str(Path(trace_path).resolve())
+    if watchdog_s is not None:
+        env["PARTITA_WATCHDOG_S"] = f"{watchdog_s:g}"
     sys.exit(run_torchrun(plan.world_size, [script, *args], env=env))
 
 

@@ -95,6 +95,11 @@ class Mesh:
         dp, tp = divmod(rest, self.tp)
         return {MeshAxis.PP.value: pp, MeshAxis.DP.value: dp, MeshAxis.TP.value: tp}
 
+    def group_ranks(self, rank: int, axis: str) -> tuple[int, ...]:
+        """The ranks of ``rank``'s group along mesh axis ``axis`` (the others' coordinates fixed)."""
+        at = self.coords(rank)
+        return tuple(self.rank(**{**at, axis: i}) for i in range(getattr(self, axis)))
+
     def stage_ranks(self, stage: int) -> tuple[int, ...]:
         """The ranks of pipeline stage ``stage``, in rank order."""
         width = self.dp * self.tp

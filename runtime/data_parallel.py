@@ -26,6 +26,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from partita.runtime.watchdog import FLIGHT
+
 # torch DDP's default bucket_cap_mb=25, in bytes.
 DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024
 
@@ -36,8 +38,11 @@ class CollectiveCounter:
 
     calls: Counter = field(default_factory=Counter)
 
-    def record(self, kind: str, axis: str, nbytes: int) -> None:
+    def record(self, kind: str, axis: str, nbytes: int, ranks: tuple[int, ...] | None = None) -> None:
+        """Count one call, and log it in the flight recorder the watchdog reads (``ranks``: its group,
+        when not this rank's whole ``axis``)."""
         self.calls[(kind, axis, nbytes)] += 1
+        FLIGHT.entered(kind, axis, nbytes, ranks)
 
     def reset(self) -> None:
         self.calls.clear()

@@ -18,6 +18,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from partita.compiler.plan import Mesh
+from partita.runtime.watchdog import stop as stop_watchdog
+from partita.runtime.watchdog import timeout_from_env
 
 
 @dataclass(frozen=True)
@@ -48,12 +50,18 @@ def _device(local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
-def init_distributed(timeout_s: float = 120) -> DistContext:
+def init_distributed(timeout_s: float | None = None, *, watchdog_s: float | None = None) -> DistContext:
     """Join (or reuse) the default process group; a single-process context outside torchrun.
 
     ``timeout_s`` bounds every collective: a rank that issues a collective its
     peers never match fails after this long instead of torch's default 30 minutes.
+    By default it is the watchdog's limit (``watchdog_s``, else ``PARTITA_WATCHDOG_S``,
+    runtime/watchdog.py) plus a minute, so the watchdog, which names the stuck
+    collective on every rank, always speaks first; 2 minutes with the watchdog off.
     """
+    if timeout_s is None:
+        limit = timeout_from_env() if watchdog_s is None else watchdog_s
+        timeout_s = limit + 60 if limit > 0 else 120
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if dist.is_available() and dist.is_initialized():
         rank, world = dist.get_rank(), dist.get_world_size()
@@ -80,6 +88,7 @@ def init_distributed(timeout_s: float = 120) -> DistContext:
 
 
 def _destroy_at_exit() -> None:
+    stop_watchdog()
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
 
@@ -95,5 +104,6 @@ def destroy(ctx: DistContext | None = None) -> None:
     """Tear down the default process group if there is one (and, given ``ctx``, only if ours)."""
     if ctx is not None and not ctx.initialized_here:
         return
+    stop_watchdog()
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()

@@ -31,6 +31,7 @@ from partita.runtime.distributed import DistContext, build_mesh, init_distribute
 from partita.runtime.pipeline_parallel import SCHEDULES, PipelineStage
 from partita.runtime.tensor_parallel import TensorParallel
 from partita.runtime.trace import BACKWARD, FORWARD, TraceRecorder
+from partita.runtime.watchdog import FLIGHT, watch
 from partita.runtime.zero import ZeroProgram, apply_zero
 
 LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
@@ -224,9 +225,12 @@ class ParallelModel(nn.Module):
         ctx: DistContext | None = None,
         bucket_bytes: int | None = None,
         checkpoint: str | Path | None = None,
+        watchdog_s: float | None = None,
     ) -> None:
         super().__init__()
-        self.ctx = ctx if ctx is not None else init_distributed()
+        self.ctx = ctx if ctx is not None else init_distributed(watchdog_s=watchdog_s)
+        # before any collective: a hang from here on ends with one message (runtime/watchdog.py)
+        watch(rank=self.ctx.rank, world_size=self.ctx.world_size, mesh=plan.mesh, timeout_s=watchdog_s)
         self.plan = plan
         self.loss_fn = loss_fn
         self.collectives = CollectiveCounter()  # calls issued by the last train_step
@@ -250,7 +254,8 @@ class ParallelModel(nn.Module):
             raise PartitaError(f"a pipeline model takes its inputs positionally; got {sorted(kwargs)}")
         xs = [self._share(x, f"input {i}", local) for i, x in enumerate(args)]
         self.collectives.reset()
-        return p.pipeline.infer(xs, p.dp_group)
+        with FLIGHT.running():
+            return p.pipeline.infer(xs, p.dp_group)
 
     @property
     def tensor_parallel(self) -> TensorParallel | None:
@@ -309,6 +314,11 @@ class ParallelModel(nn.Module):
         xs = [self._share(x, f"input {i}", local) for i, x in enumerate(inputs)]
         y = self._share(targets, "targets", local)
         self.collectives.reset()
+        with FLIGHT.running():  # the watchdog (runtime/watchdog.py) bounds every wait inside
+            return self._train_step(xs, y)
+
+    def _train_step(self, xs: list[torch.Tensor], y: torch.Tensor) -> float:
+        tr, p = self.plan.training, self._program
         if p.pipeline is not None:
             mean = p.pipeline.train_step(xs, y, p.averager, p.dp_group, p.zero)
             self._optimizer_step()
@@ -374,11 +384,13 @@ def apply_plan(
     ctx: DistContext | None = None,
     bucket_bytes: int | None = None,
     checkpoint: str | Path | None = None,
+    watchdog_s: float | None = None,
 ) -> ParallelModel:
     """Wrap ``module`` to run ``plan`` on this rank (the parts are applied by ``compose``).
 
     With ``checkpoint`` (a ``torch.save``d state dict) the weights come from the
     file; under tensor parallelism each rank reads only its slices, so ``module``
-    may be built on the meta device."""
+    may be built on the meta device. ``watchdog_s`` bounds every wait of a step (runtime/watchdog.py;
+    default ``PARTITA_WATCHDOG_S`` or 300 s, 0 turns it off)."""
     return ParallelModel(module, plan, loss_fn=loss_fn, optimizer=optimizer, ctx=ctx,
-                         bucket_bytes=bucket_bytes, checkpoint=checkpoint)
+                         bucket_bytes=bucket_bytes, checkpoint=checkpoint, watchdog_s=watchdog_s)

@@ -62,6 +62,7 @@ from partita.compiler.plan import MeshAxis, Plan, tied_stages
 from partita.runtime.data_parallel import CollectiveCounter, GradientAverager
 from partita.runtime.tensor_parallel import TensorParallel, local_shape
 from partita.runtime.trace import BACKWARD, FORWARD, TraceRecorder
+from partita.runtime.watchdog import FLIGHT
 
 if TYPE_CHECKING:
     from partita.runtime.zero import ZeroProgram
@@ -234,8 +235,8 @@ class PipelineStage(nn.Module):
     # -- tied parameters ---------------------------------------------------------
 
     def _tie_groups(self, mesh: Any, stage_of: Mapping[str, int], captured: Any
-                    ) -> list[tuple[str, nn.Parameter, dist.ProcessGroup]]:
-        """(name, this stage's copy, the group of its copies) for each parameter held on several
+                    ) -> list[tuple[str, nn.Parameter, dist.ProcessGroup, tuple[int, ...]]]:
+        """(name, this stage's copy, the group of its copies, their ranks) for each parameter held on several
         stages, by name: the plan's stage map and the graph decide it (``tied_stages``), so every
         stage derives the same list in the same order. Every rank creates every group, in that
         order (``new_group`` is collective)."""
@@ -249,13 +250,13 @@ class PipelineStage(nn.Module):
                     ranks = [m.rank(pp=s, dp=dp, tp=tp) for s in stages]
                     group = dist.new_group(ranks)
                     if self.rank in ranks:
-                        out.append((q, local[q][0], group))
+                        out.append((q, local[q][0], group, tuple(ranks)))
         return out
 
     @property
     def tied_parameters(self) -> list[nn.Parameter]:
         """This stage's copies of the parameters it shares with other stages."""
-        return [p for _, p, _ in self._tied]
+        return [p for _, p, _, _ in self._tied]
 
     def sync_tied(self) -> None:
         """Sum the gradients of tied copies over the stages holding them (after dp averaging).
@@ -263,10 +264,10 @@ class PipelineStage(nn.Module):
         Every holder takes part every step, whether or not its copy received a gradient (a copy
         whose stage's nodes gave it none contributes zeros): skipping the call on one stage
         would leave the others waiting in it."""
-        for _, param, group in self._tied:
+        for _, param, group, ranks in self._tied:
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
-            self.counter.record("all_reduce", PP, param.grad.numel() * param.grad.element_size())
+            self.counter.record("all_reduce", PP, param.grad.numel() * param.grad.element_size(), ranks)
             dist.all_reduce(param.grad, group=group)
 
     # -- point to point ------------------------------------------------------------
@@ -290,6 +291,7 @@ class PipelineStage(nn.Module):
     def _recv(self, wire: list[tuple[torch.fx.Node, Any, str]], src: int) -> list[torch.Tensor]:
         bufs = [torch.empty(local_shape(v.shape, placement, self.tp.tp.size), dtype=v.dtype, device=self.device)
                 for _, v, placement in wire]
+        FLIGHT.entered("recv", PP, sum(b.numel() * b.element_size() for b in bufs), tuple(sorted((src, self.rank))))
         works = [dist.irecv(b, src=src, group=self.pp_group) for b in bufs]
         for w in works:
             w.wait()

@@ -26,6 +26,7 @@ from typing import Any, Iterator
 import torch.distributed as dist
 
 from partita.compiler.plan import Plan
+from partita.runtime.watchdog import FLIGHT
 
 FORWARD, BACKWARD = "forward", "backward"
 
@@ -41,6 +42,7 @@ class TraceRecorder:
 
     @contextlib.contextmanager
     def span(self, cat: str, microbatch: int) -> Iterator[None]:
+        FLIGHT.at(self.step, cat, microbatch)  # progress, for the watchdog
         t0 = time.time_ns()
         yield
         t1 = time.time_ns()

@@ -1,0 +1,133 @@
+"""The watchdog (runtime/watchdog.py): a step that waits in a collective its peers never reach
+ends, within the limit, with one message naming the ranks and the mismatched collectives, and a
+non-zero exit; never a silent hang."""
+
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from partita.compiler.compile import compile_model
+from partita.compiler.inputs import parse_input_spec
+from partita.compiler.plan import Mesh
+from partita.passes.cluster import load_cluster
+from partita.passes.constraints import Pins
+from partita.runtime.watchdog import EXIT_HUNG, FlightRecorder, Watchdog
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import tied_script as script  # noqa: E402
+
+
+class MemoryStore:
+    """The three store calls the watchdog makes, in memory (a TCPStore across processes)."""
+
+    def __init__(self):
+        self.data, self.lock = {}, threading.Lock()
+
+    def set(self, key, value):
+        with self.lock:
+            self.data[key] = value.encode() if isinstance(value, str) else value
+
+    def get(self, key):
+        with self.lock:
+            return self.data[key]
+
+    def check(self, keys):
+        with self.lock:
+            return all(k in self.data for k in keys)
+
+
+def test_two_ranks_waiting_in_different_collectives_are_named_and_exit():
+    mesh = Mesh(pp=2)
+    store, exits, out = MemoryStore(), [], []
+    dogs = []
+    for rank, (kind, nbytes, ranks) in enumerate([("all_reduce", 1024, (0, 1)), ("broadcast", 4, None)]):
+        flight = FlightRecorder()
+        flight.mesh, flight.rank = mesh, rank
+        flight.at(1, "backward", 3)
+        flight.entered("send_recv", "pp", 8192)
+        flight.entered(kind, "pp", nbytes, ranks)
+        flight.busy = 1
+
+        class Out:
+            def write(self, s, rank=rank):
+                out.append((rank, s))
+
+            def flush(self):
+                pass
+
+        dogs.append(Watchdog(flight, rank=rank, world_size=2, timeout_s=0.3, store=store, out=Out(),
+                             exit=exits.append, grace_s=2))
+    t0 = time.monotonic()
+    threads = [threading.Thread(target=d._run) for d in dogs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert time.monotonic() - t0 < 5
+    assert exits == [EXIT_HUNG, EXIT_HUNG] or sorted(exits) == [EXIT_HUNG, EXIT_HUNG]
+    text = "".join(s for r, s in out)
+    assert {r for r, _ in out} == {0}  # one message, from rank 0
+    assert "no progress for 0.3 s" in text
+    assert "rank 0 (pipeline stage 0): waiting in all_reduce over pp ranks [0, 1] (1,024 B), step 1, micro-batch 3 backward" in text
+    assert "rank 1 (pipeline stage 1): waiting in broadcast over pp ranks [0, 1] (4 B)" in text
+    assert "mismatched collectives" in text and "rank 0 waits in all_reduce" in text
+    assert "its peer rank 1 waits in broadcast" in text
+
+
+def test_a_rank_that_never_answers_is_named():
+    flight = FlightRecorder()
+    flight.mesh, flight.rank, flight.busy = Mesh(dp=2), 0, 1
+    flight.entered("all_reduce", "dp", 64)
+    out = []
+
+    class Out:
+        def write(self, s):
+            out.append(s)
+
+        def flush(self):
+            pass
+
+    dog = Watchdog(flight, rank=0, world_size=2, timeout_s=0.2, store=MemoryStore(), out=Out(), exit=out.append,
+                   grace_s=0.5)
+    dog._run()
+    text = "".join(s for s in out if isinstance(s, str))
+    assert "rank 1 did not answer" in text and out[-1] == EXIT_HUNG
+
+
+def test_outside_a_step_nothing_fires():
+    flight = FlightRecorder()
+    flight.mesh, flight.rank = Mesh(dp=2), 0
+    flight.entered("all_reduce", "dp", 64)
+    exits = []
+    dog = Watchdog(flight, rank=0, world_size=2, timeout_s=0.1, store=MemoryStore(), exit=exits.append)
+    dog.start()
+    time.sleep(0.8)
+    dog.stop()
+    assert exits == []
+
+
+@pytest.mark.slow
+def test_an_injected_mismatch_ends_the_job_with_one_message_within_the_limit(tmp_path):
+    plan = compile_model(script.build("tied-gpt"), [parse_input_spec(f"idx=int64[4,{script.SEQ}]")],
+                         load_cluster("local", devices=2), pins=Pins(world_size=2, pp=2)).plan
+    path = plan.save(tmp_path / "plan.json")
+    limit = 4
+    t0 = time.monotonic()
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                        str(HERE / "hang_script.py"), str(path), str(limit)],
+                       env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300)
+    elapsed = time.monotonic() - t0
+    assert r.returncode != 0
+    assert "unreachable" not in r.stderr
+    assert r.stderr.count("partita: the run hung") == 1, r.stderr[-3000:]
+    assert "rank 0 (pipeline stage 0): waiting in all_reduce over pp ranks [0, 1]" in r.stderr
+    assert "rank 1 (pipeline stage 1): waiting in broadcast over pp ranks [0, 1] (4 B), step 1" in r.stderr
+    assert "mismatched collectives" in r.stderr
+    assert f"exitcode  : {EXIT_HUNG}" in r.stderr  # torchrun's summary: the rank's own exit code
+    assert elapsed < 60, elapsed  # start-up + one healthy step + the limit + the reports
