@@ -1,33 +1,25 @@
-"""Predicted against measured step time on this machine: calibrate, plan, run.
+"""Predicted against measured step time on this machine, per collective kind: calibrate, plan, run.
 
-1. ``partita calibrate`` measures matmul FLOP/s per process and gloo's all-reduce
-   alpha/beta for N processes and writes a cluster file;
-2. the example GPT (a wider one than the demo's, so that compute is measurable)
-   is planned for that cluster;
-3. the plan runs for a number of steps on N gloo processes; the median step
-   time is put beside the plan's prediction, term by term where it can be.
+1. ``partita calibrate`` measures matmul FLOP/s per process, gloo's all-reduce alpha/beta, and
+   each collective kind's fixed cost per call for N processes (runtime/calibrate.py);
+2. the example GPT (wider than the demo's, so that compute is measurable) is planned for that
+   cluster four ways: free (the planner's choice), tp=2 (the planner's own layout), ZeRO-3 at
+   dp=N, and pp=2;
+3. each plan runs for a number of steps on N gloo processes; rank 0 reports the median step time
+   and, per (collective kind, mesh axis), the seconds a step spent blocked in such calls
+   (``CollectiveCounter.blocking``), beside the plan's prediction for rank 0's stage.
 
-Run: ``.venv/bin/python benchmarks/predicted_vs_measured.py [NPROC ...]`` (default 2 4).
-
-Measured on the 2-core dev machine (torch 2.13 CPU), one run each, GPT n_layer=4,
-n_embd=256, batch 16 x 128 tokens, fp32 AdamW:
-
-    processes  calibrated GFLOP/s/proc  beta GB/s  predicted  compute  all-reduce  measured  ratio
-    2          117.6                    1.48       231 ms     196 ms   10.6 ms     261 ms    1.13
-    4          69.8                     0.88       219 ms     166 ms   29.4 ms     310 ms    1.41
-
-The 2-process prediction is 13% under the measurement. With 4 processes on 2
-cores the processes are oversubscribed: the calibration's matmul rate (all 4
-computing at once) holds for large matmuls, but the step's many small kernels,
-Python overhead and gloo's thread contention add the rest (41%).
+Run: ``.venv/bin/python benchmarks/predicted_vs_measured.py [NPROC ...]`` (default 2). Each row's
+figures are measured side by side in one run; repeat runs move them by 10-25% on this machine
+(shared/TORCH_ON_CPU.md). Results are in the README's Measured section.
 """
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -38,7 +30,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-BATCH, SEQ, STEPS, WARMUP = 16, 128, 12, 3
+BATCH, SEQ, STEPS, WARMUP = 16, 128, 10, 3
 
 
 def model():
@@ -53,62 +45,88 @@ def worker(plan_path: str, out: str) -> None:
 
     m = partita.parallelize(model(), plan=plan_path)
     g = torch.Generator().manual_seed(0)
-    times = []
+    times, blocked = [], collections.Counter()
     for i in range(WARMUP + STEPS):
         x = torch.randint(0, 1024, (BATCH, SEQ + 1), generator=g)
         t0 = time.perf_counter()
         m.train_step(x[:, :-1], targets=x[:, 1:])
         times.append(time.perf_counter() - t0)
+        if i >= WARMUP:
+            blocked.update({f"{k}/{a}": s / STEPS for (k, a), s in m.collectives.seconds.items()})
+    calls = collections.Counter()  # the last step's calls, by kind/axis
+    for (k, a, _), n in m.collectives.calls.items():
+        calls[f"{k}/{a}"] += n
     if m.ctx.rank == 0:
-        Path(out).write_text(json.dumps({"times": times[WARMUP:]}))
+        Path(out).write_text(json.dumps({"times": times[WARMUP:], "blocked": blocked, "calls": calls}))
+
+
+def predicted_by_kind(plan) -> dict[str, float]:
+    """Seconds per step the plan predicts for rank 0's collectives, by "kind/axis"."""
+    out: dict[str, float] = collections.Counter()
+    for c in plan.collectives:
+        if c.stage in (None, 0):
+            out[f"{c.kind}/{c.axis}"] += c.seconds
+    return dict(out)
+
+
+def run_plan(plan, n: int) -> dict:
+    from partita.runtime.launch import run_torchrun
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = plan.save(Path(tmp) / "plan.json")
+        out = Path(tmp) / "times.json"
+        env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // n))}
+        rc = run_torchrun(n, [__file__, "--worker", str(path), str(out)], env=env)
+        if rc:
+            raise SystemExit(f"the {n}-process run failed ({rc})")
+        return json.loads(out.read_text())
 
 
 def main(nprocs: list[int]) -> None:
     from rich.console import Console
     from rich.table import Table
 
+    from partita.compiler.cli import calibrated_cluster
     from partita.compiler.compile import compile_model
     from partita.compiler.inputs import parse_input_spec
     from partita.compiler.report import fmt_time
-    from partita.passes.cluster import load_cluster
     from partita.passes.constraints import Pins
     from partita.runtime.calibrate import calibrate
-    from partita.runtime.launch import run_torchrun
 
-    table = Table(title="predicted vs measured step time (gloo, this machine)")
-    for col in ("processes", "calibrated GFLOP/s/proc", "beta GB/s", "predicted", "  compute", "  all-reduce",
-                "measured (median)", "measured / predicted"):
-        table.add_column(col, justify="right")
+    console = Console(width=170)
+    steps = Table(title="predicted vs measured step time (gloo, this machine)")
+    for col in ("processes", "plan", "mesh", "predicted", "measured (median)", "measured / predicted"):
+        steps.add_column(col, justify="right")
+    kinds = Table(title="per collective kind, seconds per step on rank 0 (predicted vs measured blocked time)")
+    for col in ("processes", "plan", "kind/axis", "calls", "predicted", "measured", "measured / predicted"):
+        kinds.add_column(col, justify="right")
     for n in nprocs:
         r = calibrate(n)
-        import dataclasses
-
-        from partita.passes.cluster import PRESETS
-
-        cluster = dataclasses.replace(
-            PRESETS["local"], gpus_per_node=n, flops={"fp32": r.matmul_flops}, intra_node_bandwidth=r.allreduce_beta,
-            inter_node_bandwidth=r.allreduce_beta, intra_node_latency=r.allreduce_alpha,
-            inter_node_latency=r.allreduce_alpha, memory_bytes=r.memory_bytes_per_process,
-        )
-        plan = compile_model(model, [parse_input_spec(f"idx=int64[{BATCH},{SEQ}]")], cluster,
-                             pins=Pins(world_size=n)).plan
-        with tempfile.TemporaryDirectory() as tmp:
-            path = plan.save(Path(tmp) / "plan.json")
-            out = Path(tmp) / "times.json"
-            env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // n))}
-            rc = run_torchrun(n, [__file__, "--worker", str(path), str(out)], env=env)
-            if rc:
-                raise SystemExit(f"the {n}-process run failed ({rc})")
-            measured = statistics.median(json.loads(out.read_text())["times"])
-        p = plan.predicted
-        table.add_row(str(n), f"{r.matmul_flops / 1e9:.1f}", f"{r.allreduce_beta / 1e9:.2f}", fmt_time(p.step_time_s),
-                      fmt_time(p.compute_s), fmt_time(sum(p.comm_s.values())), fmt_time(measured),
-                      f"{measured / p.step_time_s:.2f}")
-    Console(width=160).print(table)
+        cluster = calibrated_cluster(r)
+        console.print(f"{n} processes: {r.matmul_flops / 1e9:.1f} GFLOP/s/proc, beta {r.allreduce_beta / 1e9:.2f} GB/s, "
+                      f"alpha {fmt_time(r.allreduce_alpha)}, cost per call: "
+                      + ", ".join(f"{k} {fmt_time(v)}" for k, v in cluster.call_latency.items()))
+        spec = parse_input_spec(f"idx=int64[{BATCH},{SEQ}]")
+        cases = {"free": Pins(world_size=n), f"tp={n}": Pins(world_size=n, tp=n),
+                 f"zero3 dp={n}": Pins(world_size=n, dp=n, zero_stage=3), "pp=2": Pins(world_size=n, pp=2)}
+        for name, pins in cases.items():
+            plan = compile_model(model, [spec], cluster, pins=pins).plan
+            got = run_plan(plan, n)
+            measured = statistics.median(got["times"])
+            p = plan.predicted
+            steps.add_row(str(n), name, str(plan.mesh), fmt_time(p.step_time_s), fmt_time(measured),
+                          f"{measured / p.step_time_s:.2f}")
+            predicted = predicted_by_kind(plan)
+            for key in sorted(set(predicted) | set(got["blocked"])):
+                pr, me = predicted.get(key, 0.0), got["blocked"].get(key, 0.0)
+                kinds.add_row(str(n), name, key, str(got["calls"].get(key, 0)), fmt_time(pr), fmt_time(me),
+                              f"{me / pr:.2f}" if pr > 0 else "-")
+    console.print(steps)
+    console.print(kinds)
 
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--worker":
         worker(sys.argv[2], sys.argv[3])
     else:
-        main([int(a) for a in sys.argv[1:]] or [2, 4])
+        main([int(a) for a in sys.argv[1:]] or [2])

@@ -232,14 +232,20 @@ def estimate(target: str | None, params_text: str | None, inputs: tuple[str, ...
                   f"{cluster.memory_reserve:.0%} reserve; traffic in {element_bytes(precision)}-byte elements[/]")
 
 
+def calibrated_cluster(r: Any) -> Any:
+    """The cluster file's figures from a calibration (``runtime.calibrate.CalibrationResult``)."""
+    from partita.passes.cost_model import calibrated_local
+
+    return calibrated_local(nproc=r.nproc, cpu_name=r.cpu_name, memory_bytes=r.memory_bytes_per_process,
+                            matmul_flops=r.matmul_flops, beta=r.allreduce_beta, alpha=r.allreduce_alpha,
+                            call_seconds=r.call_seconds, call_bytes=r.call_bytes, seconds=r.seconds)
+
+
 @cli.command()
 @click.option("--nproc", type=int, default=4, show_default=True, help="local processes to measure between")
 @click.option("-o", "--output", type=click.Path(dir_okay=False), default="local.toml", show_default=True)
 def calibrate(nproc: int, output: str) -> None:
     """Measure this machine (matmul FLOP/s, gloo all-reduce bandwidth and latency) into a cluster file."""
-    import dataclasses
-
-    from partita.passes.cluster import PRESETS
     from partita.runtime.calibrate import calibrate as measure
 
     if nproc < 2:
@@ -248,13 +254,7 @@ def calibrate(nproc: int, output: str) -> None:
         task = progress.add_task(f"measuring matmul and gloo all-reduce on {nproc} processes", total=1)
         r = measure(nproc)
         progress.update(task, completed=1)
-    spec = dataclasses.replace(
-        PRESETS["local"], name="local-calibrated", gpus_per_node=nproc, device_name=r.cpu_name,
-        memory_bytes=int(r.memory_bytes_per_process), flops={"fp32": r.matmul_flops, "bf16": r.matmul_flops / 4},
-        intra_node_bandwidth=r.allreduce_beta, inter_node_bandwidth=r.allreduce_beta,
-        intra_node_latency=r.allreduce_alpha, inter_node_latency=r.allreduce_alpha,
-        source=f"partita calibrate: {nproc} processes on {r.cpu_name}, {r.seconds:.0f} s",
-    )
+    spec = calibrated_cluster(r)
     Path(output).write_text(spec.to_toml())
     from partita.compiler.report import fmt_bytes, fmt_time
 
@@ -263,6 +263,9 @@ def calibrate(nproc: int, output: str) -> None:
     t.add_row("all-reduce bandwidth (beta)", f"{fmt_bytes(r.allreduce_beta)}/s")
     t.add_row("all-reduce latency (alpha)", fmt_time(r.allreduce_alpha))
     t.add_row("memory per process", fmt_bytes(r.memory_bytes_per_process))
+    for kind, s in spec.call_latency.items():
+        t.add_row(f"{kind} cost per call", f"{fmt_time(s)} (a {fmt_bytes(r.call_bytes)} call took "
+                  f"{fmt_time(r.call_seconds[kind])})")
     console.print(t)
     console.print(f"cluster file written to [bold]{output}[/]; use it with --cluster {output}")
 

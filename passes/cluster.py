@@ -43,15 +43,24 @@ else:  # pragma: no cover
 
 GB = 1e9
 TFLOPS = 1e12
+# the collective kinds the cost model prices (passes/cost_model.py) and a cluster file may give call costs for
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send_recv")
 
 
 @dataclass(frozen=True)
 class Link:
-    """One class of link: per-device bandwidth (bytes/s, one direction) and latency per hop."""
+    """One class of link: per-device bandwidth (bytes/s, one direction), latency per hop, and
+    the fixed cost of one call by collective kind (the library's and the framework's work around
+    the transfer, which alpha-beta leaves out: many small collectives cost what their calls cost)."""
 
     bandwidth: float
     latency: float
     name: str
+    call_latency: tuple[tuple[str, float], ...] = ()  # (collective kind, seconds per call)
+
+    def call_s(self, kind: str) -> float:
+        """Seconds one call of ``kind`` costs beyond its alpha-beta time."""
+        return dict(self.call_latency).get(kind, 0.0)
 
 
 @dataclass(frozen=True)
@@ -73,6 +82,8 @@ class ClusterSpec:
     memory_reserve: float = 0.1  # fraction of memory kept back (allocator, NCCL buffers, workspace)
     step_overhead_s: float = 0.0  # fixed cost per micro-batch (launch, Python)
     source: str = ""
+    # seconds per call by collective kind, beyond alpha-beta (``partita calibrate`` measures it)
+    call_latency: Mapping[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for name in ("nodes", "gpus_per_node"):
@@ -98,11 +109,13 @@ class ClusterSpec:
 
     @property
     def intra_link(self) -> Link:
-        return Link(self.intra_node_bandwidth, self.intra_node_latency, "NVLink" if self.nvlink else "intra-node")
+        return Link(self.intra_node_bandwidth, self.intra_node_latency, "NVLink" if self.nvlink else "intra-node",
+                    tuple(sorted(self.call_latency.items())))
 
     @property
     def inter_link(self) -> Link:
-        return Link(self.inter_node_bandwidth, self.inter_node_latency, "inter-node")
+        return Link(self.inter_node_bandwidth, self.inter_node_latency, "inter-node",
+                    tuple(sorted(self.call_latency.items())))
 
     def link_for_group(self, group_size: int, stride: int = 1) -> Link:
         """The slowest link a group of ``group_size`` ranks spaced ``stride`` apart spans.
@@ -168,6 +181,8 @@ class ClusterSpec:
             "[tflops]",
         ]
         lines += [f"{k} = {v / TFLOPS:.6g}" for k, v in self.flops.items()]
+        if self.call_latency:
+            lines += ["", "[call_latency_us]"] + [f"{k} = {v * 1e6:.6g}" for k, v in self.call_latency.items()]
         return "\n".join(lines) + "\n"
 
 
@@ -265,7 +280,7 @@ def _load_toml(path: Path) -> ClusterSpec:
     missing = [k for k in _REQUIRED_TOML if k not in raw]
     if missing:
         raise ClusterError(f"cluster file {path} lacks {', '.join(missing)}", hint="see `partita calibrate` output for the format")
-    unknown = set(raw) - set(_TOML_KEYS) - {"tflops"}
+    unknown = set(raw) - set(_TOML_KEYS) - {"tflops", "call_latency_us"}
     if unknown:
         raise ClusterError(f"cluster file {path}: unknown key(s) {', '.join(sorted(unknown))}")
     kw: dict[str, Any] = dict(
@@ -273,7 +288,7 @@ def _load_toml(path: Path) -> ClusterSpec:
         intra_node_latency=5e-6, inter_node_latency=10e-6, nvlink=False, source=str(path),
     )
     for key, value in raw.items():
-        if key == "tflops":
+        if key in ("tflops", "call_latency_us"):
             continue
         field_name, typ, scale = _TOML_KEYS[key]
         if typ in (int, float) and (isinstance(value, bool) or not isinstance(value, (int, float))):
@@ -286,4 +301,11 @@ def _load_toml(path: Path) -> ClusterSpec:
     if not isinstance(tflops, dict) or not tflops:
         raise ClusterError(f"cluster file {path} needs a [tflops] table, e.g. fp32 = 19.5, bf16 = 312")
     kw["flops"] = {k: float(v) * TFLOPS for k, v in tflops.items()}
+    calls = raw.get("call_latency_us", {})
+    if not isinstance(calls, dict) or any(k not in COLLECTIVES for k in calls) or any(
+            isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < math.inf for v in calls.values()):
+        raise ClusterError(f"cluster file {path}: [call_latency_us] takes microseconds >= 0 per collective kind "
+                           f"({', '.join(COLLECTIVES)}), got {calls!r}")
+    kw["call_latency"] = {k: float(v) * 1e-6 for k, v in calls.items()}
     return ClusterSpec(**kw)
+

@@ -46,7 +46,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
-from partita.passes.cluster import ClusterSpec, Link
+from partita.passes.cluster import COLLECTIVES, ClusterSpec, Link
 
 PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed", "bf16")
 OPTIMIZERS = ("adamw", "adam", "sgd", "sgd-momentum", "none")
@@ -139,21 +139,41 @@ def compute_time(flops: float, cluster: ClusterSpec, precision: str) -> float:
     return flops / (cluster.peak_flops(compute_dtype(precision)) * cluster.efficiency)
 
 
-COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send_recv")
 
 
 def collective_time(kind: str, nbytes: float, n: int, link: Link) -> float:
-    """Alpha-beta time of one collective of ``nbytes`` (the full array) over ``n`` ranks."""
+    """Time of one collective of ``nbytes`` (the full array) over ``n`` ranks: its alpha-beta time
+    (REFERENCE.md) plus the link's fixed cost of one call of that kind (``Link.call_s``)."""
     if kind not in COLLECTIVES:
         raise ValueError(f"unknown collective {kind!r}")
     if kind in ("broadcast", "send_recv"):
-        return link.latency + nbytes / link.bandwidth
+        return link.call_s(kind) + link.latency + nbytes / link.bandwidth
     if n <= 1:
         return 0.0
     frac = (n - 1) / n
     if kind == "all_reduce":
-        return 2 * (n - 1) * link.latency + 2 * nbytes * frac / link.bandwidth
-    return (n - 1) * link.latency + nbytes * frac / link.bandwidth
+        return link.call_s(kind) + 2 * (n - 1) * link.latency + 2 * nbytes * frac / link.bandwidth
+    return link.call_s(kind) + (n - 1) * link.latency + nbytes * frac / link.bandwidth
+
+
+def calibrated_local(*, nproc: int, cpu_name: str, memory_bytes: int, matmul_flops: float, beta: float,
+                     alpha: float, call_seconds: Mapping[str, float], call_bytes: int, seconds: float) -> ClusterSpec:
+    """The `local` preset with this machine's measured figures (runtime/calibrate.py): each
+    collective kind's fixed cost per call is its measured time at ``call_bytes`` less what the
+    fitted alpha and beta already explain of it (``collective_time`` without call costs)."""
+    import dataclasses
+
+    from partita.passes.cluster import PRESETS
+
+    plain = Link(beta, alpha, "measured")
+    return dataclasses.replace(
+        PRESETS["local"], name="local-calibrated", gpus_per_node=nproc, device_name=cpu_name,
+        memory_bytes=int(memory_bytes), flops={"fp32": matmul_flops, "bf16": matmul_flops / 4},
+        intra_node_bandwidth=beta, inter_node_bandwidth=beta, intra_node_latency=alpha, inter_node_latency=alpha,
+        call_latency={k: max(0.0, t - collective_time(k, call_bytes, nproc if k not in ("send_recv",) else 2, plain))
+                      for k, t in call_seconds.items()},
+        source=f"partita calibrate: {nproc} processes on {cpu_name}, {seconds:.0f} s",
+    )
 
 
 def reshard_time(kind: str, nbytes: float, n: int, link: Link) -> float:

@@ -9,7 +9,12 @@ and the ring model
 
 is fitted to the median times by least squares on relative error (so the
 small messages, which set alpha, count as much as the large ones, which set
-beta). Converting the result into a cluster file is the cluster module's job.
+beta). Last, each collective kind the runtime issues runs on a small message
+(``CALL_BYTES``) ``CALL_REPEATS`` times: the median less its alpha-beta time is
+that kind's fixed cost per call (``call_latency``: gloo's and torch's work
+around the transfer, which dominates the many small collectives of a tensor-
+parallel step). Turning the result into a cluster file is the cost model's job
+(passes/cost_model.py ``calibrated_local``).
 """
 
 from __future__ import annotations
@@ -34,6 +39,9 @@ DEFAULT_REPEATS = 5
 MATMUL_N = 1024
 MATMUL_SECONDS = 1.0
 TIMEOUT_S = 60
+CALL_BYTES = 4096
+CALL_REPEATS = 30
+CALL_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send_recv")
 
 
 @dataclass(frozen=True)
@@ -46,6 +54,8 @@ class CalibrationResult:
     cpu_name: str
     samples: tuple[tuple[int, float], ...]  # (message bytes, median seconds per all-reduce)
     seconds: float  # wall time of the calibration
+    call_seconds: dict[str, float]  # median seconds of one CALL_BYTES call, by collective kind
+    call_bytes: int = CALL_BYTES
 
 
 def _free_port() -> int:
@@ -90,6 +100,40 @@ def _allreduce_seconds(nbytes: int, repeats: int) -> float:
     return statistics.median(times)
 
 
+def _call_seconds(kind: str, nbytes: int, repeats: int) -> float:
+    """Median seconds of one ``kind`` call of ``nbytes`` (the full array) over the world, as the
+    runtime issues it (send_recv: rank pairs 2k -> 2k + 1)."""
+    n, rank = dist.get_world_size(), dist.get_rank()
+    whole = torch.zeros(max(n, nbytes // 4), dtype=torch.float32)
+    whole = whole[: whole.numel() // n * n]
+    part = whole[: whole.numel() // n].clone()
+
+    def once() -> None:
+        if kind == "all_reduce":
+            dist.all_reduce(whole)
+        elif kind == "all_gather":
+            dist.all_gather_into_tensor(whole, part)
+        elif kind == "reduce_scatter":
+            dist.reduce_scatter_tensor(part, whole)
+        elif kind == "all_to_all":
+            dist.all_to_all_single(torch.empty_like(whole), whole)
+        elif kind == "broadcast":
+            dist.broadcast(whole, src=0)
+        elif rank % 2 == 0 and rank + 1 < n:
+            dist.isend(whole, dst=rank + 1).wait()
+        elif rank % 2 == 1:
+            dist.irecv(whole, src=rank - 1).wait()
+
+    once()  # warm-up
+    times = []
+    for _ in range(repeats):
+        dist.barrier()
+        start = time.perf_counter()
+        once()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
 def _worker(rank: int, nproc: int, port: int, sizes: tuple[int, ...], repeats: int,
             threads: int, outdir: str) -> None:
     torch.set_num_threads(threads)
@@ -100,8 +144,10 @@ def _worker(rank: int, nproc: int, port: int, sizes: tuple[int, ...], repeats: i
         flops = _matmul_flops(MATMUL_N, MATMUL_SECONDS)
         dist.barrier()
         samples = [(s, _allreduce_seconds(s, repeats)) for s in sizes]
-        # Every rank waits for the slowest, so rank 0's times are the collective's.
-        Path(outdir, f"rank{rank}.json").write_text(json.dumps({"flops": flops, "samples": samples}))
+        calls = {k: _call_seconds(k, CALL_BYTES, CALL_REPEATS) for k in CALL_KINDS}
+        # Every rank waits for the slowest, so rank 0's times are the collective's (rank 1's for
+        # the receive of a send / receive pair).
+        Path(outdir, f"rank{rank}.json").write_text(json.dumps({"flops": flops, "samples": samples, "calls": calls}))
     finally:
         dist.destroy_process_group()
 
@@ -144,6 +190,7 @@ def calibrate(nproc: int = 4, *, sizes: tuple[int, ...] = DEFAULT_SIZES,
         results = [json.loads(Path(outdir, f"rank{r}.json").read_text()) for r in range(nproc)]
     samples = tuple((int(s), float(t)) for s, t in results[0]["samples"])
     alpha, beta = fit_alpha_beta(list(samples), nproc)
+    calls = {**results[0]["calls"], "send_recv": results[1]["calls"]["send_recv"]}
     return CalibrationResult(
         nproc=nproc,
         matmul_flops=statistics.median(r["flops"] for r in results),
@@ -153,4 +200,6 @@ def calibrate(nproc: int = 4, *, sizes: tuple[int, ...] = DEFAULT_SIZES,
         cpu_name=_cpu_name(),
         samples=samples,
         seconds=time.perf_counter() - start,
+        call_seconds=calls,
     )
+

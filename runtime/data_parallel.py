@@ -18,9 +18,11 @@ collectives (see ``bucket_layout``), is the contract between the two.
 
 from __future__ import annotations
 
+import contextlib
+import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -37,6 +39,14 @@ class CollectiveCounter:
     """Collectives this rank issued: (kind, axis, bytes per call) -> calls."""
 
     calls: Counter = field(default_factory=Counter)
+    seconds: Counter = field(default_factory=Counter)  # (kind, axis) -> seconds blocked in such calls
+
+    @contextlib.contextmanager
+    def blocking(self, kind: str, axis: str) -> Iterator[None]:
+        """Time a wait for a ``kind`` collective over ``axis`` (what a step spends in them, measured)."""
+        t0 = time.perf_counter()
+        yield
+        self.seconds[(kind, axis)] += time.perf_counter() - t0
 
     def record(self, kind: str, axis: str, nbytes: int, ranks: tuple[int, ...] | None = None) -> None:
         """Count one call, and log it in the flight recorder the watchdog reads (``ranks``: its group,
@@ -46,6 +56,7 @@ class CollectiveCounter:
 
     def reset(self) -> None:
         self.calls.clear()
+        self.seconds.clear()
 
     def as_tuples(self) -> list[tuple[str, str, int, int]]:
         """Sorted (kind, axis, bytes, calls), comparable with a plan's ``collectives``."""
@@ -185,10 +196,11 @@ class GradientAverager:
         while self._next < len(self.buckets):
             self._launch(self.buckets[self._next])
             self._next += 1
-        for b in self.buckets:
-            if b.work is not None:
-                b.work.wait()
-                b.work = None
+        with self.counter.blocking("all_reduce", self.axis):
+            for b in self.buckets:
+                if b.work is not None:
+                    b.work.wait()
+                    b.work = None
         self._sync = False
 
     def zero_grad(self) -> None:

@@ -268,7 +268,8 @@ class PipelineStage(nn.Module):
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
             self.counter.record("all_reduce", PP, param.grad.numel() * param.grad.element_size(), ranks)
-            dist.all_reduce(param.grad, group=group)
+            with self.counter.blocking("all_reduce", PP):
+                dist.all_reduce(param.grad, group=group)
 
     # -- point to point ------------------------------------------------------------
 
@@ -293,8 +294,9 @@ class PipelineStage(nn.Module):
                 for _, v, placement in wire]
         FLIGHT.entered("recv", PP, sum(b.numel() * b.element_size() for b in bufs), tuple(sorted((src, self.rank))))
         works = [dist.irecv(b, src=src, group=self.pp_group) for b in bufs]
-        for w in works:
-            w.wait()
+        with self.counter.blocking("send_recv", PP):
+            for w in works:
+                w.wait()
         return bufs
 
     def wait_sends(self) -> None:
@@ -394,7 +396,8 @@ class PipelineStage(nn.Module):
             loss.div_(dist.get_world_size(dp_group))
             dist.all_reduce(loss, group=dp_group)
         self.counter.record("broadcast", PP, loss.element_size())
-        dist.broadcast(loss, src=dist.get_global_rank(self.pp_group, self.num_stages - 1), group=self.pp_group)
+        with self.counter.blocking("broadcast", PP):
+            dist.broadcast(loss, src=dist.get_global_rank(self.pp_group, self.num_stages - 1), group=self.pp_group)
         return float(loss)
 
     # -- inference -------------------------------------------------------------------

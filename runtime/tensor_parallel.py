@@ -94,21 +94,24 @@ class TPGroup:
         """Sum (or ``op``) over the group into a new tensor; ``x`` is left alone."""
         out = x.contiguous().clone()
         self._record("all_reduce", out)
-        dist.all_reduce(out, op=op, group=self.group)
+        with self.counter.blocking("all_reduce", TP):
+            dist.all_reduce(out, op=op, group=self.group)
         return out
 
     def all_gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
         local = x.movedim(dim, 0).contiguous()
         out = local.new_empty((local.shape[0] * self.size, *local.shape[1:]))
         self._record("all_gather", out)
-        dist.all_gather_into_tensor(out, local, group=self.group)
+        with self.counter.blocking("all_gather", TP):
+            dist.all_gather_into_tensor(out, local, group=self.group)
         return out.movedim(0, dim)
 
     def reduce_scatter(self, x: torch.Tensor, dim: int) -> torch.Tensor:
         whole = x.movedim(dim, 0).contiguous()
         out = whole.new_empty((whole.shape[0] // self.size, *whole.shape[1:]))
         self._record("reduce_scatter", whole)
-        dist.reduce_scatter_tensor(out, whole, group=self.group)
+        with self.counter.blocking("reduce_scatter", TP):
+            dist.reduce_scatter_tensor(out, whole, group=self.group)
         return out.movedim(0, dim)
 
     def all_to_all(self, x: torch.Tensor, src: int, dst: int) -> torch.Tensor:
@@ -116,7 +119,8 @@ class TPGroup:
         send = torch.stack(x.chunk(self.size, dim=dst)).contiguous()  # (t, ...local with dst/t)
         recv = torch.empty_like(send)
         self.counter.record("all_to_all", TP, send.numel() * send.element_size() * self.size)
-        dist.all_to_all_single(recv, send, group=self.group)
+        with self.counter.blocking("all_to_all", TP):
+            dist.all_to_all_single(recv, send, group=self.group)
         return torch.cat(recv.unbind(0), dim=src)
 
     def take(self, x: torch.Tensor, dim: int) -> torch.Tensor:

@@ -273,7 +273,8 @@ class ZeroProgram:
             self._launch(self.buckets[self._next])
             self._next += 1
         for b, shard in zip(self.buckets, self.shards):
-            b.work.wait()
+            with self.counter.blocking("reduce_scatter", self.axis):
+                b.work.wait()
             b.work = None
             if self.stage >= 2:
                 shard.grad += b.grad_flat[b.own]
@@ -295,8 +296,9 @@ class ZeroProgram:
         for b, shard in zip(self.buckets, self.shards):
             works.append(dist.all_gather_single(b.params_flat, shard.detach(), group=self.group, async_op=True))
             self.counter.record("all_gather", self.axis, b.nbytes)
-        for w in works:
-            w.wait()
+        with self.counter.blocking("all_gather", self.axis):
+            for w in works:
+                w.wait()
 
     def zero_grad(self) -> None:
         for b, shard in zip(self.buckets, self.shards):
@@ -313,7 +315,7 @@ class ZeroProgram:
         if not _is_freed(b.params_flat):
             return
         b.params_flat.untyped_storage().resize_(b.nbytes)
-        with torch.no_grad():
+        with torch.no_grad(), self.counter.blocking("all_gather", self.axis):
             dist.all_gather_single(b.params_flat, b.shard.detach(), group=self.group)
         self.counter.record("all_gather", self.axis, b.nbytes)
         b.view_params_into(b.params_flat)
