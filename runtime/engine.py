@@ -204,6 +204,15 @@ def compose(
     return _Program(module, loss, opt, averager, zero, dp_group, dp_rank, dp_size, pipeline, tied_opt)
 
 
+def _state_names(module: nn.Module) -> dict[str, list[str]]:
+    """Each parameter's first name -> all its names in ``module.state_dict()`` (tied weights)."""
+    first: dict[int, str] = {}
+    names: dict[str, list[str]] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        names.setdefault(first.setdefault(id(p), name), []).append(name)
+    return names
+
+
 class ParallelModel(nn.Module):
     """The user's module, run as the plan says; ``train_step`` is the whole training step.
 
@@ -234,6 +243,11 @@ class ParallelModel(nn.Module):
         self.plan = plan
         self.loss_fn = loss_fn
         self.collectives = CollectiveCounter()  # calls issued by the last train_step
+        # the unwrapped model's state_dict names (tied names too) and persistent buffers, read
+        # before the plan's parts take the module apart: checkpoints use them (runtime/sharded_state.py)
+        self.state_names = _state_names(module)
+        self._persistent = {k for k, _ in module.named_buffers() if k in module.state_dict(keep_vars=True)}
+        self._step = 0
         program = compose(module, plan, self.ctx, optimizer, self.collectives, bucket_bytes,
                           loss_fn=loss_fn, checkpoint=checkpoint)
         self.module = program.module
@@ -269,6 +283,36 @@ class ParallelModel(nn.Module):
         from partita.runtime.checkpoint import full_state_dict
 
         return full_state_dict(self)
+
+    @property
+    def step(self) -> int:
+        """Optimizer steps completed (restored by ``load_checkpoint``): a loop
+        ``while model.step < N: model.train_step(...)`` resumes where it stopped."""
+        return self._step
+
+    def persistent_buffers(self) -> dict[str, torch.Tensor]:
+        """This rank's buffers that are part of the model's state_dict, by name."""
+        tp = self.tensor_parallel
+        if tp is None:
+            return {k: b for k, b in self.module.named_buffers() if k in self._persistent}
+        return {tp.captured.buffer_nodes[n]: b for n, b in tp.buffers_by_node().items()
+                if tp.captured.buffer_nodes[n] in self._persistent}
+
+    def save_checkpoint(self, path: str | Path, *, extra: dict | None = None, async_save: bool = False) -> Any:
+        """Save this run's state to directory ``path`` with torch.distributed.checkpoint, each rank
+        writing only what it holds (a collective: call it on every rank). ``extra`` (plain Python
+        values, e.g. the data position) comes back from ``load_checkpoint``. With ``async_save``
+        the write goes on in the background: wait on the returned future before relying on it."""
+        from partita.runtime.sharded_state import save
+
+        return save(self, path, extra=extra, async_save=async_save)
+
+    def load_checkpoint(self, path: str | Path) -> dict:
+        """Restore the state saved in ``path`` (under this plan or any other: DCP reshards), in
+        place; returns the saved ``extra``. A collective: call it on every rank."""
+        from partita.runtime.sharded_state import load
+
+        return load(self, path)
 
     def write_trace(self, path: str | Path) -> Path | None:
         """Write the micro-batch timings of every step so far as a Chrome/Perfetto trace.
@@ -322,6 +366,7 @@ class ParallelModel(nn.Module):
         if p.pipeline is not None:
             mean = p.pipeline.train_step(xs, y, p.averager, p.dp_group, p.zero)
             self._optimizer_step()
+            self._step += 1
             return mean
         steps, mbs = tr.grad_accum_steps, tr.micro_batch_size
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.ctx.device)
@@ -351,6 +396,7 @@ class ParallelModel(nn.Module):
             p.averager.finish()
         self.trace.step += 1
         self._optimizer_step()
+        self._step += 1
         if loss_work is not None:
             loss_work.wait()
         else:

@@ -635,6 +635,10 @@ class TensorParallel(nn.Module):
         out = self.run_nodes(self.nodes, env)[self.nodes[-1]]
         return out[-1] if isinstance(out, (tuple, list)) and targets is not None else out
 
+    def buffers_by_node(self) -> dict[str, torch.Tensor]:
+        """The buffers this rank holds, by placeholder name (``captured.buffer_nodes`` names them)."""
+        return dict(self._buffers_by_node)
+
     def holds(self, n: torch.fx.Node) -> bool:
         """Whether placeholder ``n`` is a parameter or buffer this rank holds (not a user input)."""
         return n.name in self._param_by_node or n.name in self._buffers_by_node

@@ -290,6 +290,11 @@ class ZeroProgram:
     def step(self) -> None:
         """The optimizer on this rank's shards; stages 1-2 then all-gather the full parameters."""
         self.optimizer.step()
+        self.shards_to_params()
+
+    def shards_to_params(self) -> None:
+        """Stages 1-2: every rank's shard all-gathered into the full parameters (stage 3 holds
+        only the shards)."""
         if self.stage == 3:
             return
         works = []
