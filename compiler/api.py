@@ -79,6 +79,8 @@ class ParallelizeSpec:
     plan: str | None = None
     pins: Mapping[str, int | str | bool] = field(default_factory=dict)
     watchdog_s: float | None = None  # runtime/watchdog.py; None: PARTITA_WATCHDOG_S or its default
+    checkpoint_dir: str | None = None  # runtime/sharded_state.py; None: PARTITA_CHECKPOINT_DIR
+    checkpoint_every: int | None = None
 
 
 class Parallelized:
@@ -119,6 +121,8 @@ def parallelize(
     schedule: str | None = None,
     recompute: bool | None = None,
     watchdog_s: float | None = None,
+    checkpoint_dir: str | None = None,
+    checkpoint_every: int | None = None,
 ) -> Any:
     """Plan and run ``target`` in parallel.
 
@@ -132,8 +136,16 @@ def parallelize(
     ``recompute`` (activation recomputation on every stage, or never) pin those decisions (the same keywords as `partita compile`); the planner
     decides the rest. ``watchdog_s`` bounds how long a step may wait in a collective before
     every rank reports what it waits in and the job exits (default 300 s or
-    ``PARTITA_WATCHDOG_S``; 0 turns the watchdog off).
+    ``PARTITA_WATCHDOG_S``; 0 turns the watchdog off). ``checkpoint_dir`` and
+    ``checkpoint_every`` save a sharded checkpoint every N steps, and a run that finds a complete
+    one in ``checkpoint_dir`` resumes from it (``model.step`` says where).
     """
+    if checkpoint_every is not None and (isinstance(checkpoint_every, bool) or not isinstance(checkpoint_every, int)
+                                         or checkpoint_every < 1):
+        raise PartitaError(f"checkpoint_every={checkpoint_every!r} must be a whole number of steps >= 1")
+    if checkpoint_every is not None and checkpoint_dir is None:
+        raise PartitaError("checkpoint_every needs checkpoint_dir: where should the checkpoints go?",
+                           hint="pass checkpoint_dir='DIR' too (or `partita run --checkpoint-dir DIR`)")
     if watchdog_s is not None and not (isinstance(watchdog_s, (int, float)) and 0 <= watchdog_s < float("inf")):
         raise PartitaError(f"watchdog_s={watchdog_s!r} must be a number of seconds >= 0 (0 turns it off)")
     if microbatches is not None and grad_accum_steps not in (None, microbatches):
@@ -146,7 +158,8 @@ def parallelize(
     spec = ParallelizeSpec(
         inputs=_parse_inputs(inputs), cluster=cluster, nodes=nodes, devices=devices, batch=batch,
         precision=precision, optimizer=optimizer or default_optimizer, loss=loss or default_loss,
-        plan=plan, pins=pins, watchdog_s=watchdog_s,
+        plan=plan, pins=pins, watchdog_s=watchdog_s, checkpoint_dir=checkpoint_dir,
+        checkpoint_every=checkpoint_every,
     )
     if target is None:
         return lambda t: parallelize(t, **_spec_kwargs(spec))
@@ -161,7 +174,7 @@ def _spec_kwargs(spec: ParallelizeSpec) -> dict[str, Any]:
     return dict(
         inputs=[str(s) for s in spec.inputs], cluster=spec.cluster, nodes=spec.nodes, devices=spec.devices,
         batch=spec.batch, precision=spec.precision, optimizer=spec.optimizer, loss=spec.loss, plan=spec.plan,
-        watchdog_s=spec.watchdog_s,
+        watchdog_s=spec.watchdog_s, checkpoint_dir=spec.checkpoint_dir, checkpoint_every=spec.checkpoint_every,
         **{("zero" if k == "zero_stage" else k): v for k, v in spec.pins.items()},
     )
 
@@ -217,7 +230,8 @@ def _wrap(module: torch.nn.Module, spec: ParallelizeSpec) -> Any:
             raise PartitaError(f"rank 0 could not plan: {data['error']}")
         plan = plan_from_data(data, source="plan from rank 0")
     return apply_plan(module, plan, loss_fn=spec.loss, optimizer=spec.optimizer, ctx=ctx,
-                      watchdog_s=spec.watchdog_s)
+                      watchdog_s=spec.watchdog_s, checkpoint_dir=spec.checkpoint_dir,
+                      checkpoint_every=spec.checkpoint_every)
 
 
 def _broadcast_text(text: str, device: torch.device) -> str:

@@ -276,10 +276,18 @@ def calibrate(nproc: int, output: str) -> None:
 @click.option("--watchdog", "watchdog_s", type=click.FloatRange(min=0, max=1e9), default=None, metavar="SECONDS",
               help="end the job when a step waits this long in a collective, every rank saying what it "
               "waits in (default 300; 0: off)")
+@click.option("--checkpoint-dir", type=click.Path(file_okay=False), default=None,
+              help="save sharded checkpoints here, and resume from the newest complete one")
+@click.option("--checkpoint-every", type=click.IntRange(min=1), default=None, metavar="N",
+              help="save a checkpoint every N steps (with --checkpoint-dir)")
+@click.option("--max-restarts", type=click.IntRange(min=0), default=0, show_default=True,
+              help="restart every rank this many times after one dies (torchrun's elastic restarts); "
+              "with --checkpoint-dir the run resumes from its newest complete checkpoint")
 @click.argument("plan_path", metavar="PLAN.json")
 @click.argument("script")
 @click.argument("args", nargs=-1, type=click.UNPROCESSED)
-def run(trace_path: str | None, watchdog_s: float | None, plan_path: str, script: str, args: tuple[str, ...]) -> None:
+def run(trace_path: str | None, watchdog_s: float | None, checkpoint_dir: str | None, checkpoint_every: int | None,
+        max_restarts: int, plan_path: str, script: str, args: tuple[str, ...]) -> None:
     """Launch SCRIPT under torchrun with one process per device of PLAN.json.
 
     The script's `partita.parallelize(...)` picks the plan up from the
@@ -299,7 +307,13 @@ def run(trace_path: str | None, watchdog_s: float | None, plan_path: str, script
         env["PARTITA_TRACE"] = str(Path(trace_path).resolve())
     if watchdog_s is not None:
         env["PARTITA_WATCHDOG_S"] = f"{watchdog_s:g}"
-    sys.exit(run_torchrun(plan.world_size, [script, *args], env=env))
+    if checkpoint_every is not None and checkpoint_dir is None:
+        raise PartitaError("--checkpoint-every needs --checkpoint-dir: where should the checkpoints go?")
+    if checkpoint_dir is not None:
+        env["PARTITA_CHECKPOINT_DIR"] = str(Path(checkpoint_dir).resolve())
+    if checkpoint_every is not None:
+        env["PARTITA_CHECKPOINT_EVERY"] = str(checkpoint_every)
+    sys.exit(run_torchrun(plan.world_size, [script, *args], env=env, max_restarts=max_restarts))
 
 
 @cli.command()

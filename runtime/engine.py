@@ -235,6 +235,8 @@ class ParallelModel(nn.Module):
         bucket_bytes: int | None = None,
         checkpoint: str | Path | None = None,
         watchdog_s: float | None = None,
+        checkpoint_dir: str | Path | None = None,
+        checkpoint_every: int | None = None,
     ) -> None:
         super().__init__()
         self.ctx = ctx if ctx is not None else init_distributed(watchdog_s=watchdog_s)
@@ -255,6 +257,14 @@ class ParallelModel(nn.Module):
         self._program = program
         self.trace = program.pipeline.trace if program.pipeline is not None else TraceRecorder(self.ctx.rank, 0)
         self._trace_path = os.environ.get("PARTITA_TRACE")
+        # Periodic checkpoints (runtime/sharded_state.py): every ``checkpoint_every`` steps under
+        # ``checkpoint_dir``, and a run that finds a complete one there resumes from it (a restart).
+        self.checkpoint_dir = checkpoint_dir or os.environ.get("PARTITA_CHECKPOINT_DIR") or None
+        self.checkpoint_every = checkpoint_every or int(os.environ.get("PARTITA_CHECKPOINT_EVERY", "0") or 0)
+        self.extra: dict = {}  # saved with every periodic checkpoint, restored on resume (e.g. the data position)
+        self.resumed_from: Path | None = None
+        if self.checkpoint_dir is not None:
+            self._resume()
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """The wrapped module's call; on a pipeline plan, the inputs (this rank's share of the
@@ -283,6 +293,23 @@ class ParallelModel(nn.Module):
         from partita.runtime.checkpoint import full_state_dict
 
         return full_state_dict(self)
+
+    def _resume(self) -> None:
+        from partita.runtime.sharded_state import latest
+
+        found = latest(self.checkpoint_dir)
+        if found is None:
+            return
+        self.extra = self.load_checkpoint(found)
+        self.resumed_from = found
+        if self.ctx.rank == 0:
+            print(f"partita: resumed from {found} (step {self.step})", flush=True)
+
+    def _checkpoint_if_due(self) -> None:
+        if self.checkpoint_dir is not None and self.checkpoint_every and self.step % self.checkpoint_every == 0:
+            from partita.runtime.sharded_state import save_periodic
+
+            save_periodic(self, self.checkpoint_dir, self.extra)
 
     @property
     def step(self) -> int:
@@ -359,7 +386,9 @@ class ParallelModel(nn.Module):
         y = self._share(targets, "targets", local)
         self.collectives.reset()
         with FLIGHT.running():  # the watchdog (runtime/watchdog.py) bounds every wait inside
-            return self._train_step(xs, y)
+            loss = self._train_step(xs, y)
+            self._checkpoint_if_due()
+        return loss
 
     def _train_step(self, xs: list[torch.Tensor], y: torch.Tensor) -> float:
         tr, p = self.plan.training, self._program
@@ -431,12 +460,17 @@ def apply_plan(
     bucket_bytes: int | None = None,
     checkpoint: str | Path | None = None,
     watchdog_s: float | None = None,
+    checkpoint_dir: str | Path | None = None,
+    checkpoint_every: int | None = None,
 ) -> ParallelModel:
     """Wrap ``module`` to run ``plan`` on this rank (the parts are applied by ``compose``).
 
     With ``checkpoint`` (a ``torch.save``d state dict) the weights come from the
     file; under tensor parallelism each rank reads only its slices, so ``module``
-    may be built on the meta device. ``watchdog_s`` bounds every wait of a step (runtime/watchdog.py;
+    may be built on the meta device. ``checkpoint_dir`` / ``checkpoint_every``: a sharded checkpoint
+    every N steps there, and resuming from the newest complete one found at construction
+    (runtime/sharded_state.py). ``watchdog_s`` bounds every wait of a step (runtime/watchdog.py;
     default ``PARTITA_WATCHDOG_S`` or 300 s, 0 turns it off)."""
     return ParallelModel(module, plan, loss_fn=loss_fn, optimizer=optimizer, ctx=ctx,
-                         bucket_bytes=bucket_bytes, checkpoint=checkpoint, watchdog_s=watchdog_s)
+                         bucket_bytes=bucket_bytes, checkpoint=checkpoint, watchdog_s=watchdog_s,
+                         checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every)

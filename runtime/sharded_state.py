@@ -335,3 +335,34 @@ def load(model: "ParallelModel", path: Any) -> dict:
         set_rng_state(packed)
     model._step = int(meta.get("step", 0))
     return dict(meta.get("extra", {}))
+
+
+COMPLETE = "partita-complete.json"  # written last, by rank 0, once every rank's write has returned
+
+
+def step_dir(root: Any, step: int) -> "Path":
+    from pathlib import Path
+
+    return Path(root) / f"step-{step:08d}"
+
+
+def latest(root: Any) -> "Path | None":
+    """The newest complete checkpoint under ``root`` (a save a kill interrupted has no marker)."""
+    from pathlib import Path
+
+    root = Path(root)
+    done = sorted(p for p in root.glob("step-*") if (p / COMPLETE).is_file()) if root.is_dir() else []
+    return done[-1] if done else None
+
+
+def save_periodic(model: "ParallelModel", root: Any, extra: dict | None = None) -> "Path":
+    """Save under ``root/step-NNNNNNNN`` and mark it complete once every rank has written."""
+    path = step_dir(root, model.step)
+    save(model, path, extra=extra)
+    if dist.is_initialized():
+        dist.barrier()
+    if model.ctx.rank == 0:
+        tmp = path / (COMPLETE + ".tmp")
+        tmp.write_text(json.dumps({"step": model.step, "world_size": model.ctx.world_size}))
+        tmp.rename(path / COMPLETE)  # atomic: a reader sees the marker whole or not at all
+    return path

@@ -1,0 +1,64 @@
+"""A rank SIGKILLed mid-run: `partita run --max-restarts 1 --checkpoint-dir D --checkpoint-every 2`
+restarts every rank, they resume from the newest complete checkpoint by themselves, and the run
+ends with the losses and parameters of an uninterrupted run, bit for bit (dp=2 and pp=2 plans)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from partita.compiler.compile import compile_model
+from partita.compiler.inputs import parse_input_spec
+from partita.passes.cluster import load_cluster
+from partita.passes.constraints import Pins
+from partita.runtime.sharded_state import COMPLETE, latest, step_dir
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import tied_script as script  # noqa: E402
+
+PARTITA = str(Path(sys.executable).with_name("partita"))
+
+
+def run(tmp: Path, plan: Path, kill_at: int) -> tuple[dict[int, float], dict]:
+    out = tmp / f"kill{kill_at}"
+    out.mkdir()
+    r = subprocess.run([PARTITA, "run", "--checkpoint-dir", str(out / "ckpt"), "--checkpoint-every", "2",
+                        "--max-restarts", "1", str(plan), str(HERE / "restart_script.py"), str(out), str(kill_at)],
+                       env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=400)
+    assert r.returncode == 0, r.stderr[-3000:]
+    lines = [json.loads(x) for x in (out / "losses.jsonl").read_text().splitlines()]
+    attempts = {x["attempt"] for x in lines}
+    assert attempts == ({0, 1} if kill_at else {0}), attempts
+    if kill_at:
+        assert "resumed from" in r.stdout and f"(step {kill_at - kill_at % 2})" in r.stdout, r.stdout[-2000:]
+    last = {x["step"]: x["loss"] for x in lines}  # a step rerun after the restart overwrites its first try
+    return last, torch.load(out / "final.pt", weights_only=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mesh", [dict(dp=2), dict(pp=2)])
+def test_a_killed_rank_restarts_and_resumes_to_the_uninterrupted_result(tmp_path, mesh):
+    plan = compile_model(script.build("tied-gpt"), [parse_input_spec(f"idx=int64[4,{script.SEQ}]")],
+                         load_cluster("local", devices=2), pins=Pins(world_size=2, **mesh)).plan
+    path = plan.save(tmp_path / "plan.json")
+    want_losses, want_state = run(tmp_path, path, kill_at=0)
+    got_losses, got_state = run(tmp_path, path, kill_at=3)
+    assert got_losses == want_losses
+    assert set(got_state) == set(want_state)
+    for k, v in want_state.items():
+        assert torch.equal(got_state[k], v), k
+
+
+def test_only_complete_checkpoints_are_resumed_from(tmp_path):
+    for step, complete in ((2, True), (4, True), (6, False)):
+        d = step_dir(tmp_path, step)
+        d.mkdir()
+        if complete:
+            (d / COMPLETE).write_text("{}")
+    assert latest(tmp_path) == step_dir(tmp_path, 4)  # step 6 was being written when the kill landed
+    assert latest(tmp_path / "none") is None
