@@ -187,7 +187,12 @@ def plan_for(module: torch.nn.Module, spec: ParallelizeSpec, world_size: int) ->
     from partita.passes.constraints import Pins
     from partita.passes.graph import graph_fingerprint, to_networkx
 
-    plan_path = spec.plan or os.environ.get("PARTITA_PLAN")
+    launched = os.environ.get("PARTITA_PLAN")
+    if spec.plan and launched and not _same_file(spec.plan, launched):
+        raise PartitaError(f"the script asks for plan {spec.plan}, but `partita run` was given {launched}",
+                           hint="drop plan= from parallelize(...) to run what `partita run` is given, "
+                           "or run that plan")
+    plan_path = spec.plan or launched
     if plan_path:
         plan = load_plan(plan_path, world_size=world_size)
         specs = tuple(parse_input_spec(s) for s in plan.model.inputs)
@@ -208,6 +213,13 @@ def plan_for(module: torch.nn.Module, spec: ParallelizeSpec, world_size: int) ->
         module, spec.inputs, cluster, global_batch=spec.batch, precision=spec.precision,
         optimizer=optimizer_kind(spec.optimizer), pins=Pins(world_size=world_size, **spec.pins), loss=spec.loss,
     ).plan
+
+
+def _same_file(a: str, b: str) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return os.path.abspath(a) == os.path.abspath(b)
 
 
 def _wrap(module: torch.nn.Module, spec: ParallelizeSpec) -> Any:

@@ -283,11 +283,18 @@ def calibrate(nproc: int, output: str) -> None:
 @click.option("--max-restarts", type=click.IntRange(min=0), default=0, show_default=True,
               help="restart every rank this many times after one dies (torchrun's elastic restarts); "
               "with --checkpoint-dir the run resumes from its newest complete checkpoint")
+@click.option("--nnodes", type=click.IntRange(min=1), default=None,
+              help="nodes taking part (each runs `partita run` with the same plan); default: the plan's, or "
+              "SLURM_NNODES under SLURM")
+@click.option("--rdzv-endpoint", default=None, metavar="HOST:PORT",
+              help="the c10d rendezvous every node joins (several nodes; default under SLURM: the first node:29500)")
+@click.option("--standalone", is_flag=True, help="start every rank of a multi-node plan on this host")
 @click.argument("plan_path", metavar="PLAN.json")
 @click.argument("script")
 @click.argument("args", nargs=-1, type=click.UNPROCESSED)
 def run(trace_path: str | None, watchdog_s: float | None, checkpoint_dir: str | None, checkpoint_every: int | None,
-        max_restarts: int, plan_path: str, script: str, args: tuple[str, ...]) -> None:
+        max_restarts: int, nnodes: int | None, rdzv_endpoint: str | None, standalone: bool, plan_path: str,
+        script: str, args: tuple[str, ...]) -> None:
     """Launch SCRIPT under torchrun with one process per device of PLAN.json.
 
     The script's `partita.parallelize(...)` picks the plan up from the
@@ -297,11 +304,30 @@ def run(trace_path: str | None, watchdog_s: float | None, checkpoint_dir: str | 
     import os
 
     from partita.compiler.plan import load_plan
-    from partita.runtime.launch import run_torchrun
+    from partita.runtime.engine import refuse_unsupported
+    from partita.runtime.launch import launch, slurm_layout
 
     plan = load_plan(plan_path)
+    refuse_unsupported(plan)  # once, here, before any process starts
     if not Path(script).is_file():
         raise PartitaError(f"script {script} does not exist")
+    slurm = slurm_layout()
+    planned_nodes = int(plan.cluster.get("nodes", 1)) if plan.cluster.get("device") != "cpu" else 1
+    nodes = nnodes or (slurm.nnodes if slurm else 1)
+    if standalone:
+        nodes = 1
+    elif nnodes is None and slurm is None and planned_nodes > 1:
+        raise PartitaError(
+            f"this plan is for {planned_nodes} nodes of {plan.world_size // planned_nodes} devices; starting all "
+            f"{plan.world_size} processes on this host is not what it was planned for",
+            hint=f"run `partita run --nnodes {planned_nodes} --rdzv-endpoint HOST:PORT {plan_path} {script}` on "
+            "every node (under SLURM they are filled in), or pass --standalone to start them all here")
+    if plan.world_size % nodes:
+        raise PartitaError(f"--nnodes {nodes} does not divide the plan's {plan.world_size} ranks")
+    endpoint = rdzv_endpoint or (slurm.rdzv_endpoint if slurm and nodes > 1 else None)
+    if nodes > 1 and endpoint is None:
+        raise PartitaError(f"{nodes} nodes need a rendezvous every node can reach",
+                           hint="pass --rdzv-endpoint HOST:PORT (the same on every node)")
     env = dict(os.environ, PARTITA_PLAN=str(Path(plan_path).resolve()))
     if trace_path:
         env["PARTITA_TRACE"] = str(Path(trace_path).resolve())
@@ -313,7 +339,8 @@ def run(trace_path: str | None, watchdog_s: float | None, checkpoint_dir: str | 
         env["PARTITA_CHECKPOINT_DIR"] = str(Path(checkpoint_dir).resolve())
     if checkpoint_every is not None:
         env["PARTITA_CHECKPOINT_EVERY"] = str(checkpoint_every)
-    sys.exit(run_torchrun(plan.world_size, [script, *args], env=env, max_restarts=max_restarts))
+    sys.exit(launch(plan.world_size // nodes, [script, *args], env=env, max_restarts=max_restarts, nnodes=nodes,
+                    rdzv_endpoint=endpoint, run_id=slurm.run_id if slurm else None))
 
 
 @cli.command()

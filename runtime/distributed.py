@@ -10,13 +10,17 @@ from __future__ import annotations
 
 import atexit
 import os
+import sys
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from partita.compiler.errors import PartitaError
 from partita.compiler.plan import Mesh
 from partita.runtime.watchdog import stop as stop_watchdog
 from partita.runtime.watchdog import timeout_from_env
@@ -84,7 +88,29 @@ def init_distributed(timeout_s: float | None = None, *, watchdog_s: float | None
     # A user's script seldom tears the group down; collectives still in flight at interpreter
     # exit (ZeRO-3's parameter gathers) then abort the process. Tear it down at exit instead.
     atexit.register(_destroy_at_exit)
+    _one_message_for_user_errors(dist.get_rank())
     return DistContext(dist.get_rank(), dist.get_world_size(), local_rank, backend, device, True)
+
+
+def _one_message_for_user_errors(rank: int) -> None:
+    """A ``PartitaError`` no code caught ends this rank with exit code 2 and no traceback: under
+    ``partita run`` its message goes to the run's error folder, and the launcher prints each
+    distinct message once (runtime/launch.py); under a plain torchrun rank 0 prints it."""
+    previous = sys.excepthook
+
+    def hook(kind: type[BaseException], value: BaseException, tb: Any) -> None:
+        if not isinstance(value, PartitaError):
+            previous(kind, value, tb)
+            return
+        folder = os.environ.get("PARTITA_ERROR_DIR")
+        if folder and Path(folder).is_dir():
+            Path(folder, f"rank{rank}.txt").write_text(str(value))
+        elif rank == 0:
+            print(f"error: {value}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(value.exit_code)  # without atexit's teardown: peers may be gone already
+
+    sys.excepthook = hook
 
 
 def _destroy_at_exit() -> None:

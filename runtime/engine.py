@@ -204,6 +204,16 @@ def compose(
     return _Program(module, loss, opt, averager, zero, dp_group, dp_rank, dp_size, pipeline, tied_opt)
 
 
+def _fingerprint(t: torch.Tensor) -> int:
+    """A position-weighted sum of ``t``'s bits: equal tensors give equal numbers on every rank
+    (NaNs included), shuffled or changed ones almost never do."""
+    flat = t.detach().reshape(-1)
+    if flat.is_floating_point() or flat.is_complex() or flat.dtype == torch.bool:
+        flat = flat.contiguous().view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[flat.element_size()])
+    weights = torch.arange(flat.numel(), device=flat.device) % 65521 + 1
+    return int((flat.to(torch.int64) * weights).sum()) ^ (flat.numel() << 40)
+
+
 def _state_names(module: nn.Module) -> dict[str, list[str]]:
     """Each parameter's first name -> all its names in ``module.state_dict()`` (tied weights)."""
     first: dict[int, str] = {}
@@ -250,6 +260,7 @@ class ParallelModel(nn.Module):
         self.state_names = _state_names(module)
         self._persistent = {k for k, _ in module.named_buffers() if k in module.state_dict(keep_vars=True)}
         self._step = 0
+        self.batch_check_every = max(1, int(os.environ.get("PARTITA_BATCH_CHECK_EVERY", "100") or 100))
         program = compose(module, plan, self.ctx, optimizer, self.collectives, bucket_bytes,
                           loss_fn=loss_fn, checkpoint=checkpoint)
         self.module = program.module
@@ -370,6 +381,23 @@ class ParallelModel(nn.Module):
             t = t.narrow(0, p.dp_rank * expected // p.dp_size, expected // p.dp_size)
         return t.to(self.ctx.device, non_blocking=True)
 
+    def _check_same_batch(self, tensors: list[torch.Tensor]) -> None:
+        """Every rank passed the same global batch (a fingerprint per rank, all-gathered): one rank
+        with other data would otherwise train on silently. Run on the first step and every
+        ``batch_check_every`` (``PARTITA_BATCH_CHECK_EVERY``, default 100) after."""
+        mine = torch.tensor([_fingerprint(t) for t in tensors], dtype=torch.int64, device=self.ctx.device)
+        every = mine.new_empty(self.ctx.world_size * mine.numel())
+        with self.collectives.blocking("all_gather", "world"):
+            dist.all_gather_into_tensor(every, mine)
+        every = every.cpu().view(self.ctx.world_size, mine.numel())
+        differ = [r for r in range(self.ctx.world_size) if not torch.equal(every[r], every[0])]
+        if differ:
+            raise PartitaError(
+                f"rank{'s' if len(differ) > 1 else ''} {', '.join(map(str, differ))} passed another global batch "
+                f"to train_step than rank 0 at step {self._step}",
+                hint="every rank must pass the same global batch (seed the data loader alike on every rank), "
+                "or pass local=True with each rank's own share")
+
     def train_step(self, *inputs: torch.Tensor, targets: torch.Tensor, local: bool = False) -> float:
         """One optimizer step over the global batch; returns its mean loss (equal on every rank).
 
@@ -382,6 +410,8 @@ class ParallelModel(nn.Module):
         if self.optimizer is None:
             raise PlanError("this is an inference plan (optimizer \"none\"): call the model, not train_step",
                             hint="compile a training plan to train")
+        if not local and self.ctx.world_size > 1 and self._step % self.batch_check_every == 0:
+            self._check_same_batch([*inputs, targets])
         xs = [self._share(x, f"input {i}", local) for i, x in enumerate(inputs)]
         y = self._share(targets, "targets", local)
         self.collectives.reset()

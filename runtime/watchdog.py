@@ -211,14 +211,25 @@ class Watchdog:
         if self.rank == 0:
             message = self.verdict(self._collect())
             print(message, file=self.out or sys.stderr, flush=True)
+            self._silence()
             self.store.set(self._key("verdict"), "1")
+            time.sleep(min(1.0, self.grace_s))  # the others see it and go first
         else:
+            self._silence()
             deadline = time.monotonic() + 2 * self.grace_s
             while time.monotonic() < deadline and not self.store.check([self._key("verdict")]):
                 time.sleep(0.2)
             if not self.store.check([self._key("verdict")]):  # rank 0 is gone: say what this rank knows
                 print(self.verdict({self.rank: self.flight.report()}), file=self.out or sys.stderr, flush=True)
         self._exit(EXIT_HUNG)
+
+    def _silence(self) -> None:
+        """From here this process only exits: the errors its blocked collectives raise as peers go
+        (connection closed) would bury the report under one traceback per rank."""
+        if self.out is None:
+            sys.stderr.flush()
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, 2)
 
     def _collect(self) -> dict[int, dict[str, Any]]:
         keys = {r: self._key(f"rank{r}") for r in range(self.world_size)}

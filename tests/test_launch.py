@@ -1,0 +1,96 @@
+"""`partita run`: user errors on the ranks end as one message and exit 2 (not a traceback per rank
+and torchrun's summary); the plan given to `partita run` and the script's plan= must agree; a
+multi-node plan is not started on one host unless asked; SLURM's variables fill in the nodes."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from partita.compiler.compile import compile_model
+from partita.compiler.inputs import parse_input_spec
+from partita.passes.cluster import load_cluster
+from partita.passes.constraints import Pins
+from partita.runtime.launch import slurm_layout
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import tied_script as script  # noqa: E402
+
+PARTITA = str(Path(sys.executable).with_name("partita"))
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+@pytest.fixture(scope="module")
+def dp2_plan(tmp_path_factory):
+    plan = compile_model(script.build("tied-gpt"), [parse_input_spec(f"idx=int64[4,{script.SEQ}]")],
+                         load_cluster("local", devices=2), pins=Pins(world_size=2, dp=2)).plan
+    return plan.save(tmp_path_factory.mktemp("plan") / "plan.json")
+
+
+def partita_run(*args):
+    return subprocess.run([PARTITA, "run", *map(str, args)], env=ENV, capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case, words", [
+    ("batch", ["error (every rank): train_step got input 0 with batch size 6, but the plan's global_batch is 4",
+               "hint: pass the same global batch on every rank"]),
+    ("other-data", ["rank 1 passed another global batch to train_step than rank 0 at step 0",
+                    "seed the data loader alike"]),
+])
+def test_a_user_error_on_the_ranks_is_one_message_and_exit_2(dp2_plan, case, words):
+    r = partita_run(dp2_plan, HERE / "launch_script.py", case)
+    out = r.stdout + r.stderr
+    assert r.returncode == 2, out[-3000:]
+    for w in words:
+        assert out.count(w) == 1, (w, out[-3000:])
+    assert "Traceback" not in out and "ChildFailedError" not in out, out[-3000:]
+    assert "step done" not in out
+
+
+def test_a_multi_node_plan_is_not_started_on_one_host_unless_asked(tmp_path):
+    plan = compile_model(script.build("tied-gpt"), [parse_input_spec(f"idx=int64[32,{script.SEQ}]")],
+                         load_cluster("dgx-a100", nodes=2), pins=Pins(world_size=16), precision="fp32").plan
+    path = plan.save(tmp_path / "plan.json")
+    r = partita_run(path, HERE / "launch_script.py", "fine")
+    assert r.returncode == 2
+    assert "this plan is for 2 nodes of 8 devices" in r.stderr and "--nnodes 2 --rdzv-endpoint" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_slurm_variables_give_the_nodes_and_the_rendezvous():
+    env = {"SLURM_JOB_ID": "42", "SLURM_NNODES": "4", "SLURM_NODEID": "2",
+           "SLURM_JOB_NODELIST": "gpu[003-005,009],cpu1"}
+    lay = slurm_layout(env)
+    assert (lay.nnodes, lay.node_rank, lay.rdzv_endpoint, lay.run_id) == (4, 2, "gpu003:29500", "slurm-42")
+    assert slurm_layout({"SLURM_JOB_ID": "1", "SLURM_NNODES": "1", "SLURM_NODELIST": "n7"}).rdzv_endpoint == "n7:29500"
+    assert slurm_layout({}) is None
+
+
+@pytest.mark.slow
+def test_the_scripts_plan_and_partita_runs_plan_must_agree(dp2_plan, tmp_path):
+    other = tmp_path / "other.json"
+    other.write_text(Path(dp2_plan).read_text())
+    code = ("import sys; sys.path.insert(0, %r); import partita, tied_script as s; "
+            "partita.parallelize(s.build('tied-gpt'), plan=%r)" % (str(HERE), str(other)))
+    script_path = tmp_path / "s.py"
+    script_path.write_text(code)
+    r = partita_run(dp2_plan, script_path)
+    assert r.returncode == 2 and "but `partita run` was given" in r.stderr, r.stderr[-2000:]
+    assert "Traceback" not in r.stderr
+
+
+def test_a_plan_the_runtime_cannot_run_is_refused_before_any_process_starts(tmp_path):
+    plan = compile_model(script.build("tied-gpt"), [parse_input_spec(f"idx=int64[4,{script.SEQ}]")],
+                         load_cluster("local", devices=2), pins=Pins(world_size=2, dp=2)).plan
+    import dataclasses
+
+    bad = dataclasses.replace(plan, training=dataclasses.replace(plan.training, zero_stage=3, inference=False),
+                              mesh=dataclasses.replace(plan.mesh, dp=2))
+    bad = dataclasses.replace(bad, stages=tuple(dataclasses.replace(s, recompute=True) for s in bad.stages))
+    path = bad.save(tmp_path / "bad.json")
+    r = partita_run(path, HERE / "launch_script.py", "fine")
+    assert r.returncode == 2 and "with ZeRO-3" in r.stderr and r.stderr.count("error") == 1, r.stderr
