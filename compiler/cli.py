@@ -286,6 +286,8 @@ def calibrate(nproc: int, output: str) -> None:
 @click.option("--nnodes", type=click.IntRange(min=1), default=None,
               help="nodes taking part (each runs `partita run` with the same plan); default: the plan's, or "
               "SLURM_NNODES under SLURM")
+@click.option("--node-rank", type=click.IntRange(min=0), default=None,
+              help="this node's rank among --nnodes (node 0 hosts the rendezvous); default under SLURM: SLURM_NODEID")
 @click.option("--rdzv-endpoint", default=None, metavar="HOST:PORT",
               help="the c10d rendezvous every node joins (several nodes; default under SLURM: the first node:29500)")
 @click.option("--standalone", is_flag=True, help="start every rank of a multi-node plan on this host")
@@ -293,7 +295,8 @@ def calibrate(nproc: int, output: str) -> None:
 @click.argument("script")
 @click.argument("args", nargs=-1, type=click.UNPROCESSED)
 def run(trace_path: str | None, watchdog_s: float | None, checkpoint_dir: str | None, checkpoint_every: int | None,
-        max_restarts: int, nnodes: int | None, rdzv_endpoint: str | None, standalone: bool, plan_path: str,
+        max_restarts: int, nnodes: int | None, node_rank: int | None, rdzv_endpoint: str | None, standalone: bool,
+        plan_path: str,
         script: str, args: tuple[str, ...]) -> None:
     """Launch SCRIPT under torchrun with one process per device of PLAN.json.
 
@@ -320,8 +323,8 @@ def run(trace_path: str | None, watchdog_s: float | None, checkpoint_dir: str | 
         raise PartitaError(
             f"this plan is for {planned_nodes} nodes of {plan.world_size // planned_nodes} devices; starting all "
             f"{plan.world_size} processes on this host is not what it was planned for",
-            hint=f"run `partita run --nnodes {planned_nodes} --rdzv-endpoint HOST:PORT {plan_path} {script}` on "
-            "every node (under SLURM they are filled in), or pass --standalone to start them all here")
+            hint=f"run `partita run --nnodes {planned_nodes} --node-rank R --rdzv-endpoint HOST:PORT {plan_path} "
+            f"{script}` on every node (under SLURM they are filled in), or pass --standalone to start them all here")
     if plan.world_size % nodes:
         raise PartitaError(f"--nnodes {nodes} does not divide the plan's {plan.world_size} ranks")
     endpoint = rdzv_endpoint or (slurm.rdzv_endpoint if slurm and nodes > 1 else None)
@@ -339,8 +342,14 @@ def run(trace_path: str | None, watchdog_s: float | None, checkpoint_dir: str | 
         env["PARTITA_CHECKPOINT_DIR"] = str(Path(checkpoint_dir).resolve())
     if checkpoint_every is not None:
         env["PARTITA_CHECKPOINT_EVERY"] = str(checkpoint_every)
+    rank = node_rank if node_rank is not None else (slurm.node_rank if slurm else None)
+    if nodes > 1 and rank is None:
+        raise PartitaError(f"{nodes} nodes: which one is this?", hint="pass --node-rank R (0 on the node that "
+                           "hosts the rendezvous, 1 to N-1 on the others)")
+    if rank is not None and rank >= nodes:
+        raise PartitaError(f"--node-rank {rank} is not below --nnodes {nodes}")
     sys.exit(launch(plan.world_size // nodes, [script, *args], env=env, max_restarts=max_restarts, nnodes=nodes,
-                    rdzv_endpoint=endpoint, run_id=slurm.run_id if slurm else None))
+                    rdzv_endpoint=endpoint, run_id=slurm.run_id if slurm else None, node_rank=rank))
 
 
 @cli.command()

@@ -28,7 +28,8 @@ ERROR_DIR_ENV = "PARTITA_ERROR_DIR"
 
 
 def torchrun_args(nproc_per_node: int, argv: list[str], *, max_restarts: int = 0, nnodes: int = 1,
-                  rdzv_endpoint: str | None = None, run_id: str | None = None) -> list[str]:
+                  rdzv_endpoint: str | None = None, run_id: str | None = None, node_rank: int | None = None
+                  ) -> list[str]:
     """torchrun's arguments for ``nproc_per_node`` workers per node running ``argv`` (script + args):
     a c10d rendezvous at ``rdzv_endpoint``, or on a free local port for one node without one (what
     torchrun's ``--standalone`` sets up)."""
@@ -36,6 +37,8 @@ def torchrun_args(nproc_per_node: int, argv: list[str], *, max_restarts: int = 0
         raise ValueError(f"nproc_per_node={nproc_per_node} must be at least 1")
     where = ["--nnodes", str(nnodes), "--rdzv-backend", "c10d",
              "--rdzv-endpoint", str(rdzv_endpoint or "localhost:0"), "--rdzv-id", run_id or uuid.uuid4().hex[:8]]
+    if node_rank is not None and nnodes > 1:  # node 0 hosts the rendezvous store (others connect to it)
+        where += ["--rdzv-conf", f"is_host={'true' if node_rank == 0 else 'false'}"]
     return [*where, "--nproc-per-node", str(nproc_per_node), "--max-restarts", str(max_restarts), *argv]
 
 
@@ -70,7 +73,8 @@ def _first_host(nodelist: str) -> str | None:
 
 
 def launch(nproc_per_node: int, argv: list[str], *, env: Mapping[str, str] | None = None, max_restarts: int = 0,
-           nnodes: int = 1, rdzv_endpoint: str | None = None, run_id: str | None = None) -> int:
+           nnodes: int = 1, rdzv_endpoint: str | None = None, run_id: str | None = None,
+           node_rank: int | None = None) -> int:
     """Run ``argv`` on ``nproc_per_node`` workers of this node under torchrun's elastic agent;
     the exit code: 0, 2 (a user error, printed once), 3 (a hang, reported) or the failing rank's."""
     os.environ.update(env or {})
@@ -89,7 +93,7 @@ def launch(nproc_per_node: int, argv: list[str], *, env: Mapping[str, str] | Non
         if name.startswith(("torch.distributed.elastic", "torch.distributed.launcher", "torch.distributed.run")):
             logging.getLogger(name).setLevel(logging.CRITICAL)  # the summary below says it once
     args = torchrun_args(nproc_per_node, argv, max_restarts=max_restarts, nnodes=nnodes,
-                         rdzv_endpoint=rdzv_endpoint, run_id=run_id or uuid.uuid4().hex[:8])
+                         rdzv_endpoint=rdzv_endpoint, run_id=run_id or "partita", node_rank=node_rank)
     with tempfile.TemporaryDirectory(prefix="partita-errors-") as errors:
         os.environ[ERROR_DIR_ENV] = errors
         config, cmd, cmd_args = config_from_args(parse_args(args))

@@ -57,7 +57,7 @@ def test_a_multi_node_plan_is_not_started_on_one_host_unless_asked(tmp_path):
     path = plan.save(tmp_path / "plan.json")
     r = partita_run(path, HERE / "launch_script.py", "fine")
     assert r.returncode == 2
-    assert "this plan is for 2 nodes of 8 devices" in r.stderr and "--nnodes 2 --rdzv-endpoint" in r.stderr
+    assert "this plan is for 2 nodes of 8 devices" in r.stderr and "--nnodes 2 --node-rank R --rdzv-endpoint" in r.stderr
     assert "Traceback" not in r.stderr
 
 
@@ -94,3 +94,53 @@ def test_a_plan_the_runtime_cannot_run_is_refused_before_any_process_starts(tmp_
     path = bad.save(tmp_path / "bad.json")
     r = partita_run(path, HERE / "launch_script.py", "fine")
     assert r.returncode == 2 and "with ZeRO-3" in r.stderr and r.stderr.count("error") == 1, r.stderr
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_two_nodes_join_one_rendezvous_and_train_as_one_process(dp2_plan, tmp_path):
+    """Two launcher agents on this machine, one rank each, meeting at a c10d rendezvous on
+    localhost (as two nodes would): the losses and parameters of one process."""
+    import json
+
+    import torch
+
+    from partita.compiler.api import default_loss
+
+    endpoint = f"127.0.0.1:{_free_port()}"
+    outs = [tmp_path / "node0", tmp_path / "node1"]
+    procs = []
+    for node, out in enumerate(outs):
+        out.mkdir()
+        procs.append(subprocess.Popen([PARTITA, "run", "--nnodes", "2", "--node-rank", str(node),
+                                       "--rdzv-endpoint", endpoint, str(dp2_plan),
+                                       str(HERE / "restart_script.py"), str(out), "0"], env=ENV,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    for p in procs:
+        _, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err[-3000:]
+    got = [json.loads(x) for x in sum(((o / "losses.jsonl").read_text().splitlines()
+                                       for o in outs if (o / "losses.jsonl").exists()), [])]
+    state = torch.load(next(o / "final.pt" for o in outs if (o / "final.pt").exists()), weights_only=True)
+    model = script.build("tied-gpt")
+    opt = script.optimizer(model.parameters())
+    want = []
+    for step in range(6):
+        g = torch.Generator().manual_seed(1000 + step)
+        seq = torch.randint(0, script.VOCAB, (4, script.SEQ + 1), generator=g)
+        loss = default_loss(model(seq[:, :-1]), seq[:, 1:])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        want.append(loss.item())
+    assert [x["loss"] for x in got] == pytest.approx(want, rel=1e-5, abs=1e-6)
+    for k, v in model.state_dict().items():
+        if k in state:
+            torch.testing.assert_close(state[k], v, rtol=1e-5, atol=1e-5, msg=k)
