@@ -174,6 +174,35 @@ class _Pieces(torch.Tensor):
         raise TypeError(f"{func} on a checkpoint's block list: it holds no data of its own")
 
 
+class _CopyStager:
+    """``dcp.async_save``'s staging for ``_Pieces``: a CPU copy of every block, taken before
+    ``save_checkpoint`` returns, so training may change the parameters while the copy is written."""
+
+    _synchronize_after_execute = False
+
+    @property
+    def should_synchronize_after_execute(self) -> bool:
+        return False
+
+    def stage(self, state: Any) -> Any:
+        def copy(v: Any) -> Any:
+            if isinstance(v, dict):
+                return {k: copy(x) for k, x in v.items()}
+            if isinstance(v, _Pieces):
+                return _Pieces([(off, d.to("cpu", copy=True)) for off, d in v.pieces.items()], tuple(v.shape))
+            if isinstance(v, torch.Tensor):
+                return v.detach().to("cpu", copy=True)
+            return v
+
+        return copy(state)
+
+    def synchronize_staging(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
 def _sharded(pieces: list[Piece], shape: tuple[int, ...]) -> torch.Tensor:
     """``pieces`` of a whole tensor of ``shape`` as DCP takes them: the tensor itself when it is
     whole (identical replicas are then written once), else a ``_Pieces``."""
@@ -297,7 +326,7 @@ def save(model: "ParallelModel", path: Any, *, extra: dict | None = None, async_
 
         raise PartitaError(f"save_checkpoint's extra must hold plain values (numbers, strings, lists, dicts): {e}") from e
     if async_save:
-        return dcp.async_save(state, checkpoint_id=str(path))
+        return dcp.async_save(state, checkpoint_id=str(path), async_stager=_CopyStager())
     dcp.save(state, checkpoint_id=str(path))
     return None
 

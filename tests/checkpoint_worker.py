@@ -39,7 +39,7 @@ def _batches(plan, n):
     return [gpt_batch(plan.training.global_batch) for _ in range(n)]
 
 
-def exact_resume(ctx: DistContext, outdir: str, name: str, **mesh) -> dict:
+def exact_resume(ctx: DistContext, outdir: str, name: str, async_save: bool = False, **mesh) -> dict:
     reference, plan = _plan(name, **mesh)
     batches = _batches(plan, K + MORE)
     path = Path(outdir, "ckpt-" + "-".join(f"{k}{v}" for k, v in mesh.items()) + f"-{name}")
@@ -47,7 +47,9 @@ def exact_resume(ctx: DistContext, outdir: str, name: str, **mesh) -> dict:
     for x, y in batches[:K]:
         model.train_step(x, targets=y)
     assert model.step == K
-    model.save_checkpoint(path, extra={"data_position": K})
+    pending = model.save_checkpoint(path, extra={"data_position": K}, async_save=async_save)
+    if pending is not None:
+        pending.result()  # the write went on in the background
     after = [model.train_step(x, targets=y) for x, y in batches[K:]]
     want = model.full_state_dict()
 
@@ -120,7 +122,7 @@ def to_torch_save(ctx: DistContext, outdir: str, name: str, **mesh) -> dict:
 LAUNCHES = {
     "resume-2": (2, lambda ctx, out: [
         exact_resume(ctx, out, "gpt", dp=2),
-        exact_resume(ctx, out, "gpt", dp=2, zero=3),
+        exact_resume(ctx, out, "gpt", dp=2, zero=3, async_save=True),
         exact_resume(ctx, out, "gpt", dp=2, zero=1),
         exact_resume(ctx, out, "gpt", tp=2),
         exact_resume(ctx, out, "tied-gpt", pp=2),
