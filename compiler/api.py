@@ -81,6 +81,7 @@ class ParallelizeSpec:
     watchdog_s: float | None = None  # runtime/watchdog.py; None: PARTITA_WATCHDOG_S or its default
     checkpoint_dir: str | None = None  # runtime/sharded_state.py; None: PARTITA_CHECKPOINT_DIR
     checkpoint_every: int | None = None
+    weights: str | None = None  # pretrained weights (torch.save or .safetensors), each rank reading its part
 
 
 class Parallelized:
@@ -123,6 +124,7 @@ def parallelize(
     watchdog_s: float | None = None,
     checkpoint_dir: str | None = None,
     checkpoint_every: int | None = None,
+    weights: str | None = None,
 ) -> Any:
     """Plan and run ``target`` in parallel.
 
@@ -138,7 +140,9 @@ def parallelize(
     every rank reports what it waits in and the job exits (default 300 s or
     ``PARTITA_WATCHDOG_S``; 0 turns the watchdog off). ``checkpoint_dir`` and
     ``checkpoint_every`` save a sharded checkpoint every N steps, and a run that finds a complete
-    one in ``checkpoint_dir`` resumes from it (``model.step`` says where).
+    one in ``checkpoint_dir`` resumes from it (``model.step`` says where). ``weights`` starts from
+    pretrained weights (a ``torch.save``d state dict or a ``.safetensors`` file, the unwrapped
+    model's names), each rank reading only the tensors (under TP, the pages of the slices) it holds.
     """
     if checkpoint_every is not None and (isinstance(checkpoint_every, bool) or not isinstance(checkpoint_every, int)
                                          or checkpoint_every < 1):
@@ -159,7 +163,7 @@ def parallelize(
         inputs=_parse_inputs(inputs), cluster=cluster, nodes=nodes, devices=devices, batch=batch,
         precision=precision, optimizer=optimizer or default_optimizer, loss=loss or default_loss,
         plan=plan, pins=pins, watchdog_s=watchdog_s, checkpoint_dir=checkpoint_dir,
-        checkpoint_every=checkpoint_every,
+        checkpoint_every=checkpoint_every, weights=weights,
     )
     if target is None:
         return lambda t: parallelize(t, **_spec_kwargs(spec))
@@ -175,6 +179,7 @@ def _spec_kwargs(spec: ParallelizeSpec) -> dict[str, Any]:
         inputs=[str(s) for s in spec.inputs], cluster=spec.cluster, nodes=spec.nodes, devices=spec.devices,
         batch=spec.batch, precision=spec.precision, optimizer=spec.optimizer, loss=spec.loss, plan=spec.plan,
         watchdog_s=spec.watchdog_s, checkpoint_dir=spec.checkpoint_dir, checkpoint_every=spec.checkpoint_every,
+        weights=spec.weights,
         **{("zero" if k == "zero_stage" else k): v for k, v in spec.pins.items()},
     )
 
@@ -243,7 +248,7 @@ def _wrap(module: torch.nn.Module, spec: ParallelizeSpec) -> Any:
         plan = plan_from_data(data, source="plan from rank 0")
     return apply_plan(module, plan, loss_fn=spec.loss, optimizer=spec.optimizer, ctx=ctx,
                       watchdog_s=spec.watchdog_s, checkpoint_dir=spec.checkpoint_dir,
-                      checkpoint_every=spec.checkpoint_every)
+                      checkpoint_every=spec.checkpoint_every, checkpoint=spec.weights)
 
 
 def _broadcast_text(text: str, device: torch.device) -> str:

@@ -159,7 +159,9 @@ def compose(
             return tp_module(*xs, targets=y)
     else:
         if checkpoint is not None:
-            module.load_state_dict(torch.load(checkpoint, weights_only=True, map_location="cpu"), assign=True)
+            from partita.runtime.sharded_state import open_weights
+
+            _load_weights(module, open_weights(checkpoint))
         module = module.to(ctx.device)
         eager = module
 
@@ -202,6 +204,22 @@ def compose(
     else:
         opt = None if plan.training.inference else optimizer(module.parameters())
     return _Program(module, loss, opt, averager, zero, dp_group, dp_rank, dp_size, pipeline, tied_opt)
+
+
+def _load_weights(module: nn.Module, weights: Any) -> None:
+    """Pretrained ``weights`` into the eager module, strictly: a missing or extra name is the
+    user's to fix."""
+    weights = dict(weights)
+    for names in _state_names(module).values():  # a file that keeps one name of tied weights
+        have = next((n for n in names if n in weights), None)
+        for n in names:
+            if have is not None and n not in weights:
+                weights[n] = weights[have]
+    try:  # copied into the parameters (tied ones stay one); assigned only onto a meta-device model
+        module.load_state_dict(weights, assign=any(p.is_meta for p in module.parameters()), strict=True)
+    except RuntimeError as e:
+        raise PartitaError(f"the weights do not fit this model: {str(e).splitlines()[0]} {str(e).splitlines()[1:2]}",
+                           hint="pass the state dict of this model (its names as in model.state_dict())") from e
 
 
 def _fingerprint(t: torch.Tensor) -> int:

@@ -36,7 +36,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator, Mapping
 
 import torch
 import torch.distributed as dist
@@ -395,3 +395,47 @@ def save_periodic(model: "ParallelModel", root: Any, extra: dict | None = None) 
         tmp.write_text(json.dumps({"step": model.step, "world_size": model.ctx.world_size}))
         tmp.rename(path / COMPLETE)  # atomic: a reader sees the marker whole or not at all
     return path
+
+
+class _SafetensorsFile(Mapping):
+    """A .safetensors file as a read-only mapping, each tensor read when asked for."""
+
+    def __init__(self, path: str) -> None:
+        from safetensors import safe_open
+
+        self._file = safe_open(path, framework="pt")
+        self._keys = list(self._file.keys())
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        if key not in self._keys:
+            raise KeyError(key)
+        return self._file.get_tensor(key)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._keys)
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+
+def open_weights(path: Any) -> Mapping[str, torch.Tensor]:
+    """Pretrained weights as a mapping read lazily: a ``torch.save``d state dict (memory-mapped: a
+    rank touches only the pages of the tensors and slices it takes) or a ``.safetensors`` file
+    (a rank reads only the tensors its stage holds)."""
+    from pathlib import Path
+
+    from partita.compiler.errors import PartitaError
+
+    path = Path(path)
+    if not path.is_file():
+        raise PartitaError(f"weights file {path} does not exist")
+    try:
+        if path.suffix == ".safetensors":
+            return _SafetensorsFile(str(path))
+        state = torch.load(path, mmap=True, weights_only=True, map_location="cpu")
+    except Exception as e:  # noqa: BLE001 - any unreadable file is the same user error
+        raise PartitaError(f"cannot read weights from {path}: {e}",
+                           hint="pass a state dict saved with torch.save, or a .safetensors file") from e
+    if not isinstance(state, Mapping):
+        raise PartitaError(f"{path} holds a {type(state).__name__}, not a state dict of tensors")
+    return state

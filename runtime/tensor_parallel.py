@@ -60,6 +60,7 @@ from partita.compiler.errors import PlanError
 from partita.compiler.inputs import InputSpec, parse_input_spec
 from partita.compiler.plan import InputLayout, MeshAxis, NodeDecision, Plan
 from partita.runtime.data_parallel import CollectiveCounter
+from partita.runtime.sharded_state import open_weights
 
 _SHARD = re.compile(r"^shard\((\d+)\)$")
 TP = MeshAxis.TP.value
@@ -76,6 +77,16 @@ def _tensors(val: Any) -> list[Any]:
     if isinstance(val, (tuple, list)):
         return [t for v in val for t in _tensors(v)]
     return []
+
+
+def _weight(state: Any, qualified: str, params: dict[str, nn.Parameter]) -> torch.Tensor:
+    """``qualified``'s tensor in a weights file, under any of its tied names (safetensors keeps one)."""
+    names = [qualified] + [n for n, p in params.items() if p is params[qualified] and n != qualified]
+    for name in names:
+        if name in state:
+            return state[name]
+    raise PlanError(f"the weights file has no {' or '.join(names)}",
+                    hint="pass the state dict of this model (its names as in model.state_dict())")
 
 
 class TPGroup:
@@ -508,7 +519,7 @@ class TensorParallel(nn.Module):
         self._held = {n.name for n in graph.nodes if n.op == "placeholder" and (
             keep is None or any(u.name in kept for u in n.users)
             or (not n.users and same.get(n.name, n.name) not in read and keep(n)))}
-        state = torch.load(checkpoint, mmap=True, weights_only=True) if checkpoint is not None else None
+        state = open_weights(checkpoint) if checkpoint is not None else None
         self.shards = nn.ParameterDict()
         self.placements: dict[str, str] = {}  # qualified parameter name -> tp placement
         self._buffers_by_node: dict[str, torch.Tensor] = {}
@@ -599,7 +610,7 @@ class TensorParallel(nn.Module):
                                     f"another: {self.placements[qualified]})")
                 continue
             placement = self._placement(node, qualified)
-            full = state[qualified] if state is not None else params[qualified]
+            full = params[qualified] if state is None else _weight(state, qualified, params)
             d = _shard_dim(placement)
             piece = full.detach() if d is None else full.detach().chunk(self.tp.size, dim=d)[self.tp.rank]
             self.shards[key] = nn.Parameter(piece.to(self.device, copy=True).contiguous(),

@@ -119,6 +119,31 @@ def to_torch_save(ctx: DistContext, outdir: str, name: str, **mesh) -> dict:
     return {"case": f"torch_save/{name}/{mesh}"}
 
 
+def pretrained(ctx: DistContext, outdir: str, name: str, fmt: str, **mesh) -> dict:
+    """A plain state dict (torch.save or safetensors) loads into the plan: every parameter as saved."""
+    reference, plan = _plan(name, **mesh)
+    torch.manual_seed(77)
+    source = copy.deepcopy(reference)
+    for p in source.parameters():
+        torch.nn.init.normal_(p)
+    path = Path(outdir, f"weights-{name}.{'safetensors' if fmt == 'safetensors' else 'pt'}")
+    if ctx.rank == 0:
+        if fmt == "safetensors":
+            from safetensors.torch import save_model
+
+            save_model(source, str(path))
+        else:
+            torch.save(source.state_dict(), path)
+    dist.barrier()
+    model = ParallelModel(copy.deepcopy(reference), plan, loss_fn=gpt_loss, optimizer=OPTIMIZERS["adamw"], ctx=ctx,
+                          checkpoint=path)
+    got = model.full_state_dict()
+    for k, v in source.state_dict().items():
+        if k in got:
+            assert torch.equal(got[k], v), (fmt, mesh, k)
+    return {"case": f"pretrained/{fmt}/{mesh}"}
+
+
 LAUNCHES = {
     "resume-2": (2, lambda ctx, out: [
         exact_resume(ctx, out, "gpt", dp=2),
@@ -127,6 +152,9 @@ LAUNCHES = {
         exact_resume(ctx, out, "gpt", tp=2),
         exact_resume(ctx, out, "tied-gpt", pp=2),
         to_torch_save(ctx, out, "tied-gpt", dp=2, zero=3),
+        pretrained(ctx, out, "gpt", "torch", tp=2),
+        pretrained(ctx, out, "tied-gpt", "safetensors", pp=2),
+        pretrained(ctx, out, "gpt", "safetensors", dp=2, zero=3),
     ]),
     "resume-reshard-4": (4, lambda ctx, out: [
         exact_resume(ctx, out, "gpt", dp=2, tp=2, zero=3),
