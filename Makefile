@@ -8,7 +8,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.partita-installed
 
-.PHONY: demo test bench install browser clean
+.PHONY: demo test check bench install browser clean
 
 install: $(STAMP)
 
@@ -31,6 +31,10 @@ demo: $(STAMP)
 
 test: $(STAMP) browser
 	$(BIN)/python -m pytest -q
+
+# The fast tier for a developer's loop: everything but the multi-process runs (marked slow).
+check: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not slow" -p no:logging
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/dp_vs_ddp.py
