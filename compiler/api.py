@@ -21,20 +21,15 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
-import torch.nn.functional as F
 
 from partita.compiler.errors import PartitaError
 from partita.compiler.inputs import InputSpec, parse_input_spec
+from partita.compiler.losses import default_loss, resolve_loss
 from partita.compiler.plan import Plan, load_plan, plan_from_data
 
 OptimizerFactory = Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]
 
 
-def default_loss(output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy; (B, T, V) logits against (B, T) targets are flattened."""
-    if output.dim() > 2:
-        return F.cross_entropy(output.flatten(0, -2), targets.flatten())
-    return F.cross_entropy(output, targets)
 
 
 def default_optimizer(params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
@@ -78,6 +73,7 @@ class ParallelizeSpec:
     loss: Callable[[Any, torch.Tensor], torch.Tensor] = default_loss
     plan: str | None = None
     pins: Mapping[str, int | str | bool] = field(default_factory=dict)
+    targets: InputSpec | None = None  # the loss's targets, when the output does not imply them
     watchdog_s: float | None = None  # runtime/watchdog.py; None: PARTITA_WATCHDOG_S or its default
     checkpoint_dir: str | None = None  # runtime/sharded_state.py; None: PARTITA_CHECKPOINT_DIR
     checkpoint_every: int | None = None
@@ -110,7 +106,9 @@ def parallelize(
     batch: int | None = None,
     precision: str | None = None,
     optimizer: OptimizerFactory | None = None,
-    loss: Callable[[Any, torch.Tensor], torch.Tensor] | None = None,
+    loss: Callable[[Any, torch.Tensor], torch.Tensor] | str | None = None,
+    output: str | int | None = None,
+    targets: str | None = None,
     plan: str | None = None,
     dp: int | None = None,
     tp: int | None = None,
@@ -133,7 +131,11 @@ def parallelize(
     instance it wraps that instance directly. ``inputs`` are example inputs
     as ``{"name": "dtype[shape]"}`` (their leading dim is the global batch
     unless ``batch`` says otherwise); ``plan`` is a plan file to use instead
-    of planning. ``dp``, ``tp``, ``pp``, ``zero``, ``micro_batch_size``,
+    of planning. ``loss`` is a function ``(output, targets) -> loss``, a name
+    ("cross-entropy", "mse") or "model" (the model's own loss, called with
+    ``labels=targets``); ``output`` names the field (or tuple index) of what the
+    model returns that the loss attaches to (default: ``logits``, else the only
+    tensor); ``targets`` ("NAME=DTYPE[SHAPE]") when the output does not imply them. ``dp``, ``tp``, ``pp``, ``zero``, ``micro_batch_size``,
     ``microbatches`` (or its other name ``grad_accum_steps``), ``schedule`` and
     ``recompute`` (activation recomputation on every stage, or never) pin those decisions (the same keywords as `partita compile`); the planner
     decides the rest. ``watchdog_s`` bounds how long a step may wait in a collective before
@@ -161,7 +163,8 @@ def parallelize(
                                ("schedule", schedule), ("recompute", recompute)) if v is not None}
     spec = ParallelizeSpec(
         inputs=_parse_inputs(inputs), cluster=cluster, nodes=nodes, devices=devices, batch=batch,
-        precision=precision, optimizer=optimizer or default_optimizer, loss=loss or default_loss,
+        precision=precision, optimizer=optimizer or default_optimizer, loss=resolve_loss(loss, output),
+        targets=parse_input_spec(targets if "=" in targets else f"targets={targets}") if targets else None,
         plan=plan, pins=pins, watchdog_s=watchdog_s, checkpoint_dir=checkpoint_dir,
         checkpoint_every=checkpoint_every, weights=weights,
     )
@@ -178,6 +181,7 @@ def _spec_kwargs(spec: ParallelizeSpec) -> dict[str, Any]:
     return dict(
         inputs=[str(s) for s in spec.inputs], cluster=spec.cluster, nodes=spec.nodes, devices=spec.devices,
         batch=spec.batch, precision=spec.precision, optimizer=spec.optimizer, loss=spec.loss, plan=spec.plan,
+        targets=str(spec.targets) if spec.targets else None,
         watchdog_s=spec.watchdog_s, checkpoint_dir=spec.checkpoint_dir, checkpoint_every=spec.checkpoint_every,
         weights=spec.weights,
         **{("zero" if k == "zero_stage" else k): v for k, v in spec.pins.items()},
@@ -217,6 +221,7 @@ def plan_for(module: torch.nn.Module, spec: ParallelizeSpec, world_size: int) ->
     return compile_model(
         module, spec.inputs, cluster, global_batch=spec.batch, precision=spec.precision,
         optimizer=optimizer_kind(spec.optimizer), pins=Pins(world_size=world_size, **spec.pins), loss=spec.loss,
+        targets=spec.targets,
     ).plan
 
 

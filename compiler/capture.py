@@ -35,6 +35,7 @@ from torch.fx.passes.shape_prop import ShapeProp, TensorMetadata
 
 from partita.compiler.errors import CaptureError
 from partita.compiler.inputs import InputSpec
+from partita.compiler.losses import select_output, training_loss
 
 EXPORT = "torch.export"
 SYMBOLIC_TRACE = "torch.fx.symbolic_trace"
@@ -112,12 +113,12 @@ def capture(
     with mode:
         args = tuple(_example(spec) for spec in inputs)
     if loss is not None and targets is None:
-        targets = _infer_targets(module, args, mode)
+        targets = _infer_targets(module, args, mode, loss, inputs)
     if loss is not None:
         with mode:
             args = args + (_example(targets),)
     try:
-        with _quiet_tracer_logs(), _forward_with_loss(module, loss):
+        with _quiet_tracer_logs(), _forward_with_loss(module, loss, len(inputs)):
             exported = torch.export.export(module, args, strict=False)
         gm, method = exported.graph_module, EXPORT
         signature = exported.graph_signature
@@ -180,8 +181,10 @@ def _quiet_tracer_logs() -> Iterator[None]:
     sys.stderr.write(held.getvalue())
 
 
-def _infer_targets(module: torch.nn.Module, args: tuple[torch.Tensor, ...], mode: FakeTensorMode) -> InputSpec:
-    """Class-index targets for the model's output: int64 of ``output.shape[:-1]``."""
+def _infer_targets(module: torch.nn.Module, args: tuple[torch.Tensor, ...], mode: FakeTensorMode,
+                   loss: Any, inputs: tuple[InputSpec, ...]) -> InputSpec:
+    """Class-index targets for the model's output: int64 of ``output.shape[:-1]``, of the tensor the
+    loss attaches to (compiler/losses.py); with the model's own loss, labels of the first input's shape."""
     try:
         with mode, torch.no_grad(), _quiet_tracer_logs():
             out = module(*args)
@@ -189,18 +192,23 @@ def _infer_targets(module: torch.nn.Module, args: tuple[torch.Tensor, ...], mode
         if _is_data_dependent(e):
             raise _data_dependent_error(e, module, None) from e
         raise _capture_error(e, module, None, "running the model on fake inputs to find its output shape failed") from e
-    if not isinstance(out, torch.Tensor) or out.dim() < 1:
+    select = getattr(loss, "select", select_output)
+    out = select(out)
+    if out.dim() < 1:
         raise CaptureError(
-            f"cannot infer the loss targets: the model returns {type(out).__name__}, not a tensor of logits",
+            "cannot infer the loss targets: the model's output is a scalar, not a tensor of logits",
             hint="pass the targets' shape explicitly (e.g. --target targets=int64[16,64])",
         )
-    return InputSpec("targets", torch.int64, tuple(out.shape[:-1]) or (1,))
+    name = "labels" if getattr(loss, "uses_labels", False) else "targets"  # the model's own loss takes labels=
+    return InputSpec(name, torch.int64, tuple(out.shape[:-1]) or (1,))
 
 
 @contextlib.contextmanager
-def _forward_with_loss(module: torch.nn.Module, loss: Callable[[Any, torch.Tensor], torch.Tensor] | None) -> Iterator[None]:
-    """Make ``module.forward(*inputs, targets)`` return ``loss(forward(*inputs), targets)`` while
-    exporting, so parameter names and module paths stay the model's own; restored afterwards."""
+def _forward_with_loss(module: torch.nn.Module, loss: Callable[[Any, torch.Tensor], torch.Tensor] | None,
+                       n_inputs: int) -> Iterator[None]:
+    """Make ``module.forward(*inputs, targets)`` return the training loss of ``inputs`` (the first
+    ``n_inputs`` arguments; the rest keep their defaults) while exporting, so parameter names and
+    module paths stay the model's own; restored afterwards."""
     if loss is None:
         yield
         return
@@ -208,12 +216,12 @@ def _forward_with_loss(module: torch.nn.Module, loss: Callable[[Any, torch.Tenso
 
     def forward_and_loss(*args: Any) -> torch.Tensor:
         *inputs, targets = args
-        return loss(inner(*inputs), targets)
+        return training_loss(loss, inner, inputs, targets)
 
     # Keep the model's argument names (placeholders are named after them), plus ``targets``.
-    params = [p.replace(kind=inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    params = [p.replace(kind=inspect.Parameter.POSITIONAL_OR_KEYWORD, default=inspect.Parameter.empty)
               for p in inspect.signature(inner).parameters.values()
-              if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+              if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)][:n_inputs]
     names = {p.name for p in params}
     target_name = "targets" if "targets" not in names else "loss_targets"
     params.append(inspect.Parameter(target_name, inspect.Parameter.POSITIONAL_OR_KEYWORD))

@@ -68,6 +68,18 @@ def cluster_options(f: Any) -> Any:
     return f
 
 
+def _loss_option(name: str | None, field: str | None, default: Any) -> Any:
+    """``--loss`` (a name, `model` or FILE.py:FN) and ``--output-field`` as the loss object."""
+    from partita.compiler.losses import resolve_loss
+
+    out: str | int | None = int(field) if field is not None and field.lstrip("-").isdigit() else field
+    if name is not None and ":" in name and name.split(":", 1)[0].endswith(".py"):
+        from partita.compiler.loader import load_function
+
+        return resolve_loss(load_function(name), out)
+    return resolve_loss(name if name is not None else default, out)
+
+
 @cli.command("compile")
 @click.argument("target")
 @click.option("--input", "inputs", multiple=True, metavar="NAME=DTYPE[SHAPE]",
@@ -90,13 +102,20 @@ def cluster_options(f: Any) -> Any:
 @click.option("--recompute/--no-recompute", default=None,
               help="activation recomputation on every stage / on none (default: on the stages where memory binds)")
 @click.option("--inference", is_flag=True, help="a forward-only plan: no gradients, no optimizer state")
+@click.option("--loss", "loss_name", default=None, metavar="NAME|model|FILE.py:FN",
+              help="the loss: cross-entropy (default), mse, `model` (the model's own, given labels=) or a function")
+@click.option("--output-field", default=None, metavar="NAME",
+              help="the field (or tuple index) of the model's output the loss attaches to (default: logits)")
+@click.option("--target", "target_spec", default=None, metavar="NAME=DTYPE[SHAPE]",
+              help="the loss's targets, when the output does not imply them")
 @click.option("-o", "--output", type=click.Path(dir_okay=False), default="plan.json", show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="print the plan as JSON instead of tables")
 def compile_cmd(target: str, inputs: tuple[str, ...], cluster_name: str, nodes: int | None, devices: int | None,
                 batch: int | None, precision: str | None, optimizer: str, dp: int | None,
                 micro_batch_size: int | None, grad_accum_steps: int | None, tp: int | None, pp: int | None,
                 zero: int | None, microbatches: int | None, schedule: str | None, recompute: bool | None,
-                inference: bool, output: str, as_json: bool) -> None:
+                inference: bool, loss_name: str | None, output_field: str | None, target_spec: str | None,
+                output: str, as_json: bool) -> None:
     """Capture TARGET (FILE.py:NAME), analyse it, and write a plan for the cluster."""
     from partita.compiler.compile import compile_model
     from partita.compiler.loader import load_target
@@ -117,10 +136,13 @@ def compile_cmd(target: str, inputs: tuple[str, ...], cluster_name: str, nodes: 
     pins = Pins(dp=dp, tp=tp, pp=pp, zero_stage=zero, micro_batch_size=micro_batch_size,
                 grad_accum_steps=grad_accum_steps or microbatches, schedule=schedule,
                 recompute=recompute)
+    loss = _loss_option(loss_name, output_field, getattr(spec, "loss", None))
+    targets = _input_specs([target_spec])[0] if target_spec else getattr(spec, "targets", None)
     with _progress() as progress:
         result = compile_model(model.factory, specs, cluster, global_batch=batch or getattr(spec, "batch", None),
                                precision=precision or getattr(spec, "precision", None), optimizer=optimizer,
-                               pins=pins, name=model.name, progress=progress, inference=inference)
+                               pins=pins, name=model.name, progress=progress, inference=inference, loss=loss,
+                               targets=targets)
     path = result.plan.save(output)
     if as_json:
         click.echo(result.plan.to_json(), nl=False)

@@ -16,6 +16,7 @@ import torch
 
 from partita.compiler.capture import CapturedModel, capture
 from partita.compiler.inputs import InputSpec
+from partita.compiler.losses import resolve_loss
 from partita.compiler.plan import (
     Collective,
     MeshAxis,
@@ -84,10 +85,8 @@ def compile_model(
     """
     timings: dict[str, float] = {}
     phase = _phases(progress)
-    if not inference and loss is None:
-        from partita.compiler.api import default_loss
-
-        loss = default_loss
+    if not inference:
+        loss = resolve_loss(loss)
     with phase("capturing the model"):
         captured = capture(model, inputs, name=name, loss=None if inference else loss, targets=targets)
     timings["capture"] = captured.seconds

@@ -26,12 +26,32 @@ class ModelTarget:
     spec: object | None  # a ParallelizeSpec when NAME was decorated
 
 
+def load_function(text: str) -> Callable:
+    """``FILE.py:NAME`` as the function it names (a loss, say)."""
+    mod, name, path = _import(text)
+    obj = getattr(mod, name)
+    if not callable(obj):
+        raise ModelLoadError(f"{text} is a {type(obj).__name__}, not a function")
+    return obj
+
+
 def load_target(text: str) -> ModelTarget:
     from partita.compiler.api import Parallelized
 
+    mod, name, path = _import(text)
+    obj = getattr(mod, name)
+    if isinstance(obj, Parallelized):
+        return ModelTarget(name, _checked_factory(obj.target, text), obj.spec)
+    if not _buildable(obj):
+        raise ModelLoadError(f"{text} is a {type(obj).__name__}, not a model class or factory")
+    return ModelTarget(name, _checked_factory(obj, text), None)
+
+
+def _import(text: str) -> tuple[object, str, Path]:
+    """The module of ``FILE.py:NAME``, imported, and NAME (which it has)."""
     path_text, sep, name = text.rpartition(":")
     if not sep or not path_text or not name:
-        raise ModelLoadError(f"model {text!r} is not FILE.py:NAME", hint="e.g. examples/models.py:gpt_tiny")
+        raise ModelLoadError(f"{text!r} is not FILE.py:NAME", hint="e.g. examples/models.py:gpt_tiny")
     path = Path(path_text)
     if not path.is_file():
         raise ModelLoadError(f"model file {path} does not exist")
@@ -51,12 +71,7 @@ def load_target(text: str) -> ModelTarget:
     if not hasattr(mod, name):
         public = sorted(n for n, v in vars(mod).items() if not n.startswith("_") and _buildable(v))
         raise ModelLoadError(f"{path} has no {name!r}", hint=f"models and factories there: {', '.join(public) or 'none'}")
-    obj = getattr(mod, name)
-    if isinstance(obj, Parallelized):
-        return ModelTarget(name, _checked_factory(obj.target, text), obj.spec)
-    if not _buildable(obj):
-        raise ModelLoadError(f"{text} is a {type(obj).__name__}, not a model class or factory")
-    return ModelTarget(name, _checked_factory(obj, text), None)
+    return mod, name, path
 
 
 def _buildable(obj: object) -> bool:

@@ -25,6 +25,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from partita.compiler.errors import PartitaError, PlanError
+from partita.compiler.losses import training_loss
 from partita.compiler.plan import MeshAxis, Plan
 from partita.runtime.data_parallel import CollectiveCounter, GradientAverager
 from partita.runtime.distributed import DistContext, build_mesh, init_distributed
@@ -166,7 +167,7 @@ def compose(
         eager = module
 
         def loss(xs: list[torch.Tensor], y: torch.Tensor) -> torch.Tensor:
-            return loss_fn(eager(*xs), y)
+            return training_loss(loss_fn, eager, xs, y)
     # 3. data parallel.
     averager = None
     dp_group, dp_rank, dp_size = None, 0, 1

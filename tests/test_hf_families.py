@@ -1,0 +1,50 @@
+"""Unmodified Hugging Face models (issue: any model as users write it): their ModelOutput is taken
+as it comes (the loss attaches to `logits`, or loss="model" uses the model's own from labels=),
+planned by the planner on dp2, tp2, pp2 and ZeRO-3 and run under torchrun: the same losses and
+parameters as one process. Tolerance 1e-4 relative: fp32, only the reduction order differs."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from partita.compiler.compile import compile_model
+from partita.compiler.inputs import parse_input_spec
+from partita.compiler.losses import resolve_loss
+from partita.passes.cluster import load_cluster
+from partita.passes.constraints import Pins
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import families_script as script  # noqa: E402
+from test_decorator import fast_cluster  # noqa: E402
+
+MESHES = {"dp2": dict(dp=2), "tp2": dict(tp=2), "pp2": dict(pp=2), "zero3": dict(dp=2, zero_stage=3)}
+
+
+@pytest.mark.slow
+def test_bare_hf_models_train_on_every_axis_as_one_process(tmp_path):
+    cluster = load_cluster(fast_cluster(tmp_path), devices=2)  # fast links: TP really splits
+    spec = parse_input_spec(f"input_ids=int64[{script.BATCH},{script.SEQ}]")
+    runs = []
+    for name, (_, loss, _, _) in script.MODELS.items():
+        for mesh, pins in MESHES.items():
+            plan = compile_model(script.build(name), [spec], cluster, pins=Pins(world_size=2, **pins),
+                                 loss=resolve_loss(loss)).plan
+            runs.append(f"{name}={plan.save(tmp_path / f'{name}-{mesh}.json')}")
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                        str(HERE / "families_script.py"), str(tmp_path), *runs],
+                       env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-4000:]
+    for name in script.MODELS:
+        ref_losses, ref_state = script.reference(name)
+        for mesh in MESHES:
+            got = json.loads((tmp_path / f"{name}-{mesh}.json").read_text())
+            assert got["losses"] == pytest.approx(ref_losses, rel=1e-4, abs=1e-5), (name, mesh)
+            state = torch.load(tmp_path / f"{name}-{mesh}.pt", weights_only=True)
+            for k, v in state.items():
+                torch.testing.assert_close(v, ref_state[k], rtol=1e-4, atol=1e-4, msg=lambda m: f"{name} {mesh} {k}: {m}")
