@@ -144,6 +144,15 @@ def pretrained(ctx: DistContext, outdir: str, name: str, fmt: str, **mesh) -> di
     return {"case": f"pretrained/{fmt}/{mesh}"}
 
 
+def save_only(ctx: DistContext, outdir: str, name: str, **mesh) -> dict:
+    reference, plan = _plan(name, **mesh)
+    model = ParallelModel(copy.deepcopy(reference), plan, loss_fn=gpt_loss, optimizer=OPTIMIZERS["adamw"], ctx=ctx)
+    for x, y in _batches(plan, K):
+        model.train_step(x, targets=y)
+    model.save_checkpoint(Path(outdir, f"save-{name}"))
+    return {"case": f"save/{name}/{mesh}"}
+
+
 LAUNCHES = {
     "resume-2": (2, lambda ctx, out: [
         exact_resume(ctx, out, "gpt", dp=2),
@@ -156,6 +165,7 @@ LAUNCHES = {
         pretrained(ctx, out, "tied-gpt", "safetensors", pp=2),
         pretrained(ctx, out, "gpt", "safetensors", dp=2, zero=3),
     ]),
+    "save-4": (4, lambda ctx, out: [save_only(ctx, out, "gpt", dp=2, tp=2, zero=3)]),
     "resume-reshard-4": (4, lambda ctx, out: [
         exact_resume(ctx, out, "gpt", dp=2, tp=2, zero=3),
         exact_resume(ctx, out, "hf-llama", pp=2, tp=2),

@@ -20,7 +20,7 @@ from partita.runtime.sharded_state import flat_range_pieces  # noqa: E402
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("launch", list(checkpoint_worker.LAUNCHES))
+@pytest.mark.parametrize("launch", ["resume-2", "resume-reshard-4"])
 def test_checkpoints_resume_exactly_and_reshard(launch, tmp_path):
     world, _ = checkpoint_worker.LAUNCHES[launch]
     dp_worker.spawn_launch(checkpoint_worker.worker, world, launch, tmp_path)
@@ -45,3 +45,29 @@ def test_a_flat_range_is_cut_into_few_contiguous_blocks_that_cover_it(shape):
                 assert block.flatten().tolist() == list(range(start, start + block.numel()))
                 covered += block.flatten().tolist()
             assert sorted(covered) == list(range(lo, hi))
+
+
+@pytest.mark.slow
+def test_a_four_rank_checkpoint_loads_into_one_process(tmp_path):
+    """dp2 x tp2 with ZeRO-3 on 4 ranks, loaded by a single process (no process group): every
+    parameter and Adam moment equals what torch's dcp_to_torch_save reads back."""
+    import copy
+
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    from dp_worker import OPTIMIZERS, gpt_loss
+    from partita.runtime.engine import ParallelModel
+
+    dp_worker.spawn_launch(checkpoint_worker.worker, 4, "save-4", tmp_path)
+    path = tmp_path / "save-gpt"
+    reference, plan = checkpoint_worker._plan("gpt")
+    model = ParallelModel(copy.deepcopy(reference), plan, loss_fn=gpt_loss, optimizer=OPTIMIZERS["adamw"])
+    model.load_checkpoint(path)
+    dcp_to_torch_save(str(path), str(tmp_path / "plain.pt"))
+    plain = torch.load(tmp_path / "plain.pt", weights_only=False)
+    assert model.step == checkpoint_worker.K
+    for name, p in model.module.named_parameters():
+        assert torch.equal(p.detach(), plain["model"][name]), name
+        state = model.optimizer.state[p]
+        assert torch.equal(state["exp_avg"], plain["optim"][f"{name}/exp_avg"]), name
