@@ -15,6 +15,7 @@ reason other than data-dependent control flow, with shapes then propagated by
 from __future__ import annotations
 
 import contextlib
+import gc
 import inspect
 import io
 import linecache
@@ -30,7 +31,6 @@ from types import FrameType, TracebackType
 import torch
 import torch.fx
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.export import ExportedProgram
 from torch.fx.passes.shape_prop import ShapeProp, TensorMetadata
 
 from partita.compiler.errors import CaptureError
@@ -50,10 +50,16 @@ class CapturedModel:
 
     ``params`` and ``buffers`` map qualified names (``transformer.h.0.attn.c_attn.weight``)
     to (shape, dtype). Tied parameters appear once, under their first name.
+
+    It holds no tensor of the model: not the ``ExportedProgram``, whose state dict
+    references every parameter of a captured instance (a tensor-parallel rank keeps
+    a captured graph, and must not keep the other ranks' shards with it). The
+    only tensors it carries are ``constants``, the tensor constants export lifted
+    out of the forward (values that are neither parameters nor buffers), by name.
     """
 
     graph_module: torch.fx.GraphModule
-    exported: ExportedProgram | None
+    constants: dict[str, torch.Tensor]
     method: str
     inputs: tuple[InputSpec, ...]
     params: dict[str, tuple[tuple[int, ...], torch.dtype]]
@@ -124,10 +130,19 @@ def capture(
         signature = exported.graph_signature
         param_targets = dict(signature.inputs_to_parameters)
         buffer_targets = {**signature.inputs_to_buffers, **signature.inputs_to_lifted_tensor_constants}
+        constants = {k: v for k, v in exported.constants.items() if isinstance(v, torch.Tensor)}
+        del exported  # its state dict references the model's parameters
+        if isinstance(model, torch.nn.Module):
+            # Non-strict export leaves reference cycles that hold every parameter and buffer of
+            # the module (torch/_export/non_strict_utils.py: _gather_constant_attrs's closure,
+            # which calls itself, over a set of them). Collected now, so that a caller which then
+            # drops the module's tensors (a tensor-parallel rank keeping its shards) frees them
+            # at once, not whenever the garbage collector next runs.
+            gc.collect()
     except Exception as export_error:
         if _is_data_dependent(export_error):
             raise _data_dependent_error(export_error, module, inputs) from export_error
-        exported = None
+        constants = {}
         gm, method = _symbolic_trace(module, args, mode, export_error, inputs)
         attrs = {n.name: str(n.target) for n in gm.graph.nodes if n.op == "get_attr"}
         param_names = set(dict(module.named_parameters(remove_duplicate=False)))
@@ -140,7 +155,7 @@ def capture(
                  **_canonical_names(module.named_buffers(remove_duplicate=False))}
     return CapturedModel(
         graph_module=gm,
-        exported=exported,
+        constants=constants,
         method=method,
         inputs=inputs,
         params=params,

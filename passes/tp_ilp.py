@@ -68,7 +68,15 @@ Classes (exact reductions, ``_classes``):
   execute); it is a restriction, not always the untied optimum (a memory
   budget might like some layers sharded and others not). An 80- or 96-layer
   graph becomes as small as one layer plus embedding and head; the
-  multiplicities enter n, w and m.
+  multiplicities enter n, w and m. Tying shares the choice of layout, never
+  a member's own needs: every member keeps its own strategy list
+  (``_own_strategies``), index for index its class's, and its edges are
+  costed and expanded with it; members may differ in which inputs carry a
+  gradient (the first of a stack of layers reads the model input, which
+  carries none: its column-split linear needs no backward reshard, the
+  next layers' do). A member whose strategies differ in anything else
+  (names, placements, costs: other shapes or dtypes) gets its own class
+  (``_split_unlike``).
 - Parameter nodes with the same ``param_name`` (tied weights) share a class,
   and their model state is counted once.
 - Edges between layers (layer i, position p -> layer i+1, position q) become
@@ -226,6 +234,7 @@ class TPProblem:
     classes: tuple[NodeClass, ...]
     edges: tuple[EdgeClass, ...]
     class_of: Mapping[str, str]  # node -> class key
+    strategies_of: Mapping[str, tuple[Strategy, ...]]  # node -> its own strategies, index for index its class's
     bytes_per_param: float
     num_nodes: int
     num_edges: int
@@ -297,9 +306,10 @@ def build_problem(
     captured_float = _captured_float_bytes(G)
     act_ratio = element_bytes(setting.precision) / captured_float
 
-    groups = _classes(G, repeated)
+    own = _own_strategies(G, t, strategies)
+    groups = _split_unlike(G, _classes(G, repeated), own)
     class_of = {n: key for key, members in groups.items() for n in members}
-    strat = {key: tuple(strategies(G, key, t)) for key in groups}
+    strat = {key: own[key] for key in groups}
     for key, ss in strat.items():
         if not ss:
             raise ValueError(f"node {key} ({G.nodes[key]['op']}) has no strategy at t={t}")
@@ -321,9 +331,10 @@ def build_problem(
             cu, cv = class_of[u], class_of[v]
             i_out = input_index(G, v, j)
             nbytes = out_bytes(u, i_out)
-            key = (cu, cv, i_out, j, nbytes)
+            # each end's own strategies: members of a class agree on layouts, not on which inputs carry gradients
+            key = (id(own[u]), id(own[v]), i_out, j, nbytes)
             if key not in matrix_cache:
-                matrix_cache[key] = _edge_matrix(strat[cu], strat[cv], i_out, j, nbytes, t, link, setting.inference)
+                matrix_cache[key] = _edge_matrix(own[u], own[v], i_out, j, nbytes, t, link, setting.inference)
             fwd, bwd = matrix_cache[key]
             if cu == cv:  # both ends run the same strategy
                 for s in range(len(strat[cu])):
@@ -341,10 +352,10 @@ def build_problem(
     classes = []
     for key, members in groups.items():
         costs = []
-        for s, st in enumerate(strat[key]):
+        for s in range(len(strat[key])):
             compute = internal = act = 0.0
             for n in members:
-                a = G.nodes[n]
+                a, st = G.nodes[n], own[n][s]
                 flops = a.get("flops_fwd", 0) + (0 if setting.inference else a.get("flops_bwd", 0))
                 if flops:
                     compute += compute_time(flops * st.compute_fraction * beta(n), cluster, setting.precision)
@@ -353,14 +364,53 @@ def build_problem(
                 if not setting.inference:
                     act += a.get("saved_bytes", 0) * st.memory_fraction * beta(n) * act_ratio
             fwd_s, bwd_s, valid = folded[key][s]
-            numel = _param_numel(G, members, st, t)
+            numel = _param_numel(G, members, strat[key][s], t)
             step = (param_step_time(numel, state, setting.dp, dp_link, cluster, zero_stage=setting.zero_stage,
                                     micro_batches=setting.grad_accum) if numel and not setting.inference else 0.0)
             costs.append(StrategyCost(compute, internal, fwd_s, bwd_s, numel, step, act, bool(valid)))
         classes.append(NodeClass(key, tuple(members), strat[key], tuple(costs)))
     edges = tuple(EdgeClass(cu, cv, acc["count"], acc["fwd"], acc["bwd"]) for (cu, cv), acc in edge_acc.items())
     held = sharded_state(state, setting.zero_stage, setting.dp)
-    return TPProblem(setting, tuple(classes), edges, class_of, held.total, G.number_of_nodes(), num_edges)
+    return TPProblem(setting, tuple(classes), edges, class_of, {n: own[n] for n in class_of}, held.total,
+                     G.number_of_nodes(), num_edges)
+
+
+def _own_strategies(G: nx.DiGraph, t: int, strategies: StrategyFn) -> dict[str, tuple[Strategy, ...]]:
+    """Every node's own strategy list; equal lists are one object (the edge costs are cached by identity)."""
+    interned: dict[tuple[Strategy, ...], tuple[Strategy, ...]] = {}
+    own = {}
+    for n in G.nodes:
+        ss = tuple(strategies(G, n, t))
+        own[n] = interned.setdefault(ss, ss)
+    return own
+
+
+def _layouts(ss: Sequence[Strategy]) -> tuple:
+    """What tying may share between members: each strategy's layouts and costs, not its gradients."""
+    return tuple((s.name, s.out, s.ins, s.compute_fraction, s.memory_fraction, s.internal) for s in ss)
+
+
+def _split_unlike(G: nx.DiGraph, groups: dict[str, list[str]],
+                  own: Mapping[str, tuple[Strategy, ...]]) -> dict[str, list[str]]:
+    """Each class split into members whose strategy lists match layout for layout.
+
+    Members may still differ in which inputs carry a gradient (the first of a
+    stack of layers reads the model's input, the others the previous layer's
+    output): they keep their own strategies, index for index, so tying picks
+    one layout for all and never changes what a member's own inputs need.
+    """
+    out: dict[str, list[str]] = {}
+    for members in groups.values():
+        if len(members) == 1:
+            out[members[0]] = members
+            continue
+        by_layout: dict[tuple, list[str]] = {}
+        for n in members:
+            by_layout.setdefault(_layouts(own[n]), []).append(n)
+        for part in by_layout.values():
+            out[part[0]] = part
+    position = {n: i for i, n in enumerate(G.nodes)}
+    return dict(sorted(out.items(), key=lambda kv: position[kv[0]]))  # graph order, as _classes gives
 
 
 def _edge_matrix(src: Sequence[Strategy], dst: Sequence[Strategy], i_out: int, j: int, nbytes: float, t: int,
@@ -634,8 +684,7 @@ def evaluate(problem: TPProblem, pick: Mapping[str, int], report: TPSolveReport 
     if report is None:
         report = TPSolveReport("evaluate", "EVALUATED", total, total, 0.0, 0.0, 0.0, 0, 0,
                                len(problem.classes), problem.num_nodes)
-    strategies = {c.key: c.strategies for c in problem.classes}
-    choice = {n: strategies[k][pick[k]] for n, k in problem.class_of.items()}
+    choice = {n: problem.strategies_of[n][pick[k]] for n, k in problem.class_of.items()}
     return TPSolution(choice, dict(pick), compute, fwd, bwd, internal, step, numel, act, memory, report)
 
 

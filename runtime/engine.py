@@ -352,8 +352,8 @@ class ParallelModel(nn.Module):
         tp = self.tensor_parallel
         if tp is None:
             return {k: b for k, b in self.module.named_buffers() if k in self._persistent}
-        return {tp.captured.buffer_nodes[n]: b for n, b in tp.buffers_by_node().items()
-                if tp.captured.buffer_nodes[n] in self._persistent}
+        return {tp.buffer_nodes[n]: b for n, b in tp.buffers_by_node().items()
+                if tp.buffer_nodes[n] in self._persistent}
 
     def save_checkpoint(self, path: str | Path, *, extra: dict | None = None, async_save: bool = False) -> Any:
         """Save this run's state to directory ``path`` with torch.distributed.checkpoint, each rank

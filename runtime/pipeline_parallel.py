@@ -50,7 +50,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping
 
 import torch
 import torch.distributed as dist
@@ -166,16 +166,17 @@ def _tensor_vals(val: Any) -> list[Any]:
 
 def _rebuild(meta: Any, tensors: Iterable[torch.Tensor]) -> Any:
     """``meta``'s structure (a tensor, or nested tuples / lists) with its tensors replaced in order."""
-    it = iter(tensors)
+    return _fill(meta, iter(tensors))
 
-    def go(v: Any) -> Any:
-        if isinstance(v, torch.Tensor):
-            return next(it)
-        if isinstance(v, (tuple, list)):
-            return type(v)(go(x) for x in v)
-        return v
 
-    return go(meta)
+def _fill(v: Any, it: Iterator[torch.Tensor]) -> Any:
+    # A module-level function, not a closure calling itself: that closure would be a reference
+    # cycle holding the received tensors until the garbage collector runs.
+    if isinstance(v, torch.Tensor):
+        return next(it)
+    if isinstance(v, (tuple, list)):
+        return type(v)(_fill(x, it) for x in v)
+    return v
 
 
 # -- one stage ---------------------------------------------------------------------
@@ -212,8 +213,7 @@ class PipelineStage(nn.Module):
         self.tp = TensorParallel(module, plan, tp_group, loss_fn=loss_fn, counter=counter, device=device,
                                  checkpoint=checkpoint, keep=lambda n: stage_of.get(n.name) == self.index)
         graph = self.tp.graph_module.graph
-        captured = self.tp.captured
-        held = lambda n: n.name in captured.param_nodes or n.name in captured.buffer_nodes  # noqa: E731
+        held = lambda n: n.name in self.tp.param_nodes or n.name in self.tp.buffer_nodes  # noqa: E731
         self.stages = split_stages(graph, stage_of, p, held)
         self.graph = self.stages[self.index]
         self.grad_nodes = differentiable(graph)
@@ -221,7 +221,7 @@ class PipelineStage(nn.Module):
         self.next = dist.get_global_rank(self.pp_group, self.index + 1) if self.index < p - 1 else None
         self.held = [n for n in graph.nodes if n.op == "placeholder" and self.tp.holds(n)]
         self.trace = TraceRecorder(self.rank, self.index)
-        self._tied = self._tie_groups(mesh, stage_of, captured)
+        self._tied = self._tie_groups(mesh, stage_of)
         self._inflight: dict[int, _InFlight] = {}
         self._sends: list[tuple[dist.Work, torch.Tensor]] = []
 
@@ -234,17 +234,18 @@ class PipelineStage(nn.Module):
 
     # -- tied parameters ---------------------------------------------------------
 
-    def _tie_groups(self, mesh: Any, stage_of: Mapping[str, int], captured: Any
+    def _tie_groups(self, mesh: Any, stage_of: Mapping[str, int]
                     ) -> list[tuple[str, nn.Parameter, dist.ProcessGroup, tuple[int, ...]]]:
-        """(name, this stage's copy, the group of its copies, their ranks) for each parameter held on several
-        stages, by name: the plan's stage map and the graph decide it (``tied_stages``), so every
-        stage derives the same list in the same order. Every rank creates every group, in that
-        order (``new_group`` is collective)."""
+        """(name, this stage's copy, the group of its copies, their ranks) for each parameter held on
+        several stages, by name: the plan's stage map and the graph decide it (``tied_stages``), so
+        every stage derives the same list in the same order. Every rank creates every group, in
+        that order (``new_group`` is collective)."""
         graph = self.tp.graph_module.graph
-        readers = {n.name: [u.name for u in n.users] for n in graph.nodes if n.name in captured.param_nodes}
+        param_nodes = self.tp.param_nodes
+        readers = {n.name: [u.name for u in n.users] for n in graph.nodes if n.name in param_nodes}
         m, local = self.plan.mesh, self.local_parameters()
         out = []
-        for q, stages in tied_stages(captured.param_nodes, readers, stage_of).items():
+        for q, stages in tied_stages(param_nodes, readers, stage_of).items():
             for dp in range(m.dp):
                 for tp in range(m.tp):
                     ranks = [m.rank(pp=s, dp=dp, tp=tp) for s in stages]

@@ -503,9 +503,9 @@ class TensorParallel(nn.Module):
         self.plan = plan
         self.device = device
         self.decisions = {d.name: d for d in plan.nodes}
-        captured = _capture(module, plan, loss_fn)
-        self.captured = captured
+        captured = _capture(module, plan, loss_fn)  # dropped after loading: it holds the lifted constants
         self.graph_module = captured.graph_module
+        self.param_nodes, self.buffer_nodes = captured.param_nodes, captured.buffer_nodes  # placeholder -> name
         self._check_graph(captured)
         # The nodes this rank runs (a pipeline stage's; all by default): it holds the
         # parameters and buffers they read, and no others.
@@ -622,8 +622,8 @@ class TensorParallel(nn.Module):
             value = state.get(qualified) if state is not None else None
             if value is None:
                 value = buffers.get(qualified)
-            if value is None and captured.exported is not None:
-                value = captured.exported.constants.get(qualified)
+            if value is None:
+                value = captured.constants.get(qualified)
             if value is None or value.device.type == "meta" or isinstance(value, FakeTensor):
                 raise PlanError(f"buffer {qualified} has no value: it is not in the checkpoint and the "
                                 f"module holds no real tensor for it",
@@ -647,7 +647,7 @@ class TensorParallel(nn.Module):
         return out[-1] if isinstance(out, (tuple, list)) and targets is not None else out
 
     def buffers_by_node(self) -> dict[str, torch.Tensor]:
-        """The buffers this rank holds, by placeholder name (``captured.buffer_nodes`` names them)."""
+        """The buffers this rank holds, by placeholder name (``buffer_nodes`` names them)."""
         return dict(self._buffers_by_node)
 
     def holds(self, n: torch.fx.Node) -> bool:

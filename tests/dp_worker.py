@@ -109,9 +109,16 @@ def _grab_grads(opt: torch.optim.Optimizer, store: list) -> None:
 
 
 def reference_step(reference: torch.nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callable,
-                   x: torch.Tensor, y: torch.Tensor, grads: dict[str, torch.Tensor] | None = None) -> float:
-    """One single-process step on the whole global batch; its gradients into ``grads`` if given."""
-    loss = loss_fn(reference(x), y)
+                   x: torch.Tensor, y: torch.Tensor, grads: dict[str, torch.Tensor] | None = None, *,
+                   micro_batch: int | None = None) -> float:
+    """One single-process step on the whole global batch; its gradients into ``grads`` if given.
+
+    With ``micro_batch`` the batch runs as consecutive micro-batches of that many rows and the
+    loss is their mean, as a plan's step computes it (equal to the whole batch's mean loss unless
+    a layer mixes rows: BatchNorm's statistics are the micro-batch's)."""
+    chunks = [slice(None)] if micro_batch is None else [slice(i, i + micro_batch)
+                                                          for i in range(0, x.shape[0], micro_batch)]
+    loss = sum(loss_fn(reference(x[rows]), y[rows]) for rows in chunks) / len(chunks)
     loss.backward()
     if grads is not None:
         grads.update({n: p.grad.detach().clone() for n, p in reference.named_parameters()})

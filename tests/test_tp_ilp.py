@@ -31,6 +31,8 @@ def _profile(kind: str, layers: int = 1, width: int = 4096, heads: int = 32, voc
         captured = capture(lambda: MLP(width, 4 * width, width, 2), [parse_input_spec(spec)],
                            loss=lambda out, y: ((out - y) ** 2).mean(), targets=parse_input_spec(
                                spec.replace("x=", "y=")))
+    elif kind == "mlp4":  # four equal layers: one repeated block whose first layer reads the model input
+        captured = capture(lambda: MLP(width, width, width, 4), [parse_input_spec(spec)], loss=default_loss)
     elif kind == "gpt":
         cfg = GPTConfig(vocab_size=vocab, block_size=2048, n_layer=layers, n_head=heads, n_embd=width)
         captured = capture(lambda: GPT(cfg), [parse_input_spec(spec)], loss=default_loss)
@@ -157,3 +159,60 @@ def test_unknown_solver_is_refused():
     prof = _profile("mlp", width=1024, spec="x=float32[512,1024]")
     with pytest.raises(ValueError, match="not one of"):
         solve_tp(_problem(prof, 2), solver="GUROBI")
+
+
+# -- tying shares a layout, never a member's own inputs' needs ----------------------------------
+
+
+def test_tied_layers_keep_their_own_backward_reshards():
+    """An MLP's four Linear layers are one repeated class. Layer 0 reads the model input (no
+    gradient flows into it); layers 1-3 read the previous layer's output, so where the plan splits
+    them their input's gradient must be resharded in backward (a column-split linear's partial
+    gradient reduce-scattered back to the shard(1) its producer holds). The first member's
+    strategy used to be copied to all four, with its "no gradient" input: the run then failed in
+    its first backward (issue 16)."""
+    from partita.compiler.compile import compile_model
+    from partita.passes.cluster import load_cluster
+    from partita.passes.constraints import Pins
+    from partita.passes.tp_strategies import NONE, grad_convention, node_strategies, reshard_kind
+
+    result = compile_model(lambda: MLP(1024, 1024, 1024, 4), [parse_input_spec("x=float32[128,1024]")],
+                           load_cluster("local", devices=2), pins=Pins(world_size=2, tp=2))
+    plan, G = result.plan, result.profile.graph
+    assert [(r.prefix, r.indices) for r in result.profile.repeated] == [("layers", [0, 1, 2, 3])]
+    linears = {d.module: d for d in plan.nodes if d.op == "aten.linear.default"}
+    assert set(linears) == {f"layers.{i}" for i in range(4)}
+    assert len({d.strategy for d in linears.values()}) == 1  # tied: one layout for the four
+    assert linears["layers.0"].strategy != "replicate"  # the case that failed: a split layer
+    for i in range(4):
+        x = linears[f"layers.{i}"].ins[0]  # the activation (then weight, bias)
+        if i == 0:
+            assert (x.grad, x.bwd) == (NONE, "none")
+            continue
+        assert x.grad != NONE and x.grad_need == grad_convention(x.have)
+        assert x.bwd == reshard_kind(x.grad, x.grad_need) != "none", (i, x)
+    # every node's decision is its own strategy's, input for input
+    for d in plan.nodes:
+        own = next(s for s in node_strategies(G, d.name, 2) if s.name == d.strategy)
+        assert tuple(lay.grad for lay in d.ins) == own.grads, d.name
+
+
+def test_a_member_offered_other_layouts_gets_its_own_class():
+    """Tying shares a choice among members whose strategy lists agree layout for layout; a member
+    offered other layouts (here: layer 2's linear without "col") is solved on its own."""
+    from partita.passes.tp_strategies import node_strategies
+
+    prof = _profile("mlp4", width=256, spec="x=float32[64,256]")
+    G = prof.graph
+    lin2 = next(n for n, a in G.nodes(data=True) if a["module"] == "layers.2" and a["op"] == "aten.linear.default")
+
+    def strategies(G, n, t):
+        return [s for s in node_strategies(G, n, t) if n != lin2 or s.name != "col"]
+
+    s = TPSetting(2, 64, 64, "fp32")
+    tied = build_problem(G, s, A100, repeated=prof.repeated)
+    other = build_problem(G, s, A100, repeated=prof.repeated, strategies=strategies)
+    assert len(other.classes) == len(tied.classes) + 1 and other.class_of[lin2] == lin2
+    sol = solve_tp(other)
+    assert sol.choice[lin2].name != "col"
+    assert all(st in strategies(G, n, 2) for n, st in sol.choice.items())

@@ -1,0 +1,182 @@
+"""Checks run inside each rank of the memory-per-rank test (see test_runtime_memory.py).
+
+Each rank runs a plan of the example GPT (4.2M parameters) at tp=2 or pp=2 and
+counts the bytes of every live tensor it holds (each storage once; fake and meta
+tensors hold none), with the garbage collector off from before the model is
+built, so that memory only a collection would free counts as held:
+
+- after building: the parameters this rank's part of the plan holds, and
+  nothing else (no captured program's copy of the model, no full weights);
+- at each optimizer step (its pre-hook): those, their gradients and, from the
+  second step, AdamW's state;
+- after each step: the parameters and AdamW's state;
+
+each against the cost model's model state for the parameters the plan places
+on this rank (``model_state_memory`` of their local elements, which the plan's
+``predicted.memory`` states for its most loaded device). After each step a
+collection (``DEBUG_SAVEALL``) must find no tensor in a reference cycle.
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+import time
+from typing import Callable, Iterable
+
+import torch
+import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensor
+
+from dp_worker import run_launch
+from examples.models import GPT, GPTConfig
+from partita.compiler.api import default_loss
+from partita.compiler.plan import Plan, load_plan
+from partita.passes.cost_model import model_state_memory, state_bytes_per_param
+from partita.runtime.distributed import DistContext
+from partita.runtime.engine import ParallelModel
+
+VOCAB, SEQ, BATCH, STEPS = 2048, 32, 8, 3
+# What the cost model leaves out, beyond the parameters, gradients and AdamW's moments: AdamW's
+# step counter, one float32 scalar per parameter tensor (added per tensor below), and slack for
+# a scalar or two (the step's loss). Any tensor of the model is larger: the smallest one, a
+# LayerNorm bias, is 1 KiB, 512 B on a tp rank; a captured copy of the model is 17 MB.
+SLACK_BYTES = 256
+
+
+def gpt() -> GPT:
+    """examples/models.py's GPT at 4.2M parameters (17 MB in fp32)."""
+    return GPT(GPTConfig(vocab_size=VOCAB, block_size=64, n_layer=4, n_head=4, n_embd=256))
+
+
+def adamw(params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=1e-3)
+
+
+def live_storages(extra: Iterable[torch.Tensor] = ()) -> dict[int, int]:
+    """data_ptr -> bytes of every storage a live (gc-tracked) tensor, or one of ``extra``, holds."""
+    out: dict[int, int] = {}
+    for t in (*(o for o in gc.get_objects() if isinstance(o, torch.Tensor)), *extra):
+        if isinstance(t, FakeTensor) or t.device.type == "meta":
+            continue
+        try:
+            s = t.untyped_storage()
+        except (RuntimeError, NotImplementedError):  # no storage (sparse, nested): nothing here
+            continue
+        if s.nbytes():
+            out[s.data_ptr()] = s.nbytes()
+    return out
+
+
+def garbage_tensors() -> list[str]:
+    """The tensors a collection finds in reference cycles (shape and dtype each), then freed."""
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    try:
+        gc.collect()
+        found = [f"{tuple(o.shape)} {o.dtype}" for o in gc.garbage if isinstance(o, torch.Tensor)]
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+    gc.collect()  # without DEBUG_SAVEALL: the cycles are freed
+    return found
+
+
+def _plan(ctx: DistContext, pins: dict, outdir: str) -> Plan:
+    """Rank 0 compiles the plan (as `partita compile` would), the others read it."""
+    path = f"{outdir}/gpt-{'-'.join(f'{k}{v}' for k, v in pins.items())}.plan.json"
+    if ctx.rank == 0:
+        from partita.compiler.compile import compile_model
+        from partita.compiler.inputs import parse_input_spec
+        from partita.passes.cluster import load_cluster
+        from partita.passes.constraints import Pins
+
+        compile_model(gpt, [parse_input_spec(f"idx=int64[{BATCH},{SEQ}]")],
+                      load_cluster("local", devices=ctx.world_size), optimizer="adamw",
+                      pins=Pins(world_size=ctx.world_size, **pins)).plan.save(path)
+    dist.barrier()
+    return load_plan(path, world_size=ctx.world_size)
+
+
+def predicted_state(plan: Plan, stage: int):
+    """The cost model's model state of the parameters the plan places on ``stage``, per device."""
+    tp = plan.mesh.tp
+    numel = sum(math.prod(p.shape) // (tp if p.layout.get("tp", "replicate").startswith("shard") else 1)
+                for p in plan.params if p.stage == stage)
+    state = state_bytes_per_param(plan.training.precision, plan.training.optimizer)
+    return model_state_memory(numel, state, zero_stage=plan.training.zero_stage, dp=plan.mesh.dp)
+
+
+def check(ctx: DistContext, outdir: str, pins: dict) -> dict:
+    plan = _plan(ctx, pins, outdir)
+    stages = range(plan.mesh.pp)
+    # The plan's predicted memory is its most loaded device's: the largest stage's model state.
+    most = max((predicted_state(plan, s) for s in stages), key=lambda m: m.params)
+    assert (most.params, most.grads, most.optimizer) == (
+        plan.predicted.memory.params, plan.predicted.memory.grads, plan.predicted.memory.optimizer), (pins, most)
+
+    g = torch.Generator().manual_seed(1)
+    idx = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=g)
+    x, y = idx[:, :-1], idx[:, 1:]
+    gc.collect()
+    gc.disable()  # from here, memory that only a collection would free counts as held
+    try:
+        before = live_storages()
+
+        def held(bound: int, extra: Callable[[], Iterable[torch.Tensor]] = tuple) -> int:
+            """Bytes of the tensors made since ``before``. A synchronous gloo collective's work
+            object can keep its tensors for a moment after the call returns (released on gloo's
+            own thread): while above ``bound``, measure again, for up to half a second."""
+            for _ in range(50):
+                got = sum(b for ptr, b in live_storages(extra()).items() if ptr not in before)
+                if got <= bound:
+                    break
+                time.sleep(0.01)
+            return got
+
+        torch.manual_seed(0)
+        model = ParallelModel(gpt(), plan, loss_fn=default_loss, optimizer=adamw, ctx=ctx)
+        stage = model._program.pipeline.index if model._program.pipeline is not None else 0
+        want = predicted_state(plan, stage)
+        params = list(model.parameters())
+        assert sum(p.numel() * p.element_size() for p in params) == want.params, (pins, stage)
+        counters = 4 * len(params)  # AdamW's step counters, from the first update on
+        # (what is measured, the plan's prediction of it, the step counters it may add)
+        expected = {"after building": (want.params, 0)}
+        for k in range(STEPS):
+            moments, extra = (want.optimizer, counters) if k > 0 else (0, 0)  # AdamW's state: from step 0's update
+            expected[f"at step {k}'s update"] = (want.params + want.grads + moments, extra)
+            expected[f"after step {k}"] = (want.params + want.optimizer, counters)
+        bound = {what: want_b + extra + SLACK_BYTES for what, (want_b, extra) in expected.items()}
+        measured = {"after building": held(bound["after building"])}
+
+        def at_update(opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+            what = f"at step {len(measured) // 2}'s update"
+            measured[what] = held(bound[what], lambda: [p.grad for p in params if p.grad is not None])
+        model.optimizer.register_step_pre_hook(at_update)
+        garbage = []
+        for k in range(STEPS):
+            model.train_step(x, targets=y)
+            measured[f"after step {k}"] = held(bound[f"after step {k}"])
+            garbage.append(garbage_tensors())  # an explicit collection: gc stays off for the next step
+    finally:
+        gc.enable()
+
+    assert list(measured) == list(expected), list(measured)
+    for what, got in measured.items():
+        want_b, extra = expected[what]
+        assert want_b <= got <= bound[what], (
+            f"{pins} rank {ctx.rank} stage {stage} {what}: holds {got:,} bytes of tensors, "
+            f"the plan predicts {want_b:,} (+ {extra} B of step counters, + {SLACK_BYTES} B)")
+    assert garbage == [[]] * STEPS, (pins, ctx.rank, "tensors in reference cycles after each step", garbage)
+    return {"case": f"gpt/{'-'.join(f'{k}{v}' for k, v in pins.items())}", "stage": stage,
+            "predicted": {"params": want.params, "grads": want.grads, "optimizer": want.optimizer},
+            "measured": measured}
+
+
+LAUNCHES: dict[str, tuple[int, Callable[[DistContext, str], list[dict]]]] = {
+    "tp2+pp2": (2, lambda ctx, out: [check(ctx, out, dict(tp=2)), check(ctx, out, dict(pp=2))]),
+}
+
+
+def worker(rank: int, launch: str, port: int, outdir: str) -> None:
+    run_launch(rank, LAUNCHES[launch], port, outdir)
