@@ -118,8 +118,9 @@ def _report(e: object, errors: Path) -> int:
     codes = {rank: f.exitcode for rank, f in getattr(e, "failures", {}).items()}
     if EXIT_HUNG in codes.values():
         return EXIT_HUNG  # the watchdog's report is above
-    rank, code = min(codes.items()) if codes else (None, 1)
-    print(f"partita run: rank {rank} failed with exit code {code}; its output is above", file=sys.stderr, flush=True)
+    rank, first = e.get_first_failure() if codes else (None, None)  # the root cause: the others were stopped
+    code = first.exitcode if first is not None else 1
+    print(f"the run failed: rank {rank} exited with code {code}; its output is above", file=sys.stderr, flush=True)
     return code if isinstance(code, int) and code > 0 else 1
 
 
