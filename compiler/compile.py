@@ -44,7 +44,9 @@ from partita.passes.pipeline_parallel import stage_links
 from partita.passes.profile import ModelProfile, profile_model
 from partita.passes.data_parallel import gradient_buckets
 from partita.passes.search import Decision, plan_search
-from partita.passes.tp_layout import layout_decisions, recompute_collectives, tensor_bytes, tp_collectives
+from partita.passes.tp_layout import (
+    forward_collectives, layout_decisions, recompute_collectives, tensor_bytes, tp_collectives,
+)
 
 MAX_ALTERNATIVES = 12
 
@@ -204,7 +206,7 @@ def build_plan(
     params = _param_decisions(captured, G, d)
     stages = d.stages or (_single_stage(profile, captured, times, d),)
     tied = _tied(captured, G, d) if d.mesh.pp > 1 else {}
-    collectives = (_dp_collectives(params, tied, d, cluster, request) + _tp_plan_collectives(nodes, d, cluster)
+    collectives = (_dp_collectives(params, tied, d, cluster, request) + _tp_plan_collectives(nodes, d, cluster, inference=request.inference)
                    + _pp_collectives(captured, nodes, d, cluster, request) + _tied_collectives(params, tied, d, cluster,
                                                                                          request))
     model = ModelInfo(
@@ -396,8 +398,10 @@ def _dp_collectives(params: Sequence[ParamDecision], tied: Mapping[str, tuple[in
     return tuple(out)
 
 
-def _tp_plan_collectives(nodes: Sequence[Any], d: Decision, cluster: ClusterSpec) -> tuple[Collective, ...]:
-    """Each stage's TP collectives of one micro-batch (tp_collectives), times the micro-batches."""
+def _tp_plan_collectives(nodes: Sequence[Any], d: Decision, cluster: ClusterSpec, *,
+                         inference: bool = False) -> tuple[Collective, ...]:
+    """Each stage's TP collectives of one micro-batch (tp_collectives; the forward's alone for an
+    inference plan), times the micro-batches."""
     tp = d.mesh.tp
     if tp <= 1:
         return ()
@@ -406,7 +410,7 @@ def _tp_plan_collectives(nodes: Sequence[Any], d: Decision, cluster: ClusterSpec
     recomputed = {st.index for st in d.stages if st.recompute}
     for s in range(d.mesh.pp):
         mine = [n for n in nodes if n.stage == s]
-        listed = tp_collectives(mine)
+        listed = forward_collectives(mine) if inference else tp_collectives(mine)
         if s in recomputed:  # the layers' forward runs again in backward, its collectives with it
             listed += recompute_collectives([n for n in mine if n.layer])
         out += [Collective(kind=kind, axis=MeshAxis.TP.value, bytes=nbytes, count=calls * d.grad_accum_steps,
@@ -442,9 +446,15 @@ def _pp_collectives(captured: CapturedModel, nodes: Sequence[Any], d: Decision, 
         sends[(s, "forward", nbytes)] = sends.get((s, "forward", nbytes), 0) + 1
         if grad and not request.inference:
             sends[(s + 1, "backward", nbytes)] = sends.get((s + 1, "backward", nbytes), 0) + 1
-    out = [Collective(kind="broadcast", axis=MeshAxis.PP.value, bytes=4, count=1, group_size=d.mesh.pp,
-                      purpose="the step's loss from the last stage to every stage",
-                      seconds=collective_time("broadcast", 4, d.mesh.pp, cluster.inter_link))]
+    if request.inference:  # runtime/pipeline_parallel.py ``infer``: the whole output to every stage
+        out_bytes = d.grad_accum_steps * sum(lay.bytes for n in nodes if n.op == "output" for lay in n.ins)
+        out = [Collective(kind="broadcast", axis=MeshAxis.PP.value, bytes=out_bytes, count=1, group_size=d.mesh.pp,
+                          purpose="the output from the last stage to every stage",
+                          seconds=collective_time("broadcast", out_bytes, d.mesh.pp, cluster.inter_link))]
+    else:
+        out = [Collective(kind="broadcast", axis=MeshAxis.PP.value, bytes=4, count=1, group_size=d.mesh.pp,
+                          purpose="the step's loss from the last stage to every stage",
+                          seconds=collective_time("broadcast", 4, d.mesh.pp, cluster.inter_link))]
     links = stage_links(cluster, d.mesh.pp, d.mesh.dp, d.mesh.tp)  # the planner's: its cuts were priced on them
     for (s, direction, nbytes), count in sorted(sends.items()):
         link = links[s if direction == "forward" else s - 1]

@@ -126,18 +126,26 @@ def tp_collectives(decisions: tuple[NodeDecision, ...] | list[NodeDecision]) -> 
 _BACKWARD_INTERNAL = {(op, "vocab"): 1 for op in ("softmax", "_softmax", "log_softmax", "_log_softmax")}
 
 
-def recompute_collectives(decisions: tuple[NodeDecision, ...] | list[NodeDecision]) -> list[tuple[str, int, int, str]]:
-    """(kind, bytes, calls, purpose) that recomputing ``decisions`` in backward runs again per
-    micro-batch: their forward reshards and the forward part of their internal collectives."""
+def forward_collectives(decisions: tuple[NodeDecision, ...] | list[NodeDecision], *,
+                        why: str = "") -> list[tuple[str, int, int, str]]:
+    """(kind, bytes, calls, purpose) of the forward alone per micro-batch: the forward reshards and
+    the forward part of the ops' internal collectives (an inference step; ``why`` is added to
+    each purpose)."""
     calls: Counter = Counter()
     for d in decisions:
         for lay in d.ins:
             if lay.fwd not in _LOCAL:
-                calls[(lay.fwd, lay.bytes, "forward reshard, again when the layer is recomputed")] += 1
+                calls[(lay.fwd, lay.bytes, f"forward reshard{why}")] += 1
         packet = d.op.split(".")[1] if d.op.startswith("aten.") else d.op
         back = _BACKWARD_INTERNAL.get((packet, d.strategy), 0)
         for entry in d.internal[:len(d.internal) - back]:
             kind, _, nbytes = entry.partition(":")
-            calls[(kind, int(nbytes), f"{internal_purpose(d.op, d.strategy)}, again when the layer is recomputed")] += 1
+            calls[(kind, int(nbytes), f"{internal_purpose(d.op, d.strategy)}{why}")] += 1
     return sorted((k, b, n, p) for (k, b, p), n in calls.items())
+
+
+def recompute_collectives(decisions: tuple[NodeDecision, ...] | list[NodeDecision]) -> list[tuple[str, int, int, str]]:
+    """(kind, bytes, calls, purpose) that recomputing ``decisions`` in backward runs again per
+    micro-batch: their forward collectives (``forward_collectives``)."""
+    return forward_collectives(decisions, why=", again when the layer is recomputed")
 
