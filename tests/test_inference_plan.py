@@ -4,6 +4,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from examples.models import gpt_tiny  # noqa: E402
 from partita.compiler.compile import compile_model  # noqa: E402
