@@ -436,7 +436,7 @@ class ParallelModel(nn.Module):
         self.collectives.reset()
         with FLIGHT.running():  # the watchdog (runtime/watchdog.py) bounds every wait inside
             loss = self._train_step(xs, y)
-            self._checkpoint_if_due()
+        self._checkpoint_if_due()  # outside: writing a large checkpoint may take longer than the limit
         return loss
 
     def _train_step(self, xs: list[torch.Tensor], y: torch.Tensor) -> float:
