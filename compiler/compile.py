@@ -20,7 +20,6 @@ from partita.compiler.losses import resolve_loss
 from partita.compiler.plan import (
     Collective,
     MeshAxis,
-    Mesh,
     ModelInfo,
     ParamDecision,
     Plan,
@@ -45,7 +44,7 @@ from partita.passes.profile import ModelProfile, profile_model
 from partita.passes.data_parallel import gradient_buckets
 from partita.passes.search import Decision, plan_search
 from partita.passes.tp_layout import (
-    forward_collectives, layout_decisions, recompute_collectives, tensor_bytes, tp_collectives,
+    forward_collectives, layout_decisions, recompute_collectives, tp_collectives,
 )
 
 MAX_ALTERNATIVES = 12

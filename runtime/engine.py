@@ -390,7 +390,7 @@ class ParallelModel(nn.Module):
         size = t.shape[0] if t.dim() > 0 else None
         if size != expected:
             scope = (f"this rank's share (global_batch={tr.global_batch} / dp={p.dp_size})"
-                     if local else f"the plan's global_batch")
+                     if local else "the plan's global_batch")
             raise PartitaError(
                 f"train_step got {what} with batch size {size}, but {scope} is {expected}",
                 hint=None if local else "pass the same global batch on every rank, or local=True "
@@ -425,7 +425,6 @@ class ParallelModel(nn.Module):
         run as ``grad_accum_steps`` micro-batches of ``micro_batch_size``; the
         gradient is that of the mean loss over the global batch.
         """
-        tr, p = self.plan.training, self._program
         if self.optimizer is None:
             raise PlanError("this is an inference plan (optimizer \"none\"): call the model, not train_step",
                             hint="compile a training plan to train")

@@ -36,6 +36,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator, Mapping
 
 import torch
@@ -369,22 +370,18 @@ def load(model: "ParallelModel", path: Any) -> dict:
 COMPLETE = "partita-complete.json"  # written last, by rank 0, once every rank's write has returned
 
 
-def step_dir(root: Any, step: int) -> "Path":
-    from pathlib import Path
-
+def step_dir(root: Any, step: int) -> Path:
     return Path(root) / f"step-{step:08d}"
 
 
-def latest(root: Any) -> "Path | None":
+def latest(root: Any) -> Path | None:
     """The newest complete checkpoint under ``root`` (a save a kill interrupted has no marker)."""
-    from pathlib import Path
-
     root = Path(root)
     done = sorted(p for p in root.glob("step-*") if (p / COMPLETE).is_file()) if root.is_dir() else []
     return done[-1] if done else None
 
 
-def save_periodic(model: "ParallelModel", root: Any, extra: dict | None = None) -> "Path":
+def save_periodic(model: "ParallelModel", root: Any, extra: dict | None = None) -> Path:
     """Save under ``root/step-NNNNNNNN`` and mark it complete once every rank has written."""
     path = step_dir(root, model.step)
     save(model, path, extra=extra)
@@ -422,8 +419,6 @@ def open_weights(path: Any) -> Mapping[str, torch.Tensor]:
     """Pretrained weights as a mapping read lazily: a ``torch.save``d state dict (memory-mapped: a
     rank touches only the pages of the tensors and slices it takes) or a ``.safetensors`` file
     (a rank reads only the tensors its stage holds)."""
-    from pathlib import Path
-
     from partita.compiler.errors import PartitaError
 
     path = Path(path)

@@ -81,18 +81,23 @@ def batches(name: str):
         yield x, y
 
 
-def reference(name: str) -> tuple[list[float], dict]:
-    model = build(name)
-    opt = optimizer(model.parameters())
-    loss_fn = resolve_loss(MODELS[name][1])
+def plain_training(model: torch.nn.Module, opt: torch.optim.Optimizer, batches, loss=None) -> tuple[list[float], dict]:
+    """The single-process reference the tests compare with: a plain loop over the whole batch, no
+    partita; the losses and the final state_dict."""
+    loss_fn = resolve_loss(loss)
     losses = []
-    for x, y in batches(name):
-        loss = training_loss(loss_fn, model, (x,), y)
-        loss.backward()
+    for x, y in batches:
+        value = training_loss(loss_fn, model, (x,), y)
+        value.backward()
         opt.step()
         opt.zero_grad()
-        losses.append(loss.item())
+        losses.append(value.item())
     return losses, model.state_dict()
+
+
+def reference(name: str) -> tuple[list[float], dict]:
+    model = build(name)
+    return plain_training(model, optimizer(model.parameters()), batches(name), MODELS[name][1])
 
 
 def main(outdir: Path, runs: list[str]) -> None:

@@ -11,7 +11,6 @@ import pytest
 import torch
 
 import partita
-from partita.compiler.api import default_loss
 from partita.compiler.compile import compile_model
 from partita.compiler.errors import PlanError
 from partita.compiler.inputs import parse_input_spec
@@ -24,6 +23,7 @@ from examples.models import GPT, GPTConfig, gpt_tiny  # noqa: E402
 
 sys.path.insert(0, str(HERE))
 import decorator_script as script  # noqa: E402
+from families_script import plain_training  # noqa: E402
 
 PARTITA = str(Path(sys.executable).with_name("partita"))
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -33,15 +33,7 @@ def reference():
     """A plain loop: whole batch, no partita."""
     torch.manual_seed(0)
     model = gpt_tiny()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-5)
-    losses = []
-    for x, y in script.batches():
-        loss = default_loss(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses, model.state_dict()
+    return plain_training(model, torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-5), script.batches())
 
 
 @pytest.fixture(scope="module")
@@ -83,6 +75,7 @@ def test_outside_torchrun_the_decorated_model_trains_in_one_process(ref):
     assert losses == pytest.approx(ref[0], rel=1e-5, abs=1e-6)
 
 
+@pytest.mark.slow
 def test_under_torchrun_rank0_plans_and_ranks_match_one_process(tmp_path, ref):
     out = tmp_path / "torchrun.json"
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
@@ -118,11 +111,13 @@ def counted_kinds(out: Path) -> set[tuple[str, str]]:
     return {(c[0], c[1]) for c in json.loads(out.read_text())["counted"]}
 
 
+@pytest.mark.slow
 def test_partita_run_with_a_plan_file(tmp_path, ref):
     _, out = compile_and_run(tmp_path, "--devices", "4")
     check(out, ref, 4)
 
 
+@pytest.mark.slow
 def test_partita_run_a_tensor_parallel_plan(tmp_path, ref):
     """The planner's own dp=2 x tp=2 plan (not a hand-built one), run by the runtime: same training."""
     _, out = compile_and_run(tmp_path, "--cluster", fast_cluster(tmp_path), "--tp", "2")
@@ -130,6 +125,7 @@ def test_partita_run_a_tensor_parallel_plan(tmp_path, ref):
     assert any(axis == "tp" for _, axis in counted_kinds(out))  # tensor-parallel collectives ran, as planned
 
 
+@pytest.mark.slow
 def test_partita_run_a_pipeline_plan(tmp_path, ref):
     """The planner's own dp=2 x pp=2 1F1B plan, run by the runtime: same training as one process, and
     rank 0 (stage 0) runs exactly its stage's planned collectives and sends."""
@@ -147,6 +143,7 @@ def test_partita_run_a_pipeline_plan(tmp_path, ref):
     assert "measured" in render_html(load_plan(plan), trace=load_trace(trace))
 
 
+@pytest.mark.slow
 def test_partita_run_zero2_with_tensor_parallelism(tmp_path, ref):
     """ZeRO-2 over dp=2 of the planner's dp=2 x tp=2 plan: same training as one process."""
     _, out = compile_and_run(tmp_path, "--cluster", fast_cluster(tmp_path), "--tp", "2", "--zero", "2")
@@ -155,6 +152,7 @@ def test_partita_run_zero2_with_tensor_parallelism(tmp_path, ref):
     assert {("reduce_scatter", "dp"), ("all_gather", "dp")} <= kinds and any(a == "tp" for _, a in kinds)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("zero", [1, 3])
 def test_partita_run_zero_inside_a_pipeline(tmp_path, ref, zero):
     """ZeRO over dp=2 of the planner's dp=2 x pp=2 1F1B plan: same training as one process, and
@@ -172,6 +170,7 @@ def held_matches_the_plan(out: Path, dp: int) -> None:
     assert 0 <= held - sum(data["predicted_state"]) <= 16 * (dp - 1) * n + 4 * n, (data["held"], data["predicted_state"])
 
 
+@pytest.mark.slow
 def test_partita_run_zero3_with_tensor_parallelism(tmp_path, ref):
     """ZeRO-3 over dp=2 of the planner's dp=2 x tp=2 plan: parameters gathered per graph node."""
     _, out = compile_and_run(tmp_path, "--cluster", fast_cluster(tmp_path), "--tp", "2", "--zero", "3")
@@ -181,6 +180,7 @@ def test_partita_run_zero3_with_tensor_parallelism(tmp_path, ref):
     assert {("reduce_scatter", "dp"), ("all_gather", "dp")} <= kinds and any(a == "tp" for _, a in kinds)
 
 
+@pytest.mark.slow
 def test_partita_run_a_recomputing_tensor_parallel_plan(tmp_path, ref):
     """`--recompute` on the planner's dp=2 x tp=2 plan: every layer reruns its forward in backward.
     Same training as one process, and the TP collectives the recompute repeats are in the plan's
@@ -194,6 +194,7 @@ def test_partita_run_a_recomputing_tensor_parallel_plan(tmp_path, ref):
     assert any("again when the layer is recomputed" in c.purpose for c in p.collectives)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("zero", [1, 3])
 def test_partita_run_a_zero_plan(tmp_path, ref, zero):
     """The planner's ZeRO plans (pinned stage) on 4 processes: same training as one process, and the

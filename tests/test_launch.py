@@ -112,8 +112,6 @@ def test_two_nodes_join_one_rendezvous_and_train_as_one_process(dp2_plan, tmp_pa
 
     import torch
 
-    from partita.compiler.api import default_loss
-
     endpoint = f"127.0.0.1:{_free_port()}"
     outs = [tmp_path / "node0", tmp_path / "node1"]
     procs = []
@@ -129,17 +127,16 @@ def test_two_nodes_join_one_rendezvous_and_train_as_one_process(dp2_plan, tmp_pa
     got = [json.loads(x) for x in sum(((o / "losses.jsonl").read_text().splitlines()
                                        for o in outs if (o / "losses.jsonl").exists()), [])]
     state = torch.load(next(o / "final.pt" for o in outs if (o / "final.pt").exists()), weights_only=True)
+    from families_script import plain_training
+
+    def batches():
+        for step in range(6):
+            g = torch.Generator().manual_seed(1000 + step)
+            seq = torch.randint(0, script.VOCAB, (4, script.SEQ + 1), generator=g)
+            yield seq[:, :-1], seq[:, 1:]
+
     model = script.build("tied-gpt")
-    opt = script.optimizer(model.parameters())
-    want = []
-    for step in range(6):
-        g = torch.Generator().manual_seed(1000 + step)
-        seq = torch.randint(0, script.VOCAB, (4, script.SEQ + 1), generator=g)
-        loss = default_loss(model(seq[:, :-1]), seq[:, 1:])
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        want.append(loss.item())
+    want, _ = plain_training(model, script.optimizer(model.parameters()), batches())
     assert [x["loss"] for x in got] == pytest.approx(want, rel=1e-5, abs=1e-6)
     for k, v in model.state_dict().items():
         if k in state:

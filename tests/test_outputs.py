@@ -3,7 +3,6 @@ dict / ModelOutput, to a tuple's element, to a named field; the model's own loss
 forward with optional arguments; and the CLI's --loss / --output-field / --target."""
 
 import dataclasses
-import sys
 from pathlib import Path
 
 import pytest

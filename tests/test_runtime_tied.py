@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from partita.compiler.api import default_loss
 from partita.compiler.compile import compile_model
 from partita.compiler.inputs import parse_input_spec
 from partita.compiler.plan import tied_stages
@@ -23,6 +22,7 @@ from partita.passes.constraints import Pins
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import tied_script as script  # noqa: E402
+from families_script import plain_training  # noqa: E402
 from test_decorator import calls, fast_cluster  # noqa: E402
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -30,15 +30,7 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 def reference(name: str, batch: int):
     model = script.build(name)
-    opt = script.optimizer(model.parameters())
-    losses = []
-    for x, y in script.batches(batch):
-        loss = default_loss(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses, model.state_dict()
+    return plain_training(model, script.optimizer(model.parameters()), script.batches(batch))
 
 
 def compile_plan(tmp_path: Path, name: str, *, dp: int, batch: int) -> Path:
