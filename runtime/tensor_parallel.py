@@ -477,10 +477,24 @@ class _LocalInterpreter(torch.fx.Interpreter):
         elif name == "unflatten":
             dim = args[1] % val.dim()
             args[2] = list(local_shape(val.shape, d.out[0], g.size))[dim:dim + len(args[2])]
-        out = n.target(*args, **kwargs)
+        if name == "view" and not _viewable(args[0], args[1]):
+            # The captured program's input was laid out so that it could be viewed (a `.contiguous()`
+            # that was a no-op there is not in the graph); a resharded local tensor may not be: copy.
+            out = torch.ops.aten.reshape.default(args[0], args[1])
+        else:
+            out = n.target(*args, **kwargs)
         if name == "mean" and d.out[0] == "partial" and _shard_dim(d.ins[0].need) is not None:
             out = out / g.size  # the local mean over a sharded dim, divided as by the global count
         return out
+
+
+def _viewable(t: torch.Tensor, shape: list[int]) -> bool:
+    """Whether ``t.view(shape)`` works (its strides allow it without a copy)."""
+    try:
+        t.view(shape)
+        return True
+    except RuntimeError:
+        return False
 
 
 class TensorParallel(nn.Module):
