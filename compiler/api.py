@@ -78,6 +78,7 @@ class ParallelizeSpec:
     checkpoint_dir: str | None = None  # runtime/sharded_state.py; None: PARTITA_CHECKPOINT_DIR
     checkpoint_every: int | None = None
     weights: str | None = None  # pretrained weights (torch.save or .safetensors), each rank reading its part
+    check_replicas_every: int | None = None  # runtime/rng.py; None: PARTITA_CHECK_REPLICAS_EVERY (0: off)
 
 
 class Parallelized:
@@ -123,6 +124,7 @@ def parallelize(
     checkpoint_dir: str | None = None,
     checkpoint_every: int | None = None,
     weights: str | None = None,
+    check_replicas_every: int | None = None,
 ) -> Any:
     """Plan and run ``target`` in parallel.
 
@@ -166,7 +168,7 @@ def parallelize(
         precision=precision, optimizer=optimizer or default_optimizer, loss=resolve_loss(loss, output),
         targets=parse_input_spec(targets if "=" in targets else f"targets={targets}") if targets else None,
         plan=plan, pins=pins, watchdog_s=watchdog_s, checkpoint_dir=checkpoint_dir,
-        checkpoint_every=checkpoint_every, weights=weights,
+        checkpoint_every=checkpoint_every, weights=weights, check_replicas_every=check_replicas_every,
     )
     if target is None:
         return lambda t: parallelize(t, **_spec_kwargs(spec))
@@ -183,7 +185,7 @@ def _spec_kwargs(spec: ParallelizeSpec) -> dict[str, Any]:
         batch=spec.batch, precision=spec.precision, optimizer=spec.optimizer, loss=spec.loss, plan=spec.plan,
         targets=str(spec.targets) if spec.targets else None,
         watchdog_s=spec.watchdog_s, checkpoint_dir=spec.checkpoint_dir, checkpoint_every=spec.checkpoint_every,
-        weights=spec.weights,
+        weights=spec.weights, check_replicas_every=spec.check_replicas_every,
         **{("zero" if k == "zero_stage" else k): v for k, v in spec.pins.items()},
     )
 
@@ -253,7 +255,8 @@ def _wrap(module: torch.nn.Module, spec: ParallelizeSpec) -> Any:
         plan = plan_from_data(data, source="plan from rank 0")
     return apply_plan(module, plan, loss_fn=spec.loss, optimizer=spec.optimizer, ctx=ctx,
                       watchdog_s=spec.watchdog_s, checkpoint_dir=spec.checkpoint_dir,
-                      checkpoint_every=spec.checkpoint_every, checkpoint=spec.weights)
+                      checkpoint_every=spec.checkpoint_every, checkpoint=spec.weights,
+                      check_replicas_every=spec.check_replicas_every)
 
 
 def _broadcast_text(text: str, device: torch.device) -> str:

@@ -30,6 +30,7 @@ from partita.compiler.plan import MeshAxis, Plan
 from partita.runtime.data_parallel import CollectiveCounter, GradientAverager
 from partita.runtime.distributed import DistContext, build_mesh, init_distributed
 from partita.runtime.pipeline_parallel import SCHEDULES, PipelineStage
+from partita.runtime.rng import fingerprint, replica_divergence, run_seed
 from partita.runtime.tensor_parallel import TensorParallel
 from partita.runtime.trace import BACKWARD, FORWARD, TraceRecorder
 from partita.runtime.watchdog import FLIGHT, watch
@@ -175,6 +176,9 @@ def compose(
         dp_mesh = device_mesh[MeshAxis.DP.value]
         dp_group, dp_rank, dp_size = dp_mesh.get_group(), dp_mesh.get_local_rank(), plan.mesh.dp
         _broadcast_from_rank0(module, dp_group)
+    interpreter = _interpreter(module, pipeline)
+    if interpreter is not None and ctx.world_size > 1:
+        interpreter.rng = (run_seed(), dp_rank)  # random ops drawn alike over "tp" (runtime/rng.py)
     zero = None
     tied_opt = None
     buckets = bucket_bytes or plan.training.grad_bucket_bytes
@@ -223,16 +227,6 @@ def _load_weights(module: nn.Module, weights: Any) -> None:
                            hint="pass the state dict of this model (its names as in model.state_dict())") from e
 
 
-def _fingerprint(t: torch.Tensor) -> int:
-    """A position-weighted sum of ``t``'s bits: equal tensors give equal numbers on every rank
-    (NaNs included), shuffled or changed ones almost never do."""
-    flat = t.detach().reshape(-1)
-    if flat.is_floating_point() or flat.is_complex() or flat.dtype == torch.bool:
-        flat = flat.contiguous().view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[flat.element_size()])
-    weights = torch.arange(flat.numel(), device=flat.device) % 65521 + 1
-    return int((flat.to(torch.int64) * weights).sum()) ^ (flat.numel() << 40)
-
-
 def _state_names(module: nn.Module) -> dict[str, list[str]]:
     """Each parameter's first name -> all its names in ``module.state_dict()`` (tied weights)."""
     first: dict[int, str] = {}
@@ -266,6 +260,7 @@ class ParallelModel(nn.Module):
         watchdog_s: float | None = None,
         checkpoint_dir: str | Path | None = None,
         checkpoint_every: int | None = None,
+        check_replicas_every: int | None = None,
     ) -> None:
         super().__init__()
         self.ctx = ctx if ctx is not None else init_distributed(watchdog_s=watchdog_s)
@@ -280,6 +275,9 @@ class ParallelModel(nn.Module):
         self._persistent = {k for k, _ in module.named_buffers() if k in module.state_dict(keep_vars=True)}
         self._step = 0
         self.batch_check_every = max(1, int(os.environ.get("PARTITA_BATCH_CHECK_EVERY", "100") or 100))
+        # every N steps, replicated parameters compared across their groups (0: never; runtime/rng.py)
+        self.check_replicas_every = (check_replicas_every if check_replicas_every is not None
+                                     else int(os.environ.get("PARTITA_CHECK_REPLICAS_EVERY", "0") or 0))
         program = compose(module, plan, self.ctx, optimizer, self.collectives, bucket_bytes,
                           loss_fn=loss_fn, checkpoint=checkpoint)
         self.module = program.module
@@ -340,6 +338,28 @@ class ParallelModel(nn.Module):
             from partita.runtime.sharded_state import save_periodic
 
             save_periodic(self, self.checkpoint_dir, self.extra)
+
+    def check_replicas(self) -> None:
+        """Raise ``PartitaError`` naming the first parameter that the plan replicates and whose
+        copies differ: over "tp" (parameters not sharded there) and, without ZeRO, over "dp". A
+        collective: every rank calls it (``check_replicas_every=N`` does, every N steps)."""
+        p, tp = self._program, self.tensor_parallel
+        local = ({n: (q, pl) for n, (q, pl) in tp.local_parameters().items()} if tp is not None
+                 else {n: (q, "replicate") for n, q in self.module.named_parameters()})
+        checks = []
+        if tp is not None and self.plan.mesh.tp > 1:
+            checks.append(("tp", tp.tp.group, [(n, q) for n, (q, pl) in local.items() if not pl.startswith("shard")]))
+        if p.dp_group is not None and p.zero is None:
+            checks.append(("dp", p.dp_group, [(n, q) for n, (q, _) in local.items()]))
+        for axis, group, named in checks:
+            bad = replica_divergence(named, group, self.ctx.device)
+            if bad is not None:
+                name, ranks = bad
+                raise PartitaError(
+                    f"parameter {name} differs on rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} "
+                    f"from the first rank of its {axis} group after step {self._step}, though the plan replicates it "
+                    "there", hint="a bug in partita or a rank that changed its copy outside train_step; "
+                    "report it with this message")
 
     @property
     def step(self) -> int:
@@ -404,7 +424,7 @@ class ParallelModel(nn.Module):
         """Every rank passed the same global batch (a fingerprint per rank, all-gathered): one rank
         with other data would otherwise train on silently. Run on the first step and every
         ``batch_check_every`` (``PARTITA_BATCH_CHECK_EVERY``, default 100) after."""
-        mine = torch.tensor([_fingerprint(t) for t in tensors], dtype=torch.int64, device=self.ctx.device)
+        mine = torch.tensor([fingerprint(t) for t in tensors], dtype=torch.int64, device=self.ctx.device)
         every = mine.new_empty(self.ctx.world_size * mine.numel())
         with self.collectives.blocking("all_gather", "world"):
             dist.all_gather_into_tensor(every, mine)
@@ -435,6 +455,8 @@ class ParallelModel(nn.Module):
         self.collectives.reset()
         with FLIGHT.running():  # the watchdog (runtime/watchdog.py) bounds every wait inside
             loss = self._train_step(xs, y)
+            if self.check_replicas_every and self._step % self.check_replicas_every == 0:
+                self.check_replicas()
         self._checkpoint_if_due()  # outside: writing a large checkpoint may take longer than the limit
         return loss
 
@@ -510,6 +532,7 @@ def apply_plan(
     watchdog_s: float | None = None,
     checkpoint_dir: str | Path | None = None,
     checkpoint_every: int | None = None,
+    check_replicas_every: int | None = None,
 ) -> ParallelModel:
     """Wrap ``module`` to run ``plan`` on this rank (the parts are applied by ``compose``).
 
@@ -521,4 +544,5 @@ def apply_plan(
     default ``PARTITA_WATCHDOG_S`` or 300 s, 0 turns it off)."""
     return ParallelModel(module, plan, loss_fn=loss_fn, optimizer=optimizer, ctx=ctx,
                          bucket_bytes=bucket_bytes, checkpoint=checkpoint, watchdog_s=watchdog_s,
-                         checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every)
+                         checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every,
+                         check_replicas_every=check_replicas_every)

@@ -60,7 +60,9 @@ from partita.compiler.errors import PlanError
 from partita.compiler.inputs import InputSpec, parse_input_spec
 from partita.compiler.plan import InputLayout, MeshAxis, NodeDecision, Plan
 from partita.runtime.data_parallel import CollectiveCounter
+from partita.runtime.rng import is_random, op_seed, seeded
 from partita.runtime.sharded_state import open_weights
+from partita.runtime.watchdog import FLIGHT
 
 _SHARD = re.compile(r"^shard\((\d+)\)$")
 TP = MeshAxis.TP.value
@@ -477,6 +479,12 @@ class _LocalInterpreter(torch.fx.Interpreter):
         elif name == "unflatten":
             dim = args[1] % val.dim()
             args[2] = list(local_shape(val.shape, d.out[0], g.size))[dim:dim + len(args[2])]
+        if self.p.rng is not None and is_random(n.target):
+            base, dp_rank = self.p.rng
+            sharded = _shard_dim(d.out[0]) is not None if d.out else False
+            seed = op_seed(base, n.name, FLIGHT.step, FLIGHT.micro_batch, dp_rank, g.rank if sharded else None)
+            with seeded(seed, self.p.device):
+                return n.target(*args, **kwargs)
         if name == "view" and not _viewable(args[0], args[1]):
             # The captured program's input was laid out so that it could be viewed (a `.contiguous()`
             # that was a no-op there is not in the graph); a resharded local tensor may not be: copy.
@@ -542,6 +550,7 @@ class TensorParallel(nn.Module):
         if state is None:
             module.to("meta")  # drop the full tensors: this rank keeps only its slices
         self.param_access: ParamAccess | None = None  # set by compose under ZeRO-3
+        self.rng: tuple[int, int] | None = None  # (run seed, dp rank): random ops seeded per op (runtime/rng.py)
         self.param_reads, self.param_last_reads = self._param_readers()
         self.recomputed = recomputed_layers(plan)  # node -> layer, on the stages that recompute
         self._regions: dict[tuple[str, ...], list[torch.fx.Node | Region]] = {}

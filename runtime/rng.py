@@ -1,0 +1,102 @@
+"""Random numbers under tensor parallelism: the runtime owns them, as Megatron's RNG tracker does.
+
+Every op of the graph that draws random numbers (dropout, bernoulli, rand...: the ops torch tags
+``nondeterministic_seeded``) runs with the generator seeded for it alone (``op_seed``), from:
+
+- the run's seed, which every rank agrees on: ``PARTITA_SEED`` if set, else rank 0's
+  ``torch.initial_seed()`` when the model is built, broadcast (``run_seed``). A user who seeds
+  each rank differently after building the model changes nothing of it;
+- the node, the step and the micro-batch (the forward's and its recomputation in backward see the
+  same, so a recomputed dropout draws the same mask: ``FLIGHT`` holds them);
+- the data-parallel rank: replicas draw different numbers for their different samples;
+- the tensor-parallel rank, only when the op's output is sharded over "tp": a replicated op draws
+  the same numbers on every rank of its group, so the values, and the replicated parameters they
+  feed, stay identical across it; a sharded one draws distinct numbers per shard.
+
+The user's own generator is left as it was (``torch.random.fork_rng``). How to reproduce a run:
+``PARTITA_SEED=S`` (or ``torch.manual_seed(S)`` on rank 0 before building), the same plan and the
+same data.
+
+``replica_divergence`` is the consistency check (``check_replicas_every=N``): a fingerprint of
+every parameter the plan replicates over "tp" (and over "dp" without ZeRO), compared across the
+group; it names the first parameter that differs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+
+SEED_ENV = "PARTITA_SEED"
+
+
+def is_random(target: object) -> bool:
+    """Whether ``target`` (an fx node's target) draws random numbers."""
+    tags = getattr(target, "tags", ())
+    return torch.Tag.nondeterministic_seeded in tags
+
+
+def run_seed(group: dist.ProcessGroup | None = None) -> int:
+    """The seed every rank of the job agrees on (module docstring)."""
+    raw = os.environ.get(SEED_ENV)
+    if raw:
+        try:
+            return int(raw) % (1 << 63)
+        except ValueError:
+            from partita.compiler.errors import PartitaError
+
+            raise PartitaError(f"{SEED_ENV}={raw!r} must be an integer") from None
+    seed = torch.tensor([torch.initial_seed() % (1 << 63)], dtype=torch.int64)
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else seed.device
+        seed = seed.to(device)
+        dist.broadcast(seed, src=0, group=group)
+    return int(seed.item())
+
+
+def op_seed(base: int, node: str, step: int, micro_batch: int | None, dp_rank: int, tp_rank: int | None) -> int:
+    """The seed of one random op's draw (``tp_rank`` None: replicated over "tp")."""
+    key = f"{base}/{node}/{step}/{micro_batch}/{dp_rank}/{'' if tp_rank is None else tp_rank}".encode()
+    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") >> 1
+
+
+@contextlib.contextmanager
+def seeded(seed: int, device: torch.device) -> Iterator[None]:
+    """Run the block with the generator of ``device`` seeded to ``seed``; restored afterwards."""
+    with torch.random.fork_rng(devices=[device.index or 0] if device.type == "cuda" else []):
+        torch.manual_seed(seed)
+        yield
+
+
+def fingerprint(t: torch.Tensor) -> int:
+    """A position-weighted sum of ``t``'s bits: equal tensors give equal numbers on every rank
+    (NaNs included); changed or shuffled ones almost never do."""
+    flat = t.detach().reshape(-1)
+    if flat.is_floating_point() or flat.is_complex() or flat.dtype == torch.bool:
+        flat = flat.contiguous().view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[flat.element_size()])
+    weights = torch.arange(flat.numel(), device=flat.device) % 65521 + 1
+    return int((flat.to(torch.int64) * weights).sum()) ^ (flat.numel() << 40)
+
+
+def replica_divergence(named: list[tuple[str, torch.Tensor]], group: dist.ProcessGroup,
+                       device: torch.device) -> tuple[str, list[int]] | None:
+    """The first of ``named`` (each replicated over ``group``) whose copies differ, and the ranks
+    that differ from the group's first; None when all agree. A collective over ``group``."""
+    if not named:
+        return None
+    mine = torch.tensor([fingerprint(t) for _, t in named], dtype=torch.int64, device=device)
+    size = dist.get_world_size(group)
+    every = mine.new_empty(size * mine.numel())
+    dist.all_gather_into_tensor(every, mine, group=group)
+    every = every.cpu().view(size, mine.numel())
+    ranks = dist.get_process_group_ranks(group)
+    for i, (name, _) in enumerate(named):
+        differ = [ranks[r] for r in range(size) if every[r, i] != every[0, i]]
+        if differ:
+            return name, differ
+    return None

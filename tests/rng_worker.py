@@ -1,0 +1,106 @@
+"""Checks run inside each rank of the random-state tests (see test_rng.py).
+
+HF BERT (MLM) with its dropout on, planned on `local` (dropout replicated over "tp"), every rank
+seeding its own generator differently after the model is built, as training scripts do:
+- with the runtime's random state (runtime/rng.py) every replicated parameter stays bit-identical
+  across its group (``check_replicas_every=1`` checks it every step and would raise);
+- without it (the tracker switched off) the replicas drift, and the check names the first
+  parameter that differs: the failure the issue reported, caught;
+- a recomputing plan draws the same dropout masks as the plain one: identical losses;
+- the same run seed gives the same run.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import torch
+
+from dp_worker import run_launch
+from examples.models import hf_bert_mlm
+from partita.compiler.compile import compile_model
+from partita.compiler.errors import PartitaError
+from partita.compiler.inputs import parse_input_spec
+from partita.passes.cluster import load_cluster
+from partita.passes.constraints import Pins
+from partita.runtime.distributed import DistContext
+from partita.runtime.engine import ParallelModel
+
+STEPS, BATCH, SEQ, VOCAB = 3, 8, 16, 256
+
+
+def _loss(out, y):
+    return torch.nn.functional.cross_entropy(out.flatten(0, -2), y.flatten())
+
+
+def _optimizer(ps):
+    return torch.optim.AdamW(ps, lr=1e-2)
+
+
+def _plan(world: int, **pins):
+    torch.manual_seed(0)
+    model = hf_bert_mlm(vocab_size=VOCAB, dropout=0.1)
+    plan = compile_model(copy.deepcopy(model), [parse_input_spec(f"input_ids=int64[{BATCH},{SEQ}]")],
+                         load_cluster("local", devices=world), pins=Pins(world_size=world, **pins), loss=_loss).plan
+    return model, plan
+
+
+def _train(ctx: DistContext, model, plan, *, tracker: bool = True, check: int = 1) -> tuple[ParallelModel, list[float]]:
+    torch.manual_seed(0)  # rank 0's initial seed: the run seed
+    pm = ParallelModel(copy.deepcopy(model), plan, loss_fn=_loss, optimizer=_optimizer, ctx=ctx,
+                       check_replicas_every=0)
+    if not tracker:
+        pm.tensor_parallel.rng = None
+    torch.manual_seed(1000 + ctx.rank)  # every rank its own seed, after building, as scripts do
+    g = torch.Generator().manual_seed(5)
+    losses = []
+    for _ in range(STEPS):
+        x = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+        losses.append(pm.train_step(x, targets=x))
+        if check:
+            pm.check_replicas()
+    return pm, losses
+
+
+def replicas(ctx: DistContext, out: str, **pins) -> dict:
+    model, plan = _plan(ctx.world_size, **pins)
+    assert any("dropout" in d.op for d in plan.nodes)
+    pm, losses = _train(ctx, model, plan)  # check_replicas after every step: raises on a drift
+    # the check fires: perturb one replicated parameter on the second rank of each tp group
+    name, (param, _) = next((n, v) for n, v in pm.tensor_parallel.local_parameters().items()
+                            if not v[1].startswith("shard"))
+    if pm.tensor_parallel.tp.rank == 1:
+        with torch.no_grad():
+            param.view(-1)[0] += 1e-3
+    try:
+        pm.check_replicas()
+    except PartitaError as e:
+        assert name in str(e) and "tp group" in str(e), str(e)
+    else:
+        raise AssertionError("an injected divergence was not reported")
+    # without the runtime's random state, the per-rank seeds make the replicas drift, and it says so
+    try:
+        _train(ctx, model, plan, tracker=False)
+    except PartitaError as e:
+        drift = str(e)
+    else:
+        raise AssertionError("replicas did not drift without the random-state tracker")
+    # same run seed, same run; a recomputing plan draws the same masks
+    again = _train(ctx, model, plan)[1]
+    assert again == losses, (again, losses)
+    if plan.mesh.pp == 1:
+        rc = dataclasses.replace(plan, stages=tuple(dataclasses.replace(s, recompute=True) for s in plan.stages))
+        rc_losses = _train(ctx, model, rc)[1]
+        assert rc_losses == losses, (rc_losses, losses)
+    return {"case": f"rng/{pins}", "losses": losses, "drift_without": drift.split(" from ")[0]}
+
+
+LAUNCHES = {
+    "tp2": (2, lambda ctx, out: [replicas(ctx, out, tp=2)]),
+    "tp2xdp2-tp2xpp2": (4, lambda ctx, out: [replicas(ctx, out, tp=2, dp=2), replicas(ctx, out, tp=2, pp=2)]),
+}
+
+
+def worker(rank: int, launch: str, port: int, outdir: str) -> None:
+    run_launch(rank, LAUNCHES[launch], port, outdir)
