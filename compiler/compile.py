@@ -34,6 +34,7 @@ from partita.passes.constraints import Pins, TrainingRequest
 from partita.passes.cost_model import (
     collective_time,
     compute_dtype,
+    dtype_bytes,
     compute_time,
     element_bytes,
     padded_bucket,
@@ -71,6 +72,8 @@ def compile_model(
     precision: str | None = None,
     optimizer: str = "adamw",
     inference: bool = False,
+    reduce_dtype: str = "fp32",
+    max_grad_norm: float | None = None,
     pins: Pins = Pins(),
     name: str | None = None,
     loss: Callable[[Any, torch.Tensor], torch.Tensor] | None = None,
@@ -100,6 +103,8 @@ def compile_model(
         precision=precision or default_precision(cluster),
         optimizer="none" if inference else optimizer,
         inference=inference,
+        reduce_dtype=reduce_dtype,
+        max_grad_norm=None if inference else max_grad_norm,
     )
     with phase("solving"):
         numels = [math.prod(shape) for shape, _ in captured.params.values()]
@@ -230,6 +235,8 @@ def build_plan(
         schedule=d.schedule,
         inference=request.inference,
         grad_bucket_bytes=d.bucket_bytes,
+        reduce_dtype=request.reduce_dtype,
+        max_grad_norm=request.max_grad_norm,
     )
     solver = SolverReport(
         method=d.method, status=d.status, objective=step, seconds=d.seconds, candidates=d.candidates, gap=d.gap,
@@ -366,7 +373,8 @@ def _dp_collectives(params: Sequence[ParamDecision], tied: Mapping[str, tuple[in
     if dp <= 1 or request.inference:
         return ()
     link = cluster.link_for_group(dp, stride=d.mesh.tp)
-    grad_bytes = element_bytes(request.precision)
+    grad_bytes = element_bytes(request.precision)  # gradients are held in the compute dtype
+    reduce = dtype_bytes(request.reduce_dtype)  # and sent in the reduce dtype (compiler/precision.py)
     out: list[Collective] = []
     for s in range(d.mesh.pp):
         mine = [p for p in params if s in tied.get(p.name, (p.stage,))]
@@ -379,12 +387,14 @@ def _dp_collectives(params: Sequence[ParamDecision], tied: Mapping[str, tuple[in
             local = [_local_numel(p, d.mesh.tp) for p in group]
             for b in gradient_buckets(local, grad_bytes, d.bucket_bytes):
                 if zero_stage == 0:
-                    key = ("all_reduce", b, "gradient averaging (one bucket per call, after the last micro-batch)")
+                    key = ("all_reduce", b * reduce // grad_bytes,
+                           f"gradient averaging in {request.reduce_dtype} (one bucket per call, after the last micro-batch)")
                     by_call[key] = by_call.get(key, 0) + 1
                     continue
                 padded = round(padded_bucket(b, dp, grad_bytes))  # ZeRO's flat buckets split evenly over dp
                 for kind, calls, what in zero_collectives(zero_stage, d.grad_accum_steps):
-                    key = (kind, padded, f"ZeRO-{zero_stage} {what} ({'reduce-scatter of gradients' if what == 'grads' else 'all-gather of parameters'})")
+                    size = padded * reduce // grad_bytes if what == "grads" else padded  # grads sent in the reduce dtype
+                    key = (kind, size, f"ZeRO-{zero_stage} {what} ({f'reduce-scatter of gradients in {request.reduce_dtype}' if what == 'grads' else 'all-gather of parameters'})")
                     by_call[key] = by_call.get(key, 0) + calls
         out += [Collective(kind=kind, axis=MeshAxis.DP.value, bytes=size, count=count, group_size=dp,
                            purpose=purpose, seconds=count * collective_time(kind, size, dp, link),

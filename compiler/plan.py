@@ -128,12 +128,14 @@ class Training:
     global_batch: int
     micro_batch_size: int  # samples per micro-batch on one data-parallel rank
     grad_accum_steps: int  # micro-batches per data-parallel rank per step
-    precision: str = "fp32"  # "fp32" | "bf16-mixed" | "fp16-mixed"
+    precision: str = "fp32"  # "fp32" | "bf16-mixed" | "fp16-mixed" | "bf16" (compiler/precision.py)
+    reduce_dtype: str = "fp32"  # gradients are reduced over dp in this dtype: "fp32" | "bf16" | "fp16"
     optimizer: str = "adamw"  # "adamw" | "adam" | "sgd" | "sgd-momentum" | "none"
     zero_stage: int = 0
     schedule: str = "none"  # pipeline schedule: "none" | "gpipe" | "1f1b"
     inference: bool = False
     grad_bucket_bytes: int = 25 * 1024 * 1024  # gradients are all-reduced in buckets of this size
+    max_grad_norm: float | None = None  # clip the global gradient norm to this (None: no clipping)
 
     def __post_init__(self) -> None:
         if self.zero_stage not in (0, 1, 2, 3):

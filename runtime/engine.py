@@ -27,8 +27,10 @@ from torch.optim import Optimizer
 from partita.compiler.errors import PartitaError, PlanError
 from partita.compiler.losses import training_loss
 from partita.compiler.plan import MeshAxis, Plan
+from partita.compiler.precision import PrecisionPolicy
 from partita.runtime.data_parallel import CollectiveCounter, GradientAverager
 from partita.runtime.distributed import DistContext, build_mesh, init_distributed
+from partita.runtime.mixed_precision import LossScaler, MasterWeights, cast_parameters
 from partita.runtime.pipeline_parallel import SCHEDULES, PipelineStage
 from partita.runtime.rng import fingerprint, replica_divergence, run_seed
 from partita.runtime.tensor_parallel import TensorParallel
@@ -66,8 +68,6 @@ def refuse_unsupported(plan: Plan) -> None:
                         f"cannot rerun a layer's forward while ZeRO-3 gathers and frees its parameters per node",
                         hint="recompile with ZeRO <= 2 (`partita compile --zero 2`) or without "
                         "recomputation (`--no-recompute`)")
-    if t.precision != "fp32":
-        raise PlanError(later.format(f"precision {t.precision!r}"), hint="recompile with fp32")
 
 
 @dataclass
@@ -76,14 +76,21 @@ class _Program:
 
     module: nn.Module
     loss: Callable[[list[torch.Tensor], torch.Tensor], torch.Tensor] | None  # one micro-batch's loss (pp == 1)
-    optimizer: Optimizer | None  # None for an inference plan
+    optimizer: Optimizer | None  # None for an inference plan: the user's, on the masters (runtime/mixed_precision.py)
     averager: GradientAverager | None
     zero: ZeroProgram | None
     dp_group: dist.ProcessGroup | None
     dp_rank: int
     dp_size: int
     pipeline: PipelineStage | None = None  # pp > 1: this rank's stage, which runs the schedule
-    tied_optimizer: Optimizer | None = None  # ZeRO in a pipeline: the parameters tied across stages
+    master: MasterWeights | None = None  # without ZeRO: what the optimizer updates (ZeRO has its own)
+    policy: PrecisionPolicy = PrecisionPolicy()
+    scaler: LossScaler | None = None  # fp16: the dynamic loss scale
+
+    @property
+    def updates(self) -> MasterWeights | None:
+        """The one optimizer's masters: ZeRO's (its shards and the parameters it was given) or the plain one."""
+        return self.zero.master if self.zero is not None else self.master
 
     @property
     def interpreter(self) -> TensorParallel | None:
@@ -144,6 +151,7 @@ def compose(
     plan.check_matches(world_size=ctx.world_size)
     refuse_unsupported(plan)
     device_mesh = build_mesh(plan.mesh, ctx)
+    policy = PrecisionPolicy.of(plan.training)
     graph_loss = None if plan.training.inference else loss_fn  # an inference plan's graph has no loss
     pipeline = None
     # 1. tensor parallel, and 2. the pipeline split
@@ -168,7 +176,11 @@ def compose(
         eager = module
 
         def loss(xs: list[torch.Tensor], y: torch.Tensor) -> torch.Tensor:
-            return training_loss(loss_fn, eager, xs, y)
+            with policy.autocast(ctx.device):
+                return training_loss(loss_fn, eager, xs, y)
+    # the precision policy (compiler/precision.py): parameters in its dtype before DP / ZeRO lay
+    # out their buckets; the interpreter runs its forward under autocast, the pipeline sends in it
+    cast_parameters(module, policy)
     # 3. data parallel.
     averager = None
     dp_group, dp_rank, dp_size = None, 0, 1
@@ -177,19 +189,24 @@ def compose(
         dp_group, dp_rank, dp_size = dp_mesh.get_group(), dp_mesh.get_local_rank(), plan.mesh.dp
         _broadcast_from_rank0(module, dp_group)
     interpreter = _interpreter(module, pipeline)
-    if interpreter is not None and ctx.world_size > 1:
-        interpreter.rng = (run_seed(), dp_rank)  # random ops drawn alike over "tp" (runtime/rng.py)
+    if interpreter is not None:
+        interpreter.precision = policy
+        if ctx.world_size > 1:
+            interpreter.rng = (run_seed(), dp_rank)  # random ops drawn alike over "tp" (runtime/rng.py)
     zero = None
-    tied_opt = None
+    master = None
+    reduce = policy.reduce_dtype
     buckets = bucket_bytes or plan.training.grad_bucket_bytes
     if dp_group is not None and not plan.training.inference and plan.training.zero_stage > 0:
         # A parameter tied across pipeline stages stays whole on each (its copies' gradients are
         # summed between the stages, which lay out their ZeRO buckets differently): plain dp
         # averaging and its own optimizer, the same elementwise update.
         tied = {id(q) for q in pipeline.tied_parameters} if pipeline is not None else set()
+        kept = [q for q in module.parameters() if id(q) in tied]
         zero = apply_zero([(n, q) for n, q in module.named_parameters() if id(q) not in tied],
                           plan.training.zero_stage, dp_group, optimizer_factory=optimizer,
-                          bucket_bytes=buckets, counter=counter, axis=MeshAxis.DP.value)
+                          bucket_bytes=buckets, counter=counter, axis=MeshAxis.DP.value,
+                          precision=policy, extra_params=kept)  # one optimizer, the tied ones included
         if plan.training.zero_stage == 3:
             interpreter = _interpreter(module, pipeline)
             if interpreter is not None:
@@ -197,18 +214,19 @@ def compose(
             else:
                 zero.install_module_hooks(module)  # the eager path: around each module's forward
         opt = zero.optimizer
-        if tied:
-            kept = [q for q in module.parameters() if id(q) in tied]
+        if kept:
             averager = GradientAverager(kept, dp_group, bucket_bytes=buckets, counter=counter,
-                                        axis=MeshAxis.DP.value)
-            tied_opt = optimizer(kept)
-    elif dp_group is not None and not plan.training.inference:
-        averager = GradientAverager(module.parameters(), dp_group, bucket_bytes=buckets, counter=counter,
-                                    axis=MeshAxis.DP.value)
-        opt = optimizer(module.parameters())
+                                        axis=MeshAxis.DP.value, reduce_dtype=reduce)
+    elif not plan.training.inference:
+        if dp_group is not None:
+            averager = GradientAverager(module.parameters(), dp_group, bucket_bytes=buckets, counter=counter,
+                                        axis=MeshAxis.DP.value, reduce_dtype=reduce)
+        master = MasterWeights([q for q in module.parameters() if q.requires_grad], optimizer, policy)
+        opt = master.optimizer
     else:
-        opt = None if plan.training.inference else optimizer(module.parameters())
-    return _Program(module, loss, opt, averager, zero, dp_group, dp_rank, dp_size, pipeline, tied_opt)
+        opt = None
+    scaler = LossScaler(policy) if policy.loss_scaling and not plan.training.inference else None
+    return _Program(module, loss, opt, averager, zero, dp_group, dp_rank, dp_size, pipeline, master, policy, scaler)
 
 
 def _load_weights(module: nn.Module, weights: Any) -> None:
@@ -274,6 +292,7 @@ class ParallelModel(nn.Module):
         self.state_names = _state_names(module)
         self._persistent = {k for k, _ in module.named_buffers() if k in module.state_dict(keep_vars=True)}
         self._step = 0
+        self.skipped_steps = 0  # fp16: steps skipped for an inf or nan gradient (the loss scale halved)
         self.batch_check_every = max(1, int(os.environ.get("PARTITA_BATCH_CHECK_EVERY", "100") or 100))
         # every N steps, replicated parameters compared across their groups (0: never; runtime/rng.py)
         self.check_replicas_every = (check_replicas_every if check_replicas_every is not None
@@ -463,7 +482,7 @@ class ParallelModel(nn.Module):
     def _train_step(self, xs: list[torch.Tensor], y: torch.Tensor) -> float:
         tr, p = self.plan.training, self._program
         if p.pipeline is not None:
-            mean = p.pipeline.train_step(xs, y, p.averager, p.dp_group, p.zero)
+            mean = p.pipeline.train_step(xs, y, p.averager, p.dp_group, p.zero, loss_scale=self._loss_scale)
             self._optimizer_step()
             self._step += 1
             return mean
@@ -488,7 +507,7 @@ class ParallelModel(nn.Module):
             # Each rank's gradient is the mean over its share; the averager's (or ZeRO's)
             # dp mean then makes it the mean over the global batch.
             with self.trace.span(BACKWARD, i):
-                (loss / steps).backward()
+                (loss * (self._loss_scale / steps)).backward()
             if p.zero is not None:
                 p.zero.after_backward()
         if p.averager is not None:
@@ -502,20 +521,36 @@ class ParallelModel(nn.Module):
             loss_sum.div_(steps)
         return float(loss_sum)
 
+    @property
+    def _loss_scale(self) -> float:
+        """What the loss is multiplied by before backward (fp16's dynamic scale, else 1)."""
+        return self._program.scaler.scale if self._program.scaler is not None else 1.0
+
     def _optimizer_step(self) -> None:
+        """The one optimizer's step on every rank, or (fp16, an inf or nan gradient on any rank) on none."""
         p = self._program
+        skip = False
+        if p.scaler is not None:
+            skip = p.scaler.found_inf(p.updates.grads(), self.ctx.device)
+        inv_scale = 1.0 / self._loss_scale
         if p.zero is not None:
-            p.zero.step()  # the optimizer on this rank's shards, then the parameters all-gathered
+            if not skip:
+                p.zero.step(inv_scale)  # the optimizer on this rank's shards, then the parameters all-gathered
             p.zero.zero_grad()
-            if p.tied_optimizer is not None:
-                p.tied_optimizer.step()
+            if p.averager is not None:
                 p.averager.zero_grad()
-        elif p.averager is not None:
-            self.optimizer.step()
-            p.averager.zero_grad()
         else:
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
+            if not skip:
+                p.master.step(inv_scale)
+            if p.averager is not None:
+                p.averager.zero_grad()
+            else:
+                self.optimizer.zero_grad(set_to_none=True)
+                for q in p.master.params:
+                    q.grad = None
+        if p.scaler is not None:
+            p.scaler.update(skip)
+            self.skipped_steps = p.scaler.skipped
         if self._trace_path:
             self.write_trace(self._trace_path)
 
