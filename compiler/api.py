@@ -79,6 +79,8 @@ class ParallelizeSpec:
     checkpoint_every: int | None = None
     weights: str | None = None  # pretrained weights (torch.save or .safetensors), each rank reading its part
     check_replicas_every: int | None = None  # runtime/rng.py; None: PARTITA_CHECK_REPLICAS_EVERY (0: off)
+    max_grad_norm: float | None = None  # clip the global gradient norm (recorded in the plan)
+    reduce_dtype: str = "fp32"  # gradients reduced over dp in this dtype (compiler/precision.py)
 
 
 class Parallelized:
@@ -125,6 +127,8 @@ def parallelize(
     checkpoint_every: int | None = None,
     weights: str | None = None,
     check_replicas_every: int | None = None,
+    max_grad_norm: float | None = None,
+    reduce_dtype: str = "fp32",
 ) -> Any:
     """Plan and run ``target`` in parallel.
 
@@ -169,6 +173,7 @@ def parallelize(
         targets=parse_input_spec(targets if "=" in targets else f"targets={targets}") if targets else None,
         plan=plan, pins=pins, watchdog_s=watchdog_s, checkpoint_dir=checkpoint_dir,
         checkpoint_every=checkpoint_every, weights=weights, check_replicas_every=check_replicas_every,
+        max_grad_norm=max_grad_norm, reduce_dtype=reduce_dtype,
     )
     if target is None:
         return lambda t: parallelize(t, **_spec_kwargs(spec))
@@ -186,6 +191,7 @@ def _spec_kwargs(spec: ParallelizeSpec) -> dict[str, Any]:
         targets=str(spec.targets) if spec.targets else None,
         watchdog_s=spec.watchdog_s, checkpoint_dir=spec.checkpoint_dir, checkpoint_every=spec.checkpoint_every,
         weights=spec.weights, check_replicas_every=spec.check_replicas_every,
+        max_grad_norm=spec.max_grad_norm, reduce_dtype=spec.reduce_dtype,
         **{("zero" if k == "zero_stage" else k): v for k, v in spec.pins.items()},
     )
 
@@ -223,7 +229,7 @@ def plan_for(module: torch.nn.Module, spec: ParallelizeSpec, world_size: int) ->
     return compile_model(
         module, spec.inputs, cluster, global_batch=spec.batch, precision=spec.precision,
         optimizer=optimizer_kind(spec.optimizer), pins=Pins(world_size=world_size, **spec.pins), loss=spec.loss,
-        targets=spec.targets,
+        targets=spec.targets, max_grad_norm=spec.max_grad_norm, reduce_dtype=spec.reduce_dtype,
     ).plan
 
 

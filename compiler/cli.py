@@ -90,6 +90,10 @@ def _loss_option(name: str | None, field: str | None, default: Any) -> Any:
               help="default: bf16-mixed on GPUs, fp32 on CPU")
 @click.option("--optimizer", type=click.Choice(["adamw", "adam", "sgd", "sgd-momentum"]), default="adamw",
               show_default=True)
+@click.option("--reduce-dtype", type=click.Choice(["fp32", "bf16", "fp16"]), default="fp32", show_default=True,
+              help="the dtype gradients are reduced in over data parallelism")
+@click.option("--max-grad-norm", type=float, default=None, metavar="NORM",
+              help="clip the global gradient norm to NORM every step (default: no clipping)")
 @click.option("--dp", type=int, default=None, help="pin the data-parallel degree")
 @click.option("--micro-batch-size", type=int, default=None, help="pin the micro-batch size")
 @click.option("--grad-accum-steps", type=int, default=None, help="pin the gradient-accumulation steps")
@@ -111,8 +115,8 @@ def _loss_option(name: str | None, field: str | None, default: Any) -> Any:
 @click.option("-o", "--output", type=click.Path(dir_okay=False), default="plan.json", show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="print the plan as JSON instead of tables")
 def compile_cmd(target: str, inputs: tuple[str, ...], cluster_name: str, nodes: int | None, devices: int | None,
-                batch: int | None, precision: str | None, optimizer: str, dp: int | None,
-                micro_batch_size: int | None, grad_accum_steps: int | None, tp: int | None, pp: int | None,
+                batch: int | None, precision: str | None, optimizer: str, reduce_dtype: str,
+                max_grad_norm: float | None, dp: int | None, micro_batch_size: int | None, grad_accum_steps: int | None, tp: int | None, pp: int | None,
                 zero: int | None, microbatches: int | None, schedule: str | None, recompute: bool | None,
                 inference: bool, loss_name: str | None, output_field: str | None, target_spec: str | None,
                 output: str, as_json: bool) -> None:
@@ -142,7 +146,9 @@ def compile_cmd(target: str, inputs: tuple[str, ...], cluster_name: str, nodes: 
         result = compile_model(model.factory, specs, cluster, global_batch=batch or getattr(spec, "batch", None),
                                precision=precision or getattr(spec, "precision", None), optimizer=optimizer,
                                pins=pins, name=model.name, progress=progress, inference=inference, loss=loss,
-                               targets=targets)
+                               targets=targets, reduce_dtype=reduce_dtype,
+                               max_grad_norm=max_grad_norm if max_grad_norm is not None
+                               else getattr(spec, "max_grad_norm", None))
     path = result.plan.save(output)
     if as_json:
         click.echo(result.plan.to_json(), nl=False)

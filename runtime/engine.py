@@ -14,7 +14,9 @@ all steps so far when the run ends.
 
 from __future__ import annotations
 
+import math
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable
@@ -30,6 +32,7 @@ from partita.compiler.plan import MeshAxis, Plan
 from partita.compiler.precision import PrecisionPolicy
 from partita.runtime.data_parallel import CollectiveCounter, GradientAverager
 from partita.runtime.distributed import DistContext, build_mesh, init_distributed
+from partita.runtime.grad_norm import clip_coefficient, global_grad_norm
 from partita.runtime.mixed_precision import LossScaler, MasterWeights, cast_parameters
 from partita.runtime.pipeline_parallel import SCHEDULES, PipelineStage
 from partita.runtime.rng import fingerprint, replica_divergence, run_seed
@@ -292,6 +295,8 @@ class ParallelModel(nn.Module):
         self.state_names = _state_names(module)
         self._persistent = {k for k, _ in module.named_buffers() if k in module.state_dict(keep_vars=True)}
         self._step = 0
+        self.grad_norm = float("nan")  # the last step's global gradient norm (before clipping)
+        self.log_every = int(os.environ.get("PARTITA_LOG_EVERY", "10") or 0)  # rank 0's progress line
         self.skipped_steps = 0  # fp16: steps skipped for an inf or nan gradient (the loss scale halved)
         self.batch_check_every = max(1, int(os.environ.get("PARTITA_BATCH_CHECK_EVERY", "100") or 100))
         # every N steps, replicated parameters compared across their groups (0: never; runtime/rng.py)
@@ -456,8 +461,9 @@ class ParallelModel(nn.Module):
                 hint="every rank must pass the same global batch (seed the data loader alike on every rank), "
                 "or pass local=True with each rank's own share")
 
-    def train_step(self, *inputs: torch.Tensor, targets: torch.Tensor, local: bool = False) -> float:
-        """One optimizer step over the global batch; returns its mean loss (equal on every rank).
+    def train_step(self, *inputs: torch.Tensor, targets: torch.Tensor, local: bool = False) -> "StepResult":
+        """One optimizer step over the global batch; returns its mean loss (equal on every rank), a
+        float that also carries the step's gradient norm, time and throughput (``StepResult``).
 
         By default every rank passes the same global batch and takes its dp
         slice; with ``local=True`` each passes only its own share. The share is
@@ -469,15 +475,22 @@ class ParallelModel(nn.Module):
                             hint="compile a training plan to train")
         if not local and self.ctx.world_size > 1 and self._step % self.batch_check_every == 0:
             self._check_same_batch([*inputs, targets])
+        t0 = time.perf_counter()
         xs = [self._share(x, f"input {i}", local) for i, x in enumerate(inputs)]
         y = self._share(targets, "targets", local)
         self.collectives.reset()
         with FLIGHT.running():  # the watchdog (runtime/watchdog.py) bounds every wait inside
             loss = self._train_step(xs, y)
+            seconds = time.perf_counter() - t0
             if self.check_replicas_every and self._step % self.check_replicas_every == 0:
                 self.check_replicas()
+        first = inputs[0] if inputs else targets
+        per_sample = math.prod(first.shape[1:]) if not first.is_floating_point() and first.dim() > 1 else None
+        result = StepResult(loss, step=self._step, grad_norm=self.grad_norm, seconds=seconds,
+                            samples=self.plan.training.global_batch, tokens_per_sample=per_sample)
+        self._report(result)
         self._checkpoint_if_due()  # outside: writing a large checkpoint may take longer than the limit
-        return loss
+        return result
 
     def _train_step(self, xs: list[torch.Tensor], y: torch.Tensor) -> float:
         tr, p = self.plan.training, self._program
@@ -521,18 +534,39 @@ class ParallelModel(nn.Module):
             loss_sum.div_(steps)
         return float(loss_sum)
 
+    def _report(self, result: "StepResult") -> None:
+        """Rank 0: the plan once, then a progress line every ``log_every`` steps, measured next to
+        predicted (``log_every=0`` / ``PARTITA_LOG_EVERY=0``: silent)."""
+        if self.ctx.rank != 0 or not self.log_every:
+            return
+        pred = self.plan.predicted
+        if result.step == 1:
+            t = self.plan.training
+            print(f"partita: plan {self.plan.mesh}, {t.precision}, ZeRO-{t.zero_stage}, {t.grad_accum_steps} "
+                  f"micro-batch(es) of {t.micro_batch_size}"
+                  + (f", {t.schedule}" if self.plan.mesh.pp > 1 else "")
+                  + f"; predicted {pred.step_time_s * 1e3:.0f} ms/step", flush=True)
+        if result.step % self.log_every == 0:
+            rate = (f", {result.tokens_per_s:,.0f} tokens/s" if result.tokens_per_s is not None
+                    else f", {result.samples_per_s:,.1f} samples/s")
+            print(f"partita: step {result.step} loss {float(result):.4f} grad norm {result.grad_norm:.3g} "
+                  f"{result.seconds * 1e3:.0f} ms/step (predicted {pred.step_time_s * 1e3:.0f}){rate}"
+                  + (f", {self.skipped_steps} skipped (fp16 overflow)" if self.skipped_steps else ""), flush=True)
+
     @property
     def _loss_scale(self) -> float:
         """What the loss is multiplied by before backward (fp16's dynamic scale, else 1)."""
         return self._program.scaler.scale if self._program.scaler is not None else 1.0
 
     def _optimizer_step(self) -> None:
-        """The one optimizer's step on every rank, or (fp16, an inf or nan gradient on any rank) on none."""
+        """The one optimizer's step on every rank, or (fp16, an inf or nan gradient on any rank) on
+        none; clipped to the plan's ``max_grad_norm`` by the global gradient norm (runtime/grad_norm.py),
+        whose all-reduce also tells every rank whether any gradient overflowed."""
         p = self._program
-        skip = False
-        if p.scaler is not None:
-            skip = p.scaler.found_inf(p.updates.grads(), self.ctx.device)
         inv_scale = 1.0 / self._loss_scale
+        self.grad_norm = global_grad_norm(p, self.plan.mesh.tp, self.ctx.device, inv_scale)
+        skip = p.scaler is not None and not math.isfinite(self.grad_norm)
+        inv_scale *= clip_coefficient(self.grad_norm, self.plan.training.max_grad_norm)
         if p.zero is not None:
             if not skip:
                 p.zero.step(inv_scale)  # the optimizer on this rank's shards, then the parameters all-gathered
@@ -553,6 +587,31 @@ class ParallelModel(nn.Module):
             self.skipped_steps = p.scaler.skipped
         if self._trace_path:
             self.write_trace(self._trace_path)
+
+
+class StepResult(float):
+    """``train_step``'s mean loss (a float, as before), with what else the step measured:
+    ``grad_norm`` (the global gradient norm, before clipping), ``seconds`` (wall time of the step
+    on this rank), ``samples_per_s`` and, for token inputs, ``tokens_per_s``; ``step`` is
+    ``model.step`` after it."""
+
+    step: int
+    grad_norm: float
+    seconds: float
+    samples_per_s: float
+    tokens_per_s: float | None
+
+    def __new__(cls, loss: float, *, step: int, grad_norm: float, seconds: float, samples: int,
+                tokens_per_sample: int | None) -> "StepResult":
+        self = super().__new__(cls, loss)
+        self.step, self.grad_norm, self.seconds = step, grad_norm, seconds
+        self.samples_per_s = samples / seconds if seconds > 0 else float("inf")
+        self.tokens_per_s = self.samples_per_s * tokens_per_sample if tokens_per_sample else None
+        return self
+
+    @property
+    def loss(self) -> float:
+        return float(self)
 
 
 def apply_plan(

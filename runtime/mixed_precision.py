@@ -10,9 +10,8 @@ under fp16), steps, and casts the masters back into the parameters. Under
 ``step`` is the optimizer's.
 
 ``LossScaler`` is fp16's dynamic loss scale: the loss is multiplied by it
-before backward; ``found_inf`` asks every rank whether any of its gradients
-is inf or nan (one all-reduce over the world), so that all ranks skip the
-same steps; the scale halves on such a step and doubles after
+before backward; a step whose global gradient norm (runtime/grad_norm.py, one
+all-reduce over the world) is inf or nan is skipped on every rank alike; the scale halves on such a step and doubles after
 ``growth_interval`` clean ones, as ``torch.amp.GradScaler`` does.
 """
 
@@ -21,7 +20,6 @@ from __future__ import annotations
 from typing import Callable, Iterable
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
 
@@ -95,17 +93,6 @@ class LossScaler:
         self.growth_interval = policy.growth_interval
         self.clean = 0
         self.skipped = 0
-
-    @staticmethod
-    def found_inf(grads: list[torch.Tensor], device: torch.device) -> bool:
-        """Whether any rank holds an inf or nan gradient (a collective over the world)."""
-        bad = torch.zeros((), dtype=torch.float32, device=device)
-        for g in grads:
-            if g.numel():
-                bad += (~torch.isfinite(g)).any().float()
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(bad, op=dist.ReduceOp.MAX)
-        return bool(bad.item() > 0)
 
     def update(self, found_inf: bool) -> None:
         if found_inf:

@@ -260,6 +260,102 @@ def check_loss_curve(ctx: DistContext, outdir: str, steps: int = 20) -> dict:
     return {"case": "curve/bf16-vs-fp32", "worst_rel": worst, **curves}
 
 
+CLIP = 0.05  # well below the tiny GPT's gradient norm (~0.5-1), so every step clips
+CLIP_PINS_2 = {k: PINS_2[k] for k in ("dp2", "dp2-zero1", "dp2-zero3", "tp2", "pp2-1f1b")}
+CLIP_PINS_4 = {"dp2xtp2-zero2": PINS_4["dp2xtp2-zero2"], "tp2xpp2-1f1b": PINS_4["tp2xpp2-1f1b"],
+               "dp2xpp2-tied-zero1": dict(dp=2, pp=2, schedule="gpipe", zero_stage=1)}
+
+
+def _compile(factory: Callable, spec: str, devices: int, path: Path, **kw) -> None:
+    from partita.compiler.compile import compile_model
+    from partita.compiler.inputs import parse_input_spec
+    from partita.passes.cluster import load_cluster
+    from partita.passes.constraints import Pins
+
+    pins = kw.pop("pins")
+    compile_model(factory, [parse_input_spec(spec)], load_cluster("local", devices=devices),
+                  pins=Pins(world_size=devices, **pins), **kw).plan.save(path)
+
+
+def check_clipping(ctx: DistContext, outdir: str, cases: dict[str, dict]) -> list[dict]:
+    """Gradient clipping by the global norm (fp32 plans with max_grad_norm): the norm train_step
+    reports and the clipped steps equal one process's ``clip_grad_norm_``, however the plan
+    spreads the gradients (ZeRO shards, TP shards and replicas, pipeline stages, tied copies)."""
+    import tied_script
+
+    out = []
+    for label, pins in cases.items():
+        tied = "tied" in label
+        factory = tied_script.tied_gpt if tied else MODELS["gpt"][0]
+        spec, batch = ("idx=int64[8,16]", MODELS["gpt"][2])
+        path = Path(outdir, f"clip-{label}.json")
+        if ctx.rank == 0:
+            _compile(factory, spec, ctx.world_size, path, optimizer="sgd-momentum", precision="fp32",
+                     max_grad_norm=CLIP, pins=pins)
+        dist.barrier()
+        plan = load_plan(path, world_size=ctx.world_size)
+        assert plan.training.max_grad_norm == CLIP
+        torch.manual_seed(5)
+        reference = factory()
+        model = ParallelModel(copy.deepcopy(reference), plan, loss_fn=default_loss, optimizer=SGD, ctx=ctx)
+        x, y = batch(plan.training.global_batch)
+        results = [model.train_step(x, targets=y) for _ in range(STEPS)]
+        final = model.full_state_dict()
+        opt = SGD(reference.parameters())
+        mbs = plan.training.micro_batch_size
+        chunks = [slice(i, i + mbs) for i in range(0, x.shape[0], mbs)]
+        ref_losses, ref_norms = [], []
+        for _ in range(STEPS):
+            loss = sum(default_loss(reference(x[r]), y[r]) for r in chunks) / len(chunks)
+            loss.backward()
+            ref_norms.append(float(torch.nn.utils.clip_grad_norm_(reference.parameters(), CLIP)))
+            opt.step()
+            opt.zero_grad()
+            ref_losses.append(loss.item())
+        assert [r.grad_norm for r in results] == pytest_approx(ref_norms), (label, results, ref_norms)
+        assert [float(r) for r in results] == pytest_approx(ref_losses), (label, results, ref_losses)
+        assert min(ref_norms) > 2 * CLIP  # every step clipped
+        for n, p in reference.named_parameters():
+            torch.testing.assert_close(final[n], p.detach(), rtol=1e-4, atol=2e-5, msg=lambda m: f"{label} {n}: {m}")
+        out.append({"case": f"clip/{label}", "norms": [r.grad_norm for r in results], "ref_norms": ref_norms})
+        del model
+        gc.collect()
+    return out
+
+
+def pytest_approx(values: list[float]):
+    import pytest
+
+    return pytest.approx(values, rel=1e-4, abs=1e-6)
+
+
+def check_one_optimizer(ctx: DistContext, outdir: str) -> dict:
+    """pp2 x dp2, ZeRO-1, a tied embedding: the user's optimizer drives every parameter, the tied
+    one included (an LR schedule that sets lr = 0 stops all training; before, a hidden optimizer of
+    the tied parameter kept training it)."""
+    import tied_script
+
+    path = Path(outdir, "one-optimizer.json")
+    if ctx.rank == 0:
+        _compile(tied_script.tied_gpt, "idx=int64[8,16]", 4, path, optimizer="adamw", precision="bf16-mixed",
+                 pins=dict(dp=2, pp=2, schedule="1f1b", zero_stage=1))
+    dist.barrier()
+    plan = load_plan(path, world_size=ctx.world_size)
+    torch.manual_seed(0)
+    model = ParallelModel(tied_script.tied_gpt(), plan, loss_fn=default_loss, optimizer=OPTIMIZERS["adamw"], ctx=ctx)
+    sched = torch.optim.lr_scheduler.LambdaLR(model.optimizer, lambda step: 0.0)
+    x, y = MODELS["gpt"][2](plan.training.global_batch)
+    before = model.full_state_dict()
+    losses = []
+    for _ in range(3):
+        losses.append(float(model.train_step(x, targets=y)))
+        sched.step()
+    after = model.full_state_dict()
+    changed = [n for n in before if not torch.equal(before[n], after[n])]
+    assert not changed and len(set(losses)) == 1, (changed, losses)
+    return {"case": "one-optimizer/lr0", "losses": losses}
+
+
 def compile_and_run_2(ctx: DistContext, outdir: str) -> list[dict]:
     Path(outdir, "plans").mkdir(exist_ok=True)
     cases = CASES_2 + CASES_4
@@ -267,11 +363,12 @@ def compile_and_run_2(ctx: DistContext, outdir: str) -> list[dict]:
         compile_case(case, outdir)
     dist.barrier()
     return ([run_case(ctx, case, outdir) for case in CASES_2] + [check_fp16_skip(ctx, outdir)]
-            + check_memory(ctx, outdir) + [check_loss_curve(ctx, outdir)])
+            + check_memory(ctx, outdir) + [check_loss_curve(ctx, outdir)] + check_clipping(ctx, outdir, CLIP_PINS_2))
 
 
 def run_4(ctx: DistContext, outdir: str) -> list[dict]:
-    return [run_case(ctx, case, outdir) for case in CASES_4]
+    return ([run_case(ctx, case, outdir) for case in CASES_4] + check_clipping(ctx, outdir, CLIP_PINS_4)
+            + [check_one_optimizer(ctx, outdir)])
 
 
 LAUNCHES = {"compile+run2": (2, compile_and_run_2), "run4": (4, run_4)}
