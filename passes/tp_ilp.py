@@ -3,7 +3,8 @@
 Reads the annotated DiGraph of a ``ModelProfile`` (node attributes ``kind``,
 ``shapes``, ``dtypes``, ``inputs``, ``flops_fwd``, ``flops_bwd``,
 ``saved_bytes``, ``depends_on_input``, ``param_name``, ``layer``) and the
-candidate strategies of every node (``tp_strategies.node_strategies``).
+candidate strategies of every node (``tp_strategies.node_strategies``), those valid at the micro-batch
+(``tp_strategies.valid_at``: a shard of a dim that grows with the batch must still divide there).
 Writes nothing on the graph: it returns a ``TPSolution`` (node -> Strategy,
 the cost and memory of that choice, and a ``TPSolveReport``).
 
@@ -132,7 +133,9 @@ from partita.passes.cost_model import (
 )
 from partita.passes.repeats import RepeatedBlock
 from partita.passes.tp_layout import tensor_bytes
-from partita.passes.tp_strategies import Strategy, grad_convention, input_index, reshard_kind, shard_dim
+from partita.passes.tp_strategies import (
+    Strategy, grad_convention, input_index, reshard_kind, shard_dim, valid_at,
+)
 
 SOLVER = "CBC"
 # The objective is handed to the solver in microseconds (memory in GB): solvers stop at an
@@ -306,7 +309,7 @@ def build_problem(
     captured_float = _captured_float_bytes(G)
     act_ratio = element_bytes(setting.precision) / captured_float
 
-    own = _own_strategies(G, t, strategies)
+    own = _own_strategies(G, t, strategies, setting.micro_batch)
     groups = _split_unlike(G, _classes(G, repeated), own)
     class_of = {n: key for key, members in groups.items() for n in members}
     strat = {key: own[key] for key in groups}
@@ -375,12 +378,15 @@ def build_problem(
                      G.number_of_nodes(), num_edges)
 
 
-def _own_strategies(G: nx.DiGraph, t: int, strategies: StrategyFn) -> dict[str, tuple[Strategy, ...]]:
-    """Every node's own strategy list; equal lists are one object (the edge costs are cached by identity)."""
+def _own_strategies(G: nx.DiGraph, t: int, strategies: StrategyFn,
+                    micro_batch: int) -> dict[str, tuple[Strategy, ...]]:
+    """Every node's own strategy list, those valid at ``micro_batch`` (``tp_strategies.valid_at``: a
+    shard of a batch-sized dim may not divide there); equal lists are one object (the edge costs
+    are cached by identity)."""
     interned: dict[tuple[Strategy, ...], tuple[Strategy, ...]] = {}
     own = {}
     for n in G.nodes:
-        ss = tuple(strategies(G, n, t))
+        ss = tuple(s for s in strategies(G, n, t) if valid_at(G, n, s, t, micro_batch))
         own[n] = interned.setdefault(ss, ss)
     return own
 

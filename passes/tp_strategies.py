@@ -224,6 +224,39 @@ def node_strategies(G: Any, node: str, t: int) -> list[Strategy]:
     return result
 
 
+def valid_at(G: Any, node: str, s: Strategy, t: int, micro_batch: int) -> bool:
+    """Whether ``s`` (offered on ``G`` at its captured batch) is valid at ``micro_batch``: every
+    tensor it shards, input or output, still splits into t equal whole slices there.
+
+    Shapes at the micro-batch come from ``graph.shape_at`` (two captures' linear fit). When
+    they are unknown (the model's structure depends on the batch), every strategy passes
+    here and the compile pipeline lays the plan out on the micro-batch's own capture.
+    """
+    from partita.passes.graph import shape_at
+
+    if micro_batch == G.graph.get("batch") or t <= 1:
+        return True
+    a = G.nodes[node]
+    tensors = [((node, i), p) for i, p in enumerate(s.out)]
+    tensors += [((src, input_index(G, node, j)), p) for j, (src, p) in enumerate(zip(a.get("inputs", []), s.ins))]
+    for (src, i), placement in tensors:
+        d = shard_dim(placement)
+        if d is None:
+            continue
+        shape = shape_at(G, src, i, micro_batch)
+        if shape is None:
+            return True
+        size = shape[d] if d < len(shape) else 0
+        if size != int(size) or size < t or int(size) % t:
+            return False
+    return True
+
+
+def strategies_at(G: Any, node: str, t: int, micro_batch: int) -> list[Strategy]:
+    """``node_strategies`` valid at ``micro_batch`` (``valid_at``); the first is replicated."""
+    return [s for s in node_strategies(G, node, t) if valid_at(G, node, s, t, micro_batch)]
+
+
 def unsupported_ops(G: Any) -> dict[str, int]:
     """Ops of call nodes that have no TP rule (so they run replicated) -> how many nodes.
 
