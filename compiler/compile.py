@@ -103,8 +103,11 @@ def compile_model(
         optimizer="none" if inference else optimizer,
         inference=inference,
     )
-    with phase("solving"):
+    with phase("capturing at twice the batch"):
+        t0 = time.perf_counter()
         batch_shape_capture(model, captured, profile, cluster, pins, loss=loss if not inference else None)
+        timings["batch_shapes"] = time.perf_counter() - t0
+    with phase("solving"):
         numels = [math.prod(shape) for shape, _ in captured.params.values()]
         decision = plan_search(profile, numels, cluster, request, pins)
         timings["solve"] = decision.seconds

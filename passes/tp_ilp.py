@@ -131,6 +131,7 @@ from partita.passes.cost_model import (
     sharded_state,
     state_bytes_per_param,
 )
+from partita.passes.activations import peak_live_bytes
 from partita.passes.repeats import RepeatedBlock
 from partita.passes.tp_layout import tensor_bytes
 from partita.passes.tp_strategies import (
@@ -241,6 +242,7 @@ class TPProblem:
     bytes_per_param: float
     num_nodes: int
     num_edges: int
+    live_bytes: float = 0.0  # inference: the forward's largest live set, whole tensors (activations.peak_live_bytes)
 
     @property
     def combinations(self) -> int:
@@ -374,8 +376,10 @@ def build_problem(
         classes.append(NodeClass(key, tuple(members), strat[key], tuple(costs)))
     edges = tuple(EdgeClass(cu, cv, acc["count"], acc["fwd"], acc["bwd"]) for (cu, cv), acc in edge_acc.items())
     held = sharded_state(state, setting.zero_stage, setting.dp)
+    live = (peak_live_bytes(G, G.nodes, setting.micro_batch, setting.captured_batch, act_ratio)
+            if setting.inference else 0)
     return TPProblem(setting, tuple(classes), edges, class_of, {n: own[n] for n in class_of}, held.total,
-                     G.number_of_nodes(), num_edges)
+                     G.number_of_nodes(), num_edges, live)
 
 
 def _own_strategies(G: nx.DiGraph, t: int, strategies: StrategyFn,
@@ -615,11 +619,12 @@ def _add_edge_variables(m: _Model, p: TPProblem) -> None:
 
 
 def _add_memory_constraint(m: _Model, p: TPProblem) -> None:
-    """memory: sum_c sum_s m[c,s] x[c,s] <= budget (per device, in GB for the solver's tolerances)."""
+    """memory: sum_c sum_s m[c,s] x[c,s] <= budget - live (per device, in GB for the solver's tolerances;
+    live: an inference step's largest live set of activations, a constant of the layout)."""
     if not math.isfinite(p.setting.memory_budget):
         return
     gb = _UNIT["memory"]
-    row = m.solver.Constraint(-m.solver.infinity(), p.setting.memory_budget * gb, "memory")
+    row = m.solver.Constraint(-m.solver.infinity(), (p.setting.memory_budget - p.live_bytes) * gb, "memory")
     for c in p.classes:
         for s, var in m.x[c.key].items():
             row.SetCoefficient(var, c.costs[s].memory(p.bytes_per_param) * gb)
@@ -685,6 +690,7 @@ def evaluate(problem: TPProblem, pick: Mapping[str, int], report: TPSolveReport 
             raise ValueError(f"edge {ec.src}->{ec.dst}: strategies {i}, {j} need an invalid reshard")
         fwd += ec.fwd_s[i][j]
         bwd += ec.bwd_s[i][j]
+    act += problem.live_bytes
     memory = numel * problem.bytes_per_param + act
     total = compute + internal + fwd + bwd + step / problem.setting.grad_accum
     if report is None:
