@@ -15,6 +15,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 
 from partita.compiler.capture import CapturedModel, capture
+from partita.compiler.errors import CaptureError
 from partita.compiler.inputs import InputSpec
 from partita.compiler.losses import resolve_loss
 from partita.compiler.plan import (
@@ -151,7 +152,10 @@ def micro_batch_graph(model: Any, captured: CapturedModel, profile: ModelProfile
     note = (f"laid out on the model captured at micro-batch {mb}: its graph differs from the one at batch "
             f"{profile.batch_size} ({len(own.graph)} vs {len(profile.graph)} nodes), so its TP layout was solved "
             "again there; the predictions are the search's")
-    return own.graph, dataclasses.replace(decision, choice=choice, node_stage=node_stage,
+    calls = [n for n in own.graph.nodes if own.graph.nodes[n]["kind"] == "call"]
+    stages = tuple(dataclasses.replace(st, first_node=mine[0], last_node=mine[-1]) if mine else st
+                   for st in decision.stages for mine in [[n for n in calls if node_stage[n] == st.index]])
+    return own.graph, dataclasses.replace(decision, choice=choice, node_stage=node_stage, stages=stages,
                                           notes=(*decision.notes, note))
 
 
@@ -170,9 +174,13 @@ def batch_shape_capture(model: Any, captured: CapturedModel, profile: ModelProfi
     B = profile.batch_size
     if B == 1 or cluster.gpus_per_node == 1 or pins.tp == 1 or (pins.world_size or cluster.world_size) == 1:
         return
-    twice = capture(model, [_at_batch(s, 2 * B) for s in captured.inputs], name=captured.name,
-                    loss=loss if captured.loss else None,
-                    targets=_at_batch(captured.targets, 2 * B) if captured.targets is not None else None)
+    try:
+        twice = capture(model, [_at_batch(s, 2 * B) for s in captured.inputs], name=captured.name,
+                        loss=loss if captured.loss else None,
+                        targets=_at_batch(captured.targets, 2 * B) if captured.targets is not None else None)
+    except CaptureError:  # a model that only runs at its batch: its micro-batch's own capture decides
+        profile.graph.graph["batch_shapes"] = "unknown"
+        return
     annotate_batch_shapes(profile.graph, to_networkx(twice))
 
 

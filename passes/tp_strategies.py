@@ -234,7 +234,7 @@ def valid_at(G: Any, node: str, s: Strategy, t: int, micro_batch: int) -> bool:
     """
     from partita.passes.graph import shape_at
 
-    if micro_batch == G.graph.get("batch") or t <= 1:
+    if micro_batch == G.graph.get("batch") or t <= 1 or G.graph.get("batch_shapes") != "linear":
         return True
     a = G.nodes[node]
     tensors = [((node, i), p) for i, p in enumerate(s.out)]
@@ -244,8 +244,6 @@ def valid_at(G: Any, node: str, s: Strategy, t: int, micro_batch: int) -> bool:
         if d is None:
             continue
         shape = shape_at(G, src, i, micro_batch)
-        if shape is None:
-            return True
         size = shape[d] if d < len(shape) else 0
         if size != int(size) or size < t or int(size) % t:
             return False

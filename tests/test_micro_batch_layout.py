@@ -83,3 +83,5 @@ def test_a_graph_that_changes_with_the_batch_is_laid_out_on_its_micro_batch_capt
     assert [n.name for n in plan.nodes] == list(one.nodes)
     assert any("laid out on the model captured at micro-batch 1" in n for n in plan.solver.notes)
     assert {n.stage for n in plan.nodes} == {0, 1}
+    names = {n.name for n in plan.nodes}
+    assert all(st.first_node in names and st.last_node in names for st in plan.stages)
