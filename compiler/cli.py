@@ -188,10 +188,12 @@ def parse_count(text: str) -> int:
 @click.option("--optimizer", type=click.Choice(["adamw", "adam", "sgd", "sgd-momentum"]), default="adamw",
               show_default=True)
 @click.option("--inference", is_flag=True, help="forward only: the weights and the forward's largest live set")
+@click.option("--generate", type=int, default=0, metavar="N",
+              help="with --inference: N new tokens per sequence, whose KV cache (prompt + N) is counted")
 @click.option("--json", "as_json", is_flag=True)
 def estimate(target: str | None, params_text: str | None, inputs: tuple[str, ...], cluster_name: str,
              nodes: int | None, devices: int | None, dp: int | None, batch: int | None, precision: str | None,
-             optimizer: str, inference: bool, as_json: bool) -> None:
+             optimizer: str, inference: bool, generate: int, as_json: bool) -> None:
     """What fits: per-device memory of DP and ZeRO-1/2/3, and each one's traffic per step."""
     from partita.compiler.compile import default_precision
     from partita.compiler.report import fmt_bytes, fmt_count, fmt_time, memory_row
@@ -227,11 +229,16 @@ def estimate(target: str | None, params_text: str | None, inputs: tuple[str, ...
             raise PartitaError(f"global batch {global_batch} does not divide over dp={dp}",
                                hint=f"use --batch a multiple of {dp} or a different --dp")
         captured_bytes = 4 if profile.param_dtype.removeprefix("torch.") == "float32" else 2
-        held = profile.live_bytes if inference else profile.activation_bytes
-        activations = held(global_batch // dp) * element_bytes(precision) // captured_bytes
+        if generate and not inference:
+            raise PartitaError("--generate needs --inference", hint="add --inference")
+        mb = global_batch // dp
+        held = profile.live_bytes(mb) if inference else profile.activation_bytes(mb)
+        held += profile.kv_cache_bytes(mb, (profile.seq_len or 0) + generate) if generate else 0
+        activations = held * element_bytes(precision) // captured_bytes
         num_params, name = profile.num_params, profile.name
         note = (f"{'the forward' + chr(39) + 's largest live set' if inference else 'activations'} at micro-batch "
-                f"{global_batch // dp} per device (no accumulation)")
+                f"{mb} per device (no accumulation)"
+                + (f", plus the KV cache of {(profile.seq_len or 0) + generate} tokens" if generate else ""))
     rows = estimate_strategies(num_params, activations, cluster, dp=dp, precision=precision, optimizer=optimizer,
                                inference=inference)
     if as_json:

@@ -162,3 +162,39 @@ def _aliases(op: str) -> bool:
     except (AttributeError, RuntimeError):
         return False
     return any(r.alias_info is not None and not r.alias_info.is_write for r in overload._schema.returns)
+
+
+_ATTENTION = ("scaled_dot_product", "flash_attention", "efficient_attention")
+_REARRANGE = frozenset({"reshape", "clone", "contiguous", "_unsafe_view", "expand", "repeat", "repeat_interleave",
+                        "_to_copy"})
+
+
+def annotate_kv_cache(G: nx.DiGraph) -> int:
+    """Write ``G.graph["kv_bytes"]``: the keys and values every attention op reads, at the captured
+    batch and sequence, as a generation cache holds them (bytes, captured dtype); returns it.
+
+    Each attention op's key and value are followed back through ops that only rearrange or repeat
+    them (views, reshapes, expands, copies), and the smallest tensor on that chain is what is cached:
+    grouped-query attention repeats each KV head for its query heads after the cache, and rotary
+    embeddings are applied before it (Hugging Face's order).
+    """
+    total = 0
+    for n, a in G.nodes(data=True):
+        if a["kind"] != "call" or not any(k in a["op"] for k in _ATTENTION) or len(a["inputs"]) < 3:
+            continue
+        for src in a["inputs"][1:3]:
+            smallest = _tensor_bytes(G, src)
+            while True:
+                b = G.nodes[src]
+                tensors = b.get("inputs", [])
+                if len(tensors) != 1 or not (_aliases(b["op"]) or b["op"].split(".")[1:2] and b["op"].split(".")[1] in _REARRANGE):
+                    break
+                src = tensors[0]
+                smallest = min(smallest, _tensor_bytes(G, src))
+            total += smallest
+    G.graph["kv_bytes"] = total
+    return total
+
+
+def _tensor_bytes(G: nx.DiGraph, n: str) -> int:
+    return G.nodes[n].get("out_bytes", 0)

@@ -77,3 +77,42 @@ def test_estimate_inference(tmp_path, capsys) -> None:
     assert len(rows) == 1
     assert rows[0]["activations"] == 256 and rows[0]["params"] == (8 * 16 + 16 + 16 * 4 + 4) * 4
     assert rows[0]["grads"] == rows[0]["optimizer"] == 0
+
+
+def test_kv_cache_by_hand() -> None:
+    """Llama, 2 layers, 4 query heads sharing 2 KV heads of dim 16, fp32: the cache holds K and V of
+    the KV heads (before they are repeated for the query heads): 2 x 2 layers x 2 heads x 16 x 4 B
+    = 512 B per token per sequence; 2 sequences of 16 tokens: 16,384 B; one of 64: 32,768 B."""
+    import sys
+    from pathlib import Path
+
+    import pytest
+
+    pytest.importorskip("transformers")
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from examples.models import hf_llama
+
+    p = profile_model(capture(lambda: hf_llama(num_hidden_layers=2, hidden_size=64, num_attention_heads=4,
+                                               num_key_value_heads=2, intermediate_size=128, vocab_size=256),
+                              [parse_input_spec("input_ids=int64[2,16]")]))
+    assert p.graph.graph["kv_bytes"] == 16_384
+    assert p.kv_cache_bytes(1, 64) == 32_768
+
+
+def test_estimate_generate_counts_the_kv_cache(capsys) -> None:
+    import pytest
+
+    pytest.importorskip("transformers")
+    args = ["estimate", "examples/models.py:hf_llama", "--input", "input_ids=int64[2,16]", "--cluster", "local",
+            "--devices", "1", "--precision", "fp32", "--inference", "--json"]
+    rows = []
+    for extra in ([], ["--generate", "48"]):
+        try:
+            main(args + extra)
+        except SystemExit as e:
+            assert not e.code, capsys.readouterr()
+        out = capsys.readouterr().out
+        rows.append(json.loads(out[out.index("{"):])["strategies"][0])
+    # hf_llama's defaults: 2 layers, 8 heads of dim 32 (no grouping): 2 x 2 x 8 x 32 x 4 B = 4 KiB per token;
+    # 2 sequences of 16 + 48 tokens
+    assert rows[1]["activations"] - rows[0]["activations"] == 4096 * 2 * 64
