@@ -102,6 +102,8 @@ def _loss_option(name: str | None, field: str | None, default: Any) -> Any:
 @click.option("--recompute/--no-recompute", default=None,
               help="activation recomputation on every stage / on none (default: on the stages where memory binds)")
 @click.option("--inference", is_flag=True, help="a forward-only plan: no gradients, no optimizer state")
+@click.option("--generate", "generate_tokens", type=int, default=0, metavar="N",
+              help="with --inference: N new tokens per sequence, whose KV cache (prompt + N) each stage holds")
 @click.option("--loss", "loss_name", default=None, metavar="NAME|model|FILE.py:FN",
               help="the loss: cross-entropy (default), mse, `model` (the model's own, given labels=) or a function")
 @click.option("--output-field", default=None, metavar="NAME",
@@ -114,8 +116,8 @@ def compile_cmd(target: str, inputs: tuple[str, ...], cluster_name: str, nodes: 
                 batch: int | None, precision: str | None, optimizer: str, dp: int | None,
                 micro_batch_size: int | None, grad_accum_steps: int | None, tp: int | None, pp: int | None,
                 zero: int | None, microbatches: int | None, schedule: str | None, recompute: bool | None,
-                inference: bool, loss_name: str | None, output_field: str | None, target_spec: str | None,
-                output: str, as_json: bool) -> None:
+                inference: bool, generate_tokens: int, loss_name: str | None, output_field: str | None,
+                target_spec: str | None, output: str, as_json: bool) -> None:
     """Capture TARGET (FILE.py:NAME), analyse it, and write a plan for the cluster."""
     from partita.compiler.compile import compile_model
     from partita.compiler.loader import load_target
@@ -142,7 +144,7 @@ def compile_cmd(target: str, inputs: tuple[str, ...], cluster_name: str, nodes: 
         result = compile_model(model.factory, specs, cluster, global_batch=batch or getattr(spec, "batch", None),
                                precision=precision or getattr(spec, "precision", None), optimizer=optimizer,
                                pins=pins, name=model.name, progress=progress, inference=inference, loss=loss,
-                               targets=targets)
+                               targets=targets, generate=generate_tokens)
     path = result.plan.save(output)
     if as_json:
         click.echo(result.plan.to_json(), nl=False)

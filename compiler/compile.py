@@ -79,13 +79,15 @@ def compile_model(
     loss: Callable[[Any, torch.Tensor], torch.Tensor] | None = None,
     targets: InputSpec | None = None,
     progress: Any = None,
+    generate: int = 0,
 ) -> CompileResult:
     """Capture ``model`` on ``inputs``, analyse it, decide a plan for ``cluster``.
 
     For training the loss (default: cross-entropy) is captured with the model,
     so its ops are analysed and laid out too; ``targets`` defaults to what the
     model's output implies. ``global_batch`` defaults to the leading dimension
-    of the first input. ``progress`` is an optional rich ``Progress``.
+    of the first input. ``progress`` is an optional rich ``Progress``. ``generate``
+    (inference): new tokens per sequence, whose KV cache the plan's memory holds.
     """
     timings: dict[str, float] = {}
     phase = _phases(progress)
@@ -103,6 +105,7 @@ def compile_model(
         precision=precision or default_precision(cluster),
         optimizer="none" if inference else optimizer,
         inference=inference,
+        kv_tokens=(profile.seq_len or 0) + generate if generate else 0,
     )
     with phase("capturing at twice the batch"):
         t0 = time.perf_counter()

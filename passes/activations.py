@@ -170,8 +170,10 @@ _REARRANGE = frozenset({"reshape", "clone", "contiguous", "_unsafe_view", "expan
 
 
 def annotate_kv_cache(G: nx.DiGraph) -> int:
-    """Write ``G.graph["kv_bytes"]``: the keys and values every attention op reads, at the captured
-    batch and sequence, as a generation cache holds them (bytes, captured dtype); returns it.
+    """Write ``kv_bytes`` on every attention op and their sum ``G.graph["kv_bytes"]``: the keys and
+    values it reads, at the captured batch and sequence, as a generation cache holds them (bytes,
+    captured dtype); returns the sum. A planner scales them by the micro-batch and by
+    ``TrainingRequest.kv_tokens`` over the captured sequence.
 
     Each attention op's key and value are followed back through ops that only rearrange or repeat
     them (views, reshapes, expands, copies), and the smallest tensor on that chain is what is cached:
@@ -192,6 +194,7 @@ def annotate_kv_cache(G: nx.DiGraph) -> int:
                 src = tensors[0]
                 smallest = min(smallest, _tensor_bytes(G, src))
             total += smallest
+            a["kv_bytes"] = a.get("kv_bytes", 0) + smallest
     G.graph["kv_bytes"] = total
     return total
 

@@ -58,8 +58,11 @@ class TrainingRequest:
     precision: str = "fp32"
     optimizer: str = "adamw"
     inference: bool = False
+    kv_tokens: int = 0  # inference with generation: prompt + new tokens per sequence, whose KV cache is held
 
     def __post_init__(self) -> None:
+        if self.kv_tokens and not self.inference:
+            raise PartitaError("--generate needs --inference", hint="add --inference")
         if not isinstance(self.global_batch, int) or self.global_batch < 1:
             raise PartitaError(f"--batch {self.global_batch!r} must be a positive integer")
         if self.precision not in PRECISIONS:

@@ -246,13 +246,19 @@ def activation_scale(profile: ModelProfile, request: TrainingRequest) -> float:
     return element_bytes(request.precision) / _FLOAT.get(profile.param_dtype.removeprefix("torch."), 4)
 
 
+def kv_ratio(profile: ModelProfile, request: TrainingRequest) -> float:
+    """An attention op's KV cache over the keys and values it reads at the captured sequence:
+    prompt + new tokens over the captured tokens (0 unless generating; activations.annotate_kv_cache)."""
+    return request.kv_tokens / profile.seq_len if request.inference and request.kv_tokens and profile.seq_len else 0.0
+
+
 def node_costs(profile: ModelProfile, cluster: ClusterSpec, request: TrainingRequest, micro_batch: int,
                *, tp: int = 1) -> NodeCosts:
     """Per-node costs from the profile, scaled from the captured batch to ``micro_batch``.
 
     Batch-dependent nodes (``depends_on_input``) scale linearly, the rest stay; float
     tensors take the precision's element size. ``tp > 1`` divides compute, parameters
-    and saved activations evenly (ideal tensor + sequence parallelism, Korthikanti's
+    and saved activations (an inference step's KV cache) evenly (ideal tensor + sequence parallelism, Korthikanti's
     (s b h / t)(34 + 5 a s / h), and no TP communication): pass the TP solver's per-node
     costs instead for real numbers. What crosses a cut stays whole (b s h, not b s h / t).
     """
@@ -261,6 +267,7 @@ def node_costs(profile: ModelProfile, cluster: ClusterSpec, request: TrainingReq
     at = {n: i for i, n in enumerate(order)}
     batch = micro_batch / profile.batch_size
     act = activation_scale(profile, request)
+    kv = kv_ratio(profile, request)
 
     def scale(a: dict) -> float:
         return batch if a["depends_on_input"] else 1.0
@@ -274,7 +281,8 @@ def node_costs(profile: ModelProfile, cluster: ClusterSpec, request: TrainingReq
         a = G.nodes[name]
         fwd.append(compute_time(a["flops_fwd"] * scale(a) / tp, cluster, request.precision))
         bwd.append(0.0 if request.inference else compute_time(a["flops_bwd"] * scale(a) / tp, cluster, request.precision))
-        saved.append(0 if request.inference else round(a["saved_bytes"] * scale(a) * act / tp))
+        saved.append(round(a.get("kv_bytes", 0) * scale(a) * act * kv / tp) if request.inference
+                     else round(a["saved_bytes"] * scale(a) * act / tp))
     live = [round((a["live_batch"] * batch + a["live_fixed"]) * act / tp) for a in map(G.nodes.__getitem__, order)] \
         if request.inference else []
     send = [0.0] * (len(order) + 2)

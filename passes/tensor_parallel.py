@@ -59,6 +59,7 @@ from partita.passes.constraints import Pins, TrainingRequest
 from partita.passes.cost_model import StepCost, mesh_step, model_state_memory, state_bytes_per_param
 from partita.passes.zero import STRATEGY_NAMES, traffic_reason, zero_stages
 from partita.passes.data_parallel import DEFAULT_BUCKET_BYTES, gradient_buckets
+from partita.passes.pipeline_parallel import kv_ratio
 from partita.passes.profile import ModelProfile
 from partita.passes.tp_ilp import SOLVER, StrategyFn, TPSetting, TPSolution, TPSolveReport, build_problem, solve_tp
 from partita.passes.tp_strategies import Strategy, shard_dim
@@ -158,7 +159,8 @@ def choose_mesh(
                                                     f"{need / 1e9:.1f} GB > {cluster.usable_memory / 1e9:.1f} GB", z))
                     continue
                 setting = TPSetting(tp, mb, profile.batch_size, request.precision, request.optimizer,
-                                    request.inference, cluster.usable_memory, dp=dp, grad_accum=accum, zero_stage=z)
+                                    request.inference, cluster.usable_memory, dp=dp, grad_accum=accum, zero_stage=z,
+                                    kv_ratio=kv_ratio(profile, request))
                 problem = build_problem(G, setting, cluster, strategies=lambda _G, n, t: cached(n, t),
                                         repeated=profile.repeated)
                 solves += 1

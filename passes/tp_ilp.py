@@ -171,6 +171,7 @@ class TPSetting:
     dp: int = 1  # data-parallel degree the step's gradient all-reduce runs over
     grad_accum: int = 1  # micro-batches per step: per-step costs are amortised over them
     zero_stage: int = 0  # ZeRO over the dp group: shards model state (memory) and sets the dp collectives
+    kv_ratio: float = 0.0  # inference with generation: KV cache / keys and values read (pipeline_parallel.kv_ratio)
 
     def __post_init__(self) -> None:
         if self.t < 1 or self.micro_batch < 1 or self.captured_batch < 1:
@@ -366,8 +367,8 @@ def build_problem(
                     compute += compute_time(flops * st.compute_fraction * beta(n), cluster, setting.precision)
                 for kind, nb in st.internal:
                     internal += collective_time(kind, nb * beta(n), t, link)
-                if not setting.inference:
-                    act += a.get("saved_bytes", 0) * st.memory_fraction * beta(n) * act_ratio
+                held = a.get("kv_bytes", 0) * setting.kv_ratio if setting.inference else a.get("saved_bytes", 0)
+                act += held * st.memory_fraction * beta(n) * act_ratio
             fwd_s, bwd_s, valid = folded[key][s]
             numel = _param_numel(G, members, strat[key][s], t)
             step = (param_step_time(numel, state, setting.dp, dp_link, cluster, zero_stage=setting.zero_stage,

@@ -116,3 +116,25 @@ def test_estimate_generate_counts_the_kv_cache(capsys) -> None:
     # hf_llama's defaults: 2 layers, 8 heads of dim 32 (no grouping): 2 x 2 x 8 x 32 x 4 B = 4 KiB per token;
     # 2 sequences of 16 + 48 tokens
     assert rows[1]["activations"] - rows[0]["activations"] == 4096 * 2 * 64
+
+
+def test_an_inference_plan_with_generation_holds_the_kv_cache() -> None:
+    """One device, fp32, the Llama of test_kv_cache_by_hand at [2,16] generating 48 tokens: the plan's
+    activations grow by the cache of 2 sequences of 64 tokens, 2 x 64 x 512 B = 65,536 B."""
+    import sys
+    from pathlib import Path
+
+    import pytest
+
+    pytest.importorskip("transformers")
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from examples.models import hf_llama
+
+    def small():
+        return hf_llama(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                        intermediate_size=128, vocab_size=256)
+
+    plans = [compile_model(small, [parse_input_spec("input_ids=int64[2,16]")], load_cluster("local", devices=1),
+                           inference=True, precision="fp32", generate=n).plan for n in (0, 48)]
+    assert [p.training.micro_batch_size for p in plans] == [2, 2]
+    assert plans[1].predicted.memory.activations - plans[0].predicted.memory.activations == 65_536
