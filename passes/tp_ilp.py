@@ -388,11 +388,22 @@ def _own_strategies(G: nx.DiGraph, t: int, strategies: StrategyFn,
     """Every node's own strategy list, those valid at ``micro_batch`` (``tp_strategies.valid_at``: a
     shard of a batch-sized dim may not divide there); equal lists are one object (the edge costs
     are cached by identity)."""
+    from partita.passes.tp_strategies import node_strategies
+
+    shaped = G.graph.get("batch_shapes") == "linear" and micro_batch != G.graph.get("batch")
+    key = (t, micro_batch if shaped else None)
+    cache = G.graph.get("tp_own_strategies")
+    if strategies is node_strategies and cache is not None and cache[0] == G.number_of_nodes() and key in cache[1]:
+        return cache[1][key]
     interned: dict[tuple[Strategy, ...], tuple[Strategy, ...]] = {}
     own = {}
     for n in G.nodes:
-        ss = tuple(s for s in strategies(G, n, t) if valid_at(G, n, s, t, micro_batch))
+        ss = tuple(s for s in strategies(G, n, t) if not shaped or valid_at(G, n, s, t, micro_batch))
         own[n] = interned.setdefault(ss, ss)
+    if strategies is node_strategies:  # the lists depend on t and (with batch shapes) the micro-batch only
+        if cache is None or cache[0] != G.number_of_nodes():
+            cache = G.graph["tp_own_strategies"] = (G.number_of_nodes(), {})
+        cache[1][key] = own
     return own
 
 

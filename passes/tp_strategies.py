@@ -148,7 +148,8 @@ def input_index(G: Any, node: str, j: int) -> int:
 def grad_flows(G: Any) -> dict[str, bool]:
     """Node -> whether a gradient flows into its outputs in backward (a floating output
     descending from a parameter through differentiable ops). Cached in
-    ``G.graph["tp_grad_flows"]``, the only attribute this module writes."""
+    ``G.graph["tp_grad_flows"]``; with ``G.graph["tp_strategies"]`` (node_strategies's cache)
+    the only attributes this module writes."""
     cached = G.graph.get("tp_grad_flows")
     if cached is not None and len(cached) == G.number_of_nodes():
         return cached
@@ -179,8 +180,19 @@ def node_strategies(G: Any, node: str, t: int) -> list[Strategy]:
     and buffers "replicate" only. The output node needs the loss replicated.
     Gradient placements are "none" for inputs that carry no gradient (integer and
     bool tensors, inputs not descending from a parameter) and for every input of a
-    node whose outputs carry none.
+    node whose outputs carry none. Computed once per (node, t) and cached in
+    ``G.graph["tp_strategies"]`` (the graph's strategies do not change once it is annotated).
     """
+    cache = G.graph.get("tp_strategies")
+    if cache is None or cache[0] != G.number_of_nodes():
+        cache = G.graph["tp_strategies"] = (G.number_of_nodes(), {})
+    key = (node, t)
+    if key not in cache[1]:
+        cache[1][key] = tuple(_node_strategies(G, node, t))
+    return list(cache[1][key])
+
+
+def _node_strategies(G: Any, node: str, t: int) -> list[Strategy]:
     from partita.passes.tp_rules import OpView, op_rule
 
     a = G.nodes[node]
