@@ -106,6 +106,8 @@ def _loss_option(name: str | None, field: str | None, default: Any) -> Any:
 @click.option("--recompute/--no-recompute", default=None,
               help="activation recomputation on every stage / on none (default: on the stages where memory binds)")
 @click.option("--inference", is_flag=True, help="a forward-only plan: no gradients, no optimizer state")
+@click.option("--generate", "generate_tokens", type=int, default=0, metavar="N",
+              help="with --inference: N new tokens per sequence, whose KV cache (prompt + N) each stage holds")
 @click.option("--loss", "loss_name", default=None, metavar="NAME|model|FILE.py:FN",
               help="the loss: cross-entropy (default), mse, `model` (the model's own, given labels=) or a function")
 @click.option("--output-field", default=None, metavar="NAME",
@@ -118,8 +120,8 @@ def compile_cmd(target: str, inputs: tuple[str, ...], cluster_name: str, nodes: 
                 batch: int | None, precision: str | None, optimizer: str, reduce_dtype: str,
                 max_grad_norm: float | None, dp: int | None, micro_batch_size: int | None, grad_accum_steps: int | None, tp: int | None, pp: int | None,
                 zero: int | None, microbatches: int | None, schedule: str | None, recompute: bool | None,
-                inference: bool, loss_name: str | None, output_field: str | None, target_spec: str | None,
-                output: str, as_json: bool) -> None:
+                inference: bool, generate_tokens: int, loss_name: str | None, output_field: str | None,
+                target_spec: str | None, output: str, as_json: bool) -> None:
     """Capture TARGET (FILE.py:NAME), analyse it, and write a plan for the cluster."""
     from partita.compiler.compile import compile_model
     from partita.compiler.loader import load_target
@@ -148,7 +150,7 @@ def compile_cmd(target: str, inputs: tuple[str, ...], cluster_name: str, nodes: 
                                pins=pins, name=model.name, progress=progress, inference=inference, loss=loss,
                                targets=targets, reduce_dtype=reduce_dtype,
                                max_grad_norm=max_grad_norm if max_grad_norm is not None
-                               else getattr(spec, "max_grad_norm", None))
+                               else getattr(spec, "max_grad_norm", None), generate=generate_tokens)
     path = result.plan.save(output)
     if as_json:
         click.echo(result.plan.to_json(), nl=False)
@@ -193,10 +195,13 @@ def parse_count(text: str) -> int:
 @click.option("--precision", type=click.Choice(["fp32", "bf16-mixed", "fp16-mixed"]), default=None)
 @click.option("--optimizer", type=click.Choice(["adamw", "adam", "sgd", "sgd-momentum"]), default="adamw",
               show_default=True)
+@click.option("--inference", is_flag=True, help="forward only: the weights and the forward's largest live set")
+@click.option("--generate", type=int, default=0, metavar="N",
+              help="with --inference: N new tokens per sequence, whose KV cache (prompt + N) is counted")
 @click.option("--json", "as_json", is_flag=True)
 def estimate(target: str | None, params_text: str | None, inputs: tuple[str, ...], cluster_name: str,
              nodes: int | None, devices: int | None, dp: int | None, batch: int | None, precision: str | None,
-             optimizer: str, as_json: bool) -> None:
+             optimizer: str, inference: bool, generate: int, as_json: bool) -> None:
     """What fits: per-device memory of DP and ZeRO-1/2/3, and each one's traffic per step."""
     from partita.compiler.compile import default_precision
     from partita.compiler.report import fmt_bytes, fmt_count, fmt_time, memory_row
@@ -231,11 +236,19 @@ def estimate(target: str | None, params_text: str | None, inputs: tuple[str, ...
         if global_batch % dp:
             raise PartitaError(f"global batch {global_batch} does not divide over dp={dp}",
                                hint=f"use --batch a multiple of {dp} or a different --dp")
-        captured_bytes = 4 if profile.param_dtype == "torch.float32" else 2
-        activations = profile.activation_bytes(global_batch // dp) * element_bytes(precision) // captured_bytes
+        captured_bytes = 4 if profile.param_dtype.removeprefix("torch.") == "float32" else 2
+        if generate and not inference:
+            raise PartitaError("--generate needs --inference", hint="add --inference")
+        mb = global_batch // dp
+        held = profile.live_bytes(mb) if inference else profile.activation_bytes(mb)
+        held += profile.kv_cache_bytes(mb, (profile.seq_len or 0) + generate) if generate else 0
+        activations = held * element_bytes(precision) // captured_bytes
         num_params, name = profile.num_params, profile.name
-        note = f"activations at micro-batch {global_batch // dp} per device (no accumulation)"
-    rows = estimate_strategies(num_params, activations, cluster, dp=dp, precision=precision, optimizer=optimizer)
+        note = (f"{'the forward' + chr(39) + 's largest live set' if inference else 'activations'} at micro-batch "
+                f"{mb} per device (no accumulation)"
+                + (f", plus the KV cache of {(profile.seq_len or 0) + generate} tokens" if generate else ""))
+    rows = estimate_strategies(num_params, activations, cluster, dp=dp, precision=precision, optimizer=optimizer,
+                               inference=inference)
     if as_json:
         click.echo(json.dumps({
             "model": name, "num_params": num_params, "cluster": cluster.name, "world_size": cluster.world_size,

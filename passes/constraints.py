@@ -62,8 +62,11 @@ class TrainingRequest:
     inference: bool = False
     reduce_dtype: str = "fp32"  # gradients are reduced over dp in this dtype (compiler/precision.py)
     max_grad_norm: float | None = None  # the global gradient norm is clipped to this
+    kv_tokens: int = 0  # inference with generation: prompt + new tokens per sequence, whose KV cache is held
 
     def __post_init__(self) -> None:
+        if self.kv_tokens and not self.inference:
+            raise PartitaError("--generate needs --inference", hint="add --inference")
         if not isinstance(self.global_batch, int) or self.global_batch < 1:
             raise PartitaError(f"--batch {self.global_batch!r} must be a positive integer")
         if self.reduce_dtype not in REDUCE_DTYPES:

@@ -52,6 +52,8 @@ class Profile(Protocol):
 
     def activation_bytes(self, micro_batch: int) -> int: ...
 
+    def live_bytes(self, micro_batch: int) -> int: ...
+
 
 @dataclass(frozen=True)
 class Candidate:
@@ -110,7 +112,8 @@ def memory_per_device(profile: Profile, request: TrainingRequest, *, dp: int, mi
         dp=dp,
     )
     captured = _DTYPE_BYTES.get(profile.param_dtype, 4)
-    act = 0 if request.inference else round(profile.activation_bytes(micro_batch) * element_bytes(request.precision) / captured)
+    act = profile.live_bytes(micro_batch) if request.inference else profile.activation_bytes(micro_batch)
+    act = round(act * element_bytes(request.precision) / captured)
     return MemoryBreakdown(state.params, state.grads, state.optimizer, act, capacity)
 
 
