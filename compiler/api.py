@@ -22,10 +22,10 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 
-from partita.compiler.errors import PartitaError
-from partita.compiler.inputs import InputSpec, parse_input_spec
-from partita.compiler.losses import default_loss, resolve_loss
-from partita.compiler.plan import Plan, load_plan, plan_from_data
+from partita.core.errors import PartitaError
+from partita.core.inputs import InputSpec, parse_input_spec
+from partita.core.losses import default_loss, resolve_loss
+from partita.core.plan import Plan, load_plan, plan_from_data
 
 OptimizerFactory = Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]
 
@@ -80,7 +80,7 @@ class ParallelizeSpec:
     weights: str | None = None  # pretrained weights (torch.save or .safetensors), each rank reading its part
     check_replicas_every: int | None = None  # runtime/rng.py; None: PARTITA_CHECK_REPLICAS_EVERY (0: off)
     max_grad_norm: float | None = None  # clip the global gradient norm (recorded in the plan)
-    reduce_dtype: str = "fp32"  # gradients reduced over dp in this dtype (compiler/precision.py)
+    reduce_dtype: str = "fp32"  # gradients reduced over dp in this dtype (core/precision.py)
 
 
 class Parallelized:
@@ -198,7 +198,7 @@ def _spec_kwargs(spec: ParallelizeSpec) -> dict[str, Any]:
 
 def plan_for(module: torch.nn.Module, spec: ParallelizeSpec, world_size: int) -> Plan:
     """Compile (or load and check) the plan for ``module`` on ``world_size`` processes."""
-    from partita.compiler.capture import capture
+    from partita.core.capture import capture
     from partita.compiler.compile import compile_model
     from partita.passes.cluster import load_cluster
     from partita.passes.constraints import Pins

@@ -20,15 +20,11 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import click
-from rich.console import Console
 from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from partita.compiler.errors import PartitaError
-
-# Piped output (files, CI logs) gets wide tables rather than rich's 80-column default.
-console = Console() if sys.stdout.isatty() else Console(width=160)
-err_console = Console(stderr=True) if sys.stderr.isatty() else Console(stderr=True, width=160)
+from partita.compiler.console import console, err_console
+from partita.core.errors import PartitaError
 
 
 def _progress() -> Progress:
@@ -43,7 +39,7 @@ def _cluster(name: str, nodes: int | None, devices: int | None):
 
 
 def _input_specs(texts: Sequence[str]):
-    from partita.compiler.inputs import parse_input_spec
+    from partita.core.inputs import parse_input_spec
 
     return tuple(parse_input_spec(t) for t in texts)
 
@@ -70,7 +66,7 @@ def cluster_options(f: Any) -> Any:
 
 def _loss_option(name: str | None, field: str | None, default: Any) -> Any:
     """``--loss`` (a name, `model` or FILE.py:FN) and ``--output-field`` as the loss object."""
-    from partita.compiler.losses import resolve_loss
+    from partita.core.losses import resolve_loss
 
     out: str | int | None = int(field) if field is not None and field.lstrip("-").isdigit() else field
     if name is not None and ":" in name and name.split(":", 1)[0].endswith(".py"):
@@ -164,7 +160,7 @@ def compile_cmd(target: str, inputs: tuple[str, ...], cluster_name: str, nodes: 
 @click.option("--json", "as_json", is_flag=True, help="print the validated plan as JSON")
 def show(plan_path: str, as_json: bool) -> None:
     """Print a plan file for a person."""
-    from partita.compiler.plan import load_plan
+    from partita.core.plan import load_plan
     from partita.compiler.report import plan_report
 
     plan = load_plan(plan_path)
@@ -220,7 +216,7 @@ def estimate(target: str | None, params_text: str | None, inputs: tuple[str, ...
         num_params, activations, name = parse_count(params_text), 0, "--params"
         note = "activations not counted: give a model and --input to include them"
     else:
-        from partita.compiler.capture import capture
+        from partita.core.capture import capture
         from partita.compiler.loader import load_target
         from partita.passes.profile import profile_model
 
@@ -347,7 +343,7 @@ def run(trace_path: str | None, watchdog_s: float | None, checkpoint_dir: str | 
     """
     import os
 
-    from partita.compiler.plan import load_plan
+    from partita.core.plan import load_plan
     from partita.runtime.engine import refuse_unsupported
     from partita.runtime.launch import launch, slurm_layout
 

@@ -14,11 +14,11 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-from partita.compiler.capture import CapturedModel, capture
-from partita.compiler.errors import CaptureError
-from partita.compiler.inputs import InputSpec
-from partita.compiler.losses import resolve_loss
-from partita.compiler.plan import (
+from partita.core.capture import CapturedModel, capture
+from partita.core.errors import CaptureError
+from partita.core.inputs import InputSpec
+from partita.core.losses import resolve_loss
+from partita.core.plan import (
     Collective,
     MeshAxis,
     ModelInfo,
@@ -440,7 +440,7 @@ def _dp_collectives(params: Sequence[ParamDecision], tied: Mapping[str, tuple[in
         return ()
     link = cluster.link_for_group(dp, stride=d.mesh.tp)
     grad_bytes = element_bytes(request.precision)  # gradients are held in the compute dtype
-    reduce = dtype_bytes(request.reduce_dtype)  # and sent in the reduce dtype (compiler/precision.py)
+    reduce = dtype_bytes(request.reduce_dtype)  # and sent in the reduce dtype (core/precision.py)
     out: list[Collective] = []
     for s in range(d.mesh.pp):
         mine = [p for p in params if s in tied.get(p.name, (p.stage,))]

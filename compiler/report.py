@@ -8,7 +8,7 @@ from typing import Iterable, Sequence
 from rich.console import Group, RenderableType
 from rich.table import Table
 
-from partita.compiler.plan import MemoryBreakdown, Plan
+from partita.core.plan import MemoryBreakdown, Plan
 
 
 def fmt_bytes(n: float) -> str:

@@ -26,7 +26,7 @@ from typing import Any
 import click
 
 from partita.compiler.diff import diff_plans
-from partita.compiler.plan import MemoryBreakdown, Plan, load_plan
+from partita.core.plan import MemoryBreakdown, Plan, load_plan
 from partita.compiler.report import tp_split
 from partita.compiler.timeline import load_trace, measured_timeline, predicted_timeline
 

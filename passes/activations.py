@@ -29,7 +29,7 @@ import torch
 import torch.fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from partita.compiler.capture import CapturedModel
+from partita.core.capture import CapturedModel
 from partita.passes.graph import tensor_values
 
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from partita.compiler.errors import PartitaError
-from partita.compiler.precision import REDUCE_DTYPES
+from partita.core.errors import PartitaError
+from partita.core.precision import REDUCE_DTYPES
 from partita.passes.cost_model import OPTIMIZERS, PRECISIONS
 from partita.passes.cost_model import SCHEDULES as PIPELINE_SCHEDULES
 
@@ -60,7 +60,7 @@ class TrainingRequest:
     precision: str = "fp32"
     optimizer: str = "adamw"
     inference: bool = False
-    reduce_dtype: str = "fp32"  # gradients are reduced over dp in this dtype (compiler/precision.py)
+    reduce_dtype: str = "fp32"  # gradients are reduced over dp in this dtype (core/precision.py)
     max_grad_norm: float | None = None  # the global gradient norm is clipped to this
     kv_tokens: int = 0  # inference with generation: prompt + new tokens per sequence, whose KV cache is held
 

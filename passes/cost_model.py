@@ -46,7 +46,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
-from partita.compiler.precision import PRECISIONS, compute_dtype, dtype_bytes  # noqa: F401 (re-exported)
+from partita.core.precision import PRECISIONS, compute_dtype, dtype_bytes  # noqa: F401 (re-exported)
 from partita.passes.cluster import COLLECTIVES, ClusterSpec, Link
 
 OPTIMIZERS = ("adamw", "adam", "sgd", "sgd-momentum", "none")
@@ -355,7 +355,7 @@ def mesh_step(
     ``micro_batch_s`` is one micro-batch's forward+backward on one device, by part:
     ``"compute"`` (local FLOPs) and tensor-parallel communication (``"tp_forward"``,
     ``"tp_backward"``, ``"tp_internal"``), as the TP solver predicts them. The dp group's
-    ranks lie ``tp`` apart (TP innermost, compiler/plan.MESH_ORDER), so its link is
+    ranks lie ``tp`` apart (TP innermost, core/plan.MESH_ORDER), so its link is
     ``link_for_group(dp, stride=tp)``. ``state`` is the device's model state; under ZeRO >= 1
     the optimizer pass is over ``local_params / dp`` parameters of ``state_bytes`` each.
     """

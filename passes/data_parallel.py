@@ -25,8 +25,8 @@ import time
 from dataclasses import dataclass
 from typing import Protocol, Sequence
 
-from partita.compiler.errors import InfeasibleError, PartitaError
-from partita.compiler.plan import MemoryBreakdown
+from partita.core.errors import InfeasibleError, PartitaError
+from partita.core.plan import MemoryBreakdown
 from partita.passes.cluster import ClusterSpec
 from partita.passes.constraints import Pins, TrainingRequest
 from partita.passes.cost_model import (

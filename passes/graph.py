@@ -41,7 +41,7 @@ import networkx as nx
 import torch
 import torch.fx
 
-from partita.compiler.capture import CapturedModel
+from partita.core.capture import CapturedModel
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+)')

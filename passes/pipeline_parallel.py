@@ -72,8 +72,8 @@ from typing import Callable, Sequence
 
 import networkx as nx
 
-from partita.compiler.errors import InfeasibleError, PartitaError
-from partita.compiler.plan import MemoryBreakdown, Stage
+from partita.core.errors import InfeasibleError, PartitaError
+from partita.core.plan import MemoryBreakdown, Stage
 from partita.passes.cluster import ClusterSpec, Link
 from partita.passes.constraints import Pins, TrainingRequest
 from partita.passes.cost_model import (

@@ -15,8 +15,8 @@ from typing import Any
 
 import networkx as nx
 
-from partita.compiler.capture import CapturedModel
-from partita.compiler.inputs import dtype_name
+from partita.core.capture import CapturedModel
+from partita.core.inputs import dtype_name
 from partita.passes.activations import (
     annotate_kv_cache, annotate_live_bytes, annotate_saved_activations, peak_live_bytes,
 )

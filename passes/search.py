@@ -57,8 +57,8 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Mapping, Sequence
 
-from partita.compiler.errors import InfeasibleError, PartitaError
-from partita.compiler.plan import Alternative, MemoryBreakdown, Mesh, Stage
+from partita.core.errors import InfeasibleError, PartitaError
+from partita.core.plan import Alternative, MemoryBreakdown, Mesh, Stage
 from partita.passes.cluster import ClusterSpec
 from partita.passes.constraints import Pins, TrainingRequest
 from partita.passes.cost_model import (

@@ -13,7 +13,7 @@ Space. tp runs over the divisors of ``gpus_per_node`` that divide the world
 size: a TP group exchanges activations inside every layer, so it stays
 inside one node on its fast links (shared/SEED_NOTES.md, Megatron's
 placement rule); a TP group never spans nodes, whatever the cluster. Ranks
-are laid out TP innermost (compiler/plan.MESH_ORDER), so each dp group's
+are laid out TP innermost (core/plan.MESH_ORDER), so each dp group's
 ranks are tp apart and its link is ``link_for_group(dp, stride=tp)``. For
 each tp, micro-batch sizes run over the divisors of the per-replica batch
 B / dp, smallest first.
@@ -52,8 +52,8 @@ import time
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
-from partita.compiler.errors import InfeasibleError, PartitaError
-from partita.compiler.plan import Alternative, MemoryBreakdown, Mesh
+from partita.core.errors import InfeasibleError, PartitaError
+from partita.core.plan import Alternative, MemoryBreakdown, Mesh
 from partita.passes.cluster import ClusterSpec
 from partita.passes.constraints import Pins, TrainingRequest
 from partita.passes.cost_model import StepCost, mesh_step, model_state_memory, state_bytes_per_param

@@ -120,7 +120,7 @@ from typing import Callable, Mapping, Sequence
 import networkx as nx
 from ortools.linear_solver import pywraplp
 
-from partita.compiler.errors import InfeasibleError
+from partita.core.errors import InfeasibleError
 from partita.passes.cluster import ClusterSpec
 from partita.passes.cost_model import (
     collective_time,

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from partita.compiler.plan import MemoryBreakdown
+from partita.core.plan import MemoryBreakdown
 from partita.passes.cluster import ClusterSpec, Link
 from partita.passes.cost_model import (
     ZERO_STAGES,

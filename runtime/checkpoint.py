@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from partita.compiler.precision import PrecisionPolicy
-from partita.compiler.plan import MESH_ORDER, MeshAxis, Plan
+from partita.core.precision import PrecisionPolicy
+from partita.core.plan import MESH_ORDER, MeshAxis, Plan
 
 if TYPE_CHECKING:
     from partita.runtime.engine import ParallelModel

@@ -26,10 +26,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
 
-from partita.compiler.errors import PartitaError, PlanError
-from partita.compiler.losses import training_loss
-from partita.compiler.plan import MeshAxis, Plan
-from partita.compiler.precision import PrecisionPolicy
+from partita.core.errors import PartitaError, PlanError
+from partita.core.losses import training_loss
+from partita.core.plan import MeshAxis, Plan
+from partita.core.precision import PrecisionPolicy
 from partita.runtime.data_parallel import CollectiveCounter, GradientAverager
 from partita.runtime.distributed import DistContext, build_mesh, init_distributed
 from partita.runtime.grad_norm import clip_coefficient, global_grad_norm
@@ -181,7 +181,7 @@ def compose(
         def loss(xs: list[torch.Tensor], y: torch.Tensor) -> torch.Tensor:
             with policy.autocast(ctx.device):
                 return training_loss(loss_fn, eager, xs, y)
-    # the precision policy (compiler/precision.py): parameters in its dtype before DP / ZeRO lay
+    # the precision policy (core/precision.py): parameters in its dtype before DP / ZeRO lay
     # out their buckets; the interpreter runs its forward under autocast, the pipeline sends in it
     cast_parameters(module, policy)
     # 3. data parallel.

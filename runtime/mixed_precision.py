@@ -1,4 +1,4 @@
-"""The optimizer side of a precision policy (compiler/precision.py): master weights and loss scaling.
+"""The optimizer side of a precision policy (core/precision.py): master weights and loss scaling.
 
 ``MasterWeights`` is the one optimizer a plan's rank steps. Under a mixed policy
 it holds an fp32 master copy of each parameter it updates (a plain parameter,
@@ -23,7 +23,7 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from partita.compiler.precision import PrecisionPolicy
+from partita.core.precision import PrecisionPolicy
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], Optimizer]
 

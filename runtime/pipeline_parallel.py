@@ -57,8 +57,8 @@ import torch.distributed as dist
 import torch.fx
 from torch import nn
 
-from partita.compiler.errors import PlanError
-from partita.compiler.plan import MeshAxis, Plan, tied_stages
+from partita.core.errors import PlanError
+from partita.core.plan import MeshAxis, Plan, tied_stages
 from partita.runtime.data_parallel import CollectiveCounter, GradientAverager
 from partita.runtime.tensor_parallel import TensorParallel, local_shape
 from partita.runtime.trace import BACKWARD, FORWARD, TraceRecorder

@@ -319,7 +319,7 @@ def save(model: "ParallelModel", path: Any, *, extra: dict | None = None, async_
     try:
         state["meta"] = json.dumps(_meta(model, extra))  # one leaf (a dict would be flattened), no pickle
     except TypeError as e:
-        from partita.compiler.errors import PartitaError
+        from partita.core.errors import PartitaError
 
         raise PartitaError(f"save_checkpoint's extra must hold plain values (numbers, strings, lists, dicts): {e}") from e
     if async_save:
@@ -334,7 +334,7 @@ def load(model: "ParallelModel", path: Any) -> dict:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemReader
 
-    from partita.compiler.errors import PartitaError
+    from partita.core.errors import PartitaError
 
     try:
         saved = FileSystemReader(str(path)).read_metadata()
@@ -417,7 +417,7 @@ def open_weights(path: Any) -> Mapping[str, torch.Tensor]:
     """Pretrained weights as a mapping read lazily: a ``torch.save``d state dict (memory-mapped: a
     rank touches only the pages of the tensors and slices it takes) or a ``.safetensors`` file
     (a rank reads only the tensors its stage holds)."""
-    from partita.compiler.errors import PartitaError
+    from partita.core.errors import PartitaError
 
     path = Path(path)
     if not path.is_file():

@@ -55,11 +55,11 @@ import torch.utils.checkpoint
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 
-from partita.compiler.capture import CapturedModel, capture
-from partita.compiler.errors import PlanError
-from partita.compiler.inputs import InputSpec, parse_input_spec
-from partita.compiler.plan import InputLayout, MeshAxis, NodeDecision, Plan
-from partita.compiler.precision import FP32
+from partita.core.capture import CapturedModel, capture
+from partita.core.errors import PlanError
+from partita.core.inputs import InputSpec, parse_input_spec
+from partita.core.plan import InputLayout, MeshAxis, NodeDecision, Plan
+from partita.core.precision import FP32
 from partita.runtime.data_parallel import CollectiveCounter
 from partita.runtime.rng import is_random, op_seed, seeded
 from partita.runtime.sharded_state import open_weights

@@ -74,7 +74,7 @@ from torch import nn
 from torch.autograd.graph import register_multi_grad_hook
 from torch.optim import Optimizer
 
-from partita.compiler.precision import FP32, PrecisionPolicy
+from partita.core.precision import FP32, PrecisionPolicy
 from partita.runtime.data_parallel import DEFAULT_BUCKET_BYTES, CollectiveCounter, _bucket_members, grad_params
 from partita.runtime.mixed_precision import MasterWeights
 

@@ -33,10 +33,10 @@ import torch.distributed as dist
 from dp_worker import OPTIMIZERS, run_launch
 from matrix_worker import MODELS
 from partita.compiler.api import default_loss
-from partita.compiler.errors import PartitaError
-from partita.compiler.losses import training_loss
-from partita.compiler.plan import load_plan
-from partita.compiler.precision import PrecisionPolicy
+from partita.core.errors import PartitaError
+from partita.core.losses import training_loss
+from partita.core.plan import load_plan
+from partita.core.precision import PrecisionPolicy
 from partita.runtime.distributed import DistContext
 from partita.runtime.engine import ParallelModel
 
@@ -71,7 +71,7 @@ def _plan_path(outdir: str, case: tuple) -> Path:
 
 def compile_case(case: tuple, outdir: str) -> None:
     from partita.compiler.compile import compile_model
-    from partita.compiler.inputs import parse_input_spec
+    from partita.core.inputs import parse_input_spec
     from partita.passes.cluster import load_cluster
     from partita.passes.constraints import Pins
 
@@ -177,7 +177,7 @@ def check_memory(ctx: DistContext, outdir: str) -> list[dict]:
     """What each rank holds in bf16-mixed under ZeRO 0-3 equals the plan's prediction (2 + 2 + 12 bytes
     per parameter for Adam, divided as ZeRO says), up to ZeRO's padding of its flat buckets."""
     from partita.compiler.compile import compile_model
-    from partita.compiler.inputs import parse_input_spec
+    from partita.core.inputs import parse_input_spec
     from partita.passes.cluster import load_cluster
     from partita.passes.constraints import Pins
 
@@ -237,7 +237,7 @@ def check_fp16_skip(ctx: DistContext, outdir: str) -> dict:
 def check_loss_curve(ctx: DistContext, outdir: str, steps: int = 20) -> dict:
     """The example GPT's bf16-mixed loss curve stays within 1% of fp32's over 20 AdamW steps (dp2)."""
     from partita.compiler.compile import compile_model
-    from partita.compiler.inputs import parse_input_spec
+    from partita.core.inputs import parse_input_spec
     from partita.passes.cluster import load_cluster
     from partita.passes.constraints import Pins
 
@@ -268,7 +268,7 @@ CLIP_PINS_4 = {"dp2xtp2-zero2": PINS_4["dp2xtp2-zero2"], "tp2xpp2-1f1b": PINS_4[
 
 def _compile(factory: Callable, spec: str, devices: int, path: Path, **kw) -> None:
     from partita.compiler.compile import compile_model
-    from partita.compiler.inputs import parse_input_spec
+    from partita.core.inputs import parse_input_spec
     from partita.passes.cluster import load_cluster
     from partita.passes.constraints import Pins
 

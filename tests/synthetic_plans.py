@@ -6,7 +6,7 @@ The numbers are plausible, not predictions: the view and diff tests read them ba
 
 from __future__ import annotations
 
-from partita.compiler.plan import (
+from partita.core.plan import (
     Alternative, Collective, InputLayout, MemoryBreakdown, Mesh, ModelInfo, NodeDecision, ParamDecision, Plan,
     Prediction, SolverReport, Stage, Training, plan_from_data,
 )

@@ -11,10 +11,10 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from examples.models import gpt_tiny  # noqa: E402
-from partita.compiler.capture import capture  # noqa: E402
+from partita.core.capture import capture  # noqa: E402
 from partita.compiler.compile import compile_model  # noqa: E402
-from partita.compiler.inputs import parse_input_spec  # noqa: E402
-from partita.compiler.losses import resolve_loss  # noqa: E402
+from partita.core.inputs import parse_input_spec  # noqa: E402
+from partita.core.losses import resolve_loss  # noqa: E402
 from partita.passes.cluster import load_cluster  # noqa: E402
 from partita.passes.constraints import Pins, TrainingRequest  # noqa: E402
 from partita.passes.graph import annotate_batch_shapes, shape_at, to_networkx  # noqa: E402

@@ -13,7 +13,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from examples.models import gpt_tiny  # noqa: E402
 from partita.compiler.compile import compile_model  # noqa: E402
-from partita.compiler.inputs import parse_input_spec  # noqa: E402
+from partita.core.inputs import parse_input_spec  # noqa: E402
 from partita.compiler.report import plan_summary, tp_split  # noqa: E402
 from partita.compiler.view import page_data  # noqa: E402
 from partita.passes.cluster import load_cluster  # noqa: E402

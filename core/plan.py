@@ -24,7 +24,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
-from partita.compiler.errors import PlanError
+from partita.core.errors import PlanError
 
 SCHEMA_VERSION = 1
 SCHEMA_PATH = Path(__file__).with_name("plan_schema.json")
@@ -128,7 +128,7 @@ class Training:
     global_batch: int
     micro_batch_size: int  # samples per micro-batch on one data-parallel rank
     grad_accum_steps: int  # micro-batches per data-parallel rank per step
-    precision: str = "fp32"  # "fp32" | "bf16-mixed" | "fp16-mixed" | "bf16" (compiler/precision.py)
+    precision: str = "fp32"  # "fp32" | "bf16-mixed" | "fp16-mixed" | "bf16" (core/precision.py)
     reduce_dtype: str = "fp32"  # gradients are reduced over dp in this dtype: "fp32" | "bf16" | "fp16"
     optimizer: str = "adamw"  # "adamw" | "adam" | "sgd" | "sgd-momentum" | "none"
     zero_stage: int = 0
