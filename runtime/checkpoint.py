@@ -10,32 +10,27 @@ single-process run.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import torch.distributed as dist
 
-from partita.core.precision import PrecisionPolicy
 from partita.core.plan import MESH_ORDER, MeshAxis, Plan
-
-if TYPE_CHECKING:
-    from partita.runtime.engine import ParallelModel
+from partita.core.precision import PrecisionPolicy
+from partita.runtime.program import Program
 
 _SHARD = "shard("
 
 
-def full_state_dict(model: "ParallelModel") -> dict[str, torch.Tensor]:
+def full_state_dict(program: Program) -> dict[str, torch.Tensor]:
     """Every parameter of the model at full shape, on every rank (a collective)."""
-    program = model._program
     if program.zero is not None:
         with program.zero.gathered():  # ZeRO's shards back to this rank's (TP-local) parameters
-            return _gathered(model, program)
-    return _gathered(model, program)
+            return _gathered(program)
+    return _gathered(program)
 
 
-def _gathered(model: "ParallelModel", program: object) -> dict[str, torch.Tensor]:
-    plan: Plan = model.plan
-    tp = model.tensor_parallel
+def _gathered(program: Program) -> dict[str, torch.Tensor]:
+    plan = program.plan
+    tp = program.interpreter
     if tp is None:  # the eager module holds whole parameters
         return {k: v.detach().clone() for k, v in program.module.named_parameters()}
     local = tp.local_parameters()
@@ -47,7 +42,7 @@ def _gathered(model: "ParallelModel", program: object) -> dict[str, torch.Tensor
         shard, placement = local[decision.name]
         full[decision.name] = _gather(shard.detach(), placement, group, plan.mesh.tp)
     if plan.mesh.pp > 1:
-        full = _from_every_stage(full, plan, model.ctx.device)
+        full = _from_every_stage(full, plan, program.ctx.device)
     return full
 
 

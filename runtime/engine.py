@@ -1,9 +1,10 @@
 """Runs a plan: one ``ParallelModel`` per rank, whose ``train_step`` is the user's loop.
 
-``compose`` is the one place that states in which order a plan's parts are
-applied to the user's module; each part lives in the runtime file named for its
-axis (``tensor_parallel.py``, ``pipeline_parallel.py``, ``data_parallel.py``,
-``zero.py``).
+``compose`` (runtime/compose.py) applies the plan's parts to the user's module
+in one stated order and returns this rank's ``Program`` (runtime/program.py);
+``ParallelModel`` runs it: the micro-batch loop (or the pipeline's schedule),
+the gradient norm and clipping (runtime/grad_norm.py), the one optimizer step,
+checkpoints (runtime/sharded_state.py) and what a step reports (``StepResult``).
 
 Tracing: ``ParallelModel.write_trace(path)`` (collective: every rank calls it)
 gathers each rank's per-micro-batch forward / backward spans to rank 0, which
@@ -17,244 +18,27 @@ from __future__ import annotations
 import math
 import os
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.optim import Optimizer
 
 from partita.core.errors import PartitaError, PlanError
-from partita.core.losses import training_loss
 from partita.core.plan import MeshAxis, Plan
-from partita.core.precision import PrecisionPolicy
-from partita.runtime.data_parallel import CollectiveCounter, GradientAverager
-from partita.runtime.distributed import DistContext, build_mesh, init_distributed
+from partita.runtime import checkpoint as full_state
+from partita.runtime import sharded_state
+from partita.runtime.collectives import CollectiveCounter
+from partita.runtime.compose import LossFn, OptimizerFactory, compose, refuse_unsupported
+from partita.runtime.distributed import DistContext, init_distributed
 from partita.runtime.grad_norm import clip_coefficient, global_grad_norm
-from partita.runtime.mixed_precision import LossScaler, MasterWeights, cast_parameters
-from partita.runtime.pipeline_parallel import SCHEDULES, PipelineStage
-from partita.runtime.rng import fingerprint, replica_divergence, run_seed
+from partita.runtime.rng import fingerprint, replica_divergence
 from partita.runtime.tensor_parallel import TensorParallel
 from partita.runtime.trace import BACKWARD, FORWARD, TraceRecorder
 from partita.runtime.watchdog import FLIGHT, watch
-from partita.runtime.zero import ZeroProgram, apply_zero
 
-LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
-OptimizerFactory = Callable[[Iterable[nn.Parameter]], Optimizer]
-
-
-def refuse_unsupported(plan: Plan) -> None:
-    """Raise ``PlanError`` for plan parts this runtime cannot execute, rather than run them wrong."""
-    later = "this runtime executes data-, tensor- and pipeline-parallel plans; {} arrives in a later version"
-    for axis, what in (("tp", "tensor-parallel"), ("pp", "pipeline")):
-        if getattr(plan.mesh, axis) > 1 and not plan.nodes:
-            raise PlanError(f"the plan has {axis}={getattr(plan.mesh, axis)} but no {what} node decisions",
-                            hint="recompile the plan with `partita compile`")
-    t = plan.training
-    if t.zero_stage > 0 and plan.mesh.dp == 1:
-        raise PlanError(f"the plan has ZeRO-{t.zero_stage} but dp=1: there is no data-parallel group to shard over",
-                        hint="recompile the plan with `partita compile`")
-    if plan.mesh.pp > 1 and not t.inference and t.schedule not in SCHEDULES:
-        raise PlanError(f"the plan has pp={plan.mesh.pp} but schedule {t.schedule!r}; this runtime runs "
-                        f"{' and '.join(SCHEDULES)}", hint="recompile the plan with `partita compile`")
-    recomputing = [s.index for s in plan.stages if s.recompute]
-    if recomputing and not plan.nodes:
-        raise PlanError(f"the plan recomputes activations on stage(s) {recomputing} but has no node "
-                        f"decisions to find the repeated layers by", hint="recompile the plan with `partita compile`")
-    if recomputing and t.zero_stage == 3:
-        # ZeRO-3 gathers a node's parameters before it runs and frees the bucket after forward's
-        # last reader; the rerun in backward would gather and release again, freeing the storage
-        # under the views the recomputed forward has just saved for the backward that follows.
-        raise PlanError(f"the plan recomputes activations on stage(s) {recomputing} with ZeRO-3: this runtime "
-                        f"cannot rerun a layer's forward while ZeRO-3 gathers and frees its parameters per node",
-                        hint="recompile with ZeRO <= 2 (`partita compile --zero 2`) or without "
-                        "recomputation (`--no-recompute`)")
-
-
-@dataclass
-class _Program:
-    """What ``compose`` builds for this rank."""
-
-    module: nn.Module
-    loss: Callable[[list[torch.Tensor], torch.Tensor], torch.Tensor] | None  # one micro-batch's loss (pp == 1)
-    optimizer: Optimizer | None  # None for an inference plan: the user's, on the masters (runtime/mixed_precision.py)
-    averager: GradientAverager | None
-    zero: ZeroProgram | None
-    dp_group: dist.ProcessGroup | None
-    dp_rank: int
-    dp_size: int
-    pipeline: PipelineStage | None = None  # pp > 1: this rank's stage, which runs the schedule
-    master: MasterWeights | None = None  # without ZeRO: what the optimizer updates (ZeRO has its own)
-    policy: PrecisionPolicy = PrecisionPolicy()
-    scaler: LossScaler | None = None  # fp16: the dynamic loss scale
-
-    @property
-    def updates(self) -> MasterWeights | None:
-        """The one optimizer's masters: ZeRO's (its shards and the parameters it was given) or the plain one."""
-        return self.zero.master if self.zero is not None else self.master
-
-    @property
-    def interpreter(self) -> TensorParallel | None:
-        """This rank's TP program (its stage's, in a pipeline); None on the eager path."""
-        return _interpreter(self.module, self.pipeline)
-
-
-def _interpreter(module: nn.Module, pipeline: PipelineStage | None) -> TensorParallel | None:
-    if pipeline is not None:
-        return pipeline.tp
-    return module if isinstance(module, TensorParallel) else None
-
-
-def _broadcast_from_rank0(module: nn.Module, group: dist.ProcessGroup) -> None:
-    src = dist.get_global_rank(group, 0)
-    with torch.no_grad():
-        for t in list(module.parameters()) + list(module.buffers()):
-            dist.broadcast(t.data, src=src, group=group)
-
-
-def compose(
-    module: nn.Module,
-    plan: Plan,
-    ctx: DistContext,
-    optimizer: OptimizerFactory,
-    counter: CollectiveCounter,
-    bucket_bytes: int | None = None,
-    *,
-    loss_fn: LossFn,
-    checkpoint: str | Path | None = None,
-) -> _Program:
-    """Apply a plan's parts to ``module`` for this rank, in this order:
-
-    1. tensor parallel: keep this rank's parameter shards and build the local
-       program over the "tp" group (tp == 1 keeps the eager module, unless the
-       plan recomputes activations: then the program runs with a one-rank TP
-       group, so that recomputation is the interpreter's, as at tp > 1).
-       First, because every later part must see the parameters as this rank
-       holds them. Activation recomputation (``Stage.recompute``) runs inside
-       the program: each repeated layer of a recomputing stage is checkpointed
-       and its forward, TP collectives included, rerun in backward
-       (runtime/tensor_parallel.py); not with ZeRO-3 (``refuse_unsupported``).
-    2. pipeline split: keep this rank's stage. Built as the TP program
-       restricted to the stage's nodes (one construction: the stage shards and
-       holds only its own parameters, even at tp == 1, where the program runs
-       with a one-rank TP group); before DP/ZeRO, so those wrap only the stage's
-       own parameters.
-    3. ZeRO / data parallel: broadcast the (local) replicas over "dp", then
-       either hook gradient averaging or shard the model state over "dp" (ZeRO
-       1/2/3: runtime/zero.py builds the optimizer on the flat shards; ZeRO-3
-       gathers parameters per graph node in the TP interpreter, which runs
-       every tp > 1 or pp > 1 plan, else around each module's forward). After TP and PP,
-       because it acts on the final local parameters; and the optimizer is
-       built last of all for the same reason.
-    4. the schedule: ``ParallelModel.train_step``'s micro-batch loop, or the
-       pipeline's GPipe / 1F1B schedule, which drives all of the above.
-    """
-    plan.check_matches(world_size=ctx.world_size)
-    refuse_unsupported(plan)
-    device_mesh = build_mesh(plan.mesh, ctx)
-    policy = PrecisionPolicy.of(plan.training)
-    graph_loss = None if plan.training.inference else loss_fn  # an inference plan's graph has no loss
-    pipeline = None
-    # 1. tensor parallel, and 2. the pipeline split
-    if plan.mesh.pp > 1:
-        module = pipeline = PipelineStage(module, plan, device_mesh, loss_fn=graph_loss, counter=counter,
-                                          device=ctx.device, checkpoint=checkpoint)
-        loss = None  # the stage's schedule runs the micro-batches
-    elif plan.mesh.tp > 1 or any(s.recompute for s in plan.stages):
-        tp_group = device_mesh[MeshAxis.TP.value].get_group() if plan.mesh.tp > 1 else None
-        module = TensorParallel(module, plan, tp_group, loss_fn=graph_loss, counter=counter,
-                                device=ctx.device, checkpoint=checkpoint)
-        tp_module = module
-
-        def loss(xs: list[torch.Tensor], y: torch.Tensor) -> torch.Tensor:
-            return tp_module(*xs, targets=y)
-    else:
-        if checkpoint is not None:
-            from partita.runtime.sharded_state import open_weights
-
-            _load_weights(module, open_weights(checkpoint))
-        module = module.to(ctx.device)
-        eager = module
-
-        def loss(xs: list[torch.Tensor], y: torch.Tensor) -> torch.Tensor:
-            with policy.autocast(ctx.device):
-                return training_loss(loss_fn, eager, xs, y)
-    # the precision policy (core/precision.py): parameters in its dtype before DP / ZeRO lay
-    # out their buckets; the interpreter runs its forward under autocast, the pipeline sends in it
-    cast_parameters(module, policy)
-    # 3. data parallel.
-    averager = None
-    dp_group, dp_rank, dp_size = None, 0, 1
-    if device_mesh is not None and plan.mesh.dp > 1:
-        dp_mesh = device_mesh[MeshAxis.DP.value]
-        dp_group, dp_rank, dp_size = dp_mesh.get_group(), dp_mesh.get_local_rank(), plan.mesh.dp
-        _broadcast_from_rank0(module, dp_group)
-    interpreter = _interpreter(module, pipeline)
-    if interpreter is not None:
-        interpreter.precision = policy
-        if ctx.world_size > 1:
-            interpreter.rng = (run_seed(), dp_rank)  # random ops drawn alike over "tp" (runtime/rng.py)
-    zero = None
-    master = None
-    reduce = policy.reduce_dtype
-    buckets = bucket_bytes or plan.training.grad_bucket_bytes
-    if dp_group is not None and not plan.training.inference and plan.training.zero_stage > 0:
-        # A parameter tied across pipeline stages stays whole on each (its copies' gradients are
-        # summed between the stages, which lay out their ZeRO buckets differently): plain dp
-        # averaging and its own optimizer, the same elementwise update.
-        tied = {id(q) for q in pipeline.tied_parameters} if pipeline is not None else set()
-        kept = [q for q in module.parameters() if id(q) in tied]
-        zero = apply_zero([(n, q) for n, q in module.named_parameters() if id(q) not in tied],
-                          plan.training.zero_stage, dp_group, optimizer_factory=optimizer,
-                          bucket_bytes=buckets, counter=counter, axis=MeshAxis.DP.value,
-                          precision=policy, extra_params=kept)  # one optimizer, the tied ones included
-        if plan.training.zero_stage == 3:
-            interpreter = _interpreter(module, pipeline)
-            if interpreter is not None:
-                interpreter.param_access = zero  # each graph node gathers what it reads
-            else:
-                zero.install_module_hooks(module)  # the eager path: around each module's forward
-        opt = zero.optimizer
-        if kept:
-            averager = GradientAverager(kept, dp_group, bucket_bytes=buckets, counter=counter,
-                                        axis=MeshAxis.DP.value, reduce_dtype=reduce)
-    elif not plan.training.inference:
-        if dp_group is not None:
-            averager = GradientAverager(module.parameters(), dp_group, bucket_bytes=buckets, counter=counter,
-                                        axis=MeshAxis.DP.value, reduce_dtype=reduce)
-        master = MasterWeights([q for q in module.parameters() if q.requires_grad], optimizer, policy)
-        opt = master.optimizer
-    else:
-        opt = None
-    scaler = LossScaler(policy) if policy.loss_scaling and not plan.training.inference else None
-    return _Program(module, loss, opt, averager, zero, dp_group, dp_rank, dp_size, pipeline, master, policy, scaler)
-
-
-def _load_weights(module: nn.Module, weights: Any) -> None:
-    """Pretrained ``weights`` into the eager module, strictly: a missing or extra name is the
-    user's to fix."""
-    weights = dict(weights)
-    for names in _state_names(module).values():  # a file that keeps one name of tied weights
-        have = next((n for n in names if n in weights), None)
-        for n in names:
-            if have is not None and n not in weights:
-                weights[n] = weights[have]
-    try:  # copied into the parameters (tied ones stay one); assigned only onto a meta-device model
-        module.load_state_dict(weights, assign=any(p.is_meta for p in module.parameters()), strict=True)
-    except RuntimeError as e:
-        raise PartitaError(f"the weights do not fit this model: {str(e).splitlines()[0]} {str(e).splitlines()[1:2]}",
-                           hint="pass the state dict of this model (its names as in model.state_dict())") from e
-
-
-def _state_names(module: nn.Module) -> dict[str, list[str]]:
-    """Each parameter's first name -> all its names in ``module.state_dict()`` (tied weights)."""
-    first: dict[int, str] = {}
-    names: dict[str, list[str]] = {}
-    for name, p in module.named_parameters(remove_duplicate=False):
-        names.setdefault(first.setdefault(id(p), name), []).append(name)
-    return names
+__all__ = ["ParallelModel", "StepResult", "apply_plan", "refuse_unsupported"]  # refuse_unsupported: the CLI's check
 
 
 class ParallelModel(nn.Module):
@@ -290,10 +74,6 @@ class ParallelModel(nn.Module):
         self.plan = plan
         self.loss_fn = loss_fn
         self.collectives = CollectiveCounter()  # calls issued by the last train_step
-        # the unwrapped model's state_dict names (tied names too) and persistent buffers, read
-        # before the plan's parts take the module apart: checkpoints use them (runtime/sharded_state.py)
-        self.state_names = _state_names(module)
-        self._persistent = {k for k, _ in module.named_buffers() if k in module.state_dict(keep_vars=True)}
         self._step = 0
         self.grad_norm = float("nan")  # the last step's global gradient norm (before clipping)
         self.log_every = int(os.environ.get("PARTITA_LOG_EVERY", "10") or 0)  # rank 0's progress line
@@ -307,6 +87,7 @@ class ParallelModel(nn.Module):
         self.module = program.module
         self.optimizer = program.optimizer
         self._program = program
+        self.state_names = program.state_names  # the unwrapped model's (tied names too)
         self.trace = program.pipeline.trace if program.pipeline is not None else TraceRecorder(self.ctx.rank, 0)
         self._trace_path = os.environ.get("PARTITA_TRACE")
         # Periodic checkpoints (runtime/sharded_state.py): every ``checkpoint_every`` steps under
@@ -342,14 +123,10 @@ class ParallelModel(nn.Module):
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every parameter at full shape on every rank, however the plan spread them (a collective:
         call it on every rank). runtime/checkpoint.py says how."""
-        from partita.runtime.checkpoint import full_state_dict
-
-        return full_state_dict(self)
+        return full_state.full_state_dict(self._program)
 
     def _resume(self) -> None:
-        from partita.runtime.sharded_state import latest
-
-        found = latest(self.checkpoint_dir)
+        found = sharded_state.latest(self.checkpoint_dir)
         if found is None:
             return
         self.extra = self.load_checkpoint(found)
@@ -359,17 +136,14 @@ class ParallelModel(nn.Module):
 
     def _checkpoint_if_due(self) -> None:
         if self.checkpoint_dir is not None and self.checkpoint_every and self.step % self.checkpoint_every == 0:
-            from partita.runtime.sharded_state import save_periodic
-
-            save_periodic(self, self.checkpoint_dir, self.extra)
+            sharded_state.save_periodic(self._program, self.checkpoint_dir, step=self._step, extra=self.extra)
 
     def check_replicas(self) -> None:
         """Raise ``PartitaError`` naming the first parameter that the plan replicates and whose
         copies differ: over "tp" (parameters not sharded there) and, without ZeRO, over "dp". A
         collective: every rank calls it (``check_replicas_every=N`` does, every N steps)."""
         p, tp = self._program, self.tensor_parallel
-        local = ({n: (q, pl) for n, (q, pl) in tp.local_parameters().items()} if tp is not None
-                 else {n: (q, "replicate") for n, q in self.module.named_parameters()})
+        local = p.local_parameters()
         checks = []
         if tp is not None and self.plan.mesh.tp > 1:
             checks.append(("tp", tp.tp.group, [(n, q) for n, (q, pl) in local.items() if not pl.startswith("shard")]))
@@ -393,27 +167,20 @@ class ParallelModel(nn.Module):
 
     def persistent_buffers(self) -> dict[str, torch.Tensor]:
         """This rank's buffers that are part of the model's state_dict, by name."""
-        tp = self.tensor_parallel
-        if tp is None:
-            return {k: b for k, b in self.module.named_buffers() if k in self._persistent}
-        return {tp.buffer_nodes[n]: b for n, b in tp.buffers_by_node().items()
-                if tp.buffer_nodes[n] in self._persistent}
+        return self._program.persistent_buffers()
 
     def save_checkpoint(self, path: str | Path, *, extra: dict | None = None, async_save: bool = False) -> Any:
         """Save this run's state to directory ``path`` with torch.distributed.checkpoint, each rank
         writing only what it holds (a collective: call it on every rank). ``extra`` (plain Python
         values, e.g. the data position) comes back from ``load_checkpoint``. With ``async_save``
         the write goes on in the background: wait on the returned future before relying on it."""
-        from partita.runtime.sharded_state import save
-
-        return save(self, path, extra=extra, async_save=async_save)
+        return sharded_state.save(self._program, path, step=self._step, extra=extra, async_save=async_save)
 
     def load_checkpoint(self, path: str | Path) -> dict:
         """Restore the state saved in ``path`` (under this plan or any other: DCP reshards), in
         place; returns the saved ``extra``. A collective: call it on every rank."""
-        from partita.runtime.sharded_state import load
-
-        return load(self, path)
+        self._step, extra = sharded_state.load(self._program, path)
+        return extra
 
     def write_trace(self, path: str | Path) -> Path | None:
         """Write the micro-batch timings of every step so far as a Chrome/Perfetto trace.

@@ -21,16 +21,13 @@ rewritten.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
-
 import torch
 import torch.distributed as dist
 
-if TYPE_CHECKING:
-    from partita.runtime.engine import _Program
+from partita.runtime.program import Program
 
 
-def copy_weights(program: "_Program", tp_size: int) -> dict[int, float]:
+def copy_weights(program: Program, tp_size: int) -> dict[int, float]:
     """id(tensor) -> 1 / (ranks holding an identical copy of its gradient), for every tensor
     whose gradient the step's optimizer reads (module docstring)."""
     weights: dict[int, float] = {}
@@ -39,8 +36,7 @@ def copy_weights(program: "_Program", tp_size: int) -> dict[int, float]:
         return weights
     tp = program.interpreter
     placement = {id(q): pl for q, pl in tp.local_parameters().values()} if tp is not None else {}
-    tied = ({id(q): len(ranks) for _, q, _, ranks in program.pipeline._tied}
-            if program.pipeline is not None else {})
+    tied = {id(t.param): len(t.ranks) for t in program.pipeline.ties} if program.pipeline is not None else {}
     shards = {id(s) for s in program.zero.shards} if program.zero is not None else set()
     for q in updates.params:
         if id(q) in shards:
@@ -53,7 +49,7 @@ def copy_weights(program: "_Program", tp_size: int) -> dict[int, float]:
     return weights
 
 
-def global_grad_norm(program: "_Program", tp_size: int, device: torch.device, inv_scale: float = 1.0) -> float:
+def global_grad_norm(program: Program, tp_size: int, device: torch.device, inv_scale: float = 1.0) -> float:
     """The L2 norm of the whole model's (unscaled) gradient; a collective over the world."""
     updates = program.updates
     weights = copy_weights(program, tp_size)
@@ -68,7 +64,7 @@ def global_grad_norm(program: "_Program", tp_size: int, device: torch.device, in
     return math.sqrt(float(total)) * inv_scale
 
 
-def _zero_sum(program: "_Program", tp_size: int) -> torch.Tensor:
+def _zero_sum(program: Program, tp_size: int) -> torch.Tensor:
     """ZeRO's shards: each member parameter's slice of this rank's flat shard gradient, weighted by
     its tp replication (a member replicated over "tp" has the same slice on every tp rank)."""
     tp = program.interpreter

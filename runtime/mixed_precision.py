@@ -1,4 +1,14 @@
-"""The optimizer side of a precision policy (core/precision.py): master weights and loss scaling.
+"""Where a plan's precision policy (core/precision.py) lands in the runtime.
+
+``apply_mixed_precision`` is compose's precision step (runtime/compose.py): the
+parameters cast to the policy's ``param_dtype`` once tensor and pipeline
+parallelism have made them this rank's, before data parallelism or ZeRO lay
+out their gradient buckets in that dtype; it returns fp16's loss scaler. The
+forward's autocast is the policy's too: the TP program and the pipeline stage
+are built with the policy (their forward runs under ``policy.autocast``,
+activations cross stages in ``policy.wire``), the eager loss is wrapped in it
+by compose; gradients are reduced in ``policy.reduce_dtype``
+(runtime/grad_buckets.py).
 
 ``MasterWeights`` is the one optimizer a plan's rank steps. Under a mixed policy
 it holds an fp32 master copy of each parameter it updates (a plain parameter,
@@ -35,6 +45,13 @@ def cast_parameters(module: nn.Module, policy: PrecisionPolicy) -> None:
         for p in module.parameters():
             if p.is_floating_point() and p.dtype != policy.param_dtype:
                 p.data = p.data.to(policy.param_dtype)
+
+
+def apply_mixed_precision(module: nn.Module, policy: PrecisionPolicy, *, training: bool) -> LossScaler | None:
+    """Compose's precision step: ``module``'s parameters in the policy's dtype; the loss scaler a
+    training step under fp16 needs (None otherwise)."""
+    cast_parameters(module, policy)
+    return LossScaler(policy) if policy.loss_scaling and training else None
 
 
 class MasterWeights:

@@ -50,7 +50,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -59,8 +59,11 @@ from torch import nn
 
 from partita.core.errors import PlanError
 from partita.core.plan import MeshAxis, Plan, tied_stages
-from partita.runtime.data_parallel import CollectiveCounter, GradientAverager
-from partita.runtime.tensor_parallel import TensorParallel, local_shape
+from partita.core.precision import PrecisionPolicy
+from partita.runtime.collectives import CollectiveCounter
+from partita.runtime.data_parallel import GradientAverager
+from partita.runtime.tensor_parallel import TensorParallel
+from partita.runtime.tp_collectives import local_shape
 from partita.runtime.trace import BACKWARD, FORWARD, TraceRecorder
 from partita.runtime.watchdog import FLIGHT
 
@@ -182,6 +185,15 @@ def _fill(v: Any, it: Iterator[torch.Tensor]) -> Any:
 # -- one stage ---------------------------------------------------------------------
 
 
+class Tie(NamedTuple):
+    """A parameter held on several stages: this stage's copy and the group of all its copies."""
+
+    name: str
+    param: nn.Parameter
+    group: dist.ProcessGroup
+    ranks: tuple[int, ...]  # one per stage holding it
+
+
 @dataclass
 class _InFlight:
     """A micro-batch between its forward and its backward on this stage."""
@@ -195,7 +207,8 @@ class PipelineStage(nn.Module):
     """This rank's stage: its TP program over the stage's nodes, its neighbours, its schedule."""
 
     def __init__(self, module: nn.Module, plan: Plan, mesh: Any, *, loss_fn: Callable | None,
-                 counter: CollectiveCounter, device: torch.device, checkpoint: str | Path | None = None) -> None:
+                 counter: CollectiveCounter, device: torch.device, precision: PrecisionPolicy,
+                 rng: tuple[int, int] | None, checkpoint: str | Path | None = None) -> None:
         super().__init__()
         self.plan, self.counter, self.device = plan, counter, device
         p = plan.mesh.pp
@@ -211,7 +224,8 @@ class PipelineStage(nn.Module):
                             f"{list(plan.stages[self.index].ranks)}")
         tp_group = mesh[MeshAxis.TP.value].get_group() if plan.mesh.tp > 1 else None
         self.tp = TensorParallel(module, plan, tp_group, loss_fn=loss_fn, counter=counter, device=device,
-                                 checkpoint=checkpoint, keep=lambda n: stage_of.get(n.name) == self.index)
+                                 checkpoint=checkpoint, keep=lambda n: stage_of.get(n.name) == self.index,
+                                 precision=precision, rng=rng)
         graph = self.tp.graph_module.graph
         held = lambda n: n.name in self.tp.param_nodes or n.name in self.tp.buffer_nodes  # noqa: E731
         self.stages = split_stages(graph, stage_of, p, held)
@@ -221,7 +235,7 @@ class PipelineStage(nn.Module):
         self.next = dist.get_global_rank(self.pp_group, self.index + 1) if self.index < p - 1 else None
         self.held = [n for n in graph.nodes if n.op == "placeholder" and self.tp.holds(n)]
         self.trace = TraceRecorder(self.rank, self.index)
-        self._tied = self._tie_groups(mesh, stage_of)
+        self.ties = self._tie_groups(mesh, stage_of)
         self._inflight: dict[int, _InFlight] = {}
         self._sends: list[tuple[dist.Work, torch.Tensor]] = []
 
@@ -234,12 +248,10 @@ class PipelineStage(nn.Module):
 
     # -- tied parameters ---------------------------------------------------------
 
-    def _tie_groups(self, mesh: Any, stage_of: Mapping[str, int]
-                    ) -> list[tuple[str, nn.Parameter, dist.ProcessGroup, tuple[int, ...]]]:
-        """(name, this stage's copy, the group of its copies, their ranks) for each parameter held on
-        several stages, by name: the plan's stage map and the graph decide it (``tied_stages``), so
-        every stage derives the same list in the same order. Every rank creates every group, in
-        that order (``new_group`` is collective)."""
+    def _tie_groups(self, mesh: Any, stage_of: Mapping[str, int]) -> list[Tie]:
+        """A ``Tie`` for each parameter held on several stages, by name: the plan's stage map and
+        the graph decide it (``tied_stages``), so every stage derives the same list in the same
+        order. Every rank creates every group, in that order (``new_group`` is collective)."""
         graph = self.tp.graph_module.graph
         param_nodes = self.tp.param_nodes
         readers = {n.name: [u.name for u in n.users] for n in graph.nodes if n.name in param_nodes}
@@ -251,13 +263,13 @@ class PipelineStage(nn.Module):
                     ranks = [m.rank(pp=s, dp=dp, tp=tp) for s in stages]
                     group = dist.new_group(ranks)
                     if self.rank in ranks:
-                        out.append((q, local[q][0], group, tuple(ranks)))
+                        out.append(Tie(q, local[q][0], group, tuple(ranks)))
         return out
 
     @property
     def tied_parameters(self) -> list[nn.Parameter]:
         """This stage's copies of the parameters it shares with other stages."""
-        return [p for _, p, _, _ in self._tied]
+        return [t.param for t in self.ties]
 
     def sync_tied(self) -> None:
         """Sum the gradients of tied copies over the stages holding them (after dp averaging).
@@ -265,7 +277,7 @@ class PipelineStage(nn.Module):
         Every holder takes part every step, whether or not its copy received a gradient (a copy
         whose stage's nodes gave it none contributes zeros): skipping the call on one stage
         would leave the others waiting in it."""
-        for _, param, group, ranks in self._tied:
+        for _, param, group, ranks in self.ties:
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
             self.counter.record("all_reduce", PP, param.grad.numel() * param.grad.element_size(), ranks)
@@ -432,3 +444,12 @@ class PipelineStage(nn.Module):
             dist.all_gather_into_tensor(whole, result.contiguous(), group=dp_group)
             result = whole
         return result
+
+
+def apply_pipeline(module: nn.Module, plan: Plan, mesh: Any, *, loss_fn: Callable | None,
+                   counter: CollectiveCounter, device: torch.device, precision: PrecisionPolicy,
+                   rng: tuple[int, int] | None, checkpoint: str | Path | None = None) -> PipelineStage:
+    """Compose's pipeline step: this rank's stage, the TP program over the stage's nodes (tensor
+    parallelism inside it, over "tp" when tp > 1), linked to its neighbours over "pp"."""
+    return PipelineStage(module, plan, mesh, loss_fn=loss_fn, counter=counter, device=device,
+                         precision=precision, rng=rng, checkpoint=checkpoint)

@@ -37,14 +37,14 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator, Mapping
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-if TYPE_CHECKING:
-    from partita.runtime.engine import ParallelModel
+from partita.core.errors import PartitaError
+from partita.runtime.program import Program
 
 _SHARD = "shard("
 Piece = tuple[tuple[int, ...], torch.Tensor]  # (offsets in the whole tensor, the local data of that block)
@@ -100,17 +100,12 @@ class _Held:
     zero: tuple[Any, int] | None = None  # (bucket, the parameter's offset in it) under ZeRO
 
 
-def _tensors_of(model: "ParallelModel") -> Iterator[_Held]:
+def _tensors_of(program: Program) -> Iterator[_Held]:
     """Every parameter this rank holds, with where it sits in the whole tensor."""
-    program, plan = model._program, model.plan
-    tp = model.tensor_parallel
-    aliases = model.state_names
-    if tp is not None:
-        local = tp.local_parameters()
-        t_rank, t_size = tp.tp.rank, tp.tp.size
-    else:
-        local = {n: (p, "replicate") for n, p in program.module.named_parameters()}
-        t_rank, t_size = 0, 1
+    plan, tp = program.plan, program.interpreter
+    aliases = program.state_names
+    local = program.local_parameters()
+    t_rank, t_size = (tp.tp.rank, tp.tp.size) if tp is not None else (0, 1)
     shapes = {d.name: tuple(d.shape) for d in plan.params}
     zero = program.zero
     in_zero = {}
@@ -127,7 +122,7 @@ def _tensors_of(model: "ParallelModel") -> Iterator[_Held]:
             origin[d] = chunk_offset(shape[d], t_size, t_rank)
             local_shape[d] = min(shape[d], origin[d] + -(-shape[d] // t_size)) - origin[d]
         z = in_zero.get(id(param))
-        opt = model.optimizer  # the one optimizer (ZeRO's, on its shards and any whole parameters)
+        opt = program.optimizer  # the one optimizer (ZeRO's, on its shards and any whole parameters)
         yield _Held(aliases.get(name, [name]), shape, tuple(origin), tuple(local_shape), param, opt, z)
 
 
@@ -223,16 +218,16 @@ def _pieces(h: _Held, flat: torch.Tensor | None, local: torch.Tensor) -> list[Pi
     return out
 
 
-def training_state(model: "ParallelModel") -> dict[str, Any]:
+def training_state(program: Program) -> dict[str, Any]:
     """This rank's state dict for DCP (module docstring): views of what it holds, so ``dcp.load``
     writes straight into the parameters and the optimizer state."""
-    for opt in _optimizers(model):
+    for opt in _optimizers(program):
         _init_optimizer_state(opt)
     model_part: dict[str, Any] = {}
     optim_part: dict[str, Any] = {}
-    updates = model._program.updates
+    updates = program.updates
     master = updates.master_of if updates is not None else (lambda t: t)  # fp32 masters under mixed precision
-    for h in _tensors_of(model):
+    for h in _tensors_of(program):
         shard = master(h.zero[0].shard) if h.zero is not None else None
         param = master(h.param)
         pieces = _pieces(h, shard, param)
@@ -249,14 +244,14 @@ def training_state(model: "ParallelModel") -> dict[str, Any]:
                 held = _pieces(h, value, value.view(h.local_shape) if h.zero is None else value)
                 if held:
                     optim_part[f"{name}/{key}"] = _sharded(held, h.shape)
-    for name, buf in model.persistent_buffers().items():
+    for name, buf in program.persistent_buffers().items():
         model_part[name] = buf
-    rank = model.ctx.rank
+    rank = program.ctx.rank
     return {"model": model_part, "optim": optim_part, "rng": {str(rank): _rng_state()}}
 
 
-def _optimizers(model: "ParallelModel") -> list[torch.optim.Optimizer]:
-    return [o for o in (model.optimizer,) if o is not None]
+def _optimizers(program: Program) -> list[torch.optim.Optimizer]:
+    return [o for o in (program.optimizer,) if o is not None]
 
 
 def _init_optimizer_state(opt: torch.optim.Optimizer) -> None:
@@ -304,23 +299,22 @@ def set_rng_state(packed: torch.Tensor) -> None:
 _HYPER = ("lr", "betas", "eps", "weight_decay", "momentum", "dampening", "nesterov", "maximize", "amsgrad")
 
 
-def _meta(model: "ParallelModel", extra: dict | None) -> dict[str, Any]:
-    opt = _optimizers(model)
+def _meta(program: Program, step: int, extra: dict | None) -> dict[str, Any]:
+    opt = _optimizers(program)
     groups = [{k: g[k] for k in _HYPER if k in g} for g in opt[0].param_groups] if opt else []
-    return {"step": model.step, "param_groups": groups, "extra": dict(extra or {}),
-            "fingerprint": model.plan.model.fingerprint}
+    return {"step": step, "param_groups": groups, "extra": dict(extra or {}),
+            "fingerprint": program.plan.model.fingerprint}
 
 
-def save(model: "ParallelModel", path: Any, *, extra: dict | None = None, async_save: bool = False) -> Any:
-    """``ParallelModel.save_checkpoint``: DCP over ``training_state`` plus the run's metadata."""
+def save(program: Program, path: Any, *, step: int, extra: dict | None = None, async_save: bool = False) -> Any:
+    """``ParallelModel.save_checkpoint``: DCP over ``training_state`` plus the run's metadata
+    (``step``: optimizer steps completed)."""
     import torch.distributed.checkpoint as dcp
 
-    state = training_state(model)
+    state = training_state(program)
     try:
-        state["meta"] = json.dumps(_meta(model, extra))  # one leaf (a dict would be flattened), no pickle
+        state["meta"] = json.dumps(_meta(program, step, extra))  # one leaf (a dict would be flattened), no pickle
     except TypeError as e:
-        from partita.core.errors import PartitaError
-
         raise PartitaError(f"save_checkpoint's extra must hold plain values (numbers, strings, lists, dicts): {e}") from e
     if async_save:
         return dcp.async_save(state, checkpoint_id=str(path), async_stager=_CopyStager())
@@ -328,13 +322,12 @@ def save(model: "ParallelModel", path: Any, *, extra: dict | None = None, async_
     return None
 
 
-def load(model: "ParallelModel", path: Any) -> dict:
+def load(program: Program, path: Any) -> tuple[int, dict]:
     """``ParallelModel.load_checkpoint``: every piece this rank holds read in place, then the
-    step count, hyperparameters and this rank's random state restored."""
+    hyperparameters and this rank's random state restored; returns the saved step count and
+    the user's ``extra``."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemReader
-
-    from partita.core.errors import PartitaError
 
     try:
         saved = FileSystemReader(str(path)).read_metadata()
@@ -342,7 +335,7 @@ def load(model: "ParallelModel", path: Any) -> dict:
         raise PartitaError(f"{path} is not a checkpoint: {e}",
                            hint="pass a directory written by save_checkpoint (or checkpoint_dir=)") from e
     keys = set(saved.state_dict_metadata)
-    state = training_state(model)
+    state = training_state(program)
     missing = sorted(f"model/{k}" for k in state["model"] if f"model.{k}" not in keys)
     if missing:
         raise PartitaError(f"checkpoint {path} lacks {len(missing)} tensor(s) of this model, e.g. "
@@ -352,17 +345,16 @@ def load(model: "ParallelModel", path: Any) -> dict:
     state["meta"] = ""
     dcp.load(state, checkpoint_id=str(path))
     meta = json.loads(state["meta"])
-    for opt in _optimizers(model):
+    for opt in _optimizers(program):
         for g, saved_g in zip(opt.param_groups, meta.get("param_groups", [])):
             g.update(saved_g)
-    if model._program.updates is not None:
-        model._program.updates.masters_to_params()  # mixed precision: the masters cast into the parameters
-    if model._program.zero is not None:
-        model._program.zero.shards_to_params()  # ZeRO-1/2: every rank's slice back into the full parameters
+    if program.updates is not None:
+        program.updates.masters_to_params()  # mixed precision: the masters cast into the parameters
+    if program.zero is not None:
+        program.zero.shards_to_params()  # ZeRO-1/2: every rank's slice back into the full parameters
     for packed in state["rng"].values():
         set_rng_state(packed)
-    model._step = int(meta.get("step", 0))
-    return dict(meta.get("extra", {}))
+    return int(meta.get("step", 0)), dict(meta.get("extra", {}))
 
 
 COMPLETE = "partita-complete.json"  # written last, by rank 0, once every rank's write has returned
@@ -379,56 +371,14 @@ def latest(root: Any) -> Path | None:
     return done[-1] if done else None
 
 
-def save_periodic(model: "ParallelModel", root: Any, extra: dict | None = None) -> Path:
+def save_periodic(program: Program, root: Any, *, step: int, extra: dict | None = None) -> Path:
     """Save under ``root/step-NNNNNNNN`` and mark it complete once every rank has written."""
-    path = step_dir(root, model.step)
-    save(model, path, extra=extra)
+    path = step_dir(root, step)
+    save(program, path, step=step, extra=extra)
     if dist.is_initialized():
         dist.barrier()
-    if model.ctx.rank == 0:
+    if program.ctx.rank == 0:
         tmp = path / (COMPLETE + ".tmp")
-        tmp.write_text(json.dumps({"step": model.step, "world_size": model.ctx.world_size}))
+        tmp.write_text(json.dumps({"step": step, "world_size": program.ctx.world_size}))
         tmp.rename(path / COMPLETE)  # atomic: a reader sees the marker whole or not at all
     return path
-
-
-class _SafetensorsFile(Mapping):
-    """A .safetensors file as a read-only mapping, each tensor read when asked for."""
-
-    def __init__(self, path: str) -> None:
-        from safetensors import safe_open
-
-        self._file = safe_open(path, framework="pt")
-        self._keys = list(self._file.keys())
-
-    def __getitem__(self, key: str) -> torch.Tensor:
-        if key not in self._keys:
-            raise KeyError(key)
-        return self._file.get_tensor(key)
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._keys)
-
-    def __len__(self) -> int:
-        return len(self._keys)
-
-
-def open_weights(path: Any) -> Mapping[str, torch.Tensor]:
-    """Pretrained weights as a mapping read lazily: a ``torch.save``d state dict (memory-mapped: a
-    rank touches only the pages of the tensors and slices it takes) or a ``.safetensors`` file
-    (a rank reads only the tensors its stage holds)."""
-    from partita.core.errors import PartitaError
-
-    path = Path(path)
-    if not path.is_file():
-        raise PartitaError(f"weights file {path} does not exist")
-    try:
-        if path.suffix == ".safetensors":
-            return _SafetensorsFile(str(path))
-        state = torch.load(path, mmap=True, weights_only=True, map_location="cpu")
-    except Exception as e:  # noqa: BLE001 - any unreadable file is the same user error
-        raise PartitaError(f"cannot read weights from {path}: {e}",
-                           hint="pass a state dict saved with torch.save, or a .safetensors file") from e
-    if not isinstance(state, Mapping):
-        raise PartitaError(f"{path} holds a {type(state).__name__}, not a state dict of tensors")
-    return state

@@ -5,9 +5,10 @@ ZeRO acts on the rank's LOCAL parameters (its tensor-parallel shards, plain
 runs eagerly or as an fx Interpreter over a captured graph.
 
 Layout. Parameters are grouped into flat buckets by the gradient-bucket rule
-of data_parallel.py (reverse order, closed at ``bucket_bytes`` or a change of
-dtype), so the planner predicts ZeRO's collectives from the same
-``bucket_layout``. A bucket of N elements is padded to ``ceil(N/dp) * dp``
+of runtime/grad_buckets.py (reverse order, closed at ``bucket_bytes`` or a
+change of dtype), so the planner predicts ZeRO's collectives from the same
+``bucket_layout``; the reduce-scatters overlapped with backward are that
+file's ``BucketReducer``, as data parallelism's all-reduces are. A bucket of N elements is padded to ``ceil(N/dp) * dp``
 and dp rank r owns the contiguous slice ``[r*S, (r+1)*S)``, S = ceil(N/dp).
 Padding adds at most dp - 1 elements per bucket, to each of the tensors that
 are flat (parameters, gradients and optimizer state alike). The user's
@@ -75,64 +76,24 @@ from torch.autograd.graph import register_multi_grad_hook
 from torch.optim import Optimizer
 
 from partita.core.precision import FP32, PrecisionPolicy
-from partita.runtime.data_parallel import DEFAULT_BUCKET_BYTES, CollectiveCounter, _bucket_members, grad_params
+from partita.runtime.collectives import CollectiveCounter
+from partita.runtime.grad_buckets import (DEFAULT_BUCKET_BYTES, BucketReducer, GradBucket, bucket_members,
+                                          grad_params)
 from partita.runtime.mixed_precision import MasterWeights
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], Optimizer]
 
 
-class _FlatBucket:
-    """One bucket's parameters as a padded flat tensor, of which this rank owns one slice."""
+class _FlatBucket(GradBucket):
+    """A gradient bucket that also holds its members' data flat (``params_flat``) and the shard of
+    it that this rank's optimizer updates."""
 
     def __init__(self, members: list[nn.Parameter], rank: int, size: int) -> None:
-        self.members = members
-        self.ids = frozenset(id(p) for p in members)
-        self.numel = sum(p.numel() for p in members)
-        self.shard_numel = -(-self.numel // size)  # S = ceil(N / n)
-        self.padded = self.shard_numel * size
-        self.dtype, self.device = members[0].dtype, members[0].device
-        self.elem = members[0].element_size()
-        self.own = slice(rank * self.shard_numel, (rank + 1) * self.shard_numel)
-        self.index = {id(p): i for i, p in enumerate(members)}
-        self.shapes = [p.shape for p in members]  # stage 3 parks the parameters as empty tensors
-        self.offsets = []
-        offset = 0
-        for p in members:
-            self.offsets.append(offset)
-            offset += p.numel()
+        super().__init__(members, rank, size)
         self.params_flat = torch.empty(0)  # (padded,) the members' data; stage 3 frees its storage
-        self.grads_flat: torch.Tensor | None = None  # stage 1: (padded,) persistent, the members' .grad
-        self.grad_views: list[torch.Tensor] = []  # stage 1: the members' .grad, views of grads_flat
-        self.grad_flat: torch.Tensor | None = None  # stages 2-3: (padded,) transient, this backward's
         self.shard: nn.Parameter | None = None  # (S,) what the optimizer updates
-        self.ready: set[int] = set()  # members whose gradient this backward has produced
-        self.work: dist.Work | None = None
-        self.wire: torch.Tensor | None = None  # the gradient bucket upcast to the reduce dtype, while reduced
         self.pending: set[int] = set()  # stage 3 forward: members gathered and not yet released
         self.seen = False  # stage 3: gathered at least once in this forward
-
-    @property
-    def nbytes(self) -> int:
-        return self.padded * self.elem
-
-    def new_flat(self) -> torch.Tensor:
-        return torch.zeros(self.padded, dtype=self.dtype, device=self.device)
-
-    def flatten_data(self) -> torch.Tensor:
-        flat = self.new_flat()
-        for p, o in zip(self.members, self.offsets):
-            flat[o : o + p.numel()].copy_(p.detach().reshape(-1))
-        return flat
-
-    def view_params_into(self, flat: torch.Tensor) -> None:
-        """Make each member's data a view of ``flat`` (same Parameter objects, same storage)."""
-        for p, v in zip(self.members, self.unflatten(flat)):
-            p.data = v
-
-    def unflatten(self, flat: torch.Tensor) -> list[torch.Tensor]:
-        return [flat[o : o + s.numel()].view(s) for s, o in zip(self.shapes, self.offsets)]
-
-
 
 
 def _is_freed(t: torch.Tensor) -> bool:
@@ -172,7 +133,7 @@ class ZeroProgram:
         self.counter = counter if counter is not None else CollectiveCounter()
         self._by_name = {n: p for n, p in named}
         self.buckets = [_FlatBucket(m, self.rank, self.size)
-                        for m in _bucket_members(grad_params(p for _, p in named), bucket_bytes)]
+                        for m in bucket_members(grad_params(p for _, p in named), bucket_bytes)]
         self._bucket_of: dict[int, _FlatBucket] = {id(p): b for b in self.buckets for p in b.members}
         self.shards: list[nn.Parameter] = []
         self._pinned = False  # inside gathered(): nothing is freed
@@ -180,17 +141,16 @@ class ZeroProgram:
             for b in self.buckets:
                 b.shard = self._setup_bucket(b)
                 self.shards.append(b.shard)
-        for b in self.buckets:
-            for p in b.members:
-                p.register_post_accumulate_grad_hook(self._on_grad_ready)
+        # stage 1 keeps full gradients between micro-batches (persistent buckets, reduced in the
+        # last backward); stages 2-3 reduce every backward's, from transient buckets
+        self.reducer = BucketReducer(self.buckets, group, collective="reduce_scatter", persistent=stage == 1,
+                                     counter=self.counter, axis=axis, reduce_dtype=precision.reduce_dtype,
+                                     on_launch=self._after_launch)
         # the one optimizer: on the shards' fp32 masters under mixed precision, and on
         # ``extra_params`` (whole parameters compose averages apart, e.g. tied across stages)
         self.precision = precision
         self.master = MasterWeights([*self.shards, *extra_params], optimizer_factory, precision)
         self.optimizer = self.master.optimizer
-        self._sync = False
-        self._next = 0  # buckets launch in index order, the same on every rank
-        self.launched_in_backward = 0  # buckets of the last backward launched by a hook (overlapped)
 
     def _setup_bucket(self, b: _FlatBucket) -> nn.Parameter:
         """Lay the bucket out flat; return the shard the optimizer updates."""
@@ -204,11 +164,8 @@ class ZeroProgram:
             return shard
         shard = nn.Parameter(flat[b.own])  # a view: the optimizer updates the full parameters in place
         if self.stage == 1:
-            b.grads_flat = b.new_flat()
-            b.grad_views = b.unflatten(b.grads_flat)
-            for p, g in zip(b.members, b.grad_views):
-                p.grad = g
-            shard.grad = b.grads_flat[b.own]
+            b.attach_grads()  # the members' .grad: views of the persistent flat gradient
+            shard.grad = b.grad_flat[b.own]
         else:
             shard.grad = torch.zeros_like(shard)
         return shard
@@ -230,67 +187,22 @@ class ZeroProgram:
     def begin_backward(self, is_last: bool) -> None:
         """Before each micro-batch's backward. A pipeline schedule calls it apart from
         ``begin_forward``: under 1F1B other micro-batches' forwards run in between."""
-        self._sync = is_last or self.stage >= 2
-        self._next = 0
-        self.launched_in_backward = 0
-        for b in self.buckets:
-            b.ready.clear()
-            b.work = None
+        self.reducer.begin(sync=is_last or self.stage >= 2)
 
-    def _on_grad_ready(self, p: nn.Parameter) -> None:
-        if not self._sync:
-            return
-        b = self._bucket_of[id(p)]
-        if self.stage == 1:
-            view = b.grad_views[b.index[id(p)]]
-            if p.grad is not view and p.grad.data_ptr() != view.data_ptr():  # .grad was reset
-                view.copy_(p.grad)
-            p.grad = view
-        else:
-            if b.grad_flat is None:
-                b.grad_flat = b.new_flat()
-            o = b.offsets[b.index[id(p)]]
-            b.grad_flat[o : o + p.grad.numel()].copy_(p.grad.reshape(-1))
-            p.grad = None  # the full gradient lives only until its bucket is built
-        b.ready.add(id(p))
-        self._launch_ready()
+    @property
+    def launched_in_backward(self) -> int:
+        """Buckets of the last backward whose reduce-scatter a gradient hook launched (overlapped)."""
+        return self.reducer.launched_in_backward
 
-    def _launch(self, b: _FlatBucket) -> None:
-        if self.stage == 1:
-            flat = b.grads_flat
-        else:
-            if b.grad_flat is None:  # no gradient reached this bucket: it still joins the collective
-                b.grad_flat = b.new_flat()
-            flat = b.grad_flat
-        reduce = self.precision.reduce_dtype
-        if reduce != flat.dtype:  # e.g. bf16 gradients summed in fp32, the mean cast back in after_backward
-            flat = b.wire = flat.to(reduce)
-        flat.div_(self.size)
-        b.work = dist.reduce_scatter_single(flat[b.own], flat, group=self.group, async_op=True)
-        self.counter.record("reduce_scatter", self.axis, flat.numel() * flat.element_size())
+    def _after_launch(self, b: _FlatBucket) -> None:
         if self.stage == 3:
             self._free_params(b, park=False)  # backward is done with them (autograd may still hold views)
 
-    def _launch_ready(self) -> None:
-        while self._next < len(self.buckets) and len(self.buckets[self._next].ready) == len(self.buckets[self._next].members):
-            self._launch(self.buckets[self._next])
-            self._next += 1
-            self.launched_in_backward += 1
-
     def after_backward(self) -> None:
         """After each micro-batch's backward: finish its reduce-scatters (stage 1: the last one's)."""
-        if not self._sync:
+        if not self.reducer.finish():
             return
-        while self._next < len(self.buckets):  # buckets backward never completed (unused parameters)
-            self._launch(self.buckets[self._next])
-            self._next += 1
         for b, shard in zip(self.buckets, self.shards):
-            with self.counter.blocking("reduce_scatter", self.axis):
-                b.work.wait()
-            b.work = None
-            if b.wire is not None:
-                (b.grads_flat if self.stage == 1 else b.grad_flat)[b.own].copy_(b.wire[b.own])
-                b.wire = None
             if self.stage >= 2:
                 shard.grad += b.grad_flat[b.own]
                 b.grad_flat = None
@@ -298,7 +210,6 @@ class ZeroProgram:
                     p.grad = None
             if self.stage == 3:
                 self._free_params(b, park=True)
-        self._sync = False
 
     # -- the step --------------------------------------------------------------------------
 
@@ -322,13 +233,11 @@ class ZeroProgram:
                 w.wait()
 
     def zero_grad(self) -> None:
-        for b, shard in zip(self.buckets, self.shards):
-            if self.stage == 1:
-                b.grads_flat.zero_()
-                for p, g in zip(b.members, b.grad_views):
-                    p.grad = g
-            else:
-                shard.grad.zero_()
+        if self.stage == 1:
+            self.reducer.zero_grad()
+            return
+        for shard in self.shards:
+            shard.grad.zero_()
 
     # -- stage 3: parameters gathered around their use -------------------------------------
 
@@ -467,7 +376,7 @@ class ZeroProgram:
             grads = nbytes(s.grad for s in self.shards)
         else:
             params = nbytes(b.params_flat for b in self.buckets)
-            grads = nbytes(b.grads_flat for b in self.buckets) if self.stage == 1 else nbytes(s.grad for s in self.shards)
+            grads = nbytes(b.grad_flat for b in self.buckets) if self.stage == 1 else nbytes(s.grad for s in self.shards)
         masters = [self.master.master_of(s) for s in self.shards]
         optimizer = nbytes(t for m in masters for t in self.optimizer.state.get(m, {}).values()
                            if isinstance(t, torch.Tensor))

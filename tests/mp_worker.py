@@ -168,7 +168,7 @@ def held_state(model: ParallelModel) -> dict[str, int]:
         return p.zero.state_bytes()
     nbytes = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
     params = nbytes(model.parameters())
-    grads = nbytes(b.buffer for b in p.averager.buckets) if p.averager is not None else params
+    grads = nbytes(b.grad_flat for b in p.averager.buckets) if p.averager is not None else params
     state = [t for st in p.master.optimizer.state.values() for t in st.values() if isinstance(t, torch.Tensor) and t.dim()]
     return {"params": params, "grads": grads, "optimizer": nbytes(state) + p.master.master_bytes()}
 

@@ -24,7 +24,7 @@ from torch import nn
 from dp_worker import GPT_VOCAB, OPTIMIZERS, SEQ, gpt_batch, gpt_loss, run_launch
 from examples.models import MLP, LogitsOnly, gpt_tiny
 from partita.core.inputs import InputSpec
-from partita.runtime.data_parallel import bucket_layout
+from partita.runtime.grad_buckets import bucket_layout
 from partita.runtime.distributed import DistContext
 from partita.runtime.engine import ParallelModel
 from tp_choice import MEGATRON, tp_plan

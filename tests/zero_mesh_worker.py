@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from dp_worker import OPTIMIZERS, gpt_batch, gpt_loss, reference_step, run_launch
 from partita.passes.cost_model import model_state_memory, state_bytes_per_param, zero_collectives
-from partita.runtime.data_parallel import bucket_layout
+from partita.runtime.grad_buckets import bucket_layout
 from partita.runtime.distributed import DistContext
 from partita.runtime.engine import ParallelModel
 from pp_choice import pp_plan

@@ -25,7 +25,8 @@ from examples.models import MLP, gpt_tiny
 from partita.passes.cost_model import (
     collective_traffic, model_state_memory, state_bytes_per_param, zero_traffic_elements,
 )
-from partita.runtime.data_parallel import CollectiveCounter, bucket_layout
+from partita.runtime.collectives import CollectiveCounter
+from partita.runtime.grad_buckets import bucket_layout
 from partita.runtime.distributed import DistContext, destroy, init_distributed
 from partita.runtime.zero import ZeroProgram, apply_zero
 

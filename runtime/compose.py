@@ -1,0 +1,181 @@
+"""``compose``: a plan's parts applied to the user's module for this rank, in one stated order.
+
+Each part lives in the runtime file named for its axis, as an ``apply_*`` step
+that takes what it needs as arguments: ``apply_tensor_parallel``
+(tensor_parallel.py), ``apply_pipeline`` (pipeline_parallel.py),
+``apply_mixed_precision`` (mixed_precision.py), ``apply_data_parallel``
+(data_parallel.py) and ``apply_zero`` (zero.py). ``refuse_unsupported`` names
+the plans this runtime cannot run, before anything is built.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+import torch
+from torch import nn
+from torch.optim import Optimizer
+
+from partita.core.errors import PlanError
+from partita.core.losses import training_loss
+from partita.core.plan import MeshAxis, Plan
+from partita.core.precision import PrecisionPolicy
+from partita.runtime.collectives import CollectiveCounter
+from partita.runtime.data_parallel import apply_data_parallel, broadcast_replicas
+from partita.runtime.distributed import DistContext, build_mesh
+from partita.runtime.mixed_precision import MasterWeights, apply_mixed_precision
+from partita.runtime.pipeline_parallel import SCHEDULES, apply_pipeline
+from partita.runtime.program import MicroBatchLoss, Program
+from partita.runtime.rng import run_seed
+from partita.runtime.tensor_parallel import TensorParallel, apply_tensor_parallel
+from partita.runtime.weights import load_eager, open_weights, state_names
+from partita.runtime.zero import apply_zero
+
+LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
+OptimizerFactory = Callable[[Iterable[nn.Parameter]], Optimizer]
+DP, TP = MeshAxis.DP.value, MeshAxis.TP.value
+
+
+def refuse_unsupported(plan: Plan) -> None:
+    """Raise ``PlanError`` for plan parts this runtime cannot execute, rather than run them wrong."""
+    for axis, what in (("tp", "tensor-parallel"), ("pp", "pipeline")):
+        if getattr(plan.mesh, axis) > 1 and not plan.nodes:
+            raise PlanError(f"the plan has {axis}={getattr(plan.mesh, axis)} but no {what} node decisions",
+                            hint="recompile the plan with `partita compile`")
+    t = plan.training
+    if t.zero_stage > 0 and plan.mesh.dp == 1:
+        raise PlanError(f"the plan has ZeRO-{t.zero_stage} but dp=1: there is no data-parallel group to shard over",
+                        hint="recompile the plan with `partita compile`")
+    if plan.mesh.pp > 1 and not t.inference and t.schedule not in SCHEDULES:
+        raise PlanError(f"the plan has pp={plan.mesh.pp} but schedule {t.schedule!r}; this runtime runs "
+                        f"{' and '.join(SCHEDULES)}", hint="recompile the plan with `partita compile`")
+    recomputing = [s.index for s in plan.stages if s.recompute]
+    if recomputing and not plan.nodes:
+        raise PlanError(f"the plan recomputes activations on stage(s) {recomputing} but has no node "
+                        f"decisions to find the repeated layers by", hint="recompile the plan with `partita compile`")
+    if recomputing and t.zero_stage == 3:
+        # ZeRO-3 gathers a node's parameters before it runs and frees the bucket after forward's
+        # last reader; the rerun in backward would gather and release again, freeing the storage
+        # under the views the recomputed forward has just saved for the backward that follows.
+        raise PlanError(f"the plan recomputes activations on stage(s) {recomputing} with ZeRO-3: this runtime "
+                        f"cannot rerun a layer's forward while ZeRO-3 gathers and frees its parameters per node",
+                        hint="recompile with ZeRO <= 2 (`partita compile --zero 2`) or without "
+                        "recomputation (`--no-recompute`)")
+
+
+def compose(
+    module: nn.Module,
+    plan: Plan,
+    ctx: DistContext,
+    optimizer: OptimizerFactory,
+    counter: CollectiveCounter,
+    bucket_bytes: int | None = None,
+    *,
+    loss_fn: LossFn,
+    checkpoint: str | Path | None = None,
+) -> Program:
+    """Apply a plan's parts to ``module`` for this rank (after checking the plan against the world
+    and ``refuse_unsupported``).
+
+    The order, and why:
+
+    1. tensor parallelism: keep this rank's parameter shards and build the
+       local program over "tp" (at tp == 1 too when the plan recomputes
+       activations, so that recomputation is the program's at every tp).
+       First, because every later part must see the parameters as this rank
+       holds them.
+    2. the pipeline split: keep this rank's stage, built as the TP program
+       restricted to the stage's nodes (it holds only its own parameters);
+       before data parallelism, so that it wraps only the stage's parameters.
+       (1 and 2 are one construction when pp > 1.)
+    3. mixed precision: the local parameters cast to the policy's dtype, before
+       data parallelism lays out gradient buckets in that dtype.
+    4. data parallelism or ZeRO over "dp": the replicas broadcast from dp rank
+       0, then gradient averaging hooked, or the model state sharded (ZeRO-3
+       gathers parameters per graph node in the TP program, else around each
+       module's forward). After 1-3, because it acts on the final local
+       parameters; the optimizer is built last of all, on what it updates.
+    5. the schedule: ``ParallelModel.train_step``'s micro-batch loop, or the
+       pipeline's GPipe / 1F1B schedule, which drives all of the above.
+    """
+    plan.check_matches(world_size=ctx.world_size)
+    refuse_unsupported(plan)
+    mesh = build_mesh(plan.mesh, ctx)
+    policy = PrecisionPolicy.of(plan.training)
+    training = not plan.training.inference
+    names = state_names(module)  # read before the plan's parts take the module apart
+    persistent = {k for k, _ in module.named_buffers() if k in module.state_dict(keep_vars=True)}
+    dp_group, dp_rank = (mesh[DP].get_group(), mesh[DP].get_local_rank()) if mesh is not None and plan.mesh.dp > 1 \
+        else (None, 0)
+    interpreted = plan.mesh.pp > 1 or plan.mesh.tp > 1 or any(s.recompute for s in plan.stages)
+    # random ops drawn alike over "tp", apart over "dp" (runtime/rng.py)
+    rng = (run_seed(), dp_rank) if interpreted and ctx.world_size > 1 else None
+    graph_loss = loss_fn if training else None  # an inference plan's graph has no loss
+    # 1. tensor parallelism and 2. the pipeline split
+    pipeline = None
+    if plan.mesh.pp > 1:
+        local = pipeline = apply_pipeline(module, plan, mesh, loss_fn=graph_loss, counter=counter,
+                                          device=ctx.device, precision=policy, rng=rng, checkpoint=checkpoint)
+        loss = None  # the stage's schedule runs the micro-batches
+    elif interpreted:
+        local = apply_tensor_parallel(module, plan, mesh[TP].get_group() if plan.mesh.tp > 1 else None,
+                                      loss_fn=graph_loss, counter=counter, device=ctx.device,
+                                      precision=policy, rng=rng, checkpoint=checkpoint)
+        loss = _program_loss(local)
+    else:
+        if checkpoint is not None:
+            load_eager(module, open_weights(checkpoint))
+        local = module.to(ctx.device)
+        loss = _eager_loss(local, loss_fn, policy, ctx.device)
+    # 3. mixed precision
+    scaler = apply_mixed_precision(local, policy, training=training)
+    # 4. ZeRO / data parallelism, and the optimizer
+    if dp_group is not None:
+        broadcast_replicas(local, dp_group)
+    buckets = bucket_bytes or plan.training.grad_bucket_bytes
+    zero = averager = master = None
+    if training and dp_group is not None and plan.training.zero_stage > 0:
+        # A parameter tied across pipeline stages stays whole on each (its copies' gradients are
+        # summed between the stages, which lay out their ZeRO buckets differently): plain dp
+        # averaging and the one optimizer's elementwise update.
+        tied = pipeline.tied_parameters if pipeline is not None else []
+        zero = apply_zero([(n, q) for n, q in local.named_parameters() if not any(q is t for t in tied)],
+                          plan.training.zero_stage, dp_group, optimizer_factory=optimizer, bucket_bytes=buckets,
+                          counter=counter, axis=DP, precision=policy, extra_params=tied)
+        if tied:
+            averager = apply_data_parallel(tied, dp_group, bucket_bytes=buckets, counter=counter, axis=DP,
+                                           reduce_dtype=policy.reduce_dtype)
+        if plan.training.zero_stage == 3:
+            program = pipeline.tp if pipeline is not None else local if isinstance(local, TensorParallel) else None
+            if program is not None:
+                program.param_access = zero  # each graph node gathers what it reads
+            else:
+                zero.install_module_hooks(local)  # the eager path: around each module's forward
+        opt = zero.optimizer
+    elif training:
+        if dp_group is not None:
+            averager = apply_data_parallel(local.parameters(), dp_group, bucket_bytes=buckets, counter=counter,
+                                           axis=DP, reduce_dtype=policy.reduce_dtype)
+        master = MasterWeights([q for q in local.parameters() if q.requires_grad], optimizer, policy)
+        opt = master.optimizer
+    else:
+        opt = None
+    return Program(plan, ctx, local, loss, opt, averager, zero, dp_group, dp_rank,
+                   plan.mesh.dp if dp_group is not None else 1, pipeline, master, policy, scaler,
+                   state_names=names, persistent=persistent)
+
+
+def _program_loss(program: TensorParallel) -> MicroBatchLoss:
+    def loss(xs: list[torch.Tensor], y: torch.Tensor) -> torch.Tensor:
+        return program(*xs, targets=y)
+
+    return loss
+
+
+def _eager_loss(module: nn.Module, loss_fn: LossFn, policy: PrecisionPolicy, device: torch.device) -> MicroBatchLoss:
+    def loss(xs: list[torch.Tensor], y: torch.Tensor) -> torch.Tensor:
+        with policy.autocast(device):  # the precision policy's forward (runtime/mixed_precision.py)
+            return training_loss(loss_fn, module, xs, y)
+
+    return loss

@@ -1,0 +1,238 @@
+"""Gradient buckets, overlapped with backward: the one mechanism behind data parallelism and ZeRO.
+
+Layout (``bucket_members``, the rule the planner reproduces to predict the
+collectives: ``bucket_layout`` is the contract between the two). Take the
+parameters that require grad in ``module.parameters()`` order (each tied
+parameter once), walk them in REVERSE (roughly the order backward produces
+their gradients), and append each to the open bucket; a bucket closes as soon
+as its bytes reach ``bucket_bytes`` (so a bucket may exceed it by its last
+parameter, and one parameter larger than the cap is a bucket of its own), and a
+parameter of another dtype than the open bucket's closes that bucket first.
+The last, partial bucket closes at the end. Bytes are ``numel * element_size``.
+
+A ``GradBucket`` holds its members' gradients in one flat tensor, padded to a
+multiple of the group size so that each rank owns one contiguous slice
+(``own``; data parallelism uses a one-slice layout, unpadded). The flat
+gradient is either persistent (each member's ``.grad`` a view into it, so
+gradients accumulate there over micro-batches and are reduced in place) or
+transient (built from the ``.grad``s as they become ready, which are then
+freed: ZeRO-2/3).
+
+``BucketReducer`` runs one asynchronous collective per bucket as soon as every
+gradient of the bucket has been accumulated (``register_post_accumulate_grad_hook``),
+so communication runs while backward computes the earlier layers: an
+all-reduce (data parallelism: the mean on every rank) or a reduce-scatter
+(ZeRO: this rank's slice of the mean). Buckets launch strictly in index order,
+the same on every rank. Each bucket is divided by the group size before the sum
+(as DDP does) and, when the policy's ``reduce_dtype`` differs from the
+gradients', reduced in that dtype and the mean cast back. Only a synchronising
+backward communicates (``begin(sync)``); the others accumulate locally (DDP's
+``no_sync``). ``finish`` launches what backward never completed (unused
+parameters) and waits for all of them.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from partita.runtime.collectives import CollectiveCounter
+
+# torch DDP's default bucket_cap_mb=25, in bytes.
+DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024
+
+
+def grad_params(params: Iterable[nn.Parameter]) -> list[nn.Parameter]:
+    """Parameters that receive gradients, each once (tied parameters appear once), in order."""
+    seen: set[int] = set()
+    out = []
+    for p in params:
+        if p.requires_grad and id(p) not in seen:
+            seen.add(id(p))
+            out.append(p)
+    return out
+
+
+def bucket_members(params: list[nn.Parameter], bucket_bytes: int) -> list[list[nn.Parameter]]:
+    """``params`` (``grad_params``' list) cut into buckets by the rule of the module docstring."""
+    buckets: list[list[nn.Parameter]] = []
+    current: list[nn.Parameter] = []
+    size = 0
+    for p in reversed(params):
+        if current and p.dtype != current[0].dtype:
+            buckets.append(current)
+            current, size = [], 0
+        current.append(p)
+        size += p.numel() * p.element_size()
+        if size >= bucket_bytes:
+            buckets.append(current)
+            current, size = [], 0
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+def bucket_layout(params: Iterable[nn.Parameter], bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> list[int]:
+    """Bytes of each gradient bucket, in the order the buckets are reduced (module docstring)."""
+    return [sum(p.numel() * p.element_size() for p in b) for b in bucket_members(grad_params(params), bucket_bytes)]
+
+
+class GradBucket:
+    """One bucket's members as a flat tensor padded to ``size`` equal slices, of which rank
+    ``rank`` owns one (``own``)."""
+
+    def __init__(self, members: list[nn.Parameter], rank: int = 0, size: int = 1) -> None:
+        self.members = members
+        self.ids = frozenset(id(p) for p in members)
+        self.numel = sum(p.numel() for p in members)
+        self.shard_numel = -(-self.numel // size)  # S = ceil(N / n)
+        self.padded = self.shard_numel * size
+        self.dtype, self.device = members[0].dtype, members[0].device
+        self.elem = members[0].element_size()
+        self.own = slice(rank * self.shard_numel, (rank + 1) * self.shard_numel)
+        self.index = {id(p): i for i, p in enumerate(members)}
+        self.shapes = [p.shape for p in members]  # ZeRO-3 parks the parameters as empty tensors
+        self.offsets = []
+        offset = 0
+        for p in members:
+            self.offsets.append(offset)
+            offset += p.numel()
+        self.grad_flat: torch.Tensor | None = None  # (padded,) the members' gradients
+        self.grad_views: list[torch.Tensor] = []  # persistent: the members' .grad, views of grad_flat
+        self.ready: set[int] = set()  # members whose gradient this backward has produced
+        self.work: dist.Work | None = None
+        self.wire: torch.Tensor | None = None  # the gradient bucket upcast to the reduce dtype, while reduced
+
+    @property
+    def nbytes(self) -> int:
+        return self.padded * self.elem
+
+    def new_flat(self) -> torch.Tensor:
+        return torch.zeros(self.padded, dtype=self.dtype, device=self.device)
+
+    def flatten_data(self) -> torch.Tensor:
+        flat = self.new_flat()
+        for p, o in zip(self.members, self.offsets):
+            flat[o : o + p.numel()].copy_(p.detach().reshape(-1))
+        return flat
+
+    def view_params_into(self, flat: torch.Tensor) -> None:
+        """Make each member's data a view of ``flat`` (same Parameter objects, same storage)."""
+        for p, v in zip(self.members, self.unflatten(flat)):
+            p.data = v
+
+    def unflatten(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        return [flat[o : o + s.numel()].view(s) for s, o in zip(self.shapes, self.offsets)]
+
+    def attach_grads(self) -> None:
+        """Persistent: every member's ``.grad`` a view of the flat gradient (allocated once)."""
+        if self.grad_flat is None:
+            self.grad_flat = self.new_flat()
+            self.grad_views = self.unflatten(self.grad_flat)
+        for p, g in zip(self.members, self.grad_views):
+            p.grad = g
+
+
+class BucketReducer:
+    """One asynchronous collective per bucket over ``group``, overlapped with backward (module
+    docstring): ``"all_reduce"`` or ``"reduce_scatter"``, of ``persistent`` or transient flat
+    gradients. ``begin(sync)`` before each backward, ``finish()`` after it (or after the last
+    of a step); ``on_launch(bucket)`` runs once a bucket's collective is launched."""
+
+    def __init__(self, buckets: list[GradBucket], group: dist.ProcessGroup, *, collective: str,
+                 persistent: bool, counter: CollectiveCounter, axis: str,
+                 reduce_dtype: torch.dtype | None = None,
+                 on_launch: Callable[[GradBucket], None] | None = None) -> None:
+        if collective not in ("all_reduce", "reduce_scatter"):
+            raise ValueError(f"collective {collective!r} must be all_reduce or reduce_scatter")
+        self.buckets, self.group, self.axis = buckets, group, axis
+        self.size = dist.get_world_size(group)
+        self.collective, self.persistent = collective, persistent
+        self.counter = counter
+        self.reduce_dtype = reduce_dtype  # None: the gradients' own dtype
+        self.on_launch = on_launch
+        self._bucket_of = {id(p): b for b in buckets for p in b.members}
+        for b in buckets:
+            if persistent:
+                b.attach_grads()
+            for p in b.members:
+                p.register_post_accumulate_grad_hook(self._on_grad_ready)
+        self.sync = False
+        self._next = 0  # buckets launch strictly in index order, the same on every rank
+        self.launched_in_backward = 0  # buckets of the last synchronising backward launched by a hook
+
+    def begin(self, sync: bool) -> None:
+        """Prepare for one backward; only a synchronising one communicates."""
+        self.sync = sync
+        self._next = 0
+        self.launched_in_backward = 0
+        for b in self.buckets:
+            b.ready.clear()
+            b.work = None
+
+    def _on_grad_ready(self, p: nn.Parameter) -> None:
+        if not self.sync:
+            return
+        b = self._bucket_of[id(p)]
+        i = b.index[id(p)]
+        if self.persistent:
+            view = b.grad_views[i]
+            if p.grad is not view:  # .grad was reset to None (e.g. by the user): bring it home
+                if p.grad.data_ptr() != view.data_ptr():
+                    view.copy_(p.grad)
+                p.grad = view
+        else:
+            if b.grad_flat is None:
+                b.grad_flat = b.new_flat()
+            o = b.offsets[i]
+            b.grad_flat[o : o + p.grad.numel()].copy_(p.grad.reshape(-1))
+            p.grad = None  # the full gradient lives only until its bucket is built
+        b.ready.add(id(p))
+        while self._next < len(self.buckets) and len(self.buckets[self._next].ready) == len(self.buckets[self._next].members):
+            self._launch(self.buckets[self._next])
+            self._next += 1
+            self.launched_in_backward += 1
+
+    def _launch(self, b: GradBucket) -> None:
+        if b.grad_flat is None:  # no gradient reached this bucket: it still joins the collective
+            b.grad_flat = b.new_flat()
+        flat = b.grad_flat
+        if self.reduce_dtype is not None and self.reduce_dtype != flat.dtype:  # e.g. bf16 summed in fp32
+            flat = b.wire = flat.to(self.reduce_dtype)
+        flat.div_(self.size)
+        if self.collective == "all_reduce":
+            b.work = dist.all_reduce(flat, group=self.group, async_op=True)
+        else:
+            b.work = dist.reduce_scatter_single(flat[b.own], flat, group=self.group, async_op=True)
+        self.counter.record(self.collective, self.axis, flat.numel() * flat.element_size())
+        if self.on_launch is not None:
+            self.on_launch(b)
+
+    def finish(self) -> bool:
+        """After a synchronising backward: launch the buckets it never completed (unused
+        parameters), wait for all, the means back in the gradients' dtype. Whether it synced."""
+        if not self.sync:
+            return False
+        while self._next < len(self.buckets):
+            self._launch(self.buckets[self._next])
+            self._next += 1
+        # all-reduce leaves the mean in the whole bucket, reduce-scatter in this rank's slice
+        result = (lambda b: slice(None)) if self.collective == "all_reduce" else (lambda b: b.own)
+        with self.counter.blocking(self.collective, self.axis):
+            for b in self.buckets:
+                b.work.wait()
+                b.work = None
+                if b.wire is not None:
+                    b.grad_flat[result(b)].copy_(b.wire[result(b)])
+                    b.wire = None
+        self.sync = False
+        return True
+
+    def zero_grad(self) -> None:
+        """Persistent: the flat gradients zeroed, the members' ``.grad`` views of them again."""
+        for b in self.buckets:
+            b.grad_flat.zero_()
+            b.attach_grads()

@@ -1,0 +1,80 @@
+"""``Program``: what compose (runtime/compose.py) built for this rank, as one record.
+
+The training loop (runtime/engine.py), the gradient norm (runtime/grad_norm.py),
+checkpoints (runtime/sharded_state.py) and the full state dict
+(runtime/checkpoint.py) read a rank's parts from here, never from one another:
+this file sits below all of them, so none of them imports the engine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.optim import Optimizer
+
+from partita.core.plan import Plan
+from partita.core.precision import FP32, PrecisionPolicy
+from partita.runtime.data_parallel import GradientAverager
+from partita.runtime.distributed import DistContext
+from partita.runtime.mixed_precision import LossScaler, MasterWeights
+from partita.runtime.pipeline_parallel import PipelineStage
+from partita.runtime.tensor_parallel import TensorParallel
+from partita.runtime.zero import ZeroProgram
+
+MicroBatchLoss = Callable[[list[torch.Tensor], torch.Tensor], torch.Tensor]
+
+
+@dataclass
+class Program:
+    """This rank's parts of a plan: its module, how a micro-batch's loss is computed, the
+    gradient reduction and the one optimizer."""
+
+    plan: Plan
+    ctx: DistContext
+    module: nn.Module  # the eager module, the TP program, or the pipeline stage
+    loss: MicroBatchLoss | None  # one micro-batch's loss (pp == 1; a pipeline's schedule runs its own)
+    optimizer: Optimizer | None  # None for an inference plan: the user's, on the masters (runtime/mixed_precision.py)
+    averager: GradientAverager | None = None  # gradients averaged over "dp" (without ZeRO; the tied ones with it)
+    zero: ZeroProgram | None = None
+    dp_group: dist.ProcessGroup | None = None
+    dp_rank: int = 0
+    dp_size: int = 1
+    pipeline: PipelineStage | None = None  # pp > 1: this rank's stage, which runs the schedule
+    master: MasterWeights | None = None  # without ZeRO: what the optimizer updates (ZeRO has its own)
+    policy: PrecisionPolicy = FP32
+    scaler: LossScaler | None = None  # fp16: the dynamic loss scale
+    # the unwrapped model's state_dict names (tied names too) and persistent buffers, read
+    # before the plan's parts took the module apart: checkpoints are in those names
+    state_names: dict[str, list[str]] = field(default_factory=dict)
+    persistent: set[str] = field(default_factory=set)
+
+    @property
+    def updates(self) -> MasterWeights | None:
+        """The one optimizer's masters: ZeRO's (its shards and the parameters it was given) or the plain one."""
+        return self.zero.master if self.zero is not None else self.master
+
+    @property
+    def interpreter(self) -> TensorParallel | None:
+        """This rank's TP program (its stage's, in a pipeline); None on the eager path."""
+        if self.pipeline is not None:
+            return self.pipeline.tp
+        return self.module if isinstance(self.module, TensorParallel) else None
+
+    def local_parameters(self) -> dict[str, tuple[nn.Parameter, str]]:
+        """Qualified name -> (this rank's tensor of the parameter, its tp placement)."""
+        tp = self.interpreter
+        if tp is not None:
+            return tp.local_parameters()
+        return {n: (q, "replicate") for n, q in self.module.named_parameters()}
+
+    def persistent_buffers(self) -> dict[str, torch.Tensor]:
+        """This rank's buffers that are part of the model's state_dict, by name."""
+        tp = self.interpreter
+        if tp is None:
+            return {k: b for k, b in self.module.named_buffers() if k in self.persistent}
+        return {tp.buffer_nodes[n]: b for n, b in tp.buffers_by_node().items()
+                if tp.buffer_nodes[n] in self.persistent}
