@@ -161,9 +161,9 @@ def compose(
         opt = master.optimizer
     else:
         opt = None
-    return Program(plan, ctx, local, loss, opt, averager, zero, dp_group, dp_rank,
-                   plan.mesh.dp if dp_group is not None else 1, pipeline, master, policy, scaler,
-                   state_names=names, persistent=persistent)
+    return Program(plan, ctx, local, loss, opt, averager=averager, zero=zero, dp_group=dp_group, dp_rank=dp_rank,
+                   dp_size=plan.mesh.dp if dp_group is not None else 1, pipeline=pipeline, master=master,
+                   policy=policy, scaler=scaler, state_names=names, persistent=persistent)
 
 
 def _program_loss(program: TensorParallel) -> MicroBatchLoss:

@@ -87,7 +87,6 @@ class ParallelModel(nn.Module):
         self.module = program.module
         self.optimizer = program.optimizer
         self._program = program
-        self.state_names = program.state_names  # the unwrapped model's (tied names too)
         self.trace = program.pipeline.trace if program.pipeline is not None else TraceRecorder(self.ctx.rank, 0)
         self._trace_path = os.environ.get("PARTITA_TRACE")
         # Periodic checkpoints (runtime/sharded_state.py): every ``checkpoint_every`` steps under
