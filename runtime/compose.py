@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
 
@@ -22,15 +23,15 @@ from partita.core.losses import training_loss
 from partita.core.plan import MeshAxis, Plan
 from partita.core.precision import PrecisionPolicy
 from partita.runtime.collectives import CollectiveCounter
-from partita.runtime.data_parallel import apply_data_parallel, broadcast_replicas
+from partita.runtime.data_parallel import GradientAverager, apply_data_parallel, broadcast_replicas
 from partita.runtime.distributed import DistContext, build_mesh
 from partita.runtime.mixed_precision import MasterWeights, apply_mixed_precision
-from partita.runtime.pipeline_parallel import SCHEDULES, apply_pipeline
+from partita.runtime.pipeline_parallel import SCHEDULES, PipelineStage, apply_pipeline
 from partita.runtime.program import MicroBatchLoss, Program
 from partita.runtime.rng import run_seed
 from partita.runtime.tensor_parallel import TensorParallel, apply_tensor_parallel
 from partita.runtime.weights import load_eager, open_weights, state_names
-from partita.runtime.zero import apply_zero
+from partita.runtime.zero import ZeroProgram, apply_zero
 
 LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], Optimizer]
@@ -106,8 +107,8 @@ def compose(
     training = not plan.training.inference
     names = state_names(module)  # read before the plan's parts take the module apart
     persistent = {k for k, _ in module.named_buffers() if k in module.state_dict(keep_vars=True)}
-    dp_group, dp_rank = (mesh[DP].get_group(), mesh[DP].get_local_rank()) if mesh is not None and plan.mesh.dp > 1 \
-        else (None, 0)
+    dp_mesh = mesh[DP] if mesh is not None and plan.mesh.dp > 1 else None
+    dp_group, dp_rank = (dp_mesh.get_group(), dp_mesh.get_local_rank()) if dp_mesh is not None else (None, 0)
     interpreted = plan.mesh.pp > 1 or plan.mesh.tp > 1 or any(s.recompute for s in plan.stages)
     # random ops drawn alike over "tp", apart over "dp" (runtime/rng.py)
     rng = (run_seed(), dp_rank) if interpreted and ctx.world_size > 1 else None
@@ -134,24 +135,10 @@ def compose(
     if dp_group is not None:
         broadcast_replicas(local, dp_group)
     buckets = bucket_bytes or plan.training.grad_bucket_bytes
-    zero = averager = master = None
+    zero = averager = master = opt = None
     if training and dp_group is not None and plan.training.zero_stage > 0:
-        # A parameter tied across pipeline stages stays whole on each (its copies' gradients are
-        # summed between the stages, which lay out their ZeRO buckets differently): plain dp
-        # averaging and the one optimizer's elementwise update.
-        tied = pipeline.tied_parameters if pipeline is not None else []
-        zero = apply_zero([(n, q) for n, q in local.named_parameters() if not any(q is t for t in tied)],
-                          plan.training.zero_stage, dp_group, optimizer_factory=optimizer, bucket_bytes=buckets,
-                          counter=counter, axis=DP, precision=policy, extra_params=tied)
-        if tied:
-            averager = apply_data_parallel(tied, dp_group, bucket_bytes=buckets, counter=counter, axis=DP,
-                                           reduce_dtype=policy.reduce_dtype)
-        if plan.training.zero_stage == 3:
-            program = pipeline.tp if pipeline is not None else local if isinstance(local, TensorParallel) else None
-            if program is not None:
-                program.param_access = zero  # each graph node gathers what it reads
-            else:
-                zero.install_module_hooks(local)  # the eager path: around each module's forward
+        zero, averager = _apply_zero(local, pipeline, plan.training.zero_stage, dp_group, optimizer=optimizer,
+                                     bucket_bytes=buckets, counter=counter, policy=policy)
         opt = zero.optimizer
     elif training:
         if dp_group is not None:
@@ -159,11 +146,31 @@ def compose(
                                            axis=DP, reduce_dtype=policy.reduce_dtype)
         master = MasterWeights([q for q in local.parameters() if q.requires_grad], optimizer, policy)
         opt = master.optimizer
-    else:
-        opt = None
     return Program(plan, ctx, local, loss, opt, averager=averager, zero=zero, dp_group=dp_group, dp_rank=dp_rank,
                    dp_size=plan.mesh.dp if dp_group is not None else 1, pipeline=pipeline, master=master,
                    policy=policy, scaler=scaler, state_names=names, persistent=persistent)
+
+
+def _apply_zero(local: nn.Module, pipeline: PipelineStage | None, stage: int, dp_group: dist.ProcessGroup, *,
+                optimizer: OptimizerFactory, bucket_bytes: int, counter: CollectiveCounter,
+                policy: PrecisionPolicy) -> tuple[ZeroProgram, GradientAverager | None]:
+    """ZeRO ``stage`` over ``local``'s parameters, with the one optimizer; and the averager of the
+    parameters tied across pipeline stages, which stay whole on each (their copies' gradients are
+    summed between the stages, which lay out their ZeRO buckets differently; the optimizer's
+    elementwise update is the same)."""
+    tied = pipeline.tied_parameters if pipeline is not None else []
+    zero = apply_zero([(n, q) for n, q in local.named_parameters() if not any(q is t for t in tied)], stage,
+                      dp_group, optimizer_factory=optimizer, bucket_bytes=bucket_bytes, counter=counter,
+                      axis=DP, precision=policy, extra_params=tied)
+    averager = apply_data_parallel(tied, dp_group, bucket_bytes=bucket_bytes, counter=counter, axis=DP,
+                                   reduce_dtype=policy.reduce_dtype) if tied else None
+    if stage == 3:
+        program = pipeline.tp if pipeline is not None else local if isinstance(local, TensorParallel) else None
+        if program is not None:
+            program.param_access = zero  # each graph node gathers what it reads
+        else:
+            zero.install_module_hooks(local)  # the eager path: around each module's forward
+    return zero, averager
 
 
 def _program_loss(program: TensorParallel) -> MicroBatchLoss:

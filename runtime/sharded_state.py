@@ -9,7 +9,7 @@ the pieces that were saved).
 
 What a rank holds of a parameter, in the whole tensor's coordinates:
 - a tensor-parallel shard ``shard(d)`` is the ``tp_rank``-th ``torch.chunk``
-  along d (runtime/tensor_parallel.py cuts it so); a replicated parameter is
+  along d (runtime/weights.py cuts it so); a replicated parameter is
   the whole tensor;
 - under ZeRO the rank holds a contiguous range of a flat bucket of its
   (TP-local) parameters (runtime/zero.py). Each parameter's part of that range

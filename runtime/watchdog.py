@@ -2,7 +2,7 @@
 
 ``FLIGHT`` (one per process) keeps the last ``FlightRecorder.KEEP`` collectives
 and point-to-point waits this rank entered (kind, mesh axis, group, bytes, step,
-micro-batch), fed by ``CollectiveCounter.record`` (runtime/data_parallel.py) and
+micro-batch), fed by ``CollectiveCounter.record`` (runtime/collectives.py) and
 by every blocking receive; ``TraceRecorder.span`` (runtime/trace.py) marks each
 micro-batch's forward and backward. Each of these is progress.
 

@@ -42,14 +42,14 @@ reduce-scatter and "AG" an all-gather, each of a whole bucket, one per bucket):
   micro-batch: AG + AG + RS = 3 Psi, so (3 m) Psi per step; the plan's 3 Psi
   at m = 1. No prefetching: each AG runs when needed, not overlapped.
 
-Composition (runtime/engine.compose). Under tensor parallelism the local
+Composition (runtime/compose.py). Under tensor parallelism the local
 parameters are TP shards, so the buckets are flat over shards and the dp group
 is each TP coordinate's. In a pipeline each stage shards only its own
 parameters over its dp group; the schedule calls ``begin_forward`` before each
 forward and ``begin_backward`` / ``after_backward`` around each backward (1F1B
 interleaves them), stage 1 reducing in the last micro-batch's backward (the
 same on every stage), stages 2-3 in each. Stage 3 inside the TP interpreter
-(runtime/tensor_parallel.py, ``ParamAccess``): each graph node gathers the
+(runtime/tp_interpreter.py, ``ParamAccess``): each graph node gathers the
 buckets of the parameters it reads before it runs, hooks its outputs to gather
 them again in backward, and the last node of forward to read a parameter
 releases it; a node reading one through a view op (``t``, ``view``) counts as a
@@ -305,7 +305,7 @@ class ZeroProgram:
         self._release_ids([id(self._by_name[n]) for n in names], outputs)
         return outputs
 
-    # The interpreter's side (runtime/tensor_parallel.py's ``ParamAccess``): by Parameter object,
+    # The interpreter's side (runtime/tp_interpreter.py's ``ParamAccess``): by Parameter object,
     # per graph node. A node's backward needs the parameters it read, so every reader hooks its
     # outputs; only the last reader in forward releases them.
 
