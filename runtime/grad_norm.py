@@ -21,6 +21,7 @@ rewritten.
 from __future__ import annotations
 
 import math
+
 import torch
 import torch.distributed as dist
 
