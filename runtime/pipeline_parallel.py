@@ -63,7 +63,7 @@ from partita.core.precision import PrecisionPolicy
 from partita.runtime.collectives import CollectiveCounter
 from partita.runtime.data_parallel import GradientAverager
 from partita.runtime.tensor_parallel import TensorParallel
-from partita.runtime.tp_collectives import local_shape
+from partita.runtime.tp_collectives import local_shape, tensors
 from partita.runtime.trace import BACKWARD, FORWARD, TraceRecorder
 from partita.runtime.watchdog import FLIGHT
 
@@ -135,7 +135,7 @@ def differentiable(graph: torch.fx.Graph) -> set[str]:
     cross a cut without exchanging anything."""
     out: set[str] = set()
     for n in graph.nodes:
-        vals = _tensor_vals(n.meta.get("val"))
+        vals = tensors(n.meta.get("val"))
         floating = any(v.dtype.is_floating_point for v in vals)
         if n.op == "placeholder":
             if floating and any(v.requires_grad for v in vals):
@@ -159,17 +159,9 @@ def schedule_order(schedule: str, stages: int, stage: int, micro_batches: int) -
     return order + [("B", k) for k in range(m - warm, m)]
 
 
-def _tensor_vals(val: Any) -> list[Any]:
-    if isinstance(val, torch.Tensor):
-        return [val]
-    if isinstance(val, (tuple, list)):
-        return [t for v in val for t in _tensor_vals(v)]
-    return []
-
-
-def _rebuild(meta: Any, tensors: Iterable[torch.Tensor]) -> Any:
+def _rebuild(meta: Any, values: Iterable[torch.Tensor]) -> Any:
     """``meta``'s structure (a tensor, or nested tuples / lists) with its tensors replaced in order."""
-    return _fill(meta, iter(tensors))
+    return _fill(meta, iter(values))
 
 
 def _fill(v: Any, it: Iterator[torch.Tensor]) -> Any:
@@ -291,7 +283,7 @@ class PipelineStage(nn.Module):
         out = []
         for n in nodes:
             placements = self.tp.decisions[n.name].out
-            for v, placement in zip(_tensor_vals(n.meta.get("val")), placements):
+            for v, placement in zip(tensors(n.meta.get("val")), placements):
                 if not grads_only or (n.name in self.grad_nodes and v.dtype.is_floating_point):
                     out.append((n, v, placement))
         return out
@@ -347,7 +339,7 @@ class PipelineStage(nn.Module):
                 self._inflight[k] = _InFlight([], received, out)
             return out
         # in the compute dtype (what the plan prices), a differentiable cast: the gradient comes back in it
-        outs = [self.tp.precision.wire(t) for n in g.send for t in _tensor_vals(env[n])]
+        outs = [self.tp.precision.wire(t) for n in g.send for t in tensors(env[n])]
         self._send(outs, self.next)
         if grad:
             sent = [t for (n, v, _), t in zip(self._wire(g.send, grads_only=False), outs)
