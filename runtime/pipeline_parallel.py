@@ -288,8 +288,8 @@ class PipelineStage(nn.Module):
                     out.append((n, v, placement))
         return out
 
-    def _send(self, tensors: list[torch.Tensor], dst: int) -> None:
-        for t in tensors:
+    def _send(self, values: list[torch.Tensor], dst: int) -> None:
+        for t in values:
             t = t.detach().contiguous()
             self.counter.record("send_recv", PP, t.numel() * t.element_size())
             self._sends.append((dist.isend(t, dst=dst, group=self.pp_group), t))
@@ -322,12 +322,12 @@ class PipelineStage(nn.Module):
         received: list[torch.Tensor] = []
         if g.recv:
             wire = self._wire(g.recv, grads_only=False)
-            tensors = self._recv(wire, self.prev)
-            for (n, v, _), t in zip(wire, tensors):
+            values = self._recv(wire, self.prev)
+            for (n, v, _), t in zip(wire, values):
                 if grad and n.name in self.grad_nodes and v.dtype.is_floating_point:
                     t.requires_grad_(True)
                     received.append(t)
-            it = iter(tensors)
+            it = iter(values)
             for n in g.recv:
                 env[n] = _rebuild(n.meta.get("val"), it)
         with self.trace.span(FORWARD, k), torch.set_grad_enabled(grad):
