@@ -24,7 +24,8 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from partita.compiler.errors import PartitaError
+from partita.compiler.errors import PartitaError, writable_path, write_text
+from partita.compiler.report import plain
 
 # Piped output (files, CI logs) gets wide tables rather than rich's 80-column default.
 console = Console() if sys.stdout.isatty() else Console(width=160)
@@ -122,6 +123,7 @@ def compile_cmd(target: str, inputs: tuple[str, ...], cluster_name: str, nodes: 
     from partita.compiler.report import plan_report
     from partita.passes.constraints import Pins
 
+    writable_path(output)  # before the work, not after it
     model = load_target(target)
     spec = model.spec
     specs = _input_specs(inputs) if inputs else tuple(getattr(spec, "inputs", ()))
@@ -148,7 +150,7 @@ def compile_cmd(target: str, inputs: tuple[str, ...], cluster_name: str, nodes: 
         click.echo(result.plan.to_json(), nl=False)
     else:
         console.print(plan_report(result.plan, params=False))
-        console.print(f"plan written to [bold]{path}[/]")
+        console.print(f"plan written to [bold]{plain(path)}[/]")
 
 
 @cli.command()
@@ -164,6 +166,25 @@ def show(plan_path: str, as_json: bool) -> None:
         click.echo(plan.to_json(), nl=False)
     else:
         console.print(plan_report(plan))
+
+
+@cli.command()
+@click.argument("plan_path", metavar="PLAN.json")
+@click.option("-o", "--output", type=click.Path(dir_okay=False), default=None,
+              help="write the sealed plan here (default: over PLAN.json)")
+def verify(plan_path: str, output: str | None) -> None:
+    """Run every check on a plan (edited by hand, say) and seal it again when all pass.
+
+    A plan's seal (its sha256) is written by `partita compile`; loading refuses a plan whose seal
+    does not match. This command re-derives what the plan's decisions imply, refuses any
+    inconsistency, and only then writes the plan with a new seal."""
+    from partita.compiler.plan import load_plan
+
+    plan = load_plan(plan_path, sealed=False)
+    out = writable_path(output or plan_path)
+    plan.save(out)
+    console.print(f"{plain(plan_path)}: every check passed ({plan.mesh}, {len(plan.nodes)} node decisions, "
+                  f"{len(plan.stages)} stage(s)); sealed plan written to {plain(out)}", highlight=False)
 
 
 _SUFFIX = {"": 1, "K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12}
@@ -272,12 +293,13 @@ def calibrate(nproc: int, output: str) -> None:
 
     if nproc < 2:
         raise PartitaError(f"--nproc {nproc}: calibration needs at least 2 processes")
+    writable_path(output)
     with _progress() as progress:
         task = progress.add_task(f"measuring matmul and gloo all-reduce on {nproc} processes", total=1)
         r = measure(nproc)
         progress.update(task, completed=1)
     spec = calibrated_cluster(r)
-    Path(output).write_text(spec.to_toml())
+    write_text(output, spec.to_toml())
     from partita.compiler.report import fmt_bytes, fmt_time
 
     t = Table(title="calibration", show_header=False, title_justify="left")
@@ -289,7 +311,7 @@ def calibrate(nproc: int, output: str) -> None:
         t.add_row(f"{kind} cost per call", f"{fmt_time(s)} (a {fmt_bytes(r.call_bytes)} call took "
                   f"{fmt_time(r.call_seconds[kind])})")
     console.print(t)
-    console.print(f"cluster file written to [bold]{output}[/]; use it with --cluster {output}")
+    console.print(f"cluster file written to [bold]{plain(output)}[/]; use it with --cluster {plain(output)}")
 
 
 @cli.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
@@ -397,14 +419,19 @@ def _register_plan_readers() -> None:
 _register_plan_readers()
 
 
+def report_error(e: PartitaError) -> None:
+    """The one way a user error is shown: its message and hint, each as plain text."""
+    err_console.print(f"[bold red]error:[/] {plain(e.message)}", highlight=False)
+    if e.hint:
+        err_console.print(f"  [yellow]hint:[/] {plain(e.hint)}", highlight=False)
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     """Entry point: user errors print one message and exit 2."""
     try:
         cli.main(args=list(argv) if argv is not None else None, prog_name="partita", standalone_mode=False)
     except PartitaError as e:
-        err_console.print(f"[bold red]error:[/] {e.message}", highlight=False)
-        if e.hint:
-            err_console.print(f"  [yellow]hint:[/] {e.hint}", highlight=False)
+        report_error(e)
         sys.exit(e.exit_code)
     except click.exceptions.Abort:
         err_console.print("aborted")

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import json
 import types
 import typing
@@ -28,6 +29,16 @@ from partita.compiler.errors import PlanError
 
 SCHEMA_VERSION = 1
 SCHEMA_PATH = Path(__file__).with_name("plan_schema.json")
+SEAL = "sha256"  # the plan file's field holding ``seal_digest``
+MAX_PLAN_BYTES = 1 << 30  # a plan file larger than this is not one partita wrote
+
+
+def seal_digest(data: Mapping[str, Any]) -> str:
+    """sha256 over a plan's JSON data (every field but the seal itself), in canonical form: what
+    `partita compile` and `partita verify` write and loading checks, so a hand edit is noticed."""
+    body = {k: v for k, v in data.items() if k != SEAL}
+    text = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 class MeshAxis(str, Enum):
@@ -318,23 +329,27 @@ class Plan:
 
     # -- serialisation -------------------------------------------------------
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self, *, seal: bool = True) -> dict[str, Any]:
+        """The plan as JSON data; with ``seal``, its ``sha256`` (``seal_digest``) last."""
         out = _to_jsonable(self)
         out["world_size"] = self.world_size
+        if seal:
+            out[SEAL] = seal_digest(out)
         return out
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2, sort_keys=False) + "\n"
 
     def save(self, path: str | Path) -> Path:
-        path = Path(path)
-        path.write_text(self.to_json())
-        return path
+        from partita.compiler.errors import write_text
+
+        return write_text(path, self.to_json())
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "Plan":
         data = dict(data)
         data.pop("world_size", None)
+        data.pop(SEAL, None)
         return _from_jsonable(cls, data)
 
     def check_matches(
@@ -358,34 +373,49 @@ class Plan:
 
 
 def load_plan(
-    path: str | Path, *, fingerprint: str | None = None, world_size: int | None = None
+    path: str | Path, *, fingerprint: str | None = None, world_size: int | None = None, sealed: bool = True
 ) -> Plan:
-    """Read and validate a plan file; optionally check it against a model and world size."""
-    path = Path(path)
-    try:
-        text = path.read_text()
-    except OSError as e:
-        raise PlanError(f"cannot read plan file {path}: {e.strerror}") from e
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise PlanError(
-            f"{path} is not a valid plan file: JSON error at line {e.lineno}, column {e.colno}: {e.msg}",
-            hint="the file may be truncated or edited by hand; recompile it with `partita compile`",
-        ) from e
-    plan = plan_from_data(data, source=str(path))
+    """Read, validate and verify a plan file (``plan_from_data``); optionally check it against a
+    model and world size. ``sealed=False`` skips only the seal (`partita verify`)."""
+    plan = plan_from_data(read_plan_data(path), source=str(path), sealed=sealed)
     plan.check_matches(fingerprint=fingerprint, world_size=world_size)
     return plan
 
 
-def plan_from_data(data: Any, *, source: str = "plan") -> Plan:
-    """Validate parsed JSON against the schema and build a ``Plan``."""
+def read_plan_data(path: str | Path) -> Any:
+    """A plan file's parsed JSON, or ``PlanError`` saying why it cannot be read."""
+    path = Path(path)
+    broken = "the file may be truncated or edited by hand; recompile it with `partita compile`"
+    try:
+        if path.stat().st_size > MAX_PLAN_BYTES:
+            raise PlanError(f"{path} is {path.stat().st_size:,} bytes: not a plan file partita wrote", hint=broken)
+        text = path.read_text(encoding="utf-8")
+    except OSError as e:
+        raise PlanError(f"cannot read plan file {path}: {e.strerror or e}") from e
+    except UnicodeDecodeError as e:
+        raise PlanError(f"{path} is not a plan file: byte {e.start} is not UTF-8 text", hint=broken) from e
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise PlanError(
+            f"{path} is not a valid plan file: JSON error at line {e.lineno}, column {e.colno}: {e.msg}",
+            hint=broken,
+        ) from e
+    except RecursionError as e:
+        raise PlanError(f"{path} is not a plan file: its JSON nests too deeply", hint=broken) from e
+
+
+def plan_from_data(data: Any, *, source: str = "plan", sealed: bool = True) -> Plan:
+    """Validate parsed JSON against the schema, build a ``Plan`` and verify it
+    (compiler/verify.py), then check its seal unless ``sealed`` is False."""
+    from partita.compiler.verify import describe, plan_problems
+
     if not isinstance(data, dict):
         raise PlanError(f"{source} is not a plan file: expected a JSON object, got {type(data).__name__}")
     version = data.get("version")
     if version != SCHEMA_VERSION:
         raise PlanError(
-            f"{source} has plan format version {version!r}; this partita reads version {SCHEMA_VERSION}",
+            f"{source} has plan format version {_short(version)}; this partita reads version {SCHEMA_VERSION}",
             hint="recompile the plan with this version of partita",
         )
     import jsonschema
@@ -396,19 +426,38 @@ def plan_from_data(data: Any, *, source: str = "plan") -> Plan:
     except jsonschema.ValidationError as e:
         where = "/".join(str(p) for p in e.absolute_path) or "(top level)"
         raise PlanError(
-            f"{source} is not a valid plan file: at {where}: {e.message}",
+            f"{source} is not a valid plan file: at {_short(where)}: {_short(e.message)}",
             hint="recompile it with `partita compile`",
         ) from e
+    except RecursionError as e:
+        raise PlanError(f"{source} is not a plan file: its JSON nests too deeply",
+                        hint="recompile it with `partita compile`") from e
     try:
         plan = Plan.from_dict(data)
     except (ValueError, TypeError, KeyError) as e:
-        raise PlanError(f"{source} is not a consistent plan: {e}") from e
+        raise PlanError(f"{source} is not a consistent plan: {_short(str(e))}",
+                        hint="recompile it with `partita compile`") from e
     if data.get("world_size") not in (None, plan.world_size):
         raise PlanError(
             f"{source} is not a consistent plan: world_size {data['world_size']} "
-            f"but mesh {plan.mesh} has {plan.world_size} devices"
+            f"but mesh {plan.mesh} has {plan.world_size} devices",
+            hint="recompile it with `partita compile`",
         )
+    problems = plan_problems(plan)
+    if problems:
+        raise PlanError(f"{source} is not a consistent plan: {describe(problems)}",
+                        hint="recompile it with `partita compile` (or undo the hand edit)")
+    if sealed and data.get(SEAL) != seal_digest(data):
+        what = "has no seal" if SEAL not in data else "was changed after it was sealed (its sha256 does not match)"
+        raise PlanError(f"{source} {what}: a plan is run only as `partita compile` or `partita verify` wrote it",
+                        hint=f"check the edit, then run `partita verify {source}` to verify it and seal it again")
     return plan
+
+
+def _short(value: Any, limit: int = 200) -> str:
+    """``value`` as text of at most ``limit`` characters (a hostile file can make any field huge)."""
+    text = value if isinstance(value, str) else repr(value)
+    return text if len(text) <= limit else text[:limit] + f"... ({len(text):,} characters)"
 
 
 # -- generic dataclass <-> JSON ------------------------------------------------

@@ -132,9 +132,12 @@ def load_trace(path: str | Path) -> dict[str, Any]:
     """
     path = Path(path)
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(path.read_text(encoding="utf-8"))
     except OSError as e:
-        raise PlanError(f"cannot read trace file {path}: {e.strerror}") from e
+        raise PlanError(f"cannot read trace file {path}: {e.strerror or e}") from e
+    except (UnicodeDecodeError, RecursionError) as e:
+        raise PlanError(f"{path} is not a trace file: not UTF-8 JSON of a sane depth",
+                        hint="pass the trace JSON the pipeline runtime wrote") from e
     except json.JSONDecodeError as e:
         raise PlanError(f"{path} is not a trace file: JSON error at line {e.lineno}, column {e.colno}: {e.msg}",
                         hint="pass the trace JSON the pipeline runtime wrote") from e

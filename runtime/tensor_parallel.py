@@ -59,6 +59,7 @@ from partita.compiler.capture import CapturedModel, capture
 from partita.compiler.errors import PlanError
 from partita.compiler.inputs import InputSpec, parse_input_spec
 from partita.compiler.plan import InputLayout, MeshAxis, NodeDecision, Plan
+from partita.compiler.verify import check_layouts
 from partita.runtime.data_parallel import CollectiveCounter
 from partita.runtime.rng import is_random, op_seed, seeded
 from partita.runtime.sharded_state import open_weights
@@ -529,6 +530,7 @@ class TensorParallel(nn.Module):
         self.graph_module = captured.graph_module
         self.param_nodes, self.buffer_nodes = captured.param_nodes, captured.buffer_nodes  # placeholder -> name
         self._check_graph(captured)
+        check_layouts(plan, captured)  # every strategy, placement and collective re-derived on this graph
         # The nodes this rank runs (a pipeline stage's; all by default): it holds the
         # parameters and buffers they read, and no others.
         graph = captured.graph_module.graph
