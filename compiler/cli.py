@@ -421,9 +421,9 @@ _register_plan_readers()
 
 def report_error(e: PartitaError) -> None:
     """The one way a user error is shown: its message and hint, each as plain text."""
-    err_console.print(f"[bold red]error:[/] {plain(e.message)}", highlight=False)
+    err_console.print(f"[bold red]error:[/] {plain(e.message)}", highlight=False, soft_wrap=True)
     if e.hint:
-        err_console.print(f"  [yellow]hint:[/] {plain(e.hint)}", highlight=False)
+        err_console.print(f"  [yellow]hint:[/] {plain(e.hint)}", highlight=False, soft_wrap=True)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -436,8 +436,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     except click.exceptions.Abort:
         err_console.print("aborted")
         sys.exit(130)
+    except click.UsageError as e:
+        command = e.ctx.command_path if e.ctx is not None else "partita"
+        report_error(PartitaError(e.format_message(), hint=f"see `{command} --help`"))
+        sys.exit(2)
     except click.ClickException as e:
-        e.show()
+        report_error(PartitaError(e.format_message(), hint="see `partita --help`"))
         sys.exit(2)
     except click.exceptions.Exit as e:
         sys.exit(e.exit_code)
