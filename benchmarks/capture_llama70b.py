@@ -26,8 +26,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from examples.models import llama2_70b  # noqa: E402
-from partita.compiler.capture import capture  # noqa: E402
-from partita.compiler.inputs import parse_input_spec  # noqa: E402
+from partita.core.capture import capture  # noqa: E402
+from partita.core.inputs import parse_input_spec  # noqa: E402
 from partita.passes.profile import profile_model  # noqa: E402
 
 

@@ -63,7 +63,7 @@ for path in (ROOT, ROOT / "tests"):
 
 from dp_worker import free_port, gpt_loss  # noqa: E402
 from examples.models import GPT, GPTConfig  # noqa: E402
-from partita.compiler.inputs import InputSpec  # noqa: E402
+from partita.core.inputs import InputSpec  # noqa: E402
 
 SEQ, MBS, VOCAB = 64, 4, 256
 CASES = [("1f1b", 4), ("gpipe", 4), ("1f1b", 8), ("gpipe", 8)]

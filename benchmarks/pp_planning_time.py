@@ -42,8 +42,8 @@ from rich.table import Table  # noqa: E402
 
 from examples.models import GPT, GPTConfig, llama2_70b  # noqa: E402
 from partita.compiler.api import default_loss  # noqa: E402
-from partita.compiler.capture import capture  # noqa: E402
-from partita.compiler.inputs import parse_input_spec  # noqa: E402
+from partita.core.capture import capture  # noqa: E402
+from partita.core.inputs import parse_input_spec  # noqa: E402
 from partita.passes.cluster import PRESETS  # noqa: E402
 from partita.passes.constraints import Pins, TrainingRequest  # noqa: E402
 from partita.passes.cost_model import state_bytes_per_param  # noqa: E402

@@ -88,7 +88,7 @@ def main(nprocs: list[int]) -> None:
 
     from partita.compiler.cli import calibrated_cluster
     from partita.compiler.compile import compile_model
-    from partita.compiler.inputs import parse_input_spec
+    from partita.core.inputs import parse_input_spec
     from partita.compiler.report import fmt_time
     from partita.passes.constraints import Pins
     from partita.runtime.calibrate import calibrate

@@ -37,8 +37,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from examples.models import GPT, GPTConfig, hf_llama, llama2_70b  # noqa: E402
 from partita.compiler.api import default_loss  # noqa: E402
-from partita.compiler.capture import capture  # noqa: E402
-from partita.compiler.inputs import parse_input_spec  # noqa: E402
+from partita.core.capture import capture  # noqa: E402
+from partita.core.inputs import parse_input_spec  # noqa: E402
 from partita.passes.cluster import PRESETS  # noqa: E402
 from partita.passes.constraints import TrainingRequest  # noqa: E402
 from partita.passes.pipeline_parallel import Partition, StageSetup, solve_cuts, stage_links  # noqa: E402

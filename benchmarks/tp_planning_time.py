@@ -47,8 +47,8 @@ from rich.table import Table  # noqa: E402
 
 from examples.models import GPT, GPTConfig  # noqa: E402
 from partita.compiler.api import default_loss  # noqa: E402
-from partita.compiler.capture import capture  # noqa: E402
-from partita.compiler.inputs import parse_input_spec  # noqa: E402
+from partita.core.capture import capture  # noqa: E402
+from partita.core.inputs import parse_input_spec  # noqa: E402
 from partita.passes.cluster import PRESETS  # noqa: E402
 from partita.passes.profile import profile_model  # noqa: E402
 from partita.passes.tp_ilp import SOLVERS, TPSetting, build_problem, solve_tp  # noqa: E402

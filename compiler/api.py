@@ -22,10 +22,11 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 
-from partita.compiler.errors import PartitaError
-from partita.compiler.inputs import InputSpec, parse_input_spec
-from partita.compiler.losses import default_loss, resolve_loss
-from partita.compiler.plan import Plan, load_plan, plan_from_data
+from partita.core.errors import PartitaError
+from partita.core.inputs import InputSpec, parse_input_spec
+from partita.core.losses import default_loss, resolve_loss
+from partita.core.plan import Plan
+from partita.passes.verify import load_plan, verified_plan
 
 OptimizerFactory = Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]
 
@@ -79,6 +80,8 @@ class ParallelizeSpec:
     checkpoint_every: int | None = None
     weights: str | None = None  # pretrained weights (torch.save or .safetensors), each rank reading its part
     check_replicas_every: int | None = None  # runtime/rng.py; None: PARTITA_CHECK_REPLICAS_EVERY (0: off)
+    max_grad_norm: float | None = None  # clip the global gradient norm (recorded in the plan)
+    reduce_dtype: str = "fp32"  # gradients reduced over dp in this dtype (core/precision.py)
 
 
 class Parallelized:
@@ -125,6 +128,8 @@ def parallelize(
     checkpoint_every: int | None = None,
     weights: str | None = None,
     check_replicas_every: int | None = None,
+    max_grad_norm: float | None = None,
+    reduce_dtype: str = "fp32",
 ) -> Any:
     """Plan and run ``target`` in parallel.
 
@@ -169,6 +174,7 @@ def parallelize(
         targets=parse_input_spec(targets if "=" in targets else f"targets={targets}") if targets else None,
         plan=plan, pins=pins, watchdog_s=watchdog_s, checkpoint_dir=checkpoint_dir,
         checkpoint_every=checkpoint_every, weights=weights, check_replicas_every=check_replicas_every,
+        max_grad_norm=max_grad_norm, reduce_dtype=reduce_dtype,
     )
     if target is None:
         return lambda t: parallelize(t, **_spec_kwargs(spec))
@@ -186,13 +192,14 @@ def _spec_kwargs(spec: ParallelizeSpec) -> dict[str, Any]:
         targets=str(spec.targets) if spec.targets else None,
         watchdog_s=spec.watchdog_s, checkpoint_dir=spec.checkpoint_dir, checkpoint_every=spec.checkpoint_every,
         weights=spec.weights, check_replicas_every=spec.check_replicas_every,
+        max_grad_norm=spec.max_grad_norm, reduce_dtype=spec.reduce_dtype,
         **{("zero" if k == "zero_stage" else k): v for k, v in spec.pins.items()},
     )
 
 
 def plan_for(module: torch.nn.Module, spec: ParallelizeSpec, world_size: int) -> Plan:
     """Compile (or load and check) the plan for ``module`` on ``world_size`` processes."""
-    from partita.compiler.capture import capture
+    from partita.core.capture import capture
     from partita.compiler.compile import compile_model
     from partita.passes.cluster import load_cluster
     from partita.passes.constraints import Pins
@@ -223,7 +230,7 @@ def plan_for(module: torch.nn.Module, spec: ParallelizeSpec, world_size: int) ->
     return compile_model(
         module, spec.inputs, cluster, global_batch=spec.batch, precision=spec.precision,
         optimizer=optimizer_kind(spec.optimizer), pins=Pins(world_size=world_size, **spec.pins), loss=spec.loss,
-        targets=spec.targets,
+        targets=spec.targets, max_grad_norm=spec.max_grad_norm, reduce_dtype=spec.reduce_dtype,
     ).plan
 
 
@@ -252,7 +259,7 @@ def _wrap(module: torch.nn.Module, spec: ParallelizeSpec) -> Any:
         data = json.loads(_broadcast_text(text, ctx.device))
         if "error" in data:
             raise PartitaError(f"rank 0 could not plan: {data['error']}")
-        plan = plan_from_data(data, source="plan from rank 0")
+        plan = verified_plan(data, source="plan from rank 0")
     return apply_plan(module, plan, loss_fn=spec.loss, optimizer=spec.optimizer, ctx=ctx,
                       watchdog_s=spec.watchdog_s, checkpoint_dir=spec.checkpoint_dir,
                       checkpoint_every=spec.checkpoint_every, checkpoint=spec.weights,

@@ -20,16 +20,12 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import click
-from rich.console import Console
 from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from partita.compiler.errors import PartitaError, writable_path, write_text
+from partita.compiler.console import console, err_console
 from partita.compiler.report import plain
-
-# Piped output (files, CI logs) gets wide tables rather than rich's 80-column default.
-console = Console() if sys.stdout.isatty() else Console(width=160)
-err_console = Console(stderr=True) if sys.stderr.isatty() else Console(stderr=True, width=160)
+from partita.core.errors import PartitaError, writable_path, write_text
 
 
 def _progress() -> Progress:
@@ -44,7 +40,7 @@ def _cluster(name: str, nodes: int | None, devices: int | None):
 
 
 def _input_specs(texts: Sequence[str]):
-    from partita.compiler.inputs import parse_input_spec
+    from partita.core.inputs import parse_input_spec
 
     return tuple(parse_input_spec(t) for t in texts)
 
@@ -71,7 +67,7 @@ def cluster_options(f: Any) -> Any:
 
 def _loss_option(name: str | None, field: str | None, default: Any) -> Any:
     """``--loss`` (a name, `model` or FILE.py:FN) and ``--output-field`` as the loss object."""
-    from partita.compiler.losses import resolve_loss
+    from partita.core.losses import resolve_loss
 
     out: str | int | None = int(field) if field is not None and field.lstrip("-").isdigit() else field
     if name is not None and ":" in name and name.split(":", 1)[0].endswith(".py"):
@@ -91,6 +87,10 @@ def _loss_option(name: str | None, field: str | None, default: Any) -> Any:
               help="default: bf16-mixed on GPUs, fp32 on CPU")
 @click.option("--optimizer", type=click.Choice(["adamw", "adam", "sgd", "sgd-momentum"]), default="adamw",
               show_default=True)
+@click.option("--reduce-dtype", type=click.Choice(["fp32", "bf16", "fp16"]), default="fp32", show_default=True,
+              help="the dtype gradients are reduced in over data parallelism")
+@click.option("--max-grad-norm", type=float, default=None, metavar="NORM",
+              help="clip the global gradient norm to NORM every step (default: no clipping)")
 @click.option("--dp", type=int, default=None, help="pin the data-parallel degree")
 @click.option("--micro-batch-size", type=int, default=None, help="pin the micro-batch size")
 @click.option("--grad-accum-steps", type=int, default=None, help="pin the gradient-accumulation steps")
@@ -103,6 +103,8 @@ def _loss_option(name: str | None, field: str | None, default: Any) -> Any:
 @click.option("--recompute/--no-recompute", default=None,
               help="activation recomputation on every stage / on none (default: on the stages where memory binds)")
 @click.option("--inference", is_flag=True, help="a forward-only plan: no gradients, no optimizer state")
+@click.option("--generate", "generate_tokens", type=int, default=0, metavar="N",
+              help="with --inference: N new tokens per sequence, whose KV cache (prompt + N) each stage holds")
 @click.option("--loss", "loss_name", default=None, metavar="NAME|model|FILE.py:FN",
               help="the loss: cross-entropy (default), mse, `model` (the model's own, given labels=) or a function")
 @click.option("--output-field", default=None, metavar="NAME",
@@ -112,11 +114,11 @@ def _loss_option(name: str | None, field: str | None, default: Any) -> Any:
 @click.option("-o", "--output", type=click.Path(dir_okay=False), default="plan.json", show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="print the plan as JSON instead of tables")
 def compile_cmd(target: str, inputs: tuple[str, ...], cluster_name: str, nodes: int | None, devices: int | None,
-                batch: int | None, precision: str | None, optimizer: str, dp: int | None,
-                micro_batch_size: int | None, grad_accum_steps: int | None, tp: int | None, pp: int | None,
+                batch: int | None, precision: str | None, optimizer: str, reduce_dtype: str,
+                max_grad_norm: float | None, dp: int | None, micro_batch_size: int | None, grad_accum_steps: int | None, tp: int | None, pp: int | None,
                 zero: int | None, microbatches: int | None, schedule: str | None, recompute: bool | None,
-                inference: bool, loss_name: str | None, output_field: str | None, target_spec: str | None,
-                output: str, as_json: bool) -> None:
+                inference: bool, generate_tokens: int, loss_name: str | None, output_field: str | None,
+                target_spec: str | None, output: str, as_json: bool) -> None:
     """Capture TARGET (FILE.py:NAME), analyse it, and write a plan for the cluster."""
     from partita.compiler.compile import compile_model
     from partita.compiler.loader import load_target
@@ -144,7 +146,9 @@ def compile_cmd(target: str, inputs: tuple[str, ...], cluster_name: str, nodes: 
         result = compile_model(model.factory, specs, cluster, global_batch=batch or getattr(spec, "batch", None),
                                precision=precision or getattr(spec, "precision", None), optimizer=optimizer,
                                pins=pins, name=model.name, progress=progress, inference=inference, loss=loss,
-                               targets=targets)
+                               targets=targets, reduce_dtype=reduce_dtype,
+                               max_grad_norm=max_grad_norm if max_grad_norm is not None
+                               else getattr(spec, "max_grad_norm", None), generate=generate_tokens)
     path = result.plan.save(output)
     if as_json:
         click.echo(result.plan.to_json(), nl=False)
@@ -158,7 +162,7 @@ def compile_cmd(target: str, inputs: tuple[str, ...], cluster_name: str, nodes: 
 @click.option("--json", "as_json", is_flag=True, help="print the validated plan as JSON")
 def show(plan_path: str, as_json: bool) -> None:
     """Print a plan file for a person."""
-    from partita.compiler.plan import load_plan
+    from partita.passes.verify import load_plan
     from partita.compiler.report import plan_report
 
     plan = load_plan(plan_path)
@@ -178,7 +182,7 @@ def verify(plan_path: str, output: str | None) -> None:
     A plan's seal (its sha256) is written by `partita compile`; loading refuses a plan whose seal
     does not match. This command re-derives what the plan's decisions imply, refuses any
     inconsistency, and only then writes the plan with a new seal."""
-    from partita.compiler.plan import load_plan
+    from partita.passes.verify import load_plan
 
     plan = load_plan(plan_path, sealed=False)
     out = writable_path(output or plan_path)
@@ -208,10 +212,13 @@ def parse_count(text: str) -> int:
 @click.option("--precision", type=click.Choice(["fp32", "bf16-mixed", "fp16-mixed"]), default=None)
 @click.option("--optimizer", type=click.Choice(["adamw", "adam", "sgd", "sgd-momentum"]), default="adamw",
               show_default=True)
+@click.option("--inference", is_flag=True, help="forward only: the weights and the forward's largest live set")
+@click.option("--generate", type=int, default=0, metavar="N",
+              help="with --inference: N new tokens per sequence, whose KV cache (prompt + N) is counted")
 @click.option("--json", "as_json", is_flag=True)
 def estimate(target: str | None, params_text: str | None, inputs: tuple[str, ...], cluster_name: str,
              nodes: int | None, devices: int | None, dp: int | None, batch: int | None, precision: str | None,
-             optimizer: str, as_json: bool) -> None:
+             optimizer: str, inference: bool, generate: int, as_json: bool) -> None:
     """What fits: per-device memory of DP and ZeRO-1/2/3, and each one's traffic per step."""
     from partita.compiler.compile import default_precision
     from partita.compiler.report import fmt_bytes, fmt_count, fmt_time, memory_row
@@ -230,7 +237,7 @@ def estimate(target: str | None, params_text: str | None, inputs: tuple[str, ...
         num_params, activations, name = parse_count(params_text), 0, "--params"
         note = "activations not counted: give a model and --input to include them"
     else:
-        from partita.compiler.capture import capture
+        from partita.core.capture import capture
         from partita.compiler.loader import load_target
         from partita.passes.profile import profile_model
 
@@ -246,11 +253,19 @@ def estimate(target: str | None, params_text: str | None, inputs: tuple[str, ...
         if global_batch % dp:
             raise PartitaError(f"global batch {global_batch} does not divide over dp={dp}",
                                hint=f"use --batch a multiple of {dp} or a different --dp")
-        captured_bytes = 4 if profile.param_dtype == "torch.float32" else 2
-        activations = profile.activation_bytes(global_batch // dp) * element_bytes(precision) // captured_bytes
+        captured_bytes = 4 if profile.param_dtype.removeprefix("torch.") == "float32" else 2
+        if generate and not inference:
+            raise PartitaError("--generate needs --inference", hint="add --inference")
+        mb = global_batch // dp
+        held = profile.live_bytes(mb) if inference else profile.activation_bytes(mb)
+        held += profile.kv_cache_bytes(mb, (profile.seq_len or 0) + generate) if generate else 0
+        activations = held * element_bytes(precision) // captured_bytes
         num_params, name = profile.num_params, profile.name
-        note = f"activations at micro-batch {global_batch // dp} per device (no accumulation)"
-    rows = estimate_strategies(num_params, activations, cluster, dp=dp, precision=precision, optimizer=optimizer)
+        note = (f"{'the forward' + chr(39) + 's largest live set' if inference else 'activations'} at micro-batch "
+                f"{mb} per device (no accumulation)"
+                + (f", plus the KV cache of {(profile.seq_len or 0) + generate} tokens" if generate else ""))
+    rows = estimate_strategies(num_params, activations, cluster, dp=dp, precision=precision, optimizer=optimizer,
+                               inference=inference)
     if as_json:
         click.echo(json.dumps({
             "model": name, "num_params": num_params, "cluster": cluster.name, "world_size": cluster.world_size,
@@ -350,7 +365,7 @@ def run(trace_path: str | None, watchdog_s: float | None, checkpoint_dir: str | 
     """
     import os
 
-    from partita.compiler.plan import load_plan
+    from partita.passes.verify import load_plan
     from partita.runtime.engine import refuse_unsupported
     from partita.runtime.launch import launch, slurm_layout
 

@@ -14,10 +14,11 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-from partita.compiler.capture import CapturedModel, capture
-from partita.compiler.inputs import InputSpec
-from partita.compiler.losses import resolve_loss
-from partita.compiler.plan import (
+from partita.core.capture import CapturedModel, capture
+from partita.core.errors import CaptureError
+from partita.core.inputs import InputSpec
+from partita.core.losses import resolve_loss
+from partita.core.plan import (
     Collective,
     MeshAxis,
     ModelInfo,
@@ -34,6 +35,7 @@ from partita.passes.constraints import Pins, TrainingRequest
 from partita.passes.cost_model import (
     collective_time,
     compute_dtype,
+    dtype_bytes,
     compute_time,
     element_bytes,
     padded_bucket,
@@ -42,7 +44,9 @@ from partita.passes.cost_model import (
 from partita.passes.pipeline_parallel import stage_links
 from partita.passes.profile import ModelProfile, profile_model
 from partita.passes.data_parallel import gradient_buckets
-from partita.passes.search import Decision, plan_search
+from partita.passes.flops import annotate_flops
+from partita.passes.graph import annotate_batch_shapes, to_networkx
+from partita.passes.search import Decision, plan_search, tp_choice
 from partita.passes.tp_layout import (
     forward_collectives, layout_decisions, recompute_collectives, tp_collectives,
 )
@@ -71,18 +75,22 @@ def compile_model(
     precision: str | None = None,
     optimizer: str = "adamw",
     inference: bool = False,
+    reduce_dtype: str = "fp32",
+    max_grad_norm: float | None = None,
     pins: Pins = Pins(),
     name: str | None = None,
     loss: Callable[[Any, torch.Tensor], torch.Tensor] | None = None,
     targets: InputSpec | None = None,
     progress: Any = None,
+    generate: int = 0,
 ) -> CompileResult:
     """Capture ``model`` on ``inputs``, analyse it, decide a plan for ``cluster``.
 
     For training the loss (default: cross-entropy) is captured with the model,
     so its ops are analysed and laid out too; ``targets`` defaults to what the
     model's output implies. ``global_batch`` defaults to the leading dimension
-    of the first input. ``progress`` is an optional rich ``Progress``.
+    of the first input. ``progress`` is an optional rich ``Progress``. ``generate``
+    (inference): new tokens per sequence, whose KV cache the plan's memory holds.
     """
     timings: dict[str, float] = {}
     phase = _phases(progress)
@@ -100,47 +108,123 @@ def compile_model(
         precision=precision or default_precision(cluster),
         optimizer="none" if inference else optimizer,
         inference=inference,
+        reduce_dtype=reduce_dtype,
+        max_grad_norm=None if inference else max_grad_norm,
+        kv_tokens=(profile.seq_len or 0) + generate if generate else 0,
     )
+    with phase("capturing at twice the batch"):
+        t0 = time.perf_counter()
+        batch_shape_capture(model, captured, profile, cluster, pins, loss=loss if not inference else None)
+        timings["batch_shapes"] = time.perf_counter() - t0
     with phase("solving"):
         numels = [math.prod(shape) for shape, _ in captured.params.values()]
         decision = plan_search(profile, numels, cluster, request, pins)
         timings["solve"] = decision.seconds
     with phase("laying out the micro-batch graph"):
         t0 = time.perf_counter()
-        micro = micro_batch_graph(model, captured, profile, decision.micro_batch_size, loss=loss)
+        micro, decision = micro_batch_graph(model, captured, profile, decision, cluster, request, loss=loss)
         timings["layout"] = time.perf_counter() - t0
     plan = build_plan(profile, captured, cluster, request, decision, timings, micro_graph=micro)
     return CompileResult(plan, profile, captured)
 
 
-def micro_batch_graph(model: Any, captured: CapturedModel, profile: ModelProfile, micro_batch: int, *,
-                      loss: Callable[..., Any] | None) -> Any:
-    """The graph the runtime runs: the same model captured at the micro-batch shape.
+def micro_batch_graph(model: Any, captured: CapturedModel, profile: ModelProfile, decision: Decision,
+                      cluster: ClusterSpec, request: TrainingRequest, *,
+                      loss: Callable[..., Any] | None) -> tuple[Any, Decision]:
+    """The graph the runtime runs, the model captured at the micro-batch shape, and the decision
+    laid out on it.
 
-    Node decisions (their tensors' bytes, their shard sizes) are for what one
-    rank executes per micro-batch, so they are laid out on this graph; its node
-    names must be the captured graph's, which is checked.
+    Node decisions (their tensors' bytes, their shard sizes) are for what one rank
+    executes per micro-batch, so they are recorded on this graph. When it has the
+    captured graph's nodes, the search's layout carries over by name: the search only
+    offered strategies valid at the micro-batch (``tp_strategies.valid_at``). When the
+    model's structure depends on the batch (HF Llama at batch 1 has a node more), the
+    TP layout is solved again on this graph, at its own batch, and the stages are
+    carried over layer by layer.
     """
-    if micro_batch == profile.batch_size:
-        return profile.graph
-    from partita.passes.flops import annotate_flops
-    from partita.passes.graph import to_networkx
-
-    def at(spec: InputSpec) -> InputSpec:
-        return dataclasses.replace(spec, shape=(micro_batch, *spec.shape[1:]))
-
-    small = capture(model, [at(s) for s in captured.inputs], name=captured.name, loss=loss if captured.loss else None,
-                    targets=at(captured.targets) if captured.targets is not None else None)
+    mb = decision.micro_batch_size
+    if mb == profile.batch_size:
+        return profile.graph, decision
+    small = capture(model, [_at_batch(s, mb) for s in captured.inputs], name=captured.name,
+                    loss=loss if captured.loss else None,
+                    targets=_at_batch(captured.targets, mb) if captured.targets is not None else None)
     G = annotate_flops(to_networkx(small))
-    if list(G.nodes) != list(profile.graph.nodes):
-        raise RuntimeError(
-            f"capturing {captured.name} at micro-batch {micro_batch} gave another graph than at batch "
-            f"{profile.batch_size} ({len(G)} vs {len(profile.graph)} nodes): its structure depends on the batch size"
-        )
-    for n, a in profile.graph.nodes(data=True):  # keep the analyses' layer tags for the plan
-        if "layer" in a:
-            G.nodes[n]["layer"] = a["layer"]
-    return G
+    if list(G.nodes) == list(profile.graph.nodes) and _strategies_hold(G, decision):
+        for n, a in profile.graph.nodes(data=True):  # keep the analyses' layer tags for the plan
+            if "layer" in a:
+                G.nodes[n]["layer"] = a["layer"]
+        return G, decision
+    own = profile_model(small)
+    choice = tp_choice(own, cluster, request, mb, decision.mesh.tp)
+    node_stage = _stages_by_layer(own.graph, profile.graph, decision.node_stage)
+    note = (f"laid out on the model captured at micro-batch {mb}: its graph differs from the one at batch "
+            f"{profile.batch_size} ({len(own.graph)} vs {len(profile.graph)} nodes), so its TP layout was solved "
+            "again there; the predictions are the search's")
+    calls = [n for n in own.graph.nodes if own.graph.nodes[n]["kind"] == "call"]
+    stages = tuple(dataclasses.replace(st, first_node=mine[0], last_node=mine[-1]) if mine else st
+                   for st in decision.stages for mine in [[n for n in calls if node_stage[n] == st.index]])
+    return own.graph, dataclasses.replace(decision, choice=choice, node_stage=node_stage, stages=stages,
+                                          notes=(*decision.notes, note))
+
+
+def _at_batch(spec: InputSpec, batch: int) -> InputSpec:
+    return dataclasses.replace(spec, shape=(batch, *spec.shape[1:]))
+
+
+def batch_shape_capture(model: Any, captured: CapturedModel, profile: ModelProfile, cluster: ClusterSpec,
+                        pins: Pins, *, loss: Callable[..., Any] | None) -> None:
+    """Capture the model again at twice its batch, so each tensor's shape at any micro-batch is
+    known (``graph.annotate_batch_shapes``) and the TP search offers only strategies valid there.
+
+    Skipped where no TP group can form, and at batch 1: there a dim that grows with the batch
+    has size 1 (never split) or is a multiple of the batch (split at 1, split at any micro-batch).
+    """
+    B = profile.batch_size
+    if B == 1 or cluster.gpus_per_node == 1 or pins.tp == 1 or (pins.world_size or cluster.world_size) == 1:
+        return
+    try:
+        twice = capture(model, [_at_batch(s, 2 * B) for s in captured.inputs], name=captured.name,
+                        loss=loss if captured.loss else None,
+                        targets=_at_batch(captured.targets, 2 * B) if captured.targets is not None else None)
+    except CaptureError:  # a model that only runs at its batch: its micro-batch's own capture decides
+        profile.graph.graph["batch_shapes"] = "unknown"
+        return
+    annotate_batch_shapes(profile.graph, to_networkx(twice))
+
+
+def _strategies_hold(G: Any, d: Decision) -> bool:
+    """Every chosen strategy is one ``G`` (the micro-batch graph) offers."""
+    if d.mesh.tp <= 1:
+        return True
+    from partita.passes.tp_strategies import node_strategies
+
+    return all(any(o.name == s.name and o.ins == s.ins and o.out == s.out for o in node_strategies(G, n, d.mesh.tp))
+               for n, s in d.choice.items())
+
+
+def _stages_by_layer(G: Any, captured_graph: Any, node_stage: Mapping[str, int]) -> dict[str, int]:
+    """node -> stage on ``G`` from the captured graph's: each repeated layer keeps its stage, the nodes
+    between layers go with the layer before them (the embedding with the first), and each
+    placeholder with its first user."""
+    from partita.passes.pipeline_parallel import pipeline_order
+
+    layer_stage: dict[str, int] = {}
+    for n, a in captured_graph.nodes(data=True):
+        if a.get("layer") and a["kind"] == "call":
+            layer_stage.setdefault(a["layer"], node_stage.get(n, 0))
+    out: dict[str, int] = {}
+    stage = 0
+    order = pipeline_order(G)
+    for n in order:
+        layer = G.nodes[n].get("layer")
+        if layer in layer_stage:
+            stage = layer_stage[layer]
+        out[n] = stage
+    for n in order:
+        users = [out[u] for u in G.successors(n)]
+        if G.nodes[n]["kind"] in ("param", "buffer", "input") and users:
+            out[n] = min(users)
+    return out
 
 
 def _phases(progress: Any) -> Callable[[str], Any]:
@@ -196,7 +280,7 @@ def build_plan(
         mfu=achieved / peak,
     )
     Gm = micro_graph if micro_graph is not None else G
-    _check_strategies(Gm, d)
+    assert _strategies_hold(Gm, d), "the layout holds strategies the micro-batch graph does not offer"
     times = {n: _node_times(Gm, n, d, cluster, request) for n in Gm.nodes}
     nodes = tuple(
         dataclasses.replace(n, compute_s=sum(times[n.name]), stage=d.node_stage.get(n.name, 0))
@@ -230,6 +314,8 @@ def build_plan(
         schedule=d.schedule,
         inference=request.inference,
         grad_bucket_bytes=d.bucket_bytes,
+        reduce_dtype=request.reduce_dtype,
+        max_grad_norm=request.max_grad_norm,
     )
     solver = SolverReport(
         method=d.method, status=d.status, objective=step, seconds=d.seconds, candidates=d.candidates, gap=d.gap,
@@ -269,19 +355,6 @@ def _unsupported_note(G: Any) -> tuple[str, ...]:
     if not ops:
         return ()
     return ("kept replicated (no TP rule): " + ", ".join(f"{op} x{n}" for op, n in sorted(ops.items())),)
-
-
-def _check_strategies(G: Any, d: Decision) -> None:
-    """Every chosen strategy must be one the micro-batch graph offers (its shards must divide there too)."""
-    if d.mesh.tp <= 1:
-        return
-    from partita.passes.tp_strategies import node_strategies
-
-    for n, s in d.choice.items():
-        offered = node_strategies(G, n, d.mesh.tp)
-        if not any(o.name == s.name and o.ins == s.ins and o.out == s.out for o in offered):
-            raise RuntimeError(f"node {n}: strategy {s.name!r} chosen at the full batch is not valid at micro-batch "
-                               f"{d.micro_batch_size} (its shards do not divide there)")
 
 
 def _node_times(G: Any, node: str, d: Decision, cluster: ClusterSpec,
@@ -366,7 +439,8 @@ def _dp_collectives(params: Sequence[ParamDecision], tied: Mapping[str, tuple[in
     if dp <= 1 or request.inference:
         return ()
     link = cluster.link_for_group(dp, stride=d.mesh.tp)
-    grad_bytes = element_bytes(request.precision)
+    grad_bytes = element_bytes(request.precision)  # gradients are held in the compute dtype
+    reduce = dtype_bytes(request.reduce_dtype)  # and sent in the reduce dtype (core/precision.py)
     out: list[Collective] = []
     for s in range(d.mesh.pp):
         mine = [p for p in params if s in tied.get(p.name, (p.stage,))]
@@ -379,12 +453,14 @@ def _dp_collectives(params: Sequence[ParamDecision], tied: Mapping[str, tuple[in
             local = [_local_numel(p, d.mesh.tp) for p in group]
             for b in gradient_buckets(local, grad_bytes, d.bucket_bytes):
                 if zero_stage == 0:
-                    key = ("all_reduce", b, "gradient averaging (one bucket per call, after the last micro-batch)")
+                    key = ("all_reduce", b * reduce // grad_bytes,
+                           f"gradient averaging in {request.reduce_dtype} (one bucket per call, after the last micro-batch)")
                     by_call[key] = by_call.get(key, 0) + 1
                     continue
                 padded = round(padded_bucket(b, dp, grad_bytes))  # ZeRO's flat buckets split evenly over dp
                 for kind, calls, what in zero_collectives(zero_stage, d.grad_accum_steps):
-                    key = (kind, padded, f"ZeRO-{zero_stage} {what} ({'reduce-scatter of gradients' if what == 'grads' else 'all-gather of parameters'})")
+                    size = padded * reduce // grad_bytes if what == "grads" else padded  # grads sent in the reduce dtype
+                    key = (kind, size, f"ZeRO-{zero_stage} {what} ({f'reduce-scatter of gradients in {request.reduce_dtype}' if what == 'grads' else 'all-gather of parameters'})")
                     by_call[key] = by_call.get(key, 0) + calls
         out += [Collective(kind=kind, axis=MeshAxis.DP.value, bytes=size, count=count, group_size=dp,
                            purpose=purpose, seconds=count * collective_time(kind, size, dp, link),

@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 import torch
 
-from partita.compiler.errors import PartitaError
+from partita.core.errors import PartitaError
 
 SEQ = 64
 BATCH = 16
@@ -94,7 +94,7 @@ def run_demo(*, nproc: int, steps: int, output: str, console: Any, progress: Any
     from rich.table import Table
 
     from partita.compiler.compile import compile_model
-    from partita.compiler.inputs import parse_input_spec
+    from partita.core.inputs import parse_input_spec
     from partita.compiler.report import plan_summary
     from partita.passes.cluster import load_cluster
     from partita.passes.constraints import Pins

@@ -19,7 +19,8 @@ import click
 from rich.console import Group, RenderableType
 from rich.table import Table
 
-from partita.compiler.plan import NodeDecision, Plan, load_plan
+from partita.core.plan import NodeDecision, Plan
+from partita.passes.verify import load_plan
 from partita.compiler.report import fmt_bytes, fmt_time, plain
 
 # Inserted collectives on an edge are every reshard but these two (no traffic).
@@ -312,6 +313,6 @@ def diff_table(d: PlanDiff) -> RenderableType:
 @click.argument("b_path", metavar="B.json")
 def diff_command(a_path: str, b_path: str) -> None:
     """Show what changed from plan A to plan B: mesh, training, layouts, stages, collectives, predictions."""
-    from partita.compiler.cli import console
+    from partita.compiler.console import console
 
     console.print(diff_table(diff_plans(load_plan(a_path), load_plan(b_path))))

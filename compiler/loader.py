@@ -16,7 +16,7 @@ from typing import Callable
 
 import torch
 
-from partita.compiler.errors import ModelLoadError
+from partita.core.errors import ModelLoadError
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ from rich.console import Group, RenderableType
 from rich.markup import escape
 from rich.table import Table
 
-from partita.compiler.plan import MemoryBreakdown, Plan
+from partita.core.plan import MemoryBreakdown, Plan
 
 
 def plain(value: object) -> str:
@@ -71,6 +71,30 @@ def _recompute_note(plan: Plan) -> str:
     return f", activations recomputed on {where}"
 
 
+def tp_split(plan: Plan) -> dict[str, str] | None:
+    """What the tp groups really do, when it is not tensor parallelism: every op that splits a
+    tensor splits dim 0, the batch (``shard(0)``), so each rank of a group runs whole ops on its
+    share of the samples. With sharded weights (gathered whole before each use) that is data
+    parallelism with ZeRO-3's parameter sharding inside the group. None for real TP (an op split
+    along another dim, or a partial sum) and for tp = 1. The header, `show` and `view` say it
+    in these words, the mesh and the ZeRO stage."""
+    if plan.mesh.tp <= 1:
+        return None
+    calls = [n for n in plan.nodes if n.op not in ("placeholder", "get_attr", "output")]
+    split = [n for n in calls if any(o != "replicate" for o in n.out)]
+    if not split or any(o not in ("replicate", "shard(0)") for n in calls for o in n.out):
+        return None
+    sharded = any(p.layout.get("tp", "replicate") != "replicate" for p in plan.params)
+    world, tp, dp = plan.world_size, plan.mesh.tp, plan.mesh.dp
+    return {
+        "mesh": f"data parallelism over {dp * tp} = dp {dp} x tp {tp}: the tp groups split the batch "
+                "(shard(0) on every op), not the ops" + (", and shard the weights" if sharded else ""),
+        "zero": (f"ZeRO-{plan.training.zero_stage} over dp {dp}"
+                 + (f"; inside each tp group of {tp} the weights are sharded and all-gathered before each use "
+                    "(ZeRO-3's parameter sharding)" if sharded else f"; weights replicated over tp {tp}")),
+    }
+
+
 def plan_summary(plan: Plan) -> RenderableType:
     """The compile summary and the head of `partita show`."""
     m, t, p, c = plan.model, plan.training, plan.predicted, plan.cluster
@@ -97,6 +121,11 @@ def plan_summary(plan: Plan) -> RenderableType:
                    f"{fmt_time(plan.solver.seconds)}"),
         ("fingerprint", m.fingerprint),
     ]
+    honest = tp_split(plan)
+    if honest:
+        rows[3] = ("mesh", f"{plan.mesh} = {plan.world_size} device(s): {honest['mesh']}")
+        rows[5] = ("training", f"{t.precision}, {t.optimizer}, {honest['zero']}"
+                   + (", inference" if t.inference else "") + _recompute_note(plan))
     if m.repeated_layers:
         rows.insert(1, ("repeated", "; ".join(m.repeated_layers)))
     return _kv("partita plan", rows)

@@ -20,8 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
-from partita.compiler.errors import PlanError
-from partita.compiler.plan import Plan
+from partita.core.errors import PlanError
+from partita.core.plan import Plan
 
 FORWARD, BACKWARD = "forward", "backward"
 

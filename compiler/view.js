@@ -109,8 +109,8 @@ function header(D) {
   const fields = [
     ["model", "model", `${p.model.name} (${fmtCount(p.model.num_params)} params, ${p.model.num_nodes} graph nodes)`],
     ["cluster", "cluster", `${c.name}: ${c.nodes} node(s) x ${c.gpus_per_node} ${c.device_name || "devices"}`],
-    ["mesh", "mesh", `${meshText(p.mesh)} = ${p.world_size} device(s)`],
-    ["zero", "ZeRO", `stage ${t.zero_stage}`],
+    ["mesh", "mesh", `${meshText(p.mesh)} = ${p.world_size} device(s)` + (D.tp_split ? `: ${D.tp_split.mesh}` : "")],
+    ["zero", "ZeRO", D.tp_split ? D.tp_split.zero : `stage ${t.zero_stage}`],
     ["schedule", "schedule", t.schedule],
     ["recompute", "recomputation", recomputeText(p)],
     ["microbatches", "micro-batches", `${t.grad_accum_steps} of ${t.micro_batch_size} sample(s) per dp rank`],

@@ -26,8 +26,10 @@ from typing import Any
 import click
 
 from partita.compiler.diff import diff_plans
-from partita.compiler.errors import writable_path, write_text
-from partita.compiler.plan import MemoryBreakdown, Plan, load_plan
+from partita.core.errors import writable_path, write_text
+from partita.core.plan import MemoryBreakdown, Plan
+from partita.passes.verify import load_plan
+from partita.compiler.report import tp_split
 from partita.compiler.timeline import load_trace, measured_timeline, predicted_timeline
 
 __all__ = ["render_html", "load_trace", "stage_memory", "view_command"]
@@ -77,6 +79,7 @@ def page_data(plan: Plan, *, against: Plan | None = None, trace: dict | None = N
         "timeline": predicted_timeline(plan).to_dict(),
         "measured": measured_timeline(trace, plan).to_dict() if trace is not None else None,
         "memory": stage_memory(plan),
+        "tp_split": tp_split(plan),
         "diff": diff_plans(against, plan).to_dict() if against is not None else None,
         "against": None if against is None else {
             "name": against.model.name, "fingerprint": against.model.fingerprint, "mesh": str(against.mesh),

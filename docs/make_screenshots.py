@@ -22,7 +22,7 @@ from partita.compiler.view import render_html  # noqa: E402
 def demo_plan():
     from partita.compiler.compile import compile_model
     from partita.compiler.demo import BATCH, SEQ, demo_model
-    from partita.compiler.inputs import parse_input_spec
+    from partita.core.inputs import parse_input_spec
     from partita.passes.cluster import load_cluster
     from partita.passes.constraints import Pins
 
@@ -35,7 +35,7 @@ def gpt3_plan():
     from examples.models import GPT, GPTConfig
 
     from partita.compiler.compile import compile_model
-    from partita.compiler.inputs import parse_input_spec
+    from partita.core.inputs import parse_input_spec
     from partita.passes.cluster import load_cluster
 
     def gpt3():

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-from partita.compiler.errors import ClusterError
+from partita.core.errors import ClusterError
 
 if sys.version_info >= (3, 11):
     import tomllib

@@ -7,9 +7,11 @@ never be honoured (a ZeRO stage of 5) is refused here, with the reason.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
-from partita.compiler.errors import PartitaError
+from partita.core.errors import PartitaError
+from partita.core.precision import REDUCE_DTYPES
 from partita.passes.cost_model import OPTIMIZERS, PRECISIONS
 from partita.passes.cost_model import SCHEDULES as PIPELINE_SCHEDULES
 
@@ -58,10 +60,21 @@ class TrainingRequest:
     precision: str = "fp32"
     optimizer: str = "adamw"
     inference: bool = False
+    reduce_dtype: str = "fp32"  # gradients are reduced over dp in this dtype (core/precision.py)
+    max_grad_norm: float | None = None  # the global gradient norm is clipped to this
+    kv_tokens: int = 0  # inference with generation: prompt + new tokens per sequence, whose KV cache is held
 
     def __post_init__(self) -> None:
+        if self.kv_tokens and not self.inference:
+            raise PartitaError("--generate needs --inference", hint="add --inference")
         if not isinstance(self.global_batch, int) or self.global_batch < 1:
             raise PartitaError(f"--batch {self.global_batch!r} must be a positive integer")
+        if self.reduce_dtype not in REDUCE_DTYPES:
+            raise PartitaError(f"--reduce-dtype {self.reduce_dtype!r} is not one of {', '.join(REDUCE_DTYPES)}")
+        if self.max_grad_norm is not None and not (isinstance(self.max_grad_norm, (int, float))
+                                                   and math.isfinite(self.max_grad_norm) and self.max_grad_norm > 0):
+            raise PartitaError(f"--max-grad-norm {self.max_grad_norm!r} must be a positive number",
+                               hint="e.g. --max-grad-norm 1.0, or leave it out for no clipping")
         if self.precision not in PRECISIONS:
             raise PartitaError(f"--precision {self.precision!r} is not one of {', '.join(PRECISIONS)}")
         if self.optimizer not in OPTIMIZERS:

@@ -46,9 +46,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
+from partita.core.precision import PRECISIONS, compute_dtype, dtype_bytes  # noqa: F401 (re-exported)
 from partita.passes.cluster import COLLECTIVES, ClusterSpec, Link
 
-PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed", "bf16")
 OPTIMIZERS = ("adamw", "adam", "sgd", "sgd-momentum", "none")
 
 
@@ -65,14 +65,9 @@ class StateBytes:
         return self.params + self.grads + self.optimizer
 
 
-def compute_dtype(precision: str) -> str:
-    """The dtype matmuls run in under ``precision``."""
-    return {"fp32": "fp32", "bf16-mixed": "bf16", "fp16-mixed": "fp16", "bf16": "bf16"}[precision]
-
-
 def element_bytes(precision: str) -> int:
     """Bytes of one activation / weight / gradient element under ``precision``."""
-    return 4 if precision == "fp32" else 2
+    return dtype_bytes(compute_dtype(precision))
 
 
 def state_bytes_per_param(precision: str, optimizer: str, *, inference: bool = False) -> StateBytes:
@@ -360,7 +355,7 @@ def mesh_step(
     ``micro_batch_s`` is one micro-batch's forward+backward on one device, by part:
     ``"compute"`` (local FLOPs) and tensor-parallel communication (``"tp_forward"``,
     ``"tp_backward"``, ``"tp_internal"``), as the TP solver predicts them. The dp group's
-    ranks lie ``tp`` apart (TP innermost, compiler/plan.MESH_ORDER), so its link is
+    ranks lie ``tp`` apart (TP innermost, core/plan.MESH_ORDER), so its link is
     ``link_for_group(dp, stride=tp)``. ``state`` is the device's model state; under ZeRO >= 1
     the optimizer pass is over ``local_params / dp`` parameters of ``state_bytes`` each.
     """

@@ -25,8 +25,8 @@ import time
 from dataclasses import dataclass
 from typing import Protocol, Sequence
 
-from partita.compiler.errors import InfeasibleError, PartitaError
-from partita.compiler.plan import MemoryBreakdown
+from partita.core.errors import InfeasibleError, PartitaError
+from partita.core.plan import MemoryBreakdown
 from partita.passes.cluster import ClusterSpec
 from partita.passes.constraints import Pins, TrainingRequest
 from partita.passes.cost_model import (
@@ -51,6 +51,8 @@ class Profile(Protocol):
     flops_bwd: float
 
     def activation_bytes(self, micro_batch: int) -> int: ...
+
+    def live_bytes(self, micro_batch: int) -> int: ...
 
 
 @dataclass(frozen=True)
@@ -110,7 +112,8 @@ def memory_per_device(profile: Profile, request: TrainingRequest, *, dp: int, mi
         dp=dp,
     )
     captured = _DTYPE_BYTES.get(profile.param_dtype, 4)
-    act = 0 if request.inference else round(profile.activation_bytes(micro_batch) * element_bytes(request.precision) / captured)
+    act = profile.live_bytes(micro_batch) if request.inference else profile.activation_bytes(micro_batch)
+    act = round(act * element_bytes(request.precision) / captured)
     return MemoryBreakdown(state.params, state.grads, state.optimizer, act, capacity)
 
 

@@ -23,9 +23,10 @@ name) with edges along data flow. It reads ``node.meta["val"]`` (fake values),
 - ``source``: the user's ``file:line`` (deepest non-torch frame of the stack trace) or ``""``;
 - ``depends_on_input``: whether a model input is an ancestor.
 
-Graph attributes: ``capture_method``, ``model``, ``inputs`` (InputSpec texts) and
-``module_types`` (every module path seen in ``nn_module_stack`` -> class name).
-``graph_fingerprint`` hashes what makes two graphs the same for a plan.
+Graph attributes: ``capture_method``, ``model``, ``inputs`` (InputSpec texts), ``batch``
+(the first input's leading dim) and ``module_types`` (every module path seen in ``nn_module_stack`` -> class name).
+``graph_fingerprint`` hashes what makes two graphs the same for a plan; ``annotate_batch_shapes``
+and ``shape_at`` give every tensor's shape at another micro-batch.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ import networkx as nx
 import torch
 import torch.fx
 
-from partita.compiler.capture import CapturedModel
+from partita.core.capture import CapturedModel
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+)')
@@ -52,6 +53,7 @@ def to_networkx(captured: CapturedModel) -> nx.DiGraph:
         capture_method=captured.method,
         model=captured.name,
         inputs=[str(spec) for spec in captured.inputs],
+        batch=captured.inputs[0].shape[0] if captured.inputs and captured.inputs[0].shape else 1,
     )
     fx_nodes = list(captured.graph_module.graph.nodes)
     module_types = _module_types(fx_nodes)
@@ -221,3 +223,45 @@ def _user_source(stack_trace: str) -> str:
     """``file:line`` of the deepest frame outside torch, or ``""``."""
     user = [m for m in _FRAME.finditer(stack_trace) if not m["file"].startswith(_TORCH_DIR)]
     return f"{user[-1]['file']}:{user[-1]['line']}" if user else ""
+
+
+def annotate_batch_shapes(G: nx.DiGraph, other: nx.DiGraph) -> bool:
+    """Record how every tensor's dims grow with the batch, from a second capture at another batch.
+
+    ``G`` and ``other`` are the same model captured at batches ``G.graph["batch"]`` and
+    ``other.graph["batch"]`` (the first input's leading dim). When both have the same
+    nodes, ops and tensor ranks, writes ``batch_slope`` on every node of ``G`` (per
+    output, per dim: the size added per sample, a Fraction) and ``G.graph["batch_shapes"]
+    = "linear"``, so ``shape_at`` gives each tensor's shape at any micro-batch from real
+    propagation, not from shape rules. Otherwise writes ``"unknown"`` and returns False
+    (the model's structure depends on the batch: the caller lays out each micro-batch
+    on its own capture).
+    """
+    from fractions import Fraction
+
+    b1, b2 = G.graph.get("batch"), other.graph.get("batch")
+    same = (b1 and b2 and b1 != b2 and list(G.nodes) == list(other.nodes)
+            and all(G.nodes[n]["op"] == other.nodes[n]["op"]
+                    and [len(s) for s in G.nodes[n]["shapes"]] == [len(s) for s in other.nodes[n]["shapes"]]
+                    for n in G.nodes))
+    if not same:
+        G.graph["batch_shapes"] = "unknown"
+        return False
+    for n, a in G.nodes(data=True):
+        a["batch_slope"] = tuple(tuple(Fraction(d2 - d1, b2 - b1) for d1, d2 in zip(s1, s2))
+                                 for s1, s2 in zip(a["shapes"], other.nodes[n]["shapes"]))
+    G.graph["batch_shapes"] = "linear"
+    return True
+
+
+def shape_at(G: nx.DiGraph, node: str, index: int, micro_batch: int) -> tuple[Any, ...] | None:
+    """Output ``index`` of ``node`` at ``micro_batch`` samples (``annotate_batch_shapes``'s linear
+    fit); a dim that is no whole number there is returned as a Fraction. None when unknown."""
+    a = G.nodes[node]
+    shape = tuple(a["shapes"][index])
+    if micro_batch == G.graph.get("batch"):
+        return shape
+    if G.graph.get("batch_shapes") != "linear":
+        return None
+    slope = a["batch_slope"][index]
+    return tuple(d + k * (micro_batch - G.graph["batch"]) for d, k in zip(shape, slope))

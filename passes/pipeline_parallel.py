@@ -72,8 +72,8 @@ from typing import Callable, Sequence
 
 import networkx as nx
 
-from partita.compiler.errors import InfeasibleError, PartitaError
-from partita.compiler.plan import MemoryBreakdown, Stage
+from partita.core.errors import InfeasibleError, PartitaError
+from partita.core.plan import MemoryBreakdown, Stage
 from partita.passes.cluster import ClusterSpec, Link
 from partita.passes.constraints import Pins, TrainingRequest
 from partita.passes.cost_model import (
@@ -171,6 +171,24 @@ class NodeCosts:
     shared: tuple[SharedParam, ...] = ()
     modules: tuple[str, ...] = ()  # per position: its layer ("transformer.h.3"), a parameter's module, or ""
     layers: frozenset[str] = frozenset()  # the repeated layers' names
+    live_bytes: tuple[int, ...] = ()  # inference: activations alive while each position runs (activations.py)
+
+    @functools.cached_property
+    def _live_table(self) -> list[list[int]]:
+        """Sparse table of ``live_bytes``: row r holds the max over each window of 2**r positions."""
+        table = [list(self.live_bytes)]
+        while 2 ** len(table) <= len(self.live_bytes):
+            prev, half = table[-1], 2 ** (len(table) - 1)
+            table.append([max(prev[i], prev[i + half]) for i in range(len(prev) - half)])
+        return table
+
+    def live_peak(self, j: int, k: int) -> int:
+        """The largest live set over positions [j, k): an inference stage's activations (0 in training)."""
+        if not self.live_bytes or k <= j:
+            return 0
+        r = (k - j).bit_length() - 1
+        row = self._live_table[r]
+        return max(row[j], row[k - 2 ** r])
 
     @functools.cached_property
     def prefix_sums(self) -> tuple[list[float], list[float], list[float], list[float]]:
@@ -228,13 +246,19 @@ def activation_scale(profile: ModelProfile, request: TrainingRequest) -> float:
     return element_bytes(request.precision) / _FLOAT.get(profile.param_dtype.removeprefix("torch."), 4)
 
 
+def kv_ratio(profile: ModelProfile, request: TrainingRequest) -> float:
+    """An attention op's KV cache over the keys and values it reads at the captured sequence:
+    prompt + new tokens over the captured tokens (0 unless generating; activations.annotate_kv_cache)."""
+    return request.kv_tokens / profile.seq_len if request.inference and request.kv_tokens and profile.seq_len else 0.0
+
+
 def node_costs(profile: ModelProfile, cluster: ClusterSpec, request: TrainingRequest, micro_batch: int,
                *, tp: int = 1) -> NodeCosts:
     """Per-node costs from the profile, scaled from the captured batch to ``micro_batch``.
 
     Batch-dependent nodes (``depends_on_input``) scale linearly, the rest stay; float
     tensors take the precision's element size. ``tp > 1`` divides compute, parameters
-    and saved activations evenly (ideal tensor + sequence parallelism, Korthikanti's
+    and saved activations (an inference step's KV cache) evenly (ideal tensor + sequence parallelism, Korthikanti's
     (s b h / t)(34 + 5 a s / h), and no TP communication): pass the TP solver's per-node
     costs instead for real numbers. What crosses a cut stays whole (b s h, not b s h / t).
     """
@@ -243,6 +267,7 @@ def node_costs(profile: ModelProfile, cluster: ClusterSpec, request: TrainingReq
     at = {n: i for i, n in enumerate(order)}
     batch = micro_batch / profile.batch_size
     act = activation_scale(profile, request)
+    kv = kv_ratio(profile, request)
 
     def scale(a: dict) -> float:
         return batch if a["depends_on_input"] else 1.0
@@ -256,7 +281,10 @@ def node_costs(profile: ModelProfile, cluster: ClusterSpec, request: TrainingReq
         a = G.nodes[name]
         fwd.append(compute_time(a["flops_fwd"] * scale(a) / tp, cluster, request.precision))
         bwd.append(0.0 if request.inference else compute_time(a["flops_bwd"] * scale(a) / tp, cluster, request.precision))
-        saved.append(0 if request.inference else round(a["saved_bytes"] * scale(a) * act / tp))
+        saved.append(round(a.get("kv_bytes", 0) * scale(a) * act * kv / tp) if request.inference
+                     else round(a["saved_bytes"] * scale(a) * act / tp))
+    live = [round((a["live_batch"] * batch + a["live_fixed"]) * act / tp) for a in map(G.nodes.__getitem__, order)] \
+        if request.inference else []
     send = [0.0] * (len(order) + 2)
     grad = [0.0] * (len(order) + 2)
     users_by_param: dict[str, list[int]] = {}
@@ -295,6 +323,7 @@ def node_costs(profile: ModelProfile, cluster: ClusterSpec, request: TrainingReq
         modules=tuple(G.nodes[n].get("layer") or (G.nodes[n]["module"] if G.nodes[n]["kind"] == "param" else "")
                       for n in order),
         layers=frozenset(a["layer"] for _, a in G.nodes(data=True) if a.get("layer")),
+        live_bytes=tuple(live),
     )
 
 
@@ -376,7 +405,7 @@ class Partition:
         stage's recomputation is decided. Forced, it always recomputes; otherwise exactly when
         it does not fit without and does with. Whether the total fits never turns from no to
         yes as a segment grows: each of the two totals grows with the segment."""
-        state = self._state_total(j, k)
+        state = self._state_total(j, k) + self.costs.live_peak(j, k)
         plain = state + self.held[s] * (self.saved[k] - self.saved[j])
         rc, cap = self.rc, self.setup.capacity
         if rc is None or (not rc.forced and plain <= cap):
@@ -407,7 +436,7 @@ class Partition:
         if self.recomputes(j, k, s):
             act = held * (self._rc_saved[k] - self._rc_saved[j]) + self.rc.transient_bytes
         else:
-            act = held * (self.saved[k] - self.saved[j])
+            act = held * (self.saved[k] - self.saved[j]) + self.costs.live_peak(j, k)
         return MemoryBreakdown(st.params, st.grads, st.optimizer, act, self.setup.capacity)
 
     def _state_total(self, j: int, k: int) -> int:

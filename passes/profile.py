@@ -15,9 +15,11 @@ from typing import Any
 
 import networkx as nx
 
-from partita.compiler.capture import CapturedModel
-from partita.compiler.inputs import dtype_name
-from partita.passes.activations import annotate_saved_activations
+from partita.core.capture import CapturedModel
+from partita.core.inputs import dtype_name
+from partita.passes.activations import (
+    annotate_kv_cache, annotate_live_bytes, annotate_saved_activations, peak_live_bytes,
+)
 from partita.passes.flops import annotate_flops
 from partita.passes.graph import graph_fingerprint, to_networkx
 from partita.passes.repeats import RepeatedBlock, find_repeated_layers
@@ -56,6 +58,19 @@ class ModelProfile:
             raise ValueError(f"micro_batch must be positive, got {micro_batch}")
         return self.saved_bytes_batch * micro_batch // self.batch_size + self.saved_bytes_fixed
 
+    def live_bytes(self, micro_batch: int) -> int:
+        """The forward's largest live set of activations at ``micro_batch`` samples (logits included):
+        what an inference step holds besides the weights (activations.annotate_live_bytes)."""
+        return peak_live_bytes(self.graph, self.graph.nodes, micro_batch, self.batch_size)
+
+    def kv_cache_bytes(self, micro_batch: int, tokens: int) -> int:
+        """The keys and values a generation cache holds for ``micro_batch`` sequences of ``tokens``
+        (prompt + generated), at the captured dtype (activations.annotate_kv_cache): 2 x layers x
+        KV heads x head dim x tokens x batch x element bytes for a decoder."""
+        if not self.seq_len:
+            return 0
+        return self.graph.graph.get("kv_bytes", 0) * micro_batch * tokens // (self.batch_size * self.seq_len)
+
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready fields (the graph is left out)."""
         return {
@@ -75,6 +90,8 @@ def profile_model(captured: CapturedModel) -> ModelProfile:
     G = to_networkx(captured)
     annotate_flops(G)
     annotate_saved_activations(G, captured)
+    annotate_live_bytes(G)
+    annotate_kv_cache(G)
     repeated = find_repeated_layers(G)
 
     numels = {k: _numel(shape) for k, (shape, _) in captured.params.items()}

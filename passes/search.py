@@ -57,8 +57,8 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Mapping, Sequence
 
-from partita.compiler.errors import InfeasibleError, PartitaError
-from partita.compiler.plan import Alternative, MemoryBreakdown, Mesh, Stage
+from partita.core.errors import InfeasibleError, PartitaError
+from partita.core.plan import Alternative, MemoryBreakdown, Mesh, Stage
 from partita.passes.cluster import ClusterSpec
 from partita.passes.constraints import Pins, TrainingRequest
 from partita.passes.cost_model import (
@@ -81,6 +81,7 @@ from partita.passes.pipeline_parallel import (
     PrunedCandidate,
     activation_scale,
     choose_pipeline,
+    kv_ratio,
     node_costs,
     stage_of_nodes,
 )
@@ -309,7 +310,7 @@ def tp_choice(profile: ModelProfile, cluster: ClusterSpec, request: TrainingRequ
     if tp == 1:
         return {n: node_strategies(G, n, 1)[0] for n in G.nodes}
     setting = TPSetting(tp, micro_batch, profile.batch_size, request.precision, request.optimizer,
-                        request.inference)
+                        request.inference, kv_ratio=kv_ratio(profile, request))
     return solve_tp(build_problem(G, setting, cluster, repeated=profile.repeated)).choice
 
 
@@ -331,6 +332,7 @@ def tp_node_costs(profile: ModelProfile, cluster: ClusterSpec, request: Training
     link = cluster.link_for_group(tp)
     scale = micro_batch / profile.batch_size
     act = activation_scale(profile, request)
+    kv = kv_ratio(profile, request)
 
     def factor(n: str) -> float:
         return scale if G.nodes[n].get("depends_on_input") else 1.0
@@ -361,7 +363,8 @@ def tp_node_costs(profile: ModelProfile, cluster: ClusterSpec, request: Training
             if not request.inference and s.grads[j] != NONE:
                 b += reshard_time(reshard_kind(s.grads[j], grad_convention(have)), size, tp, link)
         fwd[i], bwd[i] = f, b
-        saved[i] = 0 if request.inference else round(a.get("saved_bytes", 0) * factor(n) * act * s.memory_fraction)
+        held = a.get("kv_bytes", 0) * kv if request.inference else a.get("saved_bytes", 0)
+        saved[i] = round(held * factor(n) * act * s.memory_fraction)
     # local parameter elements, each counted once where node_costs put it (its first user's position)
     local: dict[str, float] = {}
     for n, a in G.nodes(data=True):

@@ -13,7 +13,7 @@ Space. tp runs over the divisors of ``gpus_per_node`` that divide the world
 size: a TP group exchanges activations inside every layer, so it stays
 inside one node on its fast links (shared/SEED_NOTES.md, Megatron's
 placement rule); a TP group never spans nodes, whatever the cluster. Ranks
-are laid out TP innermost (compiler/plan.MESH_ORDER), so each dp group's
+are laid out TP innermost (core/plan.MESH_ORDER), so each dp group's
 ranks are tp apart and its link is ``link_for_group(dp, stride=tp)``. For
 each tp, micro-batch sizes run over the divisors of the per-replica batch
 B / dp, smallest first.
@@ -52,16 +52,17 @@ import time
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
-from partita.compiler.errors import InfeasibleError, PartitaError
-from partita.compiler.plan import Alternative, MemoryBreakdown, Mesh
+from partita.core.errors import InfeasibleError, PartitaError
+from partita.core.plan import Alternative, MemoryBreakdown, Mesh
 from partita.passes.cluster import ClusterSpec
 from partita.passes.constraints import Pins, TrainingRequest
 from partita.passes.cost_model import StepCost, mesh_step, model_state_memory, state_bytes_per_param
 from partita.passes.zero import STRATEGY_NAMES, traffic_reason, zero_stages
 from partita.passes.data_parallel import DEFAULT_BUCKET_BYTES, gradient_buckets
+from partita.passes.pipeline_parallel import kv_ratio
 from partita.passes.profile import ModelProfile
 from partita.passes.tp_ilp import SOLVER, StrategyFn, TPSetting, TPSolution, TPSolveReport, build_problem, solve_tp
-from partita.passes.tp_strategies import Strategy, shard_dim
+from partita.passes.tp_strategies import Strategy, node_strategies, shard_dim
 
 
 @dataclass(frozen=True)
@@ -133,8 +134,10 @@ def choose_mesh(
         raise ValueError(f"param_numels sum to {sum(param_numels):,} but the graph's parameters to "
                          f"{_graph_param_numel(G):,}: they describe different models")
     if strategies is None:
-        from partita.passes.tp_strategies import node_strategies as strategies  # type: ignore[attr-defined]
-    cached = functools.lru_cache(maxsize=None)(lambda node, t: tuple(strategies(G, node, t)))
+        strategies = node_strategies
+    # the default strategies cache themselves on the graph (and their per-t lists in build_problem)
+    cached = None if strategies is node_strategies else functools.lru_cache(maxsize=None)(
+        lambda node, t: tuple(strategies(G, node, t)))
 
     state_per_param = state_bytes_per_param(request.precision, request.optimizer, inference=request.inference)
     grad_elem = 0 if request.inference else int(state_per_param.grads)
@@ -158,8 +161,10 @@ def choose_mesh(
                                                     f"{need / 1e9:.1f} GB > {cluster.usable_memory / 1e9:.1f} GB", z))
                     continue
                 setting = TPSetting(tp, mb, profile.batch_size, request.precision, request.optimizer,
-                                    request.inference, cluster.usable_memory, dp=dp, grad_accum=accum, zero_stage=z)
-                problem = build_problem(G, setting, cluster, strategies=lambda _G, n, t: cached(n, t),
+                                    request.inference, cluster.usable_memory, dp=dp, grad_accum=accum, zero_stage=z,
+                                    kv_ratio=kv_ratio(profile, request))
+                problem = build_problem(G, setting, cluster,
+                                        strategies=None if cached is None else lambda _G, n, t: cached(n, t),
                                         repeated=profile.repeated)
                 solves += 1
                 try:

@@ -3,7 +3,8 @@
 Reads the annotated DiGraph of a ``ModelProfile`` (node attributes ``kind``,
 ``shapes``, ``dtypes``, ``inputs``, ``flops_fwd``, ``flops_bwd``,
 ``saved_bytes``, ``depends_on_input``, ``param_name``, ``layer``) and the
-candidate strategies of every node (``tp_strategies.node_strategies``).
+candidate strategies of every node (``tp_strategies.node_strategies``), those valid at the micro-batch
+(``tp_strategies.valid_at``: a shard of a dim that grows with the batch must still divide there).
 Writes nothing on the graph: it returns a ``TPSolution`` (node -> Strategy,
 the cost and memory of that choice, and a ``TPSolveReport``).
 
@@ -119,7 +120,7 @@ from typing import Callable, Mapping, Sequence
 import networkx as nx
 from ortools.linear_solver import pywraplp
 
-from partita.compiler.errors import InfeasibleError
+from partita.core.errors import InfeasibleError
 from partita.passes.cluster import ClusterSpec
 from partita.passes.cost_model import (
     collective_time,
@@ -130,9 +131,12 @@ from partita.passes.cost_model import (
     sharded_state,
     state_bytes_per_param,
 )
+from partita.passes.activations import peak_live_bytes
 from partita.passes.repeats import RepeatedBlock
 from partita.passes.tp_layout import tensor_bytes
-from partita.passes.tp_strategies import Strategy, grad_convention, input_index, reshard_kind, shard_dim
+from partita.passes.tp_strategies import (
+    Strategy, grad_convention, input_index, reshard_kind, shard_dim, valid_at,
+)
 
 SOLVER = "CBC"
 # The objective is handed to the solver in microseconds (memory in GB): solvers stop at an
@@ -167,6 +171,7 @@ class TPSetting:
     dp: int = 1  # data-parallel degree the step's gradient all-reduce runs over
     grad_accum: int = 1  # micro-batches per step: per-step costs are amortised over them
     zero_stage: int = 0  # ZeRO over the dp group: shards model state (memory) and sets the dp collectives
+    kv_ratio: float = 0.0  # inference with generation: KV cache / keys and values read (pipeline_parallel.kv_ratio)
 
     def __post_init__(self) -> None:
         if self.t < 1 or self.micro_batch < 1 or self.captured_batch < 1:
@@ -238,6 +243,7 @@ class TPProblem:
     bytes_per_param: float
     num_nodes: int
     num_edges: int
+    live_bytes: float = 0.0  # inference: the forward's largest live set, whole tensors (activations.peak_live_bytes)
 
     @property
     def combinations(self) -> int:
@@ -306,7 +312,7 @@ def build_problem(
     captured_float = _captured_float_bytes(G)
     act_ratio = element_bytes(setting.precision) / captured_float
 
-    own = _own_strategies(G, t, strategies)
+    own = _own_strategies(G, t, strategies, setting.micro_batch)
     groups = _split_unlike(G, _classes(G, repeated), own)
     class_of = {n: key for key, members in groups.items() for n in members}
     strat = {key: own[key] for key in groups}
@@ -361,8 +367,8 @@ def build_problem(
                     compute += compute_time(flops * st.compute_fraction * beta(n), cluster, setting.precision)
                 for kind, nb in st.internal:
                     internal += collective_time(kind, nb * beta(n), t, link)
-                if not setting.inference:
-                    act += a.get("saved_bytes", 0) * st.memory_fraction * beta(n) * act_ratio
+                held = a.get("kv_bytes", 0) * setting.kv_ratio if setting.inference else a.get("saved_bytes", 0)
+                act += held * st.memory_fraction * beta(n) * act_ratio
             fwd_s, bwd_s, valid = folded[key][s]
             numel = _param_numel(G, members, strat[key][s], t)
             step = (param_step_time(numel, state, setting.dp, dp_link, cluster, zero_stage=setting.zero_stage,
@@ -371,17 +377,33 @@ def build_problem(
         classes.append(NodeClass(key, tuple(members), strat[key], tuple(costs)))
     edges = tuple(EdgeClass(cu, cv, acc["count"], acc["fwd"], acc["bwd"]) for (cu, cv), acc in edge_acc.items())
     held = sharded_state(state, setting.zero_stage, setting.dp)
+    live = (peak_live_bytes(G, G.nodes, setting.micro_batch, setting.captured_batch, act_ratio)
+            if setting.inference else 0)
     return TPProblem(setting, tuple(classes), edges, class_of, {n: own[n] for n in class_of}, held.total,
-                     G.number_of_nodes(), num_edges)
+                     G.number_of_nodes(), num_edges, live)
 
 
-def _own_strategies(G: nx.DiGraph, t: int, strategies: StrategyFn) -> dict[str, tuple[Strategy, ...]]:
-    """Every node's own strategy list; equal lists are one object (the edge costs are cached by identity)."""
+def _own_strategies(G: nx.DiGraph, t: int, strategies: StrategyFn,
+                    micro_batch: int) -> dict[str, tuple[Strategy, ...]]:
+    """Every node's own strategy list, those valid at ``micro_batch`` (``tp_strategies.valid_at``: a
+    shard of a batch-sized dim may not divide there); equal lists are one object (the edge costs
+    are cached by identity)."""
+    from partita.passes.tp_strategies import node_strategies
+
+    shaped = G.graph.get("batch_shapes") == "linear" and micro_batch != G.graph.get("batch")
+    key = (t, micro_batch if shaped else None)
+    cache = G.graph.get("tp_own_strategies")
+    if strategies is node_strategies and cache is not None and cache[0] == G.number_of_nodes() and key in cache[1]:
+        return cache[1][key]
     interned: dict[tuple[Strategy, ...], tuple[Strategy, ...]] = {}
     own = {}
     for n in G.nodes:
-        ss = tuple(strategies(G, n, t))
+        ss = tuple(s for s in strategies(G, n, t) if not shaped or valid_at(G, n, s, t, micro_batch))
         own[n] = interned.setdefault(ss, ss)
+    if strategies is node_strategies:  # the lists depend on t and (with batch shapes) the micro-batch only
+        if cache is None or cache[0] != G.number_of_nodes():
+            cache = G.graph["tp_own_strategies"] = (G.number_of_nodes(), {})
+        cache[1][key] = own
     return own
 
 
@@ -609,11 +631,12 @@ def _add_edge_variables(m: _Model, p: TPProblem) -> None:
 
 
 def _add_memory_constraint(m: _Model, p: TPProblem) -> None:
-    """memory: sum_c sum_s m[c,s] x[c,s] <= budget (per device, in GB for the solver's tolerances)."""
+    """memory: sum_c sum_s m[c,s] x[c,s] <= budget - live (per device, in GB for the solver's tolerances;
+    live: an inference step's largest live set of activations, a constant of the layout)."""
     if not math.isfinite(p.setting.memory_budget):
         return
     gb = _UNIT["memory"]
-    row = m.solver.Constraint(-m.solver.infinity(), p.setting.memory_budget * gb, "memory")
+    row = m.solver.Constraint(-m.solver.infinity(), (p.setting.memory_budget - p.live_bytes) * gb, "memory")
     for c in p.classes:
         for s, var in m.x[c.key].items():
             row.SetCoefficient(var, c.costs[s].memory(p.bytes_per_param) * gb)
@@ -679,6 +702,7 @@ def evaluate(problem: TPProblem, pick: Mapping[str, int], report: TPSolveReport 
             raise ValueError(f"edge {ec.src}->{ec.dst}: strategies {i}, {j} need an invalid reshard")
         fwd += ec.fwd_s[i][j]
         bwd += ec.bwd_s[i][j]
+    act += problem.live_bytes
     memory = numel * problem.bytes_per_param + act
     total = compute + internal + fwd + bwd + step / problem.setting.grad_accum
     if report is None:

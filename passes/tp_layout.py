@@ -21,7 +21,7 @@ from typing import Mapping
 import networkx as nx
 import torch
 
-from partita.compiler.plan import InputLayout, NodeDecision
+from partita.core.plan import InputLayout, NodeDecision
 from partita.passes.tp_strategies import (
     NONE, Strategy, grad_convention, input_index, node_strategies, reshard_kind,
 )

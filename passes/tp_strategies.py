@@ -148,7 +148,8 @@ def input_index(G: Any, node: str, j: int) -> int:
 def grad_flows(G: Any) -> dict[str, bool]:
     """Node -> whether a gradient flows into its outputs in backward (a floating output
     descending from a parameter through differentiable ops). Cached in
-    ``G.graph["tp_grad_flows"]``, the only attribute this module writes."""
+    ``G.graph["tp_grad_flows"]``; with ``G.graph["tp_strategies"]`` (node_strategies's cache)
+    the only attributes this module writes."""
     cached = G.graph.get("tp_grad_flows")
     if cached is not None and len(cached) == G.number_of_nodes():
         return cached
@@ -179,8 +180,19 @@ def node_strategies(G: Any, node: str, t: int) -> list[Strategy]:
     and buffers "replicate" only. The output node needs the loss replicated.
     Gradient placements are "none" for inputs that carry no gradient (integer and
     bool tensors, inputs not descending from a parameter) and for every input of a
-    node whose outputs carry none.
+    node whose outputs carry none. Computed once per (node, t) and cached in
+    ``G.graph["tp_strategies"]`` (the graph's strategies do not change once it is annotated).
     """
+    cache = G.graph.get("tp_strategies")
+    if cache is None or cache[0] != G.number_of_nodes():
+        cache = G.graph["tp_strategies"] = (G.number_of_nodes(), {})
+    key = (node, t)
+    if key not in cache[1]:
+        cache[1][key] = tuple(_node_strategies(G, node, t))
+    return list(cache[1][key])
+
+
+def _node_strategies(G: Any, node: str, t: int) -> list[Strategy]:
     from partita.passes.tp_rules import OpView, op_rule
 
     a = G.nodes[node]
@@ -222,6 +234,37 @@ def node_strategies(G: Any, node: str, t: int) -> list[Strategy]:
         names.add(s.name)
         result.append(Strategy(s.name, s.out, s.ins, grads, s.compute_fraction, s.memory_fraction, s.internal))
     return result
+
+
+def valid_at(G: Any, node: str, s: Strategy, t: int, micro_batch: int) -> bool:
+    """Whether ``s`` (offered on ``G`` at its captured batch) is valid at ``micro_batch``: every
+    tensor it shards, input or output, still splits into t equal whole slices there.
+
+    Shapes at the micro-batch come from ``graph.shape_at`` (two captures' linear fit). When
+    they are unknown (the model's structure depends on the batch), every strategy passes
+    here and the compile pipeline lays the plan out on the micro-batch's own capture.
+    """
+    from partita.passes.graph import shape_at
+
+    if micro_batch == G.graph.get("batch") or t <= 1 or G.graph.get("batch_shapes") != "linear":
+        return True
+    a = G.nodes[node]
+    tensors = [((node, i), p) for i, p in enumerate(s.out)]
+    tensors += [((src, input_index(G, node, j)), p) for j, (src, p) in enumerate(zip(a.get("inputs", []), s.ins))]
+    for (src, i), placement in tensors:
+        d = shard_dim(placement)
+        if d is None:
+            continue
+        shape = shape_at(G, src, i, micro_batch)
+        size = shape[d] if d < len(shape) else 0
+        if size != int(size) or size < t or int(size) % t:
+            return False
+    return True
+
+
+def strategies_at(G: Any, node: str, t: int, micro_batch: int) -> list[Strategy]:
+    """``node_strategies`` valid at ``micro_batch`` (``valid_at``); the first is replicated."""
+    return [s for s in node_strategies(G, node, t) if valid_at(G, node, s, t, micro_batch)]
 
 
 def unsupported_ops(G: Any) -> dict[str, int]:

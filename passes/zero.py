@@ -37,7 +37,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from partita.compiler.plan import MemoryBreakdown
+from partita.core.plan import MemoryBreakdown
 from partita.passes.cluster import ClusterSpec, Link
 from partita.passes.cost_model import (
     ZERO_STAGES,
@@ -99,22 +99,24 @@ def estimate_strategies(
     dp: int,
     precision: str,
     optimizer: str,
+    inference: bool = False,
 ) -> list[StrategyEstimate]:
     """Per-device memory and per-step traffic of DP and ZeRO-1/2/3 over ``dp`` ranks.
 
     ``activation_bytes`` is one device's activations at its micro-batch, in
     the training precision. Traffic counts ``element_bytes(precision)`` per
-    element (16-bit under mixed precision).
+    element (16-bit under mixed precision). ``inference``: one row, the weights
+    replicated and no traffic (``activation_bytes`` is then the forward's live set).
     """
-    state = state_bytes_per_param(precision, optimizer)
+    state = state_bytes_per_param(precision, optimizer, inference=inference)
     link = cluster.link_for_group(dp)
     out = []
-    for stage in (0, 1, 2, 3):
+    for stage in (0,) if inference else (0, 1, 2, 3):
         m = model_state_memory(num_params, state, zero_stage=stage, dp=dp)
         traffic = zero_traffic_elements(num_params, stage, dp) * element_bytes(precision)
         full = num_params * element_bytes(precision)
-        if dp <= 1:
-            comm = 0.0
+        if dp <= 1 or inference:
+            comm, traffic = 0.0, 0
         elif stage == 3:  # all-gather (fwd) + all-gather (bwd) + reduce-scatter
             comm = 2 * collective_time("all_gather", full, dp, link) + collective_time("reduce_scatter", full, dp, link)
         elif stage in (1, 2):  # reduce-scatter grads + all-gather updated params

@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from partita.compiler.plan import MESH_ORDER, MeshAxis, Plan
+from partita.core.precision import PrecisionPolicy
+from partita.core.plan import MESH_ORDER, MeshAxis, Plan
 
 if TYPE_CHECKING:
     from partita.runtime.engine import ParallelModel
@@ -66,7 +67,7 @@ def _from_every_stage(mine: dict[str, torch.Tensor], plan: Plan, device: torch.d
     out: dict[str, torch.Tensor] = {}
     for decision in plan.params:
         src = decision.stage * width
-        dtype = getattr(torch, decision.dtype)
+        dtype = PrecisionPolicy.of(plan.training).held_dtype(getattr(torch, decision.dtype))
         t = mine.get(decision.name)
         buf = t.to(device) if t is not None and dist.get_rank() == src else torch.empty(
             decision.shape, dtype=dtype, device=device)

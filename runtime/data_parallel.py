@@ -119,6 +119,7 @@ class _Bucket:
         self.nbytes = numel * self.buffer.element_size()
         self.ready: set[int] = set()
         self.work: dist.Work | None = None
+        self.wire: torch.Tensor | None = None  # the bucket upcast to the reduce dtype, while it is reduced
 
 
 class GradientAverager:
@@ -139,10 +140,12 @@ class GradientAverager:
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         counter: CollectiveCounter | None = None,
         axis: str = "dp",
+        reduce_dtype: torch.dtype | None = None,
     ) -> None:
         self.group = group
         self.size = dist.get_world_size(group)
         self.axis = axis
+        self.reduce_dtype = reduce_dtype  # None: the gradients' own dtype
         self.counter = counter if counter is not None else CollectiveCounter()
         self.buckets = [_Bucket(m) for m in _bucket_members(grad_params(params), bucket_bytes)]
         self._bucket_of: dict[int, int] = {}
@@ -178,9 +181,12 @@ class GradientAverager:
         self._launch_ready()
 
     def _launch(self, b: _Bucket) -> None:
-        b.buffer.div_(self.size)
-        b.work = dist.all_reduce(b.buffer, group=self.group, async_op=True)
-        self.counter.record("all_reduce", self.axis, b.nbytes)
+        wire = b.buffer
+        if self.reduce_dtype is not None and self.reduce_dtype != wire.dtype:  # e.g. bf16 gradients summed in fp32
+            wire = b.wire = wire.to(self.reduce_dtype)
+        wire.div_(self.size)
+        b.work = dist.all_reduce(wire, group=self.group, async_op=True)
+        self.counter.record("all_reduce", self.axis, wire.numel() * wire.element_size())
 
     def _launch_ready(self) -> None:
         while self._next < len(self.buckets):
@@ -201,6 +207,9 @@ class GradientAverager:
                 if b.work is not None:
                     b.work.wait()
                     b.work = None
+                if b.wire is not None:
+                    b.buffer.copy_(b.wire)
+                    b.wire = None
         self._sync = False
 
     def zero_grad(self) -> None:

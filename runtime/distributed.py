@@ -20,8 +20,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from partita.compiler.errors import PartitaError
-from partita.compiler.plan import Mesh
+from partita.core.errors import PartitaError
+from partita.core.plan import Mesh
 from partita.runtime.watchdog import stop as stop_watchdog
 from partita.runtime.watchdog import timeout_from_env
 

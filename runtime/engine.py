@@ -14,7 +14,9 @@ all steps so far when the run ends.
 
 from __future__ import annotations
 
+import math
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable
@@ -24,11 +26,14 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
 
-from partita.compiler.errors import PartitaError, PlanError
-from partita.compiler.losses import training_loss
-from partita.compiler.plan import MeshAxis, Plan
+from partita.core.errors import PartitaError, PlanError
+from partita.core.losses import training_loss
+from partita.core.plan import MeshAxis, Plan
+from partita.core.precision import PrecisionPolicy
 from partita.runtime.data_parallel import CollectiveCounter, GradientAverager
 from partita.runtime.distributed import DistContext, build_mesh, init_distributed
+from partita.runtime.grad_norm import clip_coefficient, global_grad_norm
+from partita.runtime.mixed_precision import LossScaler, MasterWeights, cast_parameters
 from partita.runtime.pipeline_parallel import SCHEDULES, PipelineStage
 from partita.runtime.rng import fingerprint, replica_divergence, run_seed
 from partita.runtime.tensor_parallel import TensorParallel
@@ -66,8 +71,6 @@ def refuse_unsupported(plan: Plan) -> None:
                         f"cannot rerun a layer's forward while ZeRO-3 gathers and frees its parameters per node",
                         hint="recompile with ZeRO <= 2 (`partita compile --zero 2`) or without "
                         "recomputation (`--no-recompute`)")
-    if t.precision != "fp32":
-        raise PlanError(later.format(f"precision {t.precision!r}"), hint="recompile with fp32")
 
 
 @dataclass
@@ -76,14 +79,21 @@ class _Program:
 
     module: nn.Module
     loss: Callable[[list[torch.Tensor], torch.Tensor], torch.Tensor] | None  # one micro-batch's loss (pp == 1)
-    optimizer: Optimizer | None  # None for an inference plan
+    optimizer: Optimizer | None  # None for an inference plan: the user's, on the masters (runtime/mixed_precision.py)
     averager: GradientAverager | None
     zero: ZeroProgram | None
     dp_group: dist.ProcessGroup | None
     dp_rank: int
     dp_size: int
     pipeline: PipelineStage | None = None  # pp > 1: this rank's stage, which runs the schedule
-    tied_optimizer: Optimizer | None = None  # ZeRO in a pipeline: the parameters tied across stages
+    master: MasterWeights | None = None  # without ZeRO: what the optimizer updates (ZeRO has its own)
+    policy: PrecisionPolicy = PrecisionPolicy()
+    scaler: LossScaler | None = None  # fp16: the dynamic loss scale
+
+    @property
+    def updates(self) -> MasterWeights | None:
+        """The one optimizer's masters: ZeRO's (its shards and the parameters it was given) or the plain one."""
+        return self.zero.master if self.zero is not None else self.master
 
     @property
     def interpreter(self) -> TensorParallel | None:
@@ -144,6 +154,7 @@ def compose(
     plan.check_matches(world_size=ctx.world_size)
     refuse_unsupported(plan)
     device_mesh = build_mesh(plan.mesh, ctx)
+    policy = PrecisionPolicy.of(plan.training)
     graph_loss = None if plan.training.inference else loss_fn  # an inference plan's graph has no loss
     pipeline = None
     # 1. tensor parallel, and 2. the pipeline split
@@ -168,7 +179,11 @@ def compose(
         eager = module
 
         def loss(xs: list[torch.Tensor], y: torch.Tensor) -> torch.Tensor:
-            return training_loss(loss_fn, eager, xs, y)
+            with policy.autocast(ctx.device):
+                return training_loss(loss_fn, eager, xs, y)
+    # the precision policy (core/precision.py): parameters in its dtype before DP / ZeRO lay
+    # out their buckets; the interpreter runs its forward under autocast, the pipeline sends in it
+    cast_parameters(module, policy)
     # 3. data parallel.
     averager = None
     dp_group, dp_rank, dp_size = None, 0, 1
@@ -177,19 +192,24 @@ def compose(
         dp_group, dp_rank, dp_size = dp_mesh.get_group(), dp_mesh.get_local_rank(), plan.mesh.dp
         _broadcast_from_rank0(module, dp_group)
     interpreter = _interpreter(module, pipeline)
-    if interpreter is not None and ctx.world_size > 1:
-        interpreter.rng = (run_seed(), dp_rank)  # random ops drawn alike over "tp" (runtime/rng.py)
+    if interpreter is not None:
+        interpreter.precision = policy
+        if ctx.world_size > 1:
+            interpreter.rng = (run_seed(), dp_rank)  # random ops drawn alike over "tp" (runtime/rng.py)
     zero = None
-    tied_opt = None
+    master = None
+    reduce = policy.reduce_dtype
     buckets = bucket_bytes or plan.training.grad_bucket_bytes
     if dp_group is not None and not plan.training.inference and plan.training.zero_stage > 0:
         # A parameter tied across pipeline stages stays whole on each (its copies' gradients are
         # summed between the stages, which lay out their ZeRO buckets differently): plain dp
         # averaging and its own optimizer, the same elementwise update.
         tied = {id(q) for q in pipeline.tied_parameters} if pipeline is not None else set()
+        kept = [q for q in module.parameters() if id(q) in tied]
         zero = apply_zero([(n, q) for n, q in module.named_parameters() if id(q) not in tied],
                           plan.training.zero_stage, dp_group, optimizer_factory=optimizer,
-                          bucket_bytes=buckets, counter=counter, axis=MeshAxis.DP.value)
+                          bucket_bytes=buckets, counter=counter, axis=MeshAxis.DP.value,
+                          precision=policy, extra_params=kept)  # one optimizer, the tied ones included
         if plan.training.zero_stage == 3:
             interpreter = _interpreter(module, pipeline)
             if interpreter is not None:
@@ -197,18 +217,19 @@ def compose(
             else:
                 zero.install_module_hooks(module)  # the eager path: around each module's forward
         opt = zero.optimizer
-        if tied:
-            kept = [q for q in module.parameters() if id(q) in tied]
+        if kept:
             averager = GradientAverager(kept, dp_group, bucket_bytes=buckets, counter=counter,
-                                        axis=MeshAxis.DP.value)
-            tied_opt = optimizer(kept)
-    elif dp_group is not None and not plan.training.inference:
-        averager = GradientAverager(module.parameters(), dp_group, bucket_bytes=buckets, counter=counter,
-                                    axis=MeshAxis.DP.value)
-        opt = optimizer(module.parameters())
+                                        axis=MeshAxis.DP.value, reduce_dtype=reduce)
+    elif not plan.training.inference:
+        if dp_group is not None:
+            averager = GradientAverager(module.parameters(), dp_group, bucket_bytes=buckets, counter=counter,
+                                        axis=MeshAxis.DP.value, reduce_dtype=reduce)
+        master = MasterWeights([q for q in module.parameters() if q.requires_grad], optimizer, policy)
+        opt = master.optimizer
     else:
-        opt = None if plan.training.inference else optimizer(module.parameters())
-    return _Program(module, loss, opt, averager, zero, dp_group, dp_rank, dp_size, pipeline, tied_opt)
+        opt = None
+    scaler = LossScaler(policy) if policy.loss_scaling and not plan.training.inference else None
+    return _Program(module, loss, opt, averager, zero, dp_group, dp_rank, dp_size, pipeline, master, policy, scaler)
 
 
 def _load_weights(module: nn.Module, weights: Any) -> None:
@@ -274,6 +295,9 @@ class ParallelModel(nn.Module):
         self.state_names = _state_names(module)
         self._persistent = {k for k, _ in module.named_buffers() if k in module.state_dict(keep_vars=True)}
         self._step = 0
+        self.grad_norm = float("nan")  # the last step's global gradient norm (before clipping)
+        self.log_every = int(os.environ.get("PARTITA_LOG_EVERY", "10") or 0)  # rank 0's progress line
+        self.skipped_steps = 0  # fp16: steps skipped for an inf or nan gradient (the loss scale halved)
         self.batch_check_every = max(1, int(os.environ.get("PARTITA_BATCH_CHECK_EVERY", "100") or 100))
         # every N steps, replicated parameters compared across their groups (0: never; runtime/rng.py)
         self.check_replicas_every = (check_replicas_every if check_replicas_every is not None
@@ -437,8 +461,9 @@ class ParallelModel(nn.Module):
                 hint="every rank must pass the same global batch (seed the data loader alike on every rank), "
                 "or pass local=True with each rank's own share")
 
-    def train_step(self, *inputs: torch.Tensor, targets: torch.Tensor, local: bool = False) -> float:
-        """One optimizer step over the global batch; returns its mean loss (equal on every rank).
+    def train_step(self, *inputs: torch.Tensor, targets: torch.Tensor, local: bool = False) -> "StepResult":
+        """One optimizer step over the global batch; returns its mean loss (equal on every rank), a
+        float that also carries the step's gradient norm, time and throughput (``StepResult``).
 
         By default every rank passes the same global batch and takes its dp
         slice; with ``local=True`` each passes only its own share. The share is
@@ -450,20 +475,27 @@ class ParallelModel(nn.Module):
                             hint="compile a training plan to train")
         if not local and self.ctx.world_size > 1 and self._step % self.batch_check_every == 0:
             self._check_same_batch([*inputs, targets])
+        t0 = time.perf_counter()
         xs = [self._share(x, f"input {i}", local) for i, x in enumerate(inputs)]
         y = self._share(targets, "targets", local)
         self.collectives.reset()
         with FLIGHT.running():  # the watchdog (runtime/watchdog.py) bounds every wait inside
             loss = self._train_step(xs, y)
+            seconds = time.perf_counter() - t0
             if self.check_replicas_every and self._step % self.check_replicas_every == 0:
                 self.check_replicas()
+        first = inputs[0] if inputs else targets
+        per_sample = math.prod(first.shape[1:]) if not first.is_floating_point() and first.dim() > 1 else None
+        result = StepResult(loss, step=self._step, grad_norm=self.grad_norm, seconds=seconds,
+                            samples=self.plan.training.global_batch, tokens_per_sample=per_sample)
+        self._report(result)
         self._checkpoint_if_due()  # outside: writing a large checkpoint may take longer than the limit
-        return loss
+        return result
 
     def _train_step(self, xs: list[torch.Tensor], y: torch.Tensor) -> float:
         tr, p = self.plan.training, self._program
         if p.pipeline is not None:
-            mean = p.pipeline.train_step(xs, y, p.averager, p.dp_group, p.zero)
+            mean = p.pipeline.train_step(xs, y, p.averager, p.dp_group, p.zero, loss_scale=self._loss_scale)
             self._optimizer_step()
             self._step += 1
             return mean
@@ -488,7 +520,7 @@ class ParallelModel(nn.Module):
             # Each rank's gradient is the mean over its share; the averager's (or ZeRO's)
             # dp mean then makes it the mean over the global batch.
             with self.trace.span(BACKWARD, i):
-                (loss / steps).backward()
+                (loss * (self._loss_scale / steps)).backward()
             if p.zero is not None:
                 p.zero.after_backward()
         if p.averager is not None:
@@ -502,22 +534,84 @@ class ParallelModel(nn.Module):
             loss_sum.div_(steps)
         return float(loss_sum)
 
+    def _report(self, result: "StepResult") -> None:
+        """Rank 0: the plan once, then a progress line every ``log_every`` steps, measured next to
+        predicted (``log_every=0`` / ``PARTITA_LOG_EVERY=0``: silent)."""
+        if self.ctx.rank != 0 or not self.log_every:
+            return
+        pred = self.plan.predicted
+        if result.step == 1:
+            t = self.plan.training
+            print(f"partita: plan {self.plan.mesh}, {t.precision}, ZeRO-{t.zero_stage}, {t.grad_accum_steps} "
+                  f"micro-batch(es) of {t.micro_batch_size}"
+                  + (f", {t.schedule}" if self.plan.mesh.pp > 1 else "")
+                  + f"; predicted {pred.step_time_s * 1e3:.0f} ms/step", flush=True)
+        if result.step % self.log_every == 0:
+            rate = (f", {result.tokens_per_s:,.0f} tokens/s" if result.tokens_per_s is not None
+                    else f", {result.samples_per_s:,.1f} samples/s")
+            print(f"partita: step {result.step} loss {float(result):.4f} grad norm {result.grad_norm:.3g} "
+                  f"{result.seconds * 1e3:.0f} ms/step (predicted {pred.step_time_s * 1e3:.0f}){rate}"
+                  + (f", {self.skipped_steps} skipped (fp16 overflow)" if self.skipped_steps else ""), flush=True)
+
+    @property
+    def _loss_scale(self) -> float:
+        """What the loss is multiplied by before backward (fp16's dynamic scale, else 1)."""
+        return self._program.scaler.scale if self._program.scaler is not None else 1.0
+
     def _optimizer_step(self) -> None:
+        """The one optimizer's step on every rank, or (fp16, an inf or nan gradient on any rank) on
+        none; clipped to the plan's ``max_grad_norm`` by the global gradient norm (runtime/grad_norm.py),
+        whose all-reduce also tells every rank whether any gradient overflowed."""
         p = self._program
+        inv_scale = 1.0 / self._loss_scale
+        self.grad_norm = global_grad_norm(p, self.plan.mesh.tp, self.ctx.device, inv_scale)
+        skip = p.scaler is not None and not math.isfinite(self.grad_norm)
+        inv_scale *= clip_coefficient(self.grad_norm, self.plan.training.max_grad_norm)
         if p.zero is not None:
-            p.zero.step()  # the optimizer on this rank's shards, then the parameters all-gathered
+            if not skip:
+                p.zero.step(inv_scale)  # the optimizer on this rank's shards, then the parameters all-gathered
             p.zero.zero_grad()
-            if p.tied_optimizer is not None:
-                p.tied_optimizer.step()
+            if p.averager is not None:
                 p.averager.zero_grad()
-        elif p.averager is not None:
-            self.optimizer.step()
-            p.averager.zero_grad()
         else:
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
+            if not skip:
+                p.master.step(inv_scale)
+            if p.averager is not None:
+                p.averager.zero_grad()
+            else:
+                self.optimizer.zero_grad(set_to_none=True)
+                for q in p.master.params:
+                    q.grad = None
+        if p.scaler is not None:
+            p.scaler.update(skip)
+            self.skipped_steps = p.scaler.skipped
         if self._trace_path:
             self.write_trace(self._trace_path)
+
+
+class StepResult(float):
+    """``train_step``'s mean loss (a float, as before), with what else the step measured:
+    ``grad_norm`` (the global gradient norm, before clipping), ``seconds`` (wall time of the step
+    on this rank), ``samples_per_s`` and, for token inputs, ``tokens_per_s``; ``step`` is
+    ``model.step`` after it."""
+
+    step: int
+    grad_norm: float
+    seconds: float
+    samples_per_s: float
+    tokens_per_s: float | None
+
+    def __new__(cls, loss: float, *, step: int, grad_norm: float, seconds: float, samples: int,
+                tokens_per_sample: int | None) -> "StepResult":
+        self = super().__new__(cls, loss)
+        self.step, self.grad_norm, self.seconds = step, grad_norm, seconds
+        self.samples_per_s = samples / seconds if seconds > 0 else float("inf")
+        self.tokens_per_s = self.samples_per_s * tokens_per_sample if tokens_per_sample else None
+        return self
+
+    @property
+    def loss(self) -> float:
+        return float(self)
 
 
 def apply_plan(

@@ -57,8 +57,8 @@ import torch.distributed as dist
 import torch.fx
 from torch import nn
 
-from partita.compiler.errors import PlanError
-from partita.compiler.plan import MeshAxis, Plan, tied_stages
+from partita.core.errors import PlanError
+from partita.core.plan import MeshAxis, Plan, tied_stages
 from partita.runtime.data_parallel import CollectiveCounter, GradientAverager
 from partita.runtime.tensor_parallel import TensorParallel, local_shape
 from partita.runtime.trace import BACKWARD, FORWARD, TraceRecorder
@@ -291,7 +291,8 @@ class PipelineStage(nn.Module):
             self._sends.append((dist.isend(t, dst=dst, group=self.pp_group), t))
 
     def _recv(self, wire: list[tuple[torch.fx.Node, Any, str]], src: int) -> list[torch.Tensor]:
-        bufs = [torch.empty(local_shape(v.shape, placement, self.tp.tp.size), dtype=v.dtype, device=self.device)
+        dtype = self.tp.precision.held_dtype  # floating activations cross in the compute dtype (``_send``'s)
+        bufs = [torch.empty(local_shape(v.shape, placement, self.tp.tp.size), dtype=dtype(v.dtype), device=self.device)
                 for _, v, placement in wire]
         FLIGHT.entered("recv", PP, sum(b.numel() * b.element_size() for b in bufs), tuple(sorted((src, self.rank))))
         works = [dist.irecv(b, src=src, group=self.pp_group) for b in bufs]
@@ -333,7 +334,8 @@ class PipelineStage(nn.Module):
             if grad:
                 self._inflight[k] = _InFlight([], received, out)
             return out
-        outs = [t for n in g.send for t in _tensor_vals(env[n])]
+        # in the compute dtype (what the plan prices), a differentiable cast: the gradient comes back in it
+        outs = [self.tp.precision.wire(t) for n in g.send for t in _tensor_vals(env[n])]
         self._send(outs, self.next)
         if grad:
             sent = [t for (n, v, _), t in zip(self._wire(g.send, grads_only=False), outs)
@@ -360,7 +362,8 @@ class PipelineStage(nn.Module):
     # -- a step ----------------------------------------------------------------------
 
     def train_step(self, xs: list[torch.Tensor], y: torch.Tensor, averager: GradientAverager | None,
-                   dp_group: dist.ProcessGroup | None, zero: "ZeroProgram | None" = None) -> float:
+                   dp_group: dist.ProcessGroup | None, zero: "ZeroProgram | None" = None,
+                   loss_scale: float = 1.0) -> float:
         """One step of the plan's schedule over this rank's share (``grad_accum_steps`` micro-batches);
         gradients are averaged over "dp" (or reduce-scattered by ``zero``, runtime/zero.py, told
         where each forward and backward starts) and tied copies summed. Returns the global mean loss."""
@@ -380,7 +383,7 @@ class PipelineStage(nn.Module):
                     averager.begin(sync=k == m - 1)
                 if zero is not None:
                     zero.begin_backward(k == m - 1)
-                self.backward_micro(k, 1.0 / m)
+                self.backward_micro(k, loss_scale / m)
                 if zero is not None:
                     zero.after_backward()
         if averager is not None:

@@ -48,7 +48,7 @@ def run_seed(group: dist.ProcessGroup | None = None) -> int:
         try:
             return int(raw) % (1 << 63)
         except ValueError:
-            from partita.compiler.errors import PartitaError
+            from partita.core.errors import PartitaError
 
             raise PartitaError(f"{SEED_ENV}={raw!r} must be an integer") from None
     seed = torch.tensor([torch.initial_seed() % (1 << 63)], dtype=torch.int64)

@@ -118,7 +118,6 @@ def _tensors_of(model: "ParallelModel") -> Iterator[_Held]:
         for b in zero.buckets:
             for p, offset in zip(b.members, b.offsets):
                 in_zero[id(p)] = (b, offset)
-    tied_opt = program.tied_optimizer
     for name, (param, placement) in local.items():
         shape = shapes.get(name, tuple(param.shape))
         origin = [0] * len(shape)
@@ -128,12 +127,7 @@ def _tensors_of(model: "ParallelModel") -> Iterator[_Held]:
             origin[d] = chunk_offset(shape[d], t_size, t_rank)
             local_shape[d] = min(shape[d], origin[d] + -(-shape[d] // t_size)) - origin[d]
         z = in_zero.get(id(param))
-        if z is not None:
-            opt = zero.optimizer
-        elif tied_opt is not None and any(param is q for q in program.pipeline.tied_parameters):
-            opt = tied_opt
-        else:
-            opt = model.optimizer
+        opt = model.optimizer  # the one optimizer (ZeRO's, on its shards and any whole parameters)
         yield _Held(aliases.get(name, [name]), shape, tuple(origin), tuple(local_shape), param, opt, z)
 
 
@@ -236,10 +230,13 @@ def training_state(model: "ParallelModel") -> dict[str, Any]:
         _init_optimizer_state(opt)
     model_part: dict[str, Any] = {}
     optim_part: dict[str, Any] = {}
+    updates = model._program.updates
+    master = updates.master_of if updates is not None else (lambda t: t)  # fp32 masters under mixed precision
     for h in _tensors_of(model):
-        shard = h.zero[0].shard if h.zero is not None else None
-        pieces = _pieces(h, shard, h.param)
-        state = h.optimizer.state.get(shard if shard is not None else h.param, {}) if h.optimizer else {}
+        shard = master(h.zero[0].shard) if h.zero is not None else None
+        param = master(h.param)
+        pieces = _pieces(h, shard, param)
+        state = h.optimizer.state.get(shard if shard is not None else param, {}) if h.optimizer else {}
         for name in h.names:
             if pieces:
                 model_part[name] = _sharded(pieces, h.shape)
@@ -259,8 +256,7 @@ def training_state(model: "ParallelModel") -> dict[str, Any]:
 
 
 def _optimizers(model: "ParallelModel") -> list[torch.optim.Optimizer]:
-    p = model._program
-    return [o for o in (model.optimizer, p.tied_optimizer) if o is not None]
+    return [o for o in (model.optimizer,) if o is not None]
 
 
 def _init_optimizer_state(opt: torch.optim.Optimizer) -> None:
@@ -323,7 +319,7 @@ def save(model: "ParallelModel", path: Any, *, extra: dict | None = None, async_
     try:
         state["meta"] = json.dumps(_meta(model, extra))  # one leaf (a dict would be flattened), no pickle
     except TypeError as e:
-        from partita.compiler.errors import PartitaError
+        from partita.core.errors import PartitaError
 
         raise PartitaError(f"save_checkpoint's extra must hold plain values (numbers, strings, lists, dicts): {e}") from e
     if async_save:
@@ -338,7 +334,7 @@ def load(model: "ParallelModel", path: Any) -> dict:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemReader
 
-    from partita.compiler.errors import PartitaError
+    from partita.core.errors import PartitaError
 
     try:
         saved = FileSystemReader(str(path)).read_metadata()
@@ -359,6 +355,8 @@ def load(model: "ParallelModel", path: Any) -> dict:
     for opt in _optimizers(model):
         for g, saved_g in zip(opt.param_groups, meta.get("param_groups", [])):
             g.update(saved_g)
+    if model._program.updates is not None:
+        model._program.updates.masters_to_params()  # mixed precision: the masters cast into the parameters
     if model._program.zero is not None:
         model._program.zero.shards_to_params()  # ZeRO-1/2: every rank's slice back into the full parameters
     for packed in state["rng"].values():
@@ -419,7 +417,7 @@ def open_weights(path: Any) -> Mapping[str, torch.Tensor]:
     """Pretrained weights as a mapping read lazily: a ``torch.save``d state dict (memory-mapped: a
     rank touches only the pages of the tensors and slices it takes) or a ``.safetensors`` file
     (a rank reads only the tensors its stage holds)."""
-    from partita.compiler.errors import PartitaError
+    from partita.core.errors import PartitaError
 
     path = Path(path)
     if not path.is_file():

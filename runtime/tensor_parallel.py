@@ -55,11 +55,12 @@ import torch.utils.checkpoint
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 
-from partita.compiler.capture import CapturedModel, capture
-from partita.compiler.errors import PlanError
-from partita.compiler.inputs import InputSpec, parse_input_spec
-from partita.compiler.plan import InputLayout, MeshAxis, NodeDecision, Plan
-from partita.compiler.verify import check_layouts
+from partita.core.capture import CapturedModel, capture
+from partita.core.errors import PlanError
+from partita.core.inputs import InputSpec, parse_input_spec
+from partita.core.plan import InputLayout, MeshAxis, NodeDecision, Plan
+from partita.core.precision import FP32
+from partita.passes.verify import check_layouts
 from partita.runtime.data_parallel import CollectiveCounter
 from partita.runtime.rng import is_random, op_seed, seeded
 from partita.runtime.sharded_state import open_weights
@@ -188,6 +189,8 @@ class _VocabCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, logits: torch.Tensor, targets: torch.Tensor, g: TPGroup, ignore_index: int) -> torch.Tensor:
+        ctx.dtype = logits.dtype
+        logits = logits.float()  # the softmax in fp32 whatever the compute dtype (as autocast runs a loss)
         n, c = logits.shape  # (N, C/t)
         lo = g.rank * c
         m = g.all_reduce(logits.detach().amax(dim=1), dist.ReduceOp.MAX)  # (N,)
@@ -211,7 +214,7 @@ class _VocabCrossEntropy(torch.autograd.Function):
         rows = mine.nonzero().squeeze(1)
         out[rows, local_t[rows]] -= 1
         out *= (valid[:, None] * grad / count).to(out.dtype)
-        return out, None, None, None
+        return out.to(ctx.dtype), None, None, None
 
 
 class _VocabSoftmax(torch.autograd.Function):
@@ -219,6 +222,8 @@ class _VocabSoftmax(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, dim: int, log: bool, g: TPGroup) -> torch.Tensor:
+        ctx.dtype = x.dtype
+        x = x.float()  # in fp32 whatever the compute dtype, as autocast runs softmax
         m = g.all_reduce(x.detach().amax(dim=dim, keepdim=True), dist.ReduceOp.MAX)
         z = x - m
         s = g.all_reduce(z.exp().sum(dim=dim, keepdim=True))
@@ -230,11 +235,12 @@ class _VocabSoftmax(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
         (y,) = ctx.saved_tensors
+        grad = grad.float()
         if ctx.log:
             total = ctx.g.all_reduce(grad.sum(dim=ctx.dim, keepdim=True))
-            return grad - y.exp() * total, None, None, None
+            return (grad - y.exp() * total).to(ctx.dtype), None, None, None
         total = ctx.g.all_reduce((grad * y).sum(dim=ctx.dim, keepdim=True))
-        return y * (grad - total), None, None, None
+        return (y * (grad - total)).to(ctx.dtype), None, None, None
 
 
 def _rank0(g: TPGroup, b: torch.Tensor) -> torch.Tensor:
@@ -432,6 +438,8 @@ class _LocalInterpreter(torch.fx.Interpreter):
             return args[0]
         if n.op != "call_function":
             raise PlanError(f"node {n.name}: {n.op} nodes are not supported by the tensor-parallel runtime")
+        if n.target is torch.ops.aten._assert_tensor_metadata.default and self.p.precision.low:
+            return None  # export's check of the captured (fp32) dtype: the policy computes in another
         try:
             out = self._run_op(n, d, args, kwargs)
         except Exception as e:
@@ -553,6 +561,7 @@ class TensorParallel(nn.Module):
             module.to("meta")  # drop the full tensors: this rank keeps only its slices
         self.param_access: ParamAccess | None = None  # set by compose under ZeRO-3
         self.rng: tuple[int, int] | None = None  # (run seed, dp rank): random ops seeded per op (runtime/rng.py)
+        self.precision = FP32  # the plan's precision policy, set by compose: forward runs under its autocast
         self.param_reads, self.param_last_reads = self._param_readers()
         self.recomputed = recomputed_layers(plan)  # node -> layer, on the stages that recompute
         self._regions: dict[tuple[str, ...], list[torch.fx.Node | Region]] = {}
@@ -694,7 +703,8 @@ class TensorParallel(nn.Module):
 
     def run_nodes(self, nodes: list[torch.fx.Node], env: dict[torch.fx.Node, Any]) -> dict[torch.fx.Node, Any]:
         """Run ``nodes`` (a subset of ``self.nodes``, in graph order) over ``env``; see ``_LocalInterpreter``."""
-        return _LocalInterpreter(self).run_nodes(nodes, env)
+        with self.precision.autocast(self.device):
+            return _LocalInterpreter(self).run_nodes(nodes, env)
 
     def check_shapes(self, n: torch.fx.Node, d: NodeDecision, out: Any) -> None:
         """Raise if a local output's shape is not the plan's (the global shape, sharded)."""

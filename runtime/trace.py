@@ -25,7 +25,7 @@ from typing import Any, Iterator
 
 import torch.distributed as dist
 
-from partita.compiler.plan import Plan
+from partita.core.plan import Plan
 from partita.runtime.watchdog import FLIGHT
 
 FORWARD, BACKWARD = "forward", "backward"

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable, TextIO
 
-from partita.compiler.plan import Mesh
+from partita.core.plan import Mesh
 
 DEFAULT_TIMEOUT_S = 300.0
 ENV = "PARTITA_WATCHDOG_S"
@@ -55,7 +55,7 @@ def timeout_from_env(default: float = DEFAULT_TIMEOUT_S) -> float:
     except ValueError:
         value = -1.0
     if not value >= 0 or value == float("inf"):
-        from partita.compiler.errors import PartitaError
+        from partita.core.errors import PartitaError
 
         raise PartitaError(f"{ENV}={raw!r} must be a number of seconds >= 0 (0 turns the watchdog off)")
     return value

@@ -74,7 +74,9 @@ from torch import nn
 from torch.autograd.graph import register_multi_grad_hook
 from torch.optim import Optimizer
 
+from partita.core.precision import FP32, PrecisionPolicy
 from partita.runtime.data_parallel import DEFAULT_BUCKET_BYTES, CollectiveCounter, _bucket_members, grad_params
+from partita.runtime.mixed_precision import MasterWeights
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], Optimizer]
 
@@ -105,6 +107,7 @@ class _FlatBucket:
         self.shard: nn.Parameter | None = None  # (S,) what the optimizer updates
         self.ready: set[int] = set()  # members whose gradient this backward has produced
         self.work: dist.Work | None = None
+        self.wire: torch.Tensor | None = None  # the gradient bucket upcast to the reduce dtype, while reduced
         self.pending: set[int] = set()  # stage 3 forward: members gathered and not yet released
         self.seen = False  # stage 3: gathered at least once in this forward
 
@@ -158,6 +161,8 @@ class ZeroProgram:
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         counter: CollectiveCounter | None = None,
         axis: str = "dp",
+        precision: PrecisionPolicy = FP32,
+        extra_params: Sequence[nn.Parameter] = (),
     ) -> None:
         if stage not in (1, 2, 3):
             raise ValueError(f"zero stage={stage} must be 1, 2 or 3 (stage 0 is GradientAverager)")
@@ -178,7 +183,11 @@ class ZeroProgram:
         for b in self.buckets:
             for p in b.members:
                 p.register_post_accumulate_grad_hook(self._on_grad_ready)
-        self.optimizer = optimizer_factory(self.shards)
+        # the one optimizer: on the shards' fp32 masters under mixed precision, and on
+        # ``extra_params`` (whole parameters compose averages apart, e.g. tied across stages)
+        self.precision = precision
+        self.master = MasterWeights([*self.shards, *extra_params], optimizer_factory, precision)
+        self.optimizer = self.master.optimizer
         self._sync = False
         self._next = 0  # buckets launch in index order, the same on every rank
         self.launched_in_backward = 0  # buckets of the last backward launched by a hook (overlapped)
@@ -253,9 +262,12 @@ class ZeroProgram:
             if b.grad_flat is None:  # no gradient reached this bucket: it still joins the collective
                 b.grad_flat = b.new_flat()
             flat = b.grad_flat
+        reduce = self.precision.reduce_dtype
+        if reduce != flat.dtype:  # e.g. bf16 gradients summed in fp32, the mean cast back in after_backward
+            flat = b.wire = flat.to(reduce)
         flat.div_(self.size)
         b.work = dist.reduce_scatter_single(flat[b.own], flat, group=self.group, async_op=True)
-        self.counter.record("reduce_scatter", self.axis, b.nbytes)
+        self.counter.record("reduce_scatter", self.axis, flat.numel() * flat.element_size())
         if self.stage == 3:
             self._free_params(b, park=False)  # backward is done with them (autograd may still hold views)
 
@@ -276,6 +288,9 @@ class ZeroProgram:
             with self.counter.blocking("reduce_scatter", self.axis):
                 b.work.wait()
             b.work = None
+            if b.wire is not None:
+                (b.grads_flat if self.stage == 1 else b.grad_flat)[b.own].copy_(b.wire[b.own])
+                b.wire = None
             if self.stage >= 2:
                 shard.grad += b.grad_flat[b.own]
                 b.grad_flat = None
@@ -287,9 +302,10 @@ class ZeroProgram:
 
     # -- the step --------------------------------------------------------------------------
 
-    def step(self) -> None:
-        """The optimizer on this rank's shards; stages 1-2 then all-gather the full parameters."""
-        self.optimizer.step()
+    def step(self, inv_scale: float = 1.0) -> None:
+        """The optimizer on this rank's shards (their masters); stages 1-2 then all-gather the full
+        parameters."""
+        self.master.step(inv_scale)
         self.shards_to_params()
 
     def shards_to_params(self) -> None:
@@ -452,8 +468,11 @@ class ZeroProgram:
         else:
             params = nbytes(b.params_flat for b in self.buckets)
             grads = nbytes(b.grads_flat for b in self.buckets) if self.stage == 1 else nbytes(s.grad for s in self.shards)
-        optimizer = nbytes(t for state in self.optimizer.state.values() for t in state.values()
+        masters = [self.master.master_of(s) for s in self.shards]
+        optimizer = nbytes(t for m in masters for t in self.optimizer.state.get(m, {}).values()
                            if isinstance(t, torch.Tensor))
+        if self.master.separate:
+            optimizer += nbytes(masters)  # fp32 master weights, counted with the optimizer state (ZeRO's K)
         return {"params": params, "grads": grads, "optimizer": optimizer}
 
 
@@ -476,6 +495,8 @@ def apply_zero(
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     counter: CollectiveCounter | None = None,
     axis: str = "dp",
+    precision: PrecisionPolicy = FP32,
+    extra_params: Sequence[nn.Parameter] = (),
 ) -> ZeroProgram:
     """Shard these local parameters' model state over ``dp_group`` as ZeRO ``stage`` says.
 
@@ -484,4 +505,5 @@ def apply_zero(
     by ``optimizer_factory`` on the flat shards; use ``program.optimizer``.
     """
     return ZeroProgram(named_params, stage, dp_group, optimizer_factory=optimizer_factory,
-                       bucket_bytes=bucket_bytes, counter=counter, axis=axis)
+                       bucket_bytes=bucket_bytes, counter=counter, axis=axis, precision=precision,
+                       extra_params=extra_params)

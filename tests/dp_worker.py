@@ -20,8 +20,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from examples.models import MLP, gpt_tiny
-from partita.compiler.errors import PartitaError, PlanError
-from partita.compiler.plan import (
+from partita.core.errors import PartitaError, PlanError
+from partita.core.plan import (
     Collective, MemoryBreakdown, Mesh, ModelInfo, Plan, Prediction, SolverReport, Training,
 )
 from partita.runtime.distributed import DistContext, destroy, init_distributed

@@ -15,7 +15,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import partita  # noqa: E402
-from partita.compiler.losses import resolve_loss, training_loss  # noqa: E402
+from partita.core.losses import resolve_loss, training_loss  # noqa: E402
 
 STEPS, BATCH, SEQ, VOCAB, CLASSES = 2, 4, 16, 256, 3
 

@@ -30,8 +30,8 @@ import torch.distributed as dist
 from dp_worker import OPTIMIZERS, gpt_batch, reference_step, run_launch
 from examples.models import MLP, SmallCNN, gpt_tiny
 from partita.compiler.api import default_loss
-from partita.compiler.errors import PartitaError
-from partita.compiler.plan import load_plan
+from partita.core.errors import PartitaError
+from partita.passes.verify import load_plan
 from partita.runtime.distributed import DistContext
 from partita.runtime.engine import ParallelModel
 from tp_worker import hf_gpt2_tiny, hf_llama_tiny
@@ -103,7 +103,7 @@ def _plan_file(outdir: str, case: Case) -> Path:
 def compile_case(case: Case, outdir: str) -> None:
     """Plan ``case`` as ``partita compile`` would; write the plan, or the planner's refusal."""
     from partita.compiler.compile import compile_model
-    from partita.compiler.inputs import parse_input_spec
+    from partita.core.inputs import parse_input_spec
     from partita.passes.cluster import load_cluster
     from partita.passes.constraints import Pins
 

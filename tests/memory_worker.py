@@ -31,7 +31,8 @@ from torch._subclasses.fake_tensor import FakeTensor
 from dp_worker import run_launch
 from examples.models import GPT, GPTConfig
 from partita.compiler.api import default_loss
-from partita.compiler.plan import Plan, load_plan
+from partita.core.plan import Plan
+from partita.passes.verify import load_plan
 from partita.passes.cost_model import model_state_memory, state_bytes_per_param
 from partita.runtime.distributed import DistContext
 from partita.runtime.engine import ParallelModel
@@ -86,7 +87,7 @@ def _plan(ctx: DistContext, pins: dict, outdir: str) -> Plan:
     path = f"{outdir}/gpt-{'-'.join(f'{k}{v}' for k, v in pins.items())}.plan.json"
     if ctx.rank == 0:
         from partita.compiler.compile import compile_model
-        from partita.compiler.inputs import parse_input_spec
+        from partita.core.inputs import parse_input_spec
         from partita.passes.cluster import load_cluster
         from partita.passes.constraints import Pins
 

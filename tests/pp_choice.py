@@ -30,9 +30,9 @@ def boundary_cuts(G, layers_before: list[int]) -> list[str]:
 def pp_plan(module, inputs: list, loss, targets, *, pp: int, cuts_at: list[int], schedule: str, tp: int = 1,
             dp: int = 1, mbs: int = 2, accum: int = 4, pins: Mapping[tuple[str, str], str] | None = MEGATRON,
             inference: bool = False):
-    from partita.compiler.capture import capture
-    from partita.compiler.inputs import InputSpec
-    from partita.compiler.plan import Mesh, Stage
+    from partita.core.capture import capture
+    from partita.core.inputs import InputSpec
+    from partita.core.plan import Mesh, Stage
     from partita.passes.pipeline_parallel import stage_of_nodes
     from partita.passes.profile import profile_model
 

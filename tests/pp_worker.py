@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from dp_worker import OPTIMIZERS, SEQ, gpt_batch, gpt_loss, run_launch
 from examples.models import GPT, GPTConfig, gpt_tiny
-from partita.compiler.inputs import InputSpec
+from partita.core.inputs import InputSpec
 from partita.compiler.timeline import load_trace, measured_timeline
 from partita.runtime.distributed import DistContext
 from partita.runtime.engine import ParallelModel

@@ -20,8 +20,8 @@ import torch
 from dp_worker import run_launch
 from examples.models import hf_bert_mlm
 from partita.compiler.compile import compile_model
-from partita.compiler.errors import PartitaError
-from partita.compiler.inputs import parse_input_spec
+from partita.core.errors import PartitaError
+from partita.core.inputs import parse_input_spec
 from partita.passes.cluster import load_cluster
 from partita.passes.constraints import Pins
 from partita.runtime.distributed import DistContext

@@ -6,11 +6,12 @@ The numbers are plausible, not predictions: the view and diff tests read them ba
 
 from __future__ import annotations
 
-from partita.compiler.plan import (
+from partita.core.plan import (
     Alternative, Collective, InputLayout, MemoryBreakdown, Mesh, ModelInfo, NodeDecision, ParamDecision, Plan,
-    Prediction, SolverReport, Stage, Training, plan_from_data,
+    Prediction, SolverReport, Stage, Training,
 )
 from partita.passes.cluster import PRESETS
+from partita.passes.verify import verified_plan
 
 R, P = "replicate", "partial"
 
@@ -173,7 +174,7 @@ def synthetic_plan(*, name: str = "llama-70b-synthetic", layers: int = 80, hidde
         stages=tuple(stages), alternatives=tuple(alts),
     )
     # Everything the view reads must survive the file format (checking it takes seconds on a 70B plan).
-    return plan_from_data(plan.to_dict(), source="synthetic plan") if validate else plan
+    return verified_plan(plan.to_dict(), source="synthetic plan") if validate else plan
 
 
 def _stage_modules(layer_stage: list[int], s: int, layers: int, pp: int) -> tuple[str, ...]:

@@ -14,8 +14,8 @@ import torch.nn as nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from examples.models import GPT, MLP, GPTConfig, SmallCNN, hf_llama  # noqa: E402
-from partita.compiler.capture import capture  # noqa: E402
-from partita.compiler.inputs import parse_input_spec  # noqa: E402
+from partita.core.capture import capture  # noqa: E402
+from partita.core.inputs import parse_input_spec  # noqa: E402
 from partita.passes.activations import annotate_saved_activations  # noqa: E402
 from partita.passes.flops import annotate_flops  # noqa: E402
 from partita.passes.graph import to_networkx  # noqa: E402

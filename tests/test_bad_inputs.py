@@ -22,8 +22,8 @@ import pytest
 import torch
 
 from partita.compiler.cli import cli, main
-from partita.compiler.errors import PartitaError
-from partita.compiler.plan import SEAL, seal_digest
+from partita.core.errors import PartitaError
+from partita.core.plan import SEAL, seal_digest
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))

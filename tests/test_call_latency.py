@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from partita.compiler.errors import ClusterError
+from partita.core.errors import ClusterError
 from partita.passes.cluster import COLLECTIVES, PRESETS, Link, load_cluster
 from partita.passes.cost_model import calibrated_local, collective_time
 
@@ -58,7 +58,7 @@ def test_when_calls_cost_the_tp_search_prefers_megatron_to_per_layer_gathers():
     cost per call (order 1 ms here), the column-then-row layout's few all-reduces win."""
     from examples.models import GPT, GPTConfig
     from partita.compiler.compile import compile_model
-    from partita.compiler.inputs import parse_input_spec
+    from partita.core.inputs import parse_input_spec
     from partita.passes.constraints import Pins
 
     def model():

@@ -16,9 +16,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from examples.models import MLP, SmallCNN, gpt_tiny, hf_gpt2, hf_llama, llama2_70b  # noqa: E402
-from partita.compiler.capture import EXPORT, SYMBOLIC_TRACE, capture  # noqa: E402
-from partita.compiler.errors import CaptureError, InputSpecError  # noqa: E402
-from partita.compiler.inputs import InputSpec, parse_input_spec  # noqa: E402
+from partita.core.capture import EXPORT, SYMBOLIC_TRACE, capture  # noqa: E402
+from partita.core.errors import CaptureError, InputSpecError  # noqa: E402
+from partita.core.inputs import InputSpec, parse_input_spec  # noqa: E402
 from partita.passes.graph import graph_fingerprint, to_networkx  # noqa: E402
 
 
@@ -192,8 +192,8 @@ def test_llama_70b_width_allocates_no_parameter_memory() -> None:
 _FINGERPRINT = """
 import sys; sys.path.insert(0, {root!r})
 from examples.models import gpt_tiny
-from partita.compiler.capture import capture
-from partita.compiler.inputs import parse_input_spec
+from partita.core.capture import capture
+from partita.core.inputs import parse_input_spec
 from partita.passes.graph import graph_fingerprint, to_networkx
 print(graph_fingerprint(to_networkx(capture(gpt_tiny, [parse_input_spec("idx=int64[2,16]")]))))
 """

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from partita.compiler.cli import main
-from partita.compiler.plan import SCHEMA_VERSION, load_plan
+from partita.core.plan import SCHEMA_VERSION
+from partita.passes.verify import load_plan
 
 ROOT = Path(__file__).resolve().parents[1]
 GPT = f"{ROOT}/examples/models.py:gpt_tiny"

@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from partita.compiler.errors import ClusterError
+from partita.core.errors import ClusterError
 from partita.passes.cluster import GB, PRESETS, load_cluster
 from partita.passes.cost_model import (
     collective_time,

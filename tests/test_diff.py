@@ -12,8 +12,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from synthetic_plans import small_plan  # noqa: E402
 
 from partita.compiler.diff import diff_command, diff_plans, diff_table  # noqa: E402
-from partita.compiler.errors import PlanError  # noqa: E402
-from partita.compiler.plan import Mesh  # noqa: E402
+from partita.core.errors import PlanError  # noqa: E402
+from partita.core.plan import Mesh  # noqa: E402
 
 
 def text_of(renderable) -> str:

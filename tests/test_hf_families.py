@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from partita.compiler.compile import compile_model
-from partita.compiler.inputs import parse_input_spec
-from partita.compiler.losses import resolve_loss
+from partita.core.inputs import parse_input_spec
+from partita.core.losses import resolve_loss
 from partita.passes.cluster import load_cluster
 from partita.passes.constraints import Pins
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from partita.compiler.compile import compile_model
-from partita.compiler.inputs import parse_input_spec
+from partita.core.inputs import parse_input_spec
 from partita.passes.cluster import load_cluster
 from partita.passes.constraints import Pins
 from partita.runtime.launch import slurm_layout

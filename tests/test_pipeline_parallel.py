@@ -11,9 +11,9 @@ import torch.nn as nn
 
 from examples.models import GPT, GPTConfig, gpt_tiny
 from partita.compiler.api import default_loss
-from partita.compiler.capture import capture
-from partita.compiler.errors import InfeasibleError, PartitaError
-from partita.compiler.inputs import parse_input_spec
+from partita.core.capture import capture
+from partita.core.errors import InfeasibleError, PartitaError
+from partita.core.inputs import parse_input_spec
 from partita.passes.cluster import GB, PRESETS, load_cluster
 from partita.passes.constraints import Pins, TrainingRequest
 from partita.passes.cost_model import bubble_fraction, collective_time, state_bytes_per_param

@@ -4,7 +4,7 @@ import dataclasses
 
 import pytest
 
-from partita.compiler.errors import InfeasibleError, PartitaError
+from partita.core.errors import InfeasibleError, PartitaError
 from partita.passes.cluster import GB, PRESETS, load_cluster
 from partita.passes.constraints import Pins, TrainingRequest
 from partita.passes.cost_model import collective_time

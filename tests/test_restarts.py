@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from partita.compiler.compile import compile_model
-from partita.compiler.inputs import parse_input_spec
+from partita.core.inputs import parse_input_spec
 from partita.passes.cluster import load_cluster
 from partita.passes.constraints import Pins
 from partita.runtime.sharded_state import COMPLETE, latest, step_dir

@@ -27,7 +27,7 @@ import dp_worker  # noqa: E402
 from dp_worker import (  # noqa: E402
     MLP_BUCKET_BYTES, MLP_BUCKETS, OPTIMIZERS, make_plan, mlp, mlp_batch,
 )
-from partita.compiler.errors import PartitaError  # noqa: E402
+from partita.core.errors import PartitaError  # noqa: E402
 from partita.runtime.data_parallel import bucket_layout  # noqa: E402
 from partita.runtime.engine import ParallelModel  # noqa: E402
 

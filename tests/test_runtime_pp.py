@@ -61,9 +61,9 @@ def test_split_refuses_a_stage_map_against_the_graph_order():
 
     from dp_worker import SEQ, gpt_loss
     from examples.models import gpt_tiny
-    from partita.compiler.capture import capture
-    from partita.compiler.errors import PlanError
-    from partita.compiler.inputs import InputSpec
+    from partita.core.capture import capture
+    from partita.core.errors import PlanError
+    from partita.core.inputs import InputSpec
     from partita.runtime.pipeline_parallel import split_stages
 
     c = capture(gpt_tiny(), [InputSpec("idx", torch.int64, (2, SEQ))], loss=gpt_loss)

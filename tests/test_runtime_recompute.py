@@ -24,8 +24,8 @@ for path in (ROOT, ROOT / "tests"):  # spawned ranks inherit sys.path
 
 import dp_worker  # noqa: E402
 import recompute_worker  # noqa: E402
-from partita.compiler.errors import PlanError  # noqa: E402
-from partita.compiler.plan import NodeDecision, Stage  # noqa: E402
+from partita.core.errors import PlanError  # noqa: E402
+from partita.core.plan import NodeDecision, Stage  # noqa: E402
 from partita.runtime.engine import refuse_unsupported  # noqa: E402
 
 

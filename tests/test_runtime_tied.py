@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from partita.compiler.compile import compile_model
-from partita.compiler.inputs import parse_input_spec
-from partita.compiler.plan import tied_stages
+from partita.core.inputs import parse_input_spec
+from partita.core.plan import tied_stages
 from partita.passes.cluster import load_cluster
 from partita.passes.constraints import Pins
 

@@ -16,14 +16,14 @@ from pathlib import Path
 
 import pytest
 
-from partita.compiler.errors import InfeasibleError
+from partita.core.errors import InfeasibleError
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from examples.models import GPT, GPTConfig  # noqa: E402
 from partita.compiler.api import default_loss  # noqa: E402
-from partita.compiler.capture import capture  # noqa: E402
-from partita.compiler.inputs import parse_input_spec  # noqa: E402
+from partita.core.capture import capture  # noqa: E402
+from partita.core.inputs import parse_input_spec  # noqa: E402
 from partita.passes.cluster import PRESETS  # noqa: E402
 from partita.passes.constraints import Pins, TrainingRequest  # noqa: E402
 from partita.passes.cost_model import state_bytes_per_param, zero_traffic_elements  # noqa: E402
@@ -126,7 +126,7 @@ def test_own_choice_at_least_as_fast_as_the_published_22b_run():
 def test_a_pinned_schedule_gives_a_pipeline_with_that_schedule():
     """`--schedule gpipe` leaves the rest to the planner but only weighs pipelines run by GPipe;
     with `--pp 1` there is nothing to schedule, and the pin is refused, saying so."""
-    from partita.compiler.errors import PartitaError
+    from partita.core.errors import PartitaError
 
     model = _gpt(4, 1024, 16)
     d = _search(model, PRESETS["dgx-a100"].with_nodes(2), 64, Pins(schedule="gpipe"))

@@ -13,9 +13,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from examples.models import GPT, GPTConfig  # noqa: E402
 from partita.compiler.api import default_loss  # noqa: E402
-from partita.compiler.capture import capture  # noqa: E402
-from partita.compiler.errors import InfeasibleError, PartitaError  # noqa: E402
-from partita.compiler.inputs import parse_input_spec  # noqa: E402
+from partita.core.capture import capture  # noqa: E402
+from partita.core.errors import InfeasibleError, PartitaError  # noqa: E402
+from partita.core.inputs import parse_input_spec  # noqa: E402
 from partita.passes.cluster import PRESETS  # noqa: E402
 from partita.passes.constraints import Pins, TrainingRequest  # noqa: E402
 from partita.passes.data_parallel import choose_data_parallel  # noqa: E402
@@ -109,7 +109,7 @@ def test_gpt3_175b_needs_more_than_tp_inside_a_node():
 def test_recomputing_repeats_the_forward_collectives_only():
     """A vocabulary-parallel softmax all-reduces twice in forward and once in backward; a column
     input all-gathered in forward and reduced back: recomputing repeats the forward ones."""
-    from partita.compiler.plan import InputLayout, NodeDecision
+    from partita.core.plan import InputLayout, NodeDecision
     from partita.passes.tp_layout import recompute_collectives
 
     soft = NodeDecision("sm", "aten._softmax.default", "m", "vocab", ("shard(1)",),

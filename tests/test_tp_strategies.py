@@ -18,8 +18,8 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from examples.models import MLP, gpt_tiny  # noqa: E402
-from partita.compiler.capture import capture  # noqa: E402
-from partita.compiler.inputs import InputSpec  # noqa: E402
+from partita.core.capture import capture  # noqa: E402
+from partita.core.inputs import InputSpec  # noqa: E402
 from partita.passes.graph import to_networkx  # noqa: E402
 from partita.passes.tp_layout import layout_decisions, tp_collectives  # noqa: E402
 from partita.passes.tp_rules import view_dim  # noqa: E402

@@ -17,7 +17,7 @@ from click.testing import CliRunner
 sys.path.insert(0, str(Path(__file__).parent))
 from synthetic_plans import gpt3_175b_plan, llama70b_plan, small_plan  # noqa: E402
 
-from partita.compiler.errors import PlanError  # noqa: E402
+from partita.core.errors import PlanError  # noqa: E402
 from partita.compiler.report import fmt_bytes, fmt_time  # noqa: E402
 from partita.compiler.timeline import measured_timeline, predicted_timeline, stage_order  # noqa: E402
 from partita.compiler.view import load_trace, render_html, stage_memory, view_command  # noqa: E402
@@ -34,7 +34,7 @@ def demo_plan():
     """The plan `partita demo` makes: examples/models.py:gpt_tiny on 4 local processes (data parallel)."""
     from partita.compiler.compile import compile_model
     from partita.compiler.demo import BATCH, SEQ, demo_model
-    from partita.compiler.inputs import parse_input_spec
+    from partita.core.inputs import parse_input_spec
     from partita.passes.cluster import load_cluster
     from partita.passes.constraints import Pins
 

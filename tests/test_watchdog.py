@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from partita.compiler.compile import compile_model
-from partita.compiler.inputs import parse_input_spec
-from partita.compiler.plan import Mesh
+from partita.core.inputs import parse_input_spec
+from partita.core.plan import Mesh
 from partita.passes.cluster import load_cluster
 from partita.passes.constraints import Pins
 from partita.runtime.watchdog import EXIT_HUNG, FlightRecorder, Watchdog

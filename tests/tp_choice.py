@@ -61,9 +61,9 @@ def tp_plan(module, inputs: list, loss, targets, *, tp: int, dp: int = 1, mbs: i
     """A hand-built plan for ``module`` (captured at the micro-batch shape, unless ``captured``
     is that capture): nodes from ``pinned_choice`` (``pins=None``: everything replicated), params,
     collectives."""
-    from partita.compiler.capture import capture
-    from partita.compiler.inputs import InputSpec
-    from partita.compiler.plan import (
+    from partita.core.capture import capture
+    from partita.core.inputs import InputSpec
+    from partita.core.plan import (
         Collective, MemoryBreakdown, Mesh, ModelInfo, ParamDecision, Plan, Prediction, SolverReport, Training,
     )
     from partita.passes.graph import graph_fingerprint, to_networkx

@@ -23,7 +23,7 @@ from torch import nn
 
 from dp_worker import GPT_VOCAB, OPTIMIZERS, SEQ, gpt_batch, gpt_loss, run_launch
 from examples.models import MLP, LogitsOnly, gpt_tiny
-from partita.compiler.inputs import InputSpec
+from partita.core.inputs import InputSpec
 from partita.runtime.data_parallel import bucket_layout
 from partita.runtime.distributed import DistContext
 from partita.runtime.engine import ParallelModel

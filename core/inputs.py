@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from partita.compiler.errors import InputSpecError
+from partita.core.errors import InputSpecError
 
 _FORM = "NAME=DTYPE[SHAPE], e.g. idx=int64[8,128] or x=float32[4,3,32,32]"
 

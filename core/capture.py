@@ -33,9 +33,9 @@ import torch.fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.passes.shape_prop import ShapeProp, TensorMetadata
 
-from partita.compiler.errors import CaptureError
-from partita.compiler.inputs import InputSpec
-from partita.compiler.losses import select_output, training_loss
+from partita.core.errors import CaptureError
+from partita.core.inputs import InputSpec
+from partita.core.losses import select_output, training_loss
 
 EXPORT = "torch.export"
 SYMBOLIC_TRACE = "torch.fx.symbolic_trace"
@@ -246,7 +246,7 @@ def _quiet_tracer_logs() -> Iterator[None]:
 def _infer_targets(module: torch.nn.Module, args: tuple[torch.Tensor, ...], mode: FakeTensorMode,
                    loss: Any, inputs: tuple[InputSpec, ...]) -> InputSpec:
     """Class-index targets for the model's output: int64 of ``output.shape[:-1]``, of the tensor the
-    loss attaches to (compiler/losses.py); with the model's own loss, labels of the first input's shape."""
+    loss attaches to (core/losses.py); with the model's own loss, labels of the first input's shape."""
     try:
         with mode, torch.no_grad(), _quiet_tracer_logs():
             out = module(*args)

@@ -1,7 +1,7 @@
 """A plan is verified before it runs: what its decisions imply is derived again and compared.
 
 The plan file is the only contract between planning and running, and JSON can be edited by
-hand. Loading (compiler/plan.py ``plan_from_data``) therefore refuses a plan whose parts
+hand. Loading (``load_plan`` here, over core/plan.py's ``read_plan``) therefore refuses a plan whose parts
 disagree, naming each disagreement, with the rules that made them (no second copy of a rule):
 
 - every edge's forward and backward collective is the one its placements require
@@ -28,10 +28,21 @@ import math
 import re
 from typing import Any, Iterable
 
-from partita.compiler.plan import MeshAxis, NodeDecision, Plan
+from partita.core.plan import MeshAxis, NodeDecision, Plan, describe_problems, plan_from_data, read_plan
 
 _STRATEGY = re.compile(r"^(replicate|col|row|vocab|dim|heads|shard\(\d+\)|partial(\(\d+\))?)$")
-_SHOWN = 5  # problems named in one message
+
+
+def load_plan(path: Any, *, fingerprint: str | None = None, world_size: int | None = None,
+              sealed: bool = True) -> Plan:
+    """Read a plan file and verify it: the schema, every rule its decisions must follow
+    (``plan_problems``) and, unless ``sealed`` is False (`partita verify`), its seal."""
+    return read_plan(path, fingerprint=fingerprint, world_size=world_size, sealed=sealed, verify=plan_problems)
+
+
+def verified_plan(data: Any, *, source: str = "plan", sealed: bool = True) -> Plan:
+    """``load_plan`` for JSON data already parsed."""
+    return plan_from_data(data, source=source, sealed=sealed, verify=plan_problems)
 
 
 def plan_problems(plan: Plan) -> list[str]:
@@ -40,12 +51,6 @@ def plan_problems(plan: Plan) -> list[str]:
     for check in (_numbers, _cluster, _training, _stages, _nodes, _params, _collectives):
         problems += check(plan)
     return problems
-
-
-def describe(problems: list[str]) -> str:
-    """The problems as one line: the first few, and how many more."""
-    more = len(problems) - _SHOWN
-    return "; ".join(problems[:_SHOWN]) + (f"; and {more} more" if more > 0 else "")
 
 
 # -- the checks ------------------------------------------------------------------------------------
@@ -72,7 +77,7 @@ def _numbers(plan: Plan) -> list[str]:
 
 
 def _cluster(plan: Plan) -> list[str]:
-    from partita.compiler.errors import PartitaError
+    from partita.core.errors import PartitaError
     from partita.passes.cluster import ClusterSpec
 
     try:
@@ -248,10 +253,10 @@ def layout_problems(plan: Plan, G: Any, names: Iterable[str] | None = None) -> l
 def check_layouts(plan: Plan, captured: Any) -> None:
     """Raise ``PlanError`` when the plan's node decisions are not what its strategies give on the
     graph the runtime captured (``layout_problems``)."""
-    from partita.compiler.errors import PlanError
+    from partita.core.errors import PlanError
     from partita.passes.graph import to_networkx
 
     problems = layout_problems(plan, to_networkx(captured))
     if problems:
-        raise PlanError(f"the plan's tensor-parallel layout does not hold on this model: {describe(problems)}",
+        raise PlanError(f"the plan's tensor-parallel layout does not hold on this model: {describe_problems(problems)}",
                         hint="recompile the plan with `partita compile` (or undo the hand edit)")

@@ -23,9 +23,9 @@ import typing
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
-from partita.compiler.errors import PlanError
+from partita.core.errors import PlanError
 
 SCHEMA_VERSION = 1
 SCHEMA_PATH = Path(__file__).with_name("plan_schema.json")
@@ -139,12 +139,14 @@ class Training:
     global_batch: int
     micro_batch_size: int  # samples per micro-batch on one data-parallel rank
     grad_accum_steps: int  # micro-batches per data-parallel rank per step
-    precision: str = "fp32"  # "fp32" | "bf16-mixed" | "fp16-mixed"
+    precision: str = "fp32"  # "fp32" | "bf16-mixed" | "fp16-mixed" | "bf16" (core/precision.py)
+    reduce_dtype: str = "fp32"  # gradients are reduced over dp in this dtype: "fp32" | "bf16" | "fp16"
     optimizer: str = "adamw"  # "adamw" | "adam" | "sgd" | "sgd-momentum" | "none"
     zero_stage: int = 0
     schedule: str = "none"  # pipeline schedule: "none" | "gpipe" | "1f1b"
     inference: bool = False
     grad_bucket_bytes: int = 25 * 1024 * 1024  # gradients are all-reduced in buckets of this size
+    max_grad_norm: float | None = None  # clip the global gradient norm to this (None: no clipping)
 
     def __post_init__(self) -> None:
         if self.zero_stage not in (0, 1, 2, 3):
@@ -341,7 +343,7 @@ class Plan:
         return json.dumps(self.to_dict(), indent=2, sort_keys=False) + "\n"
 
     def save(self, path: str | Path) -> Path:
-        from partita.compiler.errors import write_text
+        from partita.core.errors import write_text
 
         return write_text(path, self.to_json())
 
@@ -372,12 +374,14 @@ class Plan:
             )
 
 
-def load_plan(
-    path: str | Path, *, fingerprint: str | None = None, world_size: int | None = None, sealed: bool = True
+def read_plan(
+    path: str | Path, *, fingerprint: str | None = None, world_size: int | None = None, sealed: bool = True,
+    verify: Callable[[Plan], list[str]] | None = None,
 ) -> Plan:
-    """Read, validate and verify a plan file (``plan_from_data``); optionally check it against a
-    model and world size. ``sealed=False`` skips only the seal (`partita verify`)."""
-    plan = plan_from_data(read_plan_data(path), source=str(path), sealed=sealed)
+    """Read and validate a plan file (``plan_from_data``); optionally check it against a model and
+    world size. Every caller outside core/ loads through ``passes.verify.load_plan``, which passes
+    the planner's own rules as ``verify``. ``sealed=False`` skips only the seal (`partita verify`)."""
+    plan = plan_from_data(read_plan_data(path), source=str(path), sealed=sealed, verify=verify)
     plan.check_matches(fingerprint=fingerprint, world_size=world_size)
     return plan
 
@@ -405,11 +409,10 @@ def read_plan_data(path: str | Path) -> Any:
         raise PlanError(f"{path} is not a plan file: its JSON nests too deeply", hint=broken) from e
 
 
-def plan_from_data(data: Any, *, source: str = "plan", sealed: bool = True) -> Plan:
-    """Validate parsed JSON against the schema, build a ``Plan`` and verify it
-    (compiler/verify.py), then check its seal unless ``sealed`` is False."""
-    from partita.compiler.verify import describe, plan_problems
-
+def plan_from_data(data: Any, *, source: str = "plan", sealed: bool = True,
+                   verify: Callable[[Plan], list[str]] | None = None) -> Plan:
+    """Validate parsed JSON against the schema, build a ``Plan``, refuse it if ``verify`` (the
+    planner's rules, passes/verify.py) finds problems, then check its seal unless ``sealed`` is False."""
     if not isinstance(data, dict):
         raise PlanError(f"{source} is not a plan file: expected a JSON object, got {type(data).__name__}")
     version = data.get("version")
@@ -443,15 +446,21 @@ def plan_from_data(data: Any, *, source: str = "plan", sealed: bool = True) -> P
             f"but mesh {plan.mesh} has {plan.world_size} devices",
             hint="recompile it with `partita compile`",
         )
-    problems = plan_problems(plan)
+    problems = verify(plan) if verify is not None else []
     if problems:
-        raise PlanError(f"{source} is not a consistent plan: {describe(problems)}",
+        raise PlanError(f"{source} is not a consistent plan: {describe_problems(problems)}",
                         hint="recompile it with `partita compile` (or undo the hand edit)")
     if sealed and data.get(SEAL) != seal_digest(data):
         what = "has no seal" if SEAL not in data else "was changed after it was sealed (its sha256 does not match)"
         raise PlanError(f"{source} {what}: a plan is run only as `partita compile` or `partita verify` wrote it",
                         hint=f"check the edit, then run `partita verify {source}` to verify it and seal it again")
     return plan
+
+
+def describe_problems(problems: list[str], limit: int = 5) -> str:
+    """The first problems found, and how many more."""
+    more = len(problems) - limit
+    return "; ".join(problems[:limit]) + (f"; and {more} more" if more > 0 else "")
 
 
 def _short(value: Any, limit: int = 200) -> str:

@@ -1,0 +1,125 @@
+"""The precision policy: which dtype each kind of tensor has under a plan's precision.
+
+One object, recorded in the plan (``Training.precision`` and ``Training.reduce_dtype``)
+and threaded through the runtime's composition (runtime/engine.py ``compose``), so
+that no runtime file writes a dtype of its own. The cost model reads its byte
+sizes from here too (passes/cost_model.py ``element_bytes``).
+
+A mixed-precision policy (``bf16-mixed``, ``fp16-mixed``), as FSDP2's
+``MixedPrecisionPolicy`` and Megatron's mixed-precision optimizer do it:
+
+- parameters, their gradients and the activations are kept in the low-precision
+  ``param_dtype`` (2 bytes each); matmuls run in it (``autocast``);
+- the optimizer updates fp32 master weights (``master_dtype``), with its state
+  (Adam's moments) in fp32, sharded as the plan's ZeRO stage says; after each
+  step the masters are cast into the parameters (runtime/mixed_precision.py);
+- gradients are reduced over data parallelism in ``reduce_dtype`` (fp32 by
+  default, as FSDP2's default ``reduce_dtype``): each bucket is upcast for the
+  collective and the mean cast back into the held gradient;
+- fp16 needs loss scaling (its range is 6e-8 .. 65504): dynamic, halved and the
+  step skipped on every rank when any gradient is inf or nan, doubled after
+  ``growth_interval`` clean steps (as torch.amp.GradScaler).
+
+``fp32`` keeps everything in fp32; ``bf16`` (pure, no masters) updates bf16
+parameters directly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+
+PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed", "bf16")
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}  # plan name -> torch dtype
+REDUCE_DTYPES = tuple(DTYPES)
+_COMPUTE = {"fp32": "fp32", "bf16-mixed": "bf16", "fp16-mixed": "fp16", "bf16": "bf16"}
+
+
+def compute_dtype(precision: str) -> str:
+    """The dtype matmuls run in under ``precision`` (a plan name: fp32, bf16, fp16)."""
+    return _COMPUTE[precision]
+
+
+def dtype_bytes(name: str) -> int:
+    """Bytes of one element of the plan dtype ``name``."""
+    return DTYPES[name].itemsize
+
+
+@dataclass(frozen=True)
+class PrecisionPolicy:
+    """The dtypes of one plan's tensors (module docstring)."""
+
+    precision: str = "fp32"
+    reduce: str = "fp32"  # gradients are reduced in this dtype
+    init_scale: float = 2.0**16  # fp16's first loss scale
+    growth_interval: int = 2000  # clean steps before the scale doubles
+
+    def __post_init__(self) -> None:
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision {self.precision!r} is not one of {', '.join(PRECISIONS)}")
+        if self.reduce not in REDUCE_DTYPES:
+            raise ValueError(f"reduce dtype {self.reduce!r} is not one of {', '.join(REDUCE_DTYPES)}")
+
+    @classmethod
+    def of(cls, training: object) -> "PrecisionPolicy":
+        """The policy a plan's training section records."""
+        return cls(getattr(training, "precision", "fp32"), getattr(training, "reduce_dtype", "fp32"))
+
+    @property
+    def param_dtype(self) -> torch.dtype:
+        """Parameters as the model computes with them, their gradients, and activations."""
+        return DTYPES[compute_dtype(self.precision)]
+
+    @property
+    def master_dtype(self) -> torch.dtype:
+        """What the optimizer updates (and holds its state in)."""
+        return torch.float32 if self.mixed or self.precision == "fp32" else self.param_dtype
+
+    @property
+    def reduce_dtype(self) -> torch.dtype:
+        return DTYPES[self.reduce]
+
+    @property
+    def mixed(self) -> bool:
+        return self.precision.endswith("-mixed")
+
+    @property
+    def low(self) -> bool:
+        """Anything below fp32 runs."""
+        return self.param_dtype != torch.float32
+
+    @property
+    def loss_scaling(self) -> bool:
+        return self.param_dtype == torch.float16
+
+    @contextlib.contextmanager
+    def autocast(self, device: torch.device | str) -> Iterator[None]:
+        """The forward's context: matmuls in ``param_dtype`` (nothing under fp32)."""
+        if not self.low:
+            yield
+            return
+        kind = torch.device(device).type
+        with torch.autocast(device_type=kind, dtype=self.param_dtype):
+            yield
+
+    def wire(self, t: torch.Tensor) -> torch.Tensor:
+        """An activation as it crosses between pipeline stages: floating ones in ``param_dtype``
+        (what the cost model prices), differentiably, so its gradient comes back the same."""
+        return t.to(self.param_dtype) if t.is_floating_point() else t
+
+    def held_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """The dtype a parameter or activation captured as ``dtype`` has under this policy."""
+        return self.param_dtype if dtype.is_floating_point else dtype
+
+    def describe(self) -> str:
+        if not self.mixed:
+            return self.precision
+        return (f"{self.precision}: {compute_dtype(self.precision)} parameters and compute, fp32 master weights "
+                f"and optimizer state, gradients reduced in {self.reduce}"
+                + (", dynamic loss scaling" if self.loss_scaling else ""))
+
+
+FP32 = PrecisionPolicy()

@@ -1,0 +1,93 @@
+"""The global gradient norm of a step, however the plan spread the gradients, and clipping by it.
+
+Each rank sums the squares of the gradients its optimizer updates, weighting every element by
+one over the number of ranks holding an identical copy of it, then one all-reduce over the world
+adds the sums up; so every element of the model counts once, as in one process's
+``torch.nn.utils.clip_grad_norm_``:
+
+- a ZeRO shard's gradient is this rank's alone (weight 1); a whole parameter under plain data
+  parallelism is the same averaged gradient on each of the dp ranks (1/dp);
+- a parameter replicated over "tp" has the same gradient on each tp rank (1/tp), a shard is
+  this rank's part (1);
+- a parameter tied across pipeline stages has the summed gradient on each stage holding it
+  (1/stages).
+
+Squares are summed in fp32 whatever the gradients' dtype; under fp16 loss scaling the norm is
+of the unscaled gradients. Clipping multiplies the update by ``max_norm / (norm + 1e-6)`` when
+that is below 1, folded into the masters' step (runtime/mixed_precision.py), so no gradient is
+rewritten.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from partita.runtime.engine import _Program
+
+
+def copy_weights(program: "_Program", tp_size: int) -> dict[int, float]:
+    """id(tensor) -> 1 / (ranks holding an identical copy of its gradient), for every tensor
+    whose gradient the step's optimizer reads (module docstring)."""
+    weights: dict[int, float] = {}
+    updates = program.updates
+    if updates is None:
+        return weights
+    tp = program.interpreter
+    placement = {id(q): pl for q, pl in tp.local_parameters().values()} if tp is not None else {}
+    tied = ({id(q): len(ranks) for _, q, _, ranks in program.pipeline._tied}
+            if program.pipeline is not None else {})
+    shards = {id(s) for s in program.zero.shards} if program.zero is not None else set()
+    for q in updates.params:
+        if id(q) in shards:
+            continue  # ZeRO's flat shards: weighted member by member (``_zero_sum``)
+        w = 1.0 / program.dp_size
+        if tp_size > 1 and not placement.get(id(q), "replicate").startswith("shard"):
+            w /= tp_size
+        w /= tied.get(id(q), 1)
+        weights[id(q)] = w
+    return weights
+
+
+def global_grad_norm(program: "_Program", tp_size: int, device: torch.device, inv_scale: float = 1.0) -> float:
+    """The L2 norm of the whole model's (unscaled) gradient; a collective over the world."""
+    updates = program.updates
+    weights = copy_weights(program, tp_size)
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    if program.zero is not None:
+        total += _zero_sum(program, tp_size).to(device)
+    for q in updates.params:
+        if q.grad is not None and id(q) in weights:
+            total += q.grad.float().pow(2).sum() * weights[id(q)]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(total)
+    return math.sqrt(float(total)) * inv_scale
+
+
+def _zero_sum(program: "_Program", tp_size: int) -> torch.Tensor:
+    """ZeRO's shards: each member parameter's slice of this rank's flat shard gradient, weighted by
+    its tp replication (a member replicated over "tp" has the same slice on every tp rank)."""
+    tp = program.interpreter
+    placement = {id(q): pl for q, pl in tp.local_parameters().values()} if tp is not None else {}
+    out = torch.zeros((), dtype=torch.float32)
+    for b, shard in zip(program.zero.buckets, program.zero.shards):
+        g = shard.grad.float()
+        for p, offset in zip(b.members, b.offsets):
+            numel = math.prod(b.shapes[b.index[id(p)]])  # (a ZeRO-3 member is parked empty)
+            lo, hi = max(offset, b.own.start), min(offset + numel, b.own.stop)
+            if lo >= hi:
+                continue
+            w = 1.0 if tp_size == 1 or placement.get(id(p), "replicate").startswith("shard") else 1.0 / tp_size
+            out = out.to(g.device) + g[lo - b.own.start:hi - b.own.start].pow(2).sum() * w
+    return out
+
+
+def clip_coefficient(norm: float, max_norm: float | None) -> float:
+    """What the update is multiplied by to clip ``norm`` to ``max_norm`` (1 when it is within)."""
+    if max_norm is None or not math.isfinite(norm):
+        return 1.0
+    return min(1.0, max_norm / (norm + 1e-6))

@@ -1,0 +1,106 @@
+"""The optimizer side of a precision policy (core/precision.py): master weights and loss scaling.
+
+``MasterWeights`` is the one optimizer a plan's rank steps. Under a mixed policy
+it holds an fp32 master copy of each parameter it updates (a plain parameter,
+a ZeRO flat shard or a parameter tied across stages) and builds the user's
+optimizer on the masters, so the optimizer's state is fp32 too; ``step``
+upcasts each low-precision gradient into its master's ``.grad`` (unscaled
+under fp16), steps, and casts the masters back into the parameters. Under
+``fp32`` (and pure ``bf16``) the masters are the parameters themselves and
+``step`` is the optimizer's.
+
+``LossScaler`` is fp16's dynamic loss scale: the loss is multiplied by it
+before backward; a step whose global gradient norm (runtime/grad_norm.py, one
+all-reduce over the world) is inf or nan is skipped on every rank alike; the scale halves on such a step and doubles after
+``growth_interval`` clean ones, as ``torch.amp.GradScaler`` does.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable
+
+import torch
+from torch import nn
+from torch.optim import Optimizer
+
+from partita.core.precision import PrecisionPolicy
+
+OptimizerFactory = Callable[[Iterable[nn.Parameter]], Optimizer]
+
+
+def cast_parameters(module: nn.Module, policy: PrecisionPolicy) -> None:
+    """The module's floating parameters in the policy's ``param_dtype``, in place (the same
+    Parameter objects, so hooks and tied names stay). Buffers keep their dtype, as FSDP2's."""
+    with torch.no_grad():
+        for p in module.parameters():
+            if p.is_floating_point() and p.dtype != policy.param_dtype:
+                p.data = p.data.to(policy.param_dtype)
+
+
+class MasterWeights:
+    """The user's optimizer on fp32 masters of ``params`` (module docstring)."""
+
+    def __init__(self, params: Iterable[nn.Parameter], factory: OptimizerFactory, policy: PrecisionPolicy) -> None:
+        self.params = list(params)
+        self.policy = policy
+        self.separate = any(p.dtype != policy.master_dtype for p in self.params)
+        if self.separate:
+            self.masters = [nn.Parameter(p.detach().to(policy.master_dtype, copy=True)) for p in self.params]
+        else:
+            self.masters = self.params
+        self._master_of = {id(p): m for p, m in zip(self.params, self.masters)}
+        self.optimizer = factory(self.masters)
+
+    def master_of(self, p: torch.Tensor) -> torch.Tensor:
+        """The tensor the optimizer updates for ``p`` (``p`` itself unless mixed)."""
+        return self._master_of.get(id(p), p)
+
+    def grads(self) -> list[torch.Tensor]:
+        return [p.grad for p in self.params if p.grad is not None]
+
+    @torch.no_grad()
+    def step(self, inv_scale: float = 1.0) -> None:
+        """One optimizer step from the parameters' gradients (times ``inv_scale``)."""
+        if not self.separate:
+            if inv_scale != 1.0:
+                torch._foreach_mul_(self.grads(), inv_scale)
+            self.optimizer.step()
+            return
+        for p, m in zip(self.params, self.masters):
+            m.grad = None if p.grad is None else p.grad.to(m.dtype).mul_(inv_scale)
+        self.optimizer.step()
+        for p, m in zip(self.params, self.masters):
+            m.grad = None  # transient: held only during the step
+            p.copy_(m)
+
+    @torch.no_grad()
+    def masters_to_params(self) -> None:
+        """After loading into the masters: the parameters take their values."""
+        if self.separate:
+            for p, m in zip(self.params, self.masters):
+                p.copy_(m)
+
+    def master_bytes(self) -> int:
+        """Bytes of the fp32 masters (0 when they are the parameters)."""
+        return sum(m.numel() * m.element_size() for m in self.masters) if self.separate else 0
+
+
+class LossScaler:
+    """fp16's dynamic loss scale (module docstring)."""
+
+    def __init__(self, policy: PrecisionPolicy) -> None:
+        self.scale = policy.init_scale
+        self.growth_interval = policy.growth_interval
+        self.clean = 0
+        self.skipped = 0
+
+    def update(self, found_inf: bool) -> None:
+        if found_inf:
+            self.scale /= 2.0
+            self.clean = 0
+            self.skipped += 1
+            return
+        self.clean += 1
+        if self.clean >= self.growth_interval:
+            self.scale *= 2.0
+            self.clean = 0

@@ -1,0 +1,387 @@
+"""Checks run inside each rank of the mixed-precision test (see test_mixed_precision.py).
+
+Each case is a plan the planner writes under the CLI's pins with ``precision=bf16-mixed`` (or
+fp16-mixed), run for STEPS steps against a single-process reference that runs the same recipe
+(``reference_mixed``, written out here on its own): parameters cast to the low dtype, an fp32
+master copy that SGD updates, the forward under autocast, the micro-batches of the plan, and
+(fp16) the loss multiplied by the scale and the gradients divided by it.
+
+Why the tolerance is what it is: bf16 keeps 8 significant bits, so one rounding moves a value
+by up to 2^-9 (0.2%) of itself. A plan computes the same sums in other orders and other
+roundings (TP's partial sums are rounded to bf16 before they are all-reduced, pipeline stages
+send activations in bf16, the dp mean of bf16 gradients is summed in fp32 and rounded once), so
+losses and parameters differ from the reference by a few roundings: LOSS_RTOL (0.5%, about two
+bf16 roundings of the loss) on losses and 2^-6 relative plus PARAM_ATOL (1e-3) absolute on the
+bf16 parameters, i.e. a couple of bf16 units in the last place; fp16 keeps 11 bits, so the same
+bounds hold with room. Measured: DP, ZeRO-1/2/3 and PP equal the reference exactly (the fp32 sum of
+two bf16 gradients rounds as the reference's fp32 gradient does); TP differs by 6e-5 in the loss
+and 5e-4 in a parameter. A bug (a missing all-reduce, a dropped micro-batch, an unscaled
+gradient) moves losses by far more than 0.5%.
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import json
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from dp_worker import OPTIMIZERS, run_launch
+from matrix_worker import MODELS
+from partita.compiler.api import default_loss
+from partita.core.errors import PartitaError
+from partita.core.losses import training_loss
+from partita.passes.verify import load_plan
+from partita.core.precision import PrecisionPolicy
+from partita.runtime.distributed import DistContext
+from partita.runtime.engine import ParallelModel
+
+STEPS = 3
+LOSS_RTOL = 5e-3
+PARAM_RTOL, PARAM_ATOL = 2.0**-6, 1e-3
+SGD = OPTIMIZERS["sgd"]
+
+# (model, label, pins, precision)
+PINS_2 = {
+    "dp2": dict(dp=2), "dp2-zero1": dict(dp=2, zero_stage=1), "dp2-zero2": dict(dp=2, zero_stage=2),
+    "dp2-zero3": dict(dp=2, zero_stage=3), "tp2": dict(tp=2), "tp2-recompute": dict(tp=2, recompute=True),
+    "pp2-gpipe": dict(pp=2, schedule="gpipe"), "pp2-1f1b": dict(pp=2, schedule="1f1b"),
+}
+PINS_4 = {"dp2xtp2-zero2": dict(dp=2, tp=2, zero_stage=2), "tp2xpp2-1f1b": dict(tp=2, pp=2, schedule="1f1b"),
+          "dp2xpp2-zero3": dict(dp=2, pp=2, schedule="gpipe", zero_stage=3)}
+CASES_2 = ([("gpt", label, pins, "bf16-mixed") for label, pins in PINS_2.items()]
+           + [("mlp", label, PINS_2[label], "bf16-mixed") for label in ("dp2-zero3", "tp2")]
+           + [("gpt", label, PINS_2[label], "fp16-mixed") for label in ("dp2", "dp2-zero3", "tp2", "pp2-1f1b")])
+CASES_4 = [("gpt", label, pins, "bf16-mixed") for label, pins in PINS_4.items()] + [
+    ("hf-llama", "dp2xtp2-zero2", PINS_4["dp2xtp2-zero2"], "bf16-mixed")]
+
+
+def name(case: tuple) -> str:
+    model, label, _, precision = case
+    return f"{model}/{label}/{precision}"
+
+
+def _plan_path(outdir: str, case: tuple) -> Path:
+    return Path(outdir, "plans", name(case).replace("/", "__") + ".json")
+
+
+def compile_case(case: tuple, outdir: str) -> None:
+    from partita.compiler.compile import compile_model
+    from partita.core.inputs import parse_input_spec
+    from partita.passes.cluster import load_cluster
+    from partita.passes.constraints import Pins
+
+    model, _, pins, precision = case
+    factory, spec, _ = MODELS[model]
+    devices = 4 if case in CASES_4 else 2
+    plan = compile_model(factory, [parse_input_spec(spec)], load_cluster("local", devices=devices),
+                         optimizer="sgd-momentum", precision=precision,
+                         pins=Pins(world_size=devices, **pins)).plan
+    plan.save(_plan_path(outdir, case))
+
+
+def reference_mixed(model: torch.nn.Module, policy: PrecisionPolicy, x: torch.Tensor, y: torch.Tensor,
+                    micro_batch: int, steps: int, optimizer: Callable = SGD) -> list[float]:
+    """The recipe in one process, written out plainly (module docstring)."""
+    with torch.no_grad():
+        for p in model.parameters():
+            p.data = p.data.to(policy.param_dtype)
+    params = list(model.parameters())
+    masters = [torch.nn.Parameter(p.detach().float()) for p in params]
+    opt = optimizer(masters)
+    scale = 2.0**16 if policy.loss_scaling else 1.0
+    chunks = [slice(i, i + micro_batch) for i in range(0, x.shape[0], micro_batch)]
+    losses = []
+    for _ in range(steps):
+        total = 0.0
+        for rows in chunks:
+            with torch.autocast("cpu", dtype=policy.param_dtype):
+                loss = training_loss(default_loss, model, [x[rows]], y[rows])
+            (loss * scale / len(chunks)).backward()
+            total += loss.item() / len(chunks)
+        finite = all(bool(torch.isfinite(p.grad).all()) for p in params if p.grad is not None)
+        if finite:
+            for p, m in zip(params, masters):
+                m.grad = p.grad.float() / scale
+            opt.step()
+            with torch.no_grad():
+                for p, m in zip(params, masters):
+                    p.copy_(m)
+        else:
+            scale /= 2
+        for p in params:
+            p.grad = None
+        losses.append(total)
+    return losses
+
+
+def run_case(ctx: DistContext, case: tuple, outdir: str) -> dict:
+    model_name = case[0]
+    plan = load_plan(_plan_path(outdir, case), world_size=ctx.world_size)
+    policy = PrecisionPolicy.of(plan.training)
+    factory, _, batch = MODELS[model_name]
+    torch.manual_seed(100)
+    reference = factory()
+    x, y = batch(plan.training.global_batch)
+    try:
+        model = ParallelModel(copy.deepcopy(reference), plan, loss_fn=default_loss, optimizer=SGD, ctx=ctx)
+        assert all(p.dtype == policy.param_dtype for p in model.parameters() if p.is_floating_point())
+        losses = [model.train_step(x, targets=y) for _ in range(STEPS)]
+        final = model.full_state_dict()
+    except PartitaError:
+        raise
+    except Exception as e:
+        raise RuntimeError(f"{name(case)} ({plan.mesh}): the plan failed to run: {e}") from e
+    start = {n: p.detach().clone() for n, p in reference.named_parameters()}
+    ref_losses = reference_mixed(reference, policy, x, y, plan.training.micro_batch_size, STEPS)
+    for k, (got, want) in enumerate(zip(losses, ref_losses)):
+        assert abs(got - want) <= LOSS_RTOL * abs(want), (name(case), k, losses, ref_losses)
+    ref_final = {n: p.detach() for n, p in reference.named_parameters()}
+    assert set(final) == set(ref_final), (name(case), sorted(set(final) ^ set(ref_final)))
+    for n in final:
+        assert final[n].dtype == policy.param_dtype, (name(case), n, final[n].dtype)
+        torch.testing.assert_close(final[n].float(), ref_final[n].float(), rtol=PARAM_RTOL, atol=PARAM_ATOL,
+                                   msg=lambda m: f"{name(case)} param {n}: {m}")
+    moved = max(float((ref_final[n].float() - start[n]).abs().max()) for n in final)
+    assert moved > 4 * PARAM_ATOL, (name(case), moved)  # the steps move parameters well past the tolerance
+    loss_err = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
+    param_err = max(float((final[n].float() - ref_final[n].float()).abs().max()) for n in final)
+    skipped = model.skipped_steps
+    del model
+    gc.collect()
+    if ctx.rank == 0:
+        print(f"{name(case)}: loss err {loss_err:.2e}, param err {param_err:.2e}, moved {moved:.2e}", flush=True)
+    return {"case": name(case), "mesh": str(plan.mesh), "zero": plan.training.zero_stage,
+            "losses": losses, "ref_losses": ref_losses, "loss_rel_err": loss_err, "param_err": param_err,
+            "moved": moved, "skipped": skipped}
+
+
+def held_state(model: ParallelModel) -> dict[str, int]:
+    """Bytes of model state this rank holds between steps: parameters, gradient buffers, and the
+    optimizer's fp32 masters and state (its per-tensor step counters left out)."""
+    p = model._program
+    if p.zero is not None:
+        return p.zero.state_bytes()
+    nbytes = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
+    params = nbytes(model.parameters())
+    grads = nbytes(b.buffer for b in p.averager.buckets) if p.averager is not None else params
+    state = [t for st in p.master.optimizer.state.values() for t in st.values() if isinstance(t, torch.Tensor) and t.dim()]
+    return {"params": params, "grads": grads, "optimizer": nbytes(state) + p.master.master_bytes()}
+
+
+def check_memory(ctx: DistContext, outdir: str) -> list[dict]:
+    """What each rank holds in bf16-mixed under ZeRO 0-3 equals the plan's prediction (2 + 2 + 12 bytes
+    per parameter for Adam, divided as ZeRO says), up to ZeRO's padding of its flat buckets."""
+    from partita.compiler.compile import compile_model
+    from partita.core.inputs import parse_input_spec
+    from partita.passes.cluster import load_cluster
+    from partita.passes.constraints import Pins
+
+    factory, spec, batch = MODELS["gpt"]
+    out = []
+    for stage in (0, 1, 2, 3):
+        path = Path(outdir, f"memory-zero{stage}.json")
+        if ctx.rank == 0:
+            compile_model(factory, [parse_input_spec(spec)], load_cluster("local", devices=2), optimizer="adamw",
+                          precision="bf16-mixed", pins=Pins(world_size=2, dp=2, zero_stage=stage)).plan.save(path)
+        dist.barrier()
+        plan = load_plan(path, world_size=ctx.world_size)
+        torch.manual_seed(0)
+        model = ParallelModel(factory(), plan, loss_fn=default_loss, optimizer=OPTIMIZERS["adamw"], ctx=ctx)
+        x, y = batch(plan.training.global_batch)
+        model.train_step(x, targets=y)
+        held = held_state(model)
+        want = plan.predicted.memory
+        numel = sum(p.numel() for p in model.parameters()) if stage < 3 else None
+        pad = (0 if stage == 0 else 16 * len(model._program.zero.buckets) * (ctx.world_size - 1))
+        got, predicted = sum(held.values()), want.params + want.grads + want.optimizer
+        assert predicted <= got <= predicted + pad, (stage, held, want)
+        if stage == 0:
+            assert (held["params"], held["grads"], held["optimizer"]) == (want.params, want.grads, want.optimizer)
+            assert (want.params, want.grads, want.optimizer) == (2 * numel, 2 * numel, 12 * numel)
+        out.append({"case": f"memory/zero{stage}", "held": held,
+                    "predicted": [want.params, want.grads, want.optimizer]})
+        del model
+        gc.collect()
+    return out
+
+
+def check_fp16_skip(ctx: DistContext, outdir: str) -> dict:
+    """fp16: an inf gradient on ONE rank makes every rank skip that step (the parameters stay as they
+    were on both) and halves the loss scale; the next step updates again."""
+    plan = load_plan(_plan_path(outdir, ("gpt", "dp2", PINS_2["dp2"], "fp16-mixed")), world_size=ctx.world_size)
+    factory, _, batch = MODELS["gpt"]
+    torch.manual_seed(0)
+    model = ParallelModel(factory(), plan, loss_fn=default_loss, optimizer=SGD, ctx=ctx)
+    x, y = batch(plan.training.global_batch)
+    model.train_step(x, targets=y)
+    scale = model._loss_scale
+    before = {n: t.clone() for n, t in model.full_state_dict().items()}
+    first = next(q for q in model.parameters())
+    hook = first.register_hook(lambda g: g.fill_(float("inf")) if ctx.rank == 1 else g)
+    model.train_step(x, targets=y)
+    hook.remove()
+    after = model.full_state_dict()
+    assert all(torch.equal(before[n], after[n]) for n in before), "a rank stepped on an inf gradient"
+    assert model.skipped_steps == 1 and model._loss_scale == scale / 2, (model.skipped_steps, model._loss_scale)
+    model.train_step(x, targets=y)
+    moved = max(float((model.full_state_dict()[n].float() - after[n].float()).abs().max()) for n in after)
+    assert moved > 0 and model.skipped_steps == 1
+    return {"case": "fp16/skip", "scale": [scale, model._loss_scale]}
+
+
+def check_loss_curve(ctx: DistContext, outdir: str, steps: int = 20) -> dict:
+    """The example GPT's bf16-mixed loss curve stays within 1% of fp32's over 20 AdamW steps (dp2)."""
+    from partita.compiler.compile import compile_model
+    from partita.core.inputs import parse_input_spec
+    from partita.passes.cluster import load_cluster
+    from partita.passes.constraints import Pins
+
+    factory, spec, batch = MODELS["gpt"]
+    curves = {}
+    for precision in ("fp32", "bf16-mixed"):
+        path = Path(outdir, f"curve-{precision}.json")
+        if ctx.rank == 0:
+            compile_model(factory, [parse_input_spec(spec)], load_cluster("local", devices=2), optimizer="adamw",
+                          precision=precision, pins=Pins(world_size=2, dp=2)).plan.save(path)
+        dist.barrier()
+        plan = load_plan(path, world_size=ctx.world_size)
+        torch.manual_seed(0)
+        model = ParallelModel(factory(), plan, loss_fn=default_loss, optimizer=OPTIMIZERS["adamw"], ctx=ctx)
+        x, y = batch(plan.training.global_batch)
+        curves[precision] = [model.train_step(x, targets=y) for _ in range(steps)]
+    worst = max(abs(a - b) / b for a, b in zip(curves["bf16-mixed"], curves["fp32"]))
+    assert worst < 0.01, curves
+    assert curves["fp32"][-1] < 0.8 * curves["fp32"][0]  # it learns: the curve is not flat
+    return {"case": "curve/bf16-vs-fp32", "worst_rel": worst, **curves}
+
+
+CLIP = 0.05  # well below the tiny GPT's gradient norm (~0.5-1), so every step clips
+CLIP_PINS_2 = {k: PINS_2[k] for k in ("dp2", "dp2-zero1", "dp2-zero3", "tp2", "pp2-1f1b")}
+CLIP_PINS_4 = {"dp2xtp2-zero2": PINS_4["dp2xtp2-zero2"], "tp2xpp2-1f1b": PINS_4["tp2xpp2-1f1b"],
+               "dp2xpp2-tied-zero1": dict(dp=2, pp=2, schedule="gpipe", zero_stage=1)}
+
+
+def _compile(factory: Callable, spec: str, devices: int, path: Path, **kw) -> None:
+    from partita.compiler.compile import compile_model
+    from partita.core.inputs import parse_input_spec
+    from partita.passes.cluster import load_cluster
+    from partita.passes.constraints import Pins
+
+    pins = kw.pop("pins")
+    compile_model(factory, [parse_input_spec(spec)], load_cluster("local", devices=devices),
+                  pins=Pins(world_size=devices, **pins), **kw).plan.save(path)
+
+
+def check_clipping(ctx: DistContext, outdir: str, cases: dict[str, dict]) -> list[dict]:
+    """Gradient clipping by the global norm (fp32 plans with max_grad_norm): the norm train_step
+    reports and the clipped steps equal one process's ``clip_grad_norm_``, however the plan
+    spreads the gradients (ZeRO shards, TP shards and replicas, pipeline stages, tied copies)."""
+    import tied_script
+
+    out = []
+    for label, pins in cases.items():
+        tied = "tied" in label
+        factory = tied_script.tied_gpt if tied else MODELS["gpt"][0]
+        spec, batch = ("idx=int64[8,16]", MODELS["gpt"][2])
+        path = Path(outdir, f"clip-{label}.json")
+        if ctx.rank == 0:
+            _compile(factory, spec, ctx.world_size, path, optimizer="sgd-momentum", precision="fp32",
+                     max_grad_norm=CLIP, pins=pins)
+        dist.barrier()
+        plan = load_plan(path, world_size=ctx.world_size)
+        assert plan.training.max_grad_norm == CLIP
+        torch.manual_seed(5)
+        reference = factory()
+        model = ParallelModel(copy.deepcopy(reference), plan, loss_fn=default_loss, optimizer=SGD, ctx=ctx)
+        x, y = batch(plan.training.global_batch)
+        results = [model.train_step(x, targets=y) for _ in range(STEPS)]
+        final = model.full_state_dict()
+        opt = SGD(reference.parameters())
+        mbs = plan.training.micro_batch_size
+        chunks = [slice(i, i + mbs) for i in range(0, x.shape[0], mbs)]
+        ref_losses, ref_norms = [], []
+        for _ in range(STEPS):
+            loss = sum(default_loss(reference(x[r]), y[r]) for r in chunks) / len(chunks)
+            loss.backward()
+            ref_norms.append(float(torch.nn.utils.clip_grad_norm_(reference.parameters(), CLIP)))
+            opt.step()
+            opt.zero_grad()
+            ref_losses.append(loss.item())
+        assert [r.grad_norm for r in results] == pytest_approx(ref_norms), (label, results, ref_norms)
+        assert [float(r) for r in results] == pytest_approx(ref_losses), (label, results, ref_losses)
+        assert min(ref_norms) > 2 * CLIP  # every step clipped
+        for n, p in reference.named_parameters():
+            torch.testing.assert_close(final[n], p.detach(), rtol=1e-4, atol=2e-5, msg=lambda m: f"{label} {n}: {m}")
+        out.append({"case": f"clip/{label}", "norms": [r.grad_norm for r in results], "ref_norms": ref_norms})
+        del model
+        gc.collect()
+    return out
+
+
+def pytest_approx(values: list[float]):
+    import pytest
+
+    return pytest.approx(values, rel=1e-4, abs=1e-6)
+
+
+def check_one_optimizer(ctx: DistContext, outdir: str) -> dict:
+    """pp2 x dp2, ZeRO-1, a tied embedding: the user's optimizer drives every parameter, the tied
+    one included (an LR schedule that sets lr = 0 stops all training; before, a hidden optimizer of
+    the tied parameter kept training it)."""
+    import tied_script
+
+    path = Path(outdir, "one-optimizer.json")
+    if ctx.rank == 0:
+        _compile(tied_script.tied_gpt, "idx=int64[8,16]", 4, path, optimizer="adamw", precision="bf16-mixed",
+                 pins=dict(dp=2, pp=2, schedule="1f1b", zero_stage=1))
+    dist.barrier()
+    plan = load_plan(path, world_size=ctx.world_size)
+    torch.manual_seed(0)
+    model = ParallelModel(tied_script.tied_gpt(), plan, loss_fn=default_loss, optimizer=OPTIMIZERS["adamw"], ctx=ctx)
+    sched = torch.optim.lr_scheduler.LambdaLR(model.optimizer, lambda step: 0.0)
+    x, y = MODELS["gpt"][2](plan.training.global_batch)
+    before = model.full_state_dict()
+    losses = []
+    for _ in range(3):
+        losses.append(float(model.train_step(x, targets=y)))
+        sched.step()
+    after = model.full_state_dict()
+    changed = [n for n in before if not torch.equal(before[n], after[n])]
+    assert not changed and len(set(losses)) == 1, (changed, losses)
+    return {"case": "one-optimizer/lr0", "losses": losses}
+
+
+def compile_and_run_2(ctx: DistContext, outdir: str) -> list[dict]:
+    Path(outdir, "plans").mkdir(exist_ok=True)
+    cases = CASES_2 + CASES_4
+    for case in cases[ctx.rank::ctx.world_size]:
+        compile_case(case, outdir)
+    dist.barrier()
+    return ([run_case(ctx, case, outdir) for case in CASES_2] + [check_fp16_skip(ctx, outdir)]
+            + check_memory(ctx, outdir) + [check_loss_curve(ctx, outdir)] + check_clipping(ctx, outdir, CLIP_PINS_2))
+
+
+def run_4(ctx: DistContext, outdir: str) -> list[dict]:
+    return ([run_case(ctx, case, outdir) for case in CASES_4] + check_clipping(ctx, outdir, CLIP_PINS_4)
+            + [check_one_optimizer(ctx, outdir)])
+
+
+LAUNCHES = {"compile+run2": (2, compile_and_run_2), "run4": (4, run_4)}
+
+
+def worker(rank: int, launch: str, port: int, outdir: str) -> None:
+    run_launch(rank, LAUNCHES[launch], port, outdir)
+
+
+if __name__ == "__main__":  # a quick look: python tests/mp_worker.py OUTDIR
+    import sys
+
+    import dp_worker
+
+    print(json.dumps(dp_worker.spawn_launch(worker, 2, "compile+run2", Path(sys.argv[1]))[0], indent=1))
+    print(json.dumps(dp_worker.spawn_launch(worker, 4, "run4", Path(sys.argv[1]))[0], indent=1))

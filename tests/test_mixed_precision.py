@@ -1,0 +1,36 @@
+"""Mixed precision as planned (issue 10): bf16-mixed and fp16-mixed plans run on every axis.
+
+Plans the planner writes with ``precision=bf16-mixed`` (and fp16-mixed) under the CLI's pins (dp,
+ZeRO-1/2/3, tp, tp with recomputation, pp with GPipe and 1F1B, and on 4 ranks dp x tp with ZeRO-2,
+tp x pp, dp x pp with ZeRO-3) run 3 steps each against one process running the same recipe
+(mp_worker.reference_mixed; its docstring says why the tolerances are what they are). Also: fp16
+skips a step with an inf gradient on one rank on every rank and halves the scale; each rank holds
+the plan's 2 + 2 + 12 bytes per parameter under ZeRO 0-3; the example GPT's bf16-mixed loss curve
+stays within 1% of fp32's over 20 steps."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+for path in (ROOT, ROOT / "tests"):  # spawned ranks inherit sys.path
+    if str(path) not in sys.path:
+        sys.path.insert(0, str(path))
+
+import dp_worker  # noqa: E402
+import mp_worker  # noqa: E402
+
+
+@pytest.mark.slow
+def test_mixed_precision_plans_match_one_process_running_the_same_recipe(tmp_path):
+    two = dp_worker.spawn_launch(mp_worker.worker, 2, "compile+run2", tmp_path)
+    four = dp_worker.spawn_launch(mp_worker.worker, 4, "run4", tmp_path)
+    results = {r["case"]: r for r in two[0] + four[0]}
+    assert {mp_worker.name(c) for c in mp_worker.CASES_2 + mp_worker.CASES_4} <= set(results)
+    assert results["curve/bf16-vs-fp32"]["worst_rel"] < 0.01
+    assert {f"memory/zero{s}" for s in range(4)} <= set(results)
+    Path(tmp_path, "summary.json").write_text(json.dumps(results, indent=1))
