@@ -14,6 +14,7 @@ file) ends with one message on stderr and exit code 2, no traceback.
 from __future__ import annotations
 
 import json
+import math
 import re
 import sys
 from pathlib import Path
@@ -25,7 +26,7 @@ from rich.table import Table
 
 from partita.compiler.console import console, err_console
 from partita.compiler.report import plain
-from partita.core.errors import PartitaError, writable_path, write_text
+from partita.core.errors import POSITIVE_HINT, PartitaError, writable_path, write_text
 
 
 def _progress() -> Progress:
@@ -111,7 +112,7 @@ def _loss_option(name: str | None, field: str | None, default: Any) -> Any:
               help="the field (or tuple index) of the model's output the loss attaches to (default: logits)")
 @click.option("--target", "target_spec", default=None, metavar="NAME=DTYPE[SHAPE]",
               help="the loss's targets, when the output does not imply them")
-@click.option("-o", "--output", type=click.Path(dir_okay=False), default="plan.json", show_default=True)
+@click.option("-o", "--output", metavar="PATH", default="plan.json", show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="print the plan as JSON instead of tables")
 def compile_cmd(target: str, inputs: tuple[str, ...], cluster_name: str, nodes: int | None, devices: int | None,
                 batch: int | None, precision: str | None, optimizer: str, reduce_dtype: str,
@@ -134,6 +135,8 @@ def compile_cmd(target: str, inputs: tuple[str, ...], cluster_name: str, nodes: 
     if spec is not None and cluster_name == "local" and nodes is None and devices is None:
         cluster_name, nodes, devices = spec.cluster, spec.nodes, spec.devices
     cluster = _cluster(cluster_name, nodes, devices)
+    if microbatches is not None and microbatches < 1:
+        raise PartitaError(f"--microbatches {microbatches} must be a positive integer", hint=POSITIVE_HINT)
     if microbatches is not None and grad_accum_steps not in (None, microbatches):
         raise PartitaError(f"--microbatches {microbatches} and --grad-accum-steps {grad_accum_steps} disagree",
                            hint="they are the same decision; pass one")
@@ -143,7 +146,7 @@ def compile_cmd(target: str, inputs: tuple[str, ...], cluster_name: str, nodes: 
     loss = _loss_option(loss_name, output_field, getattr(spec, "loss", None))
     targets = _input_specs([target_spec])[0] if target_spec else getattr(spec, "targets", None)
     with _progress() as progress:
-        result = compile_model(model.factory, specs, cluster, global_batch=batch or getattr(spec, "batch", None),
+        result = compile_model(model.factory, specs, cluster, global_batch=batch if batch is not None else getattr(spec, "batch", None),
                                precision=precision or getattr(spec, "precision", None), optimizer=optimizer,
                                pins=pins, name=model.name, progress=progress, inference=inference, loss=loss,
                                targets=targets, reduce_dtype=reduce_dtype,
@@ -174,7 +177,7 @@ def show(plan_path: str, as_json: bool) -> None:
 
 @cli.command()
 @click.argument("plan_path", metavar="PLAN.json")
-@click.option("-o", "--output", type=click.Path(dir_okay=False), default=None,
+@click.option("-o", "--output", metavar="PATH", default=None,
               help="write the sealed plan here (default: over PLAN.json)")
 def verify(plan_path: str, output: str | None) -> None:
     """Run every check on a plan (edited by hand, say) and seal it again when all pass.
@@ -197,9 +200,15 @@ _SUFFIX = {"": 1, "K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12}
 def parse_count(text: str) -> int:
     """'7B', '65e9', '1.5M', '124000000' -> an integer count."""
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([KMBGT]?)\s*", text, flags=re.IGNORECASE)
+    hint = "e.g. --params 7B, 65e9 or 124M"
     if not m:
-        raise PartitaError(f"--params {text!r} is not a parameter count", hint="e.g. --params 7B, 65e9 or 124M")
-    return int(float(m.group(1)) * _SUFFIX[m.group(2).upper()])
+        raise PartitaError(f"--params {text!r} is not a parameter count", hint=hint)
+    count = float(m.group(1)) * _SUFFIX[m.group(2).upper()]
+    if not math.isfinite(count) or count >= 1e18:
+        raise PartitaError(f"--params {text!r} is not a finite parameter count (at most 1e18)", hint=hint)
+    if count < 1:
+        raise PartitaError(f"--params {text!r} must be at least 1", hint=hint)
+    return int(count)
 
 
 @cli.command()
@@ -226,11 +235,15 @@ def estimate(target: str | None, params_text: str | None, inputs: tuple[str, ...
     from partita.passes.zero import estimate_strategies
 
     if (target is None) == (params_text is None):
-        raise PartitaError("give a model (FILE.py:NAME) or --params N, not both or neither")
+        raise PartitaError("give a model (FILE.py:NAME) or --params N, not both or neither",
+                           hint="e.g. `partita estimate --params 7B` or `partita estimate FILE.py:NAME --input ...`")
+    from partita.passes.constraints import Pins, TrainingRequest
+
     cluster = _cluster(cluster_name, nodes, devices)
+    Pins(dp=dp).check_cluster(cluster.world_size)  # the words `partita compile` uses
+    if batch is not None:
+        TrainingRequest(global_batch=batch)
     dp = dp or cluster.world_size
-    if dp < 1:
-        raise PartitaError(f"--dp {dp} must be a positive integer")
     precision = precision or default_precision(cluster)
     note = ""
     if params_text is not None:
@@ -249,7 +262,7 @@ def estimate(target: str | None, params_text: str | None, inputs: tuple[str, ...
             task = progress.add_task("capturing and analysing", total=1)
             profile = profile_model(capture(model.factory, specs, name=model.name))
             progress.update(task, completed=1)
-        global_batch = batch or profile.batch_size
+        global_batch = batch if batch is not None else profile.batch_size
         if global_batch % dp:
             raise PartitaError(f"global batch {global_batch} does not divide over dp={dp}",
                                hint=f"use --batch a multiple of {dp} or a different --dp")
@@ -301,13 +314,14 @@ def calibrated_cluster(r: Any) -> Any:
 
 @cli.command()
 @click.option("--nproc", type=int, default=4, show_default=True, help="local processes to measure between")
-@click.option("-o", "--output", type=click.Path(dir_okay=False), default="local.toml", show_default=True)
+@click.option("-o", "--output", metavar="PATH", default="local.toml", show_default=True)
 def calibrate(nproc: int, output: str) -> None:
     """Measure this machine (matmul FLOP/s, gloo all-reduce bandwidth and latency) into a cluster file."""
     from partita.runtime.calibrate import calibrate as measure
 
     if nproc < 2:
-        raise PartitaError(f"--nproc {nproc}: calibration needs at least 2 processes")
+        raise PartitaError(f"--nproc {nproc}: calibration needs at least 2 processes",
+                           hint="pass --nproc 2 or more (one per device it measures between)")
     writable_path(output)
     with _progress() as progress:
         task = progress.add_task(f"measuring matmul and gloo all-reduce on {nproc} processes", total=1)
@@ -372,10 +386,14 @@ def run(trace_path: str | None, watchdog_s: float | None, checkpoint_dir: str | 
     plan = load_plan(plan_path)
     refuse_unsupported(plan)  # once, here, before any process starts
     if not Path(script).is_file():
-        raise PartitaError(f"script {script} does not exist")
+        raise PartitaError(f"script {script} does not exist",
+                           hint="pass the training script that calls partita.parallelize(...), then its arguments")
     slurm = slurm_layout()
     planned_nodes = int(plan.cluster.get("nodes", 1)) if plan.cluster.get("device") != "cpu" else 1
     nodes = nnodes or (slurm.nnodes if slurm else 1)
+    if standalone and nnodes not in (None, 1):
+        raise PartitaError(f"--standalone starts every rank on this host, but --nnodes {nnodes} spreads them "
+                           f"over {nnodes} nodes", hint="drop one of --standalone and --nnodes")
     if standalone:
         nodes = 1
     elif nnodes is None and slurm is None and planned_nodes > 1:
@@ -385,7 +403,8 @@ def run(trace_path: str | None, watchdog_s: float | None, checkpoint_dir: str | 
             hint=f"run `partita run --nnodes {planned_nodes} --node-rank R --rdzv-endpoint HOST:PORT {plan_path} "
             f"{script}` on every node (under SLURM they are filled in), or pass --standalone to start them all here")
     if plan.world_size % nodes:
-        raise PartitaError(f"--nnodes {nodes} does not divide the plan's {plan.world_size} ranks")
+        raise PartitaError(f"--nnodes {nodes} does not divide the plan's {plan.world_size} ranks",
+                           hint="pass a number of nodes that divides the plan's ranks, or recompile for these nodes")
     endpoint = rdzv_endpoint or (slurm.rdzv_endpoint if slurm and nodes > 1 else None)
     if nodes > 1 and endpoint is None:
         raise PartitaError(f"{nodes} nodes need a rendezvous every node can reach",
@@ -396,7 +415,8 @@ def run(trace_path: str | None, watchdog_s: float | None, checkpoint_dir: str | 
     if watchdog_s is not None:
         env["PARTITA_WATCHDOG_S"] = f"{watchdog_s:g}"
     if checkpoint_every is not None and checkpoint_dir is None:
-        raise PartitaError("--checkpoint-every needs --checkpoint-dir: where should the checkpoints go?")
+        raise PartitaError("--checkpoint-every needs --checkpoint-dir: where should the checkpoints go?",
+                           hint="add --checkpoint-dir DIR")
     if checkpoint_dir is not None:
         env["PARTITA_CHECKPOINT_DIR"] = str(Path(checkpoint_dir).resolve())
     if checkpoint_every is not None:
@@ -406,7 +426,8 @@ def run(trace_path: str | None, watchdog_s: float | None, checkpoint_dir: str | 
         raise PartitaError(f"{nodes} nodes: which one is this?", hint="pass --node-rank R (0 on the node that "
                            "hosts the rendezvous, 1 to N-1 on the others)")
     if rank is not None and rank >= nodes:
-        raise PartitaError(f"--node-rank {rank} is not below --nnodes {nodes}")
+        raise PartitaError(f"--node-rank {rank} is not below --nnodes {nodes}",
+                           hint="node ranks run from 0 to --nnodes minus 1")
     sys.exit(launch(plan.world_size // nodes, [script, *args], env=env, max_restarts=max_restarts, nnodes=nodes,
                     rdzv_endpoint=endpoint, run_id=slurm.run_id if slurm else None, node_rank=rank))
 
@@ -414,7 +435,7 @@ def run(trace_path: str | None, watchdog_s: float | None, checkpoint_dir: str | 
 @cli.command()
 @click.option("--nproc", type=int, default=4, show_default=True)
 @click.option("--steps", type=int, default=5, show_default=True)
-@click.option("-o", "--output", type=click.Path(dir_okay=False), default="demo.plan.json", show_default=True)
+@click.option("-o", "--output", metavar="PATH", default="demo.plan.json", show_default=True)
 def demo(nproc: int, steps: int, output: str) -> None:
     """Plan the example GPT for `local`, train it on NPROC gloo processes, check against one process."""
     from partita.compiler.demo import run_demo

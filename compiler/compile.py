@@ -94,6 +94,9 @@ def compile_model(
     """
     timings: dict[str, float] = {}
     phase = _phases(progress)
+    pins.check_cluster(pins.world_size or cluster.world_size)  # before any capture
+    if global_batch is not None:
+        TrainingRequest(global_batch=global_batch)  # a bad batch is refused before the work, too
     if not inference:
         loss = resolve_loss(loss)
     with phase("capturing the model"):
@@ -104,7 +107,7 @@ def compile_model(
         profile = profile_model(captured)
         timings["analysis"] = time.perf_counter() - t0
     request = TrainingRequest(
-        global_batch=global_batch or profile.batch_size,
+        global_batch=global_batch if global_batch is not None else profile.batch_size,
         precision=precision or default_precision(cluster),
         optimizer="none" if inference else optimizer,
         inference=inference,

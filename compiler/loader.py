@@ -54,11 +54,11 @@ def _import(text: str) -> tuple[object, str, Path]:
         raise ModelLoadError(f"{text!r} is not FILE.py:NAME", hint="e.g. examples/models.py:gpt_tiny")
     path = Path(path_text)
     if not path.is_file():
-        raise ModelLoadError(f"model file {path} does not exist")
+        raise ModelLoadError(f"model file {path} does not exist", hint="pass FILE.py:NAME with the path of an existing Python file")
     module_name = f"_partita_user_{path.stem}"
     spec = importlib.util.spec_from_file_location(module_name, path)
     if spec is None or spec.loader is None:
-        raise ModelLoadError(f"cannot import {path}: not a Python file")
+        raise ModelLoadError(f"cannot import {path}: not a Python file", hint="pass FILE.py:NAME, a .py file defining NAME")
     mod = importlib.util.module_from_spec(spec)
     sys.modules[module_name] = mod
     sys.path.insert(0, str(path.parent.resolve()))

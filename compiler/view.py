@@ -125,7 +125,7 @@ _TEMPLATE = """<!DOCTYPE html>
 
 @click.command("view")
 @click.argument("plan_path", metavar="PLAN.json")
-@click.option("-o", "--output", type=click.Path(dir_okay=False), default=None,
+@click.option("-o", "--output", metavar="PATH", default=None,
               help="the HTML file to write (default: PLAN.html beside the plan)")
 @click.option("--open", "open_browser", is_flag=True, help="open the page in the default web browser")
 @click.option("--against", "against_path", metavar="B.json", default=None,

@@ -172,7 +172,8 @@ def capture(
 
 
 def _check_input_names(module: torch.nn.Module, inputs: Sequence[InputSpec]) -> None:
-    """The inputs are passed positionally: each name must be the forward argument at its place."""
+    """The inputs are passed positionally: each name must be the forward argument at its place
+    (a misnamed input would be bound to another argument, or to none, without a word)."""
     try:
         params = list(inspect.signature(module.forward).parameters.values())
     except (TypeError, ValueError):
@@ -180,12 +181,15 @@ def _check_input_names(module: torch.nn.Module, inputs: Sequence[InputSpec]) -> 
     if any(p.kind is p.VAR_POSITIONAL for p in params):
         return
     positional = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    # torch.nn's own modules (Sequential, a bare Linear) name their argument generically (``input``):
+    # any name is taken for it, but never the name of another of its arguments
+    generic = getattr(type(module).forward, "__module__", "").startswith("torch.")
     takes = f"{type(module).__name__}.forward({', '.join(positional)})"
     for i, spec in enumerate(inputs):
         if i >= len(positional):
             raise CaptureError(f"input {spec.name!r} is input {i + 1}, but {takes} takes {len(positional)}",
                                hint="pass one --input per argument of forward, in its order")
-        if spec.name != positional[i]:
+        if spec.name != positional[i] and (spec.name in positional or not generic):
             where = (f"its argument {i + 1} is {positional[i]!r}" if spec.name in positional
                      else f"{spec.name!r} is none of its arguments")
             raise CaptureError(f"input {spec.name!r} is passed as argument {i + 1} of {takes}, but {where}",
@@ -206,7 +210,8 @@ def _check_input_dtypes(gm: torch.fx.GraphModule, inputs: Sequence[InputSpec]) -
         if node.op != "call_function" or getattr(node.target, "__name__", "").split(".")[0] not in _SAME_DTYPE_OPS:
             continue
         vals = [a.meta.get("val") for a in node.all_input_nodes]
-        dtypes = {v.dtype for v in vals if isinstance(v, torch.Tensor)}
+        # a bool operand is a mask (attention's), not a value multiplied
+        dtypes = {v.dtype for v in vals if isinstance(v, torch.Tensor) and v.dtype is not torch.bool}
         if len(dtypes) > 1:
             names = ", ".join(sorted(str(d).removeprefix("torch.") for d in dtypes))
             given = ", ".join(str(s) for s in inputs)

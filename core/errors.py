@@ -22,6 +22,10 @@ class PartitaError(Exception):
         super().__init__(message if hint is None else f"{message}\n  hint: {hint}")
 
 
+# the hint of a count (a degree, a batch, a number of nodes) that is not a positive integer
+POSITIVE_HINT = "give a whole number of at least 1, or leave the option out to let partita choose"
+
+
 class CaptureError(PartitaError):
     """The model could not be captured as an FX graph."""
 

@@ -395,7 +395,8 @@ def read_plan_data(path: str | Path) -> Any:
             raise PlanError(f"{path} is {path.stat().st_size:,} bytes: not a plan file partita wrote", hint=broken)
         text = path.read_text(encoding="utf-8")
     except OSError as e:
-        raise PlanError(f"cannot read plan file {path}: {e.strerror or e}") from e
+        raise PlanError(f"cannot read plan file {path}: {e.strerror or e}",
+                        hint="pass the path of a plan file `partita compile` wrote") from e
     except UnicodeDecodeError as e:
         raise PlanError(f"{path} is not a plan file: byte {e.start} is not UTF-8 text", hint=broken) from e
     try:
@@ -414,11 +415,12 @@ def plan_from_data(data: Any, *, source: str = "plan", sealed: bool = True,
     """Validate parsed JSON against the schema, build a ``Plan``, refuse it if ``verify`` (the
     planner's rules, passes/verify.py) finds problems, then check its seal unless ``sealed`` is False."""
     if not isinstance(data, dict):
-        raise PlanError(f"{source} is not a plan file: expected a JSON object, got {type(data).__name__}")
+        raise PlanError(f"{source} is not a plan file: expected a JSON object, got {type(data).__name__}",
+                        hint="pass a plan file `partita compile` wrote")
     version = data.get("version")
     if version != SCHEMA_VERSION:
         raise PlanError(
-            f"{source} has plan format version {_short(version)}; this partita reads version {SCHEMA_VERSION}",
+            f"{source} has plan format version {_short(repr(version))}; this partita reads version {SCHEMA_VERSION}",
             hint="recompile the plan with this version of partita",
         )
     import jsonschema

@@ -28,7 +28,7 @@ from typing import Protocol, Sequence
 from partita.core.errors import InfeasibleError, PartitaError
 from partita.core.plan import MemoryBreakdown
 from partita.passes.cluster import ClusterSpec
-from partita.passes.constraints import Pins, TrainingRequest
+from partita.passes.constraints import Pins, TrainingRequest, divisors
 from partita.passes.cost_model import (
     StepCost,
     data_parallel_step,
@@ -96,10 +96,6 @@ def gradient_buckets(numels: Sequence[int], elem_bytes: int, cap_bytes: int = DE
     if current:
         buckets.append(current)
     return buckets
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def memory_per_device(profile: Profile, request: TrainingRequest, *, dp: int, micro_batch: int, zero_stage: int,
@@ -176,7 +172,7 @@ def choose_data_parallel(
     candidates: list[Candidate] = []
     for dp in dps:
         share = B // dp
-        mbs = [pins.micro_batch_size] if pins.micro_batch_size else _divisors(share)
+        mbs = [pins.micro_batch_size] if pins.micro_batch_size else divisors(share)
         if pins.grad_accum_steps:
             mbs = [m for m in mbs if m * pins.grad_accum_steps == share]
         for mb in mbs:

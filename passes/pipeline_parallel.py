@@ -75,7 +75,7 @@ import networkx as nx
 from partita.core.errors import InfeasibleError, PartitaError
 from partita.core.plan import MemoryBreakdown, Stage
 from partita.passes.cluster import ClusterSpec, Link
-from partita.passes.constraints import Pins, TrainingRequest
+from partita.passes.constraints import Pins, TrainingRequest, divisors
 from partita.passes.cost_model import (
     SCHEDULES,
     PipelineStepCost,
@@ -688,12 +688,12 @@ def choose_pipeline(
     groups: list[tuple[int, int, int, int]] = []  # (p, dp, micro-batch size, micro-batches), in enumeration order
     if pins.schedule is not None:  # a pinned schedule: only pipelines (p > 1) that run it
         schedules = (pins.schedule,)
-    for p in [pins.pp] if pins.pp else _divisors(devices // tp):
+    for p in [pins.pp] if pins.pp else divisors(devices // tp):
         dp = devices // (tp * p)
         if (pins.dp and pins.dp != dp) or B % dp or (pins.schedule is not None and p == 1):
             continue
         share = B // dp
-        for mb in [pins.micro_batch_size] if pins.micro_batch_size else _divisors(share):
+        for mb in [pins.micro_batch_size] if pins.micro_batch_size else divisors(share):
             m = share // mb
             if share % mb or (pins.grad_accum_steps and pins.grad_accum_steps != m):
                 continue
@@ -945,10 +945,6 @@ def any_cuts_fit(part: Partition) -> bool:
             return False
         j = reach
     return False
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def _shared_policies(c: NodeCosts, p: int) -> list[tuple[str, tuple[int, ...]]]:

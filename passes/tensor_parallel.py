@@ -55,7 +55,7 @@ from typing import Mapping, Sequence
 from partita.core.errors import InfeasibleError, PartitaError
 from partita.core.plan import Alternative, MemoryBreakdown, Mesh
 from partita.passes.cluster import ClusterSpec
-from partita.passes.constraints import Pins, TrainingRequest
+from partita.passes.constraints import Pins, TrainingRequest, divisors
 from partita.passes.cost_model import StepCost, mesh_step, model_state_memory, state_bytes_per_param
 from partita.passes.zero import STRATEGY_NAMES, traffic_reason, zero_stages
 from partita.passes.data_parallel import DEFAULT_BUCKET_BYTES, gradient_buckets
@@ -247,7 +247,7 @@ def _tp_degrees(cluster: ClusterSpec, world: int, pins: Pins) -> list[int]:
     if pins.tp is not None:
         if g % pins.tp:
             raise PartitaError(f"--tp {pins.tp} does not divide {g} GPUs per node: a TP group must stay inside a node",
-                               hint=f"use one of {', '.join(map(str, _divisors(g)))}")
+                               hint=f"use one of {', '.join(map(str, divisors(g)))}")
         if world % pins.tp:
             raise PartitaError(f"--tp {pins.tp} does not divide the world size {world}")
     if pins.dp is not None:
@@ -263,18 +263,14 @@ def _tp_degrees(cluster: ClusterSpec, world: int, pins: Pins) -> list[int]:
         return [tp]
     if pins.tp is not None:
         return [pins.tp]
-    return [d for d in _divisors(g) if world % d == 0]
+    return [d for d in divisors(g) if world % d == 0]
 
 
 def _micro_batches(share: int, pins: Pins) -> list[int]:
-    mbs = [pins.micro_batch_size] if pins.micro_batch_size else _divisors(share)
+    mbs = [pins.micro_batch_size] if pins.micro_batch_size else divisors(share)
     if pins.grad_accum_steps:
         mbs = [m for m in mbs if m * pins.grad_accum_steps == share]
     return [m for m in mbs if share % m == 0]
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def _graph_param_numel(G) -> int:

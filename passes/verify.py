@@ -48,7 +48,7 @@ def verified_plan(data: Any, *, source: str = "plan", sealed: bool = True) -> Pl
 def plan_problems(plan: Plan) -> list[str]:
     """Every inconsistency of ``plan`` found without the model, in the user's words; [] if none."""
     problems: list[str] = []
-    for check in (_numbers, _cluster, _training, _stages, _nodes, _params, _collectives):
+    for check in (_numbers, _model, _cluster, _training, _stages, _nodes, _params, _collectives):
         problems += check(plan)
     return problems
 
@@ -73,7 +73,23 @@ def _numbers(plan: Plan) -> list[str]:
                 walk(v, f"{where}[{i}]")
 
     walk(plan.to_dict(seal=False), "")
-    return bad[:_SHOWN]
+    return bad[:5]  # a NaN pasted everywhere is named a few times, not thousands
+
+
+def _model(plan: Plan) -> list[str]:
+    """The captured inputs and targets read back as input specs (each rank captures the model at them)."""
+    from partita.core.errors import PartitaError
+    from partita.core.inputs import parse_input_spec
+
+    out = []
+    for what, text in [*(("input", s) for s in plan.model.inputs), ("targets", plan.model.targets)]:
+        if text is None:
+            continue
+        try:
+            parse_input_spec(text)
+        except PartitaError as e:
+            out.append(f"model {what} {text!r}: {e.message}")
+    return out
 
 
 def _cluster(plan: Plan) -> list[str]:
@@ -250,13 +266,29 @@ def layout_problems(plan: Plan, G: Any, names: Iterable[str] | None = None) -> l
     return out
 
 
+def param_problems(plan: Plan, param_nodes: dict[str, str]) -> list[str]:
+    """Each parameter's tp layout in the plan against its placeholder's placement (which the
+    runtime shards it by): a hand edit of one without the other is refused."""
+    out: dict[str, str] = {}
+    decided = {d.name: d for d in plan.nodes}
+    layouts = {p.name: p.layout.get(MeshAxis.TP.value) for p in plan.params}
+    for node, qualified in param_nodes.items():
+        d = decided.get(node)
+        if d is None or not d.out or qualified not in layouts or layouts[qualified] is None:
+            continue
+        if layouts[qualified] != d.out[0]:
+            out[qualified] = (f"parameter {qualified}: the plan's layout says tp={layouts[qualified]} but its "
+                              f"placeholder {node} is {d.out[0]}")
+    return list(out.values())
+
+
 def check_layouts(plan: Plan, captured: Any) -> None:
     """Raise ``PlanError`` when the plan's node decisions are not what its strategies give on the
     graph the runtime captured (``layout_problems``)."""
     from partita.core.errors import PlanError
     from partita.passes.graph import to_networkx
 
-    problems = layout_problems(plan, to_networkx(captured))
+    problems = layout_problems(plan, to_networkx(captured)) + param_problems(plan, captured.param_nodes)
     if problems:
         raise PlanError(f"the plan's tensor-parallel layout does not hold on this model: {describe_problems(problems)}",
                         hint="recompile the plan with `partita compile` (or undo the hand edit)")

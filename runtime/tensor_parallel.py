@@ -619,12 +619,9 @@ class TensorParallel(nn.Module):
             )
 
     def _placement(self, node: str, qualified: str) -> str:
-        placement = self.decisions[node].out[0]
-        for p in self.plan.params:
-            if p.name == qualified and p.layout.get(TP, placement) != placement:
-                raise PlanError(f"parameter {qualified}: the plan's layout says tp={p.layout[TP]} but its "
-                                f"placeholder {node} is {placement}")
-        return placement
+        """Where the parameter lives: its placeholder's placement (``check_layouts`` checked that
+        the plan's parameter layout says the same)."""
+        return self.decisions[node].out[0]
 
     def _load(self, module: nn.Module, captured: CapturedModel, state: dict | None) -> None:
         params = dict(module.named_parameters(remove_duplicate=False))
