@@ -277,7 +277,7 @@ def _wrap(module: torch.nn.Module, spec: ParallelizeSpec) -> Any:
                 text = json.dumps({"error": str(e)})
         data = json.loads(_broadcast_text(text, ctx.device))
         if "error" in data:
-            raise PartitaError(f"rank 0 could not plan: {data['error']}")
+            raise PartitaError(f"rank 0 could not plan: {data['error']}", hint="rank 0's message above says what to fix")
         plan = verified_plan(data, source="plan from rank 0")
     return apply_plan(module, plan, loss_fn=spec.loss, optimizer=spec.optimizer, ctx=ctx,
                       watchdog_s=spec.watchdog_s, checkpoint_dir=spec.checkpoint_dir,

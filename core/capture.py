@@ -114,7 +114,7 @@ def capture(
     else:
         raise CaptureError(
             f"cannot capture {type(model).__name__}: expected an nn.Module or a zero-argument factory",
-        )
+            hint="pass an nn.Module subclass, a factory returning one, or a module instance")
 
     _check_input_names(module, inputs)
     with mode:

@@ -69,5 +69,5 @@ def write_text(path: str | Path, text: str) -> Path:
     try:
         path.write_text(text, encoding="utf-8")
     except OSError as e:
-        raise PartitaError(f"cannot write {path}: {e.strerror or e}") from e
+        raise PartitaError(f"cannot write {path}: {e.strerror or e}", hint='pass -o a path you can write to') from e
     return path

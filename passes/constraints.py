@@ -62,6 +62,18 @@ class Pins:
     # The planners decide every axis; a tp pin is checked against the cluster in
     # passes/tensor_parallel.py, a pp pin against the devices in passes/pipeline_parallel.py,
     # and a ZeRO pin narrows the stages passes/zero.zero_stages offers both.
+    def describe(self) -> str:
+        """The pins in the CLI's words (``--dp 2 --zero 1``), or "no pins"."""
+        flags = {"zero_stage": "zero", "world_size": "devices"}
+        parts = []
+        for name in ("dp", "tp", "pp", "zero_stage", "micro_batch_size", "grad_accum_steps", "schedule", "world_size"):
+            v = getattr(self, name)
+            if v is not None:
+                parts.append(f"--{flags.get(name, name).replace('_', '-')} {v}")
+        if self.recompute is not None:
+            parts.append("--recompute" if self.recompute else "--no-recompute")
+        return " ".join(parts) or "no pins"
+
     def check_cluster(self, devices: int) -> None:
         """A degree pinned beyond the cluster's devices is refused in the same words everywhere
         (`partita compile`, `partita estimate`, the decorator)."""

@@ -146,7 +146,7 @@ def choose_data_parallel(
     B = request.global_batch
     if pins.dp is not None:
         if pins.dp > devices:
-            raise PartitaError(f"--dp {pins.dp} needs {pins.dp} devices but the cluster has {devices}")
+            raise PartitaError(f"--dp {pins.dp} needs {pins.dp} devices but the cluster has {devices}", hint="pin --dp no larger than the cluster's devices, or add --nodes / --devices")
         dps = [pins.dp]
     elif pins.world_size is not None:
         dps = [pins.world_size]  # every launched process is a replica

@@ -673,12 +673,15 @@ def choose_pipeline(
     devices = pins.world_size or cluster.world_size
     tp = pins.tp or devices_per_stage
     if devices % tp:
-        raise PartitaError(f"{tp} devices per stage do not divide {devices} devices")
+        raise PartitaError(f"{tp} devices per stage do not divide {devices} devices",
+                           hint="pin a --tp that divides the devices")
     bad = [s for s in schedules if s not in SCHEDULES]
     if bad or not schedules:
-        raise PartitaError(f"schedule(s) {bad or '(none)'} are not among {', '.join(SCHEDULES)}")
+        raise PartitaError(f"schedule(s) {bad or '(none)'} are not among {', '.join(SCHEDULES)}",
+                           hint="pass --schedule 1f1b or gpipe")
     if pins.pp and (devices // tp) % pins.pp:
-        raise PartitaError(f"--pp {pins.pp} does not divide {devices // tp} devices ({devices} / {tp} per stage)")
+        raise PartitaError(f"--pp {pins.pp} does not divide {devices // tp} devices ({devices} / {tp} per stage)",
+                           hint="pin a --pp that divides the devices per tensor-parallel group")
     state = state_bytes_per_param(request.precision, request.optimizer, inference=request.inference)
     build = costs or (lambda mb: node_costs(profile, cluster, request, mb, tp=tp))
     if floor_costs is None and costs is None:
@@ -798,7 +801,7 @@ def choose_pipeline(
     candidates = [c for _, c in found]
     if not candidates:
         raise PartitaError(
-            f"no pipeline split matches: {devices} devices, {tp} per stage, global batch {B}, pins {pins}",
+            f"no pipeline split matches: {devices} devices, {tp} per stage, global batch {B}, pins ({pins.describe()})",
             hint="the batch must divide over the data-parallel ranks; pp must divide devices / tp",
         )
     fitting = sorted((c for c in candidates if c.fits),

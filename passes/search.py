@@ -180,8 +180,9 @@ def plan_search(
             raise errors[-1] if tried_pipeline else errors[0]
         from partita.passes.zero import RUNTIME_ZERO
 
-        raise PartitaError(f"no plan matches the pins {pins} on {world} devices"
-                           + (f" ({RUNTIME_ZERO})" if pins.zero_stage else ""))
+        raise PartitaError(f"no plan matches the pins ({pins.describe()}) on {world} devices"
+                           + (f" ({RUNTIME_ZERO})" if pins.zero_stage else ""),
+                           hint="drop a pin to let partita choose that decision")
     options.sort(key=lambda d: (d.step_s, d.mesh.pp, d.zero_stage, d.mesh.tp))
     best = options[0]
     alternatives = (_merge_alternatives(options) + _pruned_zero(best, cluster, request, pins)

@@ -249,14 +249,17 @@ def _tp_degrees(cluster: ClusterSpec, world: int, pins: Pins) -> list[int]:
             raise PartitaError(f"--tp {pins.tp} does not divide {g} GPUs per node: a TP group must stay inside a node",
                                hint=f"use one of {', '.join(map(str, divisors(g)))}")
         if world % pins.tp:
-            raise PartitaError(f"--tp {pins.tp} does not divide the world size {world}")
+            raise PartitaError(f"--tp {pins.tp} does not divide the world size {world}",
+                               hint="pin a --tp that divides the world size")
     if pins.dp is not None:
         if world % pins.dp:
-            raise PartitaError(f"--dp {pins.dp} does not divide the world size {world}")
+            raise PartitaError(f"--dp {pins.dp} does not divide the world size {world}",
+                               hint="pin a --dp that divides the world size")
         tp = world // pins.dp
         if pins.tp is not None and pins.tp != tp:
             raise PartitaError(f"--dp {pins.dp} x --tp {pins.tp} = {pins.dp * pins.tp} devices, "
-                               f"but the world size is {world}")
+                               f"but the world size is {world}",
+                                   hint="pin --dp and --tp whose product is the world size, or pin only one")
         if g % tp:
             raise PartitaError(f"--dp {pins.dp} leaves tp={tp}, which does not divide {g} GPUs per node",
                                hint="a TP group must stay inside a node")
@@ -362,7 +365,8 @@ def _dp_bytes(cost: StepCost) -> float:
 def _infeasible(candidates: list[MeshCandidate], cluster: ClusterSpec, world: int) -> InfeasibleError:
     sized = [c for c in candidates if c.memory_bytes]
     if not sized:
-        reasons = "; ".join(sorted({c.reason for c in candidates}))
+        reasons = "; ".join(sorted({c.reason for c in candidates if c.reason})) or (
+            "no tensor-parallel degree divides both the devices per node and the world")
         return InfeasibleError(f"no (dp, tp) mesh of {world} devices is possible: {reasons}",
                                hint="choose a global batch divisible by the data-parallel degree")
     least = min(sized, key=lambda c: c.memory_bytes)

@@ -793,7 +793,8 @@ def exhaustive_choice(problem: TPProblem, *, max_states: int = 2_000_000) -> TPS
         for k in range(len(order)):
             best_pick[k] = memo[(k, tuple(best_pick[c] for c in frontier[k]))][1]
     if not math.isfinite(best_cost):
-        raise InfeasibleError(f"exhaustive search: no combination of strategies fits {budget / 1e9:.2f} GB")
+        raise InfeasibleError(f"exhaustive search: no combination of strategies fits {budget / 1e9:.2f} GB",
+                              hint="give more memory per device (more devices, ZeRO, recomputation)")
     chosen = {order[k].key: s for k, s in best_pick.items()}
     report = TPSolveReport("exhaustive", "OPTIMAL", best_cost, best_cost, 0.0, time.perf_counter() - t0, 0.0,
                            visited[0], 0, len(order), problem.num_nodes)

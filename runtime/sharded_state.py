@@ -321,7 +321,8 @@ def save(model: "ParallelModel", path: Any, *, extra: dict | None = None, async_
     except TypeError as e:
         from partita.core.errors import PartitaError
 
-        raise PartitaError(f"save_checkpoint's extra must hold plain values (numbers, strings, lists, dicts): {e}") from e
+        raise PartitaError(f"save_checkpoint's extra must hold plain values (numbers, strings, lists, dicts): {e}",
+                           hint="keep extra= to numbers, strings, lists and dicts") from e
     if async_save:
         return dcp.async_save(state, checkpoint_id=str(path), async_stager=_CopyStager())
     dcp.save(state, checkpoint_id=str(path))
@@ -421,7 +422,7 @@ def open_weights(path: Any) -> Mapping[str, torch.Tensor]:
 
     path = Path(path)
     if not path.is_file():
-        raise PartitaError(f"weights file {path} does not exist")
+        raise PartitaError(f"weights file {path} does not exist", hint="pass weights= the path of a torch.save'd state dict or a .safetensors file")
     try:
         if path.suffix == ".safetensors":
             return _SafetensorsFile(str(path))
@@ -430,5 +431,5 @@ def open_weights(path: Any) -> Mapping[str, torch.Tensor]:
         raise PartitaError(f"cannot read weights from {path}: {e}",
                            hint="pass a state dict saved with torch.save, or a .safetensors file") from e
     if not isinstance(state, Mapping):
-        raise PartitaError(f"{path} holds a {type(state).__name__}, not a state dict of tensors")
+        raise PartitaError(f"{path} holds a {type(state).__name__}, not a state dict of tensors", hint="save the model's state_dict() (name -> tensor), not the module or a wrapper")
     return state

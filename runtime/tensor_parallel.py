@@ -437,7 +437,8 @@ class _LocalInterpreter(torch.fx.Interpreter):
         if n.op == "output":
             return args[0]
         if n.op != "call_function":
-            raise PlanError(f"node {n.name}: {n.op} nodes are not supported by the tensor-parallel runtime")
+            raise PlanError(f"node {n.name}: {n.op} nodes are not supported by the tensor-parallel runtime",
+                            hint="plan this model without tensor parallelism (--tp 1)")
         if n.target is torch.ops.aten._assert_tensor_metadata.default and self.p.precision.low:
             return None  # export's check of the captured (fp32) dtype: the policy computes in another
         try:
@@ -469,7 +470,8 @@ class _LocalInterpreter(torch.fx.Interpreter):
         args = list(torch.fx.map_arg(n.args, fetch))
         kwargs = dict(torch.fx.map_arg(n.kwargs, fetch))
         if j != len(d.ins):
-            raise PlanError(f"node {n.name}: the plan lists {len(d.ins)} tensor inputs, the graph has {j}")
+            raise PlanError(f"node {n.name}: the plan lists {len(d.ins)} tensor inputs, the graph has {j}",
+                            hint="recompile the plan for this model with `partita compile`")
         if getitem:
             args = [_edge(self.p.tp, args[0][args[1]], d.ins[0])]
         return args, kwargs
@@ -638,7 +640,8 @@ class TensorParallel(nn.Module):
                 if node in used and self._placement(node, qualified) != self.placements[qualified]:
                     raise PlanError(f"tied parameter {qualified} has placeholders with different "
                                     f"placements ({node}: {self.decisions[node].out[0]}, "
-                                    f"another: {self.placements[qualified]})")
+                                    f"another: {self.placements[qualified]})",
+                                        hint="recompile the plan for this model with `partita compile`")
                 continue
             placement = self._placement(node, qualified)
             full = params[qualified] if state is None else _weight(state, qualified, params)
@@ -695,7 +698,7 @@ class TensorParallel(nn.Module):
         want = tuple(n.meta["val"].shape)
         if user is None or tuple(user.shape) != want:
             got = None if user is None else tuple(user.shape)
-            raise PlanError(f"input {n.name} has shape {got}, but the plan's micro-batch is {want}")
+            raise PlanError(f"input {n.name} has shape {got}, but the plan's micro-batch is {want}", hint="pass batches of the plan's shape, or recompile for this shape")
         return user.to(self.device)
 
     def run_nodes(self, nodes: list[torch.fx.Node], env: dict[torch.fx.Node, Any]) -> dict[torch.fx.Node, Any]:
@@ -710,8 +713,8 @@ class TensorParallel(nn.Module):
         if got != expected:
             raise PlanError(
                 f"tensor-parallel node {n.format_node()} (strategy {d.strategy!r}, outputs {list(d.out)}) "
-                f"produced local shapes {got} on tp rank {self.tp.rank}, the plan expects {expected}"
-            )
+                f"produced local shapes {got} on tp rank {self.tp.rank}, the plan expects {expected}",
+                hint="recompile the plan for this model with `partita compile`")
 
 
 def _micro_batch_specs(plan: Plan) -> tuple[list[InputSpec], InputSpec | None]:
@@ -723,7 +726,8 @@ def _micro_batch_specs(plan: Plan) -> tuple[list[InputSpec], InputSpec | None]:
         return InputSpec(spec.name, spec.dtype, (mbs, *spec.shape[1:]))
 
     if not plan.model.inputs:
-        raise PlanError("a tensor-parallel plan must record the model's inputs (plan.model.inputs)")
+        raise PlanError("a tensor-parallel plan must record the model's inputs (plan.model.inputs)",
+                        hint="recompile the plan for this model with `partita compile`")
     return [micro(s) for s in plan.model.inputs], micro(plan.model.targets) if plan.model.targets else None
 
 

@@ -522,5 +522,21 @@ def test_every_hint_names_only_flags_that_exist():
 
 def test_the_matrix_holds_at_least_100_bad_inputs(request):
     items = [i for i in request.session.items if i.module.__name__.endswith("test_bad_inputs")
-             and "hint" not in i.name and "100" not in i.name and "good" not in i.name]
+             and "hint" not in i.name and "100" not in i.name and "good" not in i.name
+             and "source" not in i.name]
     assert len(items) >= 100
+
+
+def test_every_user_error_in_the_source_says_what_to_do():
+    """Each user error partita raises (``PartitaError`` and its kinds) is given a ``hint=``: the
+    message names what is wrong, the hint what to do."""
+    kinds = {"PartitaError", "PlanError", "ClusterError", "CaptureError", "InfeasibleError", "InputSpecError",
+             "ModelLoadError"}
+    missing = []
+    for folder in ("core", "compiler", "passes", "runtime"):
+        for path in sorted((ROOT / folder).glob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if (isinstance(node, ast.Call) and getattr(node.func, "id", None) in kinds
+                        and not any(k.arg == "hint" for k in node.keywords)):
+                    missing.append(f"{folder}/{path.name}:{node.lineno}")
+    assert not missing, missing
