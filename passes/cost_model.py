@@ -47,6 +47,8 @@ from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
 from partita.core.precision import PRECISIONS, compute_dtype, dtype_bytes  # noqa: F401 (re-exported)
+from partita.core.schedule import SCHEDULES, bubble_fraction  # noqa: F401 (re-exported)
+from partita.core.schedule import in_flight as activations_in_flight  # noqa: F401 (re-exported)
 from partita.passes.cluster import COLLECTIVES, ClusterSpec, Link
 
 OPTIMIZERS = ("adamw", "adam", "sgd", "sgd-momentum", "none")
@@ -401,29 +403,6 @@ def mesh_step(
 # Memory is where the schedules differ: GPipe holds every micro-batch's
 # activations until the backward starts (m); 1F1B starts backward as soon as
 # the pipe is full, so stage i of p holds min(p - i, m) (Narayanan et al.).
-
-SCHEDULES = ("1f1b", "gpipe")
-
-
-def bubble_fraction(stages: int, micro_batches: int) -> float:
-    """Idle time over useful time of a pipeline: (p - 1) / m (GPipe and 1F1B alike)."""
-    if stages < 1 or micro_batches < 1:
-        raise ValueError(f"stages={stages} and micro_batches={micro_batches} must be at least 1")
-    return (stages - 1) / micro_batches
-
-
-def activations_in_flight(schedule: str, stage: int, stages: int, micro_batches: int) -> int:
-    """Micro-batches whose saved activations stage ``stage`` (0-based) of ``stages`` holds at its peak."""
-    if schedule not in SCHEDULES + ("none",):
-        raise ValueError(f"schedule {schedule!r} is not one of none, {', '.join(SCHEDULES)}")
-    if not 0 <= stage < stages:
-        raise ValueError(f"stage {stage} is not in 0..{stages - 1}")
-    if schedule == "none":
-        return 1  # no pipeline: one micro-batch at a time, gradients accumulated
-    if schedule == "gpipe":
-        return micro_batches
-    return min(stages - stage, micro_batches)
-
 
 def p2p_time(nbytes: float, link: Link) -> float:
     """One point-to-point transfer between neighbouring stages; nothing to send costs nothing."""

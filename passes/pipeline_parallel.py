@@ -73,7 +73,7 @@ from typing import Callable, Sequence
 import networkx as nx
 
 from partita.core.errors import InfeasibleError, PartitaError
-from partita.core.plan import MemoryBreakdown, Stage
+from partita.core.plan import MemoryBreakdown, Mesh, Stage
 from partita.passes.cluster import ClusterSpec, Link
 from partita.passes.constraints import Pins, TrainingRequest
 from partita.passes.cost_model import (
@@ -608,15 +608,8 @@ class PipelineDecision:
 
 
 def stage_links(cluster: ClusterSpec, pp: int, dp: int, tp: int) -> tuple[Link, ...]:
-    """The link between stage s and s + 1, ranks in MESH_ORDER (pp, dp, tp): pp outermost,
-    so rank (s, d, t) talks to (s + 1, d, t), ``dp * tp`` ranks further on."""
-    width = dp * tp
-    links = []
-    for s in range(pp - 1):
-        ranks = range(s * width, (s + 1) * width)
-        same_node = all(r // cluster.gpus_per_node == (r + width) // cluster.gpus_per_node for r in ranks)
-        links.append(cluster.intra_link if same_node else cluster.inter_link)
-    return tuple(links)
+    """The link between stage s and s + 1 of a (pp, dp, tp) mesh (``ClusterSpec.stage_links``)."""
+    return cluster.stage_links(Mesh(dp=dp, tp=tp, pp=pp))
 
 
 def stage_of_nodes(profile: ModelProfile, cuts: Sequence[str]) -> dict[str, int]:
@@ -961,7 +954,7 @@ def _shared_policies(c: NodeCosts, p: int) -> list[tuple[str, tuple[int, ...]]]:
 def _candidate(part: Partition, bounds: tuple[int, ...], dp: int, tp: int, mb: int, policy: str, fits: bool,
                request: TrainingRequest) -> PipelineCandidate:
     c, setup, cluster = part.costs, part.setup, part.cluster
-    p, width = setup.stages, dp * tp
+    p = setup.stages
     grad_elem = 0 if request.inference else max(1, int(setup.state.grads))
     stages, dp_s, opt_s, dp_bytes = [], [], [], []
     for s, (j, k) in enumerate(zip(bounds, bounds[1:])):
@@ -979,7 +972,7 @@ def _candidate(part: Partition, bounds: tuple[int, ...], dp: int, tp: int, mb: i
             forward_s=part.fwd[k] - part.fwd[j], backward_s=part.compute_s(j, k, s) - (part.fwd[k] - part.fwd[j]),
             p2p_s=part.p2p(j, k, s), slot_s=part.slot(j, k, s), memory=mem,
             in_flight=activations_in_flight(setup.schedule, s, p, setup.micro_batches),
-            send_bytes=c.send_bytes[k] if s < p - 1 else 0, ranks=tuple(range(s * width, (s + 1) * width)),
+            send_bytes=c.send_bytes[k] if s < p - 1 else 0, ranks=Mesh(dp=dp, tp=tp, pp=p).stage_ranks(s),
             modules=_modules(part, j, k), recompute=part.recomputes(j, k, s),
         ))
     tied = 0.0

@@ -75,7 +75,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from partita.passes.tp_strategies import PARTIAL, REPLICATE, Strategy, shard
+from partita.passes.tp_vocabulary import PARTIAL, REPLICATE, Strategy, is_shard, shard
 
 # Ops replicated by nature rather than for lack of a rule: they make new tensors
 # from sizes (no input to follow) or compute whole-tensor statistics.
@@ -133,7 +133,7 @@ def _strategy(v: OpView, name: str, out: str, ins: list[str], grads: list[str],
               internal: tuple[tuple[str, int], ...] = ()) -> Strategy:
     split = out != REPLICATE or any(p != REPLICATE for p in ins)
     frac = 1 / v.t if split else 1.0
-    mem = 1 / v.t if out.startswith("shard") else 1.0
+    mem = 1 / v.t if is_shard(out) else 1.0
     return Strategy(name, (out,) * max(1, len(v.out_shapes)) if v.out_shapes else (),
                     tuple(ins), tuple(grads), compute_fraction=frac, memory_fraction=mem,
                     internal=internal)
