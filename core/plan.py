@@ -24,6 +24,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
+from partita.core.buckets import DEFAULT_BUCKET_BYTES
 from partita.core.errors import PlanError
 from partita.core.mesh import MESH_ORDER, Mesh, MeshAxis  # noqa: F401 (the plan's mesh; re-exported)
 
@@ -73,7 +74,7 @@ class Training:
     zero_stage: int = 0
     schedule: str = "none"  # pipeline schedule: "none" | "gpipe" | "1f1b"
     inference: bool = False
-    grad_bucket_bytes: int = 25 * 1024 * 1024  # gradients are all-reduced in buckets of this size
+    grad_bucket_bytes: int = DEFAULT_BUCKET_BYTES  # gradients are all-reduced in buckets of this size
     max_grad_norm: float | None = None  # clip the global gradient norm to this (None: no clipping)
 
     def __post_init__(self) -> None:

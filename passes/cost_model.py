@@ -46,7 +46,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
-from partita.core.precision import PRECISIONS, compute_dtype, dtype_bytes  # noqa: F401 (re-exported)
+from partita.core.precision import PRECISIONS, compute_dtype, dtype_bytes, element_bytes  # noqa: F401 (re-exported)
 from partita.core.schedule import SCHEDULES, bubble_fraction  # noqa: F401 (re-exported)
 from partita.core.schedule import in_flight as activations_in_flight  # noqa: F401 (re-exported)
 from partita.passes.cluster import COLLECTIVES, ClusterSpec, Link
@@ -65,11 +65,6 @@ class StateBytes:
     @property
     def total(self) -> float:
         return self.params + self.grads + self.optimizer
-
-
-def element_bytes(precision: str) -> int:
-    """Bytes of one activation / weight / gradient element under ``precision``."""
-    return dtype_bytes(compute_dtype(precision))
 
 
 def state_bytes_per_param(precision: str, optimizer: str, *, inference: bool = False) -> StateBytes:

@@ -25,6 +25,7 @@ import time
 from dataclasses import dataclass
 from typing import Protocol, Sequence
 
+from partita.core.buckets import DEFAULT_BUCKET_BYTES, pack_buckets  # noqa: F401 (re-exported)
 from partita.core.errors import InfeasibleError, PartitaError
 from partita.core.plan import MemoryBreakdown
 from partita.passes.cluster import ClusterSpec
@@ -36,9 +37,6 @@ from partita.passes.cost_model import (
     model_state_memory,
     state_bytes_per_param,
 )
-
-# The runtime all-reduces gradients in buckets of this many bytes (runtime/data_parallel.py).
-DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024
 
 _DTYPE_BYTES = {"torch.float32": 4, "torch.float64": 8, "torch.float16": 2, "torch.bfloat16": 2}
 
@@ -83,19 +81,10 @@ class DataParallelDecision:
 
 
 def gradient_buckets(numels: Sequence[int], elem_bytes: int, cap_bytes: int = DEFAULT_BUCKET_BYTES) -> list[int]:
-    """Bytes of each gradient bucket: parameters in reverse registration order
-    (roughly the order backward produces their gradients), greedily packed,
-    a bucket closed once it reaches ``cap_bytes``."""
-    buckets: list[int] = []
-    current = 0
-    for n in reversed(list(numels)):
-        current += n * elem_bytes
-        if current >= cap_bytes:
-            buckets.append(current)
-            current = 0
-    if current:
-        buckets.append(current)
-    return buckets
+    """Bytes of each gradient bucket of parameters of ``numels`` elements (registration order),
+    packed by core/buckets.py's ``pack_buckets``, the runtime's rule."""
+    sizes = [n * elem_bytes for n in numels]
+    return [sum(sizes[i] for i in b) for b in pack_buckets(sizes, cap_bytes)]
 
 
 def _divisors(n: int) -> list[int]:

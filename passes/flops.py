@@ -32,6 +32,8 @@ import math
 
 import networkx as nx
 
+from partita.core.precision import is_floating
+
 _MATMUL = {"mm", "addmm", "bmm", "matmul", "linear", "baddbmm"}
 _CONV = {"convolution", "conv1d", "conv2d", "conv3d", "_convolution", "conv_transpose1d", "conv_transpose2d"}
 _ATTENTION = {"scaled_dot_product_attention", "_scaled_dot_product_flash_attention",
@@ -49,7 +51,6 @@ _REDUCTIONS = {"sum", "mean", "amax", "amin", "max", "min", "var", "std", "var_m
 _NO_GRAD_OPS = {"argmax", "argmin", "eq", "ne", "lt", "le", "gt", "ge", "all", "any", "arange", "zeros",
                 "ones", "full", "empty", "scalar_tensor", "zeros_like", "ones_like", "full_like",
                 "empty_like", "logical_not", "logical_and", "logical_or", "bitwise_not", "sym_size"}
-_FLOAT = {"float16", "bfloat16", "float32", "float64"}
 
 
 def base_op(op: str) -> str:
@@ -79,7 +80,7 @@ def _requires_grad(G: nx.DiGraph, name: str, op: str) -> bool:
         return True
     if a["kind"] in ("input", "buffer", "output") or op in _NO_GRAD_OPS:
         return False
-    if not any(d in _FLOAT for d in a["dtypes"]):
+    if not any(is_floating(d) for d in a["dtypes"]):
         return False
     return any(G.nodes[p]["requires_grad"] for p in G.predecessors(name))
 

@@ -74,6 +74,7 @@ import networkx as nx
 
 from partita.core.errors import InfeasibleError, PartitaError
 from partita.core.plan import MemoryBreakdown, Mesh, Stage
+from partita.core.precision import activation_scale as precision_activation_scale, is_floating
 from partita.passes.cluster import ClusterSpec, Link
 from partita.passes.constraints import Pins, TrainingRequest
 from partita.passes.cost_model import (
@@ -83,7 +84,6 @@ from partita.passes.cost_model import (
     activations_in_flight,
     collective_time,
     compute_time,
-    element_bytes,
     model_state_memory,
     p2p_time,
     pipeline_step,
@@ -98,7 +98,6 @@ from partita.passes.profile import ModelProfile
 from partita.passes.zero import STRATEGY_NAMES, traffic_reason, zero_stages
 
 _PLACEHOLDERS = ("param", "buffer", "input")
-_FLOAT = {"float32": 4, "float64": 8, "float16": 2, "bfloat16": 2}
 INF = math.inf
 
 
@@ -243,7 +242,7 @@ def recompute_costs(c: NodeCosts, *, forced: bool = False) -> Recompute | None:
 def activation_scale(profile: ModelProfile, request: TrainingRequest) -> float:
     """The precision's element size over the captured one: the profile measured saved and sent
     bytes at the capture's dtype, the plan holds floating tensors at the precision's."""
-    return element_bytes(request.precision) / _FLOAT.get(profile.param_dtype.removeprefix("torch."), 4)
+    return precision_activation_scale(request.precision, profile.param_dtype)
 
 
 def kv_ratio(profile: ModelProfile, request: TrainingRequest) -> float:
@@ -273,7 +272,7 @@ def node_costs(profile: ModelProfile, cluster: ClusterSpec, request: TrainingReq
         return batch if a["depends_on_input"] else 1.0
 
     def nbytes(a: dict) -> float:
-        floating = any(d in _FLOAT for d in a["dtypes"])
+        floating = any(is_floating(d) for d in a["dtypes"])
         return a["out_bytes"] * scale(a) * (act if floating else 1.0)
 
     fwd, bwd, saved, params = [], [], [], [0] * len(order)

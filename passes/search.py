@@ -57,16 +57,13 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Mapping, Sequence
 
+from partita.core.buckets import DEFAULT_BUCKET_BYTES
 from partita.core.errors import InfeasibleError, PartitaError
 from partita.core.plan import Alternative, MemoryBreakdown, Mesh, Stage
 from partita.passes.cluster import ClusterSpec
 from partita.passes.constraints import Pins, TrainingRequest
 from partita.passes.cost_model import (
-    collective_time,
-    compute_time,
-    element_bytes,
     model_state_memory,
-    reshard_time,
     state_bytes_per_param,
     zero_optimizer_time,
     zero_step_comm,
@@ -79,7 +76,6 @@ from partita.passes.pipeline_parallel import (
     PipelineCandidate,
     PipelineDecision,
     PrunedCandidate,
-    activation_scale,
     choose_pipeline,
     kv_ratio,
     node_costs,
@@ -88,7 +84,8 @@ from partita.passes.pipeline_parallel import (
 from partita.passes.profile import ModelProfile
 from partita.passes.tensor_parallel import MeshDecision, choose_mesh, plan_alternatives
 from partita.passes.tp_ilp import TPSetting, build_problem, solve_tp
-from partita.passes.tp_strategies import NONE, Strategy, grad_convention, input_index, node_strategies, reshard_kind
+from partita.passes.tp_costs import TPCosts
+from partita.passes.tp_strategies import Strategy, input_index, is_shard, node_strategies
 
 
 @dataclass(frozen=True)
@@ -310,7 +307,7 @@ def tp_choice(profile: ModelProfile, cluster: ClusterSpec, request: TrainingRequ
     if tp == 1:
         return {n: node_strategies(G, n, 1)[0] for n in G.nodes}
     setting = TPSetting(tp, micro_batch, profile.batch_size, request.precision, request.optimizer,
-                        request.inference, kv_ratio=kv_ratio(profile, request))
+                        request.inference, kv_ratio=kv_ratio(profile, request), captured_dtype=profile.param_dtype)
     return solve_tp(build_problem(G, setting, cluster, repeated=profile.repeated)).choice
 
 
@@ -329,42 +326,23 @@ def tp_node_costs(profile: ModelProfile, cluster: ClusterSpec, request: Training
         return base
     G = profile.graph
     choice = tp_choice(profile, cluster, request, micro_batch, tp) if choice is None else choice
-    link = cluster.link_for_group(tp)
-    scale = micro_batch / profile.batch_size
-    act = activation_scale(profile, request)
-    kv = kv_ratio(profile, request)
-
-    def factor(n: str) -> float:
-        return scale if G.nodes[n].get("depends_on_input") else 1.0
-
-    def nbytes(n: str, i: int) -> float:
-        a = G.nodes[n]
-        numel = 1
-        for d in a["shapes"][i]:
-            numel *= d
-        floating = a["dtypes"][i].startswith(("float", "bfloat"))
-        return numel * (element_bytes(request.precision) if floating else 4) * factor(n)
-
+    costs = TPCosts(G, cluster, tp, micro_batch, profile.batch_size, request.precision, request.inference,
+                    kv_ratio(profile, request), profile.param_dtype)
     fwd, bwd, saved = list(base.forward_s), list(base.backward_s), list(base.saved_bytes)
     params = [0] * len(base.order)
     at = {n: i for i, n in enumerate(base.order)}
     for n in base.order:
-        a = G.nodes[n]
-        s = choice[n]
-        i = at[n]
-        f = compute_time(a.get("flops_fwd", 0) * factor(n) * s.compute_fraction, cluster, request.precision)
-        b = 0.0 if request.inference else compute_time(a.get("flops_bwd", 0) * factor(n) * s.compute_fraction,
-                                                       cluster, request.precision)
-        f += sum(collective_time(kind, size * factor(n), tp, link) for kind, size in s.internal)
-        for j, u in enumerate(a.get("inputs", [])):
-            have = choice[u].out[input_index(G, n, j)]
-            size = nbytes(u, input_index(G, n, j))
-            f += reshard_time(reshard_kind(have, s.ins[j]), size, tp, link)
-            if not request.inference and s.grads[j] != NONE:
-                b += reshard_time(reshard_kind(s.grads[j], grad_convention(have)), size, tp, link)
+        s, i = choice[n], at[n]
+        f, b = costs.compute_s(n, s)
+        f += costs.internal_s(n, s)
+        for j, u in enumerate(G.nodes[n].get("inputs", [])):
+            k = input_index(G, n, j)
+            reshard = costs.reshard_s(choice[u].out[k], s, j, costs.tensor_bytes(u, k))
+            if reshard is None:
+                raise ValueError(f"node {n}: strategy {s.name} cannot take input {j} from {u} ({choice[u].out[k]})")
+            f, b = f + reshard[0], b + reshard[1]
         fwd[i], bwd[i] = f, b
-        held = a.get("kv_bytes", 0) * kv if request.inference else a.get("saved_bytes", 0)
-        saved[i] = round(held * factor(n) * act * s.memory_fraction)
+        saved[i] = round(costs.saved_bytes(n, s))
     # local parameter elements, each counted once where node_costs put it (its first user's position)
     local: dict[str, float] = {}
     for n, a in G.nodes(data=True):
@@ -372,7 +350,7 @@ def tp_node_costs(profile: ModelProfile, cluster: ClusterSpec, request: Training
             whole = 1
             for d in a["shapes"][0]:
                 whole *= d
-            sharded = choice[n].out and choice[n].out[0].startswith("shard")
+            sharded = choice[n].out and is_shard(choice[n].out[0])
             local[a.get("param_name", n)] = min(local.get(a.get("param_name", n), whole), whole / tp if sharded else whole)
     shared = {p.name for p in base.shared}
     for n, a in G.nodes(data=True):
@@ -384,7 +362,7 @@ def tp_node_costs(profile: ModelProfile, cluster: ClusterSpec, request: Training
         if name in local:
             params[pos] += round(local.pop(name))
     shared_local = tuple(replace(p, numel=round(p.numel / tp) if any(
-        choice[n].out and choice[n].out[0].startswith("shard") for n, a in G.nodes(data=True)
+        choice[n].out and is_shard(choice[n].out[0]) for n, a in G.nodes(data=True)
         if a["kind"] == "param" and a.get("param_name") == p.name) else p.numel) for p in base.shared)
     return replace(base, forward_s=tuple(fwd), backward_s=tuple(bwd), saved_bytes=tuple(saved),
                    param_numel=tuple(params), shared=shared_local)
@@ -406,7 +384,7 @@ def _from_pipeline(d: PipelineDecision, profile: ModelProfile, cluster: ClusterS
         grad_accum_steps=best.micro_batches, schedule=best.schedule, zero_stage=best.zero_stage, choice=choice,
         node_stage=node_stage, stages=d.plan_stages(), step_s=best.step_s, compute_s=c.compute_s, comm_s=comm,
         optimizer_s=c.optimizer_s, traffic_bytes={dp_key: best.dp_traffic_bytes} if best.dp_traffic_bytes else {},
-        memory=heaviest.memory, buckets=(), bucket_bytes=25 * 1024 * 1024,
+        memory=heaviest.memory, buckets=(), bucket_bytes=DEFAULT_BUCKET_BYTES,
         alternatives=tuple(_pipeline_alternative(x, x is best, d.reasons[x.key]) for x in _diverse(d.candidates)),
         method=f"exact cut DP over layer boundaries x (p, m, schedule) enumeration; TP ILP per (tp={tp}, micro-batch)",
         status="OPTIMAL", gap=0.0, candidates=len(d.candidates), seconds=d.seconds,

@@ -162,7 +162,7 @@ def choose_mesh(
                     continue
                 setting = TPSetting(tp, mb, profile.batch_size, request.precision, request.optimizer,
                                     request.inference, cluster.usable_memory, dp=dp, grad_accum=accum, zero_stage=z,
-                                    kv_ratio=kv_ratio(profile, request))
+                                    kv_ratio=kv_ratio(profile, request), captured_dtype=profile.param_dtype)
                 problem = build_problem(G, setting, cluster,
                                         strategies=None if cached is None else lambda _G, n, t: cached(n, t),
                                         repeated=profile.repeated)

@@ -43,7 +43,8 @@ cost_model.zero_collectives), and the optimizer's pass over the local state (its
 with beta(v) = micro_batch / captured batch for nodes that depend on a model
 input (1 otherwise), tensor bytes at the training precision for floating
 tensors, and every collective on the TP group's link ``cluster.link_for_group(t)``.
-All time formulas are passes/cost_model.py's.
+All time formulas are passes/cost_model.py's, composed per node by passes/tp_costs.py (``TPCosts``),
+the cost the pipeline search prices the chosen layout with too.
 
 Constraints, each family named (the name prefixes every row of the family):
     one_strategy[c]     sum_s x[c,s] = 1                      (_add_choice_variables)
@@ -122,20 +123,12 @@ from ortools.linear_solver import pywraplp
 
 from partita.core.errors import InfeasibleError
 from partita.passes.cluster import ClusterSpec
-from partita.passes.cost_model import (
-    collective_time,
-    compute_time,
-    element_bytes,
-    param_step_time,
-    reshard_time,
-    sharded_state,
-    state_bytes_per_param,
-)
+from partita.passes.cost_model import param_step_time, sharded_state, state_bytes_per_param
 from partita.passes.activations import peak_live_bytes
 from partita.passes.repeats import RepeatedBlock
-from partita.passes.tp_layout import tensor_bytes
+from partita.passes.tp_costs import TPCosts
 from partita.passes.tp_strategies import (
-    Strategy, grad_convention, input_index, reshard_kind, shard_dim, valid_at,
+    Strategy, input_index, is_shard, valid_at,
 )
 
 SOLVER = "CBC"
@@ -172,6 +165,7 @@ class TPSetting:
     grad_accum: int = 1  # micro-batches per step: per-step costs are amortised over them
     zero_stage: int = 0  # ZeRO over the dp group: shards model state (memory) and sets the dp collectives
     kv_ratio: float = 0.0  # inference with generation: KV cache / keys and values read (pipeline_parallel.kv_ratio)
+    captured_dtype: str = ""  # the dtype floating tensors were captured in ("": the graph's parameters')
 
     def __post_init__(self) -> None:
         if self.t < 1 or self.micro_batch < 1 or self.captured_batch < 1:
@@ -305,12 +299,10 @@ def build_problem(
     if strategies is None:
         from partita.passes.tp_strategies import node_strategies as strategies  # type: ignore[attr-defined]
     t = setting.t
-    link = cluster.link_for_group(t)
+    price = TPCosts(G, cluster, t, setting.micro_batch, setting.captured_batch, setting.precision,
+                    setting.inference, setting.kv_ratio, setting.captured_dtype)
     dp_link = cluster.link_for_group(setting.dp, stride=t)
     state = state_bytes_per_param(setting.precision, setting.optimizer, inference=setting.inference)
-    scale = setting.micro_batch / setting.captured_batch
-    captured_float = _captured_float_bytes(G)
-    act_ratio = element_bytes(setting.precision) / captured_float
 
     own = _own_strategies(G, t, strategies, setting.micro_batch)
     groups = _split_unlike(G, _classes(G, repeated), own)
@@ -319,12 +311,6 @@ def build_problem(
     for key, ss in strat.items():
         if not ss:
             raise ValueError(f"node {key} ({G.nodes[key]['op']}) has no strategy at t={t}")
-
-    def beta(n: str) -> float:
-        return scale if G.nodes[n].get("depends_on_input") else 1.0
-
-    def out_bytes(n: str, i: int) -> float:
-        return tensor_bytes(G, n, i, element_bytes(setting.precision)) * beta(n)
 
     # node costs
     folded: dict[str, list[list[float]]] = {k: [[0.0, 0.0, 1.0] for _ in strat[k]] for k in groups}
@@ -336,11 +322,11 @@ def build_problem(
             num_edges += 1
             cu, cv = class_of[u], class_of[v]
             i_out = input_index(G, v, j)
-            nbytes = out_bytes(u, i_out)
+            nbytes = price.tensor_bytes(u, i_out)
             # each end's own strategies: members of a class agree on layouts, not on which inputs carry gradients
             key = (id(own[u]), id(own[v]), i_out, j, nbytes)
             if key not in matrix_cache:
-                matrix_cache[key] = _edge_matrix(own[u], own[v], i_out, j, nbytes, t, link, setting.inference)
+                matrix_cache[key] = _edge_matrix(own[u], own[v], i_out, j, nbytes, price)
             fwd, bwd = matrix_cache[key]
             if cu == cv:  # both ends run the same strategy
                 for s in range(len(strat[cu])):
@@ -361,14 +347,10 @@ def build_problem(
         for s in range(len(strat[key])):
             compute = internal = act = 0.0
             for n in members:
-                a, st = G.nodes[n], own[n][s]
-                flops = a.get("flops_fwd", 0) + (0 if setting.inference else a.get("flops_bwd", 0))
-                if flops:
-                    compute += compute_time(flops * st.compute_fraction * beta(n), cluster, setting.precision)
-                for kind, nb in st.internal:
-                    internal += collective_time(kind, nb * beta(n), t, link)
-                held = a.get("kv_bytes", 0) * setting.kv_ratio if setting.inference else a.get("saved_bytes", 0)
-                act += held * st.memory_fraction * beta(n) * act_ratio
+                st = own[n][s]
+                compute += sum(price.compute_s(n, st))
+                internal += price.internal_s(n, st)
+                act += price.saved_bytes(n, st)
             fwd_s, bwd_s, valid = folded[key][s]
             numel = _param_numel(G, members, strat[key][s], t)
             step = (param_step_time(numel, state, setting.dp, dp_link, cluster, zero_stage=setting.zero_stage,
@@ -377,7 +359,7 @@ def build_problem(
         classes.append(NodeClass(key, tuple(members), strat[key], tuple(costs)))
     edges = tuple(EdgeClass(cu, cv, acc["count"], acc["fwd"], acc["bwd"]) for (cu, cv), acc in edge_acc.items())
     held = sharded_state(state, setting.zero_stage, setting.dp)
-    live = (peak_live_bytes(G, G.nodes, setting.micro_batch, setting.captured_batch, act_ratio)
+    live = (peak_live_bytes(G, G.nodes, setting.micro_batch, setting.captured_batch, price.act_scale)
             if setting.inference else 0)
     return TPProblem(setting, tuple(classes), edges, class_of, {n: own[n] for n in class_of}, held.total,
                      G.number_of_nodes(), num_edges, live)
@@ -435,26 +417,18 @@ def _split_unlike(G: nx.DiGraph, groups: dict[str, list[str]],
     return dict(sorted(out.items(), key=lambda kv: position[kv[0]]))  # graph order, as _classes gives
 
 
-def _edge_matrix(src: Sequence[Strategy], dst: Sequence[Strategy], i_out: int, j: int, nbytes: float, t: int,
-                 link, inference: bool) -> tuple:
+def _edge_matrix(src: Sequence[Strategy], dst: Sequence[Strategy], i_out: int, j: int, nbytes: float,
+                 costs: TPCosts) -> tuple:
+    """Forward and backward reshard seconds of one edge for every (producer, consumer) strategy
+    pair (``TPCosts.reshard_s``); None where the pair has no valid reshard."""
     fwd: list[list[float | None]] = []
     bwd: list[list[float | None]] = []
     for su in src:
         if i_out >= len(su.out):
             raise ValueError(f"strategy {su.name} has {len(su.out)} outputs; an edge reads output {i_out}")
-        have = su.out[i_out]
-        frow, brow = [], []
-        for sv in dst:
-            kf = reshard_kind(have, sv.ins[j])
-            kb = "none" if inference else reshard_kind(sv.grads[j], grad_convention(have))
-            if "invalid" in (kf, kb):
-                frow.append(None)
-                brow.append(None)
-            else:
-                frow.append(reshard_time(kf, nbytes, t, link))
-                brow.append(reshard_time(kb, nbytes, t, link))
-        fwd.append(frow)
-        bwd.append(brow)
+        pairs = [costs.reshard_s(su.out[i_out], sv, j, nbytes) for sv in dst]
+        fwd.append([None if p is None else p[0] for p in pairs])
+        bwd.append([None if p is None else p[1] for p in pairs])
     return fwd, bwd
 
 
@@ -473,7 +447,7 @@ def _param_numel(G: nx.DiGraph, members: Sequence[str], st: Strategy, t: int) ->
         if a["kind"] != "param" or a["param_name"] in seen:
             continue
         seen.add(a["param_name"])
-        sharded = bool(st.out) and shard_dim(st.out[0]) is not None
+        sharded = bool(st.out) and is_shard(st.out[0])
         total += _numel(a["shapes"][0]) / (t if sharded else 1)
     return total
 
@@ -513,14 +487,6 @@ def _classes(G: nx.DiGraph, repeated: Sequence[RepeatedBlock]) -> dict[str, list
     for n in G.nodes:  # graph order: the representative is the first member
         groups.setdefault(find(n), []).append(n)
     return {members[0]: members for members in groups.values()}
-
-
-def _captured_float_bytes(G: nx.DiGraph) -> int:
-    """Bytes per element the graph was captured at (its first floating parameter's)."""
-    for n, a in G.nodes(data=True):
-        if a["kind"] == "param" and a["dtypes"] and a["dtypes"][0].startswith(("float", "bfloat")):
-            return tensor_bytes(G, n, 0) // max(1, _numel(a["shapes"][0]))
-    return 4
 
 
 def _numel(shape: Sequence[int]) -> int:
