@@ -194,7 +194,7 @@ def _stages_by_layer(G: Any, captured_graph: Any, node_stage: Mapping[str, int])
     """node -> stage on ``G`` from the captured graph's: each repeated layer keeps its stage, the nodes
     between layers go with the layer before them (the embedding with the first), and each
     placeholder with its first user."""
-    from partita.passes.pipeline_parallel import pipeline_order
+    from partita.passes.pipeline_costs import pipeline_order
 
     layer_stage: dict[str, int] = {}
     for n, a in captured_graph.nodes(data=True):

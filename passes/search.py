@@ -70,17 +70,10 @@ from partita.passes.cost_model import (
 )
 from partita.passes.data_parallel import gradient_buckets
 from partita.passes.zero import STRATEGY_NAMES, traffic_reason
-from partita.passes.pipeline_parallel import (
-    AllPruned,
-    NodeCosts,
-    PipelineCandidate,
-    PipelineDecision,
-    PrunedCandidate,
-    choose_pipeline,
-    kv_ratio,
-    node_costs,
-    stage_of_nodes,
-)
+from partita.passes.pipeline_bounds import AllPruned, PrunedCandidate
+from partita.passes.pipeline_costs import NodeCosts, kv_ratio, node_costs
+from partita.passes.pipeline_decision import PipelineCandidate, PipelineDecision
+from partita.passes.pipeline_parallel import choose_pipeline, stage_of_nodes
 from partita.passes.profile import ModelProfile
 from partita.passes.tensor_parallel import MeshDecision, choose_mesh, plan_alternatives
 from partita.passes.tp_ilp import TPSetting, build_problem, solve_tp

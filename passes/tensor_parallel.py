@@ -59,7 +59,7 @@ from partita.passes.constraints import Pins, TrainingRequest
 from partita.passes.cost_model import StepCost, mesh_step, model_state_memory, state_bytes_per_param
 from partita.passes.zero import STRATEGY_NAMES, traffic_reason, zero_stages
 from partita.passes.data_parallel import DEFAULT_BUCKET_BYTES, gradient_buckets
-from partita.passes.pipeline_parallel import kv_ratio
+from partita.passes.pipeline_costs import kv_ratio
 from partita.passes.profile import ModelProfile
 from partita.passes.tp_ilp import SOLVER, StrategyFn, TPSetting, TPSolution, TPSolveReport, build_problem, solve_tp
 from partita.passes.tp_strategies import Strategy, node_strategies, shard_dim
