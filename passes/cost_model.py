@@ -118,11 +118,6 @@ def model_state_memory(num_params: int, state: StateBytes, *, zero_stage: int = 
     return ModelStateMemory(round(num_params * s.params), round(num_params * s.grads), round(num_params * s.optimizer))
 
 
-def max_params_fitting(memory_bytes: float, state: StateBytes) -> float:
-    """The largest parameter count whose model state fits ``memory_bytes`` (no activations)."""
-    return memory_bytes / state.total
-
-
 # -- time --------------------------------------------------------------------
 
 
@@ -284,36 +279,6 @@ class StepCost:
     @property
     def step_s(self) -> float:
         return self.compute_s + sum(self.comm_s.values()) + self.optimizer_s
-
-
-def data_parallel_step(
-    *,
-    flops_per_sample: float,
-    micro_batch: int,
-    grad_accum: int,
-    dp: int,
-    grad_buckets: list[int],
-    state: ModelStateMemory,
-    cluster: ClusterSpec,
-    precision: str,
-) -> StepCost:
-    """One data-parallel step: ``grad_accum`` micro-batches of forward+backward, then one
-    all-reduce per gradient bucket over the dp group, then the optimizer.
-
-    ``flops_per_sample`` is forward + backward FLOPs of one sample;
-    ``grad_buckets`` the bytes of each gradient bucket the runtime all-reduces.
-    """
-    per_micro = compute_time(flops_per_sample * micro_batch, cluster, precision) + cluster.step_overhead_s
-    compute = grad_accum * per_micro
-    link = cluster.link_for_group(dp)
-    comm = sum(collective_time("all_reduce", b, dp, link) for b in grad_buckets) if dp > 1 else 0.0
-    traffic = sum(collective_traffic("all_reduce", b, dp) for b in grad_buckets) if dp > 1 else 0.0
-    return StepCost(
-        compute_s=compute,
-        comm_s={"dp_all_reduce": comm} if dp > 1 else {},
-        optimizer_s=optimizer_time(state, cluster),
-        traffic_bytes={"dp_all_reduce": round(traffic)} if dp > 1 else {},
-    )
 
 
 def param_step_time(numel: float, state: StateBytes, dp: int, dp_link: Link, cluster: ClusterSpec, *,

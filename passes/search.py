@@ -76,7 +76,8 @@ from partita.passes.pipeline_decision import PipelineCandidate, PipelineDecision
 from partita.passes.pipeline_parallel import choose_pipeline, stage_of_nodes
 from partita.passes.profile import ModelProfile
 from partita.passes.tensor_parallel import MeshDecision, choose_mesh, plan_alternatives
-from partita.passes.tp_ilp import TPSetting, build_problem, solve_tp
+from partita.passes.tp_ilp import solve_tp
+from partita.passes.tp_problem import TPSetting, build_problem
 from partita.passes.tp_costs import TPCosts
 from partita.passes.tp_strategies import Strategy, input_index, is_shard, node_strategies
 

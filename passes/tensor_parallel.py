@@ -61,7 +61,8 @@ from partita.passes.zero import STRATEGY_NAMES, traffic_reason, zero_stages
 from partita.passes.data_parallel import DEFAULT_BUCKET_BYTES, gradient_buckets
 from partita.passes.pipeline_costs import kv_ratio
 from partita.passes.profile import ModelProfile
-from partita.passes.tp_ilp import SOLVER, StrategyFn, TPSetting, TPSolution, TPSolveReport, build_problem, solve_tp
+from partita.passes.tp_ilp import SOLVER, solve_tp
+from partita.passes.tp_problem import StrategyFn, TPSetting, TPSolution, TPSolveReport, build_problem
 from partita.passes.tp_strategies import Strategy, node_strategies, shard_dim
 
 

@@ -163,11 +163,6 @@ def valid_at(G: Any, node: str, s: Strategy, t: int, micro_batch: int) -> bool:
     return True
 
 
-def strategies_at(G: Any, node: str, t: int, micro_batch: int) -> list[Strategy]:
-    """``node_strategies`` valid at ``micro_batch`` (``valid_at``); the first is replicated."""
-    return [s for s in node_strategies(G, node, t) if valid_at(G, node, s, t, micro_batch)]
-
-
 def unsupported_ops(G: Any) -> dict[str, int]:
     """Ops of call nodes that have no TP rule (so they run replicated) -> how many nodes.
 

@@ -119,7 +119,7 @@ class _Lookup(nn.Module):
 
 def test_an_int64_tensor_is_priced_at_8_bytes_by_the_ilp_and_the_pipeline_search():
     from partita.passes.search import tp_node_costs
-    from partita.passes.tp_ilp import TPSetting, build_problem
+    from partita.passes.tp_problem import TPSetting, build_problem
     from partita.passes.tp_strategies import node_strategies
 
     cluster = PRESETS["dgx-a100"]
