@@ -14,7 +14,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from partita.passes.tp_rules import REPLICATE_BY_NATURE, OpView, op_rule
+from partita.passes.tp_rules import REPLICATE_BY_NATURE, RULES, OpView, Rule
+from partita.passes.tp_rules_views import VIEW_RULES
 from partita.passes.tp_vocabulary import (  # noqa: F401 (re-exported: the solver's vocabulary)
     NONE, PARTIAL, REPLICATE, Strategy, grad_convention, is_shard, replicated, reshard_kind, shard, shard_dim,
 )
@@ -24,6 +25,11 @@ from partita.passes.tp_vocabulary import (  # noqa: F401 (re-exported: the solve
 
 _FLOATING = ("float", "bfloat16", "half", "complex")
 _NO_GRAD_OPS = frozenset({"detach", "_assert_tensor_metadata", "argmax", "argmin"})
+
+
+def op_rule(name: str) -> Rule | None:
+    """The TP rule of ATen op ``name`` (passes/tp_rules.py, passes/tp_rules_views.py); None: replicated."""
+    return RULES.get(name) or VIEW_RULES.get(name)
 
 
 def op_key(op: str) -> tuple[str, str]:
