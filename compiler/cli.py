@@ -201,7 +201,7 @@ def estimate(target: str | None, params_text: str | None, inputs: tuple[str, ...
     """What fits: per-device memory of DP and ZeRO-1/2/3, and each one's traffic per step."""
     from partita.compiler.compile import default_precision
     from partita.compiler.report import fmt_bytes, fmt_count, fmt_time, memory_row
-    from partita.passes.cost_model import element_bytes
+    from partita.core.precision import activation_scale, element_bytes
     from partita.passes.zero import estimate_strategies
 
     if (target is None) == (params_text is None):
@@ -232,13 +232,12 @@ def estimate(target: str | None, params_text: str | None, inputs: tuple[str, ...
         if global_batch % dp:
             raise PartitaError(f"global batch {global_batch} does not divide over dp={dp}",
                                hint=f"use --batch a multiple of {dp} or a different --dp")
-        captured_bytes = 4 if profile.param_dtype.removeprefix("torch.") == "float32" else 2
         if generate and not inference:
             raise PartitaError("--generate needs --inference", hint="add --inference")
         mb = global_batch // dp
         held = profile.live_bytes(mb) if inference else profile.activation_bytes(mb)
         held += profile.kv_cache_bytes(mb, (profile.seq_len or 0) + generate) if generate else 0
-        activations = held * element_bytes(precision) // captured_bytes
+        activations = int(held * activation_scale(precision, profile.param_dtype))
         num_params, name = profile.num_params, profile.name
         note = (f"{'the forward' + chr(39) + 's largest live set' if inference else 'activations'} at micro-batch "
                 f"{mb} per device (no accumulation)"

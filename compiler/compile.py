@@ -32,7 +32,8 @@ from partita.core.plan import (
 from partita.passes.cluster import ClusterSpec
 from partita.passes.constraints import Pins, TrainingRequest
 from partita.compiler.plan_collectives import plan_collectives
-from partita.passes.cost_model import compute_dtype, compute_time, element_bytes
+from partita.core.precision import compute_dtype, element_bytes
+from partita.passes.cost_model import compute_time
 from partita.passes.profile import ModelProfile, profile_model
 from partita.passes.flops import annotate_flops
 from partita.passes.graph import annotate_batch_shapes, to_networkx

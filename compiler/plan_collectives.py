@@ -17,10 +17,10 @@ from typing import Any, Mapping, Sequence
 from partita.core.capture import CapturedModel
 from partita.core.placement import is_shard
 from partita.core.plan import Collective, MeshAxis, ParamDecision
-from partita.core.precision import dtype_bytes
+from partita.core.precision import dtype_bytes, element_bytes
 from partita.passes.cluster import ClusterSpec
 from partita.passes.constraints import TrainingRequest
-from partita.passes.cost_model import collective_time, element_bytes, padded_bucket, zero_collectives
+from partita.passes.cost_model import collective_time, padded_bucket, zero_collectives
 from partita.passes.data_parallel import gradient_buckets
 from partita.passes.search import Decision
 from partita.passes.tp_layout import forward_collectives, recompute_collectives, tp_collectives

@@ -12,8 +12,9 @@ from dataclasses import dataclass
 
 from partita.core.errors import PartitaError
 from partita.core.precision import REDUCE_DTYPES
-from partita.passes.cost_model import OPTIMIZERS, PRECISIONS
-from partita.passes.cost_model import SCHEDULES as PIPELINE_SCHEDULES
+from partita.core.precision import PRECISIONS
+from partita.core.schedule import SCHEDULES as PIPELINE_SCHEDULES
+from partita.passes.cost_model import OPTIMIZERS
 
 
 @dataclass(frozen=True)

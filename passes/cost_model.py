@@ -46,9 +46,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
-from partita.core.precision import PRECISIONS, compute_dtype, dtype_bytes, element_bytes  # noqa: F401 (re-exported)
-from partita.core.schedule import SCHEDULES, bubble_fraction  # noqa: F401 (re-exported)
-from partita.core.schedule import in_flight as activations_in_flight  # noqa: F401 (re-exported)
+from partita.core.precision import PRECISIONS, compute_dtype, element_bytes
 from partita.passes.cluster import COLLECTIVES, ClusterSpec, Link
 
 OPTIMIZERS = ("adamw", "adam", "sgd", "sgd-momentum", "none")

@@ -21,10 +21,10 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from partita.core.plan import MemoryBreakdown
+from partita.core.schedule import in_flight
 from partita.passes.cluster import ClusterSpec, Link
 from partita.passes.cost_model import (
     StateBytes,
-    activations_in_flight,
     model_state_memory,
     p2p_time,
     sharded_state,
@@ -74,7 +74,7 @@ class Partition:
             self._rc_compute, _, self._rc_saved, _ = self.rc.costs.prefix_sums
         blocked = set(forbid)
         self.boundaries = tuple(k for k in costs.boundaries if k not in blocked)
-        self.held = [activations_in_flight(setup.schedule, s, setup.stages, setup.micro_batches)
+        self.held = [in_flight(setup.schedule, s, setup.stages, setup.micro_batches)
                      for s in range(setup.stages)]
         held = setup.held  # bytes per parameter, read once: memory_total is the DP's inner loop
         self._state_bytes = (held.params, held.grads, held.optimizer)
@@ -132,7 +132,7 @@ class Partition:
 
     def memory(self, j: int, k: int, s: int) -> MemoryBreakdown:
         st = model_state_memory(self.param_numel(j, k), self.setup.held)
-        held = activations_in_flight(self.setup.schedule, s, self.setup.stages, self.setup.micro_batches)
+        held = in_flight(self.setup.schedule, s, self.setup.stages, self.setup.micro_batches)
         if self.recomputes(j, k, s):
             act = held * (self._rc_saved[k] - self._rc_saved[j]) + self.rc.transient_bytes
         else:

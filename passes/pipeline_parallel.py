@@ -77,11 +77,10 @@ from typing import Callable, Sequence
 
 from partita.core.errors import PartitaError
 from partita.core.plan import Mesh
+from partita.core.schedule import SCHEDULES, in_flight
 from partita.passes.cluster import ClusterSpec, Link
 from partita.passes.constraints import Pins, TrainingRequest
 from partita.passes.cost_model import (
-    SCHEDULES,
-    activations_in_flight,
     collective_time,
     pipeline_step,
     state_bytes_per_param,
@@ -339,7 +338,7 @@ def _candidate(part: Partition, bounds: tuple[int, ...], dp: int, tp: int, mb: i
             index=s, start=j, stop=k, first_node=c.order[j], last_node=c.order[k - 1], params=sum(numels),
             forward_s=part.fwd[k] - part.fwd[j], backward_s=part.compute_s(j, k, s) - (part.fwd[k] - part.fwd[j]),
             p2p_s=part.p2p(j, k, s), slot_s=part.slot(j, k, s), memory=mem,
-            in_flight=activations_in_flight(setup.schedule, s, p, setup.micro_batches),
+            in_flight=in_flight(setup.schedule, s, p, setup.micro_batches),
             send_bytes=c.send_bytes[k] if s < p - 1 else 0, ranks=Mesh(dp=dp, tp=tp, pp=p).stage_ranks(s),
             modules=_modules(part, j, k), recompute=part.recomputes(j, k, s),
         ))

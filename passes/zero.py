@@ -38,13 +38,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from partita.core.plan import MemoryBreakdown
+from partita.core.precision import element_bytes
 from partita.passes.cluster import ClusterSpec, Link
 from partita.passes.cost_model import (
     ZERO_STAGES,
     collective_time,
-    element_bytes,
     model_state_memory,
     state_bytes_per_param,
+    zero_collectives,
     zero_traffic_elements,
 )
 
@@ -117,12 +118,8 @@ def estimate_strategies(
         full = num_params * element_bytes(precision)
         if dp <= 1 or inference:
             comm, traffic = 0.0, 0
-        elif stage == 3:  # all-gather (fwd) + all-gather (bwd) + reduce-scatter
-            comm = 2 * collective_time("all_gather", full, dp, link) + collective_time("reduce_scatter", full, dp, link)
-        elif stage in (1, 2):  # reduce-scatter grads + all-gather updated params
-            comm = collective_time("reduce_scatter", full, dp, link) + collective_time("all_gather", full, dp, link)
-        else:
-            comm = collective_time("all_reduce", full, dp, link)
+        else:  # the runtime's collectives of one step of one micro-batch (cost_model.zero_collectives)
+            comm = sum(calls * collective_time(kind, full, dp, link) for kind, calls, _ in zero_collectives(stage))
         mem = MemoryBreakdown(m.params, m.grads, m.optimizer, activation_bytes, cluster.usable_memory)
         out.append(StrategyEstimate(STRATEGY_NAMES[stage], stage, dp, mem, traffic, comm))
     return out
