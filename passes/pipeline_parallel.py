@@ -95,6 +95,7 @@ from partita.passes.pipeline_decision import (
     PipelineCandidate, PipelineDecision, PipelineStage, gb, infeasible_error, loss_reason,
 )
 from partita.passes.profile import ModelProfile
+from partita.passes.space import pipeline_groups
 from partita.passes.zero import STRATEGY_NAMES, zero_stages
 
 INF = math.inf
@@ -158,32 +159,18 @@ def choose_pipeline(
     t0 = time.perf_counter()
     devices = pins.world_size or cluster.world_size
     tp = pins.tp or devices_per_stage
-    if devices % tp:
-        raise PartitaError(f"{tp} devices per stage do not divide {devices} devices")
     bad = [s for s in schedules if s not in SCHEDULES]
     if bad or not schedules:
         raise PartitaError(f"schedule(s) {bad or '(none)'} are not among {', '.join(SCHEDULES)}")
-    if pins.pp and (devices // tp) % pins.pp:
-        raise PartitaError(f"--pp {pins.pp} does not divide {devices // tp} devices ({devices} / {tp} per stage)")
     state = state_bytes_per_param(request.precision, request.optimizer, inference=request.inference)
     build = costs or (lambda mb: node_costs(profile, cluster, request, mb, tp=tp))
     if floor_costs is None and costs is None:
         floor_costs = build
     cache: dict[int, NodeCosts] = {}
     B = request.global_batch
-    groups: list[tuple[int, int, int, int]] = []  # (p, dp, micro-batch size, micro-batches), in enumeration order
+    groups = pipeline_groups(devices, tp, B, pins)  # (p, dp, micro-batch size, micro-batches)
     if pins.schedule is not None:  # a pinned schedule: only pipelines (p > 1) that run it
         schedules = (pins.schedule,)
-    for p in [pins.pp] if pins.pp else _divisors(devices // tp):
-        dp = devices // (tp * p)
-        if (pins.dp and pins.dp != dp) or B % dp or (pins.schedule is not None and p == 1):
-            continue
-        share = B // dp
-        for mb in [pins.micro_batch_size] if pins.micro_batch_size else _divisors(share):
-            m = share // mb
-            if share % mb or (pins.grad_accum_steps and pins.grad_accum_steps != m):
-                continue
-            groups.append((p, dp, mb, m))
     weigh_rc = not request.inference and pins.recompute is not False
     rc_cache: dict[int, Recompute | None] = {}
 
@@ -305,10 +292,6 @@ def _unfit_record(part: Partition, dp: int, tp: int, mb: int, cluster: ClusterSp
                            f"does not fit: no cuts keep every stage within {gb(cluster.usable_memory)} "
                            f"({st.schedule}, up to {STRATEGY_NAMES[st.zero_stage]}); least-memory cuts not searched",
                            st.schedule)
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def _shared_policies(c: NodeCosts, p: int) -> list[tuple[str, tuple[int, ...]]]:

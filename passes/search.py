@@ -75,6 +75,7 @@ from partita.passes.pipeline_costs import NodeCosts, kv_ratio, node_costs
 from partita.passes.pipeline_decision import PipelineCandidate, PipelineDecision
 from partita.passes.pipeline_parallel import choose_pipeline, stage_of_nodes
 from partita.passes.profile import ModelProfile
+from partita.passes.space import tp_degrees, world_size
 from partita.passes.tensor_parallel import MeshDecision, choose_mesh, plan_alternatives
 from partita.passes.tp_ilp import solve_tp
 from partita.passes.tp_problem import TPSetting, build_problem
@@ -127,7 +128,8 @@ def plan_search(
     tested against): the same plan, slower, with every candidate's own numbers.
     """
     t0 = time.perf_counter()
-    world = pins.world_size or cluster.world_size
+    world = world_size(cluster, pins)
+    tp_degrees(cluster, world, pins, pp=pins.pp)  # the pins checked once, before any solve
     options: list[Decision] = []
     errors: list[InfeasibleError] = []
     pruned: list[PrunedCandidate] = []
@@ -147,7 +149,7 @@ def plan_search(
         # no ILP), so the plan can say what a pipeline would cost; otherwise at every tp (a pipeline
         # divides the state ZeRO would otherwise move every step).
         fits_plain = bool(options) and options[0].zero_stage == 0
-        degrees = _tp_degrees(cluster, world, pins) if (pins.pp or not fits_plain) else [pins.tp or 1]
+        degrees = tp_degrees(cluster, world, pins, pp=pins.pp) if (pins.pp or not fits_plain) else [pins.tp or 1]
         for tp in degrees:
             best_s = min((o.step_s for o in options), default=math.inf)
             try:
@@ -265,12 +267,6 @@ def _pruned_zero(best: Decision, cluster: ClusterSpec, request: TrainingRequest,
                    f"{comm.total_bytes / max(dp_bytes, 1):.3g}x the traffic; optimizer {opt * 1e3:.3g} ms vs "
                    f"{best.optimizer_s * 1e3:.3g} ms; {step / best.step_s:.2f}x the step at this layout"))
     return tuple(out)
-
-
-def _tp_degrees(cluster: ClusterSpec, world: int, pins: Pins) -> list[int]:
-    if pins.tp:
-        return [pins.tp]
-    return [t for t in range(1, cluster.gpus_per_node + 1) if cluster.gpus_per_node % t == 0 and world % t == 0]
 
 
 # -- pp = 1: the mesh search ----------------------------------------------------

@@ -52,7 +52,7 @@ import time
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
-from partita.core.errors import InfeasibleError, PartitaError
+from partita.core.errors import InfeasibleError
 from partita.core.plan import Alternative, MemoryBreakdown, Mesh
 from partita.passes.cluster import ClusterSpec
 from partita.passes.constraints import Pins, TrainingRequest
@@ -61,6 +61,7 @@ from partita.passes.zero import STRATEGY_NAMES, traffic_reason, zero_stages
 from partita.passes.data_parallel import DEFAULT_BUCKET_BYTES, gradient_buckets
 from partita.passes.pipeline_costs import kv_ratio
 from partita.passes.profile import ModelProfile
+from partita.passes.space import micro_batches, tp_degrees, world_size
 from partita.passes.tp_ilp import SOLVER, solve_tp
 from partita.passes.tp_problem import StrategyFn, TPSetting, TPSolution, TPSolveReport, build_problem
 from partita.passes.tp_strategies import Strategy, node_strategies, shard_dim
@@ -128,7 +129,7 @@ def choose_mesh(
 ) -> MeshDecision:
     """Search (tp, micro-batch), solving the TP ILP for each; see the module docstring."""
     t0 = time.perf_counter()
-    world = _world(cluster, pins)
+    world = world_size(cluster, pins)
     B = request.global_batch
     G = profile.graph
     if sum(param_numels) != _graph_param_numel(G):
@@ -145,14 +146,14 @@ def choose_mesh(
     candidates: list[MeshCandidate] = []
     best: tuple[MeshCandidate, TPSolution, tuple[int, ...]] | None = None
     solves = 0
-    for tp in _tp_degrees(cluster, world, pins):
+    for tp in tp_degrees(cluster, world, pins):
         dp = world // tp
         if B % dp:
             candidates.append(MeshCandidate(tp, dp, 0, 0, 0, False, None, None, None,
                                             f"global batch {B} does not divide over dp={dp}"))
             continue
         too_big: dict[int, tuple[int, int]] = {}  # ZeRO stage -> (micro-batch, bytes) of the first that did not fit
-        for mb in _micro_batches(B // dp, pins):
+        for mb in micro_batches(B // dp, pins):
             accum = B // dp // mb
             for z in zero_stages(pins.zero_stage, dp, request.inference, tp=tp):
                 if z in too_big:
@@ -231,51 +232,6 @@ def plan_alternatives(decision: MeshDecision, limit: int = 12) -> tuple[Alternat
 
 
 # -- the space -----------------------------------------------------------------------
-
-
-def _world(cluster: ClusterSpec, pins: Pins) -> int:
-    if pins.world_size and pins.world_size > cluster.world_size:
-        raise PartitaError(
-            f"{pins.world_size} processes were launched but cluster {cluster.name!r} has "
-            f"{cluster.world_size} devices ({cluster.nodes} node(s) x {cluster.gpus_per_node})",
-            hint="pass a cluster with enough devices (e.g. --nodes)")
-    return pins.world_size or cluster.world_size
-
-
-def _tp_degrees(cluster: ClusterSpec, world: int, pins: Pins) -> list[int]:
-    """Divisors of gpus_per_node dividing the world (TP groups stay inside a node), narrowed by the pins."""
-    g = cluster.gpus_per_node
-    if pins.tp is not None:
-        if g % pins.tp:
-            raise PartitaError(f"--tp {pins.tp} does not divide {g} GPUs per node: a TP group must stay inside a node",
-                               hint=f"use one of {', '.join(map(str, _divisors(g)))}")
-        if world % pins.tp:
-            raise PartitaError(f"--tp {pins.tp} does not divide the world size {world}")
-    if pins.dp is not None:
-        if world % pins.dp:
-            raise PartitaError(f"--dp {pins.dp} does not divide the world size {world}")
-        tp = world // pins.dp
-        if pins.tp is not None and pins.tp != tp:
-            raise PartitaError(f"--dp {pins.dp} x --tp {pins.tp} = {pins.dp * pins.tp} devices, "
-                               f"but the world size is {world}")
-        if g % tp:
-            raise PartitaError(f"--dp {pins.dp} leaves tp={tp}, which does not divide {g} GPUs per node",
-                               hint="a TP group must stay inside a node")
-        return [tp]
-    if pins.tp is not None:
-        return [pins.tp]
-    return [d for d in _divisors(g) if world % d == 0]
-
-
-def _micro_batches(share: int, pins: Pins) -> list[int]:
-    mbs = [pins.micro_batch_size] if pins.micro_batch_size else _divisors(share)
-    if pins.grad_accum_steps:
-        mbs = [m for m in mbs if m * pins.grad_accum_steps == share]
-    return [m for m in mbs if share % m == 0]
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def _graph_param_numel(G) -> int:
