@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from partita.passes.flops import gradient_flows
 from partita.passes.tp_rules import REPLICATE_BY_NATURE, RULES, OpView, Rule
 from partita.passes.tp_rules_views import VIEW_RULES
 from partita.passes.tp_vocabulary import (  # noqa: F401 (re-exported: the solver's vocabulary)
@@ -24,7 +25,6 @@ from partita.passes.tp_vocabulary import (  # noqa: F401 (re-exported: the solve
 # -- the strategies of a graph node ------------------------------------------------
 
 _FLOATING = ("float", "bfloat16", "half", "complex")
-_NO_GRAD_OPS = frozenset({"detach", "_assert_tensor_metadata", "argmax", "argmin"})
 
 
 def op_rule(name: str) -> Rule | None:
@@ -55,28 +55,9 @@ def input_index(G: Any, node: str, j: int) -> int:
 
 
 def grad_flows(G: Any) -> dict[str, bool]:
-    """Node -> whether a gradient flows into its outputs in backward (a floating output
-    descending from a parameter through differentiable ops). Cached in
-    ``G.graph["tp_grad_flows"]``; with ``G.graph["tp_strategies"]`` (node_strategies's cache)
-    the only attributes this module writes."""
-    cached = G.graph.get("tp_grad_flows")
-    if cached is not None and len(cached) == G.number_of_nodes():
-        return cached
-    import networkx as nx
-
-    flows: dict[str, bool] = {}
-    for n in nx.topological_sort(G):
-        a = G.nodes[n]
-        floating = any(_floating(d) for d in a["dtypes"])
-        if a["kind"] == "param":
-            flows[n] = floating
-        elif a["kind"] == "call":
-            flows[n] = (floating and op_key(a["op"])[0] not in _NO_GRAD_OPS
-                        and any(flows.get(src, False) for src in a["inputs"]))
-        else:
-            flows[n] = False
-    G.graph["tp_grad_flows"] = flows
-    return flows
+    """Node -> whether a gradient flows into its outputs in backward (passes/flops.py
+    ``gradient_flows``, the one rule)."""
+    return gradient_flows(G)
 
 
 def node_strategies(G: Any, node: str, t: int) -> list[Strategy]:
