@@ -25,6 +25,7 @@ from rich.table import Table
 
 from partita.compiler.console import console, err_console
 from partita.core.errors import PartitaError
+from partita.core.schedule import SCHEDULES
 
 
 def _progress() -> Progress:
@@ -97,7 +98,7 @@ def _loss_option(name: str | None, field: str | None, default: Any) -> Any:
 @click.option("--pp", type=int, default=None, help="pin the number of pipeline stages")
 @click.option("--zero", type=int, default=None, help="pin the ZeRO stage (0-3) of every data-parallel group")
 @click.option("--microbatches", type=int, default=None, help="pin the micro-batches per step (= --grad-accum-steps)")
-@click.option("--schedule", type=click.Choice(["1f1b", "gpipe"]), default=None,
+@click.option("--schedule", type=click.Choice(list(SCHEDULES)), default=None,
               help="pin the pipeline schedule (the plan then has pipeline stages)")
 @click.option("--recompute/--no-recompute", default=None,
               help="activation recomputation on every stage / on none (default: on the stages where memory binds)")
