@@ -12,7 +12,8 @@ from partita.passes.cluster import ClusterSpec
 from partita.passes.cost_model import PipelineStepCost
 from partita.passes.pipeline_bounds import PrunedCandidate
 from partita.passes.pipeline_costs import SharedParam
-from partita.passes.zero import STRATEGY_NAMES, traffic_reason
+from partita.passes.explain import CHOSEN, gb, slower, slower_parts, traffic_reason
+from partita.passes.zero import STRATEGY_NAMES
 
 INF = math.inf
 
@@ -115,13 +116,9 @@ def _binding(c: PipelineCandidate) -> str:
             f"{gb(m.activations)}), budget {gb(m.capacity)}")
 
 
-def gb(nbytes: float) -> str:
-    return f"{nbytes / 1e9:.2f} GB" if nbytes >= 1e8 else f"{nbytes / 1e6:.3g} MB"
-
-
 def loss_reason(c: PipelineCandidate, best: PipelineCandidate, cluster: ClusterSpec) -> str:
     if c is best:
-        return "chosen: fastest predicted step that fits"
+        return CHOSEN
     if not c.fits:
         zero = f"{STRATEGY_NAMES[c.zero_stage]} " if c.zero_stage else ""
         if c.cut_for is not None:
@@ -133,17 +130,16 @@ def loss_reason(c: PipelineCandidate, best: PipelineCandidate, cluster: ClusterS
     if c.step_s <= best.step_s * (1 + 1e-9):
         return (f"same step time, more memory: {gb(c.memory.total)} vs {gb(best.memory.total)}"
                 + (" (GPipe holds all m micro-batches, 1F1B at most p)" if c.schedule == "gpipe" else ""))
-    parts = [f"{name} {x * 1e3:.3g} ms vs {y * 1e3:.3g} ms"
-             for name, x, y in (("compute", a.compute_s, b.compute_s), ("bubble", a.bubble_s, b.bubble_s),
-                                ("p2p", a.p2p_s, b.p2p_s), ("data-parallel collectives" if c.zero_stage or best.zero_stage else "gradient all-reduce",
-                                 a.dp_all_reduce_s, b.dp_all_reduce_s),
-                                ("tied all-reduce", a.tied_all_reduce_s, b.tied_all_reduce_s),
-                                ("optimizer", a.optimizer_s, b.optimizer_s))
-             if x > y * 1.001 + 1e-12]
+    parts = slower_parts((("compute", a.compute_s, b.compute_s), ("bubble", a.bubble_s, b.bubble_s),
+                          ("p2p", a.p2p_s, b.p2p_s),
+                          ("data-parallel collectives" if c.zero_stage or best.zero_stage else "gradient all-reduce",
+                           a.dp_all_reduce_s, b.dp_all_reduce_s),
+                          ("tied all-reduce", a.tied_all_reduce_s, b.tied_all_reduce_s),
+                          ("optimizer", a.optimizer_s, b.optimizer_s)))
     if c.zero_stage and a.dp_all_reduce_s > b.dp_all_reduce_s * 1.001:
         parts.append(traffic_reason(c.zero_stage, c.dp_traffic_bytes, cluster.link_for_group(c.dp, stride=c.tp),
                                     a.dp_all_reduce_s))
-    return f"{c.step_s / best.step_s:.2f}x slower: " + "; ".join(parts or ["slower overall"])
+    return slower(c.step_s / best.step_s, parts)
 
 
 def infeasible_error(candidates: list[PipelineCandidate], cluster: ClusterSpec) -> InfeasibleError:

@@ -92,8 +92,9 @@ from partita.passes.pipeline_bounds import AllPruned, PipelineBound, PrunedCandi
 from partita.passes.pipeline_costs import NodeCosts, Recompute, node_costs, pipeline_order, recompute_costs
 from partita.passes.pipeline_cuts import Partition, StageSetup, any_cuts_fit, solve_cuts
 from partita.passes.pipeline_decision import (
-    PipelineCandidate, PipelineDecision, PipelineStage, gb, infeasible_error, loss_reason,
+    PipelineCandidate, PipelineDecision, PipelineStage, infeasible_error, loss_reason,
 )
+from partita.passes.explain import gb
 from partita.passes.profile import ModelProfile
 from partita.passes.space import pipeline_groups
 from partita.passes.zero import STRATEGY_NAMES, zero_stages

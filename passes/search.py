@@ -47,7 +47,7 @@ The objective: the fastest predicted step that fits; ties go to fewer stages,
 then to the smaller ZeRO stage, then to the smaller tp. Every alternative
 records its ZeRO stage, and a ZeRO stage that lost says why: the memory that
 did not fit, or its traffic per step over the dp group's link and the time
-that costs (passes/zero.traffic_reason).
+that costs (passes/explain.traffic_reason).
 """
 
 from __future__ import annotations
@@ -69,7 +69,8 @@ from partita.passes.cost_model import (
     zero_step_comm,
 )
 from partita.passes.data_parallel import gradient_buckets
-from partita.passes.zero import STRATEGY_NAMES, traffic_reason
+from partita.passes.explain import traffic_reason
+from partita.passes.zero import STRATEGY_NAMES
 from partita.passes.pipeline_bounds import AllPruned, PrunedCandidate
 from partita.passes.pipeline_costs import NodeCosts, kv_ratio, node_costs
 from partita.passes.pipeline_decision import PipelineCandidate, PipelineDecision

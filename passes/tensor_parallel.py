@@ -57,7 +57,8 @@ from partita.core.plan import Alternative, MemoryBreakdown, Mesh
 from partita.passes.cluster import ClusterSpec
 from partita.passes.constraints import Pins, TrainingRequest
 from partita.passes.cost_model import StepCost, mesh_step, model_state_memory, state_bytes_per_param
-from partita.passes.zero import STRATEGY_NAMES, traffic_reason, zero_stages
+from partita.passes.explain import CHOSEN, slower, slower_parts, traffic_reason
+from partita.passes.zero import STRATEGY_NAMES, zero_stages
 from partita.passes.data_parallel import DEFAULT_BUCKET_BYTES, gradient_buckets
 from partita.passes.pipeline_costs import kv_ratio
 from partita.passes.profile import ModelProfile
@@ -289,27 +290,20 @@ def _with_reason(c: MeshCandidate, reason: str) -> MeshCandidate:
 
 def _reason(c: MeshCandidate, best: MeshCandidate, cluster: ClusterSpec | None = None) -> str:
     if c is best:
-        return "chosen: fastest predicted step that fits"
+        return CHOSEN
     a, b = c.cost, best.cost
-    parts = []
-
-    def differ(name: str, x: float, y: float) -> None:
-        if x > y * 1.001 + 1e-9:
-            parts.append(f"{name} {x * 1e3:.3g} ms vs {y * 1e3:.3g} ms")
-
-    differ("compute", a.compute_s, b.compute_s)
     tp_a = sum(v for k, v in a.comm_s.items() if k.startswith("tp_"))
     tp_b = sum(v for k, v in b.comm_s.items() if k.startswith("tp_"))
-    differ("TP communication", tp_a, tp_b)
     dp_a, dp_b = _dp_comm(a), _dp_comm(b)
-    differ("gradient all-reduce" if not c.zero_stage and not best.zero_stage else "data-parallel collectives",
-           dp_a, dp_b)
-    differ("optimizer", a.optimizer_s, b.optimizer_s)
+    parts = slower_parts((("compute", a.compute_s, b.compute_s), ("TP communication", tp_a, tp_b),
+                          ("gradient all-reduce" if not c.zero_stage and not best.zero_stage
+                           else "data-parallel collectives", dp_a, dp_b),
+                          ("optimizer", a.optimizer_s, b.optimizer_s)), slack=1e-9)
     if not parts:
         parts.append("equal time; the smaller ZeRO stage, the larger micro-batch, then the smaller tp, break the tie")
     if c.zero_stage and dp_a > dp_b * 1.001 and cluster is not None:
         parts.append(traffic_reason(c.zero_stage, _dp_bytes(a), cluster.link_for_group(c.dp, stride=c.tp), dp_a))
-    return f"{c.step_s / best.step_s:.2f}x slower: " + "; ".join(parts)
+    return slower(c.step_s / best.step_s, parts)
 
 
 def _dp_comm(cost: StepCost) -> float:

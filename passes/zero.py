@@ -3,7 +3,7 @@
 ZeRO's arithmetic (memory per device and traffic per step for stages 0-3,
 from the cost model) for `partita estimate`, and the axis's part in the joint
 search: which stages are weighed (``zero_stages``) and how a stage that lost
-is explained (``traffic_reason``). The solvers (passes/tensor_parallel.py at
+is explained (passes/explain.py ``traffic_reason``). The solvers (passes/tensor_parallel.py at
 pp = 1, passes/pipeline_parallel.py at pp > 1) weigh the stages these return,
 with memory and time from cost_model.sharded_state / zero_step_comm.
 
@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 from partita.core.plan import MemoryBreakdown
 from partita.core.precision import element_bytes
-from partita.passes.cluster import ClusterSpec, Link
+from partita.passes.cluster import ClusterSpec
 from partita.passes.cost_model import (
     ZERO_STAGES,
     collective_time,
@@ -48,8 +48,9 @@ from partita.passes.cost_model import (
     zero_collectives,
     zero_traffic_elements,
 )
+from partita.passes.explain import ZERO_NAMES
 
-STRATEGY_NAMES = {0: "DP", 1: "ZeRO-1", 2: "ZeRO-2", 3: "ZeRO-3"}
+STRATEGY_NAMES = ZERO_NAMES
 
 
 def zero_stages(pinned: int | None, dp: int, inference: bool, *, tp: int = 1, pp: int = 1) -> tuple[int, ...]:
@@ -69,13 +70,6 @@ def zero_stages(pinned: int | None, dp: int, inference: bool, *, tp: int = 1, pp
 
 
 RUNTIME_ZERO = "ZeRO shards model state over the data-parallel axis, so a pinned stage needs dp > 1 there"
-
-
-def traffic_reason(zero_stage: int, traffic_bytes: float, link: Link, seconds: float) -> str:
-    """``"ZeRO-3: 390 GB/step over 1.25 GB/s = 312 s of traffic"``: a stage's data-parallel bytes
-    sent per device per step, the dp group's bandwidth, and the time the cost model gives them."""
-    return (f"{STRATEGY_NAMES[zero_stage]}: {traffic_bytes / 1e9:.3g} GB/step over "
-            f"{link.bandwidth / 1e9:.3g} GB/s ({link.name}) = {seconds:.3g} s of traffic")
 
 
 @dataclass(frozen=True)
