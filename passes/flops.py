@@ -52,7 +52,12 @@ NO_GRAD_OPS = frozenset({
     "empty", "scalar_tensor", "zeros_like", "ones_like", "full_like", "empty_like", "logical_not", "logical_and",
     "logical_or", "bitwise_not", "sym_size", "detach", "_assert_tensor_metadata",
 })
-_GRAD_DTYPES = ("float", "bfloat16", "half", "complex")  # dtype names whose tensors carry gradients
+_GRAD_DTYPES = ("float", "bfloat16", "half", "complex")
+
+
+def carries_gradient(dtype: str) -> bool:
+    """Whether a tensor of dtype ``dtype`` (a torch name) can carry a gradient: floating or complex."""
+    return dtype.startswith(_GRAD_DTYPES)
 
 
 def base_op(op: str) -> str:
@@ -89,7 +94,7 @@ def gradient_flows(G: nx.DiGraph) -> dict[str, bool]:
     flows: dict[str, bool] = {}
     for n in nx.topological_sort(G):
         a = G.nodes[n]
-        carries = any(d.startswith(_GRAD_DTYPES) for d in a["dtypes"])
+        carries = any(carries_gradient(d) for d in a["dtypes"])
         if a["kind"] == "param":
             flows[n] = carries
         elif a["kind"] == "call":

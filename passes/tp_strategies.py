@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from partita.passes.flops import gradient_flows
+from partita.passes.flops import carries_gradient, gradient_flows
 from partita.passes.tp_rules import REPLICATE_BY_NATURE, RULES, OpView, Rule
 from partita.passes.tp_rules_views import VIEW_RULES
 from partita.passes.tp_vocabulary import (  # noqa: F401 (re-exported: the solver's vocabulary)
@@ -23,8 +23,6 @@ from partita.passes.tp_vocabulary import (  # noqa: F401 (re-exported: the solve
 
 
 # -- the strategies of a graph node ------------------------------------------------
-
-_FLOATING = ("float", "bfloat16", "half", "complex")
 
 
 def op_rule(name: str) -> Rule | None:
@@ -40,10 +38,6 @@ def op_key(op: str) -> tuple[str, str]:
     if len(parts) == 3 and parts[0] == "aten":
         return parts[1], parts[2]
     return op, ""
-
-
-def _floating(dtype: str) -> bool:
-    return dtype.startswith(_FLOATING)
 
 
 def input_index(G: Any, node: str, j: int) -> int:
@@ -105,12 +99,12 @@ def _node_strategies(G: Any, node: str, t: int) -> list[Strategy]:
     rule = op_rule(name)
     if rule is not None and t > 1:
         view = OpView(name, overload, a.get("args", []), a.get("kwargs", {}), in_shapes,
-                      [tuple(s) for s in a["shapes"]], [_floating(d) for d in in_dtypes], t)
+                      [tuple(s) for s in a["shapes"]], [carries_gradient(d) for d in in_dtypes], t)
         strategies += rule(view)
     out_flows = flows.get(node, False)
-    carries = [out_flows and flows.get(s, False) and _floating(d) for s, d in zip(srcs, in_dtypes)]
-    floating_in = [_floating(d) for d in in_dtypes]
-    floating_out = all(_floating(d) for d in a["dtypes"])
+    carries = [out_flows and flows.get(s, False) and carries_gradient(d) for s, d in zip(srcs, in_dtypes)]
+    floating_in = [carries_gradient(d) for d in in_dtypes]
+    floating_out = all(carries_gradient(d) for d in a["dtypes"])
     result, names = [], set()
     for s in strategies:
         partial_on_ints = any(p == PARTIAL and not f for p, f in zip(s.ins, floating_in)) or (
