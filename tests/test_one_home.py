@@ -200,3 +200,47 @@ def test_bucket_rule_is_shared():
     params = [nn.Parameter(torch.zeros(n)) for n in (3_000_000, 5_000_000, 1_000, 4_000_000, 2_000_000)]
     assert bucket_layout(params, DEFAULT_BUCKET_BYTES) == gradient_buckets([p.numel() for p in params], 4)
     assert math.isclose(DEFAULT_BUCKET_BYTES, 25 * 2**20)
+
+
+# -- the search space and the gradient rule ----------------------------------------------
+
+
+def test_a_bad_tp_pin_is_refused_the_same_way_with_a_pipeline_pinned():
+    """The pins are checked once, before any solve: --tp 3 on 8-GPU nodes is refused for what it
+    is whether or not --pp is pinned too (a pipeline search used to skip the tp and end with
+    'no plan matches the pins')."""
+    from partita.core.errors import PartitaError
+    from partita.passes.constraints import Pins
+    from partita.passes.search import plan_search
+
+    prof = profile_model(capture(_Stack, [parse_input_spec("x=float32[8,64]")], loss=_mse,
+                                 targets=parse_input_spec("y=float32[8,64]")))
+    numels = [64 * 64 + 64] * 8
+    for pins in (Pins(tp=3), Pins(tp=3, pp=2)):
+        with pytest.raises(PartitaError, match="--tp 3 does not divide 8 GPUs per node"):
+            plan_search(prof, numels, PRESETS["dgx-a100"], TrainingRequest(global_batch=8), pins)
+
+
+class _Detached(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(32, 32), nn.Linear(32, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.a(x).detach())
+
+
+def test_one_rule_for_where_a_gradient_flows():
+    """A detached tensor carries no gradient for the FLOP count (no backward FLOPs, no gradient
+    sent back over a cut) exactly as for the TP layouts' gradient placements."""
+    from partita.passes.tp_strategies import grad_flows
+
+    prof = profile_model(capture(_Detached, [parse_input_spec("x=float32[4,32]")], loss=_mse,
+                                 targets=parse_input_spec("y=float32[4,32]")))
+    G = prof.graph
+    detached = [n for n, a in G.nodes(data=True) if a["op"].startswith("aten.detach")]
+    assert detached
+    flows = grad_flows(G)
+    for n, a in G.nodes(data=True):
+        assert a["requires_grad"] == flows[n], n
+    assert not any(G.nodes[n]["requires_grad"] for n in detached)
