@@ -27,6 +27,7 @@ from rich.table import Table
 from partita.compiler.console import console, err_console
 from partita.compiler.report import plain
 from partita.core.errors import POSITIVE_HINT, PartitaError, writable_path, write_text
+from partita.core.schedule import SCHEDULES
 
 
 def _progress() -> Progress:
@@ -99,7 +100,7 @@ def _loss_option(name: str | None, field: str | None, default: Any) -> Any:
 @click.option("--pp", type=int, default=None, help="pin the number of pipeline stages")
 @click.option("--zero", type=int, default=None, help="pin the ZeRO stage (0-3) of every data-parallel group")
 @click.option("--microbatches", type=int, default=None, help="pin the micro-batches per step (= --grad-accum-steps)")
-@click.option("--schedule", type=click.Choice(["1f1b", "gpipe"]), default=None,
+@click.option("--schedule", type=click.Choice(list(SCHEDULES)), default=None,
               help="pin the pipeline schedule (the plan then has pipeline stages)")
 @click.option("--recompute/--no-recompute", default=None,
               help="activation recomputation on every stage / on none (default: on the stages where memory binds)")
@@ -231,7 +232,7 @@ def estimate(target: str | None, params_text: str | None, inputs: tuple[str, ...
     """What fits: per-device memory of DP and ZeRO-1/2/3, and each one's traffic per step."""
     from partita.compiler.compile import default_precision
     from partita.compiler.report import fmt_bytes, fmt_count, fmt_time, memory_row
-    from partita.passes.cost_model import element_bytes
+    from partita.core.precision import activation_scale, element_bytes
     from partita.passes.zero import estimate_strategies
 
     if (target is None) == (params_text is None):
@@ -266,13 +267,12 @@ def estimate(target: str | None, params_text: str | None, inputs: tuple[str, ...
         if global_batch % dp:
             raise PartitaError(f"global batch {global_batch} does not divide over dp={dp}",
                                hint=f"use --batch a multiple of {dp} or a different --dp")
-        captured_bytes = 4 if profile.param_dtype.removeprefix("torch.") == "float32" else 2
         if generate and not inference:
             raise PartitaError("--generate needs --inference", hint="add --inference")
         mb = global_batch // dp
         held = profile.live_bytes(mb) if inference else profile.activation_bytes(mb)
         held += profile.kv_cache_bytes(mb, (profile.seq_len or 0) + generate) if generate else 0
-        activations = held * element_bytes(precision) // captured_bytes
+        activations = int(held * activation_scale(precision, profile.param_dtype))
         num_params, name = profile.num_params, profile.name
         note = (f"{'the forward' + chr(39) + 's largest live set' if inference else 'activations'} at micro-batch "
                 f"{mb} per device (no accumulation)"

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import math
-from typing import Iterable, Sequence
+from typing import Iterable
 
 from rich.console import Group, RenderableType
 from rich.markup import escape
 from rich.table import Table
 
+from partita.core.placement import REPLICATE, Placement
 from partita.core.plan import MemoryBreakdown, Plan
 
 
@@ -71,6 +72,9 @@ def _recompute_note(plan: Plan) -> str:
     return f", activations recomputed on {where}"
 
 
+BATCH = Placement("shard", 0)  # the batch dim
+
+
 def tp_split(plan: Plan) -> dict[str, str] | None:
     """What the tp groups really do, when it is not tensor parallelism: every op that splits a
     tensor splits dim 0, the batch (``shard(0)``), so each rank of a group runs whole ops on its
@@ -81,11 +85,11 @@ def tp_split(plan: Plan) -> dict[str, str] | None:
     if plan.mesh.tp <= 1:
         return None
     calls = [n for n in plan.nodes if n.op not in ("placeholder", "get_attr", "output")]
-    split = [n for n in calls if any(o != "replicate" for o in n.out)]
-    if not split or any(o not in ("replicate", "shard(0)") for n in calls for o in n.out):
+    outs = [Placement.parse(o) for n in calls for o in n.out]
+    if not any(o.kind != REPLICATE for o in outs) or any(o.kind != REPLICATE and o != BATCH for o in outs):
         return None
-    sharded = any(p.layout.get("tp", "replicate") != "replicate" for p in plan.params)
-    world, tp, dp = plan.world_size, plan.mesh.tp, plan.mesh.dp
+    sharded = any(p.layout.get("tp", REPLICATE) != REPLICATE for p in plan.params)
+    tp, dp = plan.mesh.tp, plan.mesh.dp
     return {
         "mesh": f"data parallelism over {dp * tp} = dp {dp} x tp {tp}: the tp groups split the batch "
                 "(shard(0) on every op), not the ops" + (", and shard the weights" if sharded else ""),

@@ -22,8 +22,7 @@ from typing import Any, Mapping
 
 from partita.core.errors import PlanError
 from partita.core.plan import Plan
-
-FORWARD, BACKWARD = "forward", "backward"
+from partita.core.schedule import BACKWARD, FORWARD, stage_order  # noqa: F401 (the schedule this module draws)
 
 
 @dataclass(frozen=True)
@@ -66,24 +65,6 @@ class Timeline:
             # compact rows: stage, 0 forward / 1 backward, micro-batch, start, end
             "slots": [[s.stage, 0 if s.kind == FORWARD else 1, s.microbatch, s.start, s.end] for s in self.slots],
         }
-
-
-def stage_order(schedule: str, stage: int, stages: int, microbatches: int,
-                inference: bool = False) -> list[tuple[str, int]]:
-    """The order one stage runs its micro-batches' forwards and backwards in."""
-    m = microbatches
-    if inference:
-        return [(FORWARD, i) for i in range(m)]
-    if schedule == "gpipe":
-        return [(FORWARD, i) for i in range(m)] + [(BACKWARD, i) for i in range(m)]
-    # "1f1b" (and "interleaved-1f1b", drawn without its virtual stages), and "none":
-    # with one stage, 1F1B is plain gradient accumulation, forward then backward per micro-batch.
-    warmup = min(stages - stage - 1, m) if schedule != "none" else 0
-    order = [(FORWARD, i) for i in range(warmup)]
-    for i in range(m - warmup):
-        order += [(FORWARD, warmup + i), (BACKWARD, i)]
-    order += [(BACKWARD, i) for i in range(m - warmup, m)]
-    return order
 
 
 def predicted_timeline(plan: Plan) -> Timeline:

@@ -25,7 +25,9 @@ from enum import Enum
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping
 
+from partita.core.buckets import DEFAULT_BUCKET_BYTES
 from partita.core.errors import PlanError
+from partita.core.mesh import MESH_ORDER, Mesh, MeshAxis  # noqa: F401 (the plan's mesh; re-exported)
 
 SCHEMA_VERSION = 1
 SCHEMA_PATH = Path(__file__).with_name("plan_schema.json")
@@ -41,19 +43,6 @@ def seal_digest(data: Mapping[str, Any]) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-class MeshAxis(str, Enum):
-    """Names of the device-mesh axes, outermost first in ``MESH_ORDER``."""
-
-    PP = "pp"
-    DP = "dp"
-    TP = "tp"
-
-
-# Megatron's placement: TP innermost (consecutive ranks share a node's NVLink),
-# DP next, PP outermost (stages across nodes).
-MESH_ORDER: tuple[MeshAxis, ...] = (MeshAxis.PP, MeshAxis.DP, MeshAxis.TP)
-
-
 @dataclass(frozen=True)
 class ModelInfo:
     name: str
@@ -66,55 +55,6 @@ class ModelInfo:
     repeated_layers: tuple[str, ...] = ()  # e.g. "transformer.h x12 (Block)"
     targets: str | None = None  # "NAME=DTYPE[SHAPE]" of the loss's targets when the loss is in the graph
     loss: str | None = None  # the loss function captured with the model (training graphs)
-
-
-@dataclass(frozen=True)
-class Mesh:
-    dp: int = 1
-    tp: int = 1
-    pp: int = 1
-
-    def __post_init__(self) -> None:
-        for axis in MeshAxis:
-            size = getattr(self, axis.value)
-            if not isinstance(size, int) or size < 1:
-                raise ValueError(f"mesh axis {axis.value}={size!r} must be a positive integer")
-
-    @property
-    def world_size(self) -> int:
-        return self.dp * self.tp * self.pp
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        """Axis sizes in ``MESH_ORDER``."""
-        return tuple(getattr(self, a.value) for a in MESH_ORDER)
-
-    @property
-    def axis_names(self) -> tuple[str, ...]:
-        return tuple(a.value for a in MESH_ORDER)
-
-    def __str__(self) -> str:
-        return f"dp={self.dp} x tp={self.tp} x pp={self.pp}"
-
-    def rank(self, *, pp: int, dp: int, tp: int) -> int:
-        """The global rank at these coordinates (``MESH_ORDER``: pp outermost, tp innermost)."""
-        return (pp * self.dp + dp) * self.tp + tp
-
-    def coords(self, rank: int) -> dict[str, int]:
-        """``rank``'s coordinate on each axis, by axis name (the inverse of ``rank``)."""
-        pp, rest = divmod(rank, self.dp * self.tp)
-        dp, tp = divmod(rest, self.tp)
-        return {MeshAxis.PP.value: pp, MeshAxis.DP.value: dp, MeshAxis.TP.value: tp}
-
-    def group_ranks(self, rank: int, axis: str) -> tuple[int, ...]:
-        """The ranks of ``rank``'s group along mesh axis ``axis`` (the others' coordinates fixed)."""
-        at = self.coords(rank)
-        return tuple(self.rank(**{**at, axis: i}) for i in range(getattr(self, axis)))
-
-    def stage_ranks(self, stage: int) -> tuple[int, ...]:
-        """The ranks of pipeline stage ``stage``, in rank order."""
-        width = self.dp * self.tp
-        return tuple(range(stage * width, (stage + 1) * width))
 
 
 def tied_stages(param_of: Mapping[str, str], readers: Mapping[str, Iterable[str]],
@@ -145,7 +85,7 @@ class Training:
     zero_stage: int = 0
     schedule: str = "none"  # pipeline schedule: "none" | "gpipe" | "1f1b"
     inference: bool = False
-    grad_bucket_bytes: int = 25 * 1024 * 1024  # gradients are all-reduced in buckets of this size
+    grad_bucket_bytes: int = DEFAULT_BUCKET_BYTES  # gradients are all-reduced in buckets of this size
     max_grad_norm: float | None = None  # clip the global gradient norm to this (None: no clipping)
 
     def __post_init__(self) -> None:

@@ -32,9 +32,10 @@ import math
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 
 from partita.core.errors import POSITIVE_HINT, ClusterError
+from partita.core.mesh import Mesh, axis_crosses_nodes, crosses_nodes, stage_pair_crosses_nodes
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -159,6 +160,22 @@ class ClusterSpec:
         if self.nodes == 1 or (span <= self.gpus_per_node and self.gpus_per_node % (group_size * stride) == 0):
             return self.intra_link
         return self.inter_link
+
+    def link_for_ranks(self, ranks: Iterable[int]) -> Link:
+        """The link a collective among exactly ``ranks`` runs on (core/mesh.py's node rule)."""
+        return self.inter_link if crosses_nodes(ranks, self.gpus_per_node) else self.intra_link
+
+    def link_for_axis(self, mesh: Mesh, axis: str) -> Link:
+        """The slowest link any group along mesh axis ``axis`` spans."""
+        if getattr(mesh, axis) <= 1:
+            return self.intra_link
+        return self.inter_link if axis_crosses_nodes(mesh, axis, self.gpus_per_node) else self.intra_link
+
+    def stage_links(self, mesh: Mesh) -> tuple[Link, ...]:
+        """``links[s]``: the link between pipeline stage s and s + 1 (each rank sends to its peer
+        with the same dp and tp coordinates; inter-node when any such pair spans nodes)."""
+        return tuple(self.inter_link if stage_pair_crosses_nodes(mesh, s, self.gpus_per_node) else self.intra_link
+                     for s in range(mesh.pp - 1))
 
     def peak_flops(self, dtype: str) -> float:
         if dtype in self.flops:

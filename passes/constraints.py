@@ -12,14 +12,9 @@ from dataclasses import dataclass
 
 from partita.core.errors import POSITIVE_HINT, PartitaError
 from partita.core.precision import REDUCE_DTYPES
-from partita.passes.cost_model import OPTIMIZERS, PRECISIONS
-from partita.passes.cost_model import SCHEDULES as PIPELINE_SCHEDULES
-
-
-def divisors(n: int) -> list[int]:
-    """The divisors of ``n``, ascending, in O(sqrt n) steps (a batch of 10**14 is ~10**7, not 10**14)."""
-    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
-    return small + [n // d for d in reversed(small) if d * d != n]
+from partita.core.precision import PRECISIONS
+from partita.core.schedule import SCHEDULES as PIPELINE_SCHEDULES
+from partita.passes.cost_model import OPTIMIZERS
 
 
 @dataclass(frozen=True)

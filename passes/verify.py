@@ -107,7 +107,9 @@ def _cluster(plan: Plan) -> list[str]:
 
 
 def _training(plan: Plan) -> list[str]:
-    from partita.passes.cost_model import OPTIMIZERS, PRECISIONS, SCHEDULES
+    from partita.core.precision import PRECISIONS
+    from partita.core.schedule import SCHEDULES
+    from partita.passes.cost_model import OPTIMIZERS
 
     t, out = plan.training, []
     if t.precision not in PRECISIONS:
@@ -145,8 +147,9 @@ def _stages(plan: Plan) -> list[str]:
 
 
 def _nodes(plan: Plan) -> list[str]:
-    from partita.passes.tp_rules import op_rule
-    from partita.passes.tp_strategies import NONE, REPLICATE, grad_convention, op_key, reshard_kind
+    from partita.core.placement import NONE, REPLICATE
+    from partita.passes.tp_strategies import op_key, op_rule
+    from partita.passes.tp_vocabulary import grad_convention, reshard_kind
 
     t, out = plan.mesh.tp, []
     seen: dict[str, NodeDecision] = {}
@@ -190,7 +193,7 @@ def _nodes(plan: Plan) -> list[str]:
 
 
 def _params(plan: Plan) -> list[str]:
-    from partita.passes.tp_strategies import REPLICATE, shard_dim
+    from partita.core.placement import REPLICATE, shard_dim
 
     out = []
     for p in plan.params:

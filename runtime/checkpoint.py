@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from partita.core.precision import PrecisionPolicy
-from partita.core.plan import MESH_ORDER, MeshAxis, Plan
+from partita.core.plan import Plan
 
 if TYPE_CHECKING:
     from partita.runtime.engine import ParallelModel
@@ -62,11 +62,9 @@ def _gather(shard: torch.Tensor, placement: str, group: dist.ProcessGroup | None
 
 def _from_every_stage(mine: dict[str, torch.Tensor], plan: Plan, device: torch.device) -> dict[str, torch.Tensor]:
     """Each parameter broadcast from the first rank of the stage that holds it, in plan order."""
-    width = plan.mesh.world_size // plan.mesh.pp  # ranks per stage: pp is the outermost axis
-    assert MESH_ORDER[0] is MeshAxis.PP
     out: dict[str, torch.Tensor] = {}
     for decision in plan.params:
-        src = decision.stage * width
+        src = plan.mesh.stage_ranks(decision.stage)[0]
         dtype = PrecisionPolicy.of(plan.training).held_dtype(getattr(torch, decision.dtype))
         t = mine.get(decision.name)
         buf = t.to(device) if t is not None and dist.get_rank() == src else torch.empty(

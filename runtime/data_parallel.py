@@ -28,10 +28,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from partita.core.buckets import DEFAULT_BUCKET_BYTES, pack_buckets  # noqa: F401 (re-exported)
 from partita.runtime.watchdog import FLIGHT
 
 # torch DDP's default bucket_cap_mb=25, in bytes.
-DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024
 
 
 @dataclass
@@ -75,21 +75,9 @@ def grad_params(params: Iterable[nn.Parameter]) -> list[nn.Parameter]:
 
 
 def _bucket_members(params: list[nn.Parameter], bucket_bytes: int) -> list[list[nn.Parameter]]:
-    buckets: list[list[nn.Parameter]] = []
-    current: list[nn.Parameter] = []
-    size = 0
-    for p in reversed(params):
-        if current and p.dtype != current[0].dtype:
-            buckets.append(current)
-            current, size = [], 0
-        current.append(p)
-        size += p.numel() * p.element_size()
-        if size >= bucket_bytes:
-            buckets.append(current)
-            current, size = [], 0
-    if current:
-        buckets.append(current)
-    return buckets
+    """``params`` grouped by core/buckets.py's ``pack_buckets`` (the planner's rule too)."""
+    sizes = [p.numel() * p.element_size() for p in params]
+    return [[params[i] for i in b] for b in pack_buckets(sizes, bucket_bytes, [p.dtype for p in params])]
 
 
 def bucket_layout(params: Iterable[nn.Parameter], bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> list[int]:

@@ -28,6 +28,7 @@ from torch.optim import Optimizer
 
 from partita.core.errors import PartitaError, PlanError
 from partita.core.losses import training_loss
+from partita.core.placement import is_shard
 from partita.core.plan import MeshAxis, Plan
 from partita.core.precision import PrecisionPolicy
 from partita.runtime.data_parallel import CollectiveCounter, GradientAverager
@@ -374,7 +375,7 @@ class ParallelModel(nn.Module):
                  else {n: (q, "replicate") for n, q in self.module.named_parameters()})
         checks = []
         if tp is not None and self.plan.mesh.tp > 1:
-            checks.append(("tp", tp.tp.group, [(n, q) for n, (q, pl) in local.items() if not pl.startswith("shard")]))
+            checks.append(("tp", tp.tp.group, [(n, q) for n, (q, pl) in local.items() if not is_shard(pl)]))
         if p.dp_group is not None and p.zero is None:
             checks.append(("dp", p.dp_group, [(n, q) for n, (q, _) in local.items()]))
         for axis, group, named in checks:

@@ -59,16 +59,16 @@ from torch import nn
 
 from partita.core.errors import PlanError
 from partita.core.plan import MeshAxis, Plan, tied_stages
+from partita.core.schedule import SCHEDULES, stage_order
 from partita.runtime.data_parallel import CollectiveCounter, GradientAverager
 from partita.runtime.tensor_parallel import TensorParallel, local_shape
-from partita.runtime.trace import BACKWARD, FORWARD, TraceRecorder
+from partita.runtime.trace import BACKWARD, FORWARD, TraceRecorder  # core/schedule.py's
 from partita.runtime.watchdog import FLIGHT
 
 if TYPE_CHECKING:
     from partita.runtime.zero import ZeroProgram
 
 PP = MeshAxis.PP.value
-SCHEDULES = ("gpipe", "1f1b")
 
 
 # -- the split ---------------------------------------------------------------------
@@ -146,18 +146,12 @@ def differentiable(graph: torch.fx.Graph) -> set[str]:
 
 
 def schedule_order(schedule: str, stages: int, stage: int, micro_batches: int) -> list[tuple[str, int]]:
-    """This stage's actions in order: ("F", k) forward / ("B", k) backward of micro-batch k."""
-    m = micro_batches
-    if schedule == "gpipe":
-        return [("F", k) for k in range(m)] + [("B", k) for k in range(m)]
-    if schedule != "1f1b":
+    """This stage's actions in order: ("F", k) forward / ("B", k) backward of micro-batch k
+    (core/schedule.py ``stage_order``, the order the planner and the viewer use too)."""
+    if schedule not in SCHEDULES:
         raise PlanError(f"unknown pipeline schedule {schedule!r}; this runtime runs {', '.join(SCHEDULES)}",
                         hint="recompile the plan for this model with `partita compile`")
-    warm = min(stages - stage - 1, m)
-    order = [("F", k) for k in range(warm)]
-    for k in range(warm, m):
-        order += [("F", k), ("B", k - warm)]
-    return order + [("B", k) for k in range(m - warm, m)]
+    return [("F" if a == FORWARD else "B", k) for a, k in stage_order(schedule, stage, stages, micro_batches)]
 
 
 def _tensor_vals(val: Any) -> list[Any]:

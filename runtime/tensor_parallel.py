@@ -43,7 +43,6 @@ tensor), as in the plan.
 from __future__ import annotations
 
 import operator
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping, Protocol, Sequence
@@ -58,6 +57,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from partita.core.capture import CapturedModel, capture
 from partita.core.errors import PlanError
 from partita.core.inputs import InputSpec, parse_input_spec
+from partita.core.placement import shard_dim as _shard_dim
 from partita.core.plan import InputLayout, MeshAxis, NodeDecision, Plan
 from partita.core.precision import FP32
 from partita.passes.verify import check_layouts
@@ -66,13 +66,7 @@ from partita.runtime.rng import is_random, op_seed, seeded
 from partita.runtime.sharded_state import open_weights
 from partita.runtime.watchdog import FLIGHT
 
-_SHARD = re.compile(r"^shard\((\d+)\)$")
 TP = MeshAxis.TP.value
-
-
-def _shard_dim(placement: str) -> int | None:
-    m = _SHARD.match(placement)
-    return int(m.group(1)) if m else None
 
 
 def _tensors(val: Any) -> list[Any]:

@@ -22,7 +22,7 @@ from partita.core.capture import capture  # noqa: E402
 from partita.core.inputs import InputSpec  # noqa: E402
 from partita.passes.graph import to_networkx  # noqa: E402
 from partita.passes.tp_layout import layout_decisions, tp_collectives  # noqa: E402
-from partita.passes.tp_rules import view_dim  # noqa: E402
+from partita.passes.tp_rules_views import view_dim  # noqa: E402
 from partita.passes.tp_strategies import (  # noqa: E402
     NONE, PARTIAL, REPLICATE, node_strategies, shard_dim, unsupported_ops,
 )
