@@ -291,7 +291,10 @@ def check_layouts(plan: Plan, captured: Any) -> None:
     from partita.core.errors import PlanError
     from partita.passes.graph import to_networkx
 
-    problems = layout_problems(plan, to_networkx(captured)) + param_problems(plan, captured.param_nodes)
+    # a tied parameter can have several placeholders; the ones the graph reads say where it lives
+    used = {n.name for n in captured.graph_module.graph.nodes if n.users}
+    problems = layout_problems(plan, to_networkx(captured)) + param_problems(
+        plan, {node: q for node, q in captured.param_nodes.items() if node in used})
     if problems:
         raise PlanError(f"the plan's tensor-parallel layout does not hold on this model: {describe_problems(problems)}",
                         hint="recompile the plan with `partita compile` (or undo the hand edit)")
