@@ -21,7 +21,7 @@ import click
 import pytest
 import torch
 
-from partita.compiler.cli import cli, main
+from partita.compiler.cli import cli as cli_group
 from partita.core.errors import PartitaError
 from partita.core.plan import SEAL, seal_digest
 
@@ -29,16 +29,6 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 MLP = f"{ROOT}/examples/models.py:MLP"
 X = "x=float32[8,64]"
-
-
-def run_cli(capsys, *args: Any) -> tuple[int, str, str]:
-    try:
-        main([str(a) for a in args])
-        code = 0
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else 1
-    out = capsys.readouterr()
-    return code, out.out, out.err
 
 
 def assert_one_message(code: int, out: str, err: str, expected: str) -> str:
@@ -159,14 +149,14 @@ def plan_files(tp2_plan_path, tmp_path_factory) -> dict[str, Path]:
 
 
 @pytest.mark.parametrize("name", list(PLAN_EDITS))
-def test_an_edited_plan_is_refused_by_show(capsys, plan_files, name):
-    code, out, err = run_cli(capsys, "show", plan_files[name])
+def test_an_edited_plan_is_refused_by_show(cli, plan_files, name):
+    code, out, err = cli("show", plan_files[name])
     assert_one_message(code, out, err, PLAN_EDITS[name][2])
 
 
 @pytest.mark.parametrize("name", list(RAW_PLANS))
-def test_a_broken_plan_file_is_refused_by_show(capsys, plan_files, name):
-    code, out, err = run_cli(capsys, "show", plan_files[name])
+def test_a_broken_plan_file_is_refused_by_show(cli, plan_files, name):
+    code, out, err = cli("show", plan_files[name])
     assert_one_message(code, out, err, RAW_PLANS[name][1])
 
 
@@ -180,26 +170,26 @@ def test_a_broken_plan_file_is_refused_by_show(capsys, plan_files, name):
     ("run", "a consistent hand edit, not re-sealed", "partita verify"),
     ("run", "forward all-reduce edited to none", "needs 'all_reduce'"),
 ])
-def test_other_plan_readers_refuse_it_too(capsys, plan_files, command, name, expected):
+def test_other_plan_readers_refuse_it_too(cli, plan_files, command, name, expected):
     before = plan_files[name].read_bytes()
     args = {"view": ["view", plan_files[name], "-o", plan_files["good"].with_suffix(".html")],
             "diff": ["diff", plan_files["good"], plan_files[name]],
             "verify": ["verify", plan_files[name]],
             "run": ["run", plan_files[name], f"{ROOT}/tests/launch_script.py"]}[command]
-    code, out, err = run_cli(capsys, *args)
+    code, out, err = cli(*args)
     assert_one_message(code, out, err, expected)
     assert plan_files[name].read_bytes() == before  # verify writes only a plan that passes
 
 
-def test_verify_seals_a_consistent_edit_and_the_plan_loads_again(capsys, plan_files, tmp_path):
+def test_verify_seals_a_consistent_edit_and_the_plan_loads_again(cli, plan_files, tmp_path):
     edited = tmp_path / "edited.json"
     edited.write_bytes(plan_files["a consistent hand edit, not re-sealed"].read_bytes())
-    code, out, err = run_cli(capsys, "show", edited)
+    code, out, err = cli("show", edited)
     message = assert_one_message(code, out, err, "sha256 does not match")
     assert "hint: check the edit, then run `partita verify" in err
-    code, out, err = run_cli(capsys, "verify", edited)
+    code, out, err = cli("verify", edited)
     assert code == 0 and "every check passed" in out, err
-    code, out, err = run_cli(capsys, "show", edited)
+    code, out, err = cli("show", edited)
     assert code == 0, err
     assert message
 
@@ -216,10 +206,10 @@ def test_verify_seals_a_consistent_edit_and_the_plan_loads_again(capsys, plan_fi
     (["show", "{tmp}/missing.json"], "cannot read plan file"),
     (["diff", "{good}", "{tmp}/missing.json"], "cannot read plan file"),
 ])
-def test_plan_paths(capsys, plan_files, tmp_path, args, expected):
+def test_plan_paths(cli, plan_files, tmp_path, args, expected):
     subs = {"{tmp}": str(tmp_path), **{f"{{{k}}}": str(v) for k, v in plan_files.items()}}
     args = [next((a.replace(k, v) for k, v in subs.items() if k in a), a) for a in args]
-    code, out, err = run_cli(capsys, *args)
+    code, out, err = cli(*args)
     assert_one_message(code, out, err, expected)
 
 
@@ -286,23 +276,23 @@ COMPILE = ["compile", MLP, "--input", X]
     (["run", "{tmp}/missing.json", f"{ROOT}/tests/launch_script.py"], "cannot read plan file"),
     (["frobnicate"], "No such command 'frobnicate'"),
 ])
-def test_cli_arguments(capsys, plan_files, tmp_path, args, expected):
+def test_cli_arguments(cli, plan_files, tmp_path, args, expected):
     subs = {"{tmp}": str(tmp_path), "{good}": str(plan_files["good"])}
     args = [next((a.replace(k, v) for k, v in subs.items() if k in a), a) for a in args]
-    code, out, err = run_cli(capsys, *args)
+    code, out, err = cli(*args)
     assert_one_message(code, out, err, expected)
 
 
-def test_estimate_and_compile_refuse_the_same_dp_in_the_same_words(capsys):
-    _, _, e1 = run_cli(capsys, "estimate", "--params", "7B", "--dp", "8")
-    _, _, e2 = run_cli(capsys, *COMPILE, "--dp", "8")
+def test_estimate_and_compile_refuse_the_same_dp_in_the_same_words(cli):
+    _, _, e1 = cli("estimate", "--params", "7B", "--dp", "8")
+    _, _, e2 = cli(*COMPILE, "--dp", "8")
     assert [l for l in e1.splitlines() if l.startswith("error:")] == [l for l in e2.splitlines()
                                                                       if l.startswith("error:")]
 
 
-def test_a_batch_of_10_to_the_14_does_not_hang(capsys, tmp_path):
+def test_a_batch_of_10_to_the_14_does_not_hang(cli, tmp_path):
     start = time.perf_counter()
-    code, out, err = run_cli(capsys, *COMPILE, "--batch", str(10**14), "-o", tmp_path / "p.json")
+    code, out, err = cli(*COMPILE, "--batch", str(10**14), "-o", tmp_path / "p.json")
     assert time.perf_counter() - start < 60
     assert "Traceback" not in err
     assert code in (0, 2), err
@@ -368,8 +358,8 @@ EXTRA_CLUSTERS = {"binary": "is not a cluster file: byte", "a folder": "cannot r
 
 
 @pytest.mark.parametrize("name", [*CLUSTERS, *EXTRA_CLUSTERS])
-def test_a_bad_cluster_file(capsys, cluster_files, name):
-    code, out, err = run_cli(capsys, "estimate", "--params", "1B", "--cluster", cluster_files[name])
+def test_a_bad_cluster_file(cli, cluster_files, name):
+    code, out, err = cli("estimate", "--params", "1B", "--cluster", cluster_files[name])
     expected = CLUSTERS[name][1] if name in CLUSTERS else EXTRA_CLUSTERS[name]
     assert_one_message(code, out, err, expected)
 
@@ -496,7 +486,7 @@ def _cli_flags() -> set[str]:
         for sub in getattr(command, "commands", {}).values():
             walk(sub)
 
-    walk(cli)
+    walk(cli_group)
     return flags
 
 
