@@ -47,14 +47,9 @@ from partita.core.inputs import parse_input_spec  # noqa: E402
 from partita.passes.cluster import PRESETS  # noqa: E402
 from partita.passes.constraints import Pins, TrainingRequest  # noqa: E402
 from partita.passes.cost_model import state_bytes_per_param  # noqa: E402
-from partita.passes.pipeline_parallel import (  # noqa: E402
-    Partition,
-    StageSetup,
-    choose_pipeline,
-    node_costs,
-    solve_cuts,
-    stage_links,
-)
+from partita.passes.pipeline_costs import node_costs  # noqa: E402
+from partita.passes.pipeline_cuts import Partition, StageSetup, solve_cuts  # noqa: E402
+from partita.passes.pipeline_parallel import choose_pipeline, stage_links  # noqa: E402
 from partita.passes.profile import profile_model  # noqa: E402
 
 TP = 8

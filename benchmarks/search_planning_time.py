@@ -41,10 +41,12 @@ from partita.core.capture import capture  # noqa: E402
 from partita.core.inputs import parse_input_spec  # noqa: E402
 from partita.passes.cluster import PRESETS  # noqa: E402
 from partita.passes.constraints import TrainingRequest  # noqa: E402
-from partita.passes.pipeline_parallel import Partition, StageSetup, solve_cuts, stage_links  # noqa: E402
+from partita.passes.pipeline_cuts import Partition, StageSetup, solve_cuts  # noqa: E402
+from partita.passes.pipeline_parallel import stage_links  # noqa: E402
 from partita.passes.profile import profile_model  # noqa: E402
 from partita.passes.search import plan_search, tp_node_costs  # noqa: E402
-from partita.passes.tp_ilp import TPSetting, build_problem, solve_tp  # noqa: E402
+from partita.passes.tp_ilp import solve_tp  # noqa: E402
+from partita.passes.tp_problem import TPSetting, build_problem  # noqa: E402
 from partita.passes.cost_model import state_bytes_per_param  # noqa: E402
 
 

@@ -51,7 +51,8 @@ from partita.core.capture import capture  # noqa: E402
 from partita.core.inputs import parse_input_spec  # noqa: E402
 from partita.passes.cluster import PRESETS  # noqa: E402
 from partita.passes.profile import profile_model  # noqa: E402
-from partita.passes.tp_ilp import SOLVERS, TPSetting, build_problem, solve_tp  # noqa: E402
+from partita.passes.tp_ilp import SOLVERS, solve_tp  # noqa: E402
+from partita.passes.tp_problem import TPSetting, build_problem  # noqa: E402
 
 # name: (layers, hidden, heads, vocab, context)
 MODELS = {

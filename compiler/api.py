@@ -25,7 +25,8 @@ import torch
 from partita.core.errors import PartitaError
 from partita.core.inputs import InputSpec, parse_input_spec
 from partita.core.losses import default_loss, resolve_loss
-from partita.core.plan import Plan, load_plan, plan_from_data
+from partita.core.plan import Plan
+from partita.passes.verify import load_plan, verified_plan
 
 OptimizerFactory = Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]
 
@@ -154,12 +155,14 @@ def parallelize(
     """
     if checkpoint_every is not None and (isinstance(checkpoint_every, bool) or not isinstance(checkpoint_every, int)
                                          or checkpoint_every < 1):
-        raise PartitaError(f"checkpoint_every={checkpoint_every!r} must be a whole number of steps >= 1")
+        raise PartitaError(f"checkpoint_every={checkpoint_every!r} must be a whole number of steps >= 1",
+                           hint="e.g. checkpoint_every=100, or leave it out for no periodic checkpoint")
     if checkpoint_every is not None and checkpoint_dir is None:
         raise PartitaError("checkpoint_every needs checkpoint_dir: where should the checkpoints go?",
                            hint="pass checkpoint_dir='DIR' too (or `partita run --checkpoint-dir DIR`)")
     if watchdog_s is not None and not (isinstance(watchdog_s, (int, float)) and 0 <= watchdog_s < float("inf")):
-        raise PartitaError(f"watchdog_s={watchdog_s!r} must be a number of seconds >= 0 (0 turns it off)")
+        raise PartitaError(f"watchdog_s={watchdog_s!r} must be a number of seconds >= 0 (0 turns it off)",
+                           hint="e.g. watchdog_s=600, or leave it out for the default (300 s)")
     if microbatches is not None and grad_accum_steps not in (None, microbatches):
         raise PartitaError(f"microbatches={microbatches} and grad_accum_steps={grad_accum_steps} disagree",
                            hint="they are the same decision; pass one")
@@ -167,6 +170,8 @@ def parallelize(
                                ("micro_batch_size", micro_batch_size),
                                ("grad_accum_steps", grad_accum_steps or microbatches),
                                ("schedule", schedule), ("recompute", recompute)) if v is not None}
+    _check_keywords(pins, cluster=cluster, nodes=nodes, devices=devices, batch=batch, precision=precision,
+                    reduce_dtype=reduce_dtype, max_grad_norm=max_grad_norm)
     spec = ParallelizeSpec(
         inputs=_parse_inputs(inputs), cluster=cluster, nodes=nodes, devices=devices, batch=batch,
         precision=precision, optimizer=optimizer or default_optimizer, loss=resolve_loss(loss, output),
@@ -181,7 +186,22 @@ def parallelize(
         return _wrap(target, spec)
     if callable(target):
         return Parallelized(target, spec)
-    raise PartitaError(f"parallelize() takes an nn.Module, a model class or a factory, not {type(target).__name__}")
+    raise PartitaError(f"parallelize() takes an nn.Module, a model class or a factory, not {type(target).__name__}",
+                       hint="decorate the model class (@partita.parallelize(...)) or pass a built model")
+
+
+def _check_keywords(pins: dict[str, Any], *, cluster: str, nodes: int | None, devices: int | None,
+                    batch: int | None, precision: str | None, reduce_dtype: str, max_grad_norm: float | None) -> None:
+    """Refuse a bad keyword where ``parallelize(...)`` is written, by the checks `partita compile`
+    makes of the same options (the pins, the cluster, the training set-up), not when the model is
+    first built."""
+    from partita.passes.cluster import load_cluster
+    from partita.passes.constraints import Pins, TrainingRequest
+
+    Pins(**pins)
+    load_cluster(cluster, nodes=nodes, devices=devices)
+    TrainingRequest(global_batch=batch if batch is not None else 1, precision=precision or "fp32",
+                    reduce_dtype=reduce_dtype, max_grad_norm=max_grad_norm)
 
 
 def _spec_kwargs(spec: ParallelizeSpec) -> dict[str, Any]:
@@ -257,8 +277,8 @@ def _wrap(module: torch.nn.Module, spec: ParallelizeSpec) -> Any:
                 text = json.dumps({"error": str(e)})
         data = json.loads(_broadcast_text(text, ctx.device))
         if "error" in data:
-            raise PartitaError(f"rank 0 could not plan: {data['error']}")
-        plan = plan_from_data(data, source="plan from rank 0")
+            raise PartitaError(f"rank 0 could not plan: {data['error']}", hint="rank 0's message above says what to fix")
+        plan = verified_plan(data, source="plan from rank 0")
     return apply_plan(module, plan, loss_fn=spec.loss, optimizer=spec.optimizer, ctx=ctx,
                       watchdog_s=spec.watchdog_s, checkpoint_dir=spec.checkpoint_dir,
                       checkpoint_every=spec.checkpoint_every, checkpoint=spec.weights,

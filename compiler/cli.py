@@ -14,6 +14,7 @@ file) ends with one message on stderr and exit code 2, no traceback.
 from __future__ import annotations
 
 import json
+import math
 import re
 import sys
 from pathlib import Path
@@ -24,7 +25,9 @@ from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeEl
 from rich.table import Table
 
 from partita.compiler.console import console, err_console
-from partita.core.errors import PartitaError
+from partita.compiler.report import plain
+from partita.core.errors import POSITIVE_HINT, PartitaError, writable_path, write_text
+from partita.core.schedule import SCHEDULES
 
 
 def _progress() -> Progress:
@@ -97,7 +100,7 @@ def _loss_option(name: str | None, field: str | None, default: Any) -> Any:
 @click.option("--pp", type=int, default=None, help="pin the number of pipeline stages")
 @click.option("--zero", type=int, default=None, help="pin the ZeRO stage (0-3) of every data-parallel group")
 @click.option("--microbatches", type=int, default=None, help="pin the micro-batches per step (= --grad-accum-steps)")
-@click.option("--schedule", type=click.Choice(["1f1b", "gpipe"]), default=None,
+@click.option("--schedule", type=click.Choice(list(SCHEDULES)), default=None,
               help="pin the pipeline schedule (the plan then has pipeline stages)")
 @click.option("--recompute/--no-recompute", default=None,
               help="activation recomputation on every stage / on none (default: on the stages where memory binds)")
@@ -110,7 +113,7 @@ def _loss_option(name: str | None, field: str | None, default: Any) -> Any:
               help="the field (or tuple index) of the model's output the loss attaches to (default: logits)")
 @click.option("--target", "target_spec", default=None, metavar="NAME=DTYPE[SHAPE]",
               help="the loss's targets, when the output does not imply them")
-@click.option("-o", "--output", type=click.Path(dir_okay=False), default="plan.json", show_default=True)
+@click.option("-o", "--output", metavar="PATH", default="plan.json", show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="print the plan as JSON instead of tables")
 def compile_cmd(target: str, inputs: tuple[str, ...], cluster_name: str, nodes: int | None, devices: int | None,
                 batch: int | None, precision: str | None, optimizer: str, reduce_dtype: str,
@@ -124,6 +127,7 @@ def compile_cmd(target: str, inputs: tuple[str, ...], cluster_name: str, nodes: 
     from partita.compiler.report import plan_report
     from partita.passes.constraints import Pins
 
+    writable_path(output)  # before the work, not after it
     model = load_target(target)
     spec = model.spec
     specs = _input_specs(inputs) if inputs else tuple(getattr(spec, "inputs", ()))
@@ -132,6 +136,8 @@ def compile_cmd(target: str, inputs: tuple[str, ...], cluster_name: str, nodes: 
     if spec is not None and cluster_name == "local" and nodes is None and devices is None:
         cluster_name, nodes, devices = spec.cluster, spec.nodes, spec.devices
     cluster = _cluster(cluster_name, nodes, devices)
+    if microbatches is not None and microbatches < 1:
+        raise PartitaError(f"--microbatches {microbatches} must be a positive integer", hint=POSITIVE_HINT)
     if microbatches is not None and grad_accum_steps not in (None, microbatches):
         raise PartitaError(f"--microbatches {microbatches} and --grad-accum-steps {grad_accum_steps} disagree",
                            hint="they are the same decision; pass one")
@@ -141,7 +147,7 @@ def compile_cmd(target: str, inputs: tuple[str, ...], cluster_name: str, nodes: 
     loss = _loss_option(loss_name, output_field, getattr(spec, "loss", None))
     targets = _input_specs([target_spec])[0] if target_spec else getattr(spec, "targets", None)
     with _progress() as progress:
-        result = compile_model(model.factory, specs, cluster, global_batch=batch or getattr(spec, "batch", None),
+        result = compile_model(model.factory, specs, cluster, global_batch=batch if batch is not None else getattr(spec, "batch", None),
                                precision=precision or getattr(spec, "precision", None), optimizer=optimizer,
                                pins=pins, name=model.name, progress=progress, inference=inference, loss=loss,
                                targets=targets, reduce_dtype=reduce_dtype,
@@ -152,7 +158,7 @@ def compile_cmd(target: str, inputs: tuple[str, ...], cluster_name: str, nodes: 
         click.echo(result.plan.to_json(), nl=False)
     else:
         console.print(plan_report(result.plan, params=False))
-        console.print(f"plan written to [bold]{path}[/]")
+        console.print(f"plan written to [bold]{plain(path)}[/]")
 
 
 @cli.command()
@@ -160,7 +166,7 @@ def compile_cmd(target: str, inputs: tuple[str, ...], cluster_name: str, nodes: 
 @click.option("--json", "as_json", is_flag=True, help="print the validated plan as JSON")
 def show(plan_path: str, as_json: bool) -> None:
     """Print a plan file for a person."""
-    from partita.core.plan import load_plan
+    from partita.passes.verify import load_plan
     from partita.compiler.report import plan_report
 
     plan = load_plan(plan_path)
@@ -170,15 +176,40 @@ def show(plan_path: str, as_json: bool) -> None:
         console.print(plan_report(plan))
 
 
+@cli.command()
+@click.argument("plan_path", metavar="PLAN.json")
+@click.option("-o", "--output", metavar="PATH", default=None,
+              help="write the sealed plan here (default: over PLAN.json)")
+def verify(plan_path: str, output: str | None) -> None:
+    """Run every check on a plan (edited by hand, say) and seal it again when all pass.
+
+    A plan's seal (its sha256) is written by `partita compile`; loading refuses a plan whose seal
+    does not match. This command re-derives what the plan's decisions imply, refuses any
+    inconsistency, and only then writes the plan with a new seal."""
+    from partita.passes.verify import load_plan
+
+    plan = load_plan(plan_path, sealed=False)
+    out = writable_path(output or plan_path)
+    plan.save(out)
+    console.print(f"{plain(plan_path)}: every check passed ({plan.mesh}, {len(plan.nodes)} node decisions, "
+                  f"{len(plan.stages)} stage(s)); sealed plan written to {plain(out)}", highlight=False)
+
+
 _SUFFIX = {"": 1, "K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12}
 
 
 def parse_count(text: str) -> int:
     """'7B', '65e9', '1.5M', '124000000' -> an integer count."""
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([KMBGT]?)\s*", text, flags=re.IGNORECASE)
+    hint = "e.g. --params 7B, 65e9 or 124M"
     if not m:
-        raise PartitaError(f"--params {text!r} is not a parameter count", hint="e.g. --params 7B, 65e9 or 124M")
-    return int(float(m.group(1)) * _SUFFIX[m.group(2).upper()])
+        raise PartitaError(f"--params {text!r} is not a parameter count", hint=hint)
+    count = float(m.group(1)) * _SUFFIX[m.group(2).upper()]
+    if not math.isfinite(count) or count >= 1e18:
+        raise PartitaError(f"--params {text!r} is not a finite parameter count (at most 1e18)", hint=hint)
+    if count < 1:
+        raise PartitaError(f"--params {text!r} must be at least 1", hint=hint)
+    return int(count)
 
 
 @cli.command()
@@ -201,15 +232,19 @@ def estimate(target: str | None, params_text: str | None, inputs: tuple[str, ...
     """What fits: per-device memory of DP and ZeRO-1/2/3, and each one's traffic per step."""
     from partita.compiler.compile import default_precision
     from partita.compiler.report import fmt_bytes, fmt_count, fmt_time, memory_row
-    from partita.passes.cost_model import element_bytes
+    from partita.core.precision import activation_scale, element_bytes
     from partita.passes.zero import estimate_strategies
 
     if (target is None) == (params_text is None):
-        raise PartitaError("give a model (FILE.py:NAME) or --params N, not both or neither")
+        raise PartitaError("give a model (FILE.py:NAME) or --params N, not both or neither",
+                           hint="e.g. `partita estimate --params 7B` or `partita estimate FILE.py:NAME --input ...`")
+    from partita.passes.constraints import Pins, TrainingRequest
+
     cluster = _cluster(cluster_name, nodes, devices)
+    Pins(dp=dp).check_cluster(cluster.world_size)  # the words `partita compile` uses
+    if batch is not None:
+        TrainingRequest(global_batch=batch)
     dp = dp or cluster.world_size
-    if dp < 1:
-        raise PartitaError(f"--dp {dp} must be a positive integer")
     precision = precision or default_precision(cluster)
     note = ""
     if params_text is not None:
@@ -228,17 +263,16 @@ def estimate(target: str | None, params_text: str | None, inputs: tuple[str, ...
             task = progress.add_task("capturing and analysing", total=1)
             profile = profile_model(capture(model.factory, specs, name=model.name))
             progress.update(task, completed=1)
-        global_batch = batch or profile.batch_size
+        global_batch = batch if batch is not None else profile.batch_size
         if global_batch % dp:
             raise PartitaError(f"global batch {global_batch} does not divide over dp={dp}",
                                hint=f"use --batch a multiple of {dp} or a different --dp")
-        captured_bytes = 4 if profile.param_dtype.removeprefix("torch.") == "float32" else 2
         if generate and not inference:
             raise PartitaError("--generate needs --inference", hint="add --inference")
         mb = global_batch // dp
         held = profile.live_bytes(mb) if inference else profile.activation_bytes(mb)
         held += profile.kv_cache_bytes(mb, (profile.seq_len or 0) + generate) if generate else 0
-        activations = held * element_bytes(precision) // captured_bytes
+        activations = int(held * activation_scale(precision, profile.param_dtype))
         num_params, name = profile.num_params, profile.name
         note = (f"{'the forward' + chr(39) + 's largest live set' if inference else 'activations'} at micro-batch "
                 f"{mb} per device (no accumulation)"
@@ -280,19 +314,21 @@ def calibrated_cluster(r: Any) -> Any:
 
 @cli.command()
 @click.option("--nproc", type=int, default=4, show_default=True, help="local processes to measure between")
-@click.option("-o", "--output", type=click.Path(dir_okay=False), default="local.toml", show_default=True)
+@click.option("-o", "--output", metavar="PATH", default="local.toml", show_default=True)
 def calibrate(nproc: int, output: str) -> None:
     """Measure this machine (matmul FLOP/s, gloo all-reduce bandwidth and latency) into a cluster file."""
     from partita.runtime.calibrate import calibrate as measure
 
     if nproc < 2:
-        raise PartitaError(f"--nproc {nproc}: calibration needs at least 2 processes")
+        raise PartitaError(f"--nproc {nproc}: calibration needs at least 2 processes",
+                           hint="pass --nproc 2 or more (one per device it measures between)")
+    writable_path(output)
     with _progress() as progress:
         task = progress.add_task(f"measuring matmul and gloo all-reduce on {nproc} processes", total=1)
         r = measure(nproc)
         progress.update(task, completed=1)
     spec = calibrated_cluster(r)
-    Path(output).write_text(spec.to_toml())
+    write_text(output, spec.to_toml())
     from partita.compiler.report import fmt_bytes, fmt_time
 
     t = Table(title="calibration", show_header=False, title_justify="left")
@@ -304,7 +340,7 @@ def calibrate(nproc: int, output: str) -> None:
         t.add_row(f"{kind} cost per call", f"{fmt_time(s)} (a {fmt_bytes(r.call_bytes)} call took "
                   f"{fmt_time(r.call_seconds[kind])})")
     console.print(t)
-    console.print(f"cluster file written to [bold]{output}[/]; use it with --cluster {output}")
+    console.print(f"cluster file written to [bold]{plain(output)}[/]; use it with --cluster {plain(output)}")
 
 
 @cli.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
@@ -343,17 +379,21 @@ def run(trace_path: str | None, watchdog_s: float | None, checkpoint_dir: str | 
     """
     import os
 
-    from partita.core.plan import load_plan
+    from partita.passes.verify import load_plan
     from partita.runtime.engine import refuse_unsupported
     from partita.runtime.launch import launch, slurm_layout
 
     plan = load_plan(plan_path)
     refuse_unsupported(plan)  # once, here, before any process starts
     if not Path(script).is_file():
-        raise PartitaError(f"script {script} does not exist")
+        raise PartitaError(f"script {script} does not exist",
+                           hint="pass the training script that calls partita.parallelize(...), then its arguments")
     slurm = slurm_layout()
     planned_nodes = int(plan.cluster.get("nodes", 1)) if plan.cluster.get("device") != "cpu" else 1
     nodes = nnodes or (slurm.nnodes if slurm else 1)
+    if standalone and nnodes not in (None, 1):
+        raise PartitaError(f"--standalone starts every rank on this host, but --nnodes {nnodes} spreads them "
+                           f"over {nnodes} nodes", hint="drop one of --standalone and --nnodes")
     if standalone:
         nodes = 1
     elif nnodes is None and slurm is None and planned_nodes > 1:
@@ -363,7 +403,8 @@ def run(trace_path: str | None, watchdog_s: float | None, checkpoint_dir: str | 
             hint=f"run `partita run --nnodes {planned_nodes} --node-rank R --rdzv-endpoint HOST:PORT {plan_path} "
             f"{script}` on every node (under SLURM they are filled in), or pass --standalone to start them all here")
     if plan.world_size % nodes:
-        raise PartitaError(f"--nnodes {nodes} does not divide the plan's {plan.world_size} ranks")
+        raise PartitaError(f"--nnodes {nodes} does not divide the plan's {plan.world_size} ranks",
+                           hint="pass a number of nodes that divides the plan's ranks, or recompile for these nodes")
     endpoint = rdzv_endpoint or (slurm.rdzv_endpoint if slurm and nodes > 1 else None)
     if nodes > 1 and endpoint is None:
         raise PartitaError(f"{nodes} nodes need a rendezvous every node can reach",
@@ -374,7 +415,8 @@ def run(trace_path: str | None, watchdog_s: float | None, checkpoint_dir: str | 
     if watchdog_s is not None:
         env["PARTITA_WATCHDOG_S"] = f"{watchdog_s:g}"
     if checkpoint_every is not None and checkpoint_dir is None:
-        raise PartitaError("--checkpoint-every needs --checkpoint-dir: where should the checkpoints go?")
+        raise PartitaError("--checkpoint-every needs --checkpoint-dir: where should the checkpoints go?",
+                           hint="add --checkpoint-dir DIR")
     if checkpoint_dir is not None:
         env["PARTITA_CHECKPOINT_DIR"] = str(Path(checkpoint_dir).resolve())
     if checkpoint_every is not None:
@@ -384,7 +426,8 @@ def run(trace_path: str | None, watchdog_s: float | None, checkpoint_dir: str | 
         raise PartitaError(f"{nodes} nodes: which one is this?", hint="pass --node-rank R (0 on the node that "
                            "hosts the rendezvous, 1 to N-1 on the others)")
     if rank is not None and rank >= nodes:
-        raise PartitaError(f"--node-rank {rank} is not below --nnodes {nodes}")
+        raise PartitaError(f"--node-rank {rank} is not below --nnodes {nodes}",
+                           hint="node ranks run from 0 to --nnodes minus 1")
     sys.exit(launch(plan.world_size // nodes, [script, *args], env=env, max_restarts=max_restarts, nnodes=nodes,
                     rdzv_endpoint=endpoint, run_id=slurm.run_id if slurm else None, node_rank=rank))
 
@@ -392,7 +435,7 @@ def run(trace_path: str | None, watchdog_s: float | None, checkpoint_dir: str | 
 @cli.command()
 @click.option("--nproc", type=int, default=4, show_default=True)
 @click.option("--steps", type=int, default=5, show_default=True)
-@click.option("-o", "--output", type=click.Path(dir_okay=False), default="demo.plan.json", show_default=True)
+@click.option("-o", "--output", metavar="PATH", default="demo.plan.json", show_default=True)
 def demo(nproc: int, steps: int, output: str) -> None:
     """Plan the example GPT for `local`, train it on NPROC gloo processes, check against one process."""
     from partita.compiler.demo import run_demo
@@ -412,20 +455,29 @@ def _register_plan_readers() -> None:
 _register_plan_readers()
 
 
+def report_error(e: PartitaError) -> None:
+    """The one way a user error is shown: its message and hint, each as plain text."""
+    err_console.print(f"[bold red]error:[/] {plain(e.message)}", highlight=False, soft_wrap=True)
+    if e.hint:
+        err_console.print(f"  [yellow]hint:[/] {plain(e.hint)}", highlight=False, soft_wrap=True)
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     """Entry point: user errors print one message and exit 2."""
     try:
         cli.main(args=list(argv) if argv is not None else None, prog_name="partita", standalone_mode=False)
     except PartitaError as e:
-        err_console.print(f"[bold red]error:[/] {e.message}", highlight=False)
-        if e.hint:
-            err_console.print(f"  [yellow]hint:[/] {e.hint}", highlight=False)
+        report_error(e)
         sys.exit(e.exit_code)
     except click.exceptions.Abort:
         err_console.print("aborted")
         sys.exit(130)
+    except click.UsageError as e:
+        command = e.ctx.command_path if e.ctx is not None else "partita"
+        report_error(PartitaError(e.format_message(), hint=f"see `{command} --help`"))
+        sys.exit(2)
     except click.ClickException as e:
-        e.show()
+        report_error(PartitaError(e.format_message(), hint="see `partita --help`"))
         sys.exit(2)
     except click.exceptions.Exit as e:
         sys.exit(e.exit_code)

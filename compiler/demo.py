@@ -101,7 +101,8 @@ def run_demo(*, nproc: int, steps: int, output: str, console: Any, progress: Any
     from partita.runtime.launch import run_torchrun
 
     if nproc < 1 or steps < 1:
-        raise PartitaError(f"--nproc {nproc} and --steps {steps} must be positive")
+        raise PartitaError(f"--nproc {nproc} and --steps {steps} must be positive",
+                           hint="pass --nproc and --steps of at least 1")
     t_start = time.perf_counter()
     cluster = load_cluster("local", devices=nproc)
     with progress:
@@ -115,7 +116,7 @@ def run_demo(*, nproc: int, steps: int, output: str, console: Any, progress: Any
             env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
             rc = run_torchrun(nproc, ["-m", "partita.compiler.demo", str(plan_path), out, str(steps)], env=env)
             if rc != 0:
-                raise PartitaError(f"the {nproc}-process run failed (exit code {rc}); see its output above")
+                raise PartitaError(f"the {nproc}-process run failed (exit code {rc}); see its output above", hint="the output above shows the failing rank's error")
             ran = json.loads(Path(out).read_text())
             parallel_state = torch.load(out + ".pt", weights_only=True)
         progress.update(task, completed=1)
@@ -137,7 +138,8 @@ def run_demo(*, nproc: int, steps: int, output: str, console: Any, progress: Any
                   f"after {steps} steps; plan written to [bold]{plan_path}[/]; "
                   f"{time.perf_counter() - t_start:.1f} s in all")
     if not ok:
-        raise PartitaError("the parallel run did not match the single-process run")
+        raise PartitaError("the parallel run did not match the single-process run",
+                           hint="this is a bug in partita: please report it with the output above")
 
 
 if __name__ == "__main__":

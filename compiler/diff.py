@@ -19,8 +19,9 @@ import click
 from rich.console import Group, RenderableType
 from rich.table import Table
 
-from partita.core.plan import NodeDecision, Plan, load_plan
-from partita.compiler.report import fmt_bytes, fmt_time
+from partita.core.plan import NodeDecision, Plan
+from partita.passes.verify import load_plan
+from partita.compiler.report import fmt_bytes, fmt_time, plain
 
 # Inserted collectives on an edge are every reshard but these two (no traffic).
 FREE_RESHARDS = ("none", "slice")
@@ -251,7 +252,7 @@ _LIST_LIMIT = 20
 def diff_table(d: PlanDiff) -> RenderableType:
     """The diff as rich tables for the terminal."""
     parts: list[RenderableType] = []
-    title = f"plan diff: {d.a_name} (a) -> {d.b_name} (b)"
+    title = plain(f"plan diff: {d.a_name} (a) -> {d.b_name} (b)")
     if d.identical:
         return Group(f"[bold]{title}[/]: the plans make the same decisions and predictions")
     parts.append(f"[bold]{title}[/]")
@@ -261,7 +262,7 @@ def diff_table(d: PlanDiff) -> RenderableType:
     for group, changes in (("model", d.model), ("cluster", d.cluster), ("", (d.mesh,) if d.mesh else ()),
                            ("training", d.training)):
         for c in changes:
-            fields.add_row(f"{group} {c.field}".strip(), str(c.a), str(c.b), style="yellow")
+            fields.add_row(plain(f"{group} {c.field}".strip()), plain(c.a), plain(c.b), style="yellow")
     if fields.row_count:
         parts.append(fields)
     if not d.same_model:
@@ -283,7 +284,7 @@ def diff_table(d: PlanDiff) -> RenderableType:
             t.add_column(col)
         rows = [(lc.module, c.field, c.a, c.b) for lc in d.layouts for c in (*lc.params, *lc.nodes)]
         for module, what, x, y in rows[:_LIST_LIMIT]:
-            t.add_row(module, what.removeprefix(module + "."), str(x or "-"), str(y or "-"))
+            t.add_row(plain(module), plain(what.removeprefix(module + ".")), plain(x or "-"), plain(y or "-"))
         if len(rows) > _LIST_LIMIT:
             t.add_row(f"... {len(rows) - _LIST_LIMIT} more", "", "", "")
         parts.append(t)
@@ -292,7 +293,7 @@ def diff_table(d: PlanDiff) -> RenderableType:
         for col in ("stage", "a", "b"):
             t.add_column(col)
         for s in d.stages:
-            t.add_row(str(s.index), s.a or "-", s.b or "-")
+            t.add_row(str(s.index), plain(s.a or "-"), plain(s.b or "-"))
         parts.append(t)
     for title, items, colour in (("collectives added", d.collectives_added, "green"),
                                  ("collectives removed", d.collectives_removed, "red")):
@@ -300,7 +301,7 @@ def diff_table(d: PlanDiff) -> RenderableType:
             t = Table(title=f"{title} ({len(items)})", title_justify="left", title_style="bold", show_header=False)
             t.add_column()
             for item in items[:_LIST_LIMIT]:
-                t.add_row(f"[{colour}]{'+' if colour == 'green' else '-'}[/] {item}")
+                t.add_row(f"[{colour}]{'+' if colour == 'green' else '-'}[/] {plain(item)}")
             if len(items) > _LIST_LIMIT:
                 t.add_row(f"... {len(items) - _LIST_LIMIT} more")
             parts.append(t)

@@ -31,7 +31,8 @@ def load_function(text: str) -> Callable:
     mod, name, path = _import(text)
     obj = getattr(mod, name)
     if not callable(obj):
-        raise ModelLoadError(f"{text} is a {type(obj).__name__}, not a function")
+        raise ModelLoadError(f"{text} is a {type(obj).__name__}, not a function",
+                             hint="point FILE.py:NAME at a function")
     return obj
 
 
@@ -43,7 +44,8 @@ def load_target(text: str) -> ModelTarget:
     if isinstance(obj, Parallelized):
         return ModelTarget(name, _checked_factory(obj.target, text), obj.spec)
     if not _buildable(obj):
-        raise ModelLoadError(f"{text} is a {type(obj).__name__}, not a model class or factory")
+        raise ModelLoadError(f"{text} is a {type(obj).__name__}, not a model class or factory",
+                             hint="point FILE.py:NAME at an nn.Module class or a function returning a module")
     return ModelTarget(name, _checked_factory(obj, text), None)
 
 
@@ -54,18 +56,19 @@ def _import(text: str) -> tuple[object, str, Path]:
         raise ModelLoadError(f"{text!r} is not FILE.py:NAME", hint="e.g. examples/models.py:gpt_tiny")
     path = Path(path_text)
     if not path.is_file():
-        raise ModelLoadError(f"model file {path} does not exist")
+        raise ModelLoadError(f"model file {path} does not exist", hint="pass FILE.py:NAME with the path of an existing Python file")
     module_name = f"_partita_user_{path.stem}"
     spec = importlib.util.spec_from_file_location(module_name, path)
     if spec is None or spec.loader is None:
-        raise ModelLoadError(f"cannot import {path}: not a Python file")
+        raise ModelLoadError(f"cannot import {path}: not a Python file", hint="pass FILE.py:NAME, a .py file defining NAME")
     mod = importlib.util.module_from_spec(spec)
     sys.modules[module_name] = mod
     sys.path.insert(0, str(path.parent.resolve()))
     try:
         spec.loader.exec_module(mod)
     except Exception as e:  # the user's file failed to import: say where
-        raise ModelLoadError(f"importing {path} failed: {type(e).__name__}: {e}") from e
+        raise ModelLoadError(f"importing {path} failed: {type(e).__name__}: {e}",
+                             hint="fix the error in the model file (the chained error shows where)") from e
     finally:
         sys.path.pop(0)
     if not hasattr(mod, name):

@@ -3,12 +3,23 @@
 from __future__ import annotations
 
 import math
-from typing import Iterable, Sequence
+from typing import Iterable
 
 from rich.console import Group, RenderableType
+from rich.markup import escape
 from rich.table import Table
 
+from partita.core.placement import REPLICATE, Placement
 from partita.core.plan import MemoryBreakdown, Plan
+
+
+def plain(value: object) -> str:
+    """``value`` as text for a Rich console: markup escaped (a ``[/]`` in a plan string or a path is
+    text, not a tag) and control characters written as escapes (no terminal sequences)."""
+    text = str(value)
+    if not text.isprintable():
+        text = "".join(c if c.isprintable() or c == "\n" else repr(c)[1:-1] for c in text)
+    return escape(text)
 
 
 def fmt_bytes(n: float) -> str:
@@ -44,7 +55,7 @@ def _kv(title: str, rows: Iterable[tuple[str, str]]) -> Table:
     t.add_column(style="cyan")
     t.add_column()
     for k, v in rows:
-        t.add_row(k, v)
+        t.add_row(k, plain(v))
     return t
 
 
@@ -61,6 +72,9 @@ def _recompute_note(plan: Plan) -> str:
     return f", activations recomputed on {where}"
 
 
+BATCH = Placement("shard", 0)  # the batch dim
+
+
 def tp_split(plan: Plan) -> dict[str, str] | None:
     """What the tp groups really do, when it is not tensor parallelism: every op that splits a
     tensor splits dim 0, the batch (``shard(0)``), so each rank of a group runs whole ops on its
@@ -71,11 +85,11 @@ def tp_split(plan: Plan) -> dict[str, str] | None:
     if plan.mesh.tp <= 1:
         return None
     calls = [n for n in plan.nodes if n.op not in ("placeholder", "get_attr", "output")]
-    split = [n for n in calls if any(o != "replicate" for o in n.out)]
-    if not split or any(o not in ("replicate", "shard(0)") for n in calls for o in n.out):
+    outs = [Placement.parse(o) for n in calls for o in n.out]
+    if not any(o.kind != REPLICATE for o in outs) or any(o.kind != REPLICATE and o != BATCH for o in outs):
         return None
-    sharded = any(p.layout.get("tp", "replicate") != "replicate" for p in plan.params)
-    world, tp, dp = plan.world_size, plan.mesh.tp, plan.mesh.dp
+    sharded = any(p.layout.get("tp", REPLICATE) != REPLICATE for p in plan.params)
+    tp, dp = plan.mesh.tp, plan.mesh.dp
     return {
         "mesh": f"data parallelism over {dp * tp} = dp {dp} x tp {tp}: the tp groups split the batch "
                 "(shard(0) on every op), not the ops" + (", and shard the weights" if sharded else ""),
@@ -128,7 +142,7 @@ def alternatives_table(plan: Plan) -> Table:
     for a in plan.alternatives:
         style = "bold green" if a.chosen else ("red" if not a.fits else "")
         t.add_row(str(a.mesh), str(a.micro_batch_size), str(a.grad_accum_steps), fmt_time(a.step_time_s),
-                  fmt_bytes(a.memory_bytes), a.reason, style=style)
+                  fmt_bytes(a.memory_bytes), plain(a.reason), style=style)
     return t
 
 
@@ -156,7 +170,7 @@ def stages_table(plan: Plan) -> Table:
     for s in plan.stages:
         ranks = f"{s.ranks[0]}-{s.ranks[-1]}" if len(s.ranks) > 1 else ",".join(map(str, s.ranks))
         backward = fmt_time(s.backward_s) + (" (recomputes)" if s.recompute else "")
-        table.add_row(str(s.index), ranks, ", ".join(s.modules) or f"{s.first_node} .. {s.last_node}",
+        table.add_row(str(s.index), ranks, plain(", ".join(s.modules) or f"{s.first_node} .. {s.last_node}"),
                       fmt_count(s.params), fmt_time(s.forward_s), backward,
                       fmt_time(s.predicted_time_s), fmt_bytes(s.memory_bytes), fmt_bytes(s.send_bytes))
     return table
@@ -182,7 +196,7 @@ def tp_layout_table(plan: Plan, limit: int = 30) -> Table:
             break
         colls = sorted({f"{x.fwd}" for n in ns for x in n.ins if x.fwd not in ("none", "slice")})
         bcolls = sorted({f"{x.bwd}" for n in ns for x in n.ins if x.bwd not in ("none", "slice")})
-        t.add_row(module, op, ", ".join(sorted({n.strategy for n in ns})),
+        t.add_row(plain(module), plain(op), plain(", ".join(sorted({n.strategy for n in ns}))),
                   f"{', '.join(colls) or '-'} / {', '.join(bcolls) or '-'}")
     return t
 
@@ -201,7 +215,8 @@ def params_table(plan: Plan, limit: int = 40) -> Table:
             break
         n = sum(math.prod(p.shape) for p in ps)
         layouts = sorted({", ".join(f"{k}={v}" for k, v in p.layout.items()) for p in ps})
-        t.add_row(mod, ", ".join(p.name.rpartition(".")[2] for p in ps), fmt_count(n), "; ".join(layouts),
+        t.add_row(plain(mod), plain(", ".join(p.name.rpartition(".")[2] for p in ps)), fmt_count(n),
+                  plain("; ".join(layouts)),
                   ", ".join(sorted({str(p.stage) for p in ps})))
     return t
 

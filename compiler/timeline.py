@@ -22,8 +22,7 @@ from typing import Any, Mapping
 
 from partita.core.errors import PlanError
 from partita.core.plan import Plan
-
-FORWARD, BACKWARD = "forward", "backward"
+from partita.core.schedule import BACKWARD, FORWARD, stage_order  # noqa: F401 (the schedule this module draws)
 
 
 @dataclass(frozen=True)
@@ -66,24 +65,6 @@ class Timeline:
             # compact rows: stage, 0 forward / 1 backward, micro-batch, start, end
             "slots": [[s.stage, 0 if s.kind == FORWARD else 1, s.microbatch, s.start, s.end] for s in self.slots],
         }
-
-
-def stage_order(schedule: str, stage: int, stages: int, microbatches: int,
-                inference: bool = False) -> list[tuple[str, int]]:
-    """The order one stage runs its micro-batches' forwards and backwards in."""
-    m = microbatches
-    if inference:
-        return [(FORWARD, i) for i in range(m)]
-    if schedule == "gpipe":
-        return [(FORWARD, i) for i in range(m)] + [(BACKWARD, i) for i in range(m)]
-    # "1f1b" (and "interleaved-1f1b", drawn without its virtual stages), and "none":
-    # with one stage, 1F1B is plain gradient accumulation, forward then backward per micro-batch.
-    warmup = min(stages - stage - 1, m) if schedule != "none" else 0
-    order = [(FORWARD, i) for i in range(warmup)]
-    for i in range(m - warmup):
-        order += [(FORWARD, warmup + i), (BACKWARD, i)]
-    order += [(BACKWARD, i) for i in range(m - warmup, m)]
-    return order
 
 
 def predicted_timeline(plan: Plan) -> Timeline:
@@ -132,9 +113,13 @@ def load_trace(path: str | Path) -> dict[str, Any]:
     """
     path = Path(path)
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(path.read_text(encoding="utf-8"))
     except OSError as e:
-        raise PlanError(f"cannot read trace file {path}: {e.strerror}") from e
+        raise PlanError(f"cannot read trace file {path}: {e.strerror or e}",
+                        hint="pass the path of a trace written by `partita run --trace`") from e
+    except (UnicodeDecodeError, RecursionError) as e:
+        raise PlanError(f"{path} is not a trace file: not UTF-8 JSON of a sane depth",
+                        hint="pass the trace JSON the pipeline runtime wrote") from e
     except json.JSONDecodeError as e:
         raise PlanError(f"{path} is not a trace file: JSON error at line {e.lineno}, column {e.colno}: {e.msg}",
                         hint="pass the trace JSON the pipeline runtime wrote") from e
@@ -149,31 +134,37 @@ def check_trace(data: Any, *, source: str = "trace") -> None:
                         hint="pass the trace JSON the pipeline runtime wrote")
     meta = data.get("metadata", {})
     if not isinstance(meta, dict):
-        raise PlanError(f"{source}: \"metadata\" must be an object, got {type(meta).__name__}")
+        raise PlanError(f"{source}: \"metadata\" must be an object, got {type(meta).__name__}",
+                        hint="pass a trace written by `partita run --trace`")
     spans = 0
     for i, ev in enumerate(data["traceEvents"]):
         if not isinstance(ev, dict):
-            raise PlanError(f"{source}: traceEvents[{i}] is not an object")
+            raise PlanError(f"{source}: traceEvents[{i}] is not an object",
+                            hint="pass a trace written by `partita run --trace`")
         if ev.get("ph") != "X":
             continue
         if ev.get("cat") not in (FORWARD, BACKWARD):
             raise PlanError(f"{source}: traceEvents[{i}] ({ev.get('name')!r}) has cat {ev.get('cat')!r}; "
-                            f"expected \"forward\" or \"backward\"")
+                            f"expected \"forward\" or \"backward\"",
+                                hint="pass a trace written by `partita run --trace`")
         for key in ("ts", "dur"):
             if not isinstance(ev.get(key), (int, float)) or isinstance(ev.get(key), bool) or ev[key] < 0:
                 raise PlanError(f"{source}: traceEvents[{i}] ({ev.get('name')!r}) needs a non-negative "
-                                f"number \"{key}\" (microseconds), got {ev.get(key)!r}")
+                                f"number \"{key}\" (microseconds), got {ev.get(key)!r}",
+                                    hint="pass a trace written by `partita run --trace`")
         args = ev.get("args")
         if not isinstance(args, dict):
-            raise PlanError(f"{source}: traceEvents[{i}] ({ev.get('name')!r}) has no \"args\" object")
+            raise PlanError(f"{source}: traceEvents[{i}] ({ev.get('name')!r}) has no \"args\" object",
+                            hint="pass a trace written by `partita run --trace`")
         for key in ("stage", "microbatch"):
             v = args.get(key)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise PlanError(f"{source}: traceEvents[{i}] ({ev.get('name')!r}) needs a non-negative integer "
-                                f"args.{key}, got {v!r}")
+                                f"args.{key}, got {v!r}", hint='pass a trace written by `partita run --trace`')
         spans += 1
     if not spans:
-        raise PlanError(f"{source} has no forward or backward spans (events with \"ph\": \"X\")")
+        raise PlanError(f"{source} has no forward or backward spans (events with \"ph\": \"X\")",
+                        hint="pass a trace written by `partita run --trace`")
 
 
 def trace_rank(ev: Mapping[str, Any]) -> int:
@@ -195,7 +186,8 @@ def measured_timeline(trace: Mapping[str, Any], plan: Plan) -> Timeline:
     S = max(1, len(plan.stages))
     bad = sorted({ev["args"]["stage"] for ev in spans if ev["args"]["stage"] >= S})
     if bad:
-        raise PlanError(f"the trace has stage(s) {bad}, but the plan has {S} stage(s)")
+        raise PlanError(f"the trace has stage(s) {bad}, but the plan has {S} stage(s)",
+                        hint="pass the trace of a run of this plan")
     rank_of_stage: dict[int, int] = {}
     for ev in spans:
         s = ev["args"]["stage"]

@@ -26,7 +26,9 @@ from typing import Any
 import click
 
 from partita.compiler.diff import diff_plans
-from partita.core.plan import MemoryBreakdown, Plan, load_plan
+from partita.core.errors import writable_path, write_text
+from partita.core.plan import MemoryBreakdown, Plan
+from partita.passes.verify import load_plan
 from partita.compiler.report import tp_split
 from partita.compiler.timeline import load_trace, measured_timeline, predicted_timeline
 
@@ -123,7 +125,7 @@ _TEMPLATE = """<!DOCTYPE html>
 
 @click.command("view")
 @click.argument("plan_path", metavar="PLAN.json")
-@click.option("-o", "--output", type=click.Path(dir_okay=False), default=None,
+@click.option("-o", "--output", metavar="PATH", default=None,
               help="the HTML file to write (default: PLAN.html beside the plan)")
 @click.option("--open", "open_browser", is_flag=True, help="open the page in the default web browser")
 @click.option("--against", "against_path", metavar="B.json", default=None,
@@ -133,11 +135,11 @@ _TEMPLATE = """<!DOCTYPE html>
 def view_command(plan_path: str, output: str | None, open_browser: bool, against_path: str | None,
                  trace_path: str | None) -> None:
     """Write a self-contained HTML page that shows PLAN.json: mesh, model graph, memory, schedule, alternatives."""
+    out = writable_path(output if output else _default_output(Path(plan_path)))
     plan = load_plan(plan_path)
     against = load_plan(against_path) if against_path else None
     trace = load_trace(trace_path) if trace_path else None
-    out = Path(output) if output else _default_output(Path(plan_path))
-    out.write_text(render_html(plan, against=against, trace=trace))
+    write_text(out, render_html(plan, against=against, trace=trace))
     click.echo(f"plan view written to {out} ({out.stat().st_size / 1e3:,.0f} KB)")
     if open_browser:
         webbrowser.open(out.resolve().as_uri())

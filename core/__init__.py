@@ -2,7 +2,9 @@
 
 The plan's types and schema (plan.py), errors, input specs, the precision
 policy and dtype sizes, the capture of a model as an FX graph with its loss,
-and the rules every layer applies alike: the mesh's rank layout (mesh.py) and
-the pipeline schedules (schedule.py). ``compiler``, ``passes`` and ``runtime``
+and the rules every layer applies alike: the mesh's rank layout and node
+crossing (mesh.py), the pipeline schedules (schedule.py), placements and their
+parser (placement.py), the gradient-bucket rule (buckets.py) and the dtype sizes
+(precision.py). ``compiler``, ``passes`` and ``runtime``
 import from here; nothing here imports them (tests/test_layers.py checks it).
 """

@@ -114,8 +114,9 @@ def capture(
     else:
         raise CaptureError(
             f"cannot capture {type(model).__name__}: expected an nn.Module or a zero-argument factory",
-        )
+            hint="pass an nn.Module subclass, a factory returning one, or a module instance")
 
+    _check_input_names(module, inputs)
     with mode:
         args = tuple(_example(spec) for spec in inputs)
     if loss is not None and targets is None:
@@ -149,6 +150,7 @@ def capture(
         param_targets = {k: v for k, v in attrs.items() if v in param_names}
         buffer_targets = {k: v for k, v in attrs.items() if v not in param_names}
 
+    _check_input_dtypes(gm, inputs)
     params = {k: (tuple(p.shape), p.dtype) for k, p in module.named_parameters()}
     buffers = {k: (tuple(b.shape), b.dtype) for k, b in module.named_buffers()}
     canonical = {**_canonical_names(module.named_parameters(remove_duplicate=False)),
@@ -167,6 +169,56 @@ def capture(
         param_nodes={k: canonical.get(v, v) for k, v in param_targets.items()},
         buffer_nodes={k: canonical.get(v, v) for k, v in buffer_targets.items()},
     )
+
+
+def _check_input_names(module: torch.nn.Module, inputs: Sequence[InputSpec]) -> None:
+    """The inputs are passed positionally: each name must be the forward argument at its place
+    (a misnamed input would be bound to another argument, or to none, without a word)."""
+    try:
+        params = list(inspect.signature(module.forward).parameters.values())
+    except (TypeError, ValueError):
+        return
+    if any(p.kind is p.VAR_POSITIONAL for p in params):
+        return
+    positional = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    # torch.nn's own modules (Sequential, a bare Linear) name their argument generically (``input``):
+    # any name is taken for it, but never the name of another of its arguments
+    generic = getattr(type(module).forward, "__module__", "").startswith("torch.")
+    takes = f"{type(module).__name__}.forward({', '.join(positional)})"
+    for i, spec in enumerate(inputs):
+        if i >= len(positional):
+            raise CaptureError(f"input {spec.name!r} is input {i + 1}, but {takes} takes {len(positional)}",
+                               hint="pass one --input per argument of forward, in its order")
+        if spec.name != positional[i] and (spec.name in positional or not generic):
+            where = (f"its argument {i + 1} is {positional[i]!r}" if spec.name in positional
+                     else f"{spec.name!r} is none of its arguments")
+            raise CaptureError(f"input {spec.name!r} is passed as argument {i + 1} of {takes}, but {where}",
+                               hint=f"name the inputs after forward's arguments, in order: --input "
+                               f"{positional[i]}=DTYPE[SHAPE]")
+
+
+_DTYPE_HINT = "give each --input the dtype the model computes in (float32 features, int64 token ids)"
+# ops whose tensor operands must share one dtype (fake tensors do not check it: a float matmul of an
+# int64 input would capture, then fail on the device)
+_SAME_DTYPE_OPS = ("mm", "addmm", "bmm", "baddbmm", "linear", "matmul", "conv1d", "conv2d", "conv3d",
+                   "convolution", "scaled_dot_product_attention")
+
+
+def _check_input_dtypes(gm: torch.fx.GraphModule, inputs: Sequence[InputSpec]) -> None:
+    """Refuse an input dtype the model cannot take: one that meets another dtype in a matmul."""
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or getattr(node.target, "__name__", "").split(".")[0] not in _SAME_DTYPE_OPS:
+            continue
+        vals = [a.meta.get("val") for a in node.all_input_nodes]
+        # a bool operand is a mask (attention's), not a value multiplied
+        dtypes = {v.dtype for v in vals if isinstance(v, torch.Tensor) and v.dtype is not torch.bool}
+        if len(dtypes) > 1:
+            names = ", ".join(sorted(str(d).removeprefix("torch.") for d in dtypes))
+            given = ", ".join(str(s) for s in inputs)
+            stack = list((node.meta.get("nn_module_stack") or {}).values())
+            where = f" in module {stack[-1][0]!r}" if stack else ""
+            raise CaptureError(f"the model cannot take these inputs ({given}): {node.name}{where} multiplies "
+                               f"tensors of {names}", hint=_DTYPE_HINT)
 
 
 def _canonical_names(named: Iterator[tuple[str, torch.Tensor]]) -> dict[str, str]:
@@ -331,7 +383,8 @@ def _capture_error(
     shapes = f" with inputs {', '.join(map(str, inputs))}" if inputs else ""
     return CaptureError(
         f"cannot capture {_name_of(model)}{shapes}: {what} {where}: {type(e).__name__}: {_first_line(e)}",
-        hint=hint or "make the forward traceable by torch.export (see the chained error) or mark the module as a leaf",
+        hint=hint or (_DTYPE_HINT if "scalar type" in str(e) or "dtype" in str(e) else
+                      "make the forward traceable by torch.export (see the chained error) or mark the module as a leaf"),
     )
 
 

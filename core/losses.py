@@ -56,7 +56,8 @@ def select_output(out: Any, output: str | int | None = None) -> torch.Tensor:
     if isinstance(out, (tuple, list)) and not fields:
         index = int(output) if output is not None else 0
         if not -len(out) <= index < len(out):
-            raise PartitaError(f"the model returns a {len(out)}-tuple; output={output!r} is not in it")
+            raise PartitaError(f"the model returns a {len(out)}-tuple; output={output!r} is not in it",
+                               hint="pass output= an index of the tuple the model returns")
         return _tensor(out[index], f"element {index}")
     if fields:
         name = output if output is not None else (LOGITS if LOGITS in fields else None)
@@ -132,14 +133,14 @@ def resolve_loss(loss: Any = None, output: str | int | None = None) -> Callable[
         return loss
     if loss == MODEL:
         if output is not None:
-            raise PartitaError("loss='model' takes the model's own loss: output= does not apply")
+            raise PartitaError("loss='model' takes the model's own loss: output= does not apply", hint="drop output= (the model's own loss is used), or pass another loss")
         return ModelLoss()
     if isinstance(loss, str):
         if loss not in NAMED:
             raise PartitaError(f"unknown loss {loss!r}", hint=f"use one of {', '.join(NAMED)}, 'model', or a function")
         loss = NAMED[loss]
     if loss is not None and not callable(loss):
-        raise PartitaError(f"loss={loss!r} is neither a function nor a loss name")
+        raise PartitaError(f"loss={loss!r} is neither a function nor a loss name", hint="pass a function (output, targets) -> loss, 'cross-entropy', 'mse' or 'model'")
     return OutputLoss(loss or default_loss, output)
 
 

@@ -16,31 +16,31 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import json
 import types
 import typing
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
+from partita.core.buckets import DEFAULT_BUCKET_BYTES
 from partita.core.errors import PlanError
+from partita.core.mesh import MESH_ORDER, Mesh, MeshAxis  # noqa: F401 (the plan's mesh; re-exported)
 
 SCHEMA_VERSION = 1
 SCHEMA_PATH = Path(__file__).with_name("plan_schema.json")
+SEAL = "sha256"  # the plan file's field holding ``seal_digest``
+MAX_PLAN_BYTES = 1 << 30  # a plan file larger than this is not one partita wrote
 
 
-class MeshAxis(str, Enum):
-    """Names of the device-mesh axes, outermost first in ``MESH_ORDER``."""
-
-    PP = "pp"
-    DP = "dp"
-    TP = "tp"
-
-
-# Megatron's placement: TP innermost (consecutive ranks share a node's NVLink),
-# DP next, PP outermost (stages across nodes).
-MESH_ORDER: tuple[MeshAxis, ...] = (MeshAxis.PP, MeshAxis.DP, MeshAxis.TP)
+def seal_digest(data: Mapping[str, Any]) -> str:
+    """sha256 over a plan's JSON data (every field but the seal itself), in canonical form: what
+    `partita compile` and `partita verify` write and loading checks, so a hand edit is noticed."""
+    body = {k: v for k, v in data.items() if k != SEAL}
+    text = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 @dataclass(frozen=True)
@@ -55,55 +55,6 @@ class ModelInfo:
     repeated_layers: tuple[str, ...] = ()  # e.g. "transformer.h x12 (Block)"
     targets: str | None = None  # "NAME=DTYPE[SHAPE]" of the loss's targets when the loss is in the graph
     loss: str | None = None  # the loss function captured with the model (training graphs)
-
-
-@dataclass(frozen=True)
-class Mesh:
-    dp: int = 1
-    tp: int = 1
-    pp: int = 1
-
-    def __post_init__(self) -> None:
-        for axis in MeshAxis:
-            size = getattr(self, axis.value)
-            if not isinstance(size, int) or size < 1:
-                raise ValueError(f"mesh axis {axis.value}={size!r} must be a positive integer")
-
-    @property
-    def world_size(self) -> int:
-        return self.dp * self.tp * self.pp
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        """Axis sizes in ``MESH_ORDER``."""
-        return tuple(getattr(self, a.value) for a in MESH_ORDER)
-
-    @property
-    def axis_names(self) -> tuple[str, ...]:
-        return tuple(a.value for a in MESH_ORDER)
-
-    def __str__(self) -> str:
-        return f"dp={self.dp} x tp={self.tp} x pp={self.pp}"
-
-    def rank(self, *, pp: int, dp: int, tp: int) -> int:
-        """The global rank at these coordinates (``MESH_ORDER``: pp outermost, tp innermost)."""
-        return (pp * self.dp + dp) * self.tp + tp
-
-    def coords(self, rank: int) -> dict[str, int]:
-        """``rank``'s coordinate on each axis, by axis name (the inverse of ``rank``)."""
-        pp, rest = divmod(rank, self.dp * self.tp)
-        dp, tp = divmod(rest, self.tp)
-        return {MeshAxis.PP.value: pp, MeshAxis.DP.value: dp, MeshAxis.TP.value: tp}
-
-    def group_ranks(self, rank: int, axis: str) -> tuple[int, ...]:
-        """The ranks of ``rank``'s group along mesh axis ``axis`` (the others' coordinates fixed)."""
-        at = self.coords(rank)
-        return tuple(self.rank(**{**at, axis: i}) for i in range(getattr(self, axis)))
-
-    def stage_ranks(self, stage: int) -> tuple[int, ...]:
-        """The ranks of pipeline stage ``stage``, in rank order."""
-        width = self.dp * self.tp
-        return tuple(range(stage * width, (stage + 1) * width))
 
 
 def tied_stages(param_of: Mapping[str, str], readers: Mapping[str, Iterable[str]],
@@ -134,7 +85,7 @@ class Training:
     zero_stage: int = 0
     schedule: str = "none"  # pipeline schedule: "none" | "gpipe" | "1f1b"
     inference: bool = False
-    grad_bucket_bytes: int = 25 * 1024 * 1024  # gradients are all-reduced in buckets of this size
+    grad_bucket_bytes: int = DEFAULT_BUCKET_BYTES  # gradients are all-reduced in buckets of this size
     max_grad_norm: float | None = None  # clip the global gradient norm to this (None: no clipping)
 
     def __post_init__(self) -> None:
@@ -320,23 +271,27 @@ class Plan:
 
     # -- serialisation -------------------------------------------------------
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self, *, seal: bool = True) -> dict[str, Any]:
+        """The plan as JSON data; with ``seal``, its ``sha256`` (``seal_digest``) last."""
         out = _to_jsonable(self)
         out["world_size"] = self.world_size
+        if seal:
+            out[SEAL] = seal_digest(out)
         return out
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2, sort_keys=False) + "\n"
 
     def save(self, path: str | Path) -> Path:
-        path = Path(path)
-        path.write_text(self.to_json())
-        return path
+        from partita.core.errors import write_text
+
+        return write_text(path, self.to_json())
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "Plan":
         data = dict(data)
         data.pop("world_size", None)
+        data.pop(SEAL, None)
         return _from_jsonable(cls, data)
 
     def check_matches(
@@ -359,35 +314,53 @@ class Plan:
             )
 
 
-def load_plan(
-    path: str | Path, *, fingerprint: str | None = None, world_size: int | None = None
+def read_plan(
+    path: str | Path, *, fingerprint: str | None = None, world_size: int | None = None, sealed: bool = True,
+    verify: Callable[[Plan], list[str]] | None = None,
 ) -> Plan:
-    """Read and validate a plan file; optionally check it against a model and world size."""
-    path = Path(path)
-    try:
-        text = path.read_text()
-    except OSError as e:
-        raise PlanError(f"cannot read plan file {path}: {e.strerror}") from e
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise PlanError(
-            f"{path} is not a valid plan file: JSON error at line {e.lineno}, column {e.colno}: {e.msg}",
-            hint="the file may be truncated or edited by hand; recompile it with `partita compile`",
-        ) from e
-    plan = plan_from_data(data, source=str(path))
+    """Read and validate a plan file (``plan_from_data``); optionally check it against a model and
+    world size. Every caller outside core/ loads through ``passes.verify.load_plan``, which passes
+    the planner's own rules as ``verify``. ``sealed=False`` skips only the seal (`partita verify`)."""
+    plan = plan_from_data(read_plan_data(path), source=str(path), sealed=sealed, verify=verify)
     plan.check_matches(fingerprint=fingerprint, world_size=world_size)
     return plan
 
 
-def plan_from_data(data: Any, *, source: str = "plan") -> Plan:
-    """Validate parsed JSON against the schema and build a ``Plan``."""
+def read_plan_data(path: str | Path) -> Any:
+    """A plan file's parsed JSON, or ``PlanError`` saying why it cannot be read."""
+    path = Path(path)
+    broken = "the file may be truncated or edited by hand; recompile it with `partita compile`"
+    try:
+        if path.stat().st_size > MAX_PLAN_BYTES:
+            raise PlanError(f"{path} is {path.stat().st_size:,} bytes: not a plan file partita wrote", hint=broken)
+        text = path.read_text(encoding="utf-8")
+    except OSError as e:
+        raise PlanError(f"cannot read plan file {path}: {e.strerror or e}",
+                        hint="pass the path of a plan file `partita compile` wrote") from e
+    except UnicodeDecodeError as e:
+        raise PlanError(f"{path} is not a plan file: byte {e.start} is not UTF-8 text", hint=broken) from e
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise PlanError(
+            f"{path} is not a valid plan file: JSON error at line {e.lineno}, column {e.colno}: {e.msg}",
+            hint=broken,
+        ) from e
+    except RecursionError as e:
+        raise PlanError(f"{path} is not a plan file: its JSON nests too deeply", hint=broken) from e
+
+
+def plan_from_data(data: Any, *, source: str = "plan", sealed: bool = True,
+                   verify: Callable[[Plan], list[str]] | None = None) -> Plan:
+    """Validate parsed JSON against the schema, build a ``Plan``, refuse it if ``verify`` (the
+    planner's rules, passes/verify.py) finds problems, then check its seal unless ``sealed`` is False."""
     if not isinstance(data, dict):
-        raise PlanError(f"{source} is not a plan file: expected a JSON object, got {type(data).__name__}")
+        raise PlanError(f"{source} is not a plan file: expected a JSON object, got {type(data).__name__}",
+                        hint="pass a plan file `partita compile` wrote")
     version = data.get("version")
     if version != SCHEMA_VERSION:
         raise PlanError(
-            f"{source} has plan format version {version!r}; this partita reads version {SCHEMA_VERSION}",
+            f"{source} has plan format version {_short(repr(version))}; this partita reads version {SCHEMA_VERSION}",
             hint="recompile the plan with this version of partita",
         )
     import jsonschema
@@ -398,19 +371,44 @@ def plan_from_data(data: Any, *, source: str = "plan") -> Plan:
     except jsonschema.ValidationError as e:
         where = "/".join(str(p) for p in e.absolute_path) or "(top level)"
         raise PlanError(
-            f"{source} is not a valid plan file: at {where}: {e.message}",
+            f"{source} is not a valid plan file: at {_short(where)}: {_short(e.message)}",
             hint="recompile it with `partita compile`",
         ) from e
+    except RecursionError as e:
+        raise PlanError(f"{source} is not a plan file: its JSON nests too deeply",
+                        hint="recompile it with `partita compile`") from e
     try:
         plan = Plan.from_dict(data)
     except (ValueError, TypeError, KeyError) as e:
-        raise PlanError(f"{source} is not a consistent plan: {e}") from e
+        raise PlanError(f"{source} is not a consistent plan: {_short(str(e))}",
+                        hint="recompile it with `partita compile`") from e
     if data.get("world_size") not in (None, plan.world_size):
         raise PlanError(
             f"{source} is not a consistent plan: world_size {data['world_size']} "
-            f"but mesh {plan.mesh} has {plan.world_size} devices"
+            f"but mesh {plan.mesh} has {plan.world_size} devices",
+            hint="recompile it with `partita compile`",
         )
+    problems = verify(plan) if verify is not None else []
+    if problems:
+        raise PlanError(f"{source} is not a consistent plan: {describe_problems(problems)}",
+                        hint="recompile it with `partita compile` (or undo the hand edit)")
+    if sealed and data.get(SEAL) != seal_digest(data):
+        what = "has no seal" if SEAL not in data else "was changed after it was sealed (its sha256 does not match)"
+        raise PlanError(f"{source} {what}: a plan is run only as `partita compile` or `partita verify` wrote it",
+                        hint=f"check the edit, then run `partita verify {source}` to verify it and seal it again")
     return plan
+
+
+def describe_problems(problems: list[str], limit: int = 5) -> str:
+    """The first problems found, and how many more."""
+    more = len(problems) - limit
+    return "; ".join(problems[:limit]) + (f"; and {more} more" if more > 0 else "")
+
+
+def _short(value: Any, limit: int = 200) -> str:
+    """``value`` as text of at most ``limit`` characters (a hostile file can make any field huge)."""
+    text = value if isinstance(value, str) else repr(value)
+    return text if len(text) <= limit else text[:limit] + f"... ({len(text):,} characters)"
 
 
 # -- generic dataclass <-> JSON ------------------------------------------------

@@ -43,9 +43,38 @@ def compute_dtype(precision: str) -> str:
     return _COMPUTE[precision]
 
 
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype a name stands for: a plan name ("fp32", "bf16", "fp16") or a torch one
+    ("float32", "torch.int64", ...)."""
+    if name in DTYPES:
+        return DTYPES[name]
+    dtype = getattr(torch, name.removeprefix("torch."), None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"{name!r} is not a dtype")
+    return dtype
+
+
 def dtype_bytes(name: str) -> int:
-    """Bytes of one element of the plan dtype ``name``."""
-    return DTYPES[name].itemsize
+    """Bytes of one element of dtype ``name`` (a plan or torch name; int64 is 8): the one table of
+    element sizes, torch's own."""
+    return torch_dtype(name).itemsize
+
+
+def is_floating(name: str) -> bool:
+    """Whether dtype ``name`` is a floating type (held at the precision's size under a plan)."""
+    return torch_dtype(name).is_floating_point
+
+
+def element_bytes(precision: str) -> int:
+    """Bytes of one activation / weight / gradient element under ``precision``."""
+    return dtype_bytes(compute_dtype(precision))
+
+
+def activation_scale(precision: str, captured: str) -> float:
+    """Bytes of a floating tensor under ``precision`` over its bytes as captured in dtype
+    ``captured`` (the model's parameter dtype; fp32 when it has none): analyses measure saved and
+    live bytes at the capture's dtype, a plan holds floating tensors at the precision's."""
+    return element_bytes(precision) / dtype_bytes(captured or "float32")
 
 
 @dataclass(frozen=True)

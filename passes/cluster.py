@@ -32,9 +32,10 @@ import math
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 
-from partita.core.errors import ClusterError
+from partita.core.errors import POSITIVE_HINT, ClusterError
+from partita.core.mesh import Mesh, axis_crosses_nodes, crosses_nodes, stage_pair_crosses_nodes
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -45,6 +46,15 @@ GB = 1e9
 TFLOPS = 1e12
 # the collective kinds the cost model prices (passes/cost_model.py) and a cluster file may give call costs for
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send_recv")
+DEVICES = ("cuda", "cpu")  # the torch device types the runtime runs on
+_CLUSTER_HINT = "fix the cluster file (`partita calibrate -o local.toml` writes a valid one) or use a preset"
+
+
+def _number(v: Any, *, low: float, low_open: bool = False) -> bool:
+    """``v`` is a finite real number (not a bool) above ``low`` (or at it, unless ``low_open``)."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        return False
+    return v > low if low_open else v >= low
 
 
 @dataclass(frozen=True)
@@ -86,18 +96,38 @@ class ClusterSpec:
     call_latency: Mapping[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        """Every field checked where a cluster is made (a preset, a TOML file, a plan's copy):
+        the first that is wrong is named with its value and what it must be."""
+        def bad(what: str) -> ClusterError:
+            return ClusterError(f"cluster {self.name!r}: {what}", hint=_CLUSTER_HINT)
+
+        if not isinstance(self.name, str):
+            raise bad(f"name = {self.name!r} must be text")
         for name in ("nodes", "gpus_per_node"):
             v = getattr(self, name)
-            if not isinstance(v, int) or v < 1:
-                raise ClusterError(f"cluster {self.name!r}: {name}={v!r} must be a positive integer")
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise bad(f"{name}={v!r} must be a positive integer")
         for name in ("memory_bytes", "efficiency", "hbm_bandwidth", "intra_node_bandwidth", "inter_node_bandwidth"):
-            v = getattr(self, name)
-            if not (isinstance(v, (int, float)) and v > 0 and math.isfinite(v)):
-                raise ClusterError(f"cluster {self.name!r}: {name}={v!r} must be a positive number")
-        if not 0 < self.efficiency <= 1:
-            raise ClusterError(f"cluster {self.name!r}: efficiency={self.efficiency} must be in (0, 1]")
-        if not self.flops or any(v <= 0 for v in self.flops.values()):
-            raise ClusterError(f"cluster {self.name!r}: flops needs a positive rate per dtype, got {dict(self.flops)}")
+            if not _number(getattr(self, name), low=0, low_open=True):
+                raise bad(f"{name}={getattr(self, name)!r} must be a positive number")
+        if self.efficiency > 1:
+            raise bad(f"efficiency={self.efficiency} must be in (0, 1]")
+        if not _number(self.memory_reserve, low=0) or self.memory_reserve >= 1:
+            raise bad(f"memory_reserve={self.memory_reserve!r} must be in [0, 1)")
+        for name in ("intra_node_latency", "inter_node_latency", "step_overhead_s"):
+            if not _number(getattr(self, name), low=0):
+                raise bad(f"{name}={getattr(self, name)!r} must be a finite number >= 0")
+        if self.device not in DEVICES:
+            raise bad(f"device {self.device!r} is not one of {', '.join(DEVICES)}")
+        if not isinstance(self.nvlink, bool):
+            raise bad(f"nvlink={self.nvlink!r} must be true or false")
+        if not isinstance(self.flops, Mapping) or not self.flops or any(
+                not isinstance(k, str) or not _number(v, low=0, low_open=True) for k, v in self.flops.items()):
+            raise bad(f"flops needs a positive finite rate per dtype, got {dict(self.flops) if isinstance(self.flops, Mapping) else self.flops!r}")
+        if not isinstance(self.call_latency, Mapping) or any(
+                k not in COLLECTIVES or not _number(v, low=0) for k, v in self.call_latency.items()):
+            raise bad(f"call latency takes seconds >= 0 per collective kind ({', '.join(COLLECTIVES)}), "
+                      f"got {self.call_latency!r}")
 
     @property
     def world_size(self) -> int:
@@ -131,6 +161,22 @@ class ClusterSpec:
             return self.intra_link
         return self.inter_link
 
+    def link_for_ranks(self, ranks: Iterable[int]) -> Link:
+        """The link a collective among exactly ``ranks`` runs on (core/mesh.py's node rule)."""
+        return self.inter_link if crosses_nodes(ranks, self.gpus_per_node) else self.intra_link
+
+    def link_for_axis(self, mesh: Mesh, axis: str) -> Link:
+        """The slowest link any group along mesh axis ``axis`` spans."""
+        if getattr(mesh, axis) <= 1:
+            return self.intra_link
+        return self.inter_link if axis_crosses_nodes(mesh, axis, self.gpus_per_node) else self.intra_link
+
+    def stage_links(self, mesh: Mesh) -> tuple[Link, ...]:
+        """``links[s]``: the link between pipeline stage s and s + 1 (each rank sends to its peer
+        with the same dp and tp coordinates; inter-node when any such pair spans nodes)."""
+        return tuple(self.inter_link if stage_pair_crosses_nodes(mesh, s, self.gpus_per_node) else self.intra_link
+                     for s in range(mesh.pp - 1))
+
     def peak_flops(self, dtype: str) -> float:
         if dtype in self.flops:
             return self.flops[dtype]
@@ -139,13 +185,14 @@ class ClusterSpec:
         return self.flops.get("fp32", min(self.flops.values()))
 
     def with_nodes(self, nodes: int) -> "ClusterSpec":
-        if not isinstance(nodes, int) or nodes < 1:
-            raise ClusterError(f"--nodes {nodes!r} must be a positive integer")
+        if isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 1:
+            raise ClusterError(f"--nodes {nodes!r} must be a positive integer", hint=POSITIVE_HINT)
         return dataclasses.replace(self, nodes=nodes)
 
     def with_devices(self, gpus_per_node: int) -> "ClusterSpec":
-        if not isinstance(gpus_per_node, int) or gpus_per_node < 1:
-            raise ClusterError(f"devices per node {gpus_per_node!r} must be a positive integer")
+        if isinstance(gpus_per_node, bool) or not isinstance(gpus_per_node, int) or gpus_per_node < 1:
+            raise ClusterError(f"--devices {gpus_per_node!r} must be a positive integer (devices per node)",
+                               hint=POSITIVE_HINT)
         return dataclasses.replace(self, gpus_per_node=gpus_per_node)
 
     def to_dict(self) -> dict[str, Any]:
@@ -271,18 +318,28 @@ def load_cluster(name_or_path: str, *, nodes: int | None = None, devices: int | 
 
 
 def _load_toml(path: Path) -> ClusterSpec:
+    """A cluster from a TOML file in human units; every value checked for its type here and for its
+    range by ``ClusterSpec``: a mistake is one ``ClusterError`` naming the key."""
+    def bad(what: str) -> ClusterError:
+        return ClusterError(f"cluster file {path}: {what}", hint=_CLUSTER_HINT)
+
     try:
-        raw = tomllib.loads(path.read_text())
+        raw = tomllib.loads(path.read_text(encoding="utf-8"))
     except OSError as e:
-        raise ClusterError(f"cannot read cluster file {path}: {e.strerror}") from e
+        raise ClusterError(f"cannot read cluster file {path}: {e.strerror or e}",
+                           hint="pass the path of a .toml cluster file, or a preset name") from e
+    except UnicodeDecodeError as e:
+        raise ClusterError(f"{path} is not a cluster file: byte {e.start} is not UTF-8 text",
+                           hint=_CLUSTER_HINT) from e
     except tomllib.TOMLDecodeError as e:
-        raise ClusterError(f"cluster file {path} is not valid TOML: {e}") from e
+        raise ClusterError(f"cluster file {path} is not valid TOML: {e}", hint=_CLUSTER_HINT) from e
     missing = [k for k in _REQUIRED_TOML if k not in raw]
     if missing:
-        raise ClusterError(f"cluster file {path} lacks {', '.join(missing)}", hint="see `partita calibrate` output for the format")
+        raise ClusterError(f"cluster file {path} lacks {', '.join(missing)}", hint=_CLUSTER_HINT)
     unknown = set(raw) - set(_TOML_KEYS) - {"tflops", "call_latency_us"}
     if unknown:
-        raise ClusterError(f"cluster file {path}: unknown key(s) {', '.join(sorted(unknown))}")
+        raise ClusterError(f"cluster file {path}: unknown key(s) {', '.join(sorted(unknown))}",
+                           hint=f"the keys are {', '.join(_TOML_KEYS)}, [tflops] and [call_latency_us]")
     kw: dict[str, Any] = dict(
         name=path.stem, device="cuda", device_name="GPU", efficiency=1.0, hbm_bandwidth=2e12,
         intra_node_latency=5e-6, inter_node_latency=10e-6, nvlink=False, source=str(path),
@@ -291,21 +348,29 @@ def _load_toml(path: Path) -> ClusterSpec:
         if key in ("tflops", "call_latency_us"):
             continue
         field_name, typ, scale = _TOML_KEYS[key]
-        if typ in (int, float) and (isinstance(value, bool) or not isinstance(value, (int, float))):
-            raise ClusterError(f"cluster file {path}: {key} = {value!r} must be a number")
-        if typ is int and not isinstance(value, int):
-            raise ClusterError(f"cluster file {path}: {key} = {value!r} must be an integer")
+        if typ is str and not isinstance(value, str):
+            raise bad(f"{key} = {value!r} must be text")
+        if typ is bool and not isinstance(value, bool):
+            raise bad(f"{key} = {value!r} must be true or false")
+        if typ in (int, float):
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise bad(f"{key} = {value!r} must be a number")
+            if not math.isfinite(value):
+                raise bad(f"{key} = {value!r} must be a finite number")
+            if typ is int and not isinstance(value, int):
+                raise bad(f"{key} = {value!r} must be an integer")
         kw[field_name] = value * scale if typ is float else value
     kw["memory_bytes"] = int(kw["memory_bytes"])
     tflops = raw.get("tflops")
     if not isinstance(tflops, dict) or not tflops:
-        raise ClusterError(f"cluster file {path} needs a [tflops] table, e.g. fp32 = 19.5, bf16 = 312")
+        raise bad("needs a [tflops] table, e.g. fp32 = 19.5, bf16 = 312")
+    for k, v in tflops.items():
+        if not _number(v, low=0, low_open=True):
+            raise bad(f"[tflops] {k} = {v!r} must be a positive finite number")
     kw["flops"] = {k: float(v) * TFLOPS for k, v in tflops.items()}
     calls = raw.get("call_latency_us", {})
-    if not isinstance(calls, dict) or any(k not in COLLECTIVES for k in calls) or any(
-            isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < math.inf for v in calls.values()):
-        raise ClusterError(f"cluster file {path}: [call_latency_us] takes microseconds >= 0 per collective kind "
-                           f"({', '.join(COLLECTIVES)}), got {calls!r}")
+    if not isinstance(calls, dict) or any(k not in COLLECTIVES or not _number(v, low=0) for k, v in calls.items()):
+        raise bad(f"[call_latency_us] takes microseconds >= 0 per collective kind ({', '.join(COLLECTIVES)}), "
+                  f"got {calls!r}")
     kw["call_latency"] = {k: float(v) * 1e-6 for k, v in calls.items()}
     return ClusterSpec(**kw)
-

@@ -10,10 +10,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from partita.core.errors import PartitaError
+from partita.core.errors import POSITIVE_HINT, PartitaError
 from partita.core.precision import REDUCE_DTYPES
-from partita.passes.cost_model import OPTIMIZERS, PRECISIONS
-from partita.passes.cost_model import SCHEDULES as PIPELINE_SCHEDULES
+from partita.core.precision import PRECISIONS
+from partita.core.schedule import SCHEDULES as PIPELINE_SCHEDULES
+from partita.passes.cost_model import OPTIMIZERS
 
 
 @dataclass(frozen=True)
@@ -33,23 +34,50 @@ class Pins:
     def __post_init__(self) -> None:
         for name in ("dp", "tp", "pp", "micro_batch_size", "grad_accum_steps", "world_size"):
             v = getattr(self, name)
-            if v is not None and (not isinstance(v, int) or v < 1):
-                raise PartitaError(f"--{name.replace('_', '-')} {v!r} must be a positive integer")
-        if self.zero_stage is not None and self.zero_stage not in (0, 1, 2, 3):
-            raise PartitaError(f"--zero {self.zero_stage!r} must be 0, 1, 2 or 3")
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise PartitaError(f"--{name.replace('_', '-')} {v!r} must be a positive integer", hint=POSITIVE_HINT)
+        if self.zero_stage is not None and (isinstance(self.zero_stage, bool) or self.zero_stage not in (0, 1, 2, 3)):
+            raise PartitaError(f"--zero {self.zero_stage!r} must be 0, 1, 2 or 3",
+                               hint="ZeRO shards optimizer state (1), gradients (2) and parameters (3) over dp; "
+                               "leave --zero out to let partita choose")
+        if self.recompute not in (None, True, False):
+            raise PartitaError(f"recompute={self.recompute!r} must be True, False or None",
+                               hint="True recomputes every stage, False never, None where memory binds")
         if self.recompute and self.zero_stage == 3:
             raise PartitaError("--recompute with --zero 3: recomputation reruns a layer's forward in backward, "
                                "where ZeRO-3 would free the parameters it gathers under it",
                                hint="pin --zero 2 or lower, or drop --recompute")
         if self.schedule is not None:
             if self.schedule not in PIPELINE_SCHEDULES:
-                raise PartitaError(f"--schedule {self.schedule!r} is not one of {', '.join(PIPELINE_SCHEDULES)}")
+                raise PartitaError(f"--schedule {self.schedule!r} is not one of {', '.join(PIPELINE_SCHEDULES)}",
+                                   hint="leave --schedule out to let partita choose")
             if self.pp == 1:
                 raise PartitaError(f"--schedule {self.schedule} schedules pipeline stages, but --pp 1 has none",
                                    hint="pin --pp 2 or more, or drop --schedule")
-        # The planners decide every axis; a tp pin is checked against the cluster in
-        # passes/tensor_parallel.py, a pp pin against the devices in passes/pipeline_parallel.py,
-        # and a ZeRO pin narrows the stages passes/zero.zero_stages offers both.
+    # The planners decide every axis; a tp pin is checked against the cluster in
+    # passes/tensor_parallel.py, a pp pin against the devices in passes/pipeline_parallel.py,
+    # and a ZeRO pin narrows the stages passes/zero.zero_stages offers both.
+    def describe(self) -> str:
+        """The pins in the CLI's words (``--dp 2 --zero 1``), or "no pins"."""
+        flags = {"zero_stage": "zero", "world_size": "devices"}
+        parts = []
+        for name in ("dp", "tp", "pp", "zero_stage", "micro_batch_size", "grad_accum_steps", "schedule", "world_size"):
+            v = getattr(self, name)
+            if v is not None:
+                parts.append(f"--{flags.get(name, name).replace('_', '-')} {v}")
+        if self.recompute is not None:
+            parts.append("--recompute" if self.recompute else "--no-recompute")
+        return " ".join(parts) or "no pins"
+
+    def check_cluster(self, devices: int) -> None:
+        """A degree pinned beyond the cluster's devices is refused in the same words everywhere
+        (`partita compile`, `partita estimate`, the decorator)."""
+        for name in ("dp", "tp", "pp"):
+            v = getattr(self, name)
+            if v is not None and v > devices:
+                raise PartitaError(f"--{name} {v} is more than the cluster's {devices} devices",
+                                   hint=f"pin --{name} {devices} or less, or give more devices (--nodes, --devices)")
+
 
 
 @dataclass(frozen=True)
@@ -67,15 +95,19 @@ class TrainingRequest:
     def __post_init__(self) -> None:
         if self.kv_tokens and not self.inference:
             raise PartitaError("--generate needs --inference", hint="add --inference")
-        if not isinstance(self.global_batch, int) or self.global_batch < 1:
-            raise PartitaError(f"--batch {self.global_batch!r} must be a positive integer")
+        if isinstance(self.global_batch, bool) or not isinstance(self.global_batch, int) or self.global_batch < 1:
+            raise PartitaError(f"--batch {self.global_batch!r} must be a positive integer",
+                               hint="the global batch: samples per optimizer step over all devices")
         if self.reduce_dtype not in REDUCE_DTYPES:
-            raise PartitaError(f"--reduce-dtype {self.reduce_dtype!r} is not one of {', '.join(REDUCE_DTYPES)}")
+            raise PartitaError(f"--reduce-dtype {self.reduce_dtype!r} is not one of {', '.join(REDUCE_DTYPES)}",
+                               hint="fp32 (the default) reduces gradients at full precision")
         if self.max_grad_norm is not None and not (isinstance(self.max_grad_norm, (int, float))
                                                    and math.isfinite(self.max_grad_norm) and self.max_grad_norm > 0):
             raise PartitaError(f"--max-grad-norm {self.max_grad_norm!r} must be a positive number",
                                hint="e.g. --max-grad-norm 1.0, or leave it out for no clipping")
         if self.precision not in PRECISIONS:
-            raise PartitaError(f"--precision {self.precision!r} is not one of {', '.join(PRECISIONS)}")
+            raise PartitaError(f"--precision {self.precision!r} is not one of {', '.join(PRECISIONS)}",
+                               hint="leave --precision out for the cluster's default")
         if self.optimizer not in OPTIMIZERS:
-            raise PartitaError(f"--optimizer {self.optimizer!r} is not one of {', '.join(OPTIMIZERS)}")
+            raise PartitaError(f"--optimizer {self.optimizer!r} is not one of {', '.join(OPTIMIZERS)}",
+                               hint="partita models the memory of these optimizers only")

@@ -46,7 +46,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
-from partita.core.precision import PRECISIONS, compute_dtype, dtype_bytes  # noqa: F401 (re-exported)
+from partita.core.precision import PRECISIONS, compute_dtype, element_bytes
 from partita.passes.cluster import COLLECTIVES, ClusterSpec, Link
 
 OPTIMIZERS = ("adamw", "adam", "sgd", "sgd-momentum", "none")
@@ -63,11 +63,6 @@ class StateBytes:
     @property
     def total(self) -> float:
         return self.params + self.grads + self.optimizer
-
-
-def element_bytes(precision: str) -> int:
-    """Bytes of one activation / weight / gradient element under ``precision``."""
-    return dtype_bytes(compute_dtype(precision))
 
 
 def state_bytes_per_param(precision: str, optimizer: str, *, inference: bool = False) -> StateBytes:
@@ -119,11 +114,6 @@ def model_state_memory(num_params: int, state: StateBytes, *, zero_stage: int = 
     """Per-device model state under ZeRO stage 0-3 over ``dp`` ranks (formulas in the module docstring)."""
     s = sharded_state(state, zero_stage, dp)
     return ModelStateMemory(round(num_params * s.params), round(num_params * s.grads), round(num_params * s.optimizer))
-
-
-def max_params_fitting(memory_bytes: float, state: StateBytes) -> float:
-    """The largest parameter count whose model state fits ``memory_bytes`` (no activations)."""
-    return memory_bytes / state.total
 
 
 # -- time --------------------------------------------------------------------
@@ -289,36 +279,6 @@ class StepCost:
         return self.compute_s + sum(self.comm_s.values()) + self.optimizer_s
 
 
-def data_parallel_step(
-    *,
-    flops_per_sample: float,
-    micro_batch: int,
-    grad_accum: int,
-    dp: int,
-    grad_buckets: list[int],
-    state: ModelStateMemory,
-    cluster: ClusterSpec,
-    precision: str,
-) -> StepCost:
-    """One data-parallel step: ``grad_accum`` micro-batches of forward+backward, then one
-    all-reduce per gradient bucket over the dp group, then the optimizer.
-
-    ``flops_per_sample`` is forward + backward FLOPs of one sample;
-    ``grad_buckets`` the bytes of each gradient bucket the runtime all-reduces.
-    """
-    per_micro = compute_time(flops_per_sample * micro_batch, cluster, precision) + cluster.step_overhead_s
-    compute = grad_accum * per_micro
-    link = cluster.link_for_group(dp)
-    comm = sum(collective_time("all_reduce", b, dp, link) for b in grad_buckets) if dp > 1 else 0.0
-    traffic = sum(collective_traffic("all_reduce", b, dp) for b in grad_buckets) if dp > 1 else 0.0
-    return StepCost(
-        compute_s=compute,
-        comm_s={"dp_all_reduce": comm} if dp > 1 else {},
-        optimizer_s=optimizer_time(state, cluster),
-        traffic_bytes={"dp_all_reduce": round(traffic)} if dp > 1 else {},
-    )
-
-
 def param_step_time(numel: float, state: StateBytes, dp: int, dp_link: Link, cluster: ClusterSpec, *,
                     zero_stage: int = 0, micro_batches: int = 1) -> float:
     """The per-step work one device does for ``numel`` parameter elements it holds: the
@@ -401,29 +361,6 @@ def mesh_step(
 # Memory is where the schedules differ: GPipe holds every micro-batch's
 # activations until the backward starts (m); 1F1B starts backward as soon as
 # the pipe is full, so stage i of p holds min(p - i, m) (Narayanan et al.).
-
-SCHEDULES = ("1f1b", "gpipe")
-
-
-def bubble_fraction(stages: int, micro_batches: int) -> float:
-    """Idle time over useful time of a pipeline: (p - 1) / m (GPipe and 1F1B alike)."""
-    if stages < 1 or micro_batches < 1:
-        raise ValueError(f"stages={stages} and micro_batches={micro_batches} must be at least 1")
-    return (stages - 1) / micro_batches
-
-
-def activations_in_flight(schedule: str, stage: int, stages: int, micro_batches: int) -> int:
-    """Micro-batches whose saved activations stage ``stage`` (0-based) of ``stages`` holds at its peak."""
-    if schedule not in SCHEDULES + ("none",):
-        raise ValueError(f"schedule {schedule!r} is not one of none, {', '.join(SCHEDULES)}")
-    if not 0 <= stage < stages:
-        raise ValueError(f"stage {stage} is not in 0..{stages - 1}")
-    if schedule == "none":
-        return 1  # no pipeline: one micro-batch at a time, gradients accumulated
-    if schedule == "gpipe":
-        return micro_batches
-    return min(stages - stage, micro_batches)
-
 
 def p2p_time(nbytes: float, link: Link) -> float:
     """One point-to-point transfer between neighbouring stages; nothing to send costs nothing."""

@@ -46,10 +46,18 @@ _FREE = {
 }
 _REDUCTIONS = {"sum", "mean", "amax", "amin", "max", "min", "var", "std", "var_mean", "prod", "norm",
                "logsumexp", "argmax", "argmin", "all", "any"}
-_NO_GRAD_OPS = {"argmax", "argmin", "eq", "ne", "lt", "le", "gt", "ge", "all", "any", "arange", "zeros",
-                "ones", "full", "empty", "scalar_tensor", "zeros_like", "ones_like", "full_like",
-                "empty_like", "logical_not", "logical_and", "logical_or", "bitwise_not", "sym_size"}
-_FLOAT = {"float16", "bfloat16", "float32", "float64"}
+# ops whose output carries no gradient whatever their inputs (comparisons, factories, argmax, detach)
+NO_GRAD_OPS = frozenset({
+    "argmax", "argmin", "eq", "ne", "lt", "le", "gt", "ge", "all", "any", "arange", "zeros", "ones", "full",
+    "empty", "scalar_tensor", "zeros_like", "ones_like", "full_like", "empty_like", "logical_not", "logical_and",
+    "logical_or", "bitwise_not", "sym_size", "detach", "_assert_tensor_metadata",
+})
+_GRAD_DTYPES = ("float", "bfloat16", "half", "complex")
+
+
+def carries_gradient(dtype: str) -> bool:
+    """Whether a tensor of dtype ``dtype`` (a torch name) can carry a gradient: floating or complex."""
+    return dtype.startswith(_GRAD_DTYPES)
 
 
 def base_op(op: str) -> str:
@@ -62,10 +70,11 @@ def base_op(op: str) -> str:
 
 def annotate_flops(G: nx.DiGraph) -> nx.DiGraph:
     """Write ``flops_fwd``, ``flops_bwd`` and ``requires_grad`` on every node (rules in the module doc)."""
+    flows = gradient_flows(G)
     for name in nx.topological_sort(G):
         a = G.nodes[name]
         op = base_op(a["op"])
-        a["requires_grad"] = _requires_grad(G, name, op)
+        a["requires_grad"] = flows[name]
         a["flops_fwd"] = _forward(a, op)
         a["flops_bwd"] = _backward(G, name, op) if a["requires_grad"] else 0
     G.graph["flops_fwd"] = sum(a["flops_fwd"] for _, a in G.nodes(data=True))
@@ -73,15 +82,27 @@ def annotate_flops(G: nx.DiGraph) -> nx.DiGraph:
     return G
 
 
-def _requires_grad(G: nx.DiGraph, name: str, op: str) -> bool:
-    a = G.nodes[name]
-    if a["kind"] == "param":
-        return True
-    if a["kind"] in ("input", "buffer", "output") or op in _NO_GRAD_OPS:
-        return False
-    if not any(d in _FLOAT for d in a["dtypes"]):
-        return False
-    return any(G.nodes[p]["requires_grad"] for p in G.predecessors(name))
+def gradient_flows(G: nx.DiGraph) -> dict[str, bool]:
+    """Node -> whether a gradient flows into its outputs in backward: the one rule the FLOP
+    count (``requires_grad``), the pipeline's gradient sends and the TP layouts' gradient
+    placements (passes/tp_strategies.py) all use. A parameter carries one when floating; a call
+    node when an output is floating (or complex), its op is not in ``NO_GRAD_OPS`` and an input
+    carries one; inputs, buffers and the output node never. Cached in ``G.graph["grad_flows"]``."""
+    cached = G.graph.get("grad_flows")
+    if cached is not None and len(cached) == G.number_of_nodes():
+        return cached
+    flows: dict[str, bool] = {}
+    for n in nx.topological_sort(G):
+        a = G.nodes[n]
+        carries = any(carries_gradient(d) for d in a["dtypes"])
+        if a["kind"] == "param":
+            flows[n] = carries
+        elif a["kind"] == "call":
+            flows[n] = carries and base_op(a["op"]) not in NO_GRAD_OPS and any(flows.get(p, False) for p in G.predecessors(n))
+        else:
+            flows[n] = False
+    G.graph["grad_flows"] = flows
+    return flows
 
 
 def _forward(a: dict, op: str) -> int:

@@ -47,7 +47,7 @@ The objective: the fastest predicted step that fits; ties go to fewer stages,
 then to the smaller ZeRO stage, then to the smaller tp. Every alternative
 records its ZeRO stage, and a ZeRO stage that lost says why: the memory that
 did not fit, or its traffic per step over the dp group's link and the time
-that costs (passes/zero.traffic_reason).
+that costs (passes/explain.traffic_reason).
 """
 
 from __future__ import annotations
@@ -57,38 +57,31 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Mapping, Sequence
 
+from partita.core.buckets import DEFAULT_BUCKET_BYTES
 from partita.core.errors import InfeasibleError, PartitaError
 from partita.core.plan import Alternative, MemoryBreakdown, Mesh, Stage
 from partita.passes.cluster import ClusterSpec
 from partita.passes.constraints import Pins, TrainingRequest
 from partita.passes.cost_model import (
-    collective_time,
-    compute_time,
-    element_bytes,
     model_state_memory,
-    reshard_time,
     state_bytes_per_param,
     zero_optimizer_time,
     zero_step_comm,
 )
 from partita.passes.data_parallel import gradient_buckets
-from partita.passes.zero import STRATEGY_NAMES, traffic_reason
-from partita.passes.pipeline_parallel import (
-    AllPruned,
-    NodeCosts,
-    PipelineCandidate,
-    PipelineDecision,
-    PrunedCandidate,
-    activation_scale,
-    choose_pipeline,
-    kv_ratio,
-    node_costs,
-    stage_of_nodes,
-)
+from partita.passes.explain import traffic_reason
+from partita.passes.zero import STRATEGY_NAMES
+from partita.passes.pipeline_bounds import AllPruned, PrunedCandidate
+from partita.passes.pipeline_costs import NodeCosts, kv_ratio, node_costs
+from partita.passes.pipeline_decision import PipelineCandidate, PipelineDecision
+from partita.passes.pipeline_parallel import choose_pipeline, stage_of_nodes
 from partita.passes.profile import ModelProfile
+from partita.passes.space import tp_degrees, world_size
 from partita.passes.tensor_parallel import MeshDecision, choose_mesh, plan_alternatives
-from partita.passes.tp_ilp import TPSetting, build_problem, solve_tp
-from partita.passes.tp_strategies import NONE, Strategy, grad_convention, input_index, node_strategies, reshard_kind
+from partita.passes.tp_ilp import solve_tp
+from partita.passes.tp_problem import TPSetting, build_problem
+from partita.passes.tp_costs import TPCosts
+from partita.passes.tp_strategies import Strategy, input_index, is_shard, node_strategies
 
 
 @dataclass(frozen=True)
@@ -136,7 +129,8 @@ def plan_search(
     tested against): the same plan, slower, with every candidate's own numbers.
     """
     t0 = time.perf_counter()
-    world = pins.world_size or cluster.world_size
+    world = world_size(cluster, pins)
+    tp_degrees(cluster, world, pins, pp=pins.pp)  # the pins checked once, before any solve
     options: list[Decision] = []
     errors: list[InfeasibleError] = []
     pruned: list[PrunedCandidate] = []
@@ -156,7 +150,7 @@ def plan_search(
         # no ILP), so the plan can say what a pipeline would cost; otherwise at every tp (a pipeline
         # divides the state ZeRO would otherwise move every step).
         fits_plain = bool(options) and options[0].zero_stage == 0
-        degrees = _tp_degrees(cluster, world, pins) if (pins.pp or not fits_plain) else [pins.tp or 1]
+        degrees = tp_degrees(cluster, world, pins, pp=pins.pp) if (pins.pp or not fits_plain) else [pins.tp or 1]
         for tp in degrees:
             best_s = min((o.step_s for o in options), default=math.inf)
             try:
@@ -180,8 +174,9 @@ def plan_search(
             raise errors[-1] if tried_pipeline else errors[0]
         from partita.passes.zero import RUNTIME_ZERO
 
-        raise PartitaError(f"no plan matches the pins {pins} on {world} devices"
-                           + (f" ({RUNTIME_ZERO})" if pins.zero_stage else ""))
+        raise PartitaError(f"no plan matches the pins ({pins.describe()}) on {world} devices"
+                           + (f" ({RUNTIME_ZERO})" if pins.zero_stage else ""),
+                           hint="drop a pin to let partita choose that decision")
     options.sort(key=lambda d: (d.step_s, d.mesh.pp, d.zero_stage, d.mesh.tp))
     best = options[0]
     alternatives = (_merge_alternatives(options) + _pruned_zero(best, cluster, request, pins)
@@ -276,12 +271,6 @@ def _pruned_zero(best: Decision, cluster: ClusterSpec, request: TrainingRequest,
     return tuple(out)
 
 
-def _tp_degrees(cluster: ClusterSpec, world: int, pins: Pins) -> list[int]:
-    if pins.tp:
-        return [pins.tp]
-    return [t for t in range(1, cluster.gpus_per_node + 1) if cluster.gpus_per_node % t == 0 and world % t == 0]
-
-
 # -- pp = 1: the mesh search ----------------------------------------------------
 
 
@@ -310,7 +299,7 @@ def tp_choice(profile: ModelProfile, cluster: ClusterSpec, request: TrainingRequ
     if tp == 1:
         return {n: node_strategies(G, n, 1)[0] for n in G.nodes}
     setting = TPSetting(tp, micro_batch, profile.batch_size, request.precision, request.optimizer,
-                        request.inference, kv_ratio=kv_ratio(profile, request))
+                        request.inference, kv_ratio=kv_ratio(profile, request), captured_dtype=profile.param_dtype)
     return solve_tp(build_problem(G, setting, cluster, repeated=profile.repeated)).choice
 
 
@@ -329,42 +318,23 @@ def tp_node_costs(profile: ModelProfile, cluster: ClusterSpec, request: Training
         return base
     G = profile.graph
     choice = tp_choice(profile, cluster, request, micro_batch, tp) if choice is None else choice
-    link = cluster.link_for_group(tp)
-    scale = micro_batch / profile.batch_size
-    act = activation_scale(profile, request)
-    kv = kv_ratio(profile, request)
-
-    def factor(n: str) -> float:
-        return scale if G.nodes[n].get("depends_on_input") else 1.0
-
-    def nbytes(n: str, i: int) -> float:
-        a = G.nodes[n]
-        numel = 1
-        for d in a["shapes"][i]:
-            numel *= d
-        floating = a["dtypes"][i].startswith(("float", "bfloat"))
-        return numel * (element_bytes(request.precision) if floating else 4) * factor(n)
-
+    costs = TPCosts(G, cluster, tp, micro_batch, profile.batch_size, request.precision, request.inference,
+                    kv_ratio(profile, request), profile.param_dtype)
     fwd, bwd, saved = list(base.forward_s), list(base.backward_s), list(base.saved_bytes)
     params = [0] * len(base.order)
     at = {n: i for i, n in enumerate(base.order)}
     for n in base.order:
-        a = G.nodes[n]
-        s = choice[n]
-        i = at[n]
-        f = compute_time(a.get("flops_fwd", 0) * factor(n) * s.compute_fraction, cluster, request.precision)
-        b = 0.0 if request.inference else compute_time(a.get("flops_bwd", 0) * factor(n) * s.compute_fraction,
-                                                       cluster, request.precision)
-        f += sum(collective_time(kind, size * factor(n), tp, link) for kind, size in s.internal)
-        for j, u in enumerate(a.get("inputs", [])):
-            have = choice[u].out[input_index(G, n, j)]
-            size = nbytes(u, input_index(G, n, j))
-            f += reshard_time(reshard_kind(have, s.ins[j]), size, tp, link)
-            if not request.inference and s.grads[j] != NONE:
-                b += reshard_time(reshard_kind(s.grads[j], grad_convention(have)), size, tp, link)
+        s, i = choice[n], at[n]
+        f, b = costs.compute_s(n, s)
+        f += costs.internal_s(n, s)
+        for j, u in enumerate(G.nodes[n].get("inputs", [])):
+            k = input_index(G, n, j)
+            reshard = costs.reshard_s(choice[u].out[k], s, j, costs.tensor_bytes(u, k))
+            if reshard is None:
+                raise ValueError(f"node {n}: strategy {s.name} cannot take input {j} from {u} ({choice[u].out[k]})")
+            f, b = f + reshard[0], b + reshard[1]
         fwd[i], bwd[i] = f, b
-        held = a.get("kv_bytes", 0) * kv if request.inference else a.get("saved_bytes", 0)
-        saved[i] = round(held * factor(n) * act * s.memory_fraction)
+        saved[i] = round(costs.saved_bytes(n, s))
     # local parameter elements, each counted once where node_costs put it (its first user's position)
     local: dict[str, float] = {}
     for n, a in G.nodes(data=True):
@@ -372,7 +342,7 @@ def tp_node_costs(profile: ModelProfile, cluster: ClusterSpec, request: Training
             whole = 1
             for d in a["shapes"][0]:
                 whole *= d
-            sharded = choice[n].out and choice[n].out[0].startswith("shard")
+            sharded = choice[n].out and is_shard(choice[n].out[0])
             local[a.get("param_name", n)] = min(local.get(a.get("param_name", n), whole), whole / tp if sharded else whole)
     shared = {p.name for p in base.shared}
     for n, a in G.nodes(data=True):
@@ -384,7 +354,7 @@ def tp_node_costs(profile: ModelProfile, cluster: ClusterSpec, request: Training
         if name in local:
             params[pos] += round(local.pop(name))
     shared_local = tuple(replace(p, numel=round(p.numel / tp) if any(
-        choice[n].out and choice[n].out[0].startswith("shard") for n, a in G.nodes(data=True)
+        choice[n].out and is_shard(choice[n].out[0]) for n, a in G.nodes(data=True)
         if a["kind"] == "param" and a.get("param_name") == p.name) else p.numel) for p in base.shared)
     return replace(base, forward_s=tuple(fwd), backward_s=tuple(bwd), saved_bytes=tuple(saved),
                    param_numel=tuple(params), shared=shared_local)
@@ -406,7 +376,7 @@ def _from_pipeline(d: PipelineDecision, profile: ModelProfile, cluster: ClusterS
         grad_accum_steps=best.micro_batches, schedule=best.schedule, zero_stage=best.zero_stage, choice=choice,
         node_stage=node_stage, stages=d.plan_stages(), step_s=best.step_s, compute_s=c.compute_s, comm_s=comm,
         optimizer_s=c.optimizer_s, traffic_bytes={dp_key: best.dp_traffic_bytes} if best.dp_traffic_bytes else {},
-        memory=heaviest.memory, buckets=(), bucket_bytes=25 * 1024 * 1024,
+        memory=heaviest.memory, buckets=(), bucket_bytes=DEFAULT_BUCKET_BYTES,
         alternatives=tuple(_pipeline_alternative(x, x is best, d.reasons[x.key]) for x in _diverse(d.candidates)),
         method=f"exact cut DP over layer boundaries x (p, m, schedule) enumeration; TP ILP per (tp={tp}, micro-batch)",
         status="OPTIMAL", gap=0.0, candidates=len(d.candidates), seconds=d.seconds,

@@ -52,16 +52,19 @@ import time
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
-from partita.core.errors import InfeasibleError, PartitaError
+from partita.core.errors import InfeasibleError
 from partita.core.plan import Alternative, MemoryBreakdown, Mesh
 from partita.passes.cluster import ClusterSpec
 from partita.passes.constraints import Pins, TrainingRequest
 from partita.passes.cost_model import StepCost, mesh_step, model_state_memory, state_bytes_per_param
-from partita.passes.zero import STRATEGY_NAMES, traffic_reason, zero_stages
+from partita.passes.explain import CHOSEN, slower, slower_parts, traffic_reason
+from partita.passes.zero import STRATEGY_NAMES, zero_stages
 from partita.passes.data_parallel import DEFAULT_BUCKET_BYTES, gradient_buckets
-from partita.passes.pipeline_parallel import kv_ratio
+from partita.passes.pipeline_costs import kv_ratio
 from partita.passes.profile import ModelProfile
-from partita.passes.tp_ilp import SOLVER, StrategyFn, TPSetting, TPSolution, TPSolveReport, build_problem, solve_tp
+from partita.passes.space import micro_batches, tp_degrees, world_size
+from partita.passes.tp_ilp import SOLVER, solve_tp
+from partita.passes.tp_problem import StrategyFn, TPSetting, TPSolution, TPSolveReport, build_problem
 from partita.passes.tp_strategies import Strategy, node_strategies, shard_dim
 
 
@@ -127,7 +130,7 @@ def choose_mesh(
 ) -> MeshDecision:
     """Search (tp, micro-batch), solving the TP ILP for each; see the module docstring."""
     t0 = time.perf_counter()
-    world = _world(cluster, pins)
+    world = world_size(cluster, pins)
     B = request.global_batch
     G = profile.graph
     if sum(param_numels) != _graph_param_numel(G):
@@ -144,14 +147,14 @@ def choose_mesh(
     candidates: list[MeshCandidate] = []
     best: tuple[MeshCandidate, TPSolution, tuple[int, ...]] | None = None
     solves = 0
-    for tp in _tp_degrees(cluster, world, pins):
+    for tp in tp_degrees(cluster, world, pins):
         dp = world // tp
         if B % dp:
             candidates.append(MeshCandidate(tp, dp, 0, 0, 0, False, None, None, None,
                                             f"global batch {B} does not divide over dp={dp}"))
             continue
         too_big: dict[int, tuple[int, int]] = {}  # ZeRO stage -> (micro-batch, bytes) of the first that did not fit
-        for mb in _micro_batches(B // dp, pins):
+        for mb in micro_batches(B // dp, pins):
             accum = B // dp // mb
             for z in zero_stages(pins.zero_stage, dp, request.inference, tp=tp):
                 if z in too_big:
@@ -162,7 +165,7 @@ def choose_mesh(
                     continue
                 setting = TPSetting(tp, mb, profile.batch_size, request.precision, request.optimizer,
                                     request.inference, cluster.usable_memory, dp=dp, grad_accum=accum, zero_stage=z,
-                                    kv_ratio=kv_ratio(profile, request))
+                                    kv_ratio=kv_ratio(profile, request), captured_dtype=profile.param_dtype)
                 problem = build_problem(G, setting, cluster,
                                         strategies=None if cached is None else lambda _G, n, t: cached(n, t),
                                         repeated=profile.repeated)
@@ -232,51 +235,6 @@ def plan_alternatives(decision: MeshDecision, limit: int = 12) -> tuple[Alternat
 # -- the space -----------------------------------------------------------------------
 
 
-def _world(cluster: ClusterSpec, pins: Pins) -> int:
-    if pins.world_size and pins.world_size > cluster.world_size:
-        raise PartitaError(
-            f"{pins.world_size} processes were launched but cluster {cluster.name!r} has "
-            f"{cluster.world_size} devices ({cluster.nodes} node(s) x {cluster.gpus_per_node})",
-            hint="pass a cluster with enough devices (e.g. --nodes)")
-    return pins.world_size or cluster.world_size
-
-
-def _tp_degrees(cluster: ClusterSpec, world: int, pins: Pins) -> list[int]:
-    """Divisors of gpus_per_node dividing the world (TP groups stay inside a node), narrowed by the pins."""
-    g = cluster.gpus_per_node
-    if pins.tp is not None:
-        if g % pins.tp:
-            raise PartitaError(f"--tp {pins.tp} does not divide {g} GPUs per node: a TP group must stay inside a node",
-                               hint=f"use one of {', '.join(map(str, _divisors(g)))}")
-        if world % pins.tp:
-            raise PartitaError(f"--tp {pins.tp} does not divide the world size {world}")
-    if pins.dp is not None:
-        if world % pins.dp:
-            raise PartitaError(f"--dp {pins.dp} does not divide the world size {world}")
-        tp = world // pins.dp
-        if pins.tp is not None and pins.tp != tp:
-            raise PartitaError(f"--dp {pins.dp} x --tp {pins.tp} = {pins.dp * pins.tp} devices, "
-                               f"but the world size is {world}")
-        if g % tp:
-            raise PartitaError(f"--dp {pins.dp} leaves tp={tp}, which does not divide {g} GPUs per node",
-                               hint="a TP group must stay inside a node")
-        return [tp]
-    if pins.tp is not None:
-        return [pins.tp]
-    return [d for d in _divisors(g) if world % d == 0]
-
-
-def _micro_batches(share: int, pins: Pins) -> list[int]:
-    mbs = [pins.micro_batch_size] if pins.micro_batch_size else _divisors(share)
-    if pins.grad_accum_steps:
-        mbs = [m for m in mbs if m * pins.grad_accum_steps == share]
-    return [m for m in mbs if share % m == 0]
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
 def _graph_param_numel(G) -> int:
     seen: dict[str, int] = {}
     for _, a in G.nodes(data=True):
@@ -332,27 +290,20 @@ def _with_reason(c: MeshCandidate, reason: str) -> MeshCandidate:
 
 def _reason(c: MeshCandidate, best: MeshCandidate, cluster: ClusterSpec | None = None) -> str:
     if c is best:
-        return "chosen: fastest predicted step that fits"
+        return CHOSEN
     a, b = c.cost, best.cost
-    parts = []
-
-    def differ(name: str, x: float, y: float) -> None:
-        if x > y * 1.001 + 1e-9:
-            parts.append(f"{name} {x * 1e3:.3g} ms vs {y * 1e3:.3g} ms")
-
-    differ("compute", a.compute_s, b.compute_s)
     tp_a = sum(v for k, v in a.comm_s.items() if k.startswith("tp_"))
     tp_b = sum(v for k, v in b.comm_s.items() if k.startswith("tp_"))
-    differ("TP communication", tp_a, tp_b)
     dp_a, dp_b = _dp_comm(a), _dp_comm(b)
-    differ("gradient all-reduce" if not c.zero_stage and not best.zero_stage else "data-parallel collectives",
-           dp_a, dp_b)
-    differ("optimizer", a.optimizer_s, b.optimizer_s)
+    parts = slower_parts((("compute", a.compute_s, b.compute_s), ("TP communication", tp_a, tp_b),
+                          ("gradient all-reduce" if not c.zero_stage and not best.zero_stage
+                           else "data-parallel collectives", dp_a, dp_b),
+                          ("optimizer", a.optimizer_s, b.optimizer_s)), slack=1e-9)
     if not parts:
         parts.append("equal time; the smaller ZeRO stage, the larger micro-batch, then the smaller tp, break the tie")
     if c.zero_stage and dp_a > dp_b * 1.001 and cluster is not None:
         parts.append(traffic_reason(c.zero_stage, _dp_bytes(a), cluster.link_for_group(c.dp, stride=c.tp), dp_a))
-    return f"{c.step_s / best.step_s:.2f}x slower: " + "; ".join(parts)
+    return slower(c.step_s / best.step_s, parts)
 
 
 def _dp_comm(cost: StepCost) -> float:
@@ -366,7 +317,8 @@ def _dp_bytes(cost: StepCost) -> float:
 def _infeasible(candidates: list[MeshCandidate], cluster: ClusterSpec, world: int) -> InfeasibleError:
     sized = [c for c in candidates if c.memory_bytes]
     if not sized:
-        reasons = "; ".join(sorted({c.reason for c in candidates}))
+        reasons = "; ".join(sorted({c.reason for c in candidates if c.reason})) or (
+            "no tensor-parallel degree divides both the devices per node and the world")
         return InfeasibleError(f"no (dp, tp) mesh of {world} devices is possible: {reasons}",
                                hint="choose a global batch divisible by the data-parallel degree")
     least = min(sized, key=lambda c: c.memory_bytes)

@@ -19,9 +19,9 @@ from collections import Counter
 from typing import Mapping
 
 import networkx as nx
-import torch
 
 from partita.core.plan import InputLayout, NodeDecision
+from partita.core.precision import dtype_bytes, is_floating
 from partita.passes.tp_strategies import (
     NONE, Strategy, grad_convention, input_index, node_strategies, reshard_kind,
 )
@@ -31,10 +31,10 @@ _LOCAL = ("none", "slice")
 
 
 def _elem_size(dtype: str, elem_bytes: int | None) -> int:
-    tdtype = getattr(torch, dtype)
-    if elem_bytes is not None and tdtype.is_floating_point:
+    """Bytes of one element of ``dtype``: ``elem_bytes`` for a floating one when given (the precision's)."""
+    if elem_bytes is not None and is_floating(dtype):
         return elem_bytes
-    return torch.empty((), dtype=tdtype).element_size()
+    return dtype_bytes(dtype)
 
 
 def tensor_bytes(G: nx.DiGraph, node: str, index: int, elem_bytes: int | None = None) -> int:

@@ -1,7 +1,8 @@
 """Tensor-parallel rules per ATen op: which sharded ``Strategy``s each op offers.
 
-``passes/tp_strategies.node_strategies`` calls ``op_rule(key)`` for a node and the
-returned function with an ``OpView`` of it; the function lists the op's
+``passes/tp_strategies.node_strategies`` looks a node's op up in ``RULES`` (the compute
+ops, this module) and ``VIEW_RULES`` (ops that only move dims: passes/tp_rules_views.py)
+and calls the rule with an ``OpView`` of it; the function lists the op's
 non-replicated strategies (the replicated one is added by ``node_strategies``).
 Gradient placements are written as if every input carried a gradient;
 ``node_strategies`` then writes ``"none"`` for inputs that carry none.
@@ -75,7 +76,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from partita.passes.tp_strategies import PARTIAL, REPLICATE, Strategy, shard
+from partita.passes.tp_vocabulary import PARTIAL, REPLICATE, Strategy, is_shard, shard
 
 # Ops replicated by nature rather than for lack of a rule: they make new tensors
 # from sizes (no input to follow) or compute whole-tensor statistics.
@@ -114,26 +115,28 @@ class OpView:
 
 
 Rule = Callable[[OpView], list[Strategy]]
-_RULES: dict[str, Rule] = {}
+RULES: dict[str, Rule] = {}  # op name -> rule: the compute ops here, passes/tp_rules_views.py's beside them
 
 
-def op_rule(name: str) -> Rule | None:
-    return _RULES.get(name)
+def registrar(table: dict[str, Rule]) -> Callable[..., Callable[[Rule], Rule]]:
+    """A decorator ``@rule("op", ...)`` that files a rule under those op names in ``table``."""
+    def rule(*names: str) -> Callable[[Rule], Rule]:
+        def register(fn: Rule) -> Rule:
+            for n in names:
+                table[n] = fn
+            return fn
+        return register
+    return rule
 
 
-def _rule(*names: str) -> Callable[[Rule], Rule]:
-    def register(fn: Rule) -> Rule:
-        for n in names:
-            _RULES[n] = fn
-        return fn
-    return register
+_rule = registrar(RULES)
 
 
-def _strategy(v: OpView, name: str, out: str, ins: list[str], grads: list[str],
+def rule_strategy(v: OpView, name: str, out: str, ins: list[str], grads: list[str],
               internal: tuple[tuple[str, int], ...] = ()) -> Strategy:
     split = out != REPLICATE or any(p != REPLICATE for p in ins)
     frac = 1 / v.t if split else 1.0
-    mem = 1 / v.t if out.startswith("shard") else 1.0
+    mem = 1 / v.t if is_shard(out) else 1.0
     return Strategy(name, (out,) * max(1, len(v.out_shapes)) if v.out_shapes else (),
                     tuple(ins), tuple(grads), compute_fraction=frac, memory_fraction=mem,
                     internal=internal)
@@ -159,14 +162,14 @@ def linear(v: OpView) -> list[Strategy]:
     M, K = w
     out: list[Strategy] = []
     if v.div(M):
-        out.append(_strategy(v, "col", shard(R - 1), [REPLICATE, shard(0)] + [shard(0)] * has_b,
+        out.append(rule_strategy(v, "col", shard(R - 1), [REPLICATE, shard(0)] + [shard(0)] * has_b,
                              [PARTIAL, shard(0)] + [shard(0)] * has_b))
     if v.div(K):
-        out.append(_strategy(v, "row", PARTIAL, [shard(len(x) - 1), shard(1)] + [REPLICATE] * has_b,
+        out.append(rule_strategy(v, "row", PARTIAL, [shard(len(x) - 1), shard(1)] + [REPLICATE] * has_b,
                              [shard(len(x) - 1), shard(1)] + [PARTIAL] * has_b))
     for d in range(len(x) - 1):
         if v.div(x[d]):
-            out.append(_strategy(v, shard(d), shard(d), [shard(d)] + [REPLICATE] * (1 + has_b),
+            out.append(rule_strategy(v, shard(d), shard(d), [shard(d)] + [REPLICATE] * (1 + has_b),
                                  [shard(d)] + [PARTIAL] * (1 + has_b)))
     return out
 
@@ -184,14 +187,14 @@ def addmm(v: OpView) -> list[Strategy]:
     out: list[Strategy] = []
     if v.div(M):
         bp = _bias_along(b, 2, 1, M)
-        out.append(_strategy(v, "col", shard(1), [bp or REPLICATE, REPLICATE, shard(1)],
+        out.append(rule_strategy(v, "col", shard(1), [bp or REPLICATE, REPLICATE, shard(1)],
                              [bp or PARTIAL, PARTIAL, shard(1)]))
     if v.div(K):
-        out.append(_strategy(v, "row", PARTIAL, [REPLICATE, shard(1), shard(0)],
+        out.append(rule_strategy(v, "row", PARTIAL, [REPLICATE, shard(1), shard(0)],
                              [PARTIAL, shard(1), shard(0)]))
     if v.div(N):
         bp = _bias_along(b, 2, 0, N)
-        out.append(_strategy(v, shard(0), shard(0), [bp or REPLICATE, shard(0), REPLICATE],
+        out.append(rule_strategy(v, shard(0), shard(0), [bp or REPLICATE, shard(0), REPLICATE],
                              [bp or PARTIAL, shard(0), PARTIAL]))
     return out
 
@@ -204,18 +207,18 @@ def matmul(v: OpView) -> list[Strategy]:
     R = len(v.out)
     out: list[Strategy] = []
     if v.div(b[-1]):
-        out.append(_strategy(v, "col", shard(R - 1), [REPLICATE, shard(len(b) - 1)],
+        out.append(rule_strategy(v, "col", shard(R - 1), [REPLICATE, shard(len(b) - 1)],
                              [PARTIAL, shard(len(b) - 1)]))
     if v.div(a[-1]):
-        out.append(_strategy(v, "row", PARTIAL, [shard(len(a) - 1), shard(len(b) - 2)],
+        out.append(rule_strategy(v, "row", PARTIAL, [shard(len(a) - 1), shard(len(b) - 2)],
                              [shard(len(a) - 1), shard(len(b) - 2)]))
     if v.div(a[-2]):
-        out.append(_strategy(v, shard(R - 2), shard(R - 2), [shard(len(a) - 2), REPLICATE],
+        out.append(rule_strategy(v, shard(R - 2), shard(R - 2), [shard(len(a) - 2), REPLICATE],
                              [shard(len(a) - 2), PARTIAL]))
     for d in range(R - 2):  # batch dims, right-aligned broadcasting
         if v.div(v.out[d]):
             ins, grads = _broadcast_shard([a[:-2], b[:-2]], R - 2, d)
-            out.append(_strategy(v, shard(d), shard(d), ins, grads))
+            out.append(rule_strategy(v, shard(d), shard(d), ins, grads))
     return out
 
 
@@ -227,12 +230,12 @@ def embedding(v: OpView) -> list[Strategy]:
     R = len(v.out)
     out: list[Strategy] = []
     if v.div(V):
-        out.append(_strategy(v, "vocab", PARTIAL, [shard(0), REPLICATE], [shard(0), REPLICATE]))
+        out.append(rule_strategy(v, "vocab", PARTIAL, [shard(0), REPLICATE], [shard(0), REPLICATE]))
     if v.div(C):
-        out.append(_strategy(v, "dim", shard(R - 1), [shard(1), REPLICATE], [shard(1), REPLICATE]))
+        out.append(rule_strategy(v, "dim", shard(R - 1), [shard(1), REPLICATE], [shard(1), REPLICATE]))
     for d in range(len(idx)):
         if v.div(idx[d]):
-            out.append(_strategy(v, shard(d), shard(d), [REPLICATE, shard(d)], [PARTIAL, shard(d)]))
+            out.append(rule_strategy(v, shard(d), shard(d), [REPLICATE, shard(d)], [PARTIAL, shard(d)]))
     return out
 
 
@@ -251,7 +254,7 @@ def sdpa(v: OpView) -> list[Strategy]:
             real = md >= 0 and mask[md] > 1
             ins.append(shard(md) if real else REPLICATE)
             grads.append(shard(md) if real else PARTIAL)
-        out.append(_strategy(v, name, shard(d), ins, grads))
+        out.append(rule_strategy(v, name, shard(d), ins, grads))
     return out
 
 
@@ -263,13 +266,13 @@ def conv2d(v: OpView) -> list[Strategy]:
     has_b = len(v.in_shapes) > 2
     out: list[Strategy] = []
     if v.div(w[0]):
-        out.append(_strategy(v, "col", shard(1), [REPLICATE, shard(0)] + [shard(0)] * has_b,
+        out.append(rule_strategy(v, "col", shard(1), [REPLICATE, shard(0)] + [shard(0)] * has_b,
                              [PARTIAL, shard(0)] + [shard(0)] * has_b))
     if v.div(x[1]):
-        out.append(_strategy(v, "row", PARTIAL, [shard(1), shard(1)] + [REPLICATE] * has_b,
+        out.append(rule_strategy(v, "row", PARTIAL, [shard(1), shard(1)] + [REPLICATE] * has_b,
                              [shard(1), shard(1)] + [PARTIAL] * has_b))
     if v.div(x[0]):
-        out.append(_strategy(v, shard(0), shard(0), [shard(0)] + [REPLICATE] * (1 + has_b),
+        out.append(rule_strategy(v, shard(0), shard(0), [shard(0)] + [REPLICATE] * (1 + has_b),
                              [shard(0)] + [PARTIAL] * (1 + has_b)))
     return out
 
@@ -277,7 +280,7 @@ def conv2d(v: OpView) -> list[Strategy]:
 @_rule("max_pool2d", "avg_pool2d", "adaptive_avg_pool2d")
 def pool(v: OpView) -> list[Strategy]:
     x = v.in_shapes[0]
-    return [_strategy(v, shard(d), shard(d), [shard(d)], [shard(d)])
+    return [rule_strategy(v, shard(d), shard(d), [shard(d)], [shard(d)])
             for d in range(len(x) - 2) if v.div(x[d])]
 
 
@@ -286,7 +289,7 @@ def layer_norm(v: OpView) -> list[Strategy]:
     x = v.in_shapes[0]
     kept = len(x) - len(v.arg(1, "normalized_shape"))
     extra = len(v.in_shapes) - 1
-    return [_strategy(v, shard(d), shard(d), [shard(d)] + [REPLICATE] * extra, [shard(d)] + [PARTIAL] * extra)
+    return [rule_strategy(v, shard(d), shard(d), [shard(d)] + [REPLICATE] * extra, [shard(d)] + [PARTIAL] * extra)
             for d in range(kept) if v.div(x[d])]
 
 
@@ -325,17 +328,17 @@ def elementwise(v: OpView) -> list[Strategy]:
     for d in range(R):
         if v.div(v.out[d]):
             ins, grads = _broadcast_shard(v.in_shapes, R, d)
-            out.append(_strategy(v, shard(d), shard(d), ins, grads))
+            out.append(rule_strategy(v, shard(d), shard(d), ins, grads))
     n = len(v.in_shapes)
     if v.name in _ADDITIVE and n >= 2 and len(v.args) >= 2 and isinstance(v.args[1], dict):
-        out.append(_strategy(v, PARTIAL, PARTIAL, [PARTIAL] * n, [REPLICATE] * n))
+        out.append(rule_strategy(v, PARTIAL, PARTIAL, [PARTIAL] * n, [REPLICATE] * n))
     if v.name in _LINEAR_UNARY:
-        out.append(_strategy(v, PARTIAL, PARTIAL, [PARTIAL], [REPLICATE]))
+        out.append(rule_strategy(v, PARTIAL, PARTIAL, [PARTIAL], [REPLICATE]))
     if v.name in _MULTIPLICATIVE:
         for j in range(1 if v.name == "div" else n):
             ins = [PARTIAL if i == j else REPLICATE for i in range(n)]
             grads = [REPLICATE if i == j else PARTIAL for i in range(n)]
-            out.append(_strategy(v, PARTIAL if j == 0 else f"{PARTIAL}({j})", PARTIAL, ins, grads))
+            out.append(rule_strategy(v, PARTIAL if j == 0 else f"{PARTIAL}({j})", PARTIAL, ins, grads))
     return out
 
 
@@ -355,12 +358,12 @@ def reduction(v: OpView) -> list[Strategy]:
             continue
         if d in reduced:
             if linear:
-                out.append(_strategy(v, shard(d), PARTIAL, [shard(d)], [shard(d)]))
+                out.append(rule_strategy(v, shard(d), PARTIAL, [shard(d)], [shard(d)]))
         else:
             od = d if keep else d - sum(1 for r in reduced if r < d)
-            out.append(_strategy(v, shard(d), shard(od), [shard(d)], [shard(d)]))
+            out.append(rule_strategy(v, shard(d), shard(od), [shard(d)], [shard(d)]))
     if linear:
-        out.append(_strategy(v, PARTIAL, PARTIAL, [PARTIAL], [REPLICATE]))
+        out.append(rule_strategy(v, PARTIAL, PARTIAL, [PARTIAL], [REPLICATE]))
     return out
 
 
@@ -373,13 +376,13 @@ def softmax(v: OpView) -> list[Strategy]:
         if not v.div(x[d]):
             continue
         if d != k:
-            out.append(_strategy(v, shard(d), shard(d), [shard(d)], [shard(d)]))
+            out.append(rule_strategy(v, shard(d), shard(d), [shard(d)], [shard(d)]))
         else:
             outer = 1
             for i, s in enumerate(x):
                 outer *= s if i != k else 1
             internal = (("all_reduce", outer * _elem(v)),) * 3
-            out.append(_strategy(v, "vocab", shard(d), [shard(d)], [shard(d)], internal))
+            out.append(rule_strategy(v, "vocab", shard(d), [shard(d)], [shard(d)], internal))
     return out
 
 
@@ -392,126 +395,9 @@ def cross_entropy(v: OpView) -> list[Strategy]:
     N, C = logits
     out: list[Strategy] = []
     if v.div(C):
-        out.append(_strategy(v, "vocab", REPLICATE, [shard(1), REPLICATE], [shard(1), REPLICATE],
+        out.append(rule_strategy(v, "vocab", REPLICATE, [shard(1), REPLICATE], [shard(1), REPLICATE],
                              (("all_reduce", N * _elem(v)),) * 3))
     if v.div(N):
-        out.append(_strategy(v, shard(0), PARTIAL, [shard(0), shard(0)], [shard(0), shard(0)],
+        out.append(rule_strategy(v, shard(0), PARTIAL, [shard(0), shard(0)], [shard(0), shard(0)],
                              (("all_reduce", 8),)))
     return out
-
-
-# -- views and other dim-remapping ops ------------------------------------------------
-
-def _passthrough(v: OpView, remap: Callable[[int], int | None], *, linear: bool = True) -> list[Strategy]:
-    """Strategies of an op whose first input's shard(d) becomes shard(remap(d)) on every output."""
-    x = v.in_shapes[0]
-    rest = len(v.in_shapes) - 1
-    out: list[Strategy] = []
-    for d in range(len(x)):
-        o = remap(d)
-        if not v.div(x[d]) or o is None or not all(v.div(s[o]) for s in v.out_shapes):
-            continue
-        out.append(_strategy(v, shard(d), shard(o), [shard(d)] + [REPLICATE] * rest,
-                             [shard(d)] + [PARTIAL] * rest))
-    if linear:
-        out.append(_strategy(v, PARTIAL, PARTIAL, [PARTIAL] * (1 + rest), [REPLICATE] * (1 + rest)))
-    return out
-
-
-def view_groups(src: tuple[int, ...], dst: tuple[int, ...]) -> list[tuple[list[int], list[int]]] | None:
-    """Dims of ``src`` and ``dst`` paired into groups of equal element count (how a view
-    regroups dims); unit dims left at the end join the last group. None if no pairing
-    exists (zero-size dims)."""
-    groups: list[tuple[list[int], list[int]]] = []
-    i = j = 0
-    while i < len(src) and j < len(dst):
-        gi, gj, pi, pj = [i], [j], src[i], dst[j]
-        i, j = i + 1, j + 1
-        while pi != pj:
-            if pi < pj and i < len(src):
-                pi *= src[i]; gi.append(i); i += 1
-            elif pj < pi and j < len(dst):
-                pj *= dst[j]; gj.append(j); j += 1
-            else:
-                return None
-        groups.append((gi, gj))
-    if not groups:
-        return None
-    groups[-1][0].extend(range(i, len(src)))
-    groups[-1][1].extend(range(j, len(dst)))
-    return groups
-
-
-def view_dim(src: tuple[int, ...], dst: tuple[int, ...], d: int) -> int | None:
-    """The ``dst`` dim that ``shard(d)`` of ``src`` becomes through a view, or None."""
-    for gi, gj in view_groups(src, dst) or ():
-        if d in gi:
-            if any(src[i] > 1 for i in gi if i < d):
-                return None  # not the leading factor of its group
-            lead = [j for j in gj if dst[j] > 1]
-            return lead[0] if lead else None
-    return None
-
-
-@_rule("view", "reshape", "_unsafe_view", "flatten", "unflatten")
-def view(v: OpView) -> list[Strategy]:
-    return _passthrough(v, lambda d: view_dim(v.in_shapes[0], v.out, d))
-
-
-@_rule("transpose", "t", "permute", "unsqueeze", "squeeze", "select", "slice", "expand")
-def remap_dims(v: OpView) -> list[Strategy]:
-    x, R = v.in_shapes[0], len(v.out)
-    n = len(x)
-    if v.name in ("transpose", "t"):
-        a, b = (v.arg(1, "dim0") % n, v.arg(2, "dim1") % n) if v.name == "transpose" else (0, 1 % max(n, 1))
-        return _passthrough(v, lambda d: b if d == a else a if d == b else d)
-    if v.name == "permute":
-        perm = [p % n for p in v.arg(1, "dims")]
-        return _passthrough(v, lambda d: perm.index(d))
-    if v.name == "unsqueeze":
-        k = v.arg(1, "dim") % R
-        return _passthrough(v, lambda d: d if d < k else d + 1)
-    if v.name == "squeeze":
-        dims = v.arg(1, "dim")
-        dims = [dims] if isinstance(dims, int) else dims
-        gone = {d % n for d in dims} if dims is not None else set(range(n))
-        gone = {d for d in gone if x[d] == 1}
-        return _passthrough(v, lambda d: d - sum(1 for g in gone if g < d))
-    if v.name in ("select", "slice"):
-        k = v.arg(1, "dim", 0) % n
-        if v.name == "select":
-            return _passthrough(v, lambda d: None if d == k else d if d < k else d - 1)
-        return _passthrough(v, lambda d: None if d == k else d)
-    # expand: right-aligned; a real (size > 1) input dim is never expanded
-    return _passthrough(v, lambda d: d + (R - n) if x[d] > 1 else None)
-
-
-@_rule("split", "split_with_sizes", "chunk")
-def split(v: OpView) -> list[Strategy]:
-    x = v.in_shapes[0]
-    k = v.arg(2, "dim", 0) % len(x)
-    return _passthrough(v, lambda d: None if d == k else d)
-
-
-@_rule("cat")
-def cat(v: OpView) -> list[Strategy]:
-    R, n = len(v.out), len(v.in_shapes)
-    k = v.arg(1, "dim", 0) % R
-    if any(len(s) != R for s in v.in_shapes):
-        return []  # legacy empty-tensor concatenation
-    out = [_strategy(v, shard(d), shard(d), [shard(d)] * n, [shard(d)] * n)
-           for d in range(R) if d != k and v.div(v.out[d])]
-    out.append(_strategy(v, PARTIAL, PARTIAL, [PARTIAL] * n, [REPLICATE] * n))
-    return out
-
-
-@_rule("contiguous", "clone", "alias", "to", "_to_copy", "type_as", "dropout",
-       "_assert_tensor_metadata", "detach", "lift_fresh_copy")
-def identity(v: OpView) -> list[Strategy]:
-    linear = not (v.name == "dropout" and v.arg(1, "p", 0.0) > 0 and v.arg(2, "train", True))
-    return _passthrough(v, lambda d: d, linear=linear)
-
-
-@_rule("getitem")
-def getitem(v: OpView) -> list[Strategy]:
-    return _passthrough(v, lambda d: d)

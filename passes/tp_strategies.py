@@ -1,28 +1,10 @@
 """Candidate tensor-parallel layouts of every node: the vocabulary the TP solver chooses from.
 
-A *placement* says how a tensor lies over a tensor-parallel group of t ranks:
-
-- ``"replicate"``: every rank holds the whole tensor;
-- ``"shard(D)"``: rank r holds the r-th of t equal slices of dim D (D >= 0);
-- ``"partial"``: every rank holds a tensor of the full shape, and their sum is the value.
-
-Gradients use the same words for the gradient tensor. The *gradient
-convention* of a forward placement is the gradient placement its producer
-expects to receive: replicate -> replicate (the full gradient on every rank),
-shard(D) -> shard(D), partial -> replicate (d sum / d part = identity).
-
-A ``Strategy`` of a node says which placement each tensor input must arrive
-in, which placement each output comes out in, and which gradient placement
-the op's local backward produces for each input. The edge from a producer
-to a consumer then costs two reshards, both from ``reshard_kind``:
-
-    forward:  producer.out[i]                  -> consumer.ins[j]
-    backward: consumer.grads[j]                -> grad_convention(producer.out[i])
-
-(Megatron's f and g operators are the two cases of this rule: a replicated
-activation entering a column-parallel linear has grads ``partial``, so its
-edge all-reduces in backward; a row-parallel linear's ``partial`` output
-entering a replicated op all-reduces in forward.)
+``node_strategies`` offers each graph node's strategies over a TP group of t
+ranks, from the op rules of passes/tp_rules.py, with the gradient placements
+that the graph's gradient flow allows; ``valid_at`` keeps those still valid at
+another micro-batch. The words (placements, ``Strategy``, ``reshard_kind``,
+``grad_convention``) are passes/tp_vocabulary.py's, re-exported here.
 
 This module is analysis: it never touches torch.distributed. The runtime
 executes the decisions recorded in the plan; see runtime/tensor_parallel.py.
@@ -30,97 +12,22 @@ executes the decisions recorded in the plan; see runtime/tensor_parallel.py.
 
 from __future__ import annotations
 
-import re
-from dataclasses import dataclass
 from typing import Any
 
-REPLICATE = "replicate"
-PARTIAL = "partial"
-NONE = "none"  # no gradient flows (integer tensors, constants)
-
-_SHARD = re.compile(r"^shard\((\d+)\)$")
-
-
-def shard(dim: int) -> str:
-    if dim < 0:
-        raise ValueError(f"shard dim {dim} must be non-negative (normalise with the tensor's rank)")
-    return f"shard({dim})"
-
-
-def shard_dim(placement: str) -> int | None:
-    """The dim of a ``shard(D)`` placement, else None."""
-    m = _SHARD.match(placement)
-    return int(m.group(1)) if m else None
-
-
-def grad_convention(placement: str) -> str:
-    """The gradient placement a producer of ``placement`` expects back."""
-    if placement == PARTIAL:
-        return REPLICATE
-    return placement
-
-
-def reshard_kind(src: str, dst: str) -> str:
-    """The collective that turns ``src`` into ``dst`` on a TP group.
-
-    "none" (same placement), "slice" (replicate -> shard: local, no traffic),
-    "all_gather" (shard -> replicate), "all_reduce" (partial -> replicate),
-    "reduce_scatter" (partial -> shard), "all_to_all" (shard(a) -> shard(b)).
-    "invalid" for conversions with no collective (replicate -> partial: a
-    strategy never asks for it; ``NONE`` on either side is "none").
-    """
-    if src == dst or NONE in (src, dst):
-        return "none"
-    s, d = shard_dim(src), shard_dim(dst)
-    if src == REPLICATE:
-        return "slice" if d is not None else "invalid"
-    if src == PARTIAL:
-        return "all_reduce" if dst == REPLICATE else "reduce_scatter"
-    # src is a shard
-    if dst == REPLICATE:
-        return "all_gather"
-    if d is not None and s != d:
-        return "all_to_all"
-    return "invalid"
-
-
-@dataclass(frozen=True)
-class Strategy:
-    """One way to run a node over a TP group of size t.
-
-    ``ins``/``grads`` follow the node's tensor arguments as the DiGraph node
-    attribute ``inputs`` lists them (argument order, repeats kept); ``out`` its
-    tensor outputs (one entry for a single tensor, one per item of a tuple).
-    ``compute_fraction`` is local FLOPs / the node's FLOPs (1/t when split,
-    1 when replicated); ``memory_fraction`` the share of the node's output and
-    saved bytes one rank holds; ``internal`` the collectives the op itself runs
-    per forward+backward, as (kind, bytes) (e.g. a vocabulary-parallel
-    cross-entropy all-reduces its max, sum of exponentials and target logit).
-    """
-
-    name: str
-    out: tuple[str, ...]
-    ins: tuple[str, ...]
-    grads: tuple[str, ...]
-    compute_fraction: float = 1.0
-    memory_fraction: float = 1.0
-    internal: tuple[tuple[str, int], ...] = ()
-
-    def __post_init__(self) -> None:
-        if len(self.ins) != len(self.grads):
-            raise ValueError(f"strategy {self.name}: {len(self.ins)} inputs but {len(self.grads)} grads")
-
-
-def replicated(n_in: int, n_out: int, grads: tuple[str, ...] | None = None) -> Strategy:
-    """Every rank runs the whole op on whole tensors: the strategy every node has."""
-    return Strategy("replicate", (REPLICATE,) * n_out, (REPLICATE,) * n_in,
-                    grads if grads is not None else (REPLICATE,) * n_in)
+from partita.passes.flops import carries_gradient, gradient_flows
+from partita.passes.tp_rules import REPLICATE_BY_NATURE, RULES, OpView, Rule
+from partita.passes.tp_rules_views import VIEW_RULES
+from partita.passes.tp_vocabulary import (  # noqa: F401 (re-exported: the solver's vocabulary)
+    NONE, PARTIAL, REPLICATE, Strategy, grad_convention, is_shard, replicated, reshard_kind, shard, shard_dim,
+)
 
 
 # -- the strategies of a graph node ------------------------------------------------
 
-_FLOATING = ("float", "bfloat16", "half", "complex")
-_NO_GRAD_OPS = frozenset({"detach", "_assert_tensor_metadata", "argmax", "argmin"})
+
+def op_rule(name: str) -> Rule | None:
+    """The TP rule of ATen op ``name`` (passes/tp_rules.py, passes/tp_rules_views.py); None: replicated."""
+    return RULES.get(name) or VIEW_RULES.get(name)
 
 
 def op_key(op: str) -> tuple[str, str]:
@@ -133,10 +40,6 @@ def op_key(op: str) -> tuple[str, str]:
     return op, ""
 
 
-def _floating(dtype: str) -> bool:
-    return dtype.startswith(_FLOATING)
-
-
 def input_index(G: Any, node: str, j: int) -> int:
     """Which tensor output of its producer the node's j-th tensor input is (getitem's index, else 0)."""
     a = G.nodes[node]
@@ -146,28 +49,9 @@ def input_index(G: Any, node: str, j: int) -> int:
 
 
 def grad_flows(G: Any) -> dict[str, bool]:
-    """Node -> whether a gradient flows into its outputs in backward (a floating output
-    descending from a parameter through differentiable ops). Cached in
-    ``G.graph["tp_grad_flows"]``; with ``G.graph["tp_strategies"]`` (node_strategies's cache)
-    the only attributes this module writes."""
-    cached = G.graph.get("tp_grad_flows")
-    if cached is not None and len(cached) == G.number_of_nodes():
-        return cached
-    import networkx as nx
-
-    flows: dict[str, bool] = {}
-    for n in nx.topological_sort(G):
-        a = G.nodes[n]
-        floating = any(_floating(d) for d in a["dtypes"])
-        if a["kind"] == "param":
-            flows[n] = floating
-        elif a["kind"] == "call":
-            flows[n] = (floating and op_key(a["op"])[0] not in _NO_GRAD_OPS
-                        and any(flows.get(src, False) for src in a["inputs"]))
-        else:
-            flows[n] = False
-    G.graph["tp_grad_flows"] = flows
-    return flows
+    """Node -> whether a gradient flows into its outputs in backward (passes/flops.py
+    ``gradient_flows``, the one rule)."""
+    return gradient_flows(G)
 
 
 def node_strategies(G: Any, node: str, t: int) -> list[Strategy]:
@@ -193,8 +77,6 @@ def node_strategies(G: Any, node: str, t: int) -> list[Strategy]:
 
 
 def _node_strategies(G: Any, node: str, t: int) -> list[Strategy]:
-    from partita.passes.tp_rules import OpView, op_rule
-
     a = G.nodes[node]
     n_in, n_out = len(a["inputs"]), len(a["shapes"])
     flows = grad_flows(G)
@@ -217,12 +99,12 @@ def _node_strategies(G: Any, node: str, t: int) -> list[Strategy]:
     rule = op_rule(name)
     if rule is not None and t > 1:
         view = OpView(name, overload, a.get("args", []), a.get("kwargs", {}), in_shapes,
-                      [tuple(s) for s in a["shapes"]], [_floating(d) for d in in_dtypes], t)
+                      [tuple(s) for s in a["shapes"]], [carries_gradient(d) for d in in_dtypes], t)
         strategies += rule(view)
     out_flows = flows.get(node, False)
-    carries = [out_flows and flows.get(s, False) and _floating(d) for s, d in zip(srcs, in_dtypes)]
-    floating_in = [_floating(d) for d in in_dtypes]
-    floating_out = all(_floating(d) for d in a["dtypes"])
+    carries = [out_flows and flows.get(s, False) and carries_gradient(d) for s, d in zip(srcs, in_dtypes)]
+    floating_in = [carries_gradient(d) for d in in_dtypes]
+    floating_out = all(carries_gradient(d) for d in a["dtypes"])
     result, names = [], set()
     for s in strategies:
         partial_on_ints = any(p == PARTIAL and not f for p, f in zip(s.ins, floating_in)) or (
@@ -262,18 +144,11 @@ def valid_at(G: Any, node: str, s: Strategy, t: int, micro_batch: int) -> bool:
     return True
 
 
-def strategies_at(G: Any, node: str, t: int, micro_batch: int) -> list[Strategy]:
-    """``node_strategies`` valid at ``micro_batch`` (``valid_at``); the first is replicated."""
-    return [s for s in node_strategies(G, node, t) if valid_at(G, node, s, t, micro_batch)]
-
-
 def unsupported_ops(G: Any) -> dict[str, int]:
     """Ops of call nodes that have no TP rule (so they run replicated) -> how many nodes.
 
     Factories and whole-tensor statistics (``tp_rules.REPLICATE_BY_NATURE``) are
     replicated by nature and not listed."""
-    from partita.passes.tp_rules import REPLICATE_BY_NATURE, op_rule
-
     counts: dict[str, int] = {}
     for _, a in G.nodes(data=True):
         if a["kind"] != "call":

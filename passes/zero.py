@@ -3,7 +3,7 @@
 ZeRO's arithmetic (memory per device and traffic per step for stages 0-3,
 from the cost model) for `partita estimate`, and the axis's part in the joint
 search: which stages are weighed (``zero_stages``) and how a stage that lost
-is explained (``traffic_reason``). The solvers (passes/tensor_parallel.py at
+is explained (passes/explain.py ``traffic_reason``). The solvers (passes/tensor_parallel.py at
 pp = 1, passes/pipeline_parallel.py at pp > 1) weigh the stages these return,
 with memory and time from cost_model.sharded_state / zero_step_comm.
 
@@ -38,17 +38,19 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from partita.core.plan import MemoryBreakdown
-from partita.passes.cluster import ClusterSpec, Link
+from partita.core.precision import element_bytes
+from partita.passes.cluster import ClusterSpec
 from partita.passes.cost_model import (
     ZERO_STAGES,
     collective_time,
-    element_bytes,
     model_state_memory,
     state_bytes_per_param,
+    zero_collectives,
     zero_traffic_elements,
 )
+from partita.passes.explain import ZERO_NAMES
 
-STRATEGY_NAMES = {0: "DP", 1: "ZeRO-1", 2: "ZeRO-2", 3: "ZeRO-3"}
+STRATEGY_NAMES = ZERO_NAMES
 
 
 def zero_stages(pinned: int | None, dp: int, inference: bool, *, tp: int = 1, pp: int = 1) -> tuple[int, ...]:
@@ -68,13 +70,6 @@ def zero_stages(pinned: int | None, dp: int, inference: bool, *, tp: int = 1, pp
 
 
 RUNTIME_ZERO = "ZeRO shards model state over the data-parallel axis, so a pinned stage needs dp > 1 there"
-
-
-def traffic_reason(zero_stage: int, traffic_bytes: float, link: Link, seconds: float) -> str:
-    """``"ZeRO-3: 390 GB/step over 1.25 GB/s = 312 s of traffic"``: a stage's data-parallel bytes
-    sent per device per step, the dp group's bandwidth, and the time the cost model gives them."""
-    return (f"{STRATEGY_NAMES[zero_stage]}: {traffic_bytes / 1e9:.3g} GB/step over "
-            f"{link.bandwidth / 1e9:.3g} GB/s ({link.name}) = {seconds:.3g} s of traffic")
 
 
 @dataclass(frozen=True)
@@ -117,12 +112,8 @@ def estimate_strategies(
         full = num_params * element_bytes(precision)
         if dp <= 1 or inference:
             comm, traffic = 0.0, 0
-        elif stage == 3:  # all-gather (fwd) + all-gather (bwd) + reduce-scatter
-            comm = 2 * collective_time("all_gather", full, dp, link) + collective_time("reduce_scatter", full, dp, link)
-        elif stage in (1, 2):  # reduce-scatter grads + all-gather updated params
-            comm = collective_time("reduce_scatter", full, dp, link) + collective_time("all_gather", full, dp, link)
-        else:
-            comm = collective_time("all_reduce", full, dp, link)
+        else:  # the runtime's collectives of one step of one micro-batch (cost_model.zero_collectives)
+            comm = sum(calls * collective_time(kind, full, dp, link) for kind, calls, _ in zero_collectives(stage))
         mem = MemoryBreakdown(m.params, m.grads, m.optimizer, activation_bytes, cluster.usable_memory)
         out.append(StrategyEstimate(STRATEGY_NAMES[stage], stage, dp, mem, traffic, comm))
     return out

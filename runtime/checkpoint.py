@@ -13,12 +13,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from partita.core.plan import MESH_ORDER, MeshAxis, Plan
+from partita.core.placement import shard_dim
+from partita.core.plan import Plan
 from partita.core.precision import PrecisionPolicy
 from partita.runtime.program import Program
-
-_SHARD = "shard("
-
 
 def full_state_dict(program: Program) -> dict[str, torch.Tensor]:
     """Every parameter of the model at full shape, on every rank (a collective)."""
@@ -47,9 +45,9 @@ def _gathered(program: Program) -> dict[str, torch.Tensor]:
 
 
 def _gather(shard: torch.Tensor, placement: str, group: dist.ProcessGroup | None, t: int) -> torch.Tensor:
-    if group is None or not placement.startswith(_SHARD):
+    dim = shard_dim(placement)
+    if group is None or dim is None:
         return shard.clone()
-    dim = int(placement[len(_SHARD):-1])
     parts = [torch.empty_like(shard) for _ in range(t)]
     dist.all_gather(parts, shard.contiguous(), group=group)
     return torch.cat(parts, dim=dim)
@@ -57,11 +55,9 @@ def _gather(shard: torch.Tensor, placement: str, group: dist.ProcessGroup | None
 
 def _from_every_stage(mine: dict[str, torch.Tensor], plan: Plan, device: torch.device) -> dict[str, torch.Tensor]:
     """Each parameter broadcast from the first rank of the stage that holds it, in plan order."""
-    width = plan.mesh.world_size // plan.mesh.pp  # ranks per stage: pp is the outermost axis
-    assert MESH_ORDER[0] is MeshAxis.PP
     out: dict[str, torch.Tensor] = {}
     for decision in plan.params:
-        src = decision.stage * width
+        src = plan.mesh.stage_ranks(decision.stage)[0]
         dtype = PrecisionPolicy.of(plan.training).held_dtype(getattr(torch, decision.dtype))
         t = mine.get(decision.name)
         buf = t.to(device) if t is not None and dist.get_rank() == src else torch.empty(

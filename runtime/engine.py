@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch import nn
 
 from partita.core.errors import PartitaError, PlanError
+from partita.core.placement import is_shard
 from partita.core.plan import MeshAxis, Plan
 from partita.runtime import checkpoint as full_state
 from partita.runtime import sharded_state
@@ -107,8 +108,10 @@ class ParallelModel(nn.Module):
             return self.module(*args, **kwargs)
         local = kwargs.pop("local", False)
         if kwargs:
-            raise PartitaError(f"a pipeline model takes its inputs positionally; got {sorted(kwargs)}")
-        xs = [self._share(x, f"input {i}", local) for i, x in enumerate(args)]
+            raise PartitaError(f"a pipeline model takes its inputs positionally; got {sorted(kwargs)}",
+                               hint="call model(x, ...) with the planned inputs in order")
+        self._check_batch(args, None, local)
+        xs = [self._share(x, local) for x in args]
         self.collectives.reset()
         with FLIGHT.running():
             return p.pipeline.infer(xs, p.dp_group)
@@ -145,7 +148,7 @@ class ParallelModel(nn.Module):
         local = p.local_parameters()
         checks = []
         if tp is not None and self.plan.mesh.tp > 1:
-            checks.append(("tp", tp.tp.group, [(n, q) for n, (q, pl) in local.items() if not pl.startswith("shard")]))
+            checks.append(("tp", tp.tp.group, [(n, q) for n, (q, pl) in local.items() if not is_shard(pl)]))
         if p.dp_group is not None and p.zero is None:
             checks.append(("dp", p.dp_group, [(n, q) for n, (q, _) in local.items()]))
         for axis, group, named in checks:
@@ -193,21 +196,57 @@ class ParallelModel(nn.Module):
         except AttributeError:
             return getattr(super().__getattr__("module"), name)
 
-    def _share(self, t: torch.Tensor, what: str, local: bool) -> torch.Tensor:
-        """This rank's rows of ``t``, on its device, after checking the batch size."""
+    def _check_batch(self, inputs: tuple[Any, ...], targets: Any, local: bool) -> None:
+        """Refuse a batch the plan was not made for before any of it runs: the number of inputs,
+        then per tensor its batch size (the global batch, or this rank's share with ``local``), the
+        other dims and the dtype against the captured inputs and targets."""
+        from partita.core.inputs import parse_input_spec
+
         tr, p = self.plan.training, self._program
+        specs = [parse_input_spec(s) for s in self.plan.model.inputs]
+        given = ", ".join(self.plan.model.inputs)
+        if specs and len(inputs) != len(specs):
+            raise PartitaError(f"train_step got {len(inputs)} input{'s' if len(inputs) != 1 else ''}, but the model "
+                               f"was planned for {len(specs)} ({given})",
+                               hint="pass the model's inputs positionally, in the order they were planned, "
+                               "and the targets as targets=")
         expected = tr.global_batch // p.dp_size if local else tr.global_batch
-        size = t.shape[0] if t.dim() > 0 else None
-        if size != expected:
-            scope = (f"this rank's share (global_batch={tr.global_batch} / dp={p.dp_size})"
-                     if local else "the plan's global_batch")
-            raise PartitaError(
-                f"train_step got {what} with batch size {size}, but {scope} is {expected}",
-                hint=None if local else "pass the same global batch on every rank, or local=True "
-                f"with {tr.global_batch // p.dp_size} rows per rank",
-            )
+        scope = (f"this rank's share (global_batch={tr.global_batch} / dp={p.dp_size})" if local
+                 else "the plan's global_batch")
+        target_spec = parse_input_spec(self.plan.model.targets) if self.plan.model.targets else None
+        pairs = [(x, spec, f"input {i} ({spec.name})") for i, (x, spec) in enumerate(zip(inputs, specs))]
+        if targets is not None:  # None: a pipeline model's forward
+            pairs.append((targets, target_spec, "targets"))
+        for t, spec, what in pairs:
+            if not isinstance(t, torch.Tensor):
+                raise PartitaError(f"train_step got {what} as {type(t).__name__}, not a tensor",
+                                   hint="pass torch tensors")
+            size = t.shape[0] if t.dim() > 0 else None
+            if size != expected:
+                raise PartitaError(
+                    f"train_step got {what} with batch size {size}, but {scope} is {expected}",
+                    hint=(f"pass {tr.global_batch // p.dp_size} rows per rank" if local else
+                          f"pass the same global batch of {expected} on every rank, or local=True with "
+                          f"{tr.global_batch // p.dp_size} rows per rank"))
+            if spec is None:
+                continue
+            planned = str(spec)
+            if tuple(t.shape[1:]) != tuple(spec.shape[1:]):
+                raise PartitaError(f"train_step got {what} with shape {list(t.shape)}, but the plan was made for "
+                                   f"{planned}: every dim but the batch must match",
+                                   hint="pass tensors of the planned shape, or recompile for this shape")
+            if t.dtype != spec.dtype:
+                raise PartitaError(f"train_step got {what} with dtype {str(t.dtype).removeprefix('torch.')}, but the "
+                                   f"plan was made for {planned}",
+                                   hint=f"convert it (.to(torch.{str(spec.dtype).removeprefix('torch.')})) "
+                                   "or recompile for this dtype")
+
+    def _share(self, t: torch.Tensor, local: bool) -> torch.Tensor:
+        """This rank's rows of ``t`` (checked by ``_check_batch``), on its device."""
+        p = self._program
         if not local and p.dp_size > 1:
-            t = t.narrow(0, p.dp_rank * expected // p.dp_size, expected // p.dp_size)
+            rows = t.shape[0] // p.dp_size
+            t = t.narrow(0, p.dp_rank * rows, rows)
         return t.to(self.ctx.device, non_blocking=True)
 
     def _check_same_batch(self, tensors: list[torch.Tensor]) -> None:
@@ -239,11 +278,12 @@ class ParallelModel(nn.Module):
         if self.optimizer is None:
             raise PlanError("this is an inference plan (optimizer \"none\"): call the model, not train_step",
                             hint="compile a training plan to train")
+        self._check_batch(inputs, targets, local)
         if not local and self.ctx.world_size > 1 and self._step % self.batch_check_every == 0:
             self._check_same_batch([*inputs, targets])
         t0 = time.perf_counter()
-        xs = [self._share(x, f"input {i}", local) for i, x in enumerate(inputs)]
-        y = self._share(targets, "targets", local)
+        xs = [self._share(x, local) for x in inputs]
+        y = self._share(targets, local)
         self.collectives.reset()
         with FLIGHT.running():  # the watchdog (runtime/watchdog.py) bounds every wait inside
             loss = self._train_step(xs, y)

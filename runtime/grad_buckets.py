@@ -1,7 +1,7 @@
 """Gradient buckets, overlapped with backward: the one mechanism behind data parallelism and ZeRO.
 
-Layout (``bucket_members``, the rule the planner reproduces to predict the
-collectives: ``bucket_layout`` is the contract between the two). Take the
+Layout (``bucket_members``, by core/buckets.py's ``pack_buckets``, the rule the
+planner uses to predict the collectives: ``bucket_layout`` is the contract). Take the
 parameters that require grad in ``module.parameters()`` order (each tied
 parameter once), walk them in REVERSE (roughly the order backward produces
 their gradients), and append each to the open bucket; a bucket closes as soon
@@ -39,10 +39,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from partita.core.buckets import DEFAULT_BUCKET_BYTES, pack_buckets
 from partita.runtime.collectives import CollectiveCounter
-
-# torch DDP's default bucket_cap_mb=25, in bytes.
-DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024
 
 
 def grad_params(params: Iterable[nn.Parameter]) -> list[nn.Parameter]:
@@ -57,22 +55,10 @@ def grad_params(params: Iterable[nn.Parameter]) -> list[nn.Parameter]:
 
 
 def bucket_members(params: list[nn.Parameter], bucket_bytes: int) -> list[list[nn.Parameter]]:
-    """``params`` (``grad_params``' list) cut into buckets by the rule of the module docstring."""
-    buckets: list[list[nn.Parameter]] = []
-    current: list[nn.Parameter] = []
-    size = 0
-    for p in reversed(params):
-        if current and p.dtype != current[0].dtype:
-            buckets.append(current)
-            current, size = [], 0
-        current.append(p)
-        size += p.numel() * p.element_size()
-        if size >= bucket_bytes:
-            buckets.append(current)
-            current, size = [], 0
-    if current:
-        buckets.append(current)
-    return buckets
+    """``params`` (``grad_params``' list) cut into buckets by core/buckets.py's ``pack_buckets``
+    (the planner's rule too), a dtype change closing a bucket."""
+    sizes = [p.numel() * p.element_size() for p in params]
+    return [[params[i] for i in b] for b in pack_buckets(sizes, bucket_bytes, [p.dtype for p in params])]
 
 
 def bucket_layout(params: Iterable[nn.Parameter], bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> list[int]:

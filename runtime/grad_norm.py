@@ -25,6 +25,7 @@ import math
 import torch
 import torch.distributed as dist
 
+from partita.core.placement import is_shard
 from partita.runtime.program import Program
 
 
@@ -43,7 +44,7 @@ def copy_weights(program: Program, tp_size: int) -> dict[int, float]:
         if id(q) in shards:
             continue  # ZeRO's flat shards: weighted member by member (``_zero_sum``)
         w = 1.0 / program.dp_size
-        if tp_size > 1 and not placement.get(id(q), "replicate").startswith("shard"):
+        if tp_size > 1 and not is_shard(placement.get(id(q), "replicate")):
             w /= tp_size
         w /= tied.get(id(q), 1)
         weights[id(q)] = w
@@ -78,7 +79,7 @@ def _zero_sum(program: Program, tp_size: int) -> torch.Tensor:
             lo, hi = max(offset, b.own.start), min(offset + numel, b.own.stop)
             if lo >= hi:
                 continue
-            w = 1.0 if tp_size == 1 or placement.get(id(p), "replicate").startswith("shard") else 1.0 / tp_size
+            w = 1.0 if tp_size == 1 or is_shard(placement.get(id(p), "replicate")) else 1.0 / tp_size
             out = out.to(g.device) + g[lo - b.own.start:hi - b.own.start].pow(2).sum() * w
     return out
 

@@ -76,7 +76,20 @@ def launch(nproc_per_node: int, argv: list[str], *, env: Mapping[str, str] | Non
            nnodes: int = 1, rdzv_endpoint: str | None = None, run_id: str | None = None,
            node_rank: int | None = None) -> int:
     """Run ``argv`` on ``nproc_per_node`` workers of this node under torchrun's elastic agent;
-    the exit code: 0, 2 (a user error, printed once), 3 (a hang, reported) or the failing rank's."""
+    the exit code: 0, 2 (a user error, printed once), 3 (a hang, reported) or the failing rank's.
+    The workers inherit this process's environment with ``env`` added, which is restored after: a
+    caller that launches in-process (the CLI's `main` from Python) keeps its own."""
+    saved = dict(os.environ)
+    try:
+        return _launch(nproc_per_node, argv, env=env, max_restarts=max_restarts, nnodes=nnodes,
+                       rdzv_endpoint=rdzv_endpoint, run_id=run_id, node_rank=node_rank)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+def _launch(nproc_per_node: int, argv: list[str], *, env: Mapping[str, str] | None, max_restarts: int,
+            nnodes: int, rdzv_endpoint: str | None, run_id: str | None, node_rank: int | None) -> int:
     os.environ.update(env or {})
     if max_restarts > 0:
         # torch's workers otherwise share the rendezvous TCPStore with the agent, and after a

@@ -60,18 +60,18 @@ from torch import nn
 from partita.core.errors import PlanError
 from partita.core.plan import MeshAxis, Plan, tied_stages
 from partita.core.precision import PrecisionPolicy
+from partita.core.schedule import SCHEDULES, stage_order
 from partita.runtime.collectives import CollectiveCounter
 from partita.runtime.data_parallel import GradientAverager
 from partita.runtime.tensor_parallel import TensorParallel
 from partita.runtime.tp_collectives import local_shape, tensors
-from partita.runtime.trace import BACKWARD, FORWARD, TraceRecorder
+from partita.runtime.trace import BACKWARD, FORWARD, TraceRecorder  # core/schedule.py's
 from partita.runtime.watchdog import FLIGHT
 
 if TYPE_CHECKING:
     from partita.runtime.zero import ZeroProgram
 
 PP = MeshAxis.PP.value
-SCHEDULES = ("gpipe", "1f1b")
 
 
 # -- the split ---------------------------------------------------------------------
@@ -103,12 +103,14 @@ def split_stages(graph: torch.fx.Graph, stage_of: Mapping[str, int], stages: int
             raise PlanError(f"the plan gives no pipeline stage for node {n.format_node()}",
                             hint="recompile the plan with `partita compile`")
         if not 0 <= stage_of[n.name] < stages:
-            raise PlanError(f"node {n.name} is on stage {stage_of[n.name]}, but the plan has {stages} stages")
+            raise PlanError(f"node {n.name} is on stage {stage_of[n.name]}, but the plan has {stages} stages",
+                            hint="recompile the plan for this model with `partita compile`")
     for n in nodes:
         for u in n.users:
             if not held(n) and stage_of[u.name] < stage_of[n.name]:
                 raise PlanError(f"node {u.format_node()} on stage {stage_of[u.name]} reads {n.name} from the "
-                                f"later stage {stage_of[n.name]}: stages must follow the graph's order")
+                                f"later stage {stage_of[n.name]}: stages must follow the graph's order",
+                                    hint="recompile the plan for this model with `partita compile`")
     out = [StageGraph(s, [], []) for s in range(stages)]
     user_inputs = [n for n in nodes if n.op == "placeholder" and not held(n)]
     for i, n in enumerate(user_inputs):
@@ -124,7 +126,8 @@ def split_stages(graph: torch.fx.Graph, stage_of: Mapping[str, int], stages: int
             out[s + 1].recv.append(n)
     empty = [s.index for s in out if not s.nodes]
     if empty:
-        raise PlanError(f"pipeline stage(s) {empty} have no nodes to run")
+        raise PlanError(f"pipeline stage(s) {empty} have no nodes to run",
+                        hint="recompile the plan for this model with `partita compile`")
     return out
 
 
@@ -146,17 +149,12 @@ def differentiable(graph: torch.fx.Graph) -> set[str]:
 
 
 def schedule_order(schedule: str, stages: int, stage: int, micro_batches: int) -> list[tuple[str, int]]:
-    """This stage's actions in order: ("F", k) forward / ("B", k) backward of micro-batch k."""
-    m = micro_batches
-    if schedule == "gpipe":
-        return [("F", k) for k in range(m)] + [("B", k) for k in range(m)]
-    if schedule != "1f1b":
-        raise PlanError(f"unknown pipeline schedule {schedule!r}; this runtime runs {', '.join(SCHEDULES)}")
-    warm = min(stages - stage - 1, m)
-    order = [("F", k) for k in range(warm)]
-    for k in range(warm, m):
-        order += [("F", k), ("B", k - warm)]
-    return order + [("B", k) for k in range(m - warm, m)]
+    """This stage's actions in order: ("F", k) forward / ("B", k) backward of micro-batch k
+    (core/schedule.py ``stage_order``, the order the planner and the viewer use too)."""
+    if schedule not in SCHEDULES:
+        raise PlanError(f"unknown pipeline schedule {schedule!r}; this runtime runs {', '.join(SCHEDULES)}",
+                        hint="recompile the plan for this model with `partita compile`")
+    return [("F" if a == FORWARD else "B", k) for a, k in stage_order(schedule, stage, stages, micro_batches)]
 
 
 def _rebuild(meta: Any, values: Iterable[torch.Tensor]) -> Any:
@@ -213,7 +211,8 @@ class PipelineStage(nn.Module):
                 and self.rank not in plan.stages[self.index].ranks:
             raise PlanError(f"rank {self.rank} is on pipeline stage {self.index} by the mesh order "
                             f"(pp outermost), but the plan lists stage {self.index}'s ranks as "
-                            f"{list(plan.stages[self.index].ranks)}")
+                            f"{list(plan.stages[self.index].ranks)}",
+                            hint="recompile the plan for this model with `partita compile`")
         tp_group = mesh[MeshAxis.TP.value].get_group() if plan.mesh.tp > 1 else None
         self.tp = TensorParallel(module, plan, tp_group, loss_fn=loss_fn, counter=counter, device=device,
                                  checkpoint=checkpoint, keep=lambda n: stage_of.get(n.name) == self.index,

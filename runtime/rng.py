@@ -50,7 +50,8 @@ def run_seed(group: dist.ProcessGroup | None = None) -> int:
         except ValueError:
             from partita.core.errors import PartitaError
 
-            raise PartitaError(f"{SEED_ENV}={raw!r} must be an integer") from None
+            raise PartitaError(f"{SEED_ENV}={raw!r} must be an integer",
+                               hint="set PARTITA_SEED to a whole number, or unset it") from None
     seed = torch.tensor([torch.initial_seed() % (1 << 63)], dtype=torch.int64)
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else seed.device

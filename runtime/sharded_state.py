@@ -315,7 +315,8 @@ def save(program: Program, path: Any, *, step: int, extra: dict | None = None, a
     try:
         state["meta"] = json.dumps(_meta(program, step, extra))  # one leaf (a dict would be flattened), no pickle
     except TypeError as e:
-        raise PartitaError(f"save_checkpoint's extra must hold plain values (numbers, strings, lists, dicts): {e}") from e
+        raise PartitaError(f"save_checkpoint's extra must hold plain values (numbers, strings, lists, dicts): {e}",
+                           hint="keep extra= to numbers, strings, lists and dicts") from e
     if async_save:
         return dcp.async_save(state, checkpoint_id=str(path), async_stager=_CopyStager())
     dcp.save(state, checkpoint_id=str(path))

@@ -28,6 +28,7 @@ from partita.core.errors import PlanError
 from partita.core.inputs import InputSpec, parse_input_spec
 from partita.core.plan import Plan
 from partita.core.precision import FP32, PrecisionPolicy
+from partita.passes.verify import check_layouts
 from partita.runtime.collectives import CollectiveCounter
 from partita.runtime.recompute import RegionCache
 from partita.runtime.tp_collectives import TPGroup
@@ -70,6 +71,7 @@ class TensorParallel(nn.Module):
         self.graph_module = captured.graph_module
         self.param_nodes, self.buffer_nodes = captured.param_nodes, captured.buffer_nodes  # placeholder -> name
         self._check_graph(captured)
+        check_layouts(plan, captured)  # every strategy, placement and collective re-derived on this graph
         # The nodes this rank runs (a pipeline stage's; all by default): it holds the
         # parameters and buffers they read, and no others.
         graph = captured.graph_module.graph
@@ -170,7 +172,7 @@ class TensorParallel(nn.Module):
         want = tuple(n.meta["val"].shape)
         if user is None or tuple(user.shape) != want:
             got = None if user is None else tuple(user.shape)
-            raise PlanError(f"input {n.name} has shape {got}, but the plan's micro-batch is {want}")
+            raise PlanError(f"input {n.name} has shape {got}, but the plan's micro-batch is {want}", hint="pass batches of the plan's shape, or recompile for this shape")
         return user.to(self.device)
 
     def run_nodes(self, nodes: list[torch.fx.Node], env: dict[torch.fx.Node, Any]) -> dict[torch.fx.Node, Any]:
@@ -189,7 +191,8 @@ def _micro_batch_specs(plan: Plan) -> tuple[list[InputSpec], InputSpec | None]:
         return InputSpec(spec.name, spec.dtype, (mbs, *spec.shape[1:]))
 
     if not plan.model.inputs:
-        raise PlanError("a tensor-parallel plan must record the model's inputs (plan.model.inputs)")
+        raise PlanError("a tensor-parallel plan must record the model's inputs (plan.model.inputs)",
+                        hint="recompile the plan for this model with `partita compile`")
     return [micro(s) for s in plan.model.inputs], micro(plan.model.targets) if plan.model.targets else None
 
 

@@ -12,23 +12,16 @@ call and the ``CollectiveCounter`` checks it.
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from partita.core.placement import shard_dim
 from partita.core.plan import InputLayout, MeshAxis
 from partita.runtime.collectives import CollectiveCounter
 
-_SHARD = re.compile(r"^shard\((\d+)\)$")
 TP = MeshAxis.TP.value
-
-
-def shard_dim(placement: str) -> int | None:
-    """D of "shard(D)"; None for any other placement."""
-    m = _SHARD.match(placement)
-    return int(m.group(1)) if m else None
 
 
 def local_shape(shape: torch.Size | tuple[int, ...], placement: str, t: int) -> tuple[int, ...]:

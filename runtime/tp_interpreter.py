@@ -28,11 +28,12 @@ import torch.fx
 from torch import nn
 
 from partita.core.errors import PlanError
+from partita.core.placement import shard_dim
 from partita.core.plan import NodeDecision
 from partita.core.precision import PrecisionPolicy
 from partita.runtime.recompute import Region, run_recomputed
 from partita.runtime.rng import is_random, op_seed, seeded
-from partita.runtime.tp_collectives import TPGroup, edge, local_shape, shard_dim, tensors
+from partita.runtime.tp_collectives import TPGroup, edge, local_shape, tensors
 from partita.runtime.tp_local_ops import LOCAL_OPS
 from partita.runtime.watchdog import FLIGHT
 
@@ -78,8 +79,8 @@ def check_shapes(g: TPGroup, n: torch.fx.Node, d: NodeDecision, out: Any) -> Non
     if got != expected:
         raise PlanError(
             f"tensor-parallel node {n.format_node()} (strategy {d.strategy!r}, outputs {list(d.out)}) "
-            f"produced local shapes {got} on tp rank {g.rank}, the plan expects {expected}"
-        )
+            f"produced local shapes {got} on tp rank {g.rank}, the plan expects {expected}",
+            hint="recompile the plan for this model with `partita compile`")
 
 
 class LocalInterpreter(torch.fx.Interpreter):
@@ -129,7 +130,8 @@ class LocalInterpreter(torch.fx.Interpreter):
         if n.op == "output":
             return args[0]
         if n.op != "call_function":
-            raise PlanError(f"node {n.name}: {n.op} nodes are not supported by the tensor-parallel runtime")
+            raise PlanError(f"node {n.name}: {n.op} nodes are not supported by the tensor-parallel runtime",
+                            hint="plan this model without tensor parallelism (--tp 1)")
         if n.target is torch.ops.aten._assert_tensor_metadata.default and self.p.precision.low:
             return None  # export's check of the captured (fp32) dtype: the policy computes in another
         try:
@@ -161,7 +163,8 @@ class LocalInterpreter(torch.fx.Interpreter):
         args = list(torch.fx.map_arg(n.args, fetch))
         kwargs = dict(torch.fx.map_arg(n.kwargs, fetch))
         if j != len(d.ins):
-            raise PlanError(f"node {n.name}: the plan lists {len(d.ins)} tensor inputs, the graph has {j}")
+            raise PlanError(f"node {n.name}: the plan lists {len(d.ins)} tensor inputs, the graph has {j}",
+                            hint="recompile the plan for this model with `partita compile`")
         if getitem:
             args = [edge(self.p.tp, args[0][args[1]], d.ins[0])]
         return args, kwargs

@@ -26,9 +26,9 @@ from typing import Any, Iterator
 import torch.distributed as dist
 
 from partita.core.plan import Plan
+from partita.core.schedule import BACKWARD, FORWARD  # noqa: F401 (re-exported)
 from partita.runtime.watchdog import FLIGHT
 
-FORWARD, BACKWARD = "forward", "backward"
 
 
 class TraceRecorder:

@@ -57,7 +57,8 @@ def timeout_from_env(default: float = DEFAULT_TIMEOUT_S) -> float:
     if not value >= 0 or value == float("inf"):
         from partita.core.errors import PartitaError
 
-        raise PartitaError(f"{ENV}={raw!r} must be a number of seconds >= 0 (0 turns the watchdog off)")
+        raise PartitaError(f"{ENV}={raw!r} must be a number of seconds >= 0 (0 turns the watchdog off)",
+                           hint="set PARTITA_WATCHDOG_S to seconds (e.g. 600), 0 to turn it off, or unset it")
     return value
 
 

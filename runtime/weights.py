@@ -24,10 +24,10 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 from partita.core.capture import CapturedModel
 from partita.core.errors import PartitaError, PlanError
-from partita.core.plan import MeshAxis, NodeDecision, Plan
-from partita.runtime.tp_collectives import TPGroup, shard_dim
+from partita.core.placement import shard_dim
+from partita.core.plan import NodeDecision, Plan
+from partita.runtime.tp_collectives import TPGroup
 
-TP = MeshAxis.TP.value
 
 
 class _SafetensorsFile(Mapping):
@@ -57,7 +57,8 @@ def open_weights(path: Any) -> Mapping[str, torch.Tensor]:
     (a rank reads only the tensors its stage holds)."""
     path = Path(path)
     if not path.is_file():
-        raise PartitaError(f"weights file {path} does not exist")
+        raise PartitaError(f"weights file {path} does not exist",
+                           hint="pass weights= the path of a torch.save'd state dict or a .safetensors file")
     try:
         if path.suffix == ".safetensors":
             return _SafetensorsFile(str(path))
@@ -66,7 +67,8 @@ def open_weights(path: Any) -> Mapping[str, torch.Tensor]:
         raise PartitaError(f"cannot read weights from {path}: {e}",
                            hint="pass a state dict saved with torch.save, or a .safetensors file") from e
     if not isinstance(state, Mapping):
-        raise PartitaError(f"{path} holds a {type(state).__name__}, not a state dict of tensors")
+        raise PartitaError(f"{path} holds a {type(state).__name__}, not a state dict of tensors",
+                           hint="save the model's state_dict() (name -> tensor), not the module or a wrapper")
     return state
 
 
@@ -115,13 +117,10 @@ class LocalWeights:
     buffers: dict[str, tuple[str, torch.Tensor]] = field(default_factory=dict)  # placeholder -> (name, value)
 
 
-def _placement(plan: Plan, decisions: Mapping[str, NodeDecision], node: str, qualified: str) -> str:
-    placement = decisions[node].out[0]
-    for p in plan.params:
-        if p.name == qualified and p.layout.get(TP, placement) != placement:
-            raise PlanError(f"parameter {qualified}: the plan's layout says tp={p.layout[TP]} but its "
-                            f"placeholder {node} is {placement}")
-    return placement
+def _placement(decisions: Mapping[str, NodeDecision], node: str) -> str:
+    """Where a parameter lives: its placeholder's placement (passes/verify.py ``check_layouts``
+    checked that the plan's parameter layout says the same)."""
+    return decisions[node].out[0]
 
 
 def load_local(module: nn.Module, captured: CapturedModel, plan: Plan, state: Mapping[str, torch.Tensor] | None,
@@ -141,12 +140,13 @@ def load_local(module: nn.Module, captured: CapturedModel, plan: Plan, state: Ma
         key = qualified.replace(".", "/")
         out.param_by_node[node] = key
         if key in out.shards:
-            if node in used and _placement(plan, decisions, node, qualified) != out.placements[qualified]:
+            if node in used and _placement(decisions, node) != out.placements[qualified]:
                 raise PlanError(f"tied parameter {qualified} has placeholders with different "
                                 f"placements ({node}: {decisions[node].out[0]}, "
-                                f"another: {out.placements[qualified]})")
+                                f"another: {out.placements[qualified]})",
+                                hint="recompile the plan for this model with `partita compile`")
             continue
-        placement = _placement(plan, decisions, node, qualified)
+        placement = _placement(decisions, node)
         full = params[qualified] if state is None else _weight(state, qualified, params)
         d = shard_dim(placement)
         piece = full.detach() if d is None else full.detach().chunk(tp.size, dim=d)[tp.rank]

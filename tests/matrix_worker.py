@@ -31,7 +31,7 @@ from dp_worker import OPTIMIZERS, gpt_batch, reference_step, run_launch
 from examples.models import MLP, SmallCNN, gpt_tiny
 from partita.compiler.api import default_loss
 from partita.core.errors import PartitaError
-from partita.core.plan import load_plan
+from partita.passes.verify import load_plan
 from partita.runtime.distributed import DistContext
 from partita.runtime.engine import ParallelModel
 from tp_worker import hf_gpt2_tiny, hf_llama_tiny

@@ -31,7 +31,8 @@ from torch._subclasses.fake_tensor import FakeTensor
 from dp_worker import run_launch
 from examples.models import GPT, GPTConfig
 from partita.compiler.api import default_loss
-from partita.core.plan import Plan, load_plan
+from partita.core.plan import Plan
+from partita.passes.verify import load_plan
 from partita.passes.cost_model import model_state_memory, state_bytes_per_param
 from partita.runtime.distributed import DistContext
 from partita.runtime.engine import ParallelModel

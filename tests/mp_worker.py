@@ -35,7 +35,7 @@ from matrix_worker import MODELS
 from partita.compiler.api import default_loss
 from partita.core.errors import PartitaError
 from partita.core.losses import training_loss
-from partita.core.plan import load_plan
+from partita.passes.verify import load_plan
 from partita.core.precision import PrecisionPolicy
 from partita.runtime.distributed import DistContext
 from partita.runtime.engine import ParallelModel

@@ -20,7 +20,7 @@ from tp_choice import MEGATRON, tp_plan
 def boundary_cuts(G, layers_before: list[int]) -> list[str]:
     """Cut nodes for cuts at allowed boundaries number ``layers_before`` (0: before the first
     repeated layer, L: after the last), as ``stage_of_nodes`` takes them."""
-    from partita.passes.pipeline_parallel import allowed_boundaries, pipeline_order
+    from partita.passes.pipeline_costs import allowed_boundaries, pipeline_order
 
     order = pipeline_order(G)
     allowed = allowed_boundaries(G, order)

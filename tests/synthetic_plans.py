@@ -8,8 +8,10 @@ from __future__ import annotations
 
 from partita.core.plan import (
     Alternative, Collective, InputLayout, MemoryBreakdown, Mesh, ModelInfo, NodeDecision, ParamDecision, Plan,
-    Prediction, SolverReport, Stage, Training, plan_from_data,
+    Prediction, SolverReport, Stage, Training,
 )
+from partita.passes.cluster import PRESETS
+from partita.passes.verify import verified_plan
 
 R, P = "replicate", "partial"
 
@@ -23,22 +25,29 @@ def synthetic_plan(*, name: str = "llama-70b-synthetic", layers: int = 80, hidde
     act = seq * hidden * 2  # one micro-batch's (T, C) activation in bf16
     nodes: list[NodeDecision] = []
     params: list[ParamDecision] = []
+    # At tp=1 one rank holds every tensor whole, which a validated plan must say; unvalidated, the
+    # tp>1 layouts stay (a baseline that differs from its tp>1 twin in one module only).
+    flat = tp == 1 and validate
     layer_stage = [i * pp // layers for i in range(layers)]
 
     def node(name_: str, op: str, module: str, strategy: str, out: str, ins: list[InputLayout], *,
              layer: str = "", stage: int = 0, flops: int = 0, internal: tuple[str, ...] = ()) -> str:
+        if flat:
+            strategy, out, internal = R, R, ()
         nodes.append(NodeDecision(name_, op, module, strategy, (out,), tuple(ins), internal, layer, stage, flops,
                                   flops * 3 / 200e12 / tp))
         return name_
 
     def edge(src: str, have: str, need: str, grad: str = R, grad_need: str = R, nbytes: int = act) -> InputLayout:
+        if flat:
+            have = need = grad = grad_need = R
         fwd = {(R, R): "none", (P, R): "all_reduce"}.get((have, need), "none" if have == need else
                                                          "slice" if have == R else "all_gather")
         bwd = "all_reduce" if (grad, grad_need) == (P, R) else "none"
         return InputLayout(src, 0, have, need, grad, grad_need, fwd, bwd, nbytes)
 
     def param(pname: str, shape: tuple[int, ...], tp_layout: str, stage: int) -> None:
-        layout = {"tp": tp_layout, "dp": "shard(0)" if zero == 3 else R}
+        layout = {"tp": R if flat else tp_layout, "dp": "shard(0)" if zero == 3 else R}
         params.append(ParamDecision(pname, shape, "bfloat16", layout, stage))
 
     param("model.embed_tokens.weight", (vocab, hidden), "shard(0)", 0)
@@ -152,8 +161,7 @@ def synthetic_plan(*, name: str = "llama-70b-synthetic", layers: int = 80, hidde
         model=ModelInfo(name, fingerprint, n_params, n_params * 2, (f"idx=int64[{B},{seq}]",), "torch.export",
                         len(nodes), (f"model.layers x{layers} (LlamaDecoderLayer)",), f"targets=int64[{B},{seq}]",
                         "default_loss"),
-        cluster={"name": "dgx-a100", "nodes": -(-dp * tp * pp // gpus_per_node), "gpus_per_node": gpus_per_node,
-                 "device_name": "A100 SXM 80GB", "memory_bytes": 80_000_000_000},
+        cluster=PRESETS["dgx-a100"].with_devices(gpus_per_node).with_nodes(-(-dp * tp * pp // gpus_per_node)).to_dict(),
         mesh=mesh, training=training, predicted=predicted,
         solver=SolverReport("CP-SAT", "OPTIMAL", step, 12.5, alternatives, 0.0, ("synthetic plan for tests",)),
         params=tuple(params), nodes=tuple(nodes),
@@ -166,7 +174,7 @@ def synthetic_plan(*, name: str = "llama-70b-synthetic", layers: int = 80, hidde
         stages=tuple(stages), alternatives=tuple(alts),
     )
     # Everything the view reads must survive the file format (checking it takes seconds on a 70B plan).
-    return plan_from_data(plan.to_dict(), source="synthetic plan") if validate else plan
+    return verified_plan(plan.to_dict(), source="synthetic plan") if validate else plan
 
 
 def _stage_modules(layer_stage: list[int], s: int, layers: int, pp: int) -> tuple[str, ...]:

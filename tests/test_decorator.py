@@ -134,7 +134,7 @@ def test_partita_run_a_pipeline_plan(tmp_path, ref):
     check(out, ref, 4, mesh=(2, 1, 2))
     assert ("send_recv", "pp") in counted_kinds(out)
     # the measured schedule: every rank's forward and backward of every micro-batch of every step
-    from partita.core.plan import load_plan
+    from partita.passes.verify import load_plan
     from partita.compiler.view import load_trace, render_html
 
     events = load_trace(trace)["traceEvents"]
@@ -187,7 +187,7 @@ def test_partita_run_a_recomputing_tensor_parallel_plan(tmp_path, ref):
     list (check compares every collective, call for call)."""
     plan, out = compile_and_run(tmp_path, "--cluster", fast_cluster(tmp_path), "--tp", "2", "--recompute")
     check(out, ref, 4, mesh=(2, 2, 1))
-    from partita.core.plan import load_plan
+    from partita.passes.verify import load_plan
 
     p = load_plan(plan)
     assert all(s.recompute for s in p.stages)

@@ -81,18 +81,19 @@ def test_layout_stage_collective_and_metric_changes_are_found(a):
 
 
 def test_mesh_training_and_model_changes(a):
-    b = small_plan(dp=1, micro_batches=8, zero=2, fingerprint="ffffffffffff0002")
+    b = small_plan(dp=4, micro_batches=8, zero=2, fingerprint="ffffffffffff0002")
     d = diff_plans(a, b)
-    assert d.mesh.a == str(a.mesh) and d.mesh.b == str(Mesh(dp=1, tp=2, pp=2))
+    assert d.mesh.a == str(a.mesh) and d.mesh.b == str(Mesh(dp=4, tp=2, pp=2))
     assert {c.field: (c.a, c.b) for c in d.training}["zero_stage"] == (1, 2)
     assert {c.field: (c.a, c.b) for c in d.training}["grad_accum_steps"] == (4, 8)
     assert not d.same_model
     assert "fingerprints differ" in text_of(diff_table(d))
-    assert d.to_dict()["mesh"] == {"field": "mesh", "a": str(a.mesh), "b": "dp=1 x tp=2 x pp=2"}
+    assert d.to_dict()["mesh"] == {"field": "mesh", "a": str(a.mesh), "b": "dp=4 x tp=2 x pp=2"}
 
 
 def test_diff_command_prints_the_changes_and_refuses_a_bad_file(a, tmp_path):
-    pa, pb = a.save(tmp_path / "a.plan.json"), changed(a).save(tmp_path / "b.plan.json")
+    # (a plan that drops a needed all-reduce is refused on load: only the consistent changes)
+    pa, pb = a.save(tmp_path / "a.plan.json"), changed(a, drop_reshard=False).save(tmp_path / "b.plan.json")
     r = CliRunner().invoke(diff_command, [str(pa), str(pb)])
     assert r.exit_code == 0, r.output
     assert "plan diff" in r.output and "model.layers.0.self_attn.o_proj" in r.output

@@ -20,7 +20,8 @@ from partita.passes.constraints import Pins, TrainingRequest  # noqa: E402
 from partita.passes.graph import annotate_batch_shapes, shape_at, to_networkx  # noqa: E402
 from partita.passes.profile import profile_model  # noqa: E402
 from partita.passes.search import tp_choice  # noqa: E402
-from partita.passes.tp_strategies import node_strategies, shard_dim, strategies_at  # noqa: E402
+from partita.passes.tp_strategies import node_strategies, shard_dim  # noqa: E402
+from tests.oracles import strategies_at  # noqa: E402
 
 
 def _profile(batch: int):

@@ -29,7 +29,8 @@ from partita.passes import pipeline_parallel, tensor_parallel  # noqa: E402
 from partita.passes.cluster import PRESETS  # noqa: E402
 from partita.passes.constraints import Pins, TrainingRequest  # noqa: E402
 from partita.passes.cost_model import ZERO_STAGES  # noqa: E402
-from partita.passes.pipeline_parallel import choose_pipeline, node_costs  # noqa: E402
+from partita.passes.pipeline_costs import node_costs  # noqa: E402
+from partita.passes.pipeline_parallel import choose_pipeline  # noqa: E402
 from partita.passes.profile import profile_model  # noqa: E402
 from partita.passes.search import plan_search, tp_node_costs  # noqa: E402
 

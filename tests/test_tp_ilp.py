@@ -18,7 +18,9 @@ from partita.core.errors import InfeasibleError  # noqa: E402
 from partita.core.inputs import parse_input_spec  # noqa: E402
 from partita.passes.cluster import PRESETS  # noqa: E402
 from partita.passes.profile import profile_model  # noqa: E402
-from partita.passes.tp_ilp import TPSetting, build_problem, evaluate, exhaustive_choice, solve_tp  # noqa: E402
+from partita.passes.tp_ilp import solve_tp  # noqa: E402
+from partita.passes.tp_problem import TPSetting, build_problem, evaluate  # noqa: E402
+from tests.oracles import exhaustive_choice  # noqa: E402
 from partita.passes.tp_layout import layout_decisions  # noqa: E402
 
 A100 = PRESETS["dgx-a100"]

@@ -22,7 +22,7 @@ from partita.core.capture import capture  # noqa: E402
 from partita.core.inputs import InputSpec  # noqa: E402
 from partita.passes.graph import to_networkx  # noqa: E402
 from partita.passes.tp_layout import layout_decisions, tp_collectives  # noqa: E402
-from partita.passes.tp_rules import view_dim  # noqa: E402
+from partita.passes.tp_rules_views import view_dim  # noqa: E402
 from partita.passes.tp_strategies import (  # noqa: E402
     NONE, PARTIAL, REPLICATE, node_strategies, shard_dim, unsupported_ops,
 )
@@ -34,7 +34,6 @@ def gpt_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
-TOKENS = [InputSpec("idx", torch.int64, (2, 16))]
 _GRAPHS: dict = {}
 
 
@@ -45,7 +44,7 @@ def graph(name: str):
                         targets=InputSpec("targets", torch.float32, (4, 8)))
         else:
             factory = {"gpt": gpt_tiny, "hf-gpt2": hf_gpt2_tiny, "hf-llama": hf_llama_tiny}[name]
-            c = capture(factory, TOKENS, loss=gpt_loss)
+            c = capture(factory, [InputSpec("idx" if name == "gpt" else "input_ids", torch.int64, (2, 16))], loss=gpt_loss)
         _GRAPHS[name] = to_networkx(c)
     return _GRAPHS[name]
 

@@ -1,0 +1,174 @@
+"""The collectives a plan lists: what each rank is expected to run per step, and its predicted time.
+
+Reads the decision the search made and the per-node / per-parameter layouts
+``compile.build_plan`` packed; returns ``Collective`` records by axis: the
+data-parallel gradient buckets (or ZeRO's collectives) and loss average, each
+stage's tensor-parallel collectives, the pipeline's point-to-point sends and
+loss broadcast, and the all-reduce of parameters tied across stages. Every
+link comes from the mesh's rank layout (core/mesh.py via ``ClusterSpec``), the
+one the planner priced the decision on.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Mapping, Sequence
+
+from partita.core.capture import CapturedModel
+from partita.core.placement import is_shard
+from partita.core.plan import Collective, MeshAxis, ParamDecision
+from partita.core.precision import dtype_bytes, element_bytes
+from partita.passes.cluster import ClusterSpec
+from partita.passes.constraints import TrainingRequest
+from partita.passes.cost_model import collective_time, padded_bucket, zero_collectives
+from partita.passes.data_parallel import gradient_buckets
+from partita.passes.search import Decision
+from partita.passes.tp_layout import forward_collectives, recompute_collectives, tp_collectives
+
+
+def plan_collectives(captured: CapturedModel, params: Sequence[ParamDecision], nodes: Sequence[Any],
+                     tied: Mapping[str, tuple[int, ...]], d: Decision, cluster: ClusterSpec,
+                     request: TrainingRequest) -> tuple[Collective, ...]:
+    """Every collective of the plan: data parallel, tensor parallel, pipeline, tied parameters."""
+    return (_dp_collectives(params, tied, d, cluster, request)
+            + _tp_plan_collectives(nodes, d, cluster, inference=request.inference)
+            + _pp_collectives(captured, nodes, d, cluster, request)
+            + _tied_collectives(params, tied, d, cluster, request))
+
+
+def _local_numel(p: ParamDecision, tp: int) -> int:
+    """Elements of ``p`` one rank holds: its shard over "tp", else all of it."""
+    sharded = is_shard(p.layout.get(MeshAxis.TP.value, "replicate"))
+    return math.prod(p.shape) // (tp if sharded else 1)
+
+
+def _tied_collectives(params: Sequence[ParamDecision], tied: Mapping[str, tuple[int, ...]], d: Decision,
+                      cluster: ClusterSpec, request: TrainingRequest) -> tuple[Collective, ...]:
+    """The tied-gradient all-reduce of each parameter held on several stages, listed for every
+    stage that takes part (runtime/pipeline_parallel.py ``sync_tied``)."""
+    if request.inference:
+        return ()
+    grad_bytes = element_bytes(request.precision)
+    by_name = {p.name: p for p in params}
+    links = cluster.stage_links(d.mesh)
+    out = []
+    for name, stages in tied.items():
+        nbytes = _local_numel(by_name[name], d.mesh.tp) * grad_bytes
+        link = min(links[stages[0]:stages[-1]], key=lambda ln: ln.bandwidth)
+        for s in stages:
+            out.append(Collective(kind="all_reduce", axis=MeshAxis.PP.value, bytes=nbytes, count=1,
+                                  group_size=len(stages), purpose=f"gradient of {name}, shared by stages "
+                                  f"{', '.join(map(str, stages))} (summed between its copies)",
+                                  seconds=collective_time("all_reduce", nbytes, len(stages), link), stage=s))
+    return tuple(out)
+
+
+def _dp_collectives(params: Sequence[ParamDecision], tied: Mapping[str, tuple[int, ...]], d: Decision,
+                    cluster: ClusterSpec, request: TrainingRequest) -> tuple[Collective, ...]:
+    """Gradient buckets of each stage's local parameters over its dp group, and the loss average.
+    A parameter tied across stages is a local parameter of every stage holding it."""
+    dp = d.mesh.dp
+    if dp <= 1 or request.inference:
+        return ()
+    link = cluster.link_for_group(dp, stride=d.mesh.tp)
+    grad_bytes = element_bytes(request.precision)  # gradients are held in the compute dtype
+    reduce = dtype_bytes(request.reduce_dtype)  # and sent in the reduce dtype (core/precision.py)
+    out: list[Collective] = []
+    for s in range(d.mesh.pp):
+        mine = [p for p in params if s in tied.get(p.name, (p.stage,))]
+        # under ZeRO a parameter tied across stages stays whole and is averaged as in plain DP
+        # (runtime/engine.py): its copies' stages lay their ZeRO buckets out differently
+        whole = [p for p in mine if p.name in tied] if d.zero_stage else []
+        sharded = [p for p in mine if p not in whole]
+        by_call: dict[tuple[str, int, str], int] = {}
+        for zero_stage, group in ((d.zero_stage, sharded), (0, whole)):
+            local = [_local_numel(p, d.mesh.tp) for p in group]
+            for b in gradient_buckets(local, grad_bytes, d.bucket_bytes):
+                if zero_stage == 0:
+                    key = ("all_reduce", b * reduce // grad_bytes,
+                           f"gradient averaging in {request.reduce_dtype} (one bucket per call, after the last micro-batch)")
+                    by_call[key] = by_call.get(key, 0) + 1
+                    continue
+                padded = round(padded_bucket(b, dp, grad_bytes))  # ZeRO's flat buckets split evenly over dp
+                for kind, calls, what in zero_collectives(zero_stage, d.grad_accum_steps):
+                    size = padded * reduce // grad_bytes if what == "grads" else padded  # grads sent in the reduce dtype
+                    key = (kind, size, f"ZeRO-{zero_stage} {what} ({f'reduce-scatter of gradients in {request.reduce_dtype}' if what == 'grads' else 'all-gather of parameters'})")
+                    by_call[key] = by_call.get(key, 0) + calls
+        out += [Collective(kind=kind, axis=MeshAxis.DP.value, bytes=size, count=count, group_size=dp,
+                           purpose=purpose, seconds=count * collective_time(kind, size, dp, link),
+                           stage=s if d.mesh.pp > 1 else None)
+                for (kind, size, purpose), count in by_call.items()]
+    last = d.mesh.pp - 1
+    out.append(Collective(kind="all_reduce", axis=MeshAxis.DP.value, bytes=4, count=1, group_size=dp,
+                          purpose="loss averaging (the step's loss, same on every rank)",
+                          seconds=collective_time("all_reduce", 4, dp, link), stage=last if last else None))
+    return tuple(out)
+
+
+def _tp_plan_collectives(nodes: Sequence[Any], d: Decision, cluster: ClusterSpec, *,
+                         inference: bool = False) -> tuple[Collective, ...]:
+    """Each stage's TP collectives of one micro-batch (tp_collectives; the forward's alone for an
+    inference plan), times the micro-batches."""
+    tp = d.mesh.tp
+    if tp <= 1:
+        return ()
+    link = cluster.link_for_group(tp)
+    out: list[Collective] = []
+    recomputed = {st.index for st in d.stages if st.recompute}
+    for s in range(d.mesh.pp):
+        mine = [n for n in nodes if n.stage == s]
+        listed = forward_collectives(mine) if inference else tp_collectives(mine)
+        if s in recomputed:  # the layers' forward runs again in backward, its collectives with it
+            listed += recompute_collectives([n for n in mine if n.layer])
+        out += [Collective(kind=kind, axis=MeshAxis.TP.value, bytes=nbytes, count=calls * d.grad_accum_steps,
+                           group_size=tp, purpose=purpose,
+                           seconds=calls * d.grad_accum_steps * collective_time(kind, nbytes, tp, link),
+                           stage=s if d.mesh.pp > 1 else None)
+                for kind, nbytes, calls, purpose in listed]
+    return tuple(out)
+
+
+def _pp_collectives(captured: CapturedModel, nodes: Sequence[Any], d: Decision, cluster: ClusterSpec,
+                    request: TrainingRequest) -> tuple[Collective, ...]:
+    """Point-to-point sends between neighbouring stages: every tensor live across a cut, forward per
+    micro-batch, and its gradient back when it carries one (relayed through the stages in between).
+    Parameters and buffers never cross: each stage reading one holds it (tied copies)."""
+    if d.mesh.pp <= 1:
+        return ()
+    stage = {n.name: n.stage for n in nodes}
+    held = captured.param_nodes.keys() | captured.buffer_nodes.keys()
+    # each tensor crosses each cut once, however many nodes of later stages read it
+    crossing: dict[tuple[int, str, int], tuple[int, bool]] = {}  # (cut, src, index) -> (local bytes, carries grad)
+    for n in nodes:
+        for lay in n.ins:
+            if lay.src in held:
+                continue
+            lo, hi = stage[lay.src], n.stage
+            nbytes = lay.bytes // (d.mesh.tp if is_shard(lay.have) else 1)
+            for s in range(lo, hi):
+                grad = crossing.get((s, lay.src, lay.index), (0, False))[1] or lay.grad != "none"
+                crossing[(s, lay.src, lay.index)] = (nbytes, grad)
+    sends: dict[tuple[int, str, int], int] = {}  # (sending stage, direction, bytes) -> tensors per micro-batch
+    for (s, _src, _index), (nbytes, grad) in crossing.items():
+        sends[(s, "forward", nbytes)] = sends.get((s, "forward", nbytes), 0) + 1
+        if grad and not request.inference:
+            sends[(s + 1, "backward", nbytes)] = sends.get((s + 1, "backward", nbytes), 0) + 1
+    if request.inference:  # runtime/pipeline_parallel.py ``infer``: the whole output to every stage
+        out_bytes = d.grad_accum_steps * sum(lay.bytes for n in nodes if n.op == "output" for lay in n.ins)
+        out = [Collective(kind="broadcast", axis=MeshAxis.PP.value, bytes=out_bytes, count=1, group_size=d.mesh.pp,
+                          purpose="the output from the last stage to every stage",
+                          seconds=collective_time("broadcast", out_bytes, d.mesh.pp, cluster.link_for_axis(d.mesh, MeshAxis.PP.value)))]
+    else:
+        out = [Collective(kind="broadcast", axis=MeshAxis.PP.value, bytes=4, count=1, group_size=d.mesh.pp,
+                          purpose="the step's loss from the last stage to every stage",
+                          seconds=collective_time("broadcast", 4, d.mesh.pp, cluster.link_for_axis(d.mesh, MeshAxis.PP.value)))]
+    links = cluster.stage_links(d.mesh)  # the planner's: its cuts were priced on them
+    for (s, direction, nbytes), count in sorted(sends.items()):
+        link = links[s if direction == "forward" else s - 1]
+        calls = count * d.grad_accum_steps
+        out.append(Collective(kind="send_recv", axis=MeshAxis.PP.value, bytes=nbytes, count=calls, group_size=2,
+                              purpose=f"{'activation to the next' if direction == 'forward' else 'gradient to the previous'} stage",
+                              seconds=calls * collective_time("send_recv", nbytes, 2, link), stage=s))
+    return tuple(out)
+
+

@@ -1,0 +1,114 @@
+"""The device mesh and its rank layout: the one home of "which rank is where".
+
+Owns the mesh axes (``MeshAxis``, ``MESH_ORDER``), a rank's coordinates, the
+ranks of a group along an axis or of a pipeline stage, and whether a set of
+ranks spans more than one node. The planner prices links with these rules
+(``passes/cluster.py`` ``ClusterSpec.link_for_ranks``, the pipeline's stage
+links), the plan records stage ranks with them and the runtime forms its
+groups with them, so a collective is priced on the link it will run on.
+
+Ranks are numbered node by node (rank r is on node ``r // gpus_per_node``),
+as torchrun numbers them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+from typing import Iterable
+
+
+class MeshAxis(str, Enum):
+    """Names of the device-mesh axes, outermost first in ``MESH_ORDER``."""
+
+    PP = "pp"
+    DP = "dp"
+    TP = "tp"
+
+
+# Megatron's placement: TP innermost (consecutive ranks share a node's NVLink),
+# DP next, PP outermost (stages across nodes).
+MESH_ORDER: tuple[MeshAxis, ...] = (MeshAxis.PP, MeshAxis.DP, MeshAxis.TP)
+
+
+@dataclass(frozen=True)
+class Mesh:
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+
+    def __post_init__(self) -> None:
+        for axis in MeshAxis:
+            size = getattr(self, axis.value)
+            if not isinstance(size, int) or size < 1:
+                raise ValueError(f"mesh axis {axis.value}={size!r} must be a positive integer")
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """Axis sizes in ``MESH_ORDER``."""
+        return tuple(getattr(self, a.value) for a in MESH_ORDER)
+
+    @property
+    def axis_names(self) -> tuple[str, ...]:
+        return tuple(a.value for a in MESH_ORDER)
+
+    def __str__(self) -> str:
+        return f"dp={self.dp} x tp={self.tp} x pp={self.pp}"
+
+    def rank(self, *, pp: int, dp: int, tp: int) -> int:
+        """The global rank at these coordinates (``MESH_ORDER``: pp outermost, tp innermost)."""
+        return (pp * self.dp + dp) * self.tp + tp
+
+    def coords(self, rank: int) -> dict[str, int]:
+        """``rank``'s coordinate on each axis, by axis name (the inverse of ``rank``)."""
+        pp, rest = divmod(rank, self.dp * self.tp)
+        dp, tp = divmod(rest, self.tp)
+        return {MeshAxis.PP.value: pp, MeshAxis.DP.value: dp, MeshAxis.TP.value: tp}
+
+    def group_ranks(self, rank: int, axis: str) -> tuple[int, ...]:
+        """The ranks of ``rank``'s group along mesh axis ``axis`` (the others' coordinates fixed)."""
+        at = self.coords(rank)
+        return tuple(self.rank(**{**at, axis: i}) for i in range(getattr(self, axis)))
+
+    def groups(self, axis: str) -> tuple[tuple[int, ...], ...]:
+        """Every group along mesh axis ``axis``, each once, in the order of its first rank."""
+        seen: dict[tuple[int, ...], None] = {}
+        for r in range(self.world_size):
+            seen.setdefault(self.group_ranks(r, axis), None)
+        return tuple(seen)
+
+    def stage_ranks(self, stage: int) -> tuple[int, ...]:
+        """The ranks of pipeline stage ``stage``, in rank order (pp is the outermost axis)."""
+        width = self.dp * self.tp
+        return tuple(range(stage * width, (stage + 1) * width))
+
+    def stage_of(self, rank: int) -> int:
+        """The pipeline stage ``rank`` belongs to."""
+        return self.coords(rank)[MeshAxis.PP.value]
+
+
+def node_of(rank: int, gpus_per_node: int) -> int:
+    """The node holding ``rank`` (ranks are numbered node by node)."""
+    return rank // gpus_per_node
+
+
+def crosses_nodes(ranks: Iterable[int], gpus_per_node: int) -> bool:
+    """Whether ``ranks`` lie on more than one node."""
+    return len({node_of(r, gpus_per_node) for r in ranks}) > 1
+
+
+def axis_crosses_nodes(mesh: Mesh, axis: str, gpus_per_node: int) -> bool:
+    """Whether any group along ``axis`` spans nodes (the axis's collectives then run at the
+    slowest group's pace: the inter-node link)."""
+    return any(crosses_nodes(g, gpus_per_node) for g in mesh.groups(axis))
+
+
+def stage_pair_crosses_nodes(mesh: Mesh, stage: int, gpus_per_node: int) -> bool:
+    """Whether any rank of pipeline stage ``stage`` sends to its peer on stage ``stage + 1``
+    (same dp and tp coordinates) across nodes."""
+    width = mesh.dp * mesh.tp
+    return any(crosses_nodes((r, r + width), gpus_per_node) for r in mesh.stage_ranks(stage))

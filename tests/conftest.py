@@ -1,0 +1,40 @@
+"""Plans several test files read: compiled once per session."""
+
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def cli(capsys):
+    """Run the CLI in this process as the console script does: ``cli(*args)`` returns
+    (exit code, stdout, stderr)."""
+    from partita.compiler.cli import main
+
+    def run(*args):
+        try:
+            main([str(a) for a in args])
+            code = 0
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else 1
+        out = capsys.readouterr()
+        return code, out.out, out.err
+
+    return run
+
+
+@pytest.fixture(scope="session")
+def tp2_plan_path(tmp_path_factory) -> Path:
+    """The example GPT planned for tp=2 on 2 local processes (one forward all-reduce per row-split
+    linear: the plan a hand edit must not break silently)."""
+    from partita.compiler.cli import main
+
+    path = tmp_path_factory.mktemp("tp2") / "gpt.tp2.plan.json"
+    try:
+        main(["compile", f"{ROOT}/examples/models.py:gpt_tiny", "--input", "idx=int64[16,64]", "--devices", "2",
+              "--tp", "2", "-o", str(path)])
+    except SystemExit as e:
+        assert not e.code, f"compiling the tp2 plan failed ({e.code})"
+    return path
