@@ -15,7 +15,8 @@ Processes:
   command, its exit code and the tails of its output (under ``torchrun``, each rank's own).
 
 Comparisons with the single-process reference:
-- ``reference_step`` (one plain step on the whole global batch), ``plain_training`` (a plain loop);
+- ``reference_step`` (one plain step on the whole global batch), ``reference_backward`` (its
+  gradients as a plan's micro-batches accumulate them), ``plain_training`` (a plain loop);
 - ``max_abs_diff`` and ``max_rel_diff`` of losses, gradients or parameters (lists or dicts);
 - ``check_close``: ``torch.testing.assert_close`` on every pair, naming the one that differs,
   returning the largest absolute difference for the log.
@@ -290,6 +291,21 @@ def reference_step(reference: torch.nn.Module, optimizer: torch.optim.Optimizer,
     optimizer.step()
     optimizer.zero_grad()
     return loss.item()
+
+
+def reference_backward(reference: torch.nn.Module, loss_fn: Callable, x: torch.Tensor, y: torch.Tensor,
+                       micro_batches: int = 1) -> float:
+    """The gradients of the mean loss over ``micro_batches`` consecutive micro-batches, accumulated
+    as a plan's ``train_step`` does (each micro-batch's loss / m, backward in turn, so that a
+    replicated plan matches bit for bit); returns the mean loss. No optimizer step."""
+    mbs = x.shape[0] // micro_batches
+    total = torch.zeros(())
+    for i in range(micro_batches):
+        rows = slice(i * mbs, (i + 1) * mbs)
+        part = loss_fn(reference(x[rows]), y[rows])
+        total += part.detach()
+        (part / micro_batches).backward()
+    return float(total / micro_batches)
 
 
 def plain_training(model: torch.nn.Module, opt: torch.optim.Optimizer, batches: Iterable, loss=None
