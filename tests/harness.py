@@ -2,7 +2,7 @@
 
 Processes:
 - ``launch(world, fn, *args)``: ``fn(ctx, *args)`` on every rank of a gloo process group of
-  ``world`` CPU processes; returns each rank's result. The ranks stay up between launches (one
+  ``world`` CPU processes; returns each rank's result (as JSON reads it back). The ranks stay up between launches (one
   group per world size for the whole session), so a test pays for starting processes, importing
   torch and joining a group once, not once per launch. A failure (an exception on any rank, a
   rank that dies or does not answer within ``timeout_s``) ends that group and raises one
@@ -25,6 +25,7 @@ Comparisons with the single-process reference:
 from __future__ import annotations
 
 import atexit
+import json
 import os
 import shutil
 import socket
@@ -99,7 +100,7 @@ def _serve(rank: int, world: int, port: int, conn: Connection, log: str) -> None
             conn.send(("error", traceback.format_exc()))
         else:
             sys.stdout.flush()
-            conn.send(("ok", result))
+            conn.send(("ok", json.dumps(result)))  # plain data, as the test reads it (a loss is a float)
     from partita.runtime.distributed import destroy
 
     destroy(ctx)
@@ -157,7 +158,7 @@ class Ranks:
                     status, value = "error", f"died (exit code {self.procs[r].exitcode})"
                 pending.discard(r)
                 if status == "ok":
-                    results[r] = value
+                    results[r] = json.loads(value)
                 else:
                     errors[r] = value
                     failed_at = failed_at or time.monotonic()

@@ -17,7 +17,6 @@ import dataclasses
 
 import torch
 
-from dp_worker import run_launch
 from examples.models import hf_bert_mlm
 from partita.compiler.compile import compile_model
 from partita.core.errors import PartitaError
@@ -96,11 +95,12 @@ def replicas(ctx: DistContext, out: str, **pins) -> dict:
     return {"case": f"rng/{pins}", "losses": losses, "drift_without": drift.split(" from ")[0]}
 
 
-LAUNCHES = {
-    "tp2": (2, lambda ctx, out: [replicas(ctx, out, tp=2)]),
-    "tp2xdp2-tp2xpp2": (4, lambda ctx, out: [replicas(ctx, out, tp=2, dp=2), replicas(ctx, out, tp=2, pp=2)]),
-}
+def tp2(ctx: DistContext, out: str) -> list[dict]:
+    return [replicas(ctx, out, tp=2)]
 
 
-def worker(rank: int, launch: str, port: int, outdir: str) -> None:
-    run_launch(rank, LAUNCHES[launch], port, outdir)
+def tp2xdp2_then_tp2xpp2(ctx: DistContext, out: str) -> list[dict]:
+    return [replicas(ctx, out, tp=2, dp=2), replicas(ctx, out, tp=2, pp=2)]
+
+
+LAUNCHES = {"tp2": (2, tp2), "tp2xdp2-tp2xpp2": (4, tp2xdp2_then_tp2xpp2)}
