@@ -20,7 +20,7 @@ from partita.core.errors import PartitaError, PlanError
 from partita.core.plan import (
     Collective, MemoryBreakdown, Mesh, ModelInfo, Plan, Prediction, SolverReport, Training,
 )
-from harness import check_close, check_loss, max_abs_diff, reference_step
+from harness import check_close, check_loss, reference_step
 from partita.runtime.distributed import DistContext
 from partita.runtime.engine import ParallelModel
 

@@ -2,14 +2,14 @@
 
 Processes:
 - ``launch(world, fn, *args)``: ``fn(ctx, *args)`` on every rank of a gloo process group of
-  ``world`` CPU processes; returns each rank's result (as JSON reads it back). The ranks stay up between launches (one
-  group per world size for the whole session), so a test pays for starting processes, importing
-  torch and joining a group once, not once per launch. A failure (an exception on any rank, a
-  rank that dies or does not answer within ``timeout_s``) ends that group and raises one
-  ``AssertionError`` with every rank's traceback or state and the tail of its output; the next
-  launch starts a fresh group. ``fn`` must be a module-level function of an importable module
+  ``world`` CPU processes; returns each rank's result (as JSON reads it back). The ranks stay up
+  between launches (one group per world size for the whole session), so a test pays for starting
+  processes, importing torch and joining a group once, not once per launch. A failure (an
+  exception on any rank, a rank that dies or does not answer within ``timeout_s``) ends that
+  group and raises one ``AssertionError`` with every rank's traceback or state and the tail of
+  its output; the next launch starts a fresh group. ``fn`` must be a module-level function of an importable module
   (the ranks import it by name): the tests' ``*_worker.py`` files.
-- ``command(*argv)``, ``torchrun(script, *args, nproc=N)``, ``partita(*args)``: a subprocess
+- ``command(*argv)``, ``torchrun(script, *args, nproc=N)``, ``partita_cli(*args)``: a subprocess
   (the launchers themselves under test) with one thread per process and the repository and
   tests/ on the path; with ``check`` (the default) a non-zero exit raises one message with the
   command, its exit code and the tails of its output (under ``torchrun``, each rank's own).
@@ -266,7 +266,7 @@ def torchrun(script: str | Path, *args: str | Path, nproc: int, **kw: Any) -> su
         shutil.rmtree(logs, ignore_errors=True)
 
 
-def partita(*args: str | Path, **kw: Any) -> subprocess.CompletedProcess:
+def partita_cli(*args: str | Path, **kw: Any) -> subprocess.CompletedProcess:
     """The ``partita`` command line."""
     return command(PARTITA, *args, **kw)
 
