@@ -51,7 +51,7 @@ COLLECTIVE_TIMEOUT_S = 120  # a rank waiting for its peers this long fails (gloo
 LAUNCH_TIMEOUT_S = 600  # a launch whose ranks have not all answered by then fails
 GRACE_S = 5.0  # once a rank has failed, how long the others get to answer before the group ends
 TAIL = 3000  # characters of a process's output shown when it fails
-KEEP_WORLD = 4  # groups up to this size stay up between launches; larger ones end after each
+KEEP_WORLD = 8  # groups up to this size stay up between launches (all the tests use); larger ones end after each
 
 
 def free_port() -> int:
