@@ -29,8 +29,9 @@ browser:
 demo: $(STAMP)
 	$(BIN)/partita demo
 
+# Everything, the multi-process runs included (tests/harness.py), with the 30 slowest tests listed.
 test: $(STAMP) browser
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -p no:logging --durations=30
 
 # The fast tier for a developer's loop: everything but the multi-process runs (marked slow).
 check: $(STAMP)

@@ -18,7 +18,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from dp_worker import OPTIMIZERS, gpt_batch, gpt_loss, reference_step, run_launch
+from dp_worker import OPTIMIZERS, gpt_batch, gpt_loss
+from harness import check_close, check_loss, reference_step
 from partita.runtime.distributed import DistContext
 from partita.runtime.engine import ParallelModel
 from zero_mesh_worker import mesh_case
@@ -88,13 +89,11 @@ def reshard(ctx: DistContext, outdir: str, name: str, src: dict, dst: dict) -> d
     for x, y in batches[K:]:
         loss = b.train_step(x, targets=y)
         ref_loss = reference_step(ref, ref_opt, gpt_loss, x, y)
-        errs.append(abs(loss - ref_loss))
-        assert errs[-1] <= ATOL + RTOL * abs(ref_loss), (name, src, dst, loss, ref_loss)
+        errs.append(check_loss(loss, ref_loss, rtol=RTOL, atol=ATOL, what=(name, src, dst)))
     got = b.full_state_dict()
-    for k, v in ref.state_dict().items():
-        if k in got:
-            torch.testing.assert_close(got[k], v, rtol=RTOL, atol=ATOL, msg=lambda m: f"{src}->{dst} {k}: {m}")
-    return {"case": f"reshard/{name}/{src}->{dst}", "loss_err": max(errs)}
+    want = {k: v for k, v in ref.state_dict().items() if k in got}
+    err = check_close({k: got[k] for k in want}, want, rtol=RTOL, atol=ATOL, what=f"{src}->{dst}")
+    return {"case": f"reshard/{name}/{src}->{dst}", "loss_err": max(errs), "param_err": err}
 
 
 def to_torch_save(ctx: DistContext, outdir: str, name: str, **mesh) -> dict:
@@ -153,27 +152,27 @@ def save_only(ctx: DistContext, outdir: str, name: str, **mesh) -> dict:
     return {"case": f"save/{name}/{mesh}"}
 
 
-LAUNCHES = {
-    "resume-2": (2, lambda ctx, out: [
-        exact_resume(ctx, out, "gpt", dp=2),
-        exact_resume(ctx, out, "gpt", dp=2, zero=3, async_save=True),
-        exact_resume(ctx, out, "gpt", dp=2, zero=1),
-        exact_resume(ctx, out, "gpt", tp=2),
-        exact_resume(ctx, out, "tied-gpt", pp=2),
-        to_torch_save(ctx, out, "tied-gpt", dp=2, zero=3),
-        pretrained(ctx, out, "gpt", "torch", tp=2),
-        pretrained(ctx, out, "tied-gpt", "safetensors", pp=2),
-        pretrained(ctx, out, "gpt", "safetensors", dp=2, zero=3),
-    ]),
-    "save-4": (4, lambda ctx, out: [save_only(ctx, out, "gpt", dp=2, tp=2, zero=3)]),
-    "resume-reshard-4": (4, lambda ctx, out: [
-        exact_resume(ctx, out, "gpt", dp=2, tp=2, zero=3),
-        exact_resume(ctx, out, "hf-llama", pp=2, tp=2),
-        reshard(ctx, out, "gpt", dict(dp=2, tp=2), dict(pp=2, dp=2, zero=1)),
-        reshard(ctx, out, "gpt", dict(dp=4, zero=3, accum=1), dict(tp=2, pp=2, accum=4)),
-    ]),
-}
+def resume_2(ctx: DistContext, out: str) -> list[dict]:
+    return [exact_resume(ctx, out, "gpt", dp=2),
+            exact_resume(ctx, out, "gpt", dp=2, zero=3, async_save=True),
+            exact_resume(ctx, out, "gpt", dp=2, zero=1),
+            exact_resume(ctx, out, "gpt", tp=2),
+            exact_resume(ctx, out, "tied-gpt", pp=2),
+            to_torch_save(ctx, out, "tied-gpt", dp=2, zero=3),
+            pretrained(ctx, out, "gpt", "torch", tp=2),
+            pretrained(ctx, out, "tied-gpt", "safetensors", pp=2),
+            pretrained(ctx, out, "gpt", "safetensors", dp=2, zero=3)]
 
 
-def worker(rank: int, launch: str, port: int, outdir: str) -> None:
-    run_launch(rank, LAUNCHES[launch], port, outdir)
+def save_4(ctx: DistContext, out: str) -> list[dict]:
+    return [save_only(ctx, out, "gpt", dp=2, tp=2, zero=3)]
+
+
+def resume_reshard_4(ctx: DistContext, out: str) -> list[dict]:
+    return [exact_resume(ctx, out, "gpt", dp=2, tp=2, zero=3),
+            exact_resume(ctx, out, "hf-llama", pp=2, tp=2),
+            reshard(ctx, out, "gpt", dict(dp=2, tp=2), dict(pp=2, dp=2, zero=1)),
+            reshard(ctx, out, "gpt", dict(dp=4, zero=3, accum=1), dict(tp=2, pp=2, accum=4))]
+
+
+LAUNCHES = {"resume-2": (2, resume_2), "save-4": (4, save_4), "resume-reshard-4": (4, resume_reshard_4)}

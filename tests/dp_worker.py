@@ -1,18 +1,14 @@
-"""Checks run inside each rank of a multi-process data-parallel test (see test_runtime_dp.py).
+"""Checks run inside each rank of a multi-process data-parallel test (see test_runtime_dp.py),
+and the small models, batches, optimizers and hand-built plans the other workers share.
 
 Every rank runs partita's ParallelModel and, in the same process, a plain
 single-process reference of the same model over the same global batch, and
-compares losses, first-step gradients and final parameters. Failures raise, so
-mp.spawn reports them; the largest errors are written to ``outdir`` for the log.
+compares losses, first-step gradients and final parameters. Failures raise, and
+tests/harness.py reports them; the largest errors are returned for the log.
 """
 
 from __future__ import annotations
 
-import copy
-import json
-import os
-import socket
-from pathlib import Path
 from typing import Callable
 
 import torch
@@ -24,7 +20,8 @@ from partita.core.errors import PartitaError, PlanError
 from partita.core.plan import (
     Collective, MemoryBreakdown, Mesh, ModelInfo, Plan, Prediction, SolverReport, Training,
 )
-from partita.runtime.distributed import DistContext, destroy, init_distributed
+from harness import check_close, check_loss, reference_step
+from partita.runtime.distributed import DistContext
 from partita.runtime.engine import ParallelModel
 
 RTOL, ATOL = 1e-5, 1e-6
@@ -33,12 +30,6 @@ ACCUM = 2
 MBS = 2
 SEQ = 16
 GPT_VOCAB = 256
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def make_plan(dp: int, collectives: tuple[Collective, ...] = (), *, tp: int = 1,
@@ -108,29 +99,6 @@ def _grab_grads(opt: torch.optim.Optimizer, store: list) -> None:
     opt.register_step_pre_hook(hook)
 
 
-def reference_step(reference: torch.nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callable,
-                   x: torch.Tensor, y: torch.Tensor, grads: dict[str, torch.Tensor] | None = None, *,
-                   micro_batch: int | None = None) -> float:
-    """One single-process step on the whole global batch; its gradients into ``grads`` if given.
-
-    With ``micro_batch`` the batch runs as consecutive micro-batches of that many rows and the
-    loss is their mean, as a plan's step computes it (equal to the whole batch's mean loss unless
-    a layer mixes rows: BatchNorm's statistics are the micro-batch's)."""
-    chunks = [slice(None)] if micro_batch is None else [slice(i, i + micro_batch)
-                                                          for i in range(0, x.shape[0], micro_batch)]
-    loss = sum(loss_fn(reference(x[rows]), y[rows]) for rows in chunks) / len(chunks)
-    loss.backward()
-    if grads is not None:
-        grads.update({n: p.grad.detach().clone() for n, p in reference.named_parameters()})
-    optimizer.step()
-    optimizer.zero_grad()
-    return loss.item()
-
-
-def _max_err(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
-    return max(float((x - y).abs().max()) for x, y in zip(a, b))
-
-
 def compare_with_reference(ctx: DistContext, dp: int, model_name: str, opt_name: str,
                            *, local: bool = False) -> dict:
     """Train STEPS steps with ParallelModel and with the plain model; assert they match."""
@@ -167,24 +135,17 @@ def compare_with_reference(ctx: DistContext, dp: int, model_name: str, opt_name:
         else:
             loss = model.train_step(x, targets=y)
         ref_loss = reference_step(reference, ref_opt, loss_fn, x, y)
-        loss_errs.append(abs(loss - ref_loss))
-        assert abs(loss - ref_loss) <= ATOL + RTOL * abs(ref_loss), (loss, ref_loss)
+        loss_errs.append(check_loss(loss, ref_loss, rtol=RTOL, atol=ATOL))
         assert model.collectives.as_tuples() == expected_calls, (
             model.collectives.as_tuples(), expected_calls)
         averager = model._program.averager
         assert averager.launched_in_backward == len(averager.buckets)  # overlapped, not after
-    for a, b in zip(grads[0], ref_grads[0]):
-        torch.testing.assert_close(a, b, rtol=RTOL, atol=ATOL)
+    case = f"{model_name}/{opt_name}/dp={dp}{'/local' if local else ''}"
+    grad_err = check_close(grads[0], ref_grads[0], rtol=RTOL, atol=ATOL, what=f"{case} grad")
     params = [p.detach() for p in model.parameters()]
     ref_params = [p.detach() for p in reference.parameters()]
-    for a, b in zip(params, ref_params):
-        torch.testing.assert_close(a, b, rtol=RTOL, atol=ATOL)
-    return {
-        "case": f"{model_name}/{opt_name}/dp={dp}{'/local' if local else ''}",
-        "loss_err": max(loss_errs),
-        "grad_err": _max_err(grads[0], ref_grads[0]),
-        "param_err": _max_err(params, ref_params),
-    }
+    param_err = check_close(params, ref_params, rtol=RTOL, atol=ATOL, what=f"{case} param")
+    return {"case": case, "loss_err": max(loss_errs), "grad_err": grad_err, "param_err": param_err}
 
 
 def compare_zero(ctx: DistContext, dp: int, stage: int, model_name: str) -> dict:
@@ -206,14 +167,12 @@ def compare_zero(ctx: DistContext, dp: int, stage: int, model_name: str) -> dict
     for _ in range(STEPS):
         loss = model.train_step(x, targets=y)
         ref_loss = reference_step(reference, ref_opt, loss_fn, x, y)
-        loss_errs.append(abs(loss - ref_loss))
-        assert abs(loss - ref_loss) <= ATOL + RTOL * abs(ref_loss), (stage, loss, ref_loss)
+        loss_errs.append(check_loss(loss, ref_loss, rtol=RTOL, atol=ATOL, what=stage))
     zero = model._program.zero
     with zero.gathered():
         params = [p.detach().clone() for p in model.module.parameters()]
     ref_params = [p.detach() for p in reference.parameters()]
-    for a, b in zip(params, ref_params):
-        torch.testing.assert_close(a, b, rtol=RTOL, atol=ATOL)
+    param_err = check_close(params, ref_params, rtol=RTOL, atol=ATOL, what=f"zero{stage}/{model_name} param")
     held = zero.state_bytes()
     n = sum(p.numel() for p in reference.parameters())
     predicted = model_state_memory(n, state_bytes_per_param("fp32", "adamw"), zero_stage=stage, dp=dp)
@@ -221,7 +180,7 @@ def compare_zero(ctx: DistContext, dp: int, stage: int, model_name: str) -> dict
     for part in ("params", "grads", "optimizer"):
         assert abs(held[part] - getattr(predicted, part)) <= slack, (stage, part, held[part], getattr(predicted, part))
     return {"case": f"zero{stage}/{model_name}/dp={dp}", "loss_err": max(loss_errs),
-            "param_err": _max_err(params, ref_params), "state_bytes": held,
+            "param_err": param_err, "state_bytes": held,
             "predicted": {"params": predicted.params, "grads": predicted.grads, "optimizer": predicted.optimizer}}
 
 
@@ -251,46 +210,12 @@ def check_refusals(ctx: DistContext, dp: int) -> None:
             f"batch size {gb}", f"dp={dp}) is {gb // dp}")
 
 
-def run_launch(rank: int, launch: tuple[int, Callable[[DistContext, str], list[dict]]], port: int,
-               outdir: str) -> None:
-    """One rank of a launch (world size, checks): join the gloo group, run the checks, write
-    their results to ``outdir/rankN.json`` for the test to read."""
-    world, checks = launch
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
-    torch.set_num_threads(1)
-    ctx = init_distributed(timeout_s=30)
-    try:
-        results = checks(ctx, outdir)
-        Path(outdir, f"rank{rank}.json").write_text(json.dumps(results))
-    finally:
-        destroy(ctx)
-
-
-def spawn_launch(worker: Callable[..., None], world: int, launch: str, tmp_path: Path) -> list[list[dict]]:
-    """Run ``worker`` on ``world`` spawned ranks; each rank's results, printed for the log."""
-    import torch.multiprocessing as mp
-
-    mp.spawn(worker, args=(launch, free_port(), str(tmp_path)), nprocs=world)
-    per_rank = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(world)]
-    for rank, results in enumerate(per_rank):
-        for r in results:
-            print(rank, r)
-    return per_rank
-
-
-def worker(rank: int, world: int, port: int, outdir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
-    torch.set_num_threads(1)
-    ctx = init_distributed(timeout_s=30)
-    assert ctx.initialized_here and ctx.backend == "gloo" and ctx.world_size == world
-    try:
-        results = [compare_with_reference(ctx, world, m, o)
-                   for m in ("mlp", "gpt") for o in ("adamw", "sgd")]
-        results.append(compare_with_reference(ctx, world, "mlp", "adamw", local=True))
-        results += [compare_zero(ctx, world, stage, "gpt") for stage in (1, 2, 3)]
-        check_refusals(ctx, world)
-        Path(outdir, f"rank{rank}.json").write_text(json.dumps(results))
-    finally:
-        destroy(ctx)
+def checks(ctx: DistContext) -> list[dict]:
+    """Every data-parallel check on this rank: 5 cases, then ZeRO-1/2/3 through ParallelModel, then
+    the refusals."""
+    world = ctx.world_size
+    results = [compare_with_reference(ctx, world, m, o) for m in ("mlp", "gpt") for o in ("adamw", "sgd")]
+    results.append(compare_with_reference(ctx, world, "mlp", "adamw", local=True))
+    results += [compare_zero(ctx, world, stage, "gpt") for stage in (1, 2, 3)]
+    check_refusals(ctx, world)
+    return results

@@ -15,7 +15,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import partita  # noqa: E402
-from partita.core.losses import resolve_loss, training_loss  # noqa: E402
+from harness import plain_training  # noqa: E402
 
 STEPS, BATCH, SEQ, VOCAB, CLASSES = 2, 4, 16, 256, 3
 
@@ -79,20 +79,6 @@ def batches(name: str):
         x = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
         y = torch.randint(0, classes, (BATCH, SEQ) if per_token else (BATCH,), generator=g)
         yield x, y
-
-
-def plain_training(model: torch.nn.Module, opt: torch.optim.Optimizer, batches, loss=None) -> tuple[list[float], dict]:
-    """The single-process reference the tests compare with: a plain loop over the whole batch, no
-    partita; the losses and the final state_dict."""
-    loss_fn = resolve_loss(loss)
-    losses = []
-    for x, y in batches:
-        value = training_loss(loss_fn, model, (x,), y)
-        value.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(value.item())
-    return losses, model.state_dict()
 
 
 def reference(name: str) -> tuple[list[float], dict]:

@@ -27,8 +27,9 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from dp_worker import OPTIMIZERS, gpt_batch, reference_step, run_launch
+from dp_worker import OPTIMIZERS, gpt_batch
 from examples.models import MLP, SmallCNN, gpt_tiny
+from harness import check_close, check_loss, max_abs_diff, reference_step
 from partita.compiler.api import default_loss
 from partita.core.errors import PartitaError
 from partita.passes.verify import load_plan
@@ -140,14 +141,11 @@ def run_case(ctx: DistContext, case: Case, outdir: str) -> dict:
     start = {n: p.detach().clone() for n, p in reference.named_parameters()}
     ref_loss = reference_step(reference, OPTIMIZERS["sgd"](reference.parameters()), default_loss, x, y,
                               micro_batch=plan.training.micro_batch_size)
-    assert abs(loss - ref_loss) <= ATOL + RTOL * abs(ref_loss), (case.name, loss, ref_loss)
+    loss_err = check_loss(loss, ref_loss, rtol=RTOL, atol=ATOL, what=case.name)
     ref_final = {n: p.detach() for n, p in reference.named_parameters()}
     assert set(final) == set(ref_final), (case.name, sorted(set(final) ^ set(ref_final)))
-    for n in final:
-        torch.testing.assert_close(final[n], ref_final[n], rtol=RTOL, atol=ATOL,
-                                   msg=lambda m: f"{case.name} param {n}: {m}")
-    err = max(float((final[n] - ref_final[n]).abs().max()) for n in final)
-    moved = max(float((ref_final[n] - start[n]).abs().max()) for n in final)
+    err = check_close(final, ref_final, rtol=RTOL, atol=ATOL, what=f"{case.name} param")
+    moved = max_abs_diff(ref_final, start)
     assert moved > 10 * ATOL, (case.name, moved)  # the step moves the parameters well past the tolerance
     del model
     gc.collect()
@@ -155,7 +153,7 @@ def run_case(ctx: DistContext, case: Case, outdir: str) -> dict:
             "micro_batches": plan.training.grad_accum_steps, "schedule": plan.training.schedule,
             "zero": plan.training.zero_stage, "recompute": [s.index for s in plan.stages if s.recompute],
             "split": sorted({d.strategy for d in plan.nodes} - {"replicate"}),
-            "loss_err": abs(loss - ref_loss), "param_err": err, "moved": moved}
+            "loss_err": loss_err, "param_err": err, "moved": moved}
 
 
 def compile_and_run_2(ctx: DistContext, outdir: str) -> list[dict]:
@@ -176,7 +174,3 @@ LAUNCHES: dict[str, tuple[int, Callable[[DistContext, str], list[dict]]]] = {
     "compile+run2": (2, compile_and_run_2),
     "run4": (4, run_4),
 }
-
-
-def worker(rank: int, launch: str, port: int, outdir: str) -> None:
-    run_launch(rank, LAUNCHES[launch], port, outdir)

@@ -28,7 +28,6 @@ import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensor
 
-from dp_worker import run_launch
 from examples.models import GPT, GPTConfig
 from partita.compiler.api import default_loss
 from partita.core.plan import Plan
@@ -174,10 +173,8 @@ def check(ctx: DistContext, outdir: str, pins: dict) -> dict:
             "measured": measured}
 
 
-LAUNCHES: dict[str, tuple[int, Callable[[DistContext, str], list[dict]]]] = {
-    "tp2+pp2": (2, lambda ctx, out: [check(ctx, out, dict(tp=2)), check(ctx, out, dict(pp=2))]),
-}
+def tp2_then_pp2(ctx: DistContext, out: str) -> list[dict]:
+    return [check(ctx, out, dict(tp=2)), check(ctx, out, dict(pp=2))]
 
 
-def worker(rank: int, launch: str, port: int, outdir: str) -> None:
-    run_launch(rank, LAUNCHES[launch], port, outdir)
+LAUNCHES: dict[str, tuple[int, Callable[[DistContext, str], list[dict]]]] = {"tp2+pp2": (2, tp2_then_pp2)}

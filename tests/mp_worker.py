@@ -23,14 +23,14 @@ from __future__ import annotations
 
 import copy
 import gc
-import json
 from pathlib import Path
 from typing import Callable
 
 import torch
 import torch.distributed as dist
 
-from dp_worker import OPTIMIZERS, run_launch
+from dp_worker import OPTIMIZERS
+from harness import check_close, max_abs_diff, max_rel_diff
 from matrix_worker import MODELS
 from partita.compiler.api import default_loss
 from partita.core.errors import PartitaError
@@ -144,12 +144,11 @@ def run_case(ctx: DistContext, case: tuple, outdir: str) -> dict:
     assert set(final) == set(ref_final), (name(case), sorted(set(final) ^ set(ref_final)))
     for n in final:
         assert final[n].dtype == policy.param_dtype, (name(case), n, final[n].dtype)
-        torch.testing.assert_close(final[n].float(), ref_final[n].float(), rtol=PARAM_RTOL, atol=PARAM_ATOL,
-                                   msg=lambda m: f"{name(case)} param {n}: {m}")
-    moved = max(float((ref_final[n].float() - start[n]).abs().max()) for n in final)
+    param_err = check_close({n: t.float() for n, t in final.items()}, {n: t.float() for n, t in ref_final.items()},
+                            rtol=PARAM_RTOL, atol=PARAM_ATOL, what=f"{name(case)} param")
+    moved = max_abs_diff({n: ref_final[n] for n in final}, start)
     assert moved > 4 * PARAM_ATOL, (name(case), moved)  # the steps move parameters well past the tolerance
-    loss_err = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
-    param_err = max(float((final[n].float() - ref_final[n].float()).abs().max()) for n in final)
+    loss_err = max_rel_diff(losses, ref_losses)
     skipped = model.skipped_steps
     del model
     gc.collect()
@@ -315,8 +314,8 @@ def check_clipping(ctx: DistContext, outdir: str, cases: dict[str, dict]) -> lis
         assert [r.grad_norm for r in results] == pytest_approx(ref_norms), (label, results, ref_norms)
         assert [float(r) for r in results] == pytest_approx(ref_losses), (label, results, ref_losses)
         assert min(ref_norms) > 2 * CLIP  # every step clipped
-        for n, p in reference.named_parameters():
-            torch.testing.assert_close(final[n], p.detach(), rtol=1e-4, atol=2e-5, msg=lambda m: f"{label} {n}: {m}")
+        check_close({n: final[n] for n, _ in reference.named_parameters()},
+                    {n: p.detach() for n, p in reference.named_parameters()}, rtol=1e-4, atol=2e-5, what=label)
         out.append({"case": f"clip/{label}", "norms": [r.grad_norm for r in results], "ref_norms": ref_norms})
         del model
         gc.collect()
@@ -372,16 +371,3 @@ def run_4(ctx: DistContext, outdir: str) -> list[dict]:
 
 
 LAUNCHES = {"compile+run2": (2, compile_and_run_2), "run4": (4, run_4)}
-
-
-def worker(rank: int, launch: str, port: int, outdir: str) -> None:
-    run_launch(rank, LAUNCHES[launch], port, outdir)
-
-
-if __name__ == "__main__":  # a quick look: python tests/mp_worker.py OUTDIR
-    import sys
-
-    import dp_worker
-
-    print(json.dumps(dp_worker.spawn_launch(worker, 2, "compile+run2", Path(sys.argv[1]))[0], indent=1))
-    print(json.dumps(dp_worker.spawn_launch(worker, 4, "run4", Path(sys.argv[1]))[0], indent=1))

@@ -7,7 +7,7 @@ single-process reference on the same global batch. It compares the loss of
 every step, the first step's gradients and the parameters after STEPS steps of
 the parameters its stage holds (gathered over tp to full), and checks that the
 p2p sends counted per step equal the tensors crossing its cuts (from the
-planner's graph) x micro-batches. Failures raise, so mp.spawn reports them.
+planner's graph) x micro-batches. Failures raise, and tests/harness.py reports them.
 """
 
 from __future__ import annotations
@@ -19,37 +19,26 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from dp_worker import OPTIMIZERS, SEQ, gpt_batch, gpt_loss, run_launch
-from examples.models import GPT, GPTConfig, gpt_tiny
+from dp_worker import OPTIMIZERS, SEQ, gpt_batch, gpt_loss
+from examples.models import GPTConfig, gpt_tiny
+from harness import check_close, check_loss, gather_tp, reference_backward
 from partita.core.inputs import InputSpec
 from partita.compiler.timeline import load_trace, measured_timeline
 from partita.runtime.distributed import DistContext
 from partita.runtime.engine import ParallelModel
 from partita.runtime.pipeline_parallel import schedule_order
 from pp_choice import expected_sends, pp_plan
+from tied_script import TiedGPT
 from tp_choice import MEGATRON
+from tp_worker import hf_llama_tiny
 
 RTOL, ATOL = 1e-4, 2e-5
 STEPS = 3
 MBS = 2
 
 
-class TiedGPT(GPT):
-    """GPT-2's tying: the head's weight is the token embedding's."""
-
-    def __init__(self, cfg: GPTConfig) -> None:
-        super().__init__(cfg)
-        self.lm_head.weight = self.transformer.wte.weight
-
-
-def tied_gpt() -> GPT:
+def tied_gpt() -> TiedGPT:
     return TiedGPT(GPTConfig(vocab_size=256, block_size=64, n_layer=2, n_head=4, n_embd=64))
-
-
-def hf_llama_tiny():
-    from tp_worker import hf_llama_tiny as make
-
-    return make()
 
 
 MODELS: dict[str, tuple[Callable, InputSpec]] = {
@@ -57,24 +46,6 @@ MODELS: dict[str, tuple[Callable, InputSpec]] = {
     "tied-gpt": (tied_gpt, InputSpec("idx", torch.int64, (1, SEQ))),
     "hf-llama": (hf_llama_tiny, InputSpec("input_ids", torch.int64, (1, SEQ))),
 }
-
-
-def _gather(model: ParallelModel, local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Full tensors from this rank's shards (uncounted: the test's own collectives)."""
-    tp = model.module.tp.tp
-    out = {}
-    for name, (_, placement) in model.module.local_parameters().items():
-        t = local[name].contiguous()
-        if placement.startswith("shard("):
-            parts = [torch.empty_like(t) for _ in range(tp.size)]
-            dist.all_gather(parts, t, group=tp.group)
-            t = torch.cat(parts, dim=int(placement[6:-1]))
-        out[name] = t
-    return out
-
-
-def _max_err(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    return max((float((a[k] - b[k]).abs().max()) for k in a), default=0.0)
 
 
 def compare(ctx: DistContext, name: str, *, pp: int, cuts_at: list[int], schedule: str, tp: int = 1,
@@ -101,45 +72,28 @@ def compare(ctx: DistContext, name: str, *, pp: int, cuts_at: list[int], schedul
     loss_errs, ref_grads = [], {}
     for step in range(STEPS):
         loss = model.train_step(x, targets=y)
-        if dp == 1:
-            total = torch.zeros(())
-            for i in range(accum):
-                rows = slice(i * MBS, (i + 1) * MBS)
-                part = gpt_loss(reference(x[rows]), y[rows])
-                total += part.detach()
-                (part / accum).backward()
-            ref_loss = float(total / accum)
-        else:
-            part = gpt_loss(reference(x), y)
-            part.backward()
-            ref_loss = part.item()
+        ref_loss = reference_backward(reference, gpt_loss, x, y, accum if dp == 1 else 1)
         if step == 0:
             ref_grads = {n: p.grad.detach().clone() for n, p in reference.named_parameters()}
         ref_opt.step()
         ref_opt.zero_grad()
-        loss_errs.append(abs(loss - ref_loss))
-        assert abs(loss - ref_loss) <= ATOL + RTOL * abs(ref_loss), (name, step, loss, ref_loss)
+        loss_errs.append(check_loss(loss, ref_loss, rtol=RTOL, atol=ATOL, what=(name, step)))
         calls = model.collectives.calls
         p2p = sum(n for (kind, axis, _), n in calls.items() if kind == "send_recv" and axis == "pp")
         assert p2p == sends, (name, "stage", st.index, "p2p sends", p2p, "expected", sends)
-    full_grads = _gather(model, grads)
-    full_params = _gather(model, {n: p.detach() for n, (p, _) in local.items()})
-    ref_final = dict(reference.named_parameters())
+    full_grads = gather_tp(model.tensor_parallel, grads)
+    full_params = gather_tp(model.tensor_parallel, {n: p.detach() for n, (p, _) in local.items()})
+    ref_final = {n: p.detach() for n, p in reference.named_parameters()}
     assert full_params and set(full_params) <= set(ref_final), sorted(set(full_params) - set(ref_final))
-    for n in full_grads:
-        torch.testing.assert_close(full_grads[n], ref_grads[n], rtol=RTOL, atol=ATOL,
-                                   msg=lambda m: f"{name} stage {st.index} grad {n}: {m}")
-    for n in full_params:
-        torch.testing.assert_close(full_params[n], ref_final[n].detach(), rtol=RTOL, atol=ATOL,
-                                   msg=lambda m: f"{name} stage {st.index} param {n}: {m}")
+    grad_err = check_close(full_grads, ref_grads, rtol=RTOL, atol=ATOL, what=f"{name} stage {st.index} grad")
+    param_err = check_close(full_params, ref_final, rtol=RTOL, atol=ATOL, what=f"{name} stage {st.index} param")
     # every parameter is held by some stage
     held = [None] * dist.get_world_size()
     dist.all_gather_object(held, sorted(full_params))
     assert set().union(*map(set, held)) == set(ref_final), name
     result = {
         "case": f"{name}/dp={dp}/tp={tp}/pp={pp}/{schedule}/m={accum}", "stage": st.index,
-        "loss_err": max(loss_errs), "grad_err": _max_err(full_grads, {n: ref_grads[n] for n in full_grads}),
-        "param_err": _max_err(full_params, {n: ref_final[n].detach() for n in full_params}),
+        "loss_err": max(loss_errs), "grad_err": grad_err, "param_err": param_err,
         "p2p_sends_per_step": sends,
     }
     if trace_dir is not None:
@@ -177,31 +131,31 @@ def compare_inference(ctx: DistContext, name: str, *, pp: int, cuts_at: list[int
     out = model(x)
     with torch.no_grad():
         want = reference(x)
-    torch.testing.assert_close(out, want, rtol=RTOL, atol=ATOL)
-    return {"case": f"{name}/inference/dp={dp}/pp={pp}", "out_err": float((out - want).abs().max())}
+    err = check_close([out], [want], rtol=RTOL, atol=ATOL, what=f"{name} inference output")
+    return {"case": f"{name}/inference/dp={dp}/pp={pp}", "out_err": err}
+
+
+def pp2(ctx: DistContext, out: str) -> list[dict]:
+    return [compare(ctx, "gpt", pp=2, cuts_at=[1], schedule="gpipe"),
+            compare(ctx, "gpt", pp=2, cuts_at=[1], schedule="1f1b"),
+            compare(ctx, "tied-gpt", pp=2, cuts_at=[1], schedule="1f1b"),
+            compare_inference(ctx, "gpt", pp=2, cuts_at=[1])]
+
+
+def pp4_dp2xpp2_tp2xpp2(ctx: DistContext, out: str) -> list[dict]:
+    return [compare(ctx, "gpt", pp=4, cuts_at=[0, 1, 2], schedule="1f1b", trace_dir=out),
+            compare(ctx, "gpt", pp=4, cuts_at=[0, 1, 2], schedule="gpipe", trace_dir=out),
+            compare(ctx, "hf-llama", pp=4, cuts_at=[0, 1, 2], schedule="1f1b"),
+            compare(ctx, "gpt", pp=2, dp=2, cuts_at=[1], schedule="1f1b"),
+            compare(ctx, "gpt", pp=2, tp=2, cuts_at=[1], schedule="gpipe"),
+            compare_inference(ctx, "gpt", pp=2, dp=2, cuts_at=[1])]
+
+
+def dp2xtp2xpp2(ctx: DistContext, out: str) -> list[dict]:
+    return [compare(ctx, "gpt", pp=2, tp=2, dp=2, cuts_at=[1], schedule="1f1b", accum=2)]
 
 
 # launch name -> (world size, the checks each rank runs)
 LAUNCHES: dict[str, tuple[int, Callable[[DistContext, str], list[dict]]]] = {
-    "pp2": (2, lambda ctx, out: [
-        compare(ctx, "gpt", pp=2, cuts_at=[1], schedule="gpipe"),
-        compare(ctx, "gpt", pp=2, cuts_at=[1], schedule="1f1b"),
-        compare(ctx, "tied-gpt", pp=2, cuts_at=[1], schedule="1f1b"),
-        compare_inference(ctx, "gpt", pp=2, cuts_at=[1]),
-    ]),
-    "pp4-dp2xpp2-tp2xpp2": (4, lambda ctx, out: [
-        compare(ctx, "gpt", pp=4, cuts_at=[0, 1, 2], schedule="1f1b", trace_dir=out),
-        compare(ctx, "gpt", pp=4, cuts_at=[0, 1, 2], schedule="gpipe", trace_dir=out),
-        compare(ctx, "hf-llama", pp=4, cuts_at=[0, 1, 2], schedule="1f1b"),
-        compare(ctx, "gpt", pp=2, dp=2, cuts_at=[1], schedule="1f1b"),
-        compare(ctx, "gpt", pp=2, tp=2, cuts_at=[1], schedule="gpipe"),
-        compare_inference(ctx, "gpt", pp=2, dp=2, cuts_at=[1]),
-    ]),
-    "dp2xtp2xpp2": (8, lambda ctx, out: [
-        compare(ctx, "gpt", pp=2, tp=2, dp=2, cuts_at=[1], schedule="1f1b", accum=2),
-    ]),
+    "pp2": (2, pp2), "pp4-dp2xpp2-tp2xpp2": (4, pp4_dp2xpp2_tp2xpp2), "dp2xtp2xpp2": (8, dp2xtp2xpp2),
 }
-
-
-def worker(rank: int, launch: str, port: int, outdir: str) -> None:
-    run_launch(rank, LAUNCHES[launch], port, outdir)

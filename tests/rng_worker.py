@@ -14,14 +14,16 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
-from dp_worker import run_launch
 from examples.models import hf_bert_mlm
 from partita.compiler.compile import compile_model
 from partita.core.errors import PartitaError
 from partita.core.inputs import parse_input_spec
+from partita.core.plan import load_plan
 from partita.passes.cluster import load_cluster
 from partita.passes.constraints import Pins
 from partita.runtime.distributed import DistContext
@@ -38,12 +40,17 @@ def _optimizer(ps):
     return torch.optim.AdamW(ps, lr=1e-2)
 
 
-def _plan(world: int, **pins):
+def _plan(ctx: DistContext, out: str, **pins):
+    """The model, and its plan: compiled once, on rank 0, and read by every rank."""
     torch.manual_seed(0)
     model = hf_bert_mlm(vocab_size=VOCAB, dropout=0.1)
-    plan = compile_model(copy.deepcopy(model), [parse_input_spec(f"input_ids=int64[{BATCH},{SEQ}]")],
-                         load_cluster("local", devices=world), pins=Pins(world_size=world, **pins), loss=_loss).plan
-    return model, plan
+    path = Path(out, "bert-" + "-".join(f"{k}{v}" for k, v in pins.items()) + ".plan.json")
+    if ctx.rank == 0:
+        compile_model(copy.deepcopy(model), [parse_input_spec(f"input_ids=int64[{BATCH},{SEQ}]")],
+                      load_cluster("local", devices=ctx.world_size), pins=Pins(world_size=ctx.world_size, **pins),
+                      loss=_loss).plan.save(path)
+    dist.barrier()
+    return model, load_plan(path, world_size=ctx.world_size)
 
 
 def _train(ctx: DistContext, model, plan, *, tracker: bool = True, check: int = 1) -> tuple[ParallelModel, list[float]]:
@@ -64,7 +71,7 @@ def _train(ctx: DistContext, model, plan, *, tracker: bool = True, check: int = 
 
 
 def replicas(ctx: DistContext, out: str, **pins) -> dict:
-    model, plan = _plan(ctx.world_size, **pins)
+    model, plan = _plan(ctx, out, **pins)
     assert any("dropout" in d.op for d in plan.nodes)
     pm, losses = _train(ctx, model, plan)  # check_replicas after every step: raises on a drift
     # the check fires: perturb one replicated parameter on the second rank of each tp group
@@ -96,11 +103,12 @@ def replicas(ctx: DistContext, out: str, **pins) -> dict:
     return {"case": f"rng/{pins}", "losses": losses, "drift_without": drift.split(" from ")[0]}
 
 
-LAUNCHES = {
-    "tp2": (2, lambda ctx, out: [replicas(ctx, out, tp=2)]),
-    "tp2xdp2-tp2xpp2": (4, lambda ctx, out: [replicas(ctx, out, tp=2, dp=2), replicas(ctx, out, tp=2, pp=2)]),
-}
+def tp2(ctx: DistContext, out: str) -> list[dict]:
+    return [replicas(ctx, out, tp=2)]
 
 
-def worker(rank: int, launch: str, port: int, outdir: str) -> None:
-    run_launch(rank, LAUNCHES[launch], port, outdir)
+def tp2xdp2_then_tp2xpp2(ctx: DistContext, out: str) -> list[dict]:
+    return [replicas(ctx, out, tp=2, dp=2), replicas(ctx, out, tp=2, pp=2)]
+
+
+LAUNCHES = {"tp2": (2, tp2), "tp2xdp2-tp2xpp2": (4, tp2xdp2_then_tp2xpp2)}

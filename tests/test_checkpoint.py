@@ -4,26 +4,18 @@ and tp x pp; resharding across plans; torch's dcp_to_torch_save loads into the p
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-for path in (ROOT, ROOT / "tests"):  # spawned ranks inherit sys.path
-    if str(path) not in sys.path:
-        sys.path.insert(0, str(path))
-
-import checkpoint_worker  # noqa: E402
-import dp_worker  # noqa: E402
-from partita.runtime.sharded_state import flat_range_pieces  # noqa: E402
+import checkpoint_worker
+from harness import launch
+from partita.runtime.sharded_state import flat_range_pieces
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("launch", ["resume-2", "resume-reshard-4"])
-def test_checkpoints_resume_exactly_and_reshard(launch, tmp_path):
-    world, _ = checkpoint_worker.LAUNCHES[launch]
-    dp_worker.spawn_launch(checkpoint_worker.worker, world, launch, tmp_path)
+@pytest.mark.parametrize("name", ["resume-2", "resume-reshard-4"])
+def test_checkpoints_resume_exactly_and_reshard(name, tmp_path):
+    world, checks = checkpoint_worker.LAUNCHES[name]
+    launch(world, checks, str(tmp_path))
 
 
 @pytest.mark.parametrize("shape", [(7,), (3, 5), (2, 3, 4), (4, 1, 6)])
@@ -59,7 +51,7 @@ def test_a_four_rank_checkpoint_loads_into_one_process(tmp_path):
     from dp_worker import OPTIMIZERS, gpt_loss
     from partita.runtime.engine import ParallelModel
 
-    dp_worker.spawn_launch(checkpoint_worker.worker, 4, "save-4", tmp_path)
+    launch(4, checkpoint_worker.save_4, str(tmp_path))
     path = tmp_path / "save-gpt"
     reference, plan = checkpoint_worker._plan("gpt")
     model = ParallelModel(copy.deepcopy(reference), plan, loss_fn=gpt_loss, optimizer=OPTIMIZERS["adamw"])

@@ -2,9 +2,6 @@
 `partita run`, against a plain single-process loop; the collectives each rank ran equal the plan's."""
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,16 +14,9 @@ from partita.core.inputs import parse_input_spec
 from partita.passes.cluster import load_cluster
 from partita.passes.constraints import Pins
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
-from examples.models import GPT, GPTConfig, gpt_tiny  # noqa: E402
-
-sys.path.insert(0, str(HERE))
-import decorator_script as script  # noqa: E402
-from families_script import plain_training  # noqa: E402
-
-PARTITA = str(Path(sys.executable).with_name("partita"))
-ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+import decorator_script as script
+from examples.models import GPT, GPTConfig, gpt_tiny
+from harness import TESTS, partita_cli, plain_training, torchrun
 
 
 def reference():
@@ -78,23 +68,16 @@ def test_outside_torchrun_the_decorated_model_trains_in_one_process(ref):
 @pytest.mark.slow
 def test_under_torchrun_rank0_plans_and_ranks_match_one_process(tmp_path, ref):
     out = tmp_path / "torchrun.json"
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                        str(HERE / "decorator_script.py"), str(out)], env=ENV, capture_output=True, text=True,
-                       timeout=300)
-    assert r.returncode == 0, r.stderr[-3000:]
+    torchrun(TESTS / "decorator_script.py", out, nproc=2)
     check(out, ref, 2)
 
 
 def compile_and_run(tmp_path: Path, *compile_args: str, run_args: tuple[str, ...] = ()) -> tuple[Path, Path]:
     """`partita compile` the script's model with ``compile_args``, then `partita run` the plan."""
     plan, out = tmp_path / "plan.json", tmp_path / "out.json"
-    c = subprocess.run([PARTITA, "compile", f"{HERE / 'decorator_script.py'}:make_model", *compile_args,
-                        "--grad-accum-steps", "2", "-o", str(plan)], env=ENV, capture_output=True, text=True,
-                       timeout=300)
-    assert c.returncode == 0, c.stderr[-3000:]
-    r = subprocess.run([PARTITA, "run", *run_args, str(plan), str(HERE / "decorator_script.py"), str(out)], env=ENV,
-                       capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-3000:]
+    partita_cli("compile", f"{TESTS / 'decorator_script.py'}:make_model", *compile_args, "--grad-accum-steps", "2",
+            "-o", plan)
+    partita_cli("run", *run_args, plan, TESTS / "decorator_script.py", out)
     return plan, out
 
 

@@ -4,10 +4,6 @@ planned by the planner on dp2, tp2, pp2 and ZeRO-3 and run under torchrun: the s
 parameters as one process. Tolerance 1e-4 relative: fp32, only the reduction order differs."""
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -18,10 +14,9 @@ from partita.core.losses import resolve_loss
 from partita.passes.cluster import load_cluster
 from partita.passes.constraints import Pins
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-import families_script as script  # noqa: E402
-from test_decorator import fast_cluster  # noqa: E402
+import families_script as script
+from harness import TESTS, torchrun
+from test_decorator import fast_cluster
 
 MESHES = {"dp2": dict(dp=2), "tp2": dict(tp=2), "pp2": dict(pp=2), "zero3": dict(dp=2, zero_stage=3)}
 
@@ -36,10 +31,7 @@ def test_bare_hf_models_train_on_every_axis_as_one_process(tmp_path):
             plan = compile_model(script.build(name), [spec], cluster, pins=Pins(world_size=2, **pins),
                                  loss=resolve_loss(loss)).plan
             runs.append(f"{name}={plan.save(tmp_path / f'{name}-{mesh}.json')}")
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                        str(HERE / "families_script.py"), str(tmp_path), *runs],
-                       env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr[-4000:]
+    torchrun(TESTS / "families_script.py", tmp_path, *runs, nproc=2, timeout_s=600)
     for name in script.MODELS:
         ref_losses, ref_state = script.reference(name)
         for mesh in MESHES:

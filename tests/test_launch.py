@@ -2,9 +2,7 @@
 and torchrun's summary); the plan given to `partita run` and the script's plan= must agree; a
 multi-node plan is not started on one host unless asked; SLURM's variables fill in the nodes."""
 
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,12 +13,8 @@ from partita.passes.cluster import load_cluster
 from partita.passes.constraints import Pins
 from partita.runtime.launch import slurm_layout
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-import tied_script as script  # noqa: E402
-
-PARTITA = str(Path(sys.executable).with_name("partita"))
-ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+import tied_script as script
+from harness import ENV, PARTITA, TESTS, free_port, partita_cli
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +25,7 @@ def dp2_plan(tmp_path_factory):
 
 
 def partita_run(*args):
-    return subprocess.run([PARTITA, "run", *map(str, args)], env=ENV, capture_output=True, text=True, timeout=300)
+    return partita_cli("run", *args, check=False)
 
 
 @pytest.mark.slow
@@ -42,7 +36,7 @@ def partita_run(*args):
                     "seed the data loader alike"]),
 ])
 def test_a_user_error_on_the_ranks_is_one_message_and_exit_2(dp2_plan, case, words):
-    r = partita_run(dp2_plan, HERE / "launch_script.py", case)
+    r = partita_run(dp2_plan, TESTS / "launch_script.py", case)
     out = r.stdout + r.stderr
     assert r.returncode == 2, out[-3000:]
     for w in words:
@@ -55,7 +49,7 @@ def test_a_multi_node_plan_is_not_started_on_one_host_unless_asked(tmp_path):
     plan = compile_model(script.build("tied-gpt"), [parse_input_spec(f"idx=int64[32,{script.SEQ}]")],
                          load_cluster("dgx-a100", nodes=2), pins=Pins(world_size=16), precision="fp32").plan
     path = plan.save(tmp_path / "plan.json")
-    r = partita_run(path, HERE / "launch_script.py", "fine")
+    r = partita_run(path, TESTS / "launch_script.py", "fine")
     assert r.returncode == 2
     assert "this plan is for 2 nodes of 8 devices" in r.stderr and "--nnodes 2 --node-rank R --rdzv-endpoint" in r.stderr
     assert "Traceback" not in r.stderr
@@ -75,7 +69,7 @@ def test_the_scripts_plan_and_partita_runs_plan_must_agree(dp2_plan, tmp_path):
     other = tmp_path / "other.json"
     other.write_text(Path(dp2_plan).read_text())
     code = ("import sys; sys.path.insert(0, %r); import partita, tied_script as s; "
-            "partita.parallelize(s.build('tied-gpt'), plan=%r)" % (str(HERE), str(other)))
+            "partita.parallelize(s.build('tied-gpt'), plan=%r)" % (str(TESTS), str(other)))
     script_path = tmp_path / "s.py"
     script_path.write_text(code)
     r = partita_run(dp2_plan, script_path)
@@ -92,16 +86,8 @@ def test_a_plan_the_runtime_cannot_run_is_refused_before_any_process_starts(tmp_
                               mesh=dataclasses.replace(plan.mesh, dp=2))
     bad = dataclasses.replace(bad, stages=tuple(dataclasses.replace(s, recompute=True) for s in bad.stages))
     path = bad.save(tmp_path / "bad.json")
-    r = partita_run(path, HERE / "launch_script.py", "fine")
+    r = partita_run(path, TESTS / "launch_script.py", "fine")
     assert r.returncode == 2 and "with ZeRO-3" in r.stderr and r.stderr.count("error") == 1, r.stderr
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.slow
@@ -112,14 +98,14 @@ def test_two_nodes_join_one_rendezvous_and_train_as_one_process(dp2_plan, tmp_pa
 
     import torch
 
-    endpoint = f"127.0.0.1:{_free_port()}"
+    endpoint = f"127.0.0.1:{free_port()}"
     outs = [tmp_path / "node0", tmp_path / "node1"]
     procs = []
     for node, out in enumerate(outs):
         out.mkdir()
         procs.append(subprocess.Popen([PARTITA, "run", "--nnodes", "2", "--node-rank", str(node),
                                        "--rdzv-endpoint", endpoint, str(dp2_plan),
-                                       str(HERE / "restart_script.py"), str(out), "0"], env=ENV,
+                                       str(TESTS / "restart_script.py"), str(out), "0"], env=ENV,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     for p in procs:
         _, err = p.communicate(timeout=300)
@@ -127,7 +113,7 @@ def test_two_nodes_join_one_rendezvous_and_train_as_one_process(dp2_plan, tmp_pa
     got = [json.loads(x) for x in sum(((o / "losses.jsonl").read_text().splitlines()
                                        for o in outs if (o / "losses.jsonl").exists()), [])]
     state = torch.load(next(o / "final.pt" for o in outs if (o / "final.pt").exists()), weights_only=True)
-    from families_script import plain_training
+    from harness import plain_training
 
     def batches():
         for step in range(6):

@@ -11,24 +11,18 @@ stays within 1% of fp32's over 20 steps."""
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-for path in (ROOT, ROOT / "tests"):  # spawned ranks inherit sys.path
-    if str(path) not in sys.path:
-        sys.path.insert(0, str(path))
-
-import dp_worker  # noqa: E402
-import mp_worker  # noqa: E402
+import mp_worker
+from harness import launch
 
 
 @pytest.mark.slow
 def test_mixed_precision_plans_match_one_process_running_the_same_recipe(tmp_path):
-    two = dp_worker.spawn_launch(mp_worker.worker, 2, "compile+run2", tmp_path)
-    four = dp_worker.spawn_launch(mp_worker.worker, 4, "run4", tmp_path)
+    two = launch(2, mp_worker.compile_and_run_2, str(tmp_path))
+    four = launch(4, mp_worker.run_4, str(tmp_path))
     results = {r["case"]: r for r in two[0] + four[0]}
     assert {mp_worker.name(c) for c in mp_worker.CASES_2 + mp_worker.CASES_4} <= set(results)
     assert results["curve/bf16-vs-fp32"]["worst_rel"] < 0.01

@@ -12,24 +12,18 @@ the 2-device plans, the second runs the 4-device ones.
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-for path in (ROOT, ROOT / "tests"):  # spawned ranks inherit sys.path
-    if str(path) not in sys.path:
-        sys.path.insert(0, str(path))
-
-import dp_worker  # noqa: E402
-import matrix_worker  # noqa: E402
+import matrix_worker
+from harness import launch
 
 
 @pytest.mark.slow
 def test_every_plan_of_the_example_models_runs_one_step_like_one_process(tmp_path):
-    two = dp_worker.spawn_launch(matrix_worker.worker, 2, "compile+run2", tmp_path)
-    four = dp_worker.spawn_launch(matrix_worker.worker, 4, "run4", tmp_path)
+    two = launch(2, matrix_worker.compile_and_run_2, str(tmp_path))
+    four = launch(4, matrix_worker.run_4, str(tmp_path))
     results = {r["case"]: r for r in two[0] + four[0]}
     assert set(results) == {c.name for c in matrix_worker.CASES}
     refused = {name: r["refused"] for name, r in results.items() if "refused" in r}

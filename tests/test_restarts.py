@@ -3,9 +3,6 @@ restarts every rank, they resume from the newest complete checkpoint by themselv
 ends with the losses and parameters of an uninterrupted run, bit for bit (dp=2 and pp=2 plans)."""
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,20 +14,15 @@ from partita.passes.cluster import load_cluster
 from partita.passes.constraints import Pins
 from partita.runtime.sharded_state import COMPLETE, latest, step_dir
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-import tied_script as script  # noqa: E402
-
-PARTITA = str(Path(sys.executable).with_name("partita"))
+import tied_script as script
+from harness import TESTS, partita_cli
 
 
 def run(tmp: Path, plan: Path, kill_at: int) -> tuple[dict[int, float], dict]:
     out = tmp / f"kill{kill_at}"
     out.mkdir()
-    r = subprocess.run([PARTITA, "run", "--checkpoint-dir", str(out / "ckpt"), "--checkpoint-every", "2",
-                        "--max-restarts", "1", str(plan), str(HERE / "restart_script.py"), str(out), str(kill_at)],
-                       env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=400)
-    assert r.returncode == 0, r.stderr[-3000:]
+    r = partita_cli("run", "--checkpoint-dir", out / "ckpt", "--checkpoint-every", "2", "--max-restarts", "1", plan,
+                    TESTS / "restart_script.py", out, kill_at, timeout_s=400)
     lines = [json.loads(x) for x in (out / "losses.jsonl").read_text().splitlines()]
     attempts = {x["attempt"] for x in lines}
     assert attempts == ({0, 1} if kill_at else {0}), attempts

@@ -4,26 +4,18 @@ the replica check names a divergence, recomputation draws the same masks; and th
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-for path in (ROOT, ROOT / "tests"):  # spawned ranks inherit sys.path
-    if str(path) not in sys.path:
-        sys.path.insert(0, str(path))
-
-import dp_worker  # noqa: E402
-import rng_worker  # noqa: E402
-from partita.runtime.rng import is_random, op_seed  # noqa: E402
+import rng_worker
+from harness import launch
+from partita.runtime.rng import is_random, op_seed
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("launch", list(rng_worker.LAUNCHES))
-def test_replicated_parameters_never_drift(launch, tmp_path):
-    world, _ = rng_worker.LAUNCHES[launch]
-    per_rank = dp_worker.spawn_launch(rng_worker.worker, world, launch, tmp_path)
+@pytest.mark.parametrize("name", list(rng_worker.LAUNCHES))
+def test_replicated_parameters_never_drift(name, tmp_path):
+    world, checks = rng_worker.LAUNCHES[name]
+    per_rank = launch(world, checks, str(tmp_path))
     for results in per_rank:
         for r in results:
             assert r["drift_without"].startswith("parameter "), r

@@ -1,6 +1,6 @@
 """Data-parallel runtime on real gloo processes, against a single-process reference.
 
-Each launch (2 and 4 ranks) runs many checks in one mp.spawn (see dp_worker.py):
+Each launch (2 and 4 ranks) runs many checks (see dp_worker.py):
 MLP and tiny GPT, AdamW and SGD, gradient accumulation over 2 micro-batches,
 3 steps; losses, first-step gradients and final parameters within fp32
 tolerance; collectives counted per step equal to a hand-built plan's list;
@@ -9,27 +9,16 @@ plans for another world size, tp without node decisions or ZeRO refused; wrong b
 
 from __future__ import annotations
 
-import json
-import sys
-from pathlib import Path
-
 import pytest
 import torch
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-ROOT = Path(__file__).resolve().parents[1]
-for path in (ROOT, ROOT / "tests"):  # spawned ranks inherit sys.path
-    if str(path) not in sys.path:
-        sys.path.insert(0, str(path))
-
-import dp_worker  # noqa: E402
-from dp_worker import (  # noqa: E402
-    MLP_BUCKET_BYTES, MLP_BUCKETS, OPTIMIZERS, make_plan, mlp, mlp_batch,
-)
-from partita.core.errors import PartitaError  # noqa: E402
-from partita.runtime.grad_buckets import bucket_layout  # noqa: E402
-from partita.runtime.engine import ParallelModel  # noqa: E402
+import dp_worker
+from dp_worker import MLP_BUCKET_BYTES, MLP_BUCKETS, OPTIMIZERS, make_plan, mlp, mlp_batch
+from harness import launch
+from partita.core.errors import PartitaError
+from partita.runtime.engine import ParallelModel
+from partita.runtime.grad_buckets import bucket_layout
 
 
 def test_bucket_layout_follows_the_stated_rule():
@@ -70,10 +59,6 @@ def test_single_process_runs_the_plan_micro_batching_like_the_plain_model():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
-def test_data_parallel_matches_single_process(world, tmp_path):
-    mp.spawn(dp_worker.worker, args=(world, dp_worker.free_port(), str(tmp_path)), nprocs=world)
-    for rank in range(world):
-        results = json.loads((tmp_path / f"rank{rank}.json").read_text())
+def test_data_parallel_matches_single_process(world):
+    for results in launch(world, dp_worker.checks):
         assert len(results) == 8  # 5 data-parallel cases, then ZeRO-1/2/3 through ParallelModel
-        for r in results:
-            print(rank, r)

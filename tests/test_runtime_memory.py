@@ -11,24 +11,16 @@ program, and a pipeline stage's received activations waited for a collection.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-for path in (ROOT, ROOT / "tests"):  # spawned ranks inherit sys.path
-    if str(path) not in sys.path:
-        sys.path.insert(0, str(path))
-
-import dp_worker  # noqa: E402
-import memory_worker  # noqa: E402
+import memory_worker
+from harness import launch
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("launch", list(memory_worker.LAUNCHES))
-def test_each_rank_holds_its_part_and_leaves_no_cycles(launch, tmp_path):
-    world, _ = memory_worker.LAUNCHES[launch]
-    per_rank = dp_worker.spawn_launch(memory_worker.worker, world, launch, tmp_path)
+@pytest.mark.parametrize("name", list(memory_worker.LAUNCHES))
+def test_each_rank_holds_its_part_and_leaves_no_cycles(name, tmp_path):
+    world, checks = memory_worker.LAUNCHES[name]
+    per_rank = launch(world, checks, str(tmp_path))
     stages = {(r["case"], r["stage"]) for results in per_rank for r in results}
     assert stages == {("gpt/tp2", 0), ("gpt/pp2", 0), ("gpt/pp2", 1)}

@@ -1,6 +1,6 @@
 """Pipeline-parallel runtime on real gloo processes, against a single-process reference.
 
-Each launch runs many checks in one mp.spawn (see pp_worker.py): pp=2 (example
+Each launch runs many checks (see pp_worker.py): pp=2 (example
 GPT with GPipe and 1F1B, a tied-embedding GPT whose copies' gradients are
 summed, forward-only inference), pp=4 (GPT with both schedules and their
 traces, HF Llama whose rotary embeddings are relayed through the middle
@@ -11,25 +11,17 @@ stage, and the p2p sends per step equal to the tensors crossing the cuts.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-for path in (ROOT, ROOT / "tests"):  # spawned ranks inherit sys.path
-    if str(path) not in sys.path:
-        sys.path.insert(0, str(path))
-
-import dp_worker  # noqa: E402
-import pp_worker  # noqa: E402
+import pp_worker
+from harness import launch
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("launch", list(pp_worker.LAUNCHES))
-def test_pipeline_parallel_matches_single_process(launch, tmp_path):
-    world, _ = pp_worker.LAUNCHES[launch]
-    dp_worker.spawn_launch(pp_worker.worker, world, launch, tmp_path)
+@pytest.mark.parametrize("name", list(pp_worker.LAUNCHES))
+def test_pipeline_parallel_matches_single_process(name, tmp_path):
+    world, checks = pp_worker.LAUNCHES[name]
+    launch(world, checks, str(tmp_path))
 
 
 def _in_flight(order):

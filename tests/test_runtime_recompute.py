@@ -12,28 +12,22 @@ ZeRO-3 with recomputation is refused before anything runs.
 from __future__ import annotations
 
 import dataclasses
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-for path in (ROOT, ROOT / "tests"):  # spawned ranks inherit sys.path
-    if str(path) not in sys.path:
-        sys.path.insert(0, str(path))
-
-import dp_worker  # noqa: E402
-import recompute_worker  # noqa: E402
-from partita.core.errors import PlanError  # noqa: E402
-from partita.core.plan import NodeDecision, Stage  # noqa: E402
-from partita.runtime.engine import refuse_unsupported  # noqa: E402
+import dp_worker
+import recompute_worker
+from harness import launch
+from partita.core.errors import PlanError
+from partita.core.plan import NodeDecision, Stage
+from partita.runtime.engine import refuse_unsupported
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("launch", list(recompute_worker.LAUNCHES))
-def test_recompute_matches_single_process_and_saves_activations(launch, tmp_path):
-    world, _ = recompute_worker.LAUNCHES[launch]
-    per_rank = dp_worker.spawn_launch(recompute_worker.worker, world, launch, tmp_path)
+@pytest.mark.parametrize("name", list(recompute_worker.LAUNCHES))
+def test_recompute_matches_single_process_and_saves_activations(name, tmp_path):
+    world, checks = recompute_worker.LAUNCHES[name]
+    per_rank = launch(world, checks, str(tmp_path))
     cases = {r["case"] for results in per_rank for r in results}
     assert len(cases) == len(per_rank[0])
 

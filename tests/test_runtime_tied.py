@@ -5,9 +5,6 @@ final parameters as one process, and every rank runs exactly the collectives its
 stage, the tied-gradient all-reduce included."""
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,13 +16,9 @@ from partita.core.plan import tied_stages
 from partita.passes.cluster import load_cluster
 from partita.passes.constraints import Pins
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-import tied_script as script  # noqa: E402
-from families_script import plain_training  # noqa: E402
-from test_decorator import calls, fast_cluster  # noqa: E402
-
-ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+import tied_script as script
+from harness import TESTS, plain_training, torchrun
+from test_decorator import calls, fast_cluster
 
 
 def reference(name: str, batch: int):
@@ -48,10 +41,8 @@ def compile_plan(tmp_path: Path, name: str, *, dp: int, batch: int) -> Path:
 def test_tied_models_train_under_tp_and_pp_as_one_process(tmp_path, dp):
     batch = 4 * dp
     plans = {name: compile_plan(tmp_path, name, dp=dp, batch=batch) for name in script.MODELS}
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={4 * dp}",
-                        str(HERE / "tied_script.py"), str(tmp_path), *(f"{n}={p}" for n, p in plans.items())],
-                       env=ENV, capture_output=True, text=True, timeout=400)
-    assert r.returncode == 0, r.stderr[-4000:]
+    torchrun(TESTS / "tied_script.py", tmp_path, *(f"{n}={p}" for n, p in plans.items()), nproc=4 * dp,
+             timeout_s=400)
     for name in script.MODELS:
         ref_losses, ref_state = reference(name, batch)
         for rank in range(4 * dp):

@@ -9,24 +9,16 @@ against the cost model, and the dp collectives call for call.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-for path in (ROOT, ROOT / "tests"):  # spawned ranks inherit sys.path
-    if str(path) not in sys.path:
-        sys.path.insert(0, str(path))
-
-import dp_worker  # noqa: E402
-import zero_mesh_worker  # noqa: E402
+import zero_mesh_worker
+from harness import launch
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("launch", list(zero_mesh_worker.LAUNCHES))
-def test_zero_with_tp_and_pp_matches_single_process(launch, tmp_path):
-    world, _ = zero_mesh_worker.LAUNCHES[launch]
-    per_rank = dp_worker.spawn_launch(zero_mesh_worker.worker, world, launch, tmp_path)
+@pytest.mark.parametrize("name", list(zero_mesh_worker.LAUNCHES))
+def test_zero_with_tp_and_pp_matches_single_process(name, tmp_path):
+    world, checks = zero_mesh_worker.LAUNCHES[name]
+    per_rank = launch(world, checks, str(tmp_path))
     cases = {r["case"] for results in per_rank for r in results}
     assert len(cases) == len(per_rank[0])

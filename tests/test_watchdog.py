@@ -2,12 +2,9 @@
 ends, within the limit, with one message naming the ranks and the mismatched collectives, and a
 non-zero exit; never a silent hang."""
 
-import os
-import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
 
@@ -18,9 +15,8 @@ from partita.passes.cluster import load_cluster
 from partita.passes.constraints import Pins
 from partita.runtime.watchdog import EXIT_HUNG, FlightRecorder, Watchdog
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-import tied_script as script  # noqa: E402
+import tied_script as script
+from harness import TESTS, command
 
 
 class MemoryStore:
@@ -119,9 +115,9 @@ def test_an_injected_mismatch_ends_the_job_with_one_message_within_the_limit(tmp
     path = plan.save(tmp_path / "plan.json")
     limit = 4
     t0 = time.monotonic()
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                        str(HERE / "hang_script.py"), str(path), str(limit)],
-                       env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300)
+    # plain torchrun (not harness.torchrun's tee): the test reads the job's own output
+    r = command(sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                TESTS / "hang_script.py", path, limit, check=False)
     elapsed = time.monotonic() - t0
     assert r.returncode != 0
     assert "unreachable" not in r.stderr

@@ -5,8 +5,8 @@ runs partita's ParallelModel and, in the same process, a single-process
 reference of the same model on the same global batch, and compares losses each
 step, first-step gradients (gathered back to full) and the parameters after
 STEPS steps; it checks that the collectives counted each step equal the plan's
-list. Failures raise, so mp.spawn reports them; the largest errors are written
-to ``outdir`` for the log.
+list. Failures raise, and tests/harness.py reports them; the largest errors are
+returned for the log.
 """
 
 from __future__ import annotations
@@ -21,8 +21,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from dp_worker import GPT_VOCAB, OPTIMIZERS, SEQ, gpt_batch, gpt_loss, run_launch
-from examples.models import MLP, LogitsOnly, gpt_tiny
+from dp_worker import GPT_VOCAB, OPTIMIZERS, SEQ, gpt_batch, gpt_loss, mlp, mlp_batch
+from examples.models import LogitsOnly, gpt_tiny
+from harness import check_close, check_loss, gather_tp, reference_backward
 from partita.core.inputs import InputSpec
 from partita.runtime.grad_buckets import bucket_layout
 from partita.runtime.distributed import DistContext
@@ -35,15 +36,6 @@ MBS, ACCUM = 2, 2
 
 MLP_PINS = {(r"^layers\.0$", "linear"): "col", (r"^layers\.1$", "linear"): "row",
             (r"^layers\.2$", "linear"): "col"}
-
-
-def mlp() -> nn.Module:
-    return MLP(d_in=16, hidden=32, d_out=8, layers=3)
-
-
-def mlp_batch(global_batch: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(1)
-    return torch.randn(global_batch, 16, generator=g), torch.randn(global_batch, 8, generator=g)
 
 
 def hf_gpt2_tiny() -> nn.Module:
@@ -72,25 +64,6 @@ MODELS: dict[str, tuple] = {
     "hf-gpt2": (hf_gpt2_tiny, gpt_batch, gpt_loss, InputSpec("input_ids", torch.int64, (1, SEQ)), None, MEGATRON),
     "hf-llama": (hf_llama_tiny, gpt_batch, gpt_loss, InputSpec("input_ids", torch.int64, (1, SEQ)), None, MEGATRON),
 }
-
-
-def _max_err(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    return max(float((a[k] - b[k]).abs().max()) for k in a)
-
-
-def _gather(model: ParallelModel, local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Full tensors from this rank's shards (uncounted: a test's own collectives)."""
-    tp = model.module.tp
-    out = {}
-    for name, (_, placement) in model.module.local_parameters().items():
-        t = local[name].contiguous()
-        if placement.startswith("shard("):
-            dim = int(placement[6:-1])
-            parts = [torch.empty_like(t) for _ in range(tp.size)]
-            dist.all_gather(parts, t, group=tp.group)
-            t = torch.cat(parts, dim=dim)
-        out[name] = t
-    return out
 
 
 def expected_calls(plan, model: ParallelModel, bucket_bytes: int) -> list[tuple[str, str, int, int]]:
@@ -151,61 +124,46 @@ def compare(ctx: DistContext, name: str, *, tp: int, dp: int = 1, replicated: bo
     loss_errs = []
     for step in range(STEPS):
         loss = model.train_step(x, targets=y)
-        if dp == 1:  # the same micro-batches, so a replicated plan can match exactly
-            total = torch.zeros(())
-            for i in range(ACCUM):  # as train_step sums and scales them
-                rows = slice(i * MBS, (i + 1) * MBS)
-                part = loss_fn(reference(x[rows]), y[rows])
-                total += part.detach()
-                (part / ACCUM).backward()
-            ref_loss = float(total.div_(ACCUM))
-        else:
-            part = loss_fn(reference(x), y)
-            part.backward()
-            ref_loss = part.item()
+        # at dp=1 the same micro-batches, so that a replicated plan can match exactly
+        ref_loss = reference_backward(reference, loss_fn, x, y, ACCUM if dp == 1 else 1)
         if step == 0:
             ref_grads = {n: p.grad.detach().clone() for n, p in reference.named_parameters()}
         ref_opt.step()
         ref_opt.zero_grad()
-        loss_errs.append(abs(loss - ref_loss))
         if replicated:
             assert loss == ref_loss, (loss, ref_loss)
-        assert abs(loss - ref_loss) <= ATOL + RTOL * abs(ref_loss), (name, step, loss, ref_loss)
+        loss_errs.append(check_loss(loss, ref_loss, rtol=RTOL, atol=ATOL, what=(name, step)))
         assert model.collectives.as_tuples() == want_calls, (name, model.collectives.as_tuples(), want_calls)
-    full_grads = _gather(model, grads)
-    full_params = _gather(model, {n: p.detach() for n, (p, _) in local.items()})
+    full_grads = gather_tp(model.tensor_parallel, grads)
+    full_params = gather_tp(model.tensor_parallel, {n: p.detach() for n, (p, _) in local.items()})
     ref_final = {n: p.detach() for n, p in reference.named_parameters()}
-    ref_grads = {n: ref_grads[n] for n in full_grads}
-    ref_final = {n: ref_final[n] for n in full_params}
-    for n in full_grads:
-        if replicated:
-            assert torch.equal(full_grads[n], ref_grads[n]), n
-        torch.testing.assert_close(full_grads[n], ref_grads[n], rtol=RTOL, atol=ATOL, msg=lambda m: f"{name} grad {n}: {m}")
-    for n in full_params:
-        if replicated:
-            assert torch.equal(full_params[n], ref_final[n]), n
-        torch.testing.assert_close(full_params[n], ref_final[n], rtol=RTOL, atol=ATOL, msg=lambda m: f"{name} param {n}: {m}")
+    if replicated:
+        assert all(torch.equal(full_grads[n], ref_grads[n]) for n in full_grads), name
+        assert all(torch.equal(full_params[n], ref_final[n]) for n in full_params), name
+    grad_err = check_close(full_grads, ref_grads, rtol=RTOL, atol=ATOL, what=f"{name} grad")
+    param_err = check_close(full_params, ref_final, rtol=RTOL, atol=ATOL, what=f"{name} param")
     return {
         "case": f"{name}/dp={dp}/tp={tp}{'/replicated' if replicated else ''}{'/checkpoint' if checkpoint else ''}",
-        "loss_err": max(loss_errs),
-        "grad_err": _max_err(full_grads, ref_grads),
-        "param_err": _max_err(full_params, ref_final),
+        "loss_err": max(loss_errs), "grad_err": grad_err, "param_err": param_err,
         "tp_calls_per_step": sum(n for k, a, b, n in want_calls if a == "tp"),
     }
 
 
+def tp2(ctx: DistContext, out: str) -> list[dict]:
+    return [compare(ctx, "gpt", tp=2), compare(ctx, "mlp", tp=2), compare(ctx, "gpt", tp=2, replicated=True),
+            compare(ctx, "gpt", tp=2, checkpoint_dir=out), compare(ctx, "hf-gpt2", tp=2),
+            compare(ctx, "hf-llama", tp=2)]
+
+
+def tp4(ctx: DistContext, out: str) -> list[dict]:
+    return [compare(ctx, "gpt", tp=4), compare(ctx, "mlp", tp=4)]
+
+
+def dp2xtp2(ctx: DistContext, out: str) -> list[dict]:
+    return [compare(ctx, "gpt", tp=2, dp=2), compare(ctx, "mlp", tp=2, dp=2, opt_name="sgd")]
+
+
 # launch name -> (world size, the checks each rank runs)
 LAUNCHES: dict[str, tuple[int, Callable[[DistContext, str], list[dict]]]] = {
-    "tp2": (2, lambda ctx, out: [
-        compare(ctx, "gpt", tp=2), compare(ctx, "mlp", tp=2),
-        compare(ctx, "gpt", tp=2, replicated=True),
-        compare(ctx, "gpt", tp=2, checkpoint_dir=out),
-        compare(ctx, "hf-gpt2", tp=2), compare(ctx, "hf-llama", tp=2),
-    ]),
-    "tp4": (4, lambda ctx, out: [compare(ctx, "gpt", tp=4), compare(ctx, "mlp", tp=4)]),
-    "dp2xtp2": (4, lambda ctx, out: [compare(ctx, "gpt", tp=2, dp=2), compare(ctx, "mlp", tp=2, dp=2, opt_name="sgd")]),
+    "tp2": (2, tp2), "tp4": (4, tp4), "dp2xtp2": (4, dp2xtp2),
 }
-
-
-def worker(rank: int, launch: str, port: int, outdir: str) -> None:
-    run_launch(rank, LAUNCHES[launch], port, outdir)

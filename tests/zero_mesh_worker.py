@@ -28,13 +28,14 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from dp_worker import OPTIMIZERS, gpt_batch, gpt_loss, reference_step, run_launch
+from dp_worker import OPTIMIZERS, gpt_batch, gpt_loss
+from harness import check_close, check_loss, gather_tp, reference_step
 from partita.passes.cost_model import model_state_memory, state_bytes_per_param, zero_collectives
 from partita.runtime.grad_buckets import bucket_layout
 from partita.runtime.distributed import DistContext
 from partita.runtime.engine import ParallelModel
 from pp_choice import pp_plan
-from pp_worker import MODELS, _max_err
+from pp_worker import MODELS
 from tp_choice import MEGATRON
 
 RTOL, ATOL = 1e-4, 2e-5
@@ -46,20 +47,6 @@ BUCKET_BYTES = 48 * 1024  # several buckets per stage, some straddling modules
 def _short(name: str) -> str:
     """A ZeRO program's parameter name (``tp.shards.a/b``) as the model's (``a.b``)."""
     return name.split("shards.")[-1].replace("/", ".")
-
-
-def _gather(tp_program, local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Full tensors from this rank's TP shards (uncounted: the test's own collectives)."""
-    tp = tp_program.tp
-    out = {}
-    for name, (_, placement) in tp_program.local_parameters().items():
-        t = local[name].contiguous()
-        if placement.startswith("shard(") and tp.size > 1:
-            parts = [torch.empty_like(t) for _ in range(tp.size)]
-            dist.all_gather(parts, t, group=tp.group)
-            t = torch.cat(parts, dim=int(placement[6:-1]))
-        out[name] = t
-    return out
 
 
 def mesh_case(name: str, *, pp: int, tp: int, dp: int, cuts_at: tuple[int, ...], schedule: str, accum: int):
@@ -107,19 +94,14 @@ def compare(ctx: DistContext, name: str, *, zero: int, dp: int, pp: int = 1, tp:
             dp_calls.append({(k, b): c for (k, axis, b), c in model.collectives.calls.items()
                              if axis == "dp" and k in ("reduce_scatter", "all_gather")})
         ref_loss = reference_step(reference, ref_opt, gpt_loss, x, y, ref_grads if step == 0 else None)
-        loss_errs.append(abs(loss - ref_loss))
-        assert loss_errs[-1] <= ATOL + RTOL * abs(ref_loss), (name, zero, step, loss, ref_loss)
+        loss_errs.append(check_loss(loss, ref_loss, rtol=RTOL, atol=ATOL, what=(name, zero, step)))
 
-    full_grads = _gather(tp_program, {q: grads[q] for q in local})
-    for q, g in full_grads.items():
-        torch.testing.assert_close(g, ref_grads[q], rtol=RTOL, atol=ATOL,
-                                   msg=lambda m: f"{name} zero={zero} grad {q}: {m}")
+    full_grads = gather_tp(tp_program, {q: grads[q] for q in local})
+    grad_err = check_close(full_grads, ref_grads, rtol=RTOL, atol=ATOL, what=f"{name} zero={zero} grad")
     final = model.full_state_dict()
     ref_final = {n: p.detach() for n, p in reference.named_parameters()}
     assert set(final) == set(ref_final), sorted(set(final) ^ set(ref_final))
-    for q in final:
-        torch.testing.assert_close(final[q], ref_final[q], rtol=RTOL, atol=ATOL,
-                                   msg=lambda m: f"{name} zero={zero} param {q}: {m}")
+    param_err = check_close(final, ref_final, rtol=RTOL, atol=ATOL, what=f"{name} zero={zero} param")
 
     # Model state held: the cost model's figure for this rank's (stage's, TP-local) parameters.
     bucket_of = {id(p): b for b in zp.buckets for p in b.members}
@@ -148,30 +130,28 @@ def compare(ctx: DistContext, name: str, *, zero: int, dp: int, pp: int = 1, tp:
     return {
         "case": f"{name}/zero{zero}/dp={dp}/tp={tp}/pp={pp}/{schedule if pp > 1 else 'none'}/m={accum}",
         "stage": stage, "loss_err": max(loss_errs),
-        "grad_err": _max_err(full_grads, {q: ref_grads[q] for q in full_grads}),
-        "param_err": _max_err(final, ref_final),
+        "grad_err": grad_err, "param_err": param_err,
         "held": held, "predicted": [predicted.params, predicted.grads, predicted.optimizer],
         "buckets": len(zp.buckets), "dp_calls_per_step": sum(expected.values()),
         "tied_outside_zero": sum(1 for p, _ in local.values() if id(p) not in in_zero),
     }
 
 
+def dp2xpp2(ctx: DistContext, out: str) -> list[dict]:
+    return [compare(ctx, "gpt", zero=1, dp=2, pp=2, cuts_at=(1,), schedule="1f1b"),
+            compare(ctx, "gpt", zero=2, dp=2, pp=2, cuts_at=(1,), schedule="gpipe"),
+            compare(ctx, "gpt", zero=3, dp=2, pp=2, cuts_at=(1,), schedule="1f1b"),
+            compare(ctx, "tied-gpt", zero=3, dp=2, pp=2, cuts_at=(1,), schedule="1f1b")]
+
+
+def dp2xtp2(ctx: DistContext, out: str) -> list[dict]:
+    return [compare(ctx, "gpt", zero=3, dp=2, tp=2, accum=2), compare(ctx, "hf-llama", zero=3, dp=2, tp=2, accum=2)]
+
+
+def dp2xtp2xpp2(ctx: DistContext, out: str) -> list[dict]:
+    return [compare(ctx, "gpt", zero=3, dp=2, tp=2, pp=2, cuts_at=(1,), schedule="1f1b", accum=2)]
+
+
 LAUNCHES: dict[str, tuple[int, Callable[[DistContext, str], list[dict]]]] = {
-    "dp2xpp2": (4, lambda ctx, out: [
-        compare(ctx, "gpt", zero=1, dp=2, pp=2, cuts_at=(1,), schedule="1f1b"),
-        compare(ctx, "gpt", zero=2, dp=2, pp=2, cuts_at=(1,), schedule="gpipe"),
-        compare(ctx, "gpt", zero=3, dp=2, pp=2, cuts_at=(1,), schedule="1f1b"),
-        compare(ctx, "tied-gpt", zero=3, dp=2, pp=2, cuts_at=(1,), schedule="1f1b"),
-    ]),
-    "dp2xtp2": (4, lambda ctx, out: [
-        compare(ctx, "gpt", zero=3, dp=2, tp=2, accum=2),
-        compare(ctx, "hf-llama", zero=3, dp=2, tp=2, accum=2),
-    ]),
-    "dp2xtp2xpp2": (8, lambda ctx, out: [
-        compare(ctx, "gpt", zero=3, dp=2, tp=2, pp=2, cuts_at=(1,), schedule="1f1b", accum=2),
-    ]),
+    "dp2xpp2": (4, dp2xpp2), "dp2xtp2": (4, dp2xtp2), "dp2xtp2xpp2": (8, dp2xtp2xpp2),
 }
-
-
-def worker(rank: int, launch: str, port: int, outdir: str) -> None:
-    run_launch(rank, LAUNCHES[launch], port, outdir)

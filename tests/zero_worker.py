@@ -5,14 +5,11 @@ the engine's micro-batch loop) and, in the same process, a plain single-process
 reference over the same global batch; it compares losses, first-step gradients
 and parameters after STEPS steps, the model-state bytes it holds with
 passes/cost_model.model_state_memory, and the bytes its collectives send with
-zero_traffic_elements. Failures raise; measured errors and sizes go to ``outdir``.
+zero_traffic_elements. Failures raise; measured errors and sizes are returned for the log.
 """
 
 from __future__ import annotations
 
-import json
-import os
-from pathlib import Path
 from typing import Callable
 
 import torch
@@ -22,12 +19,13 @@ from torch import nn
 
 from dp_worker import ATOL, MLP_BUCKET_BYTES, OPTIMIZERS, RTOL, gpt_batch, gpt_loss, mlp, mlp_batch
 from examples.models import MLP, gpt_tiny
+from harness import check_close, check_loss
 from partita.passes.cost_model import (
     collective_traffic, model_state_memory, state_bytes_per_param, zero_traffic_elements,
 )
 from partita.runtime.collectives import CollectiveCounter
+from partita.runtime.distributed import DistContext
 from partita.runtime.grad_buckets import bucket_layout
-from partita.runtime.distributed import DistContext, destroy, init_distributed
 from partita.runtime.zero import ZeroProgram, apply_zero
 
 STEPS = 3
@@ -44,10 +42,6 @@ def odd_mlp() -> nn.Module:
 def odd_batch(global_batch: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(3)
     return torch.randn(global_batch, 5, generator=g), torch.randn(global_batch, 3, generator=g)
-
-
-def _max_err(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
-    return max(float((x - y).abs().max()) for x, y in zip(a, b))
 
 
 def train_step(zp: ZeroProgram, forward: Callable, loss_fn: Callable, x: torch.Tensor, y: torch.Tensor,
@@ -137,13 +131,10 @@ def compare_with_reference(ctx: DistContext, stage: int, model_name: str, opt_na
             ref_grads = {name: p.grad.clone() for name, p in reference.named_parameters()}
         ref_opt.step()
         ref_opt.zero_grad()
-        loss_errs.append(abs(loss - ref_loss.item()))
-        assert loss_errs[-1] <= ATOL + RTOL * abs(ref_loss.item()), (loss, ref_loss.item())
+        loss_errs.append(check_loss(loss, ref_loss.item(), rtol=RTOL, atol=ATOL))
         traffic.append(sent_bytes(counter, n))
-    names = [name for name, _ in reference.named_parameters()]
-    grad_err = _max_err([grads[k] for k in names], [ref_grads[k] for k in names])
-    for k in names:
-        torch.testing.assert_close(grads[k], ref_grads[k], rtol=RTOL, atol=ATOL)
+    case = f"zero{stage}/{model_name}/{opt_name}/dp={n}/accum={accum}{'/interpreter' if interpreter else ''}"
+    grad_err = check_close({k: grads[k] for k in ref_grads}, ref_grads, rtol=RTOL, atol=ATOL, what=f"{case} grad")
 
     # Model state held after a step, against the cost model (exact with padding counted).
     held = zp.state_bytes()
@@ -175,12 +166,10 @@ def compare_with_reference(ctx: DistContext, stage: int, model_name: str, opt_na
         out = forward(x) if not interpreter else module(x)
         params = [p.detach().clone() for p in module.parameters()]
         ref_params = [p.detach() for p in reference.parameters()]
-        for a, b in zip(params, ref_params):
-            torch.testing.assert_close(a, b, rtol=RTOL, atol=ATOL)
-        torch.testing.assert_close(out.detach(), reference(x).detach(), rtol=RTOL, atol=ATOL)
+        param_err = check_close(params, ref_params, rtol=RTOL, atol=ATOL, what=f"{case} param")
+        check_close([out.detach()], [reference(x).detach()], rtol=RTOL, atol=ATOL, what=f"{case} output")
     return {
-        "case": f"zero{stage}/{model_name}/{opt_name}/dp={n}/accum={accum}{'/interpreter' if interpreter else ''}",
-        "loss_err": max(loss_errs), "grad_err": grad_err, "param_err": _max_err(params, ref_params),
+        "case": case, "loss_err": max(loss_errs), "grad_err": grad_err, "param_err": param_err,
         "held": held, "predicted": [predicted.params, predicted.grads, predicted.optimizer],
         "padding_elements": zp.padding_elements, "buckets": len(zp.buckets),
         "traffic_bytes": traffic[-1], "predicted_traffic_bytes": expected,
@@ -203,18 +192,11 @@ def check_refusals(ctx: DistContext) -> None:
         raise AssertionError("gather accepted on stage 1")
 
 
-def worker(rank: int, world: int, port: int, outdir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
-    torch.set_num_threads(1)
-    ctx = init_distributed(timeout_s=30)
-    try:
-        results = [compare_with_reference(ctx, s, m, o)
-                   for s in (1, 2, 3) for m in ("mlp", "gpt") for o in ("adamw", "sgd")]
-        results += [compare_with_reference(ctx, s, "mlp", "adamw", accum=1) for s in (1, 2, 3)]
-        results += [compare_with_reference(ctx, s, "odd", "adamw") for s in (1, 2, 3)]
-        results.append(compare_with_reference(ctx, 3, "mlp", "adamw", interpreter=True))
-        check_refusals(ctx)
-        Path(outdir, f"rank{rank}.json").write_text(json.dumps(results))
-    finally:
-        destroy(ctx)
+def checks(ctx: DistContext) -> list[dict]:
+    """Every ZeRO check on this rank (19 cases), then the refusals."""
+    results = [compare_with_reference(ctx, s, m, o) for s in (1, 2, 3) for m in ("mlp", "gpt") for o in ("adamw", "sgd")]
+    results += [compare_with_reference(ctx, s, "mlp", "adamw", accum=1) for s in (1, 2, 3)]
+    results += [compare_with_reference(ctx, s, "odd", "adamw") for s in (1, 2, 3)]
+    results.append(compare_with_reference(ctx, 3, "mlp", "adamw", interpreter=True))
+    check_refusals(ctx)
+    return results

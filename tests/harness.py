@@ -1,0 +1,377 @@
+"""How the tests run several processes, and how they compare a run with one process.
+
+Processes:
+- ``launch(world, fn, *args)``: ``fn(ctx, *args)`` on every rank of a gloo process group of
+  ``world`` CPU processes; returns each rank's result (as JSON reads it back). The ranks stay up
+  between launches (one group per world size for the whole session), so a test pays for starting
+  processes, importing torch and joining a group once, not once per launch. A failure (an
+  exception on any rank, a rank that dies or does not answer within ``timeout_s``) ends that
+  group and raises one ``AssertionError`` with every rank's traceback or state and the tail of
+  its output; the next launch starts a fresh group. ``fn`` must be a module-level function of an importable module
+  (the ranks import it by name): the tests' ``*_worker.py`` files.
+- ``command(*argv)``, ``torchrun(script, *args, nproc=N)``, ``partita_cli(*args)``: a subprocess
+  (the launchers themselves under test) with one thread per process and the repository and
+  tests/ on the path; with ``check`` (the default) a non-zero exit raises one message with the
+  command, its exit code and the tails of its output (under ``torchrun``, each rank's own).
+
+Comparisons with the single-process reference:
+- ``reference_step`` (one plain step on the whole global batch), ``reference_backward`` (its
+  gradients as a plan's micro-batches accumulate them), ``plain_training`` (a plain loop);
+- ``max_abs_diff`` and ``max_rel_diff`` of losses, gradients or parameters (lists or dicts);
+- ``check_close``: ``torch.testing.assert_close`` on every pair, naming the one that differs,
+  returning the largest absolute difference for the log.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from multiprocessing.connection import Connection, wait
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+TESTS = ROOT / "tests"
+PARTITA = str(Path(sys.executable).with_name("partita"))
+ENV = {**os.environ, "OMP_NUM_THREADS": "1",
+       "PYTHONPATH": os.pathsep.join([str(ROOT), str(TESTS), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
+
+COLLECTIVE_TIMEOUT_S = 120  # a rank waiting for its peers this long fails (gloo's own timeout)
+LAUNCH_TIMEOUT_S = 600  # a launch whose ranks have not all answered by then fails
+GRACE_S = 5.0  # once a rank has failed, how long the others get to answer before the group ends
+TAIL = 3000  # characters of a process's output shown when it fails
+KEEP_WORLD = 8  # groups up to this size stay up between launches (all the tests use); larger ones end after each
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _tail(text: str, n: int = TAIL) -> str:
+    text = text.rstrip()
+    return text if len(text) <= n else "..." + text[-n:]
+
+
+# ---------------------------------------------------------------------------------------------
+# A group of gloo ranks that runs one function after another
+
+
+def _serve(rank: int, world: int, port: int, conn: Connection, log: str) -> None:
+    """A rank: join the group, then run each ``(fn, args)`` received and send back its result."""
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
+    torch.set_num_threads(1)
+    try:
+        from partita.runtime.distributed import init_distributed
+
+        ctx = init_distributed(timeout_s=COLLECTIVE_TIMEOUT_S)
+        assert ctx.initialized_here and ctx.backend == "gloo" and (ctx.rank, ctx.world_size) == (rank, world), ctx
+    except BaseException:
+        conn.send(("error", "joining the process group: " + traceback.format_exc()))
+        return
+    while True:
+        try:
+            job = conn.recv()
+        except EOFError:  # the test process is gone
+            return
+        if job is None:
+            break
+        fn, args = job
+        try:
+            result = fn(ctx, *args)
+        except BaseException:
+            sys.stdout.flush()
+            conn.send(("error", traceback.format_exc()))
+        else:
+            sys.stdout.flush()
+            conn.send(("ok", json.dumps(result)))  # plain data, as the test reads it (a loss is a float)
+    from partita.runtime.distributed import destroy
+
+    destroy(ctx)
+
+
+class Ranks:
+    """``world`` processes in one gloo group, each running ``_serve``."""
+
+    def __init__(self, world: int) -> None:
+        import torch.multiprocessing as mp
+
+        spawn = mp.get_context("spawn")
+        self.world = world
+        self.logdir = Path(tempfile.mkdtemp(prefix=f"partita-ranks{world}-"))
+        port = free_port()
+        self.conns: list[Connection] = []
+        self.procs = []
+        for rank in range(world):
+            mine, theirs = spawn.Pipe()
+            p = spawn.Process(target=_serve, args=(rank, world, port, theirs, str(self.log(rank))), daemon=True)
+            p.start()
+            theirs.close()
+            self.conns.append(mine)
+            self.procs.append(p)
+
+    def log(self, rank: int) -> Path:
+        return self.logdir / f"rank{rank}.log"
+
+    def run(self, fn: Callable, args: tuple, timeout_s: float) -> list:
+        start = {r: self.log(r).stat().st_size if self.log(r).exists() else 0 for r in range(self.world)}
+        for c in self.conns:
+            c.send((fn, args))
+        results: dict[int, Any] = {}
+        errors: dict[int, str] = {}
+        t0 = time.monotonic()
+        deadline, failed_at = t0 + timeout_s, None
+        pending = set(range(self.world))
+        while pending:
+            now = time.monotonic()
+            limit = deadline if failed_at is None else min(deadline, failed_at + GRACE_S)
+            if now >= limit:
+                break
+            waits = {self.conns[r]: r for r in pending} | {self.procs[r].sentinel: r for r in pending}
+            for ready in wait(list(waits), timeout=limit - now):
+                r = waits[ready]
+                if r not in pending:
+                    continue
+                if ready is self.conns[r] or self.conns[r].poll():
+                    try:
+                        status, value = self.conns[r].recv()
+                    except (EOFError, OSError):
+                        status, value = "error", f"died (exit code {self.procs[r].exitcode})"
+                else:
+                    self.procs[r].join(1)
+                    status, value = "error", f"died (exit code {self.procs[r].exitcode})"
+                pending.discard(r)
+                if status == "ok":
+                    results[r] = json.loads(value)
+                else:
+                    errors[r] = value
+                    failed_at = failed_at or time.monotonic()
+        if not errors and not pending:
+            return [results[r] for r in range(self.world)]
+        elapsed = time.monotonic() - t0
+        self.kill()
+        lines = [f"{fn.__module__}.{fn.__name__} on {self.world} ranks failed after {elapsed:.0f} s:"]
+        for r in range(self.world):
+            if r in errors:
+                state = "raised:\n" + _tail(errors[r])
+            elif r in pending:
+                state = ("did not answer within the launch's limit" if failed_at is None
+                         else f"had not answered {GRACE_S:.0f} s after another rank failed") + " (ended)"
+            else:
+                state = "finished"
+            out = self.log(r).read_bytes()[start[r]:].decode(errors="replace") if self.log(r).exists() else ""
+            lines.append(f"--- rank {r} {state}" + (f"\n    its output:\n{_tail(out, TAIL // 2)}" if out.strip() else ""))
+        self.close()
+        raise AssertionError("\n".join(lines))
+
+    def kill(self) -> None:
+        for p in self.procs:
+            p.kill()
+            p.join()
+
+    def close(self) -> None:
+        """Ask the ranks to leave the group and end (killed if they do not within 10 s)."""
+        for c, p in zip(self.conns, self.procs):
+            if p.is_alive():
+                try:
+                    c.send(None)
+                except (BrokenPipeError, OSError):
+                    pass
+        for p in self.procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        for c in self.conns:
+            c.close()
+        shutil.rmtree(self.logdir, ignore_errors=True)
+        if _groups.get(self.world) is self:
+            del _groups[self.world]
+
+
+_groups: dict[int, Ranks] = {}
+
+
+def launch(world: int, fn: Callable, *args: Any, timeout_s: float = LAUNCH_TIMEOUT_S) -> list:
+    """``fn(ctx, *args)`` on each rank of a ``world``-process gloo group; every rank's result,
+    printed for the log. See the module docstring for what a failure reports."""
+    group = _groups.get(world)
+    if group is None:
+        group = _groups[world] = Ranks(world)
+    try:
+        per_rank = group.run(fn, args, timeout_s)
+    finally:
+        if world > KEEP_WORLD and world in _groups:
+            group.close()
+    for rank, results in enumerate(per_rank):
+        for r in results if isinstance(results, list) else [results]:
+            print(rank, r)
+    return per_rank
+
+
+def _close_all() -> None:
+    for group in list(_groups.values()):
+        group.close()
+
+
+atexit.register(_close_all)
+
+
+# ---------------------------------------------------------------------------------------------
+# Launchers under test, as subprocesses
+
+
+def command(*argv: str | Path, timeout_s: float = 300, check: bool = True, env: Mapping[str, str] | None = None,
+            logs: Path | None = None) -> subprocess.CompletedProcess:
+    """Run ``argv``; with ``check``, a non-zero exit fails with one message (``logs``: a torchrun
+    log folder whose ranks' own output to show)."""
+    argv = [str(a) for a in argv]
+    t0 = time.monotonic()
+    r = subprocess.run(argv, env=dict(env or ENV), capture_output=True, text=True, timeout=timeout_s)
+    if check and r.returncode != 0:
+        lines = [f"`{' '.join(argv)}` exited with {r.returncode} after {time.monotonic() - t0:.0f} s"]
+        for log in sorted(logs.rglob("stderr.log")) if logs is not None else []:
+            lines.append(f"--- local rank {log.parent.name}'s stderr:\n{_tail(log.read_text(errors='replace'), TAIL // 2)}")
+        lines.append(f"--- stderr:\n{_tail(r.stderr)}")
+        if r.stdout.strip():
+            lines.append(f"--- stdout:\n{_tail(r.stdout, TAIL // 3)}")
+        raise AssertionError("\n".join(lines))
+    return r
+
+
+def torchrun(script: str | Path, *args: str | Path, nproc: int, **kw: Any) -> subprocess.CompletedProcess:
+    """``script`` on ``nproc`` local ranks under torchrun (each rank's output also kept apart, for
+    the failure message)."""
+    logs = Path(tempfile.mkdtemp(prefix="partita-torchrun-"))
+    try:
+        return command(sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+                       "--log-dir", logs, "--tee", "3", script, *args, logs=logs, **kw)
+    finally:
+        shutil.rmtree(logs, ignore_errors=True)
+
+
+def partita_cli(*args: str | Path, **kw: Any) -> subprocess.CompletedProcess:
+    """The ``partita`` command line."""
+    return command(PARTITA, *args, **kw)
+
+
+# ---------------------------------------------------------------------------------------------
+# The single-process reference, and how far a run is from it
+
+
+def reference_step(reference: torch.nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callable,
+                   x: torch.Tensor, y: torch.Tensor, grads: dict[str, torch.Tensor] | None = None, *,
+                   micro_batch: int | None = None) -> float:
+    """One single-process step on the whole global batch; its gradients into ``grads`` if given.
+
+    With ``micro_batch`` the batch runs as consecutive micro-batches of that many rows and the
+    loss is their mean, as a plan's step computes it (equal to the whole batch's mean loss unless
+    a layer mixes rows: BatchNorm's statistics are the micro-batch's)."""
+    chunks = [slice(None)] if micro_batch is None else [slice(i, i + micro_batch)
+                                                          for i in range(0, x.shape[0], micro_batch)]
+    loss = sum(loss_fn(reference(x[rows]), y[rows]) for rows in chunks) / len(chunks)
+    loss.backward()
+    if grads is not None:
+        grads.update({n: p.grad.detach().clone() for n, p in reference.named_parameters()})
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss.item()
+
+
+def reference_backward(reference: torch.nn.Module, loss_fn: Callable, x: torch.Tensor, y: torch.Tensor,
+                       micro_batches: int = 1) -> float:
+    """The gradients of the mean loss over ``micro_batches`` consecutive micro-batches, accumulated
+    as a plan's ``train_step`` does (each micro-batch's loss / m, backward in turn, so that a
+    replicated plan matches bit for bit); returns the mean loss. No optimizer step."""
+    mbs = x.shape[0] // micro_batches
+    total = torch.zeros(())
+    for i in range(micro_batches):
+        rows = slice(i * mbs, (i + 1) * mbs)
+        part = loss_fn(reference(x[rows]), y[rows])
+        total += part.detach()
+        (part / micro_batches).backward()
+    return float(total / micro_batches)
+
+
+def plain_training(model: torch.nn.Module, opt: torch.optim.Optimizer, batches: Iterable, loss=None
+                   ) -> tuple[list[float], dict]:
+    """A plain loop over whole batches, no partita: the losses and the final state_dict."""
+    from partita.core.losses import resolve_loss, training_loss
+
+    loss_fn = resolve_loss(loss)
+    losses = []
+    for x, y in batches:
+        value = training_loss(loss_fn, model, (x,), y)
+        value.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(value.item())
+    return losses, model.state_dict()
+
+
+Tensors = Mapping[str, torch.Tensor] | Sequence[torch.Tensor]
+
+
+def _pairs(got: Tensors, want: Tensors) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+    if isinstance(got, Mapping):
+        return [(k, got[k], want[k]) for k in got]
+    return [(str(i), a, b) for i, (a, b) in enumerate(zip(got, want))]
+
+
+def max_abs_diff(got: Tensors, want: Tensors) -> float:
+    """The largest |got - want| over all pairs (0 for none)."""
+    return max((float((a.float() - b.float()).abs().max()) for _, a, b in _pairs(got, want) if a.numel()),
+               default=0.0)
+
+
+def max_rel_diff(got: Sequence[float], want: Sequence[float]) -> float:
+    """The largest |got - want| / |want| over paired numbers (losses)."""
+    return max((abs(a - b) / abs(b) for a, b in zip(got, want)), default=0.0)
+
+
+def check_close(got: Tensors, want: Tensors, *, rtol: float, atol: float, what: str = "") -> float:
+    """``torch.testing.assert_close`` on every pair (dicts: over ``got``'s keys); the message
+    names ``what`` and the key. Returns ``max_abs_diff``."""
+    for key, a, b in _pairs(got, want):
+        torch.testing.assert_close(a, b, rtol=rtol, atol=atol, msg=lambda m, key=key: f"{what} {key}: {m}")
+    return max_abs_diff(got, want)
+
+
+def check_loss(got: float, want: float, *, rtol: float, atol: float, what: Any = "") -> float:
+    """``|got - want| <= atol + rtol |want|``, the losses' tolerance; returns ``|got - want|``."""
+    err = abs(got - want)
+    assert err <= atol + rtol * abs(want), (what, got, want)
+    return err
+
+
+def gather_tp(tp_program, local: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Full tensors from this rank's TP shards of ``local`` (by the program's placements), for the
+    comparison: the test's own collectives, which the runtime's counter does not see."""
+    import torch.distributed as dist
+
+    tp = tp_program.tp
+    out = {}
+    for name, (_, placement) in tp_program.local_parameters().items():
+        t = local[name].contiguous()
+        if placement.startswith("shard(") and tp.size > 1:
+            parts = [torch.empty_like(t) for _ in range(tp.size)]
+            dist.all_gather(parts, t, group=tp.group)
+            t = torch.cat(parts, dim=int(placement[6:-1]))
+        out[name] = t
+    return out
