@@ -23,7 +23,7 @@ from examples.models import hf_bert_mlm
 from partita.compiler.compile import compile_model
 from partita.core.errors import PartitaError
 from partita.core.inputs import parse_input_spec
-from partita.core.plan import load_plan
+from partita.passes.verify import load_plan
 from partita.passes.cluster import load_cluster
 from partita.passes.constraints import Pins
 from partita.runtime.distributed import DistContext
