@@ -29,7 +29,6 @@ import socket
 import statistics
 import sys
 import time
-from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -53,12 +52,13 @@ WORLD = 2
 WARMUP = 3
 
 
-def _plan(dp: int, micro_batch: int) -> Plan:
+def _plan(dp: int, micro_batch: int, **training) -> Plan:
+    """A hand-built DP plan (``training``: more of its Training fields, e.g. precision, zero_stage)."""
     mem = MemoryBreakdown(0, 0, 0, 0, 1 << 40)
     return Plan(
         model=ModelInfo("bench", "0" * 16, 0, 0, (), "none", 0), cluster={}, mesh=Mesh(dp=dp),
         training=Training(global_batch=dp * micro_batch, micro_batch_size=micro_batch,
-                          grad_accum_steps=1),
+                          grad_accum_steps=1, **training),
         predicted=Prediction(0.0, 0.0, {}, 0.0, mem, {}, 0.0, None, 0.0, 0.0),
         solver=SolverReport("hand", "OPTIMAL", 0.0, 0.0, 1),
     )

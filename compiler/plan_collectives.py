@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from typing import Any, Mapping, Sequence
 
-from partita.core.capture import CapturedModel
+from partita.core.capture import CapturedModel, running_buffers
 from partita.core.placement import is_shard
 from partita.core.plan import Collective, MeshAxis, ParamDecision
 from partita.core.precision import dtype_bytes, element_bytes
@@ -33,7 +33,8 @@ def plan_collectives(captured: CapturedModel, params: Sequence[ParamDecision], n
     return (_dp_collectives(params, tied, d, cluster, request)
             + _tp_plan_collectives(nodes, d, cluster, inference=request.inference)
             + _pp_collectives(captured, nodes, d, cluster, request)
-            + _tied_collectives(params, tied, d, cluster, request))
+            + _tied_collectives(params, tied, d, cluster, request)
+            + _buffer_collectives(captured, nodes, d, cluster, request))
 
 
 def _local_numel(p: ParamDecision, tp: int) -> int:
@@ -103,6 +104,27 @@ def _dp_collectives(params: Sequence[ParamDecision], tied: Mapping[str, tuple[in
                           purpose="loss averaging (the step's loss, same on every rank)",
                           seconds=collective_time("all_reduce", 4, dp, link), stage=last if last else None))
     return tuple(out)
+
+
+def _buffer_collectives(captured: CapturedModel, nodes: Sequence[Any], d: Decision, cluster: ClusterSpec,
+                        request: TrainingRequest) -> tuple[Collective, ...]:
+    """The running statistics a training forward writes (batch norm's), averaged over "dp" after
+    each step: one all-reduce per dtype per stage (runtime/data_parallel.py ``BufferAverager``)."""
+    dp = d.mesh.dp
+    written = running_buffers(captured.graph_module.graph, captured.buffer_nodes)
+    if dp <= 1 or request.inference or not written:
+        return ()
+    link = cluster.link_for_group(dp, stride=d.mesh.tp)
+    readers = {lay.src: n.stage for n in nodes for lay in n.ins if lay.src in written}
+    by_call: dict[tuple[int, str], int] = {}
+    for node, (numel, dtype) in written.items():
+        key = (readers.get(node, 0), str(dtype).removeprefix("torch."))
+        by_call[key] = by_call.get(key, 0) + numel * dtype_bytes(key[1])
+    return tuple(Collective(kind="all_reduce", axis=MeshAxis.DP.value, bytes=nbytes, count=1, group_size=dp,
+                            purpose=f"running statistics (batch norm's) averaged over dp, in {dt}",
+                            seconds=collective_time("all_reduce", nbytes, dp, link),
+                            stage=s if d.mesh.pp > 1 else None)
+                 for (s, dt), nbytes in sorted(by_call.items()))
 
 
 def _tp_plan_collectives(nodes: Sequence[Any], d: Decision, cluster: ClusterSpec, *,

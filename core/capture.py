@@ -36,6 +36,7 @@ from torch.fx.passes.shape_prop import ShapeProp, TensorMetadata
 from partita.core.errors import CaptureError
 from partita.core.inputs import InputSpec
 from partita.core.losses import select_output, training_loss
+from partita.core.ops import SAME_DTYPE
 
 EXPORT = "torch.export"
 SYMBOLIC_TRACE = "torch.fx.symbolic_trace"
@@ -75,6 +76,15 @@ class CapturedModel:
     loss: str | None = None
 
 
+def uncompiled(module: Any) -> Any:
+    """The module ``torch.compile`` wrapped (its ``_orig_mod``), else ``module`` itself: partita
+    captures and runs the model's own forward (the plan's graph), so the compiled wrapper is set
+    aside; the parameters are the same objects, and the wrapper sees every update."""
+    while isinstance(module, torch.nn.Module) and isinstance(getattr(module, "_orig_mod", None), torch.nn.Module):
+        module = module._orig_mod
+    return module
+
+
 def capture(
     model: torch.nn.Module | Callable[[], torch.nn.Module],
     inputs: Sequence[InputSpec],
@@ -98,12 +108,13 @@ def capture(
     start = time.perf_counter()
     inputs = tuple(inputs)
     mode = FakeTensorMode(allow_non_fake_inputs=True)
+    model = uncompiled(model)
     if isinstance(model, torch.nn.Module):
         module = model
     elif callable(model):
         try:
             with mode:
-                module = model()
+                module = uncompiled(model())
         except Exception as e:
             raise _capture_error(e, model, None, "building the model under fake tensors failed") from e
         if not isinstance(module, torch.nn.Module):
@@ -171,6 +182,31 @@ def capture(
     )
 
 
+def running_buffers(graph: torch.fx.Graph, buffer_nodes: dict[str, str]) -> dict[str, tuple[int, torch.dtype]]:
+    """Floating-point buffers a training forward writes (batch norm's running statistics), by
+    placeholder: (elements, dtype). A replica's are computed from its share of the batch, so the
+    runtime averages them over "dp" after each step (runtime/data_parallel.py ``BufferAverager``)
+    and the plan lists that all-reduce. ``graph``: a captured graph; ``buffer_nodes`` its
+    placeholder -> buffer name map (``CapturedModel.buffer_nodes``)."""
+    out: dict[str, tuple[int, torch.dtype]] = {}
+    buffers = buffer_nodes
+    for n in graph.nodes:
+        if n.op != "call_function":
+            continue
+        name = getattr(n.target, "__name__", "").split(".")[0]
+        if name == "batch_norm" and len(n.args) > 5 and n.args[5] is True:
+            written = [a for a in n.args[3:5] if isinstance(a, torch.fx.Node)]
+        elif name.endswith("_") and n.args and isinstance(n.args[0], torch.fx.Node):
+            written = [n.args[0]]  # an in-place op on its first operand
+        else:
+            continue
+        for a in written:
+            val = a.meta.get("val")
+            if a.name in buffers and isinstance(val, torch.Tensor) and val.is_floating_point():
+                out[a.name] = (val.numel(), val.dtype)
+    return out
+
+
 def _check_input_names(module: torch.nn.Module, inputs: Sequence[InputSpec]) -> None:
     """The inputs are passed positionally: each name must be the forward argument at its place
     (a misnamed input would be bound to another argument, or to none, without a word)."""
@@ -198,16 +234,12 @@ def _check_input_names(module: torch.nn.Module, inputs: Sequence[InputSpec]) -> 
 
 
 _DTYPE_HINT = "give each --input the dtype the model computes in (float32 features, int64 token ids)"
-# ops whose tensor operands must share one dtype (fake tensors do not check it: a float matmul of an
-# int64 input would capture, then fail on the device)
-_SAME_DTYPE_OPS = ("mm", "addmm", "bmm", "baddbmm", "linear", "matmul", "conv1d", "conv2d", "conv3d",
-                   "convolution", "scaled_dot_product_attention")
 
 
 def _check_input_dtypes(gm: torch.fx.GraphModule, inputs: Sequence[InputSpec]) -> None:
     """Refuse an input dtype the model cannot take: one that meets another dtype in a matmul."""
     for node in gm.graph.nodes:
-        if node.op != "call_function" or getattr(node.target, "__name__", "").split(".")[0] not in _SAME_DTYPE_OPS:
+        if node.op != "call_function" or getattr(node.target, "__name__", "").split(".")[0] not in SAME_DTYPE:
             continue
         vals = [a.meta.get("val") for a in node.all_input_nodes]
         # a bool operand is a mask (attention's), not a value multiplied

@@ -32,10 +32,9 @@ import math
 
 import networkx as nx
 
-_MATMUL = {"mm", "addmm", "bmm", "matmul", "linear", "baddbmm"}
-_CONV = {"convolution", "conv1d", "conv2d", "conv3d", "_convolution", "conv_transpose1d", "conv_transpose2d"}
-_ATTENTION = {"scaled_dot_product_attention", "_scaled_dot_product_flash_attention",
-              "_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention_for_cpu"}
+from partita.core.ops import ATTENTION as _ATTENTION
+from partita.core.ops import CONV as _CONV
+from partita.core.ops import MATMUL as _MATMUL
 _FREE = {
     "view", "_unsafe_view", "reshape", "transpose", "t", "permute", "expand", "expand_as", "split",
     "split_with_sizes", "chunk", "unbind", "getitem", "slice", "select", "unsqueeze", "squeeze",

@@ -32,9 +32,22 @@ which imports neither.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from partita.core.placement import NONE, PARTIAL, REPLICATE, is_shard, shard, shard_dim  # noqa: F401 (re-exported)
+
+
+# The names a strategy goes by (a plan's ``nodes[].strategy``): these words, ``shard(D)`` for an
+# op split along its dim D, and ``partial`` / ``partial(J)`` for one whose output is partial (the
+# J-th operand partial). ``Strategy`` refuses any other name, and a plan is checked against them.
+STRATEGY_WORDS = ("replicate", "col", "row", "vocab", "dim", "heads")
+_STRATEGY_NAME = re.compile(rf"^({'|'.join(STRATEGY_WORDS)}|shard\(\d+\)|partial(\(\d+\))?)$")
+
+
+def is_strategy_name(name: str) -> bool:
+    """Whether ``name`` is one a strategy can have (``STRATEGY_WORDS``)."""
+    return bool(_STRATEGY_NAME.match(name))
 
 
 def grad_convention(placement: str) -> str:
@@ -91,6 +104,8 @@ class Strategy:
     internal: tuple[tuple[str, int], ...] = ()
 
     def __post_init__(self) -> None:
+        if not is_strategy_name(self.name):
+            raise ValueError(f"strategy name {self.name!r} is not in the vocabulary (STRATEGY_WORDS)")
         if len(self.ins) != len(self.grads):
             raise ValueError(f"strategy {self.name}: {len(self.ins)} inputs but {len(self.grads)} grads")
 

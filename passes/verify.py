@@ -25,13 +25,9 @@ Reads a ``Plan`` (and, for ``check_layouts``, the graph the runtime captured); w
 from __future__ import annotations
 
 import math
-import re
 from typing import Any, Iterable
 
 from partita.core.plan import MeshAxis, NodeDecision, Plan, describe_problems, plan_from_data, read_plan
-
-_STRATEGY = re.compile(r"^(replicate|col|row|vocab|dim|heads|shard\(\d+\)|partial(\(\d+\))?)$")
-
 
 def load_plan(path: Any, *, fingerprint: str | None = None, world_size: int | None = None,
               sealed: bool = True) -> Plan:
@@ -149,7 +145,7 @@ def _stages(plan: Plan) -> list[str]:
 def _nodes(plan: Plan) -> list[str]:
     from partita.core.placement import NONE, REPLICATE
     from partita.passes.tp_strategies import op_key, op_rule
-    from partita.passes.tp_vocabulary import grad_convention, reshard_kind
+    from partita.passes.tp_vocabulary import grad_convention, is_strategy_name, reshard_kind
 
     t, out = plan.mesh.tp, []
     seen: dict[str, NodeDecision] = {}
@@ -157,7 +153,7 @@ def _nodes(plan: Plan) -> list[str]:
         where = f"node {d.name} ({d.op})"
         if d.name in seen:
             out.append(f"{where} is listed twice")
-        if not _STRATEGY.match(d.strategy):
+        if not is_strategy_name(d.strategy):
             out.append(f"{where}: {d.strategy!r} is not a tensor-parallel strategy")
         elif d.strategy != REPLICATE and op_rule(op_key(d.op)[0]) is None and d.op not in ("placeholder",):
             out.append(f"{where}: strategy {d.strategy!r}, but this op has no tensor-parallel rule (only 'replicate')")

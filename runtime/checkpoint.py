@@ -1,11 +1,13 @@
-"""The whole model's parameters back from however the plan spread them.
+"""The whole model's parameters (and buffers) back from however the plan spread them.
 
 ``full_state_dict(model)`` returns every parameter of the model at its full
 shape, on every rank, whatever the plan: tensor-parallel shards are
 all-gathered over "tp", pipeline stages broadcast what they hold, ZeRO
-shards are gathered. It is a collective: every rank must call it. Use it to
-save a checkpoint a single process can load, or to compare with a
-single-process run.
+shards are gathered; and, unless ``buffers=False``, every persistent buffer
+(batch norm's running statistics: the same on every replica, averaged over
+"dp" each step), so that ``model.load_state_dict`` of one process takes it
+strictly. It is a collective: every rank must call it. Use it to save a
+checkpoint a single process can load, or to compare with a single-process run.
 """
 
 from __future__ import annotations
@@ -18,12 +20,34 @@ from partita.core.plan import Plan
 from partita.core.precision import PrecisionPolicy
 from partita.runtime.program import Program
 
-def full_state_dict(program: Program) -> dict[str, torch.Tensor]:
-    """Every parameter of the model at full shape, on every rank (a collective)."""
+def full_state_dict(program: Program, *, buffers: bool = True) -> dict[str, torch.Tensor]:
+    """Every parameter of the model at full shape, and its persistent buffers, on every rank (a
+    collective)."""
     if program.zero is not None:
         with program.zero.gathered():  # ZeRO's shards back to this rank's (TP-local) parameters
-            return _gathered(program)
-    return _gathered(program)
+            state = _gathered(program)
+    else:
+        state = _gathered(program)
+    return {**state, **_buffers(program)} if buffers else state
+
+
+def _buffers(program: Program) -> dict[str, torch.Tensor]:
+    """The persistent buffers, whole (never split over "tp"), each from a rank of the stage that holds it."""
+    tp = program.interpreter
+    if tp is None:
+        mine = {k: v for k, v in program.module.named_buffers()}
+    else:
+        mine = {tp.buffer_nodes[n]: v for n, v in tp.buffers_by_node().items()}
+    mine = {k: v.detach().cpu().clone() for k, v in mine.items() if k in program.persistent}
+    if program.plan.mesh.pp == 1:
+        return mine
+    out: dict[str, torch.Tensor] = {}
+    for stage in range(program.plan.mesh.pp):  # small tensors: sent as objects, their shapes unknown elsewhere
+        src = program.plan.mesh.stage_ranks(stage)[0]
+        box = [mine if dist.get_rank() == src else None]
+        dist.broadcast_object_list(box, src=src)
+        out.update(box[0])
+    return out
 
 
 def _gathered(program: Program) -> dict[str, torch.Tensor]:

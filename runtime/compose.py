@@ -11,21 +11,22 @@ the plans this runtime cannot run, before anything is built.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.optim import Optimizer
 
 from partita.core.errors import PlanError
+from partita.core.capture import running_buffers, uncompiled
 from partita.core.losses import training_loss
 from partita.core.plan import MeshAxis, Plan
 from partita.core.precision import PrecisionPolicy
 from partita.runtime.collectives import CollectiveCounter
-from partita.runtime.data_parallel import GradientAverager, apply_data_parallel, broadcast_replicas
+from partita.runtime.data_parallel import (BufferAverager, GradientAverager, apply_data_parallel, broadcast_replicas,
+                                          running_statistics)
 from partita.runtime.distributed import DistContext, build_mesh
-from partita.runtime.mixed_precision import MasterWeights, apply_mixed_precision
+from partita.runtime.mixed_precision import MasterWeights, OptimizerFactory, apply_mixed_precision
 from partita.runtime.pipeline_parallel import SCHEDULES, PipelineStage, apply_pipeline
 from partita.runtime.program import MicroBatchLoss, Program
 from partita.runtime.rng import run_seed
@@ -34,7 +35,6 @@ from partita.runtime.weights import load_eager, open_weights, state_names
 from partita.runtime.zero import ZeroProgram, apply_zero
 
 LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
-OptimizerFactory = Callable[[Iterable[nn.Parameter]], Optimizer]
 DP, TP = MeshAxis.DP.value, MeshAxis.TP.value
 
 
@@ -102,6 +102,7 @@ def compose(
     """
     plan.check_matches(world_size=ctx.world_size)
     refuse_unsupported(plan)
+    module = uncompiled(module)  # a torch.compile'd model runs its own forward, as it was captured
     mesh = build_mesh(plan.mesh, ctx)
     policy = PrecisionPolicy.of(plan.training)
     training = not plan.training.inference
@@ -146,9 +147,21 @@ def compose(
                                            axis=DP, reduce_dtype=policy.reduce_dtype)
         master = MasterWeights([q for q in local.parameters() if q.requires_grad], optimizer, policy)
         opt = master.optimizer
+    buffers = (BufferAverager(_local_buffers(local, pipeline), dp_group, counter=counter, axis=DP)
+               if training and dp_group is not None else None)
     return Program(plan, ctx, local, loss, opt, averager=averager, zero=zero, dp_group=dp_group, dp_rank=dp_rank,
                    dp_size=plan.mesh.dp if dp_group is not None else 1, pipeline=pipeline, master=master,
-                   policy=policy, scaler=scaler, state_names=names, persistent=persistent)
+                   policy=policy, scaler=scaler, state_names=names, persistent=persistent, buffers=buffers)
+
+
+def _local_buffers(local: nn.Module, pipeline: PipelineStage | None) -> list[torch.Tensor]:
+    """The running statistics this rank's training forward writes: by the plan's graph in its TP
+    program (a stage's), else the eager module's batch-norm statistics."""
+    program = pipeline.tp if pipeline is not None else local if isinstance(local, TensorParallel) else None
+    if program is None:
+        return running_statistics(local)
+    held = program.buffers_by_node()
+    return [held[n] for n in running_buffers(program.graph_module.graph, program.buffer_nodes) if n in held]
 
 
 def _apply_zero(local: nn.Module, pipeline: PipelineStage | None, stage: int, dp_group: dist.ProcessGroup, *,

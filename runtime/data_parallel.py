@@ -67,3 +67,39 @@ def apply_data_parallel(params: Iterable[nn.Parameter], group: dist.ProcessGroup
     averaged over ``group`` in buckets of ``bucket_bytes``, reduced in ``reduce_dtype``."""
     return GradientAverager(params, group, bucket_bytes=bucket_bytes, counter=counter, axis=axis,
                             reduce_dtype=reduce_dtype)
+
+
+class BufferAverager:
+    """The running statistics a training forward writes (batch norm's), averaged over "dp" after
+    each step. Each replica computes them from its share of the batch, so they would drift apart
+    between ranks; torch DDP broadcasts rank 0's, the mean keeps every share's (for a running mean
+    with equal shares it is exactly the statistic of the whole batch). Which buffers: those the
+    plan's graph writes (core/capture.py ``running_buffers``, the rule the plan's all-reduce is
+    listed by), or on the eager path the running statistics of the batch-norm modules; one
+    all-reduce per dtype."""
+
+    def __init__(self, buffers: Iterable[torch.Tensor], group: dist.ProcessGroup, *, counter: CollectiveCounter,
+                 axis: str) -> None:
+        seen: set[int] = set()
+        self.buffers = [b for b in buffers if not (id(b) in seen or seen.add(id(b)))]
+        self.group, self.counter, self.axis = group, counter, axis
+        self.size = dist.get_world_size(group)
+
+    def sync(self) -> None:
+        for dtype in sorted({b.dtype for b in self.buffers}, key=str):
+            same = [b for b in self.buffers if b.dtype == dtype]
+            flat = torch.cat([b.detach().reshape(-1) for b in same]).div_(self.size)
+            self.counter.record("all_reduce", self.axis, flat.numel() * flat.element_size())
+            with self.counter.blocking("all_reduce", self.axis):
+                dist.all_reduce(flat, group=self.group)
+            with torch.no_grad():
+                for b, piece in zip(same, flat.split([b.numel() for b in same])):
+                    b.copy_(piece.view_as(b))
+
+
+def running_statistics(module: nn.Module) -> list[torch.Tensor]:
+    """The running mean and variance of every batch-norm module that tracks them (the eager path's
+    ``running_buffers``)."""
+    return [t for m in module.modules()
+            if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats
+            for t in (m.running_mean, m.running_var) if t is not None and t.is_floating_point()]

@@ -30,11 +30,13 @@ from partita.core.placement import is_shard
 from partita.core.plan import MeshAxis, Plan
 from partita.runtime import checkpoint as full_state
 from partita.runtime import sharded_state
+from partita.runtime.batches import check_batch, check_same_batch, share
 from partita.runtime.collectives import CollectiveCounter
 from partita.runtime.compose import LossFn, OptimizerFactory, compose, refuse_unsupported
 from partita.runtime.distributed import DistContext, init_distributed
 from partita.runtime.grad_norm import clip_coefficient, global_grad_norm
-from partita.runtime.rng import fingerprint, replica_divergence
+from partita.runtime.program import Program
+from partita.runtime.rng import replica_divergence
 from partita.runtime.tensor_parallel import TensorParallel
 from partita.runtime.trace import BACKWARD, FORWARD, TraceRecorder
 from partita.runtime.watchdog import FLIGHT, watch
@@ -110,8 +112,8 @@ class ParallelModel(nn.Module):
         if kwargs:
             raise PartitaError(f"a pipeline model takes its inputs positionally; got {sorted(kwargs)}",
                                hint="call model(x, ...) with the planned inputs in order")
-        self._check_batch(args, None, local)
-        xs = [self._share(x, local) for x in args]
+        check_batch(p, args, None, local=local, caller="the model")
+        xs = [share(p, x, local=local) for x in args]
         self.collectives.reset()
         with FLIGHT.running():
             return p.pipeline.infer(xs, p.dp_group)
@@ -122,10 +124,11 @@ class ParallelModel(nn.Module):
         plan recomputes); None when the eager module runs."""
         return self._program.interpreter
 
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Every parameter at full shape on every rank, however the plan spread them (a collective:
-        call it on every rank). runtime/checkpoint.py says how."""
-        return full_state.full_state_dict(self._program)
+    def full_state_dict(self, *, buffers: bool = True) -> dict[str, torch.Tensor]:
+        """Every parameter at full shape on every rank, however the plan spread them, and the
+        persistent buffers unless ``buffers=False`` (a collective: call it on every rank).
+        runtime/checkpoint.py says how."""
+        return full_state.full_state_dict(self._program, buffers=buffers)
 
     def _resume(self) -> None:
         found = sharded_state.latest(self.checkpoint_dir)
@@ -196,76 +199,6 @@ class ParallelModel(nn.Module):
         except AttributeError:
             return getattr(super().__getattr__("module"), name)
 
-    def _check_batch(self, inputs: tuple[Any, ...], targets: Any, local: bool) -> None:
-        """Refuse a batch the plan was not made for before any of it runs: the number of inputs,
-        then per tensor its batch size (the global batch, or this rank's share with ``local``), the
-        other dims and the dtype against the captured inputs and targets."""
-        from partita.core.inputs import parse_input_spec
-
-        tr, p = self.plan.training, self._program
-        specs = [parse_input_spec(s) for s in self.plan.model.inputs]
-        given = ", ".join(self.plan.model.inputs)
-        if specs and len(inputs) != len(specs):
-            raise PartitaError(f"train_step got {len(inputs)} input{'s' if len(inputs) != 1 else ''}, but the model "
-                               f"was planned for {len(specs)} ({given})",
-                               hint="pass the model's inputs positionally, in the order they were planned, "
-                               "and the targets as targets=")
-        expected = tr.global_batch // p.dp_size if local else tr.global_batch
-        scope = (f"this rank's share (global_batch={tr.global_batch} / dp={p.dp_size})" if local
-                 else "the plan's global_batch")
-        target_spec = parse_input_spec(self.plan.model.targets) if self.plan.model.targets else None
-        pairs = [(x, spec, f"input {i} ({spec.name})") for i, (x, spec) in enumerate(zip(inputs, specs))]
-        if targets is not None:  # None: a pipeline model's forward
-            pairs.append((targets, target_spec, "targets"))
-        for t, spec, what in pairs:
-            if not isinstance(t, torch.Tensor):
-                raise PartitaError(f"train_step got {what} as {type(t).__name__}, not a tensor",
-                                   hint="pass torch tensors")
-            size = t.shape[0] if t.dim() > 0 else None
-            if size != expected:
-                raise PartitaError(
-                    f"train_step got {what} with batch size {size}, but {scope} is {expected}",
-                    hint=(f"pass {tr.global_batch // p.dp_size} rows per rank" if local else
-                          f"pass the same global batch of {expected} on every rank, or local=True with "
-                          f"{tr.global_batch // p.dp_size} rows per rank"))
-            if spec is None:
-                continue
-            planned = str(spec)
-            if tuple(t.shape[1:]) != tuple(spec.shape[1:]):
-                raise PartitaError(f"train_step got {what} with shape {list(t.shape)}, but the plan was made for "
-                                   f"{planned}: every dim but the batch must match",
-                                   hint="pass tensors of the planned shape, or recompile for this shape")
-            if t.dtype != spec.dtype:
-                raise PartitaError(f"train_step got {what} with dtype {str(t.dtype).removeprefix('torch.')}, but the "
-                                   f"plan was made for {planned}",
-                                   hint=f"convert it (.to(torch.{str(spec.dtype).removeprefix('torch.')})) "
-                                   "or recompile for this dtype")
-
-    def _share(self, t: torch.Tensor, local: bool) -> torch.Tensor:
-        """This rank's rows of ``t`` (checked by ``_check_batch``), on its device."""
-        p = self._program
-        if not local and p.dp_size > 1:
-            rows = t.shape[0] // p.dp_size
-            t = t.narrow(0, p.dp_rank * rows, rows)
-        return t.to(self.ctx.device, non_blocking=True)
-
-    def _check_same_batch(self, tensors: list[torch.Tensor]) -> None:
-        """Every rank passed the same global batch (a fingerprint per rank, all-gathered): one rank
-        with other data would otherwise train on silently. Run on the first step and every
-        ``batch_check_every`` (``PARTITA_BATCH_CHECK_EVERY``, default 100) after."""
-        mine = torch.tensor([fingerprint(t) for t in tensors], dtype=torch.int64, device=self.ctx.device)
-        every = mine.new_empty(self.ctx.world_size * mine.numel())
-        with self.collectives.blocking("all_gather", "world"):
-            dist.all_gather_into_tensor(every, mine)
-        every = every.cpu().view(self.ctx.world_size, mine.numel())
-        differ = [r for r in range(self.ctx.world_size) if not torch.equal(every[r], every[0])]
-        if differ:
-            raise PartitaError(
-                f"rank{'s' if len(differ) > 1 else ''} {', '.join(map(str, differ))} passed another global batch "
-                f"to train_step than rank 0 at step {self._step}",
-                hint="every rank must pass the same global batch (seed the data loader alike on every rank), "
-                "or pass local=True with each rank's own share")
-
     def train_step(self, *inputs: torch.Tensor, targets: torch.Tensor, local: bool = False) -> "StepResult":
         """One optimizer step over the global batch; returns its mean loss (equal on every rank), a
         float that also carries the step's gradient norm, time and throughput (``StepResult``).
@@ -278,15 +211,18 @@ class ParallelModel(nn.Module):
         if self.optimizer is None:
             raise PlanError("this is an inference plan (optimizer \"none\"): call the model, not train_step",
                             hint="compile a training plan to train")
-        self._check_batch(inputs, targets, local)
+        p = self._program
+        check_batch(p, inputs, targets, local=local, caller="train_step")
         if not local and self.ctx.world_size > 1 and self._step % self.batch_check_every == 0:
-            self._check_same_batch([*inputs, targets])
+            check_same_batch(p, [*inputs, targets], self.collectives, step=self._step, caller="train_step")
         t0 = time.perf_counter()
-        xs = [self._share(x, local) for x in inputs]
-        y = self._share(targets, local)
+        xs = [share(p, x, local=local) for x in inputs]
+        y = share(p, targets, local=local)
         self.collectives.reset()
         with FLIGHT.running():  # the watchdog (runtime/watchdog.py) bounds every wait inside
             loss = self._train_step(xs, y)
+            if p.buffers is not None:
+                p.buffers.sync()  # batch norm's running statistics, the same on every replica
             seconds = time.perf_counter() - t0
             if self.check_replicas_every and self._step % self.check_replicas_every == 0:
                 self.check_replicas()
@@ -297,6 +233,43 @@ class ParallelModel(nn.Module):
         self._report(result)
         self._checkpoint_if_due()  # outside: writing a large checkpoint may take longer than the limit
         return result
+
+    def evaluate(self, *inputs: torch.Tensor, targets: torch.Tensor, local: bool = False) -> float:
+        """The mean loss over the global batch, without gradients or an optimizer step, on any
+        training plan (TP, PP, ZeRO and their meshes alike); a collective: every rank calls it and
+        gets the same float. Inputs as ``train_step`` takes them. The forward follows the module's
+        mode, as PyTorch's does: after ``model.eval()`` dropout is off and batch norm uses its
+        running statistics, which it leaves alone."""
+        if self.optimizer is None:
+            raise PlanError("this is an inference plan (optimizer \"none\"): its graph has no loss to evaluate",
+                            hint="call the model for its outputs and apply the loss yourself, or compile a "
+                            "training plan")
+        p = self._program
+        check_batch(p, inputs, targets, local=local, caller="evaluate")
+        xs = [share(p, x, local=local) for x in inputs]
+        y = share(p, targets, local=local)
+        self.collectives.reset()
+        with FLIGHT.running(), torch.no_grad():
+            loss = self._evaluate(p, xs, y)
+            if p.buffers is not None and self.training:
+                p.buffers.sync()  # a forward in train mode updates running statistics (as PyTorch's does)
+        return loss
+
+    def _evaluate(self, p: Program, xs: list[torch.Tensor], y: torch.Tensor) -> float:
+        if p.pipeline is not None:
+            return p.pipeline.evaluate(xs, y, p.dp_group, p.zero)
+        tr = self.plan.training
+        steps, mbs = tr.grad_accum_steps, tr.micro_batch_size
+        total = torch.zeros((), dtype=torch.float32, device=self.ctx.device)
+        for i in range(steps):
+            if p.zero is not None:
+                p.zero.begin_forward()  # ZeRO-3 gathers each parameter where it is read, then frees it
+            total += p.loss([x[i * mbs:(i + 1) * mbs] for x in xs], y[i * mbs:(i + 1) * mbs]).float()
+        total /= steps * p.dp_size
+        if p.dp_group is not None:
+            self.collectives.record("all_reduce", MeshAxis.DP.value, total.element_size())
+            dist.all_reduce(total, group=p.dp_group)
+        return float(total)
 
     def _train_step(self, xs: list[torch.Tensor], y: torch.Tensor) -> float:
         tr, p = self.plan.training, self._program

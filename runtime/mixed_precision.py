@@ -35,7 +35,7 @@ from torch.optim import Optimizer
 
 from partita.core.precision import PrecisionPolicy
 
-OptimizerFactory = Callable[[Iterable[nn.Parameter]], Optimizer]
+OptimizerFactory = Callable[[Iterable[nn.Parameter]], Optimizer]  # the user's optimizer, built on what it updates (the one definition)
 
 
 def cast_parameters(module: nn.Module, policy: PrecisionPolicy) -> None:

@@ -396,6 +396,22 @@ class PipelineStage(nn.Module):
         self.trace.step += 1
         return self._share_loss(loss_sum.div_(m), dp_group)
 
+    def evaluate(self, xs: list[torch.Tensor], y: torch.Tensor, dp_group: dist.ProcessGroup | None,
+                 zero: "ZeroProgram | None" = None) -> float:
+        """The global mean loss of this rank's share without gradients: every micro-batch's forward
+        through the stages (no backward, so no schedule), the last stage's mean shared as in training."""
+        tr = self.plan.training
+        m, mbs = tr.grad_accum_steps, tr.micro_batch_size
+        loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
+        for k in range(m):
+            if zero is not None:
+                zero.begin_forward()
+            loss = self.forward_micro(k, [u[k * mbs:(k + 1) * mbs] for u in (*xs, y)], grad=False)
+            if loss is not None:
+                loss_sum += loss.float()
+        self.wait_sends()
+        return self._share_loss(loss_sum.div_(m), dp_group)
+
     def _share_loss(self, loss: torch.Tensor, dp_group: dist.ProcessGroup | None) -> float:
         """The last stage's dp mean, broadcast over "pp"."""
         if self.is_last and dp_group is not None:

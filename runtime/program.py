@@ -18,7 +18,7 @@ from torch.optim import Optimizer
 
 from partita.core.plan import Plan
 from partita.core.precision import FP32, PrecisionPolicy
-from partita.runtime.data_parallel import GradientAverager
+from partita.runtime.data_parallel import BufferAverager, GradientAverager
 from partita.runtime.distributed import DistContext
 from partita.runtime.mixed_precision import LossScaler, MasterWeights
 from partita.runtime.pipeline_parallel import PipelineStage
@@ -51,6 +51,7 @@ class Program:
     # before the plan's parts took the module apart: checkpoints are in those names
     state_names: dict[str, list[str]] = field(default_factory=dict)
     persistent: set[str] = field(default_factory=set)
+    buffers: BufferAverager | None = None  # running statistics averaged over "dp" after each step
 
     @property
     def updates(self) -> MasterWeights | None:

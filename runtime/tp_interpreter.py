@@ -38,6 +38,10 @@ from partita.runtime.tp_local_ops import LOCAL_OPS
 from partita.runtime.watchdog import FLIGHT
 
 _SIZE_ARG = frozenset({"view", "reshape", "_unsafe_view", "expand"})
+# The captured graph is the training forward. In eval mode (``module.eval()``) the ops whose result
+# depends on the mode run as PyTorch runs them in eval: their ``train`` argument (at this index)
+# False, so dropout passes its input through and batch norm normalises by its running statistics.
+_TRAIN_ARG = {"dropout": 2, "feature_dropout": 2, "alpha_dropout": 2, "feature_alpha_dropout": 2, "batch_norm": 5}
 
 
 class ParamAccess(Protocol):
@@ -63,6 +67,8 @@ class LocalProgram(Protocol):
     param_access: ParamAccess | None
     param_reads: Mapping[str, list[nn.Parameter]]  # node -> the parameters it reads
     param_last_reads: Mapping[str, list[nn.Parameter]]  # node -> those forward is done with after it
+    buffer_nodes: Mapping[str, str]  # buffer placeholder -> its name
+    training: bool  # the module's mode: eval runs ``_TRAIN_ARG``'s ops as eval and updates no buffer
 
 
 def op_name(n: torch.fx.Node) -> str:
@@ -177,6 +183,11 @@ class LocalInterpreter(torch.fx.Interpreter):
         local = LOCAL_OPS.get((name, d.strategy))
         if local is not None:
             return local(g, n, args, kwargs)
+        if not self.p.training:
+            if name in _TRAIN_ARG and len(args) > _TRAIN_ARG[name]:
+                args[_TRAIN_ARG[name]] = False
+            elif name.endswith("_") and isinstance(n.args[0], torch.fx.Node) and n.args[0].name in self.p.buffer_nodes:
+                return args[0]  # a buffer's in-place update (batch norm's count of batches): training only
         val = n.meta.get("val")
         if name in _SIZE_ARG:
             args[1] = list(local_shape(val.shape, d.out[0], g.size))

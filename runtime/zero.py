@@ -67,21 +67,19 @@ not counted. The parameters must already be equal across the dp group
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Iterable, Iterator, Sequence
+from typing import Iterable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.autograd.graph import register_multi_grad_hook
-from torch.optim import Optimizer
 
 from partita.core.precision import FP32, PrecisionPolicy
 from partita.runtime.collectives import CollectiveCounter
 from partita.runtime.grad_buckets import (DEFAULT_BUCKET_BYTES, BucketReducer, GradBucket, bucket_members,
                                           grad_params)
-from partita.runtime.mixed_precision import MasterWeights
+from partita.runtime.mixed_precision import MasterWeights, OptimizerFactory
 
-OptimizerFactory = Callable[[Iterable[nn.Parameter]], Optimizer]
 
 
 class _FlatBucket(GradBucket):

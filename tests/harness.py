@@ -3,8 +3,10 @@
 Processes:
 - ``launch(world, fn, *args)``: ``fn(ctx, *args)`` on every rank of a gloo process group of
   ``world`` CPU processes; returns each rank's result (as JSON reads it back). The ranks stay up
-  between launches (one group per world size for the whole session), so a test pays for starting
-  processes, importing torch and joining a group once, not once per launch. A failure (an
+  between launches (one group at a time, until a launch of another size or a launcher subprocess
+  ends it: each rank holds ~1 GB once it has run a model, and groups kept alongside a torchrun
+  test slowed it 2-3x), so a run of tests pays for starting processes, importing torch and
+  joining a group once, not once per launch. A failure (an
   exception on any rank, a rank that dies or does not answer within ``timeout_s``) ends that
   group and raises one ``AssertionError`` with every rank's traceback or state and the tail of
   its output; the next launch starts a fresh group. ``fn`` must be a module-level function of an importable module
@@ -213,6 +215,7 @@ def launch(world: int, fn: Callable, *args: Any, timeout_s: float = LAUNCH_TIMEO
     printed for the log. See the module docstring for what a failure reports."""
     group = _groups.get(world)
     if group is None:
+        _close_all()  # one group at a time: each rank holds ~1 GB once it has run a model
         group = _groups[world] = Ranks(world)
     try:
         per_rank = group.run(fn, args, timeout_s)
@@ -242,6 +245,7 @@ def command(*argv: str | Path, timeout_s: float = 300, check: bool = True, env: 
     """Run ``argv``; with ``check``, a non-zero exit fails with one message (``logs``: a torchrun
     log folder whose ranks' own output to show)."""
     argv = [str(a) for a in argv]
+    _close_all()  # the launcher's own processes get the memory (kept groups slowed them 2-3x)
     t0 = time.monotonic()
     r = subprocess.run(argv, env=dict(env or ENV), capture_output=True, text=True, timeout=timeout_s)
     if check and r.returncode != 0:

@@ -3,7 +3,8 @@
 Every small example model is compiled by the planner under each set of the
 CLI's pins (``compile_model`` with ``Pins``, as ``partita compile`` does), and
 every plan the planner writes is run for one training step: its loss against a
-single-process reference on the same global batch, and the parameters after
+single-process reference on the same global batch, ``evaluate`` in eval mode
+against the reference's eval-mode loss (before the step), and the parameters after
 the step (``full_state_dict``: SGD with momentum, so they move by the gradients
 themselves) against the reference's.
 
@@ -120,6 +121,16 @@ def compile_case(case: Case, outdir: str) -> None:
     path.write_text(json.dumps({"plan": str(path.with_suffix(".plan.json"))}))
 
 
+@torch.no_grad()
+def _eval_loss(reference: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, micro_batch: int) -> float:
+    """The reference's loss in eval mode, averaged over the plan's micro-batches (its recipe)."""
+    reference.eval()
+    losses = [default_loss(reference(x[i:i + micro_batch]), y[i:i + micro_batch]).item()
+              for i in range(0, x.shape[0], micro_batch)]
+    reference.train()
+    return sum(losses) / len(losses)
+
+
 def run_case(ctx: DistContext, case: Case, outdir: str) -> dict:
     """One training step of the case's plan against one process; raises naming the case."""
     entry = json.loads(_plan_file(outdir, case).read_text())
@@ -133,12 +144,17 @@ def run_case(ctx: DistContext, case: Case, outdir: str) -> dict:
     try:
         model = ParallelModel(copy.deepcopy(reference), plan, loss_fn=default_loss, optimizer=OPTIMIZERS["sgd"],
                               ctx=ctx)
+        model.eval()  # evaluate as PyTorch's eval mode runs: dropout off, batch norm's running statistics
+        evaluated = model.evaluate(x, targets=y)
+        model.train()
         loss = model.train_step(x, targets=y)
-        final = model.full_state_dict()
+        final = model.full_state_dict(buffers=False)
     except Exception as e:
         raise RuntimeError(f"{case.name} ({plan.mesh}, {plan.training.schedule}, ZeRO-{plan.training.zero_stage}): "
                            f"the plan failed to run: {e}") from e
     start = {n: p.detach().clone() for n, p in reference.named_parameters()}
+    eval_err = check_loss(evaluated, _eval_loss(reference, x, y, plan.training.micro_batch_size), rtol=RTOL,
+                          atol=ATOL, what=f"{case.name} evaluate")
     ref_loss = reference_step(reference, OPTIMIZERS["sgd"](reference.parameters()), default_loss, x, y,
                               micro_batch=plan.training.micro_batch_size)
     loss_err = check_loss(loss, ref_loss, rtol=RTOL, atol=ATOL, what=case.name)
@@ -153,7 +169,7 @@ def run_case(ctx: DistContext, case: Case, outdir: str) -> dict:
             "micro_batches": plan.training.grad_accum_steps, "schedule": plan.training.schedule,
             "zero": plan.training.zero_stage, "recompute": [s.index for s in plan.stages if s.recompute],
             "split": sorted({d.strategy for d in plan.nodes} - {"replicate"}),
-            "loss_err": loss_err, "param_err": err, "moved": moved}
+            "loss_err": loss_err, "eval_err": eval_err, "param_err": err, "moved": moved}
 
 
 def compile_and_run_2(ctx: DistContext, outdir: str) -> list[dict]:

@@ -131,7 +131,7 @@ def run_case(ctx: DistContext, case: tuple, outdir: str) -> dict:
         model = ParallelModel(copy.deepcopy(reference), plan, loss_fn=default_loss, optimizer=SGD, ctx=ctx)
         assert all(p.dtype == policy.param_dtype for p in model.parameters() if p.is_floating_point())
         losses = [model.train_step(x, targets=y) for _ in range(STEPS)]
-        final = model.full_state_dict()
+        final = model.full_state_dict(buffers=False)
     except PartitaError:
         raise
     except Exception as e:

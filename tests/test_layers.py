@@ -78,3 +78,12 @@ def test_the_check_sees_a_cycle():
     g = nx.DiGraph([("core.a", "core.b"), ("core.b", "core.a")])
     assert list(nx.simple_cycles(g))
     assert import_graph().number_of_edges() > 50  # it reads the real imports
+
+
+MAX_LINES = 500
+
+
+def test_no_product_file_over_500_lines():
+    """A file that grows past 500 lines is doing more than one job (issue 14): split it along its seams."""
+    long = {name: n for name, path in _modules().items() if (n := len(path.read_text().splitlines())) > MAX_LINES}
+    assert not long, ", ".join(f"{k}: {v} lines" for k, v in sorted(long.items()))

@@ -98,7 +98,7 @@ def compare(ctx: DistContext, name: str, *, zero: int, dp: int, pp: int = 1, tp:
 
     full_grads = gather_tp(tp_program, {q: grads[q] for q in local})
     grad_err = check_close(full_grads, ref_grads, rtol=RTOL, atol=ATOL, what=f"{name} zero={zero} grad")
-    final = model.full_state_dict()
+    final = model.full_state_dict(buffers=False)
     ref_final = {n: p.detach() for n, p in reference.named_parameters()}
     assert set(final) == set(ref_final), sorted(set(final) ^ set(ref_final))
     param_err = check_close(final, ref_final, rtol=RTOL, atol=ATOL, what=f"{name} zero={zero} param")

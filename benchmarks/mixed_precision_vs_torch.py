@@ -1,0 +1,205 @@
+"""partita in bf16-mixed against torch's own recipes, side by side on two gloo processes.
+
+- data parallelism: partita's bf16-mixed DP plan (bf16 parameters and compute, fp32 master
+  weights and AdamW state, gradients reduced in fp32) against ``DistributedDataParallel`` with
+  ``torch.autocast(bfloat16)`` (fp32 parameters, bf16 matmuls);
+- ZeRO-3: partita's bf16-mixed ZeRO-3 plan against FSDP2 (``fully_shard`` per layer and at the
+  root, ``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)``).
+
+Step time: both systems train the same model from the same weights with the same AdamW and the
+same per-rank batch in the same processes; after warm-up they step in alternation (a barrier
+before each timed step) and the medians are compared, as benchmarks/dp_vs_ddp.py does.
+
+Peak memory (ZeRO-3 rows): each system runs alone in fresh processes; after warm-up the
+process's peak resident set is reset (``/proc/self/clear_refs``) and the peak over the timed
+steps, minus the resident set before them, is the step's transient high-water mark (Linux only;
+the allocator's retained pages count the same for both).
+
+Run: ``python benchmarks/mixed_precision_vs_torch.py [--repeats 20]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[1]
+for p in (ROOT, ROOT / "benchmarks"):
+    if str(p) not in sys.path:  # spawned ranks inherit sys.path
+        sys.path.insert(0, str(p))
+
+from dp_vs_ddp import _plan  # noqa: E402
+from examples.models import MLP  # noqa: E402
+from partita.runtime.distributed import init_distributed  # noqa: E402
+from partita.runtime.engine import ParallelModel  # noqa: E402
+
+WORLD, WARMUP, BATCH = 2, 3, 64
+
+
+def _model() -> MLP:
+    torch.manual_seed(0)
+    return MLP(d_in=1024, hidden=1024, d_out=1024, layers=4)
+
+
+def _optimizer(ps):
+    return torch.optim.AdamW(ps, lr=1e-4)
+
+
+def _data() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(BATCH, 1024, generator=g), torch.randn(BATCH, 1024, generator=g)
+
+
+# ZeRO-3 gathers and reduce-scatters one bucket at a time; FSDP2 one fully_shard unit (a layer) at a
+# time. Compared at the same unit: a bucket closes at one layer's bf16 parameters.
+LAYER_BYTES = 1024 * 1024 * 2
+
+
+def _ours(ctx, zero: int) -> ParallelModel:
+    plan = _plan(WORLD, BATCH // WORLD, precision="bf16-mixed", zero_stage=zero,
+                 **({"grad_bucket_bytes": LAYER_BYTES} if zero == 3 else {}))
+    return ParallelModel(_model(), plan, loss_fn=F.mse_loss, optimizer=_optimizer, ctx=ctx)
+
+
+def _torch_step(kind: str, rank: int):
+    """DDP + autocast, or FSDP2 with a mixed-precision policy: one step's closure."""
+    x, y = _data()
+    share = slice(rank * BATCH // WORLD, (rank + 1) * BATCH // WORLD)
+    x, y = x[share], y[share]
+    model = _model()
+    if kind == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        model = DistributedDataParallel(model)
+    else:
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        for layer in model.layers:
+            fully_shard(layer, mp_policy=policy)
+        fully_shard(model, mp_policy=policy)
+    opt = _optimizer(model.parameters())
+
+    def step() -> None:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=kind == "ddp"):
+            loss = F.mse_loss(model(x).float(), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        dist.all_reduce(loss.detach().div_(WORLD))  # train_step returns the global mean too
+
+    return step
+
+
+def _timed(fn) -> float:
+    dist.barrier()
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def _init(rank: int, port: int):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank), PARTITA_LOG_EVERY="0")
+    torch.set_num_threads(1)
+    return init_distributed(timeout_s=120)
+
+
+def _time_worker(rank: int, port: int, repeats: int, queue) -> None:
+    ctx = _init(rank, port)
+    x, y = _data()
+    for label, zero, kind in (("DP, bf16-mixed vs DDP + autocast", 0, "ddp"),
+                              ("ZeRO-3, bf16-mixed vs FSDP2 + MixedPrecisionPolicy", 3, "fsdp2")):
+        ours = _ours(ctx, zero)
+        theirs = _torch_step(kind, rank)
+        mine = lambda m=ours: m.train_step(x, targets=y)  # noqa: E731
+        for _ in range(WARMUP):
+            mine()
+            theirs()
+        t_ours, t_theirs = [], []
+        for i in range(repeats):  # alternate who goes first
+            if i % 2:
+                t_ours.append(_timed(mine))
+                t_theirs.append(_timed(theirs))
+            else:
+                t_theirs.append(_timed(theirs))
+                t_ours.append(_timed(mine))
+        if rank == 0:
+            queue.put(("time", label, statistics.median(t_ours), statistics.median(t_theirs)))
+    dist.destroy_process_group()
+
+
+def _rss_kb(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def _memory_worker(rank: int, port: int, system: str, repeats: int, queue) -> None:
+    ctx = _init(rank, port)
+    if system == "partita":
+        x, y = _data()
+        model = _ours(ctx, 3)
+        step = lambda: model.train_step(x, targets=y)  # noqa: E731
+    else:
+        step = _torch_step("fsdp2", rank)
+    for _ in range(WARMUP):
+        step()
+    dist.barrier()
+    Path("/proc/self/clear_refs").write_text("5")  # the peak resident set starts again from now
+    before = _rss_kb("VmRSS")
+    for _ in range(repeats):
+        step()
+    peak = _rss_kb("VmHWM") - before
+    if rank == 0:
+        queue.put(("memory", system, peak * 1024))
+    dist.destroy_process_group()
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=20)
+    args = parser.parse_args()
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    mp.spawn(_time_worker, args=(_port(), args.repeats, queue), nprocs=WORLD)
+    if Path("/proc/self/clear_refs").exists():
+        for system in ("partita", "fsdp2"):
+            mp.spawn(_memory_worker, args=(_port(), system, args.repeats, queue), nprocs=WORLD)
+    from rich.console import Console
+    from rich.table import Table
+
+    results = []
+    while not queue.empty():
+        results.append(queue.get())
+    table = Table(title=f"bf16-mixed on {WORLD} gloo processes, MLP 1024x4 (4.2 M), median of {args.repeats} steps")
+    for col in ("comparison", "partita ms", "torch ms", "partita / torch"):
+        table.add_column(col, justify="left" if col == "comparison" else "right")
+    for kind, label, ours, theirs in (r for r in results if r[0] == "time"):
+        table.add_row(label, f"{ours * 1e3:.1f}", f"{theirs * 1e3:.1f}", f"{ours / theirs:.3f}")
+    memory = {r[1]: r[2] for r in results if r[0] == "memory"}
+    if len(memory) == 2:
+        table.add_row("ZeRO-3 step's peak transient memory (MB, rank 0) vs FSDP2", f"{memory['partita'] / 2**20:.1f}",
+                      f"{memory['fsdp2'] / 2**20:.1f}", f"{memory['partita'] / max(memory['fsdp2'], 1):.3f}")
+    Console().print(table)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,92 @@
+"""The batch a step is given: checked against the plan, then cut into this rank's share.
+
+``ParallelModel.train_step``, ``evaluate`` and a pipeline model's forward all take
+the global batch (the same on every rank) or, with ``local=True``, this rank's
+share of it. ``check_batch`` refuses anything the plan was not made for before
+any of it runs (the number of inputs, then per tensor its batch size, the other
+dims and the dtype, against the captured inputs and targets); ``share`` takes
+this rank's rows over "dp"; ``check_same_batch`` all-gathers a fingerprint per
+rank to catch a rank whose data loader drifted.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from partita.core.errors import PartitaError
+from partita.core.inputs import parse_input_spec
+from partita.runtime.collectives import CollectiveCounter
+from partita.runtime.program import Program
+from partita.runtime.rng import fingerprint
+
+
+def check_batch(program: Program, inputs: tuple[Any, ...], targets: Any, *, local: bool, caller: str) -> None:
+    """Refuse a batch the plan was not made for (module docstring); ``caller`` names the call in
+    the message (``train_step``, ``evaluate``, ``the model``). ``targets`` None: not given."""
+    plan = program.plan
+    tr = plan.training
+    specs = [parse_input_spec(s) for s in plan.model.inputs]
+    if specs and len(inputs) != len(specs):
+        raise PartitaError(f"{caller} got {len(inputs)} input{'s' if len(inputs) != 1 else ''}, but the model "
+                           f"was planned for {len(specs)} ({', '.join(plan.model.inputs)})",
+                           hint="pass the model's inputs positionally, in the order they were planned, "
+                           "and the targets as targets=")
+    share = tr.global_batch // program.dp_size
+    expected = share if local else tr.global_batch
+    scope = (f"this rank's share (global_batch={tr.global_batch} / dp={program.dp_size})" if local
+             else "the plan's global_batch")
+    target_spec = parse_input_spec(plan.model.targets) if plan.model.targets else None
+    pairs = [(x, spec, f"input {i} ({spec.name})") for i, (x, spec) in enumerate(zip(inputs, specs))]
+    if targets is not None:
+        pairs.append((targets, target_spec, "targets"))
+    for t, spec, what in pairs:
+        if not isinstance(t, torch.Tensor):
+            raise PartitaError(f"{caller} got {what} as {type(t).__name__}, not a tensor", hint="pass torch tensors")
+        size = t.shape[0] if t.dim() > 0 else None
+        if size != expected:
+            raise PartitaError(
+                f"{caller} got {what} with batch size {size}, but {scope} is {expected}",
+                hint=(f"pass {share} rows per rank" if local else
+                      f"pass the same global batch of {expected} on every rank, or local=True with "
+                      f"{share} rows per rank"))
+        if spec is None:
+            continue
+        if tuple(t.shape[1:]) != tuple(spec.shape[1:]):
+            raise PartitaError(f"{caller} got {what} with shape {list(t.shape)}, but the plan was made for "
+                               f"{spec}: every dim but the batch must match",
+                               hint="pass tensors of the planned shape, or recompile for this shape")
+        if t.dtype != spec.dtype:
+            name = str(spec.dtype).removeprefix("torch.")
+            raise PartitaError(f"{caller} got {what} with dtype {str(t.dtype).removeprefix('torch.')}, but the "
+                               f"plan was made for {spec}",
+                               hint=f"convert it (.to(torch.{name})) or recompile for this dtype")
+
+
+def share(program: Program, t: torch.Tensor, *, local: bool) -> torch.Tensor:
+    """This rank's rows of ``t`` (checked by ``check_batch``), on its device."""
+    if not local and program.dp_size > 1:
+        rows = t.shape[0] // program.dp_size
+        t = t.narrow(0, program.dp_rank * rows, rows)
+    return t.to(program.ctx.device, non_blocking=True)
+
+
+def check_same_batch(program: Program, tensors: list[torch.Tensor], counter: CollectiveCounter, *, step: int,
+                     caller: str) -> None:
+    """Every rank passed the same global batch (a fingerprint per rank, all-gathered): one rank
+    with other data would otherwise train on silently."""
+    ctx = program.ctx
+    mine = torch.tensor([fingerprint(t) for t in tensors], dtype=torch.int64, device=ctx.device)
+    every = mine.new_empty(ctx.world_size * mine.numel())
+    with counter.blocking("all_gather", "world"):
+        dist.all_gather_into_tensor(every, mine)
+    every = every.cpu().view(ctx.world_size, mine.numel())
+    differ = [r for r in range(ctx.world_size) if not torch.equal(every[r], every[0])]
+    if differ:
+        raise PartitaError(
+            f"rank{'s' if len(differ) > 1 else ''} {', '.join(map(str, differ))} passed another global batch "
+            f"to {caller} than rank 0 at step {step}",
+            hint="every rank must pass the same global batch (seed the data loader alike on every rank), "
+            "or pass local=True with each rank's own share")
