@@ -10,10 +10,9 @@ Step time: both systems train the same model from the same weights with the same
 same per-rank batch in the same processes; after warm-up they step in alternation (a barrier
 before each timed step) and the medians are compared, as benchmarks/dp_vs_ddp.py does.
 
-Peak memory (ZeRO-3 rows): each system runs alone in fresh processes; after warm-up the
-process's peak resident set is reset (``/proc/self/clear_refs``) and the peak over the timed
-steps, minus the resident set before them, is the step's transient high-water mark (Linux only;
-the allocator's retained pages count the same for both).
+Peak transient memory: over two steps of each system after the timing, the most bytes the CPU
+allocator held at once above what it held before (torch.profiler's allocation events, summed in
+time order, on rank 0): what a step allocates and frees, model state excluded.
 
 Run: ``python benchmarks/mixed_precision_vs_torch.py [--repeats 20]``.
 """
@@ -134,37 +133,27 @@ def _time_worker(rank: int, port: int, repeats: int, queue) -> None:
             else:
                 t_theirs.append(_timed(theirs))
                 t_ours.append(_timed(mine))
+        peaks = (peak_transient_bytes(mine), peak_transient_bytes(theirs))
         if rank == 0:
             queue.put(("time", label, statistics.median(t_ours), statistics.median(t_theirs)))
+            queue.put(("memory", label, *peaks))
     dist.destroy_process_group()
 
 
-def _rss_kb(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise RuntimeError(f"no {field} in /proc/self/status")
+def peak_transient_bytes(step, steps: int = 2) -> int:
+    """The most bytes the CPU allocator held at once during ``steps`` calls of ``step``, above
+    what was held before them (torch.profiler's allocation events, summed in time order)."""
+    from torch.profiler import ProfilerActivity, profile
 
-
-def _memory_worker(rank: int, port: int, system: str, repeats: int, queue) -> None:
-    ctx = _init(rank, port)
-    if system == "partita":
-        x, y = _data()
-        model = _ours(ctx, 3)
-        step = lambda: model.train_step(x, targets=y)  # noqa: E731
-    else:
-        step = _torch_step("fsdp2", rank)
-    for _ in range(WARMUP):
-        step()
-    dist.barrier()
-    Path("/proc/self/clear_refs").write_text("5")  # the peak resident set starts again from now
-    before = _rss_kb("VmRSS")
-    for _ in range(repeats):
-        step()
-    peak = _rss_kb("VmHWM") - before
-    if rank == 0:
-        queue.put(("memory", system, peak * 1024))
-    dist.destroy_process_group()
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        for _ in range(steps):
+            step()
+    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    live = peak = 0
+    for e in sorted(events, key=lambda e: e.start_ns()):
+        live += e.nbytes()
+        peak = max(peak, live)
+    return peak
 
 
 def _port() -> int:
@@ -180,9 +169,6 @@ def main() -> None:
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
     mp.spawn(_time_worker, args=(_port(), args.repeats, queue), nprocs=WORLD)
-    if Path("/proc/self/clear_refs").exists():
-        for system in ("partita", "fsdp2"):
-            mp.spawn(_memory_worker, args=(_port(), system, args.repeats, queue), nprocs=WORLD)
     from rich.console import Console
     from rich.table import Table
 
@@ -190,14 +176,14 @@ def main() -> None:
     while not queue.empty():
         results.append(queue.get())
     table = Table(title=f"bf16-mixed on {WORLD} gloo processes, MLP 1024x4 (4.2 M), median of {args.repeats} steps")
-    for col in ("comparison", "partita ms", "torch ms", "partita / torch"):
+    for col in ("comparison", "partita", "torch", "partita / torch"):
         table.add_column(col, justify="left" if col == "comparison" else "right")
-    for kind, label, ours, theirs in (r for r in results if r[0] == "time"):
-        table.add_row(label, f"{ours * 1e3:.1f}", f"{theirs * 1e3:.1f}", f"{ours / theirs:.3f}")
-    memory = {r[1]: r[2] for r in results if r[0] == "memory"}
-    if len(memory) == 2:
-        table.add_row("ZeRO-3 step's peak transient memory (MB, rank 0) vs FSDP2", f"{memory['partita'] / 2**20:.1f}",
-                      f"{memory['fsdp2'] / 2**20:.1f}", f"{memory['partita'] / max(memory['fsdp2'], 1):.3f}")
+    for kind, label, ours, theirs in results:
+        if kind == "time":
+            table.add_row(label + ": step ms", f"{ours * 1e3:.1f}", f"{theirs * 1e3:.1f}", f"{ours / theirs:.3f}")
+        else:
+            table.add_row(label + ": peak transient MB", f"{ours / 2**20:.1f}", f"{theirs / 2**20:.1f}",
+                          f"{ours / theirs:.3f}")
     Console().print(table)
 
 

@@ -1,5 +1,6 @@
 """A user's training script: one decorator, one train_step call. Run by tests/test_decorator.py
-under torchrun (the plan made by rank 0) and under `partita run PLAN.json` (the plan from a file).
+under torchrun (the plan made by rank 0), under `partita run PLAN.json` (the plan from a file),
+and on the harness's gloo group with the plan passed as `partita run` passes it (``run_plan``).
 
 usage: decorator_script.py OUT.json
 """
@@ -32,13 +33,13 @@ def batches():
         yield seq[:, :-1], seq[:, 1:]
 
 
-if __name__ == "__main__":
-    model = make_model()
+def write_results(model, out: Path) -> None:
+    """Train, then (rank 0) write the losses, the collectives counted against the plan's, the
+    gathered state and ZeRO's held bytes."""
     losses = [model.train_step(x, targets=y) for x, y in batches()]
     counted = [list(t) for t in model.collectives.as_tuples()]  # the last step's, before gathering below
     state = model.full_state_dict()  # every rank takes part
     if model.ctx.rank == 0:
-        out = Path(sys.argv[1])
         torch.save(state, out.with_suffix(".pt"))
         out.write_text(json.dumps({
             "losses": losses,
@@ -54,3 +55,23 @@ if __name__ == "__main__":
             "buckets": len(model._program.zero.buckets) if model._program.zero is not None else 0,
             "predicted_state": [getattr(model.plan.predicted.memory, k) for k in ("params", "grads", "optimizer")],
         }))
+
+
+def run_plan(ctx, plan: str, out: str) -> None:
+    """tests/harness.py's entry: the decorated model on a running group, with ``plan`` as `partita
+    run` passes it (PARTITA_PLAN)."""
+    import os
+
+    before = os.environ.get("PARTITA_PLAN")
+    os.environ["PARTITA_PLAN"] = plan
+    try:
+        write_results(make_model(), Path(out))
+    finally:
+        if before is None:
+            del os.environ["PARTITA_PLAN"]
+        else:
+            os.environ["PARTITA_PLAN"] = before
+
+
+if __name__ == "__main__":
+    write_results(make_model(), Path(sys.argv[1]))

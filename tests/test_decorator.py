@@ -1,5 +1,8 @@
 """The decorator path end to end: the same user script in one process, under torchrun, and under
-`partita run`, against a plain single-process loop; the collectives each rank ran equal the plan's."""
+`partita run`, against a plain single-process loop; the collectives each rank ran equal the plan's.
+The planner's ZeRO and recomputing plans run the same script on the harness's long-lived group
+with the plan handed over as `partita run` hands it (``compile_and_launch``): the launcher itself
+is covered by the plan-file, TP and pipeline tests, and four fresh processes per plan cost ~15 s."""
 
 import json
 from pathlib import Path
@@ -16,7 +19,7 @@ from partita.passes.constraints import Pins
 
 import decorator_script as script
 from examples.models import GPT, GPTConfig, gpt_tiny
-from harness import TESTS, partita_cli, plain_training, torchrun
+from harness import TESTS, launch, partita_cli, plain_training, torchrun
 
 
 def reference():
@@ -81,6 +84,17 @@ def compile_and_run(tmp_path: Path, *compile_args: str, run_args: tuple[str, ...
     return plan, out
 
 
+def compile_and_launch(tmp_path: Path, cli, *compile_args: str) -> tuple[Path, Path]:
+    """`partita compile` (in this process) the script's model with ``compile_args``, then the
+    script's ``run_plan`` on 4 ranks of the harness's group, given the plan as `partita run` gives it."""
+    plan, out = tmp_path / "plan.json", tmp_path / "out.json"
+    code, _, err = cli("compile", f"{TESTS / 'decorator_script.py'}:make_model", *compile_args,
+                       "--grad-accum-steps", "2", "-o", plan)
+    assert code == 0, err
+    launch(4, script.run_plan, str(plan), str(out))
+    return plan, out
+
+
 def fast_cluster(tmp_path: Path) -> str:
     """4 CPU processes with NVLink-like links. On `local`'s slow gloo links the ILP rightly keeps
     every op replicated at tp=2; here splitting pays, so the plan splits."""
@@ -127,9 +141,9 @@ def test_partita_run_a_pipeline_plan(tmp_path, ref):
 
 
 @pytest.mark.slow
-def test_partita_run_zero2_with_tensor_parallelism(tmp_path, ref):
+def test_planned_zero2_with_tensor_parallelism(tmp_path, cli, ref):
     """ZeRO-2 over dp=2 of the planner's dp=2 x tp=2 plan: same training as one process."""
-    _, out = compile_and_run(tmp_path, "--cluster", fast_cluster(tmp_path), "--tp", "2", "--zero", "2")
+    _, out = compile_and_launch(tmp_path, cli, "--cluster", fast_cluster(tmp_path), "--tp", "2", "--zero", "2")
     check(out, ref, 4, mesh=(2, 2, 1))
     kinds = counted_kinds(out)
     assert {("reduce_scatter", "dp"), ("all_gather", "dp")} <= kinds and any(a == "tp" for _, a in kinds)
@@ -137,10 +151,10 @@ def test_partita_run_zero2_with_tensor_parallelism(tmp_path, ref):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("zero", [1, 3])
-def test_partita_run_zero_inside_a_pipeline(tmp_path, ref, zero):
+def test_planned_zero_inside_a_pipeline(tmp_path, cli, ref, zero):
     """ZeRO over dp=2 of the planner's dp=2 x pp=2 1F1B plan: same training as one process, and
     stage 0's reduce-scatters, all-gathers and sends ran exactly as the plan lists them."""
-    _, out = compile_and_run(tmp_path, "--devices", "4", "--pp", "2", "--zero", str(zero))
+    _, out = compile_and_launch(tmp_path, cli, "--devices", "4", "--pp", "2", "--zero", str(zero))
     check(out, ref, 4, mesh=(2, 1, 2))
     assert {("reduce_scatter", "dp"), ("all_gather", "dp"), ("send_recv", "pp")} <= counted_kinds(out)
 
@@ -154,9 +168,9 @@ def held_matches_the_plan(out: Path, dp: int) -> None:
 
 
 @pytest.mark.slow
-def test_partita_run_zero3_with_tensor_parallelism(tmp_path, ref):
+def test_planned_zero3_with_tensor_parallelism(tmp_path, cli, ref):
     """ZeRO-3 over dp=2 of the planner's dp=2 x tp=2 plan: parameters gathered per graph node."""
-    _, out = compile_and_run(tmp_path, "--cluster", fast_cluster(tmp_path), "--tp", "2", "--zero", "3")
+    _, out = compile_and_launch(tmp_path, cli, "--cluster", fast_cluster(tmp_path), "--tp", "2", "--zero", "3")
     check(out, ref, 4, mesh=(2, 2, 1))
     held_matches_the_plan(out, 2)
     kinds = counted_kinds(out)
@@ -164,11 +178,11 @@ def test_partita_run_zero3_with_tensor_parallelism(tmp_path, ref):
 
 
 @pytest.mark.slow
-def test_partita_run_a_recomputing_tensor_parallel_plan(tmp_path, ref):
+def test_planned_a_recomputing_tensor_parallel_plan(tmp_path, cli, ref):
     """`--recompute` on the planner's dp=2 x tp=2 plan: every layer reruns its forward in backward.
     Same training as one process, and the TP collectives the recompute repeats are in the plan's
     list (check compares every collective, call for call)."""
-    plan, out = compile_and_run(tmp_path, "--cluster", fast_cluster(tmp_path), "--tp", "2", "--recompute")
+    plan, out = compile_and_launch(tmp_path, cli, "--cluster", fast_cluster(tmp_path), "--tp", "2", "--recompute")
     check(out, ref, 4, mesh=(2, 2, 1))
     from partita.passes.verify import load_plan
 
@@ -179,10 +193,10 @@ def test_partita_run_a_recomputing_tensor_parallel_plan(tmp_path, ref):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("zero", [1, 3])
-def test_partita_run_a_zero_plan(tmp_path, ref, zero):
+def test_planned_a_zero_plan(tmp_path, cli, ref, zero):
     """The planner's ZeRO plans (pinned stage) on 4 processes: same training as one process, and the
     reduce-scatters / all-gathers ran exactly as the plan lists them."""
-    _, out = compile_and_run(tmp_path, "--devices", "4", "--zero", str(zero))
+    _, out = compile_and_launch(tmp_path, cli, "--devices", "4", "--zero", str(zero))
     check(out, ref, 4)
     held_matches_the_plan(out, 4)
     assert {("reduce_scatter", "dp"), ("all_gather", "dp")} <= counted_kinds(out)
