@@ -91,6 +91,7 @@ class GradBucket:
         self.ready: set[int] = set()  # members whose gradient this backward has produced
         self.work: dist.Work | None = None
         self.wire: torch.Tensor | None = None  # the gradient bucket upcast to the reduce dtype, while reduced
+        self.reduced: torch.Tensor | None = None  # transient: this rank's reduced slice (shard_numel,), settled
 
     @property
     def nbytes(self) -> int:
@@ -185,9 +186,14 @@ class BucketReducer:
     def _launch(self, b: GradBucket) -> None:
         if b.grad_flat is None:  # no gradient reached this bucket: it still joins the collective
             b.grad_flat = b.new_flat()
+        if not self.persistent:  # one transient bucket in flight at a time, as FSDP2 does: the
+            for earlier in self.buckets[:self._next]:  # previous one settles before this one goes
+                self._settle(earlier)
         flat = b.grad_flat
         if self.reduce_dtype is not None and self.reduce_dtype != flat.dtype:  # e.g. bf16 summed in fp32
             flat = b.wire = flat.to(self.reduce_dtype)
+            if not self.persistent:
+                b.grad_flat = None  # the wire is the bucket now: the full gradient is not held twice
         flat.div_(self.size)
         if self.collective == "all_reduce":
             b.work = dist.all_reduce(flat, group=self.group, async_op=True)
@@ -205,17 +211,29 @@ class BucketReducer:
         while self._next < len(self.buckets):
             self._launch(self.buckets[self._next])
             self._next += 1
-        # all-reduce leaves the mean in the whole bucket, reduce-scatter in this rank's slice
-        result = (lambda b: slice(None)) if self.collective == "all_reduce" else (lambda b: b.own)
-        with self.counter.blocking(self.collective, self.axis):
-            for b in self.buckets:
-                b.work.wait()
-                b.work = None
-                if b.wire is not None:
-                    b.grad_flat[result(b)].copy_(b.wire[result(b)])
-                    b.wire = None
+        for b in self.buckets:
+            self._settle(b)
         self.sync = False
         return True
+
+    def _settle(self, b: GradBucket) -> None:
+        """Wait for ``b``'s collective and put its result where the caller reads it: persistent,
+        the mean back in the flat gradient (all of it for an all-reduce, this rank's slice for a
+        reduce-scatter); transient, this rank's slice alone in ``b.reduced``, the full bucket freed."""
+        if b.work is None:
+            return
+        with self.counter.blocking(self.collective, self.axis):
+            b.work.wait()
+        b.work = None
+        result = slice(None) if self.collective == "all_reduce" else b.own  # where the mean is
+        if self.persistent:
+            if b.wire is not None:
+                b.grad_flat[result].copy_(b.wire[result])
+        else:
+            source = b.wire if b.wire is not None else b.grad_flat
+            b.reduced = source[result].to(b.dtype, copy=True)
+            b.grad_flat = None
+        b.wire = None
 
     def zero_grad(self) -> None:
         """Persistent: the flat gradients zeroed, the members' ``.grad`` views of them again."""

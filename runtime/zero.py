@@ -202,8 +202,8 @@ class ZeroProgram:
             return
         for b, shard in zip(self.buckets, self.shards):
             if self.stage >= 2:
-                shard.grad += b.grad_flat[b.own]
-                b.grad_flat = None
+                shard.grad += b.reduced
+                b.reduced = None
                 for p in b.members:
                     p.grad = None
             if self.stage == 3:
