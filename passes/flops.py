@@ -35,6 +35,7 @@ import networkx as nx
 from partita.core.ops import ATTENTION as _ATTENTION
 from partita.core.ops import CONV as _CONV
 from partita.core.ops import MATMUL as _MATMUL
+from partita.core.ops import NO_GRAD_OPS, base_op, carries_gradient, passes_gradient  # noqa: F401 (re-exported)
 _FREE = {
     "view", "_unsafe_view", "reshape", "transpose", "t", "permute", "expand", "expand_as", "split",
     "split_with_sizes", "chunk", "unbind", "getitem", "slice", "select", "unsqueeze", "squeeze",
@@ -46,27 +47,6 @@ _FREE = {
 _REDUCTIONS = {"sum", "mean", "amax", "amin", "max", "min", "var", "std", "var_mean", "prod", "norm",
                "logsumexp", "argmax", "argmin", "all", "any"}
 # ops whose output carries no gradient whatever their inputs (comparisons, factories, argmax, detach)
-NO_GRAD_OPS = frozenset({
-    "argmax", "argmin", "eq", "ne", "lt", "le", "gt", "ge", "all", "any", "arange", "zeros", "ones", "full",
-    "empty", "scalar_tensor", "zeros_like", "ones_like", "full_like", "empty_like", "logical_not", "logical_and",
-    "logical_or", "bitwise_not", "sym_size", "detach", "_assert_tensor_metadata",
-})
-_GRAD_DTYPES = ("float", "bfloat16", "half", "complex")
-
-
-def carries_gradient(dtype: str) -> bool:
-    """Whether a tensor of dtype ``dtype`` (a torch name) can carry a gradient: floating or complex."""
-    return dtype.startswith(_GRAD_DTYPES)
-
-
-def base_op(op: str) -> str:
-    """``"aten.addmm.default"`` -> ``"addmm"``; ``"torch._C._nn.linear"`` -> ``"linear"``."""
-    parts = op.split(".")
-    if parts[0] == "aten" and len(parts) >= 2:
-        return parts[1]
-    return parts[-1]
-
-
 def annotate_flops(G: nx.DiGraph) -> nx.DiGraph:
     """Write ``flops_fwd``, ``flops_bwd`` and ``requires_grad`` on every node (rules in the module doc)."""
     flows = gradient_flows(G)
@@ -97,7 +77,7 @@ def gradient_flows(G: nx.DiGraph) -> dict[str, bool]:
         if a["kind"] == "param":
             flows[n] = carries
         elif a["kind"] == "call":
-            flows[n] = carries and base_op(a["op"]) not in NO_GRAD_OPS and any(flows.get(p, False) for p in G.predecessors(n))
+            flows[n] = passes_gradient(a["op"], a["dtypes"], any(flows.get(p, False) for p in G.predecessors(n)))
         else:
             flows[n] = False
     G.graph["grad_flows"] = flows

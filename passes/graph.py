@@ -42,6 +42,7 @@ import torch
 import torch.fx
 
 from partita.core.capture import CapturedModel
+from partita.core.ops import op_name, tensor_values  # noqa: F401 (re-exported)
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+)')
@@ -84,31 +85,6 @@ def graph_fingerprint(G: nx.DiGraph) -> str:
     edges = sorted([u, v] for u, v in G.edges)
     text = json.dumps({"nodes": nodes, "edges": edges, "inputs": G.graph.get("inputs", [])}, sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
-
-
-def op_name(node: torch.fx.Node) -> str:
-    """``"aten.mm.default"`` for an ATen overload; a dotted name for other callables."""
-    if node.op in ("placeholder", "get_attr", "output"):
-        return node.op
-    if node.op == "call_method":
-        return f"Tensor.{node.target}"
-    if node.op == "call_module":
-        return f"module.{node.target}"
-    target = node.target
-    if isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
-        return str(target)
-    module = getattr(target, "__module__", None) or ""
-    name = getattr(target, "__qualname__", None) or getattr(target, "__name__", None) or str(target)
-    return f"{module}.{name}" if module else name
-
-
-def tensor_values(val: Any) -> list[torch.Tensor]:
-    """The tensors in a node's ``meta["val"]`` (a tensor, or a tuple/list holding some)."""
-    if isinstance(val, torch.Tensor):
-        return [val]
-    if isinstance(val, (tuple, list)):
-        return [t for v in val for t in tensor_values(v)]
-    return []
 
 
 def _attributes(node: torch.fx.Node, captured: CapturedModel, module_types: dict[str, str]) -> dict[str, Any]:

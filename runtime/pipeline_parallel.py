@@ -58,6 +58,7 @@ import torch.fx
 from torch import nn
 
 from partita.core.errors import PlanError
+from partita.core.ops import gradient_nodes
 from partita.core.plan import MeshAxis, Plan, tied_stages
 from partita.core.precision import PrecisionPolicy
 from partita.core.schedule import SCHEDULES, stage_order
@@ -128,23 +129,6 @@ def split_stages(graph: torch.fx.Graph, stage_of: Mapping[str, int], stages: int
     if empty:
         raise PlanError(f"pipeline stage(s) {empty} have no nodes to run",
                         hint="recompile the plan for this model with `partita compile`")
-    return out
-
-
-def differentiable(graph: torch.fx.Graph) -> set[str]:
-    """Nodes whose value carries a gradient: floating values that depend on a parameter requiring one.
-
-    Decided from the graph alone, so sender and receiver agree on which gradients
-    cross a cut without exchanging anything."""
-    out: set[str] = set()
-    for n in graph.nodes:
-        vals = tensors(n.meta.get("val"))
-        floating = any(v.dtype.is_floating_point for v in vals)
-        if n.op == "placeholder":
-            if floating and any(v.requires_grad for v in vals):
-                out.add(n.name)
-        elif floating and any(a.name in out for a in n.all_input_nodes):
-            out.add(n.name)
     return out
 
 
@@ -221,7 +205,7 @@ class PipelineStage(nn.Module):
         held = lambda n: n.name in self.tp.param_nodes or n.name in self.tp.buffer_nodes  # noqa: E731
         self.stages = split_stages(graph, stage_of, p, held)
         self.graph = self.stages[self.index]
-        self.grad_nodes = differentiable(graph)
+        self.grad_nodes = gradient_nodes(graph, self.tp.param_nodes)  # the planner's rule (core/ops.py)
         self.prev = dist.get_global_rank(self.pp_group, self.index - 1) if self.index > 0 else None
         self.next = dist.get_global_rank(self.pp_group, self.index + 1) if self.index < p - 1 else None
         self.held = [n for n in graph.nodes if n.op == "placeholder" and self.tp.holds(n)]

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from partita.core.ops import tensor_values as tensors  # noqa: F401 (the interpreter's and the pipeline's name)
 from partita.core.placement import shard_dim
 from partita.core.plan import InputLayout, MeshAxis
 from partita.runtime.collectives import CollectiveCounter
@@ -31,15 +32,6 @@ def local_shape(shape: torch.Size | tuple[int, ...], placement: str, t: int) -> 
     if d is not None:
         out[d] //= t
     return tuple(out)
-
-
-def tensors(val: Any) -> list[Any]:
-    """The tensors of a value (a tensor, or nested tuples / lists of them), in order."""
-    if isinstance(val, torch.Tensor):
-        return [val]
-    if isinstance(val, (tuple, list)):
-        return [t for v in val for t in tensors(v)]
-    return []
 
 
 class TPGroup:

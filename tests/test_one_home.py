@@ -244,3 +244,21 @@ def test_one_rule_for_where_a_gradient_flows():
     for n, a in G.nodes(data=True):
         assert a["requires_grad"] == flows[n], n
     assert not any(G.nodes[n]["requires_grad"] for n in detached)
+    # ... and the pipeline runtime decides which gradients cross a cut by the same rule
+    from partita.core.ops import gradient_nodes
+
+    captured = capture(_Detached, [parse_input_spec("x=float32[4,32]")], loss=_mse,
+                       targets=parse_input_spec("y=float32[4,32]"))
+    assert gradient_nodes(captured.graph_module.graph, captured.param_nodes) == {n for n, f in flows.items() if f}
+
+
+def test_the_runtime_and_the_planner_agree_where_gradients_flow_in_a_real_model():
+    from examples.models import gpt_tiny
+    from partita.core.ops import gradient_nodes
+    from partita.core.losses import default_loss
+    from partita.passes.flops import gradient_flows
+
+    captured = capture(gpt_tiny, [parse_input_spec("idx=int64[2,16]")], loss=default_loss)
+    flows = gradient_flows(profile_model(captured).graph)
+    got = gradient_nodes(captured.graph_module.graph, captured.param_nodes)
+    assert got == {n for n, f in flows.items() if f} and len(got) > 50
