@@ -113,10 +113,11 @@ def capture(
         module = model
     elif callable(model):
         try:
-            with mode:
-                module = uncompiled(model())
+            module = _build_fake(model, mode)
         except Exception as e:
-            raise _capture_error(e, model, None, "building the model under fake tensors failed") from e
+            raise _capture_error(e, model, None, "building the model under fake tensors failed",
+                                 hint="the factory's initialisation must not read tensor values (it runs on fake "
+                                 "and meta tensors); or pass a built model instance") from e
         if not isinstance(module, torch.nn.Module):
             raise CaptureError(
                 f"{_name_of(model)}() returned {type(module).__name__}, not an nn.Module",
@@ -205,6 +206,33 @@ def running_buffers(graph: torch.fx.Graph, buffer_nodes: dict[str, str]) -> dict
             if a.name in buffers and isinstance(val, torch.Tensor) and val.is_floating_point():
                 out[a.name] = (val.numel(), val.dtype)
     return out
+
+
+def _build_fake(factory: Callable[[], Any], mode: FakeTensorMode) -> Any:
+    """``factory()`` with fake parameters and buffers (no memory for the weights). Built under
+    ``mode``; a model whose initialisation reads values (``trunc_normal_`` in Hugging Face's ViT
+    asks a tensor for a Python number, which a fake tensor cannot answer) is built on the meta
+    device instead, and each parameter and buffer is then replaced by a fake tensor of its shape
+    and dtype: the values never matter to capture, only the shapes."""
+    try:
+        with mode:
+            return uncompiled(factory())
+    except Exception as e:  # noqa: BLE001 - retried below only for a value the build asked for
+        if not _is_data_dependent(e):
+            raise
+    with torch.device("meta"):
+        module = uncompiled(factory())
+    if isinstance(module, torch.nn.Module):
+        fakes: dict[int, torch.Tensor] = {}  # by the meta tensor's id: a tied parameter stays one
+        with mode:
+            for sub in module.modules():
+                for table, make in ((sub._parameters, lambda t: torch.nn.Parameter(
+                        torch.empty(t.shape, dtype=t.dtype), requires_grad=t.requires_grad)),
+                                    (sub._buffers, lambda t: torch.empty(t.shape, dtype=t.dtype))):
+                    for name, t in list(table.items()):
+                        if t is not None:
+                            table[name] = fakes.setdefault(id(t), make(t))
+    return module
 
 
 def _check_input_names(module: torch.nn.Module, inputs: Sequence[InputSpec]) -> None:

@@ -315,13 +315,14 @@ def reference_backward(reference: torch.nn.Module, loss_fn: Callable, x: torch.T
 
 def plain_training(model: torch.nn.Module, opt: torch.optim.Optimizer, batches: Iterable, loss=None
                    ) -> tuple[list[float], dict]:
-    """A plain loop over whole batches, no partita: the losses and the final state_dict."""
+    """A plain loop over whole batches, no partita: the losses and the final state_dict. A batch's
+    inputs are one tensor or a tuple of them (a model with several inputs)."""
     from partita.core.losses import resolve_loss, training_loss
 
     loss_fn = resolve_loss(loss)
     losses = []
     for x, y in batches:
-        value = training_loss(loss_fn, model, (x,), y)
+        value = training_loss(loss_fn, model, x if isinstance(x, tuple) else (x,), y)
         value.backward()
         opt.step()
         opt.zero_grad()

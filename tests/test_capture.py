@@ -228,3 +228,29 @@ class _Renamed(MLP):
 
 def test_fingerprint_changes_with_a_parameter_name() -> None:
     assert _fingerprint(MLP, "x=float32[4,64]") != _fingerprint(_Renamed, "x=float32[4,64]")
+
+
+class _InitReadsValues(torch.nn.Module):
+    """Initialisation a fake tensor cannot run (``trunc_normal_``, as HF ViT's: it asks a tensor
+    for a Python number), and a tied weight."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(32, 16)
+        self.head = torch.nn.Linear(16, 32, bias=False)
+        self.head.weight = self.emb.weight
+        torch.nn.init.trunc_normal_(self.emb.weight, std=0.02)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.head(self.emb(idx))
+
+
+def test_a_model_whose_initialisation_reads_values_is_built_on_meta_and_captured():
+    from partita.core.capture import capture
+    from partita.core.inputs import parse_input_spec
+    from partita.core.losses import default_loss
+
+    captured = capture(_InitReadsValues, [parse_input_spec("idx=int64[2,8]")], loss=default_loss)
+    assert set(captured.params) == {"emb.weight"}  # still tied: one parameter
+    assert captured.params["emb.weight"][0] == (32, 16)
+    assert any(n.target is torch.ops.aten.embedding.default for n in captured.graph_module.graph.nodes)

@@ -40,3 +40,32 @@ def test_bare_hf_models_train_on_every_axis_as_one_process(tmp_path):
             state = torch.load(tmp_path / f"{name}-{mesh}.pt", weights_only=True)
             for k, v in state.items():
                 torch.testing.assert_close(v, ref_state[k], rtol=1e-4, atol=1e-4, msg=lambda m: f"{name} {mesh} {k}: {m}")
+
+
+@pytest.mark.slow
+def test_more_families_vit_t5_and_a_masked_llama_train_as_one_process(tmp_path):
+    """ViT (pixel_values), T5 (three inputs) and Llama with an attention_mask of padded rows, planned
+    by the planner (two axes each, all four between them) and run through the decorator on 2
+    processes: the same losses and parameters as one process (fp32; 1e-4 relative: only the
+    reduction order differs)."""
+    import families_more_worker as more
+    from harness import launch
+
+    cluster = load_cluster(fast_cluster(tmp_path), devices=2)
+    runs = []
+    for name, (_, specs, _, meshes) in more.MODELS.items():
+        for mesh in meshes:
+            plan = compile_model(more.build(name), [parse_input_spec(s) for s in specs], cluster,
+                                 pins=Pins(world_size=2, **MESHES[mesh])).plan
+            assert plan.mesh.dp * plan.mesh.tp * plan.mesh.pp == 2
+            runs.append(f"{name}={plan.save(tmp_path / f'more-{name}-{mesh}.json')}")
+    launch(2, more.run, str(tmp_path), runs)
+    for name, (_, _, _, meshes) in more.MODELS.items():
+        ref_losses, ref_state = more.reference(name)
+        for mesh in meshes:
+            got = json.loads((tmp_path / f"more-{name}-{mesh}.out.json").read_text())
+            assert got["losses"] == pytest.approx(ref_losses, rel=1e-4, abs=1e-5), (name, mesh, got["losses"], ref_losses)
+            state = torch.load(tmp_path / f"more-{name}-{mesh}.out.pt", weights_only=True)
+            assert set(state) <= set(ref_state), (name, mesh, sorted(set(state) - set(ref_state))[:5])
+            for k, v in state.items():
+                torch.testing.assert_close(v, ref_state[k], rtol=1e-4, atol=1e-4, msg=lambda m: f"{name} {mesh} {k}: {m}")
