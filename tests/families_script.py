@@ -1,7 +1,8 @@
 """Hugging Face models as users write them, unmodified (no wrapper returning logits): a causal LM
 from AutoModelForCausalLM (Qwen2 with grouped KV heads, GPT-NeoX), BERT's masked LM trained with
 the model's own loss (labels=), and BERT sequence classification. Run by tests/test_hf_families.py
-under torchrun, and imported by it for the single-process reference.
+on the harness's group (``run``; under torchrun as a script), and imported by it for the
+single-process reference.
 
 usage: families_script.py OUTDIR NAME=PLAN.json [NAME=PLAN.json ...]
 """
@@ -96,6 +97,11 @@ def main(outdir: Path, runs: list[str]) -> None:
         if model.ctx.rank == 0:
             Path(outdir, f"{tag}.json").write_text(json.dumps({"losses": losses}))
             torch.save(state, Path(outdir, f"{tag}.pt"))
+
+
+def run(ctx, outdir: str, runs: list[str]) -> None:
+    """tests/harness.py's entry: ``main`` on a running group."""
+    main(Path(outdir), runs)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Unmodified Hugging Face models (issue: any model as users write it): their ModelOutput is taken
 as it comes (the loss attaches to `logits`, or loss="model" uses the model's own from labels=),
-planned by the planner on dp2, tp2, pp2 and ZeRO-3 and run under torchrun: the same losses and
+planned by the planner on dp2, tp2, pp2 and ZeRO-3 and run on 2 gloo processes: the same losses and
 parameters as one process. Tolerance 1e-4 relative: fp32, only the reduction order differs."""
 
 import json
@@ -15,7 +15,7 @@ from partita.passes.cluster import load_cluster
 from partita.passes.constraints import Pins
 
 import families_script as script
-from harness import TESTS, torchrun
+from harness import launch
 from test_decorator import fast_cluster
 
 MESHES = {"dp2": dict(dp=2), "tp2": dict(tp=2), "pp2": dict(pp=2), "zero3": dict(dp=2, zero_stage=3)}
@@ -31,7 +31,7 @@ def test_bare_hf_models_train_on_every_axis_as_one_process(tmp_path):
             plan = compile_model(script.build(name), [spec], cluster, pins=Pins(world_size=2, **pins),
                                  loss=resolve_loss(loss)).plan
             runs.append(f"{name}={plan.save(tmp_path / f'{name}-{mesh}.json')}")
-    torchrun(TESTS / "families_script.py", tmp_path, *runs, nproc=2, timeout_s=600)
+    launch(2, script.run, str(tmp_path), runs, timeout_s=600)
     for name in script.MODELS:
         ref_losses, ref_state = script.reference(name)
         for mesh in MESHES:

@@ -1,6 +1,6 @@
 """Tied parameters across pipeline stages, through the planner's own plans (issue: the tp x pp
 deadlock). BERT's MLM head (decoder weight tied to the word embedding, its bias under two names)
-and a GPT with a tied lm_head, at tp2 x pp2 and dp2 x tp2 x pp2 under torchrun: the same losses and
+and a GPT with a tied lm_head, at tp2 x pp2 (4 gloo processes) and dp2 x tp2 x pp2 (8, under torchrun): the same losses and
 final parameters as one process, and every rank runs exactly the collectives its plan lists for its
 stage, the tied-gradient all-reduce included."""
 
@@ -17,7 +17,7 @@ from partita.passes.cluster import load_cluster
 from partita.passes.constraints import Pins
 
 import tied_script as script
-from harness import TESTS, plain_training, torchrun
+from harness import TESTS, launch, plain_training, torchrun
 from test_decorator import calls, fast_cluster
 
 
@@ -41,8 +41,11 @@ def compile_plan(tmp_path: Path, name: str, *, dp: int, batch: int) -> Path:
 def test_tied_models_train_under_tp_and_pp_as_one_process(tmp_path, dp):
     batch = 4 * dp
     plans = {name: compile_plan(tmp_path, name, dp=dp, batch=batch) for name in script.MODELS}
-    torchrun(TESTS / "tied_script.py", tmp_path, *(f"{n}={p}" for n, p in plans.items()), nproc=4 * dp,
-             timeout_s=400)
+    runs = [f"{n}={p}" for n, p in plans.items()]
+    if dp == 1:
+        launch(4, script.run, str(tmp_path), runs, timeout_s=400)
+    else:  # the 8-rank mesh under the launcher users run
+        torchrun(TESTS / "tied_script.py", tmp_path, *runs, nproc=8, timeout_s=400)
     for name in script.MODELS:
         ref_losses, ref_state = reference(name, batch)
         for rank in range(4 * dp):

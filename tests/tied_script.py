@@ -1,5 +1,6 @@
-"""Tied models through the planner's own pipeline plans (run by tests/test_runtime_tied.py under
-torchrun, and imported by it for the single-process reference).
+"""Tied models through the planner's own pipeline plans (run by tests/test_runtime_tied.py: at 4
+ranks on the harness's group, ``run``, at 8 under torchrun; imported by it for the single-process
+reference).
 
 usage: tied_script.py OUTDIR NAME=PLAN.json [NAME=PLAN.json ...]
 
@@ -72,6 +73,11 @@ def main(outdir: Path, runs: list[str]) -> None:
             {"losses": losses, "counted": counted, "planned": planned, "stage": stage}))
         if rank == 0:
             torch.save(state, Path(outdir, f"{name}.pt"))
+
+
+def run(ctx, outdir: str, runs: list[str]) -> None:
+    """tests/harness.py's entry: ``main`` on a running group."""
+    main(Path(outdir), runs)
 
 
 if __name__ == "__main__":
