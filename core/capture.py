@@ -231,7 +231,9 @@ def _build_fake(factory: Callable[[], Any], mode: FakeTensorMode) -> Any:
                                     (sub._buffers, lambda t: torch.empty(t.shape, dtype=t.dtype))):
                     for name, t in list(table.items()):
                         if t is not None:
-                            table[name] = fakes.setdefault(id(t), make(t))
+                            if id(t) not in fakes:
+                                fakes[id(t)] = make(t)
+                            table[name] = fakes[id(t)]
     return module
 
 

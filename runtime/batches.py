@@ -34,8 +34,8 @@ def check_batch(program: Program, inputs: tuple[Any, ...], targets: Any, *, loca
                            f"was planned for {len(specs)} ({', '.join(plan.model.inputs)})",
                            hint="pass the model's inputs positionally, in the order they were planned, "
                            "and the targets as targets=")
-    share = tr.global_batch // program.dp_size
-    expected = share if local else tr.global_batch
+    per_rank = tr.global_batch // program.dp_size
+    expected = per_rank if local else tr.global_batch
     scope = (f"this rank's share (global_batch={tr.global_batch} / dp={program.dp_size})" if local
              else "the plan's global_batch")
     target_spec = parse_input_spec(plan.model.targets) if plan.model.targets else None
@@ -49,9 +49,9 @@ def check_batch(program: Program, inputs: tuple[Any, ...], targets: Any, *, loca
         if size != expected:
             raise PartitaError(
                 f"{caller} got {what} with batch size {size}, but {scope} is {expected}",
-                hint=(f"pass {share} rows per rank" if local else
+                hint=(f"pass {per_rank} rows per rank" if local else
                       f"pass the same global batch of {expected} on every rank, or local=True with "
-                      f"{share} rows per rank"))
+                      f"{per_rank} rows per rank"))
         if spec is None:
             continue
         if tuple(t.shape[1:]) != tuple(spec.shape[1:]):

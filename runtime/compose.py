@@ -28,7 +28,7 @@ from partita.runtime.data_parallel import (BufferAverager, GradientAverager, app
 from partita.runtime.distributed import DistContext, build_mesh
 from partita.runtime.mixed_precision import MasterWeights, OptimizerFactory, apply_mixed_precision
 from partita.runtime.pipeline_parallel import SCHEDULES, PipelineStage, apply_pipeline
-from partita.runtime.program import MicroBatchLoss, Program
+from partita.runtime.program import MicroBatchLoss, Program, interpreter_of
 from partita.runtime.rng import run_seed
 from partita.runtime.tensor_parallel import TensorParallel, apply_tensor_parallel
 from partita.runtime.weights import load_eager, open_weights, state_names
@@ -157,7 +157,7 @@ def compose(
 def _local_buffers(local: nn.Module, pipeline: PipelineStage | None) -> list[torch.Tensor]:
     """The running statistics this rank's training forward writes: by the plan's graph in its TP
     program (a stage's), else the eager module's batch-norm statistics."""
-    program = pipeline.tp if pipeline is not None else local if isinstance(local, TensorParallel) else None
+    program = interpreter_of(local, pipeline)
     if program is None:
         return running_statistics(local)
     held = program.buffers_by_node()
@@ -178,7 +178,7 @@ def _apply_zero(local: nn.Module, pipeline: PipelineStage | None, stage: int, dp
     averager = apply_data_parallel(tied, dp_group, bucket_bytes=bucket_bytes, counter=counter, axis=DP,
                                    reduce_dtype=policy.reduce_dtype) if tied else None
     if stage == 3:
-        program = pipeline.tp if pipeline is not None else local if isinstance(local, TensorParallel) else None
+        program = interpreter_of(local, pipeline)
         if program is not None:
             program.param_access = zero  # each graph node gathers what it reads
         else:

@@ -186,9 +186,8 @@ class BucketReducer:
     def _launch(self, b: GradBucket) -> None:
         if b.grad_flat is None:  # no gradient reached this bucket: it still joins the collective
             b.grad_flat = b.new_flat()
-        if not self.persistent:  # one transient bucket in flight at a time, as FSDP2 does: the
-            for earlier in self.buckets[:self._next]:  # previous one settles before this one goes
-                self._settle(earlier)
+        if not self.persistent and self._next > 0:  # one transient bucket in flight at a time, as
+            self._settle(self.buckets[self._next - 1])  # FSDP2 does: the previous settles first
         flat = b.grad_flat
         if self.reduce_dtype is not None and self.reduce_dtype != flat.dtype:  # e.g. bf16 summed in fp32
             flat = b.wire = flat.to(self.reduce_dtype)

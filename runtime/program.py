@@ -28,6 +28,14 @@ from partita.runtime.zero import ZeroProgram
 MicroBatchLoss = Callable[[list[torch.Tensor], torch.Tensor], torch.Tensor]
 
 
+def interpreter_of(local: nn.Module, pipeline: PipelineStage | None) -> TensorParallel | None:
+    """The TP program a rank runs: its pipeline stage's, or ``local`` itself when it is one; None
+    when the eager module runs."""
+    if pipeline is not None:
+        return pipeline.tp
+    return local if isinstance(local, TensorParallel) else None
+
+
 @dataclass
 class Program:
     """This rank's parts of a plan: its module, how a micro-batch's loss is computed, the
@@ -61,9 +69,7 @@ class Program:
     @property
     def interpreter(self) -> TensorParallel | None:
         """This rank's TP program (its stage's, in a pipeline); None on the eager path."""
-        if self.pipeline is not None:
-            return self.pipeline.tp
-        return self.module if isinstance(self.module, TensorParallel) else None
+        return interpreter_of(self.module, self.pipeline)
 
     def local_parameters(self) -> dict[str, tuple[nn.Parameter, str]]:
         """Qualified name -> (this rank's tensor of the parameter, its tp placement)."""
