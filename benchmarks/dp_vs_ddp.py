@@ -86,6 +86,23 @@ def _timed(fn) -> float:
     return time.perf_counter() - start
 
 
+def alternate(ours, theirs, repeats: int, warmup: int = WARMUP) -> tuple[list[float], list[float]]:
+    """Each step's seconds, after ``warmup`` steps of each: the two step in alternation, and take
+    turns going first (a barrier before each timed step)."""
+    for _ in range(warmup):
+        ours()
+        theirs()
+    t_ours, t_theirs = [], []
+    for i in range(repeats):
+        if i % 2:
+            t_ours.append(_timed(ours))
+            t_theirs.append(_timed(theirs))
+        else:
+            t_theirs.append(_timed(theirs))
+            t_ours.append(_timed(ours))
+    return t_ours, t_theirs
+
+
 def _worker(rank: int, port: int, repeats: int, queue) -> None:
     import os
 
@@ -115,17 +132,7 @@ def _worker(rank: int, port: int, repeats: int, queue) -> None:
             ddp_opt.zero_grad()
             dist.all_reduce(loss.detach().div_(WORLD))
 
-        for _ in range(WARMUP):
-            ours_step()
-            ddp_step()
-        t_ours, t_ddp = [], []
-        for i in range(repeats):  # alternate, and alternate who goes first
-            if i % 2:
-                t_ours.append(_timed(ours_step))
-                t_ddp.append(_timed(ddp_step))
-            else:
-                t_ddp.append(_timed(ddp_step))
-                t_ours.append(_timed(ours_step))
+        t_ours, t_ddp = alternate(ours_step, ddp_step, repeats)
         if rank == 0:
             queue.put((name, params, statistics.median(t_ours), statistics.median(t_ddp)))
     dist.destroy_process_group()

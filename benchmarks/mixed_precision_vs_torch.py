@@ -24,7 +24,6 @@ import os
 import socket
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -37,7 +36,7 @@ for p in (ROOT, ROOT / "benchmarks"):
     if str(p) not in sys.path:  # spawned ranks inherit sys.path
         sys.path.insert(0, str(p))
 
-from dp_vs_ddp import _plan  # noqa: E402
+from dp_vs_ddp import _plan, alternate  # noqa: E402
 from examples.models import MLP  # noqa: E402
 from partita.runtime.distributed import init_distributed  # noqa: E402
 from partita.runtime.engine import ParallelModel  # noqa: E402
@@ -100,13 +99,6 @@ def _torch_step(kind: str, rank: int):
     return step
 
 
-def _timed(fn) -> float:
-    dist.barrier()
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
-
-
 def _init(rank: int, port: int):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank), PARTITA_LOG_EVERY="0")
@@ -122,17 +114,7 @@ def _time_worker(rank: int, port: int, repeats: int, queue) -> None:
         ours = _ours(ctx, zero)
         theirs = _torch_step(kind, rank)
         mine = lambda m=ours: m.train_step(x, targets=y)  # noqa: E731
-        for _ in range(WARMUP):
-            mine()
-            theirs()
-        t_ours, t_theirs = [], []
-        for i in range(repeats):  # alternate who goes first
-            if i % 2:
-                t_ours.append(_timed(mine))
-                t_theirs.append(_timed(theirs))
-            else:
-                t_theirs.append(_timed(theirs))
-                t_ours.append(_timed(mine))
+        t_ours, t_theirs = alternate(mine, theirs, repeats, WARMUP)
         peaks = (peak_transient_bytes(mine), peak_transient_bytes(theirs))
         if rank == 0:
             queue.put(("time", label, statistics.median(t_ours), statistics.median(t_theirs)))

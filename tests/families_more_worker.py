@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 import partita
+from families_script import optimizer
 from harness import plain_training
 
 STEPS, BATCH, SEQ, VOCAB, CLASSES = 2, 4, 16, 256, 10
@@ -77,10 +78,6 @@ MODELS = {
 def build(name: str) -> torch.nn.Module:
     torch.manual_seed(0)
     return MODELS[name][0]()
-
-
-def optimizer(params):
-    return torch.optim.AdamW(params, lr=1e-2, eps=1e-5)
 
 
 def batches(name: str):
