@@ -24,6 +24,7 @@ from __future__ import annotations
 import bisect
 import functools
 import math
+import weakref
 from dataclasses import dataclass, replace
 from typing import Sequence
 
@@ -75,6 +76,20 @@ def allowed_boundaries(G: nx.DiGraph, order: Sequence[str]) -> tuple[int, ...]:
         inside.update(range(lo + 1, hi + 1))
     in_layer = lambda i: bool(G.nodes[order[i]].get("layer"))  # noqa: E731
     return tuple(k for k in after_call if k not in inside and (in_layer(k - 1) or in_layer(k)))
+
+
+# graph -> (node count, (order, boundaries)): a search asks for node costs at every (micro-batch, tp)
+_STRUCTURE: "weakref.WeakKeyDictionary[nx.DiGraph, tuple[int, tuple]]" = weakref.WeakKeyDictionary()
+
+
+def _structure(G: nx.DiGraph) -> tuple[list[str], tuple[int, ...]]:
+    """``pipeline_order`` and ``allowed_boundaries`` of ``G``, computed once per graph."""
+    filled, both = _STRUCTURE.get(G, (None, None))
+    if both is None or filled != G.number_of_nodes():
+        order = pipeline_order(G)
+        both = (order, allowed_boundaries(G, order))
+        _STRUCTURE[G] = (G.number_of_nodes(), both)
+    return both
 
 
 # -- the solver's input ----------------------------------------------------------
@@ -201,7 +216,7 @@ def node_costs(profile: ModelProfile, cluster: ClusterSpec, request: TrainingReq
     costs instead for real numbers. What crosses a cut stays whole (b s h, not b s h / t).
     """
     G = profile.graph
-    order = pipeline_order(G)
+    order, boundaries = _structure(G)
     at = {n: i for i, n in enumerate(order)}
     batch = micro_batch / profile.batch_size
     act = activation_scale(profile, request)
@@ -244,7 +259,6 @@ def node_costs(profile: ModelProfile, cluster: ClusterSpec, request: TrainingReq
         if a.get("requires_grad") and not request.inference:
             grad[first] += b
             grad[last + 1] -= b
-    boundaries = allowed_boundaries(G, order)
     shared = []
     for pname, users in users_by_param.items():
         users = sorted(set(users))

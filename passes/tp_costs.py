@@ -59,6 +59,14 @@ class TPCosts:
         """Precision bytes over captured bytes of a floating tensor (core/precision.py)."""
         return activation_scale(self.precision, self.captured_dtype or captured_float_dtype(self.G))
 
+    def node_key(self, n: str) -> tuple:
+        """Everything ``compute_s``, ``internal_s`` and ``saved_bytes`` read of node ``n``: two
+        nodes with equal keys cost the same under the same strategy (a repeated layer's nodes at
+        one position), so a caller may price one and reuse it."""
+        a = self.G.nodes[n]
+        return (a.get("flops_fwd", 0), a.get("flops_bwd", 0), bool(a.get("depends_on_input")),
+                a.get("saved_bytes", 0), a.get("kv_bytes", 0))
+
     def beta(self, n: str) -> float:
         """How node ``n``'s work and tensors scale from the captured batch to the micro-batch."""
         return self.micro_batch / self.captured_batch if self.G.nodes[n].get("depends_on_input") else 1.0

@@ -89,7 +89,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ortools.linear_solver import pywraplp
 
@@ -129,6 +129,18 @@ def solve_tp(problem: TPProblem, *, solver: str = SOLVER, time_limit_s: float = 
     the smallest layout when the budget cannot be met).
     """
     t0 = time.perf_counter()
+    if objective == "time":
+        floor, pick = _smallest_memory(problem)
+        if floor > problem.setting.memory_budget:
+            raise _infeasible(problem, solver, objective)  # no layout fits: nothing to solve
+        if all(sum(cost.valid for cost in c.costs) == 1 for c in problem.classes):
+            try:  # one choice per class (t = 1): that choice is the solution when its edges are valid
+                sol = evaluate(problem, pick)
+                obj = sol.report.objective_s
+                return replace(sol, report=TPSolveReport(solver, "OPTIMAL", obj, obj, 0.0, 0.0, time.perf_counter() - t0,
+                                                         0, 0, len(problem.classes), problem.num_nodes))
+            except ValueError:
+                pass
     m = _new_model(solver)
     _add_choice_variables(m, problem)
     _add_edge_variables(m, problem)
@@ -242,13 +254,27 @@ def _set_objective(m: _Model, p: TPProblem, objective: str) -> None:
     obj.SetMinimization()
 
 
+def _smallest_memory(p: TPProblem) -> tuple[float, dict[str, int]]:
+    """Each class's smallest valid strategy and the bytes per device they sum to (with the live
+    set): a lower bound on every layout's memory, met exactly when no edge between the picks
+    needs an invalid reshard. Above the budget, no layout fits."""
+    pick = {c.key: min((s for s, cost in enumerate(c.costs) if cost.valid),
+                       key=lambda s, c=c: c.costs[s].memory(p.bytes_per_param), default=0) for c in p.classes}
+    total = sum(c.costs[pick[c.key]].memory(p.bytes_per_param) for c in p.classes) + p.live_bytes
+    return total, pick
+
+
 def _infeasible(p: TPProblem, solver: str, objective: str) -> InfeasibleError:
     s = p.setting
     if objective == "memory":
         return InfeasibleError(
             f"layout compatibility: no combination of strategies at t={s.t} has valid reshards on every edge",
             hint="this is a strategy-list bug (every node should keep its replicate strategy); report it")
-    smallest = solve_tp(p, solver=solver, objective="memory")
+    floor, pick = _smallest_memory(p)
+    try:  # each class at its smallest strategy: the smallest layout when every edge between them is valid
+        smallest = evaluate(p, pick)
+    except ValueError:
+        smallest = solve_tp(p, solver=solver, objective="memory")
     gb = 1e9
     err = InfeasibleError(
         f"memory: the smallest layout needs {smallest.memory_bytes / gb:.1f} GB per device "

@@ -42,6 +42,7 @@ do not promise (a dropout may accept ``partial``, a GELU may not).
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
 
@@ -205,15 +206,77 @@ def build_problem(
     strategies: StrategyFn | None = None,
     repeated: Sequence[RepeatedBlock] = (),
 ) -> TPProblem:
-    """Cost every strategy of every node class and every edge class (formulas in the module docstring)."""
+    """Cost every strategy of every node class and every edge class (formulas in the module docstring).
+
+    What depends on the layout alone (classes, compute, TP collectives, reshards: the TP degree,
+    the micro-batch, the precision and the cluster) is built once per graph and reused by every
+    setting that differs only in dp, ZeRO stage, micro-batch count, optimizer or memory budget
+    (``_layout_costs``); the per-step parameter work is priced here for this setting."""
     if strategies is None:
         from partita.passes.tp_strategies import node_strategies as strategies  # type: ignore[attr-defined]
+    lay = _layout_costs(G, setting, cluster, strategies, repeated)
+    dp_link = cluster.link_for_group(setting.dp, stride=setting.t)
+    state = state_bytes_per_param(setting.precision, setting.optimizer, inference=setting.inference)
+    classes = []
+    for key, members in lay.groups.items():
+        costs = []
+        for (compute, internal, act, fwd_s, bwd_s, valid), numel in zip(lay.class_costs[key], lay.param_numel[key]):
+            step = (param_step_time(numel, state, setting.dp, dp_link, cluster, zero_stage=setting.zero_stage,
+                                    micro_batches=setting.grad_accum) if numel and not setting.inference else 0.0)
+            costs.append(StrategyCost(compute, internal, fwd_s, bwd_s, numel, step, act, valid))
+        classes.append(NodeClass(key, tuple(members), lay.strat[key], tuple(costs)))
+    held = sharded_state(state, setting.zero_stage, setting.dp)
+    return TPProblem(setting, tuple(classes), lay.edges, lay.class_of, lay.own_of, held.total,
+                     G.number_of_nodes(), lay.num_edges, lay.live_bytes)
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """The part of a ``TPProblem`` that depends on the layout alone (``_layout_costs``)."""
+
+    groups: dict[str, list[str]]
+    class_of: dict[str, str]
+    strat: dict[str, tuple[Strategy, ...]]
+    own_of: dict[str, tuple[Strategy, ...]]
+    # class -> per strategy (compute_s, internal_s, activation_bytes, folded fwd_s, folded bwd_s, valid)
+    class_costs: dict[str, list[tuple[float, float, float, float, float, bool]]]
+    param_numel: dict[str, list[float]]  # class -> per strategy: local parameter elements
+    edges: tuple[EdgeClass, ...]
+    num_edges: int
+    live_bytes: float
+
+
+# graph -> (node count when filled, {layout key: _Layout}); weak, so a dropped graph frees its entries
+_LAYOUTS: "weakref.WeakKeyDictionary[nx.DiGraph, tuple[int, dict]]" = weakref.WeakKeyDictionary()
+_MAX_LAYOUTS = 64  # per graph: a search visits a few dozen (t, micro-batch) pairs
+
+
+def _layout_costs(G: nx.DiGraph, setting: TPSetting, cluster: ClusterSpec, strategies: StrategyFn,
+                  repeated: Sequence[RepeatedBlock]) -> _Layout:
+    """Classes, their strategies' compute / collective / activation costs and the edge classes'
+    reshard matrices at ``setting``'s TP degree and micro-batch: everything ``build_problem``
+    prices that dp, ZeRO, the micro-batch count, the optimizer and the budget do not change.
+    Cached per graph (a joint search asks for the same (t, micro-batch) under many dp x ZeRO
+    settings)."""
+    key = (setting.t, setting.micro_batch, setting.captured_batch, setting.precision, setting.inference,
+           setting.kv_ratio, setting.captured_dtype, repr(cluster), strategies,
+           tuple((b.prefix, tuple(b.indices), b.nodes_per_layer) for b in repeated))
+    filled, cache = _LAYOUTS.get(G, (None, None))
+    if cache is None or filled != G.number_of_nodes():
+        cache = {}
+        _LAYOUTS[G] = (G.number_of_nodes(), cache)
+    if key not in cache:
+        if len(cache) >= _MAX_LAYOUTS:
+            cache.pop(next(iter(cache)))
+        cache[key] = _price_layout(G, setting, cluster, strategies, repeated)
+    return cache[key]
+
+
+def _price_layout(G: nx.DiGraph, setting: TPSetting, cluster: ClusterSpec, strategies: StrategyFn,
+                  repeated: Sequence[RepeatedBlock]) -> _Layout:
     t = setting.t
     price = TPCosts(G, cluster, t, setting.micro_batch, setting.captured_batch, setting.precision,
                     setting.inference, setting.kv_ratio, setting.captured_dtype)
-    dp_link = cluster.link_for_group(setting.dp, stride=t)
-    state = state_bytes_per_param(setting.precision, setting.optimizer, inference=setting.inference)
-
     own = _own_strategies(G, t, strategies, setting.micro_batch)
     groups = _split_unlike(G, _classes(G, repeated), own)
     class_of = {n: key for key, members in groups.items() for n in members}
@@ -224,7 +287,7 @@ def build_problem(
 
     # node costs
     folded: dict[str, list[list[float]]] = {k: [[0.0, 0.0, 1.0] for _ in strat[k]] for k in groups}
-    edge_acc: dict[tuple[str, str], dict] = {}
+    edge_acc: dict[tuple[str, str], dict[tuple, int]] = {}  # edge class -> {matrix key: edges}
     matrix_cache: dict[tuple, tuple] = {}
     num_edges = 0
     for v in G.nodes:
@@ -246,33 +309,37 @@ def build_problem(
                         folded[cu][s][0] += fwd[s][s]
                         folded[cu][s][1] += bwd[s][s]
                 continue
-            acc = edge_acc.setdefault((cu, cv), {"count": 0, "fwd": None, "bwd": None})
-            acc["count"] += 1
-            acc["fwd"] = _add_matrix(acc["fwd"], fwd)
-            acc["bwd"] = _add_matrix(acc["bwd"], bwd)
+            # identical edges (the same position in every repeated layer) are summed once, times their count
+            same = edge_acc.setdefault((cu, cv), {})
+            same[key] = same.get(key, 0) + 1
 
-    classes = []
+    class_costs: dict[str, list[tuple[float, float, float, float, float, bool]]] = {}
+    param_numel: dict[str, list[float]] = {}
+    priced: dict[tuple, list[tuple[float, float, float]]] = {}  # (node key, strategies) -> per strategy
     for key, members in groups.items():
-        costs = []
-        for s in range(len(strat[key])):
-            compute = internal = act = 0.0
-            for n in members:
-                st = own[n][s]
-                compute += sum(price.compute_s(n, st))
-                internal += price.internal_s(n, st)
-                act += price.saved_bytes(n, st)
-            fwd_s, bwd_s, valid = folded[key][s]
-            numel = _param_numel(G, members, strat[key][s], t)
-            step = (param_step_time(numel, state, setting.dp, dp_link, cluster, zero_stage=setting.zero_stage,
-                                    micro_batches=setting.grad_accum) if numel and not setting.inference else 0.0)
-            costs.append(StrategyCost(compute, internal, fwd_s, bwd_s, numel, step, act, bool(valid)))
-        classes.append(NodeClass(key, tuple(members), strat[key], tuple(costs)))
-    edges = tuple(EdgeClass(cu, cv, acc["count"], acc["fwd"], acc["bwd"]) for (cu, cv), acc in edge_acc.items())
-    held = sharded_state(state, setting.zero_stage, setting.dp)
+        totals = [[0.0, 0.0, 0.0] for _ in strat[key]]
+        for n in members:
+            k = (price.node_key(n), id(own[n]))
+            if k not in priced:  # a repeated layer's members price alike: once per distinct node
+                priced[k] = [(sum(price.compute_s(n, st)), price.internal_s(n, st), price.saved_bytes(n, st))
+                             for st in own[n]]
+            for total, each in zip(totals, priced[k]):
+                for i in range(3):
+                    total[i] += each[i]
+        class_costs[key] = [(compute, internal, act, *folded[key][s][:2], bool(folded[key][s][2]))
+                            for s, (compute, internal, act) in enumerate(totals)]
+        param_numel[key] = [_param_numel(G, members, st, t) for st in strat[key]]
+    edges = []
+    for (cu, cv), same in edge_acc.items():
+        fwd = bwd = None
+        for key, count in same.items():
+            fwd = _add_matrix(fwd, matrix_cache[key][0], count)
+            bwd = _add_matrix(bwd, matrix_cache[key][1], count)
+        edges.append(EdgeClass(cu, cv, sum(same.values()), fwd, bwd))
     live = (peak_live_bytes(G, G.nodes, setting.micro_batch, setting.captured_batch, price.act_scale)
             if setting.inference else 0)
-    return TPProblem(setting, tuple(classes), edges, class_of, {n: own[n] for n in class_of}, held.total,
-                     G.number_of_nodes(), num_edges, live)
+    return _Layout(groups, class_of, strat, {n: own[n] for n in class_of}, class_costs, param_numel, tuple(edges),
+                   num_edges, live)
 
 
 def _own_strategies(G: nx.DiGraph, t: int, strategies: StrategyFn,
@@ -342,10 +409,12 @@ def _edge_matrix(src: Sequence[Strategy], dst: Sequence[Strategy], i_out: int, j
     return fwd, bwd
 
 
-def _add_matrix(acc, m):
+def _add_matrix(acc, m, count: int = 1):
+    """``acc + count * m`` entry by entry (None, an invalid pair, stays None); ``acc`` None: ``count * m``."""
     if acc is None:
-        return tuple(tuple(row) for row in m)
-    return tuple(tuple(None if a is None or b is None else a + b for a, b in zip(ra, rb)) for ra, rb in zip(acc, m))
+        return tuple(tuple(None if b is None else count * b for b in row) for row in m)
+    return tuple(tuple(None if a is None or b is None else a + count * b for a, b in zip(ra, rb))
+                 for ra, rb in zip(acc, m))
 
 
 def _param_numel(G: nx.DiGraph, members: Sequence[str], st: Strategy, t: int) -> float:
