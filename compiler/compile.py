@@ -48,6 +48,8 @@ class CompileResult:
     plan: Plan
     profile: ModelProfile
     captured: CapturedModel
+    request: TrainingRequest | None = None  # what was planned for
+    decision: Decision | None = None  # the search's, laid out on the micro-batch graph
 
 
 def default_precision(cluster: ClusterSpec) -> str:
@@ -104,9 +106,9 @@ def compile_model(
         max_grad_norm=None if inference else max_grad_norm,
         kv_tokens=(profile.seq_len or 0) + generate if generate else 0,
     )
-    with phase("capturing at twice the batch"):
+    with phase("capturing at a second batch"):
         t0 = time.perf_counter()
-        batch_shape_capture(model, captured, profile, cluster, pins, loss=loss if not inference else None)
+        second = batch_shape_capture(model, captured, profile, cluster, pins, loss=loss if not inference else None)
         timings["batch_shapes"] = time.perf_counter() - t0
     with phase("solving"):
         numels = [math.prod(shape) for shape, _ in captured.params.values()]
@@ -114,15 +116,17 @@ def compile_model(
         timings["solve"] = decision.seconds
     with phase("laying out the micro-batch graph"):
         t0 = time.perf_counter()
-        micro, decision = micro_batch_graph(model, captured, profile, decision, cluster, request, loss=loss)
+        micro, decision = micro_batch_graph(model, captured, profile, decision, cluster, request, loss=loss,
+                                            second=second)
         timings["layout"] = time.perf_counter() - t0
     plan = build_plan(profile, captured, cluster, request, decision, timings, micro_graph=micro)
-    return CompileResult(plan, profile, captured)
+    return CompileResult(plan, profile, captured, request, decision)
 
 
 def micro_batch_graph(model: Any, captured: CapturedModel, profile: ModelProfile, decision: Decision,
                       cluster: ClusterSpec, request: TrainingRequest, *,
-                      loss: Callable[..., Any] | None) -> tuple[Any, Decision]:
+                      loss: Callable[..., Any] | None,
+                      second: CapturedModel | None = None) -> tuple[Any, Decision]:
     """The graph the runtime runs, the model captured at the micro-batch shape, and the decision
     laid out on it.
 
@@ -132,21 +136,28 @@ def micro_batch_graph(model: Any, captured: CapturedModel, profile: ModelProfile
     offered strategies valid at the micro-batch (``tp_strategies.valid_at``). When the
     model's structure depends on the batch (HF Llama at batch 1 has a node more), the
     TP layout is solved again on this graph, at its own batch, and the stages are
-    carried over layer by layer.
+    carried over layer by layer. ``second``: the batch-shape capture (``batch_shape_capture``),
+    taken as the micro-batch's when it was made at that batch.
     """
     mb = decision.micro_batch_size
     if mb == profile.batch_size:
         return profile.graph, decision
-    small = capture(model, [_at_batch(s, mb) for s in captured.inputs], name=captured.name,
-                    loss=loss if captured.loss else None,
-                    targets=_at_batch(captured.targets, mb) if captured.targets is not None else None)
+    if second is not None and second.inputs[0].shape[0] == mb:
+        small = second
+    else:
+        small = capture(model, [_at_batch(s, mb) for s in captured.inputs], name=captured.name,
+                        loss=loss if captured.loss else None,
+                        targets=_at_batch(captured.targets, mb) if captured.targets is not None else None,
+                        stack_traces=False)  # the source lines are the captured graph's (_same_sources)
     G = annotate_flops(to_networkx(small))
     if list(G.nodes) == list(profile.graph.nodes) and _strategies_hold(G, decision):
         for n, a in profile.graph.nodes(data=True):  # keep the analyses' layer tags for the plan
             if "layer" in a:
                 G.nodes[n]["layer"] = a["layer"]
+        _same_sources(G, profile.graph)
         return G, decision
     own = profile_model(small)
+    _same_sources(own.graph, profile.graph)
     choice = tp_choice(own, cluster, request, mb, decision.mesh.tp)
     node_stage = _stages_by_layer(own.graph, profile.graph, decision.node_stage)
     note = (f"laid out on the model captured at micro-batch {mb}: its graph differs from the one at batch "
@@ -159,29 +170,53 @@ def micro_batch_graph(model: Any, captured: CapturedModel, profile: ModelProfile
                                           notes=(*decision.notes, note))
 
 
+def _same_sources(G: Any, captured_graph: Any) -> None:
+    """Each node of ``G`` (captured without stack traces) takes the source line of the captured
+    graph's node of its name and op (a node the micro-batch graph alone has keeps none)."""
+    for n, a in G.nodes(data=True):
+        if n in captured_graph and captured_graph.nodes[n]["op"] == a["op"]:
+            a["source"] = captured_graph.nodes[n].get("source", "")
+
+
 def _at_batch(spec: InputSpec, batch: int) -> InputSpec:
     return dataclasses.replace(spec, shape=(batch, *spec.shape[1:]))
 
 
 def batch_shape_capture(model: Any, captured: CapturedModel, profile: ModelProfile, cluster: ClusterSpec,
-                        pins: Pins, *, loss: Callable[..., Any] | None) -> None:
-    """Capture the model again at twice its batch, so each tensor's shape at any micro-batch is
+                        pins: Pins, *, loss: Callable[..., Any] | None) -> CapturedModel | None:
+    """Capture the model again at a second batch, so each tensor's shape at any micro-batch is
     known (``graph.annotate_batch_shapes``) and the TP search offers only strategies valid there.
+    Returns that capture (None when skipped or refused).
+
+    The second batch is the likely micro-batch (the pinned one, else B over the data-parallel
+    degree the pins leave: every device when nothing is pinned) when that is a whole number of
+    at least 2 (a batch-1 graph may differ in structure) other than B: plans often run it, and
+    then this capture is also the micro-batch's own graph (``micro_batch_graph``), one capture
+    fewer. Otherwise twice the batch.
 
     Skipped where no TP group can form, and at batch 1: there a dim that grows with the batch
     has size 1 (never split) or is a multiple of the batch (split at 1, split at any micro-batch).
     """
     B = profile.batch_size
-    if B == 1 or cluster.gpus_per_node == 1 or pins.tp == 1 or (pins.world_size or cluster.world_size) == 1:
-        return
+    world = pins.world_size or cluster.world_size
+    if B == 1 or cluster.gpus_per_node == 1 or pins.tp == 1 or world == 1:
+        return None
+    if pins.micro_batch_size:
+        likely = pins.micro_batch_size
+    else:
+        dp = pins.dp or world // ((pins.tp or 1) * (pins.pp or 1)) or 1
+        likely = B // dp if B % dp == 0 else 0
+    other = likely if 2 <= likely != B else 2 * B
     try:
-        twice = capture(model, [_at_batch(s, 2 * B) for s in captured.inputs], name=captured.name,
-                        loss=loss if captured.loss else None,
-                        targets=_at_batch(captured.targets, 2 * B) if captured.targets is not None else None)
+        second = capture(model, [_at_batch(s, other) for s in captured.inputs], name=captured.name,
+                         loss=loss if captured.loss else None,
+                         targets=_at_batch(captured.targets, other) if captured.targets is not None else None,
+                         stack_traces=False)  # read for its shapes (and as a micro-batch graph)
     except CaptureError:  # a model that only runs at its batch: its micro-batch's own capture decides
         profile.graph.graph["batch_shapes"] = "unknown"
-        return
-    annotate_batch_shapes(profile.graph, to_networkx(twice))
+        return None
+    annotate_batch_shapes(profile.graph, to_networkx(second))
+    return second
 
 
 def _strategies_hold(G: Any, d: Decision) -> bool:

@@ -224,10 +224,16 @@ def annotate_batch_shapes(G: nx.DiGraph, other: nx.DiGraph) -> bool:
         G.graph["batch_shapes"] = "unknown"
         return False
     for n, a in G.nodes(data=True):
-        a["batch_slope"] = tuple(tuple(Fraction(d2 - d1, b2 - b1) for d1, d2 in zip(s1, s2))
+        a["batch_slope"] = tuple(tuple(_whole(Fraction(d2 - d1, b2 - b1)) for d1, d2 in zip(s1, s2))
                                  for s1, s2 in zip(a["shapes"], other.nodes[n]["shapes"]))
     G.graph["batch_shapes"] = "linear"
     return True
+
+
+def _whole(f: Fraction) -> int | Fraction:
+    """An integral slope as an int: ``shape_at`` then stays in int arithmetic (a search asks for
+    every node's shapes at every micro-batch it weighs)."""
+    return f.numerator if f.denominator == 1 else f
 
 
 def shape_at(G: nx.DiGraph, node: str, index: int, micro_batch: int) -> tuple[Any, ...] | None:

@@ -17,6 +17,7 @@ from partita.core.inputs import parse_input_spec  # noqa: E402
 from partita.core.losses import resolve_loss  # noqa: E402
 from partita.passes.cluster import load_cluster  # noqa: E402
 from partita.passes.constraints import Pins, TrainingRequest  # noqa: E402
+from partita.passes.flops import annotate_flops  # noqa: E402
 from partita.passes.graph import annotate_batch_shapes, shape_at, to_networkx  # noqa: E402
 from partita.passes.profile import profile_model  # noqa: E402
 from partita.passes.search import tp_choice  # noqa: E402
@@ -86,3 +87,33 @@ def test_a_graph_that_changes_with_the_batch_is_laid_out_on_its_micro_batch_capt
     assert {n.stage for n in plan.nodes} == {0, 1}
     names = {n.name for n in plan.nodes}
     assert all(st.first_node in names and st.last_node in names for st in plan.stages)
+
+
+def test_the_batch_shape_capture_doubles_as_the_micro_batch_graph(monkeypatch) -> None:
+    """The second capture is taken at the likely micro-batch (B over dp); when the plan runs it, the
+    plan's graph is that capture: two captures, not three, and the same nodes, shapes and source
+    lines as a capture made for it."""
+    import partita.compiler.compile as compile_module
+
+    batches = []
+    real = compile_module.capture
+
+    def counting(model, inputs, **kwargs):
+        batches.append(inputs[0].shape[0])
+        return real(model, inputs, **kwargs)
+
+    monkeypatch.setattr(compile_module, "capture", counting)
+    result = compile_model(gpt_tiny, [parse_input_spec("idx=int64[16,64]")], load_cluster("local", devices=4),
+                           pins=Pins(dp=2, tp=2, pp=1))
+    plan = result.plan
+    assert plan.training.micro_batch_size == 8 and batches == [16, 8]
+    eight = to_networkx(capture(gpt_tiny, [parse_input_spec("idx=int64[8,64]")], loss=resolve_loss(None)))
+    assert [n.name for n in plan.nodes] == list(eight.nodes)
+    annotate_flops(eight)  # the plan's per-node work is the micro-batch's, as a capture made for it says
+    assert {n.name: n.flops_fwd for n in plan.nodes} == {n: a["flops_fwd"] for n, a in eight.nodes(data=True)}
+    # the linear fit (16, 8) predicts the capture at 5, node for node
+    five = to_networkx(capture(gpt_tiny, [parse_input_spec("idx=int64[5,64]")], loss=resolve_loss(None)))
+    G = result.profile.graph
+    for n in G.nodes:
+        for i, shape in enumerate(five.nodes[n]["shapes"]):
+            assert shape_at(G, n, i, 5) == tuple(shape), n
