@@ -68,6 +68,7 @@ class PipelineBound:
         self.cluster, self.request, self.state, self.tp = cluster, request, state, tp
         self._build = floor_costs
         self._floors: dict[int, NodeCosts] = {}
+        self._recomputed: dict[tuple, Recompute | None] = {}
         self.grad_elem = 0 if request.inference else max(1, int(state.grads))
 
     def floor(self, mb: int) -> NodeCosts:
@@ -79,8 +80,11 @@ class PipelineBound:
         floor of recomputation's memory where it is weighed: a layer's inputs and its largest
         layer's activations never exceed the real ones either)."""
         floor = self.floor(mb)
+        key = (mb, recompute)
+        if key not in self._recomputed:  # the same floor is cut under many setups
+            self._recomputed[key] = recompute(floor)
         return Partition(floor, replace(setup, capacity=round(setup.capacity * (1 + 1e-6))), self.cluster,
-                         forbid=forbid, recompute=recompute(floor))
+                         forbid=forbid, recompute=self._recomputed[key])
 
     def compute(self, mb: int) -> float:
         """The floor costs' forward + backward of one micro-batch of ``mb``, summed. Each node's

@@ -144,6 +144,25 @@ class NodeCosts:
         return max(row[j], row[k - 2 ** r])
 
     @functools.cached_property
+    def _label_runs(self) -> tuple[list[int], list[str]]:
+        starts, labels = [], []
+        for i, label in enumerate(self.modules):
+            if not labels or label != labels[-1]:
+                starts.append(i)
+                labels.append(label)
+        return starts, labels
+
+    def module_runs(self, j: int, k: int) -> list[str]:
+        """``modules[j:k]`` with consecutive repeats collapsed (a layer's label once per run of its
+        nodes, not once per node)."""
+        if k <= j:
+            return []
+        starts, labels = self._label_runs
+        first = bisect.bisect_right(starts, j) - 1
+        last = bisect.bisect_right(starts, k - 1)
+        return labels[first:last]
+
+    @functools.cached_property
     def prefix_sums(self) -> tuple[list[float], list[float], list[float], list[float]]:
         """Prefix sums of (forward + backward, forward, saved bytes, parameters) over the order."""
         return (_prefix([f + b for f, b in zip(self.forward_s, self.backward_s)]), _prefix(self.forward_s),

@@ -351,7 +351,7 @@ def _modules(part: Partition, j: int, k: int) -> tuple[str, ...]:
     """Layers as ``prefix.a-b`` runs, then the other modules owning parameters, in order."""
     out: list[str] = []
     run: list[str] = []  # [prefix, first index, last index] of the current run of layers
-    for label in part.costs.modules[j:k]:
+    for label in part.costs.module_runs(j, k):
         prefix, _, index = label.rpartition(".")
         if label and index.isdigit() and label in part.costs.layers:
             if run and run[0] == prefix and int(index) in (int(run[2]), int(run[2]) + 1):

@@ -229,7 +229,8 @@ class _Layouts:
         key = (micro_batch, tp)
         if key not in self._costs:
             self._costs[key] = tp_node_costs(self.profile, self.cluster, self.request, micro_batch, tp,
-                                             choice=self.choice(micro_batch, tp) if tp > 1 else None)
+                                             choice=self.choice(micro_batch, tp) if tp > 1 else None,
+                                             base=self.node_costs(micro_batch, 1) if tp > 1 else None)
         return self._costs[key]
 
     def floor(self, tp: int) -> Callable[[int], NodeCosts]:
@@ -304,7 +305,8 @@ def tp_choice(profile: ModelProfile, cluster: ClusterSpec, request: TrainingRequ
 
 
 def tp_node_costs(profile: ModelProfile, cluster: ClusterSpec, request: TrainingRequest, micro_batch: int,
-                  tp: int, *, choice: Mapping[str, Strategy] | None = None) -> NodeCosts:
+                  tp: int, *, choice: Mapping[str, Strategy] | None = None,
+                  base: NodeCosts | None = None) -> NodeCosts:
     """Per-node costs of one micro-batch under the TP layout at ``tp``, in the pipeline order.
 
     Each node's forward is its local FLOPs (the strategy's compute fraction), its
@@ -313,7 +315,8 @@ def tp_node_costs(profile: ModelProfile, cluster: ClusterSpec, request: Training
     parameters are the local shares. The tensors crossing a cut keep the
     profile's whole-tensor bytes (a shard would send less: an upper bound).
     """
-    base = node_costs(profile, cluster, request, micro_batch, tp=1)
+    if base is None:  # the profile's own costs at tp = 1 (a caller may hand in ones it already has)
+        base = node_costs(profile, cluster, request, micro_batch, tp=1)
     if tp == 1:
         return base
     G = profile.graph
