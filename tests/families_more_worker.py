@@ -2,8 +2,9 @@
 harness's 2-rank group: ViT image classification (``pixel_values``, a model whose initialisation
 reads tensor values, so it is built for capture on the meta device), T5 encoder-decoder (three
 inputs: ``input_ids``, ``attention_mask``, ``decoder_input_ids``) and Llama with an
-``attention_mask`` as a second input (padded rows). Each family runs two of the axes, the four
-axes covered between them; the single-process reference (``reference``) is the plain loop of
+``attention_mask`` as a second input (padded rows); Gemma (one KV head, tied head) and Phi
+(partial rotary, parallel attention and MLP) on one axis each. Each of the first three runs two
+of the axes, the four axes covered between them; the single-process reference (``reference``) is the plain loop of
 tests/harness.py on the same batches.
 """
 
@@ -43,6 +44,22 @@ def llama():
                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64))
 
 
+def gemma():
+    from transformers import GemmaConfig, GemmaForCausalLM
+
+    return GemmaForCausalLM(GemmaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=1, head_dim=16,
+                                        max_position_embeddings=64))
+
+
+def phi():
+    from transformers import PhiConfig, PhiForCausalLM
+
+    return PhiForCausalLM(PhiConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                    num_attention_heads=4, max_position_embeddings=64, resid_pdrop=0.0,
+                                    embd_pdrop=0.0, attention_dropout=0.0))
+
+
 def _tokens(g: torch.Generator) -> torch.Tensor:
     return torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
 
@@ -65,6 +82,10 @@ def _llama_batch(g):
     return (_tokens(g), _mask(g)), _tokens(g)
 
 
+def _lm_batch(g):
+    return (_tokens(g),), _tokens(g)
+
+
 # name -> (factory, input specs, batch(generator) -> (inputs, targets), the meshes it runs)
 MODELS = {
     "vit": (vit, [f"pixel_values=float32[{BATCH},3,32,32]"], _vit_batch, ("dp2", "tp2")),
@@ -72,6 +93,10 @@ MODELS = {
                 f"decoder_input_ids=int64[{BATCH},{SEQ}]"], _t5_batch, ("pp2", "zero3")),
     "llama-mask": (llama, [f"input_ids=int64[{BATCH},{SEQ}]", f"attention_mask=int64[{BATCH},{SEQ}]"], _llama_batch,
                    ("tp2", "pp2")),
+    # Gemma: multi-query attention (one KV head), tied embedding and head, a scaled embedding
+    "gemma": (gemma, [f"input_ids=int64[{BATCH},{SEQ}]"], _lm_batch, ("tp2",)),
+    # Phi: partial rotary embedding, parallel attention and MLP from one layer norm, biased head
+    "phi": (phi, [f"input_ids=int64[{BATCH},{SEQ}]"], _lm_batch, ("pp2",)),
 }
 
 

@@ -43,9 +43,9 @@ def test_bare_hf_models_train_on_every_axis_as_one_process(tmp_path):
 
 
 @pytest.mark.slow
-def test_more_families_vit_t5_and_a_masked_llama_train_as_one_process(tmp_path):
+def test_more_families_vit_t5_a_masked_llama_gemma_and_phi_train_as_one_process(tmp_path):
     """ViT (pixel_values), T5 (three inputs) and Llama with an attention_mask of padded rows, planned
-    by the planner (two axes each, all four between them) and run through the decorator on 2
+    by the planner (two axes each, all four between them), Gemma on tp=2 and Phi on pp=2, and run through the decorator on 2
     processes: the same losses and parameters as one process (fp32; 1e-4 relative: only the
     reduction order differs)."""
     import families_more_worker as more
