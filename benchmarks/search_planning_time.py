@@ -1,29 +1,16 @@
-"""Planning time of the joint search (dp, tp, pp, ZeRO, micro-batches, schedule, cuts), end to end.
+"""Planning time end to end: ``compile_model`` from the model factory to the plan file written.
 
-Run: ``.venv/bin/python benchmarks/search_planning_time.py``. Each model is a
-fake-tensor capture (no memory), bf16 mixed precision, AdamW, on DGX A100
-nodes. Timed parts: capture (torch.export under FakeTensorMode), analysis
-(``profile_model``), the joint search (``plan_search``: every TP ILP, every
-cut DP, every ZeRO stage weighed), and, of the solvers alone, one TP ILP
-(build + CBC solve) and one cut DP at the chosen plan's (tp, micro-batch) and
-(p, m) (at pp > 1 the ILP is solved by time alone, as ``tp_choice`` does: the
-cut DP checks each stage's memory).
+Run: ``.venv/bin/python benchmarks/search_planning_time.py [CASE ...]`` (case indices; all by
+default). Each model is a fake-tensor capture (no memory), bf16 mixed precision, AdamW (none
+for inference), on DGX A100 nodes. The model's own imports (transformers) are done before the
+clock starts, as in a user's script; partita's own lazy imports count. Columns: the captures
+(seconds, count: a batch above 1 needs a second one for each tensor's shape as a function of
+the batch), the analysis (``profile_model``), the joint search (``plan_search``: every TP ILP,
+every cut DP, every ZeRO stage weighed; "solved / pruned groups" counts the candidates costed
+and the pipeline (p, micro-batch) groups branch and bound left uncut), and, of the solvers
+alone, one TP ILP and one cut DP at the chosen plan's settings (timed after the run).
 
-Measured on the 2-core CPU dev machine (torch 2.13 CPU), one run each, ZeRO 0-3
-weighed at every tp and pp, while other work shared the machine (upper bounds).
-"solved / pruned groups" counts the candidates costed and the pipeline (p,
-micro-batch) groups branch and bound left uncut (passes/pipeline_parallel.PipelineBound);
-``plan_search(prune=False)`` took 9.7 s, 47.4 s and 107.4 s (155, 331 and 644
-candidates) for the same three plans:
-
-| model | GPUs | batch | graph nodes | capture | analysis | joint search | solved / pruned groups | one TP ILP | one cut DP | end to end | chosen |
-|---|---|---|---|---|---|---|---|---|---|---|---|
-| Llama-2-7B [1,4096] | 8 | 64 | 2192 | 10.5 s | 0.8 s | 7.5 s | 68 / 46 | 48 ms (317 vars) | - | 18.8 s | dp=8 tp=1 pp=1 ZeRO-1, mb=1 x 8 none, step 7.18 s |
-| Llama-2-70B [1,4096] | 64 | 512 | 5840 | 11.5 s | 2.0 s | 7.2 s | 131 / 170 | 175 ms (2408 vars) | 10 ms | 20.7 s | dp=1 tp=4 pp=16 ZeRO-0, mb=1 x 512 1f1b, step 79.04 s |
-| GPT-3 175B [1,2048] | 1024 | 1536 | 3666 | 5.9 s | 1.3 s | 5.1 s | 120 / 422 | 77 ms (741 vars) | 13 ms | 12.4 s | dp=32 tp=4 pp=8 ZeRO-1, mb=1 x 48 1f1b, step 20.09 s |
-
-With pruning the pipeline side is a few dozen cut DPs; at 7B the pp = 1 mesh search
-(one TP ILP per tp, micro-batch and ZeRO stage weighed) is most of what is left.
+Results and the figures before this version are in the README's "Planning time" section.
 """
 
 from __future__ import annotations
