@@ -32,6 +32,7 @@ and ``shape_at`` give every tensor's shape at another micro-batch.
 from __future__ import annotations
 
 import hashlib
+from fractions import Fraction
 import json
 import os
 import re
@@ -213,7 +214,6 @@ def annotate_batch_shapes(G: nx.DiGraph, other: nx.DiGraph) -> bool:
     (the model's structure depends on the batch: the caller lays out each micro-batch
     on its own capture).
     """
-    from fractions import Fraction
 
     b1, b2 = G.graph.get("batch"), other.graph.get("batch")
     same = (b1 and b2 and b1 != b2 and list(G.nodes) == list(other.nodes)
