@@ -309,14 +309,16 @@ def calibrated_cluster(r: Any) -> Any:
 
     return calibrated_local(nproc=r.nproc, cpu_name=r.cpu_name, memory_bytes=r.memory_bytes_per_process,
                             matmul_flops=r.matmul_flops, beta=r.allreduce_beta, alpha=r.allreduce_alpha,
-                            call_seconds=r.call_seconds, call_bytes=r.call_bytes, seconds=r.seconds)
+                            call_seconds=r.call_seconds, call_bytes=r.call_bytes, seconds=r.seconds,
+                            memory_bandwidth=r.memory_bandwidth)
 
 
 @cli.command()
 @click.option("--nproc", type=int, default=4, show_default=True, help="local processes to measure between")
 @click.option("-o", "--output", metavar="PATH", default="local.toml", show_default=True)
 def calibrate(nproc: int, output: str) -> None:
-    """Measure this machine (matmul FLOP/s, gloo all-reduce bandwidth and latency) into a cluster file."""
+    """Measure this machine (matmul FLOP/s, memory bandwidth, gloo all-reduce bandwidth and latency,
+    each collective's cost per call) into a cluster file."""
     from partita.runtime.calibrate import calibrate as measure
 
     if nproc < 2:
@@ -335,6 +337,7 @@ def calibrate(nproc: int, output: str) -> None:
     t.add_row("matmul (fp32, per process)", f"{r.matmul_flops / 1e9:.1f} GFLOP/s")
     t.add_row("all-reduce bandwidth (beta)", f"{fmt_bytes(r.allreduce_beta)}/s")
     t.add_row("all-reduce latency (alpha)", fmt_time(r.allreduce_alpha))
+    t.add_row("memory bandwidth (copy, per process)", f"{fmt_bytes(r.memory_bandwidth)}/s")
     t.add_row("memory per process", fmt_bytes(r.memory_bytes_per_process))
     for kind, s in spec.call_latency.items():
         t.add_row(f"{kind} cost per call", f"{fmt_time(s)} (a {fmt_bytes(r.call_bytes)} call took "

@@ -14,7 +14,8 @@ from __future__ import annotations
 import math
 from typing import Any, Mapping, Sequence
 
-from partita.core.capture import CapturedModel, running_buffers
+from partita.core.capture import CapturedModel
+from partita.core.ops import running_buffers
 from partita.core.placement import is_shard
 from partita.core.plan import Collective, MeshAxis, ParamDecision
 from partita.core.precision import dtype_bytes, element_bytes

@@ -98,3 +98,28 @@ def gradient_nodes(graph: torch.fx.Graph, param_nodes: Iterable[str]) -> set[str
                 op_name(n), dtypes, any(a.name in out for a in n.all_input_nodes)):
             out.add(n.name)
     return out
+
+
+def running_buffers(graph: torch.fx.Graph, buffer_nodes: dict[str, str]) -> dict[str, tuple[int, torch.dtype]]:
+    """Floating-point buffers a training forward writes (batch norm's running statistics), by
+    placeholder: (elements, dtype). A replica's are computed from its share of the batch, so the
+    runtime averages them over "dp" after each step (runtime/data_parallel.py ``BufferAverager``)
+    and the plan lists that all-reduce. ``graph``: a captured graph; ``buffer_nodes`` its
+    placeholder -> buffer name map (``CapturedModel.buffer_nodes``)."""
+    out: dict[str, tuple[int, torch.dtype]] = {}
+    buffers = buffer_nodes
+    for n in graph.nodes:
+        if n.op != "call_function":
+            continue
+        name = getattr(n.target, "__name__", "").split(".")[0]
+        if name == "batch_norm" and len(n.args) > 5 and n.args[5] is True:
+            written = [a for a in n.args[3:5] if isinstance(a, torch.fx.Node)]
+        elif name.endswith("_") and n.args and isinstance(n.args[0], torch.fx.Node):
+            written = [n.args[0]]  # an in-place op on its first operand
+        else:
+            continue
+        for a in written:
+            val = a.meta.get("val")
+            if a.name in buffers and isinstance(val, torch.Tensor) and val.is_floating_point():
+                out[a.name] = (val.numel(), val.dtype)
+    return out

@@ -91,6 +91,10 @@ class ClusterSpec:
     nvlink: bool
     memory_reserve: float = 0.1  # fraction of memory kept back (allocator, NCCL buffers, workspace)
     step_overhead_s: float = 0.0  # fixed cost per micro-batch (launch, Python)
+    # an op takes the longer of its FLOPs' time and its bytes' time at hbm_bandwidth (a roofline).
+    # Off on the GPU presets, whose efficiency was set against published runs by FLOPs alone;
+    # ``partita calibrate`` turns it on with the bandwidth it measured.
+    roofline: bool = False
     source: str = ""
     # seconds per call by collective kind, beyond alpha-beta (``partita calibrate`` measures it)
     call_latency: Mapping[str, float] = field(default_factory=dict)
@@ -121,6 +125,8 @@ class ClusterSpec:
             raise bad(f"device {self.device!r} is not one of {', '.join(DEVICES)}")
         if not isinstance(self.nvlink, bool):
             raise bad(f"nvlink={self.nvlink!r} must be true or false")
+        if not isinstance(self.roofline, bool):
+            raise bad(f"roofline={self.roofline!r} must be true or false")
         if not isinstance(self.flops, Mapping) or not self.flops or any(
                 not isinstance(k, str) or not _number(v, low=0, low_open=True) for k, v in self.flops.items()):
             raise bad(f"flops needs a positive finite rate per dtype, got {dict(self.flops) if isinstance(self.flops, Mapping) else self.flops!r}")
@@ -224,6 +230,7 @@ class ClusterSpec:
             f"nvlink = {'true' if self.nvlink else 'false'}",
             f"memory_reserve = {self.memory_reserve:.6g}",
             f"step_overhead_ms = {self.step_overhead_s * 1e3:.6g}",
+            f"roofline = {'true' if self.roofline else 'false'}",
             "",
             "[tflops]",
         ]
@@ -249,6 +256,7 @@ _TOML_KEYS = {
     "nvlink": ("nvlink", bool, 1),
     "memory_reserve": ("memory_reserve", float, 1),
     "step_overhead_ms": ("step_overhead_s", float, 1e-3),
+    "roofline": ("roofline", bool, 1),
     "source": ("source", str, 1),
 }
 _REQUIRED_TOML = ("nodes", "gpus_per_node", "memory_gb", "intra_node_gb_per_s", "inter_node_gb_per_s")

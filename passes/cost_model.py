@@ -119,9 +119,12 @@ def model_state_memory(num_params: int, state: StateBytes, *, zero_stage: int = 
 # -- time --------------------------------------------------------------------
 
 
-def compute_time(flops: float, cluster: ClusterSpec, precision: str) -> float:
-    """Seconds to run ``flops`` on one device at the cluster's achieved rate."""
-    return flops / (cluster.peak_flops(compute_dtype(precision)) * cluster.efficiency)
+def compute_time(flops: float, cluster: ClusterSpec, precision: str, nbytes: float = 0.0) -> float:
+    """Seconds to run ``flops`` on one device at the cluster's achieved rate; on a roofline cluster
+    (``ClusterSpec.roofline``) an op that moves ``nbytes`` takes at least their time at the memory
+    bandwidth (an elementwise op, a softmax, a norm: bound by bytes, not FLOPs)."""
+    t = flops / (cluster.peak_flops(compute_dtype(precision)) * cluster.efficiency)
+    return max(t, nbytes / cluster.hbm_bandwidth) if cluster.roofline else t
 
 
 
@@ -142,10 +145,13 @@ def collective_time(kind: str, nbytes: float, n: int, link: Link) -> float:
 
 
 def calibrated_local(*, nproc: int, cpu_name: str, memory_bytes: int, matmul_flops: float, beta: float,
-                     alpha: float, call_seconds: Mapping[str, float], call_bytes: int, seconds: float) -> ClusterSpec:
+                     alpha: float, call_seconds: Mapping[str, float], call_bytes: int, seconds: float,
+                     memory_bandwidth: float = 0.0) -> ClusterSpec:
     """The `local` preset with this machine's measured figures (runtime/calibrate.py): each
     collective kind's fixed cost per call is its measured time at ``call_bytes`` less what the
-    fitted alpha and beta already explain of it (``collective_time`` without call costs)."""
+    fitted alpha and beta already explain of it (``collective_time`` without call costs). With a
+    measured ``memory_bandwidth`` the cluster is a roofline one: an op takes at least its bytes'
+    time (``compute_time``)."""
     import dataclasses
 
     from partita.passes.cluster import PRESETS
@@ -158,6 +164,7 @@ def calibrated_local(*, nproc: int, cpu_name: str, memory_bytes: int, matmul_flo
         call_latency={k: max(0.0, t - collective_time(k, call_bytes, nproc if k not in ("send_recv",) else 2, plain))
                       for k, t in call_seconds.items()},
         source=f"partita calibrate: {nproc} processes on {cpu_name}, {seconds:.0f} s",
+        **({"hbm_bandwidth": memory_bandwidth, "roofline": True} if memory_bandwidth > 0 else {}),
     )
 
 

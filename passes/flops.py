@@ -48,7 +48,8 @@ _REDUCTIONS = {"sum", "mean", "amax", "amin", "max", "min", "var", "std", "var_m
                "logsumexp", "argmax", "argmin", "all", "any"}
 # ops whose output carries no gradient whatever their inputs (comparisons, factories, argmax, detach)
 def annotate_flops(G: nx.DiGraph) -> nx.DiGraph:
-    """Write ``flops_fwd``, ``flops_bwd`` and ``requires_grad`` on every node (rules in the module doc)."""
+    """Write ``flops_fwd``, ``flops_bwd``, ``bytes_fwd``, ``bytes_bwd`` (memory traffic, for a
+    roofline cluster) and ``requires_grad`` on every node (rules in the module doc)."""
     flows = gradient_flows(G)
     for name in nx.topological_sort(G):
         a = G.nodes[name]
@@ -56,6 +57,11 @@ def annotate_flops(G: nx.DiGraph) -> nx.DiGraph:
         a["requires_grad"] = flows[name]
         a["flops_fwd"] = _forward(a, op)
         a["flops_bwd"] = _backward(G, name, op) if a["requires_grad"] else 0
+        # bytes an op moves: reads its inputs, writes its outputs; backward reads the output's
+        # gradient and the saved inputs and writes the inputs' gradients (about twice)
+        a["bytes_fwd"] = (a["out_bytes"] + sum(G.nodes[u]["out_bytes"] for u in a.get("inputs", ()))
+                          if a["kind"] == "call" else 0)
+        a["bytes_bwd"] = 2 * a["bytes_fwd"] if a["requires_grad"] else 0
     G.graph["flops_fwd"] = sum(a["flops_fwd"] for _, a in G.nodes(data=True))
     G.graph["flops_bwd"] = sum(a["flops_bwd"] for _, a in G.nodes(data=True))
     return G

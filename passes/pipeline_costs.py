@@ -251,8 +251,10 @@ def node_costs(profile: ModelProfile, cluster: ClusterSpec, request: TrainingReq
     fwd, bwd, saved, params = [], [], [], [0] * len(order)
     for name in order:
         a = G.nodes[name]
-        fwd.append(compute_time(a["flops_fwd"] * scale(a) / tp, cluster, request.precision))
-        bwd.append(0.0 if request.inference else compute_time(a["flops_bwd"] * scale(a) / tp, cluster, request.precision))
+        moved = scale(a) * act / tp
+        fwd.append(compute_time(a["flops_fwd"] * scale(a) / tp, cluster, request.precision, a.get("bytes_fwd", 0) * moved))
+        bwd.append(0.0 if request.inference else compute_time(a["flops_bwd"] * scale(a) / tp, cluster, request.precision,
+                                                              a.get("bytes_bwd", 0) * moved))
         saved.append(round(a.get("kv_bytes", 0) * scale(a) * act * kv / tp) if request.inference
                      else round(a["saved_bytes"] * scale(a) * act / tp))
     live = [round((a["live_batch"] * batch + a["live_fixed"]) * act / tp) for a in map(G.nodes.__getitem__, order)] \

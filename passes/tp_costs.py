@@ -65,7 +65,7 @@ class TPCosts:
         one position), so a caller may price one and reuse it."""
         a = self.G.nodes[n]
         return (a.get("flops_fwd", 0), a.get("flops_bwd", 0), bool(a.get("depends_on_input")),
-                a.get("saved_bytes", 0), a.get("kv_bytes", 0))
+                a.get("saved_bytes", 0), a.get("kv_bytes", 0), a.get("bytes_fwd", 0), a.get("bytes_bwd", 0))
 
     def beta(self, n: str) -> float:
         """How node ``n``'s work and tensors scale from the captured batch to the micro-batch."""
@@ -78,8 +78,10 @@ class TPCosts:
     def compute_s(self, n: str, st: Strategy) -> tuple[float, float]:
         """(forward, backward) seconds of node ``n``'s local FLOPs under ``st``."""
         a, scale = self.G.nodes[n], self.beta(n) * st.compute_fraction
-        fwd = compute_time(a.get("flops_fwd", 0) * scale, self.cluster, self.precision)
-        bwd = 0.0 if self.inference else compute_time(a.get("flops_bwd", 0) * scale, self.cluster, self.precision)
+        moved = scale * self.act_scale
+        fwd = compute_time(a.get("flops_fwd", 0) * scale, self.cluster, self.precision, a.get("bytes_fwd", 0) * moved)
+        bwd = 0.0 if self.inference else compute_time(a.get("flops_bwd", 0) * scale, self.cluster, self.precision,
+                                                      a.get("bytes_bwd", 0) * moved)
         return fwd, bwd
 
     def internal_s(self, n: str, st: Strategy) -> float:

@@ -246,18 +246,17 @@ class _Layout:
     live_bytes: float
 
 
-# graph -> (node count when filled, {layout key: _Layout}); weak, so a dropped graph frees its entries
+# graph -> (node count when filled, {layout key: _Layout}), weak; at most _MAX_LAYOUTS per graph
 _LAYOUTS: "weakref.WeakKeyDictionary[nx.DiGraph, tuple[int, dict]]" = weakref.WeakKeyDictionary()
-_MAX_LAYOUTS = 64  # per graph: a search visits a few dozen (t, micro-batch) pairs
+_MAX_LAYOUTS = 64
 
 
 def _layout_costs(G: nx.DiGraph, setting: TPSetting, cluster: ClusterSpec, strategies: StrategyFn,
                   repeated: Sequence[RepeatedBlock]) -> _Layout:
     """Classes, their strategies' compute / collective / activation costs and the edge classes'
     reshard matrices at ``setting``'s TP degree and micro-batch: everything ``build_problem``
-    prices that dp, ZeRO, the micro-batch count, the optimizer and the budget do not change.
-    Cached per graph (a joint search asks for the same (t, micro-batch) under many dp x ZeRO
-    settings)."""
+    prices that dp, ZeRO, the micro-batch count, the optimizer and the budget do not change;
+    cached per graph (a search asks for one (t, micro-batch) under many dp x ZeRO settings)."""
     key = (setting.t, setting.micro_batch, setting.captured_batch, setting.precision, setting.inference,
            setting.kv_ratio, setting.captured_dtype, repr(cluster), strategies,
            tuple((b.prefix, tuple(b.indices), b.nodes_per_layer) for b in repeated))
@@ -427,7 +426,7 @@ def _param_numel(G: nx.DiGraph, members: Sequence[str], st: Strategy, t: int) ->
             continue
         seen.add(a["param_name"])
         sharded = bool(st.out) and is_shard(st.out[0])
-        total += _numel(a["shapes"][0]) / (t if sharded else 1)
+        total += math.prod(a["shapes"][0]) / (t if sharded else 1)
     return total
 
 
@@ -466,10 +465,6 @@ def _classes(G: nx.DiGraph, repeated: Sequence[RepeatedBlock]) -> dict[str, list
     for n in G.nodes:  # graph order: the representative is the first member
         groups.setdefault(find(n), []).append(n)
     return {members[0]: members for members in groups.values()}
-
-
-def _numel(shape: Sequence[int]) -> int:
-    return math.prod(shape)
 
 
 # -- evaluating a choice -----------------------------------------------------------------

@@ -1,8 +1,9 @@
-"""Measure this machine for the cost model: matmul FLOP/s and gloo all-reduce alpha/beta.
+"""Measure this machine for the cost model: matmul FLOP/s, memory bandwidth and gloo all-reduce alpha/beta.
 
 ``nproc`` local processes run at once (as a data-parallel job on this machine
 would), each with ``max(1, cores // nproc)`` torch threads. Each times fp32
-matmuls, all at the same time; then they all-reduce messages of several sizes
+matmuls, all at the same time, then a copy larger than the caches (the memory
+bandwidth an elementwise op is bound by: the cost model's roofline); then they all-reduce messages of several sizes
 and the ring model
 
     t(S) = 2 (n - 1) alpha + 2 S (n - 1) / n / beta
@@ -10,10 +11,10 @@ and the ring model
 is fitted to the median times by least squares on relative error (so the
 small messages, which set alpha, count as much as the large ones, which set
 beta). Last, each collective kind the runtime issues runs on a small message
-(``CALL_BYTES``) ``CALL_REPEATS`` times: the median less its alpha-beta time is
-that kind's fixed cost per call (``call_latency``: gloo's and torch's work
-around the transfer, which dominates the many small collectives of a tensor-
-parallel step). Turning the result into a cluster file is the cost model's job
+(``CALL_BYTES``) ``CALL_REPEATS`` times between matmuls: the mean time it adds,
+less its alpha-beta time, is that kind's fixed cost per call (``call_latency``:
+gloo's and torch's work around the transfer, the ranks' skew and the occasional
+stall, which dominate the many small collectives of a tensor-parallel step). Turning the result into a cluster file is the cost model's job
 (passes/cost_model.py ``calibrated_local``).
 """
 
@@ -40,7 +41,10 @@ MATMUL_N = 1024
 MATMUL_SECONDS = 1.0
 TIMEOUT_S = 60
 CALL_BYTES = 4096
-CALL_REPEATS = 30
+CALL_REPEATS = 100
+COPY_BYTES = 64 * 2**20  # larger than the caches: memory's bandwidth, not a cache's
+COPY_REPEATS = 5
+CALL_COMPUTE_N = 256  # the matmul between calls (~0.3-0.6 ms on a core here)
 CALL_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send_recv")
 
 
@@ -54,8 +58,9 @@ class CalibrationResult:
     cpu_name: str
     samples: tuple[tuple[int, float], ...]  # (message bytes, median seconds per all-reduce)
     seconds: float  # wall time of the calibration
-    call_seconds: dict[str, float]  # median seconds of one CALL_BYTES call, by collective kind
+    call_seconds: dict[str, float]  # mean seconds one CALL_BYTES call adds between compute, by kind
     call_bytes: int = CALL_BYTES
+    memory_bandwidth: float = 0.0  # bytes/s one process copies while all nproc copy at once (median; 0: not measured)
 
 
 def _free_port() -> int:
@@ -88,6 +93,20 @@ def _matmul_flops(n: int, seconds: float) -> float:
     return 2 * n**3 * calls / elapsed
 
 
+def _copy_bandwidth(nbytes: int, repeats: int) -> float:
+    """Bytes/s one process moves copying a ``nbytes`` buffer (read + write), best of ``repeats``:
+    what an elementwise op is bound by here."""
+    src = torch.randn(max(1, nbytes // 4))
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # warm-up
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - start)
+    return 2 * src.numel() * 4 / best
+
+
 def _allreduce_seconds(nbytes: int, repeats: int) -> float:
     t = torch.zeros(max(1, nbytes // 4), dtype=torch.float32)
     dist.all_reduce(t)  # warm-up
@@ -101,8 +120,15 @@ def _allreduce_seconds(nbytes: int, repeats: int) -> float:
 
 
 def _call_seconds(kind: str, nbytes: int, repeats: int) -> float:
-    """Median seconds of one ``kind`` call of ``nbytes`` (the full array) over the world, as the
-    runtime issues it (send_recv: rank pairs 2k -> 2k + 1)."""
+    """Mean seconds one ``kind`` call of ``nbytes`` (the full array) over the world adds to a
+    loop of compute, as the runtime issues them: ``repeats`` times a matmul then the call, less
+    the same loop without the calls (send_recv: rank pairs 2k -> 2k + 1).
+
+    Between compute, not after a barrier: a call then also pays for the ranks arriving apart
+    and for waking a process that blocked, and on a shared machine an occasional call stalls
+    for milliseconds. A step's time is the sum of its calls, so the mean, tail included, is
+    what the cost model needs (on 2 gloo processes here a 4 KB all-reduce's median after a
+    barrier is ~0.5 ms, its mean between matmuls ~1.7 ms, as a tensor-parallel step measures)."""
     n, rank = dist.get_world_size(), dist.get_rank()
     whole = torch.zeros(max(n, nbytes // 4), dtype=torch.float32)
     whole = whole[: whole.numel() // n * n]
@@ -124,14 +150,21 @@ def _call_seconds(kind: str, nbytes: int, repeats: int) -> float:
         elif rank % 2 == 1:
             dist.irecv(whole, src=rank - 1).wait()
 
-    once()  # warm-up
-    times = []
-    for _ in range(repeats):
+    a, b = torch.randn(CALL_COMPUTE_N, CALL_COMPUTE_N), torch.randn(CALL_COMPUTE_N, CALL_COMPUTE_N)
+
+    def loop(call: bool) -> float:
         dist.barrier()
         start = time.perf_counter()
-        once()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        for _ in range(repeats):
+            torch.mm(a, b)
+            if call:
+                once()
+        return time.perf_counter() - start
+
+    once()  # warm-up
+    loop(True)
+    compute = min(loop(False) for _ in range(2))
+    return max(0.0, (loop(True) - compute) / repeats)
 
 
 def _worker(rank: int, nproc: int, port: int, sizes: tuple[int, ...], repeats: int,
@@ -143,11 +176,14 @@ def _worker(rank: int, nproc: int, port: int, sizes: tuple[int, ...], repeats: i
         dist.barrier()
         flops = _matmul_flops(MATMUL_N, MATMUL_SECONDS)
         dist.barrier()
+        bandwidth = _copy_bandwidth(COPY_BYTES, COPY_REPEATS)
+        dist.barrier()
         samples = [(s, _allreduce_seconds(s, repeats)) for s in sizes]
         calls = {k: _call_seconds(k, CALL_BYTES, CALL_REPEATS) for k in CALL_KINDS}
         # Every rank waits for the slowest, so rank 0's times are the collective's (rank 1's for
         # the receive of a send / receive pair).
-        Path(outdir, f"rank{rank}.json").write_text(json.dumps({"flops": flops, "samples": samples, "calls": calls}))
+        Path(outdir, f"rank{rank}.json").write_text(json.dumps({"flops": flops, "samples": samples, "calls": calls,
+                                                                 "bandwidth": bandwidth}))
     finally:
         dist.destroy_process_group()
 
@@ -201,5 +237,6 @@ def calibrate(nproc: int = 4, *, sizes: tuple[int, ...] = DEFAULT_SIZES,
         samples=samples,
         seconds=time.perf_counter() - start,
         call_seconds=calls,
+        memory_bandwidth=statistics.median(r["bandwidth"] for r in results),
     )
 

@@ -18,7 +18,8 @@ import torch.distributed as dist
 from torch import nn
 
 from partita.core.errors import PlanError
-from partita.core.capture import running_buffers, uncompiled
+from partita.core.capture import uncompiled
+from partita.core.ops import running_buffers
 from partita.core.losses import training_loss
 from partita.core.plan import MeshAxis, Plan
 from partita.core.precision import PrecisionPolicy

@@ -10,7 +10,8 @@ import buffers_worker
 from examples.models import SmallCNN
 from harness import launch
 from partita.compiler.compile import compile_model
-from partita.core.capture import capture, running_buffers
+from partita.core.capture import capture
+from partita.core.ops import running_buffers
 from partita.core.inputs import parse_input_spec
 from partita.core.losses import default_loss
 from partita.passes.cluster import load_cluster

@@ -77,3 +77,61 @@ def test_when_calls_cost_the_tp_search_prefers_megatron_to_per_layer_gathers():
         calls[cost] = (sum(count.values()), linear)
     assert calls[0.0][0] > 100 and set(calls[0.0][1]) == {"shard(0)"}  # the batch split, weights gathered
     assert calls[1e-3][0] < 40 and {"col", "row"} <= set(calls[1e-3][1])  # Megatron's split
+
+
+def test_a_roofline_cluster_prices_an_op_by_the_longer_of_its_flops_and_its_bytes(tmp_path):
+    """An elementwise op moves bytes, not FLOPs. On a roofline cluster (``partita calibrate`` measures
+    the copy bandwidth and turns it on) it takes its bytes' time; a matmul keeps its FLOPs' time.
+    The GPU presets stay priced by FLOPs (their efficiency was fitted to published runs that way)."""
+    from partita.passes.cost_model import compute_time
+
+    local = dataclasses.replace(PRESETS["local"], flops={"fp32": 100e9}, efficiency=1.0, hbm_bandwidth=20e9)
+    roof = dataclasses.replace(local, roofline=True)
+    # hand-worked: 1e6 FLOPs at 100 GFLOP/s = 10 us; 4 MB at 20 GB/s = 200 us
+    assert compute_time(1e6, local, "fp32", 4e6) == pytest.approx(10e-6)
+    assert compute_time(1e6, roof, "fp32", 4e6) == pytest.approx(200e-6)
+    # a matmul: 1e10 FLOPs = 100 ms beats its 4 MB
+    assert compute_time(1e10, roof, "fp32", 4e6) == pytest.approx(0.1)
+    assert not PRESETS["dgx-a100"].roofline and not PRESETS["dgx-h100"].roofline
+    c = calibrated_local(nproc=2, cpu_name="cpu", memory_bytes=2**32, matmul_flops=5e10, beta=1e9, alpha=1e-4,
+                         call_seconds={}, call_bytes=4096, seconds=1.0, memory_bandwidth=25e9)
+    assert c.roofline and c.hbm_bandwidth == 25e9
+    path = tmp_path / "c.toml"
+    path.write_text(c.to_toml())
+    assert load_cluster(str(path)).roofline and load_cluster(str(path)).hbm_bandwidth == pytest.approx(25e9)
+    path.write_text(c.to_toml().replace("roofline = true", 'roofline = "yes"'))
+    with pytest.raises(ClusterError, match="roofline"):
+        load_cluster(str(path))
+
+
+def test_an_elementwise_node_is_priced_by_its_bytes_on_a_roofline_cluster():
+    """The node's bytes (``annotate_flops``: inputs read + output written; backward about twice)
+    reach the per-node costs the TP ILP and the pipeline cut by (passes/tp_costs.py,
+    passes/pipeline_costs.py)."""
+    from partita.core.capture import capture
+    from partita.core.inputs import parse_input_spec
+    from partita.passes.constraints import TrainingRequest
+    from partita.passes.pipeline_costs import node_costs
+    from partita.passes.profile import profile_model
+
+    class Scale(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.ones(1024))
+
+        def forward(self, x):
+            return (x * self.w).sum()
+
+    p = profile_model(capture(Scale, [parse_input_spec("x=float32[256,1024]")]))
+    mul = next(n for n, a in p.graph.nodes(data=True) if a["op"].endswith("mul.Tensor"))
+    a = p.graph.nodes[mul]
+    assert a["bytes_fwd"] == 256 * 1024 * 4 * 2 + 1024 * 4  # x and w read, the product written
+    roof = dataclasses.replace(PRESETS["local"], flops={"fp32": 100e9}, efficiency=1.0, hbm_bandwidth=10e9,
+                               roofline=True)
+    request = TrainingRequest(global_batch=256, precision="fp32")
+    costs = node_costs(p, roof, request, 256)
+    i = costs.order.index(mul)
+    assert costs.forward_s[i] == pytest.approx(a["bytes_fwd"] / 10e9)  # 256K FLOPs would be 2.6 us
+    assert costs.backward_s[i] == pytest.approx(2 * a["bytes_fwd"] / 10e9)
+    flat = node_costs(p, dataclasses.replace(roof, roofline=False), request, 256)
+    assert flat.forward_s[i] == pytest.approx(a["flops_fwd"] / 100e9)

@@ -34,7 +34,7 @@ HARMLESS = {
     "cluster.name", "cluster.device_name", "cluster.memory_bytes", "cluster.flops.fp32", "cluster.flops.bf16",
     "cluster.efficiency", "cluster.hbm_bandwidth", "cluster.intra_node_bandwidth", "cluster.inter_node_bandwidth",
     "cluster.intra_node_latency", "cluster.inter_node_latency", "cluster.nvlink", "cluster.memory_reserve",
-    "cluster.step_overhead_s", "cluster.source", "cluster.nodes", "cluster.gpus_per_node",
+    "cluster.step_overhead_s", "cluster.roofline", "cluster.source", "cluster.nodes", "cluster.gpus_per_node",
     "training.grad_bucket_bytes",  # how gradients are grouped for the all-reduce, not what is summed
     "nodes[].module", "nodes[].layer", "nodes[].flops_fwd", "nodes[].compute_s", "nodes[].ins[].bytes",
     "nodes[].op",  # the graph's own op is run; the plan's is its label (the fingerprint covers the graph)
