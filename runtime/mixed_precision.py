@@ -84,7 +84,9 @@ class MasterWeights:
             self.optimizer.step()
             return
         for p, m in zip(self.params, self.masters):
-            m.grad = None if p.grad is None else p.grad.to(m.dtype).mul_(inv_scale)
+            m.grad = None if p.grad is None else p.grad.to(m.dtype)
+        if inv_scale != 1.0:  # a loss scale to undo (fp16); bf16's 1.0 costs no pass over the gradients
+            torch._foreach_mul_([m.grad for m in self.masters if m.grad is not None], inv_scale)
         self.optimizer.step()
         for p, m in zip(self.params, self.masters):
             m.grad = None  # transient: held only during the step
