@@ -92,7 +92,9 @@ def compile_model(
     if not inference:
         loss = resolve_loss(loss)
     with phase("capturing the model"):
-        captured = capture(model, inputs, name=name, loss=None if inference else loss, targets=targets)
+        # no per-node stack traces (``source``): 15% of an export, read only by a planner-bug message
+        captured = capture(model, inputs, name=name, loss=None if inference else loss, targets=targets,
+                           stack_traces=False)
     timings["capture"] = captured.seconds
     with phase("analysing the graph"):
         t0 = time.perf_counter()
@@ -149,16 +151,14 @@ def micro_batch_graph(model: Any, captured: CapturedModel, profile: ModelProfile
         small = capture(model, [_at_batch(s, mb) for s in captured.inputs], name=captured.name,
                         loss=loss if captured.loss else None,
                         targets=_at_batch(captured.targets, mb) if captured.targets is not None else None,
-                        stack_traces=False)  # the source lines are the captured graph's (_same_sources)
+                        stack_traces=False)
     G = annotate_flops(to_networkx(small))
     if list(G.nodes) == list(profile.graph.nodes) and _strategies_hold(G, decision):
         for n, a in profile.graph.nodes(data=True):  # keep the analyses' layer tags for the plan
             if "layer" in a:
                 G.nodes[n]["layer"] = a["layer"]
-        _same_sources(G, profile.graph)
         return G, decision
     own = profile_model(small)
-    _same_sources(own.graph, profile.graph)
     choice = tp_choice(own, cluster, request, mb, decision.mesh.tp)
     node_stage = _stages_by_layer(own.graph, profile.graph, decision.node_stage)
     note = (f"laid out on the model captured at micro-batch {mb}: its graph differs from the one at batch "
@@ -169,14 +169,6 @@ def micro_batch_graph(model: Any, captured: CapturedModel, profile: ModelProfile
                    for st in decision.stages for mine in [[n for n in calls if node_stage[n] == st.index]])
     return own.graph, dataclasses.replace(decision, choice=choice, node_stage=node_stage, stages=stages,
                                           notes=(*decision.notes, note))
-
-
-def _same_sources(G: Any, captured_graph: Any) -> None:
-    """Each node of ``G`` (captured without stack traces) takes the source line of the captured
-    graph's node of its name and op (a node the micro-batch graph alone has keeps none)."""
-    for n, a in G.nodes(data=True):
-        if n in captured_graph and captured_graph.nodes[n]["op"] == a["op"]:
-            a["source"] = captured_graph.nodes[n].get("source", "")
 
 
 def _at_batch(spec: InputSpec, batch: int) -> InputSpec:
@@ -212,7 +204,7 @@ def batch_shape_capture(model: Any, captured: CapturedModel, profile: ModelProfi
         second = capture(model, [_at_batch(s, other) for s in captured.inputs], name=captured.name,
                          loss=loss if captured.loss else None,
                          targets=_at_batch(captured.targets, other) if captured.targets is not None else None,
-                         stack_traces=False)  # read for its shapes (and as a micro-batch graph)
+                         stack_traces=False)
     except CaptureError:  # a model that only runs at its batch: its micro-batch's own capture decides
         profile.graph.graph["batch_shapes"] = "unknown"
         return None

@@ -107,7 +107,7 @@ def capture(
     export itself; they are not copied).
 
     ``stack_traces=False`` records no node's source line (``node.meta["stack_trace"]``), about
-    15% of an export: for a second capture read only for its shapes and structure.
+    15% of an export (``compile_model`` captures so: only a planner-bug message reads them).
     """
     start = time.perf_counter()
     inputs = tuple(inputs)
