@@ -92,9 +92,7 @@ def compile_model(
     if not inference:
         loss = resolve_loss(loss)
     with phase("capturing the model"):
-        # no per-node stack traces (``source``): 15% of an export, read only by a planner-bug message
-        captured = capture(model, inputs, name=name, loss=None if inference else loss, targets=targets,
-                           stack_traces=False)
+        captured = capture(model, inputs, name=name, loss=None if inference else loss, targets=targets)
     timings["capture"] = captured.seconds
     with phase("analysing the graph"):
         t0 = time.perf_counter()
@@ -150,8 +148,7 @@ def micro_batch_graph(model: Any, captured: CapturedModel, profile: ModelProfile
     else:
         small = capture(model, [_at_batch(s, mb) for s in captured.inputs], name=captured.name,
                         loss=loss if captured.loss else None,
-                        targets=_at_batch(captured.targets, mb) if captured.targets is not None else None,
-                        stack_traces=False)
+                        targets=_at_batch(captured.targets, mb) if captured.targets is not None else None)
     G = annotate_flops(to_networkx(small))
     if list(G.nodes) == list(profile.graph.nodes) and _strategies_hold(G, decision):
         for n, a in profile.graph.nodes(data=True):  # keep the analyses' layer tags for the plan
@@ -203,8 +200,7 @@ def batch_shape_capture(model: Any, captured: CapturedModel, profile: ModelProfi
     try:
         second = capture(model, [_at_batch(s, other) for s in captured.inputs], name=captured.name,
                          loss=loss if captured.loss else None,
-                         targets=_at_batch(captured.targets, other) if captured.targets is not None else None,
-                         stack_traces=False)
+                         targets=_at_batch(captured.targets, other) if captured.targets is not None else None)
     except CaptureError:  # a model that only runs at its batch: its micro-batch's own capture decides
         profile.graph.graph["batch_shapes"] = "unknown"
         return None
