@@ -144,8 +144,10 @@ def compose(
         opt = zero.optimizer
     elif training:
         if dp_group is not None:
+            # without a pipeline the optimizer step reads the mean straight from the reduce (a
+            # pipeline first sums tied copies' gradients between its stages, from .grad)
             averager = apply_data_parallel(local.parameters(), dp_group, bucket_bytes=buckets, counter=counter,
-                                           axis=DP, reduce_dtype=policy.reduce_dtype)
+                                           axis=DP, reduce_dtype=policy.reduce_dtype, keep_reduced=pipeline is None)
         master = MasterWeights([q for q in local.parameters() if q.requires_grad], optimizer, policy)
         opt = master.optimizer
     buffers = (BufferAverager(_local_buffers(local, pipeline), dp_group, counter=counter, axis=DP)

@@ -34,7 +34,9 @@ class GradientAverager(BucketReducer):
     step, before the optimizer step; ``zero_grad()`` after the step.
     The average divides each bucket by the dp size before the sum all-reduce
     (as DDP does), so gradients equal their mean over the dp ranks; the engine
-    scales each rank's loss so that this mean is the global-batch mean.
+    scales each rank's loss so that this mean is the global-batch mean. Reduced
+    in another dtype (bf16 gradients summed in fp32) with ``keep_wire``, the mean
+    is not copied back into the gradients: the step reads it from ``reduced_grads``.
     """
 
     def __init__(
@@ -62,11 +64,16 @@ def broadcast_replicas(module: nn.Module, group: dist.ProcessGroup) -> None:
 
 
 def apply_data_parallel(params: Iterable[nn.Parameter], group: dist.ProcessGroup, *, bucket_bytes: int,
-                        counter: CollectiveCounter, axis: str, reduce_dtype: torch.dtype) -> GradientAverager:
+                        counter: CollectiveCounter, axis: str, reduce_dtype: torch.dtype,
+                        keep_reduced: bool = False) -> GradientAverager:
     """Compose's data-parallel step (the replicas already broadcast): ``params``' gradients
-    averaged over ``group`` in buckets of ``bucket_bytes``, reduced in ``reduce_dtype``."""
-    return GradientAverager(params, group, bucket_bytes=bucket_bytes, counter=counter, axis=axis,
-                            reduce_dtype=reduce_dtype)
+    averaged over ``group`` in buckets of ``bucket_bytes``, reduced in ``reduce_dtype``.
+    ``keep_reduced``: the mean stays as reduced for the optimizer step to read
+    (``reduced_grads``), where nothing reads the gradients between the reduce and the step."""
+    averager = GradientAverager(params, group, bucket_bytes=bucket_bytes, counter=counter, axis=axis,
+                                reduce_dtype=reduce_dtype)
+    averager.keep_wire = keep_reduced
+    return averager
 
 
 class BufferAverager:

@@ -343,7 +343,8 @@ class ParallelModel(nn.Module):
         whose all-reduce also tells every rank whether any gradient overflowed."""
         p = self._program
         inv_scale = 1.0 / self._loss_scale
-        self.grad_norm = global_grad_norm(p, self.plan.mesh.tp, self.ctx.device, inv_scale)
+        reduced = p.averager.reduced_grads() if p.averager is not None else {}
+        self.grad_norm = global_grad_norm(p, self.plan.mesh.tp, self.ctx.device, inv_scale, reduced)
         skip = p.scaler is not None and not math.isfinite(self.grad_norm)
         inv_scale *= clip_coefficient(self.grad_norm, self.plan.training.max_grad_norm)
         if p.zero is not None:
@@ -354,7 +355,7 @@ class ParallelModel(nn.Module):
                 p.averager.zero_grad()
         else:
             if not skip:
-                p.master.step(inv_scale)
+                p.master.step(inv_scale, reduced)
             if p.averager is not None:
                 p.averager.zero_grad()
             else:

@@ -141,6 +141,9 @@ class BucketReducer:
         self.counter = counter
         self.reduce_dtype = reduce_dtype  # None: the gradients' own dtype
         self.on_launch = on_launch
+        # persistent, reduced in another dtype: keep the mean in the wire for ``reduced_grads``
+        # instead of rounding it back into the gradients (the data-parallel averager's choice)
+        self.keep_wire = False
         self._bucket_of = {id(p): b for b in buckets for p in b.members}
         for b in buckets:
             if persistent:
@@ -159,6 +162,7 @@ class BucketReducer:
         for b in self.buckets:
             b.ready.clear()
             b.work = None
+            b.wire = None
 
     def _on_grad_ready(self, p: nn.Parameter) -> None:
         if not self.sync:
@@ -226,6 +230,8 @@ class BucketReducer:
         b.work = None
         result = slice(None) if self.collective == "all_reduce" else b.own  # where the mean is
         if self.persistent:
+            if b.wire is not None and self.keep_wire:
+                return  # the mean stays in the wire (``reduced_grads``) until ``zero_grad``
             if b.wire is not None:
                 b.grad_flat[result].copy_(b.wire[result])
         else:
@@ -234,8 +240,21 @@ class BucketReducer:
             b.grad_flat = None
         b.wire = None
 
+    def reduced_grads(self) -> dict[int, torch.Tensor]:
+        """With ``keep_wire``, after a synchronising backward's ``finish``: each member's mean
+        gradient in the reduce dtype, by ``id``, views of its bucket's wire; {} otherwise. The
+        members' ``.grad`` then hold this rank's own sum: the mean is read here (the optimizer's
+        masters and the gradient norm take it as it was reduced, fp32 for bf16 gradients, with
+        no rounding to bf16 and back and no copy)."""
+        out: dict[int, torch.Tensor] = {}
+        for b in self.buckets:
+            if b.wire is not None and b.work is None:
+                out.update((id(p), v) for p, v in zip(b.members, b.unflatten(b.wire)))
+        return out
+
     def zero_grad(self) -> None:
         """Persistent: the flat gradients zeroed, the members' ``.grad`` views of them again."""
         for b in self.buckets:
+            b.wire = None
             b.grad_flat.zero_()
             b.attach_grads()

@@ -21,6 +21,7 @@ rewritten.
 from __future__ import annotations
 
 import math
+from typing import Mapping
 
 import torch
 import torch.distributed as dist
@@ -51,16 +52,20 @@ def copy_weights(program: Program, tp_size: int) -> dict[int, float]:
     return weights
 
 
-def global_grad_norm(program: Program, tp_size: int, device: torch.device, inv_scale: float = 1.0) -> float:
-    """The L2 norm of the whole model's (unscaled) gradient; a collective over the world."""
+def global_grad_norm(program: Program, tp_size: int, device: torch.device, inv_scale: float = 1.0,
+                     reduced: Mapping[int, torch.Tensor] | None = None) -> float:
+    """The L2 norm of the whole model's (unscaled) gradient; a collective over the world.
+    ``reduced``: a parameter's mean gradient by ``id`` where the reducer kept it (not in ``.grad``)."""
+    reduced = reduced or {}
     updates = program.updates
     weights = copy_weights(program, tp_size)
     total = torch.zeros((), dtype=torch.float32, device=device)
     if program.zero is not None:
         total += _zero_sum(program, tp_size).to(device)
     for q in updates.params:
-        if q.grad is not None and id(q) in weights:
-            total += _square_norm(q.grad) * weights[id(q)]
+        g = reduced.get(id(q), q.grad)
+        if g is not None and id(q) in weights:
+            total += _square_norm(g) * weights[id(q)]
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(total)
     return math.sqrt(float(total)) * inv_scale

@@ -27,7 +27,7 @@ all-reduce over the world) is inf or nan is skipped on every rank alike; the sca
 
 from __future__ import annotations
 
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Mapping
 
 import torch
 from torch import nn
@@ -76,15 +76,22 @@ class MasterWeights:
         return [p.grad for p in self.params if p.grad is not None]
 
     @torch.no_grad()
-    def step(self, inv_scale: float = 1.0) -> None:
-        """One optimizer step from the parameters' gradients (times ``inv_scale``)."""
+    def step(self, inv_scale: float = 1.0, reduced: Mapping[int, torch.Tensor] | None = None) -> None:
+        """One optimizer step from the parameters' gradients (times ``inv_scale``); ``reduced``:
+        a parameter's mean gradient by ``id`` where the reducer kept it (in the masters' dtype, it
+        is the master's gradient as it is)."""
         if not self.separate:
+            for p in self.params:  # a mean kept in another dtype (fp32 parameters reduced in bf16)
+                if reduced and id(p) in reduced:
+                    p.grad.copy_(reduced[id(p)])
             if inv_scale != 1.0:
                 torch._foreach_mul_(self.grads(), inv_scale)
             self.optimizer.step()
             return
+        reduced = reduced or {}
         for p, m in zip(self.params, self.masters):
-            m.grad = None if p.grad is None else p.grad.to(m.dtype)
+            g = reduced.get(id(p), p.grad)
+            m.grad = None if g is None else g.to(m.dtype)
         if inv_scale != 1.0:  # a loss scale to undo (fp16); bf16's 1.0 costs no pass over the gradients
             torch._foreach_mul_([m.grad for m in self.masters if m.grad is not None], inv_scale)
         self.optimizer.step()
