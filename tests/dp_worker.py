@@ -21,6 +21,7 @@ from partita.core.plan import (
     Collective, MemoryBreakdown, Mesh, ModelInfo, Plan, Prediction, SolverReport, Training,
 )
 from harness import check_close, check_loss, reference_step
+from partita.runtime.collectives import CollectiveCounter
 from partita.runtime.distributed import DistContext
 from partita.runtime.engine import ParallelModel
 
@@ -219,3 +220,31 @@ def checks(ctx: DistContext) -> list[dict]:
     results += [compare_zero(ctx, world, stage, "gpt") for stage in (1, 2, 3)]
     check_refusals(ctx, world)
     return results
+
+
+def bf16_mean_kept(ctx: DistContext) -> dict:
+    """bf16 gradients averaged in fp32 over 2 ranks: ``reduced_grads`` holds the fp32 mean of the
+    ranks' bf16 gradients exactly (no rounding to bf16), while ``.grad`` keeps this rank's own."""
+    import torch.distributed as dist
+
+    from partita.runtime.data_parallel import apply_data_parallel
+
+    torch.manual_seed(0)
+    p = nn.Parameter(torch.zeros(1000, dtype=torch.bfloat16))
+    averager = apply_data_parallel([p], dist.group.WORLD, bucket_bytes=1 << 20, counter=CollectiveCounter(),
+                                   axis="dp", reduce_dtype=torch.float32, keep_reduced=True)
+    g = torch.Generator().manual_seed(1 + ctx.rank)
+    mine = torch.randn(1000, generator=g).to(torch.bfloat16)
+    averager.begin(sync=True)
+    (p.float() * mine.float()).sum().backward()  # .grad = mine (bf16)
+    averager.finish()
+    theirs = [torch.zeros(1000, dtype=torch.bfloat16) for _ in range(2)]
+    dist.all_gather(theirs, mine)
+    exact = (theirs[0].float() / 2 + theirs[1].float() / 2)
+    reduced = averager.reduced_grads()[id(p)]
+    out = {"dtype": str(reduced.dtype), "exact": bool(torch.equal(reduced, exact)),
+           "own_grad_kept": bool(torch.equal(p.grad, mine)),
+           "rounding_differs": bool(not torch.equal(exact.to(torch.bfloat16).float(), exact))}
+    averager.zero_grad()
+    out["freed"] = averager.reduced_grads() == {}
+    return out

@@ -62,3 +62,15 @@ def test_single_process_runs_the_plan_micro_batching_like_the_plain_model():
 def test_data_parallel_matches_single_process(world):
     for results in launch(world, dp_worker.checks):
         assert len(results) == 8  # 5 data-parallel cases, then ZeRO-1/2/3 through ParallelModel
+
+
+@pytest.mark.slow
+def test_bf16_gradients_averaged_in_fp32_reach_the_optimizer_unrounded():
+    """bf16-mixed DP: the fp32 mean of the ranks' bf16 gradients is what the fp32 masters get
+    (equal to the mean worked out from the gathered gradients, bit for bit), not that mean
+    rounded to bf16 and converted back; each rank's ``.grad`` keeps its own gradient meanwhile,
+    and the kept mean is freed with ``zero_grad``."""
+    results = launch(2, dp_worker.bf16_mean_kept)
+    for r in results:
+        assert r == {"dtype": "torch.float32", "exact": True, "own_grad_kept": True, "rounding_differs": True,
+                     "freed": True}, r
