@@ -258,7 +258,7 @@ def _layout_costs(G: nx.DiGraph, setting: TPSetting, cluster: ClusterSpec, strat
     prices that dp, ZeRO, the micro-batch count, the optimizer and the budget do not change;
     cached per graph (a search asks for one (t, micro-batch) under many dp x ZeRO settings)."""
     key = (setting.t, setting.micro_batch, setting.captured_batch, setting.precision, setting.inference,
-           setting.kv_ratio, setting.captured_dtype, repr(cluster), strategies,
+           setting.kv_ratio, setting.captured_dtype, repr(cluster), strategies, G.graph.get("batch_shapes"),
            tuple((b.prefix, tuple(b.indices), b.nodes_per_layer) for b in repeated))
     filled, cache = _LAYOUTS.get(G, (None, None))
     if cache is None or filled != G.number_of_nodes():

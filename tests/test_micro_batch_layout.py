@@ -117,3 +117,17 @@ def test_the_batch_shape_capture_doubles_as_the_micro_batch_graph(monkeypatch) -
     for n in G.nodes:
         for i, shape in enumerate(five.nodes[n]["shapes"]):
             assert shape_at(G, n, i, 5) == tuple(shape), n
+
+
+def test_the_tp_problem_is_priced_again_once_the_batch_shapes_are_known():
+    """build_problem caches each (tp, micro-batch) layout per graph; learning the shapes at other
+    batches (annotate_batch_shapes) changes which strategies are valid there, so it is not reused."""
+    from partita.passes.tp_problem import TPSetting, build_problem
+
+    p = _profile(16)
+    cluster = load_cluster("local", devices=2)
+    setting = TPSetting(2, 5, 16, "fp32")
+    names = lambda problem: {s.name for s in problem.strategies_of["embedding"]}  # noqa: E731
+    assert "shard(0)" in names(build_problem(p.graph, setting, cluster, repeated=p.repeated))  # shapes unknown
+    annotate_batch_shapes(p.graph, to_networkx(capture(gpt_tiny, [parse_input_spec("idx=int64[32,64]")])))
+    assert "shard(0)" not in names(build_problem(p.graph, setting, cluster, repeated=p.repeated))  # 5 rows
