@@ -25,7 +25,9 @@ flat bucket, each bucket padded to a multiple of Nd elements):
 (``zero_collectives`` is the one list; traffic and time both read it.) Under
 ZeRO >= 1 the optimizer updates only the rank's 1/Nd slice of the state.
 
-Time. Compute is FLOPs / (peak FLOP/s of the dtype x efficiency).
+Time. Compute is FLOPs / (peak FLOP/s of the dtype x efficiency); on a roofline cluster
+(``ClusterSpec.roofline``: calibrated local processes) an op takes at least the bytes it
+moves over the memory bandwidth (``compute_time``).
 Collectives follow the alpha-beta ring model, S bytes over n ranks on the
 slowest link of the group (bandwidth beta per device, latency alpha):
 

@@ -9,7 +9,8 @@ Per micro-batch on one device of a TP group of t ranks, under a ``TPCosts``:
 
 - compute: the node's forward / backward FLOPs times the strategy's compute
   fraction, at the micro-batch (``beta``: micro-batch / captured batch for nodes
-  that depend on a model input, 1 otherwise);
+  that depend on a model input, 1 otherwise); on a roofline cluster at least the
+  bytes it moves (``bytes_fwd`` / ``bytes_bwd``) over the memory bandwidth;
 - internal: the collectives the op runs itself (vocabulary-parallel softmax);
 - reshards: the forward reshard of each input from its producer's placement to
   the strategy's, and the backward reshard of its gradient to the producer's
