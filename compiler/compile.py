@@ -33,7 +33,7 @@ from partita.passes.cluster import ClusterSpec
 from partita.passes.constraints import Pins, TrainingRequest
 from partita.compiler.plan_collectives import plan_collectives
 from partita.core.precision import activation_scale, compute_dtype, element_bytes
-from partita.passes.cost_model import compute_time
+from partita.passes.cost_model import node_compute_time
 from partita.passes.profile import ModelProfile, profile_model
 from partita.passes.flops import annotate_flops
 from partita.passes.graph import annotate_batch_shapes, to_networkx
@@ -297,8 +297,8 @@ def build_plan(
     )
     Gm = micro_graph if micro_graph is not None else G
     assert _strategies_hold(Gm, d), "the layout holds strategies the micro-batch graph does not offer"
-    moved = activation_scale(request.precision, captured_float_dtype(Gm))  # bytes at the precision
-    times = {n: _node_times(Gm, n, d, cluster, request, moved) for n in Gm.nodes}
+    act_scale = activation_scale(request.precision, captured_float_dtype(Gm))
+    times = {n: _node_times(Gm, n, d, cluster, request, act_scale) for n in Gm.nodes}
     nodes = tuple(
         dataclasses.replace(n, compute_s=sum(times[n.name]), stage=d.node_stage.get(n.name, 0))
         for n in layout_decisions(Gm, mesh.tp, d.choice, elem_bytes=element_bytes(request.precision))
@@ -373,17 +373,14 @@ def _unsupported_note(G: Any) -> tuple[str, ...]:
 
 
 def _node_times(G: Any, node: str, d: Decision, cluster: ClusterSpec,
-                request: TrainingRequest, moved: float = 1.0) -> tuple[float, float]:
+                request: TrainingRequest, act_scale: float) -> tuple[float, float]:
     """Forward and backward compute of one micro-batch of this node on one device, at its strategy's
-    share (``G`` is the micro-batch graph)."""
+    share (``G`` is the micro-batch graph; ``act_scale``: its bytes at the precision's element size)."""
     a = G.nodes[node]
     strategy = d.choice.get(node)
     fraction = strategy.compute_fraction if strategy is not None else 1.0
-    moved *= fraction
-    fwd = compute_time(a.get("flops_fwd", 0) * fraction, cluster, request.precision, a.get("bytes_fwd", 0) * moved)
-    bwd = 0.0 if request.inference else compute_time(a.get("flops_bwd", 0) * fraction, cluster, request.precision,
-                                                      a.get("bytes_bwd", 0) * moved)
-    return fwd, bwd
+    return node_compute_time(a, cluster, request.precision, scale=fraction, byte_scale=fraction * act_scale,
+                             inference=request.inference)
 
 
 def _param_decisions(captured: CapturedModel, G: Any, d: Decision) -> tuple[ParamDecision, ...]:

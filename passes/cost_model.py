@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 from partita.core.precision import PRECISIONS, compute_dtype, element_bytes
 from partita.passes.cluster import COLLECTIVES, ClusterSpec, Link
@@ -127,6 +127,19 @@ def compute_time(flops: float, cluster: ClusterSpec, precision: str, nbytes: flo
     bandwidth (an elementwise op, a softmax, a norm: bound by bytes, not FLOPs)."""
     t = flops / (cluster.peak_flops(compute_dtype(precision)) * cluster.efficiency)
     return max(t, nbytes / cluster.hbm_bandwidth) if cluster.roofline else t
+
+
+def node_compute_time(a: Mapping[str, Any], cluster: ClusterSpec, precision: str, *, scale: float,
+                      byte_scale: float, inference: bool = False) -> tuple[float, float]:
+    """(forward, backward) seconds of one graph node (its ``flops_fwd`` / ``flops_bwd`` and
+    ``bytes_fwd`` / ``bytes_bwd`` attributes, passes/flops.py) on one device: FLOPs times
+    ``scale`` (the micro-batch over the captured batch, a strategy's share), bytes times
+    ``byte_scale`` (the same, at the precision's element size); no backward for inference.
+    The one per-node compute rule of the TP costs, the pipeline costs and the plan's record."""
+    fwd = compute_time(a.get("flops_fwd", 0) * scale, cluster, precision, a.get("bytes_fwd", 0) * byte_scale)
+    bwd = 0.0 if inference else compute_time(a.get("flops_bwd", 0) * scale, cluster, precision,
+                                             a.get("bytes_bwd", 0) * byte_scale)
+    return fwd, bwd
 
 
 

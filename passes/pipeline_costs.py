@@ -33,7 +33,7 @@ import networkx as nx
 from partita.core.precision import activation_scale as precision_activation_scale, is_floating
 from partita.passes.cluster import ClusterSpec
 from partita.passes.constraints import TrainingRequest
-from partita.passes.cost_model import compute_time
+from partita.passes.cost_model import node_compute_time
 from partita.passes.profile import ModelProfile
 
 
@@ -251,10 +251,10 @@ def node_costs(profile: ModelProfile, cluster: ClusterSpec, request: TrainingReq
     fwd, bwd, saved, params = [], [], [], [0] * len(order)
     for name in order:
         a = G.nodes[name]
-        moved = scale(a) * act / tp
-        fwd.append(compute_time(a["flops_fwd"] * scale(a) / tp, cluster, request.precision, a.get("bytes_fwd", 0) * moved))
-        bwd.append(0.0 if request.inference else compute_time(a["flops_bwd"] * scale(a) / tp, cluster, request.precision,
-                                                              a.get("bytes_bwd", 0) * moved))
+        f, b = node_compute_time(a, cluster, request.precision, scale=scale(a) / tp, byte_scale=scale(a) * act / tp,
+                                 inference=request.inference)
+        fwd.append(f)
+        bwd.append(b)
         saved.append(round(a.get("kv_bytes", 0) * scale(a) * act * kv / tp) if request.inference
                      else round(a["saved_bytes"] * scale(a) * act / tp))
     live = [round((a["live_batch"] * batch + a["live_fixed"]) * act / tp) for a in map(G.nodes.__getitem__, order)] \

@@ -32,7 +32,7 @@ import networkx as nx
 
 from partita.core.precision import activation_scale, element_bytes
 from partita.passes.cluster import ClusterSpec, Link
-from partita.passes.cost_model import collective_time, compute_time, reshard_time
+from partita.passes.cost_model import collective_time, node_compute_time, reshard_time
 from partita.passes.tp_layout import tensor_bytes
 from partita.passes.tp_vocabulary import NONE, Strategy, grad_convention, reshard_kind
 
@@ -79,11 +79,8 @@ class TPCosts:
     def compute_s(self, n: str, st: Strategy) -> tuple[float, float]:
         """(forward, backward) seconds of node ``n``'s local FLOPs under ``st``."""
         a, scale = self.G.nodes[n], self.beta(n) * st.compute_fraction
-        moved = scale * self.act_scale
-        fwd = compute_time(a.get("flops_fwd", 0) * scale, self.cluster, self.precision, a.get("bytes_fwd", 0) * moved)
-        bwd = 0.0 if self.inference else compute_time(a.get("flops_bwd", 0) * scale, self.cluster, self.precision,
-                                                      a.get("bytes_bwd", 0) * moved)
-        return fwd, bwd
+        return node_compute_time(a, self.cluster, self.precision, scale=scale, byte_scale=scale * self.act_scale,
+                                 inference=self.inference)
 
     def internal_s(self, n: str, st: Strategy) -> float:
         """Seconds of the collectives ``st`` runs inside the op."""
