@@ -36,6 +36,7 @@ from fractions import Fraction
 import json
 import os
 import re
+import weakref
 from typing import Any
 
 import networkx as nx
@@ -228,6 +229,16 @@ def annotate_batch_shapes(G: nx.DiGraph, other: nx.DiGraph) -> bool:
                                  for s1, s2 in zip(a["shapes"], other.nodes[n]["shapes"]))
     G.graph["batch_shapes"] = "linear"
     return True
+
+
+def per_graph(store: "weakref.WeakKeyDictionary[nx.DiGraph, tuple[int, dict]]", G: nx.DiGraph) -> dict:
+    """``G``'s dict in ``store``, a cache of what is derived from a graph: emptied when ``G`` has
+    gained or lost nodes since it was filled; weakly keyed, so a dropped graph frees its entry."""
+    filled, cache = store.get(G, (None, None))
+    if cache is None or filled != G.number_of_nodes():
+        cache = {}
+        store[G] = (G.number_of_nodes(), cache)
+    return cache
 
 
 def _whole(f: Fraction) -> int | Fraction:

@@ -34,6 +34,7 @@ from partita.core.precision import activation_scale as precision_activation_scal
 from partita.passes.cluster import ClusterSpec
 from partita.passes.constraints import TrainingRequest
 from partita.passes.cost_model import node_compute_time
+from partita.passes.graph import per_graph
 from partita.passes.profile import ModelProfile
 
 
@@ -78,18 +79,18 @@ def allowed_boundaries(G: nx.DiGraph, order: Sequence[str]) -> tuple[int, ...]:
     return tuple(k for k in after_call if k not in inside and (in_layer(k - 1) or in_layer(k)))
 
 
-# graph -> (node count, (order, boundaries)): a search asks for node costs at every (micro-batch, tp)
-_STRUCTURE: "weakref.WeakKeyDictionary[nx.DiGraph, tuple[int, tuple]]" = weakref.WeakKeyDictionary()
+# graph -> {"both": (order, boundaries)} (graph.per_graph): a search asks for node costs at
+# every (micro-batch, tp)
+_STRUCTURE: "weakref.WeakKeyDictionary[nx.DiGraph, tuple[int, dict]]" = weakref.WeakKeyDictionary()
 
 
 def _structure(G: nx.DiGraph) -> tuple[list[str], tuple[int, ...]]:
     """``pipeline_order`` and ``allowed_boundaries`` of ``G``, computed once per graph."""
-    filled, both = _STRUCTURE.get(G, (None, None))
-    if both is None or filled != G.number_of_nodes():
+    cache = per_graph(_STRUCTURE, G)
+    if "both" not in cache:
         order = pipeline_order(G)
-        both = (order, allowed_boundaries(G, order))
-        _STRUCTURE[G] = (G.number_of_nodes(), both)
-    return both
+        cache["both"] = (order, allowed_boundaries(G, order))
+    return cache["both"]
 
 
 # -- the solver's input ----------------------------------------------------------

@@ -51,6 +51,7 @@ import networkx as nx
 from partita.passes.activations import peak_live_bytes
 from partita.passes.cluster import ClusterSpec
 from partita.passes.cost_model import param_step_time, sharded_state, state_bytes_per_param
+from partita.passes.graph import per_graph
 from partita.passes.repeats import RepeatedBlock
 from partita.passes.tp_costs import TPCosts
 from partita.passes.tp_strategies import Strategy, input_index, is_shard, valid_at
@@ -246,7 +247,7 @@ class _Layout:
     live_bytes: float
 
 
-# graph -> (node count when filled, {layout key: _Layout}), weak; at most _MAX_LAYOUTS per graph
+# graph -> {layout key: _Layout} (graph.per_graph); at most _MAX_LAYOUTS per graph
 _LAYOUTS: "weakref.WeakKeyDictionary[nx.DiGraph, tuple[int, dict]]" = weakref.WeakKeyDictionary()
 _MAX_LAYOUTS = 64
 
@@ -260,10 +261,7 @@ def _layout_costs(G: nx.DiGraph, setting: TPSetting, cluster: ClusterSpec, strat
     key = (setting.t, setting.micro_batch, setting.captured_batch, setting.precision, setting.inference,
            setting.kv_ratio, setting.captured_dtype, repr(cluster), strategies, G.graph.get("batch_shapes"),
            tuple((b.prefix, tuple(b.indices), b.nodes_per_layer) for b in repeated))
-    filled, cache = _LAYOUTS.get(G, (None, None))
-    if cache is None or filled != G.number_of_nodes():
-        cache = {}
-        _LAYOUTS[G] = (G.number_of_nodes(), cache)
+    cache = per_graph(_LAYOUTS, G)
     if key not in cache:
         if len(cache) >= _MAX_LAYOUTS:
             cache.pop(next(iter(cache)))
