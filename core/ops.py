@@ -107,11 +107,10 @@ def running_buffers(graph: torch.fx.Graph, buffer_nodes: dict[str, str]) -> dict
     and the plan lists that all-reduce. ``graph``: a captured graph; ``buffer_nodes`` its
     placeholder -> buffer name map (``CapturedModel.buffer_nodes``)."""
     out: dict[str, tuple[int, torch.dtype]] = {}
-    buffers = buffer_nodes
     for n in graph.nodes:
         if n.op != "call_function":
             continue
-        name = getattr(n.target, "__name__", "").split(".")[0]
+        name = base_op(op_name(n))
         if name == "batch_norm" and len(n.args) > 5 and n.args[5] is True:
             written = [a for a in n.args[3:5] if isinstance(a, torch.fx.Node)]
         elif name.endswith("_") and n.args and isinstance(n.args[0], torch.fx.Node):
@@ -120,6 +119,6 @@ def running_buffers(graph: torch.fx.Graph, buffer_nodes: dict[str, str]) -> dict
             continue
         for a in written:
             val = a.meta.get("val")
-            if a.name in buffers and isinstance(val, torch.Tensor) and val.is_floating_point():
+            if a.name in buffer_nodes and isinstance(val, torch.Tensor) and val.is_floating_point():
                 out[a.name] = (val.numel(), val.dtype)
     return out
