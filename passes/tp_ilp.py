@@ -132,7 +132,7 @@ def solve_tp(problem: TPProblem, *, solver: str = SOLVER, time_limit_s: float = 
     if objective == "time":
         floor, pick = _smallest_memory(problem)
         if floor > problem.setting.memory_budget:
-            raise _infeasible(problem, solver, objective)  # no layout fits: nothing to solve
+            raise _infeasible(problem, solver, objective, pick)  # no layout fits: nothing to solve
         if all(sum(cost.valid for cost in c.costs) == 1 for c in problem.classes):
             try:  # one choice per class (t = 1): that choice is the solution when its edges are valid
                 sol = evaluate(problem, pick)
@@ -264,13 +264,15 @@ def _smallest_memory(p: TPProblem) -> tuple[float, dict[str, int]]:
     return total, pick
 
 
-def _infeasible(p: TPProblem, solver: str, objective: str) -> InfeasibleError:
+def _infeasible(p: TPProblem, solver: str, objective: str,
+                pick: dict[str, int] | None = None) -> InfeasibleError:
     s = p.setting
     if objective == "memory":
         return InfeasibleError(
             f"layout compatibility: no combination of strategies at t={s.t} has valid reshards on every edge",
             hint="this is a strategy-list bug (every node should keep its replicate strategy); report it")
-    floor, pick = _smallest_memory(p)
+    if pick is None:
+        pick = _smallest_memory(p)[1]
     try:  # each class at its smallest strategy: the smallest layout when every edge between them is valid
         smallest = evaluate(p, pick)
     except ValueError:

@@ -48,11 +48,12 @@ class GradientAverager(BucketReducer):
         counter: CollectiveCounter | None = None,
         axis: str = "dp",
         reduce_dtype: torch.dtype | None = None,
+        keep_wire: bool = False,
     ) -> None:
         buckets = [GradBucket(m) for m in bucket_members(grad_params(params), bucket_bytes)]
         super().__init__(buckets, group, collective="all_reduce", persistent=True,
                          counter=counter if counter is not None else CollectiveCounter(), axis=axis,
-                         reduce_dtype=reduce_dtype)
+                         reduce_dtype=reduce_dtype, keep_wire=keep_wire)
 
 
 def broadcast_replicas(module: nn.Module, group: dist.ProcessGroup) -> None:
@@ -70,10 +71,8 @@ def apply_data_parallel(params: Iterable[nn.Parameter], group: dist.ProcessGroup
     averaged over ``group`` in buckets of ``bucket_bytes``, reduced in ``reduce_dtype``.
     ``keep_reduced``: the mean stays as reduced for the optimizer step to read
     (``reduced_grads``), where nothing reads the gradients between the reduce and the step."""
-    averager = GradientAverager(params, group, bucket_bytes=bucket_bytes, counter=counter, axis=axis,
-                                reduce_dtype=reduce_dtype)
-    averager.keep_wire = keep_reduced
-    return averager
+    return GradientAverager(params, group, bucket_bytes=bucket_bytes, counter=counter, axis=axis,
+                            reduce_dtype=reduce_dtype, keep_wire=keep_reduced)
 
 
 class BufferAverager:

@@ -132,7 +132,7 @@ class BucketReducer:
     def __init__(self, buckets: list[GradBucket], group: dist.ProcessGroup, *, collective: str,
                  persistent: bool, counter: CollectiveCounter, axis: str,
                  reduce_dtype: torch.dtype | None = None,
-                 on_launch: Callable[[GradBucket], None] | None = None) -> None:
+                 on_launch: Callable[[GradBucket], None] | None = None, keep_wire: bool = False) -> None:
         if collective not in ("all_reduce", "reduce_scatter"):
             raise ValueError(f"collective {collective!r} must be all_reduce or reduce_scatter")
         self.buckets, self.group, self.axis = buckets, group, axis
@@ -143,7 +143,7 @@ class BucketReducer:
         self.on_launch = on_launch
         # persistent, reduced in another dtype: keep the mean in the wire for ``reduced_grads``
         # instead of rounding it back into the gradients (the data-parallel averager's choice)
-        self.keep_wire = False
+        self.keep_wire = keep_wire
         self._bucket_of = {id(p): b for b in buckets for p in b.members}
         for b in buckets:
             if persistent:
