@@ -30,7 +30,7 @@ import torch.fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from partita.core.capture import CapturedModel
-from partita.passes.graph import tensor_values
+from partita.core.ops import tensor_values
 
 
 class _SavedTensorRecorder(torch.fx.Interpreter):

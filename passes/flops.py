@@ -35,7 +35,7 @@ import networkx as nx
 from partita.core.ops import ATTENTION as _ATTENTION
 from partita.core.ops import CONV as _CONV
 from partita.core.ops import MATMUL as _MATMUL
-from partita.core.ops import NO_GRAD_OPS, base_op, carries_gradient, passes_gradient  # noqa: F401 (re-exported)
+from partita.core.ops import base_op, carries_gradient, passes_gradient
 _FREE = {
     "view", "_unsafe_view", "reshape", "transpose", "t", "permute", "expand", "expand_as", "split",
     "split_with_sizes", "chunk", "unbind", "getitem", "slice", "select", "unsqueeze", "squeeze",

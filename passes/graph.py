@@ -44,7 +44,7 @@ import torch
 import torch.fx
 
 from partita.core.capture import CapturedModel
-from partita.core.ops import op_name, tensor_values  # noqa: F401 (re-exported)
+from partita.core.ops import op_name, tensor_values
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+)')

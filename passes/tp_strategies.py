@@ -14,7 +14,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from partita.passes.flops import carries_gradient, gradient_flows
+from partita.core.ops import carries_gradient
+from partita.passes.flops import gradient_flows
 from partita.passes.tp_rules import REPLICATE_BY_NATURE, RULES, OpView, Rule
 from partita.passes.tp_rules_views import VIEW_RULES
 from partita.passes.tp_vocabulary import (  # noqa: F401 (re-exported: the solver's vocabulary)

@@ -58,14 +58,14 @@ import torch.fx
 from torch import nn
 
 from partita.core.errors import PlanError
-from partita.core.ops import gradient_nodes
+from partita.core.ops import gradient_nodes, tensor_values
 from partita.core.plan import MeshAxis, Plan, tied_stages
 from partita.core.precision import PrecisionPolicy
 from partita.core.schedule import SCHEDULES, stage_order
 from partita.runtime.collectives import CollectiveCounter
 from partita.runtime.data_parallel import GradientAverager
 from partita.runtime.tensor_parallel import TensorParallel
-from partita.runtime.tp_collectives import local_shape, tensors
+from partita.runtime.tp_collectives import local_shape
 from partita.runtime.trace import BACKWARD, FORWARD, TraceRecorder  # core/schedule.py's
 from partita.runtime.watchdog import FLIGHT
 
@@ -266,7 +266,7 @@ class PipelineStage(nn.Module):
         out = []
         for n in nodes:
             placements = self.tp.decisions[n.name].out
-            for v, placement in zip(tensors(n.meta.get("val")), placements):
+            for v, placement in zip(tensor_values(n.meta.get("val")), placements):
                 if not grads_only or (n.name in self.grad_nodes and v.dtype.is_floating_point):
                     out.append((n, v, placement))
         return out
@@ -322,7 +322,7 @@ class PipelineStage(nn.Module):
                 self._inflight[k] = _InFlight([], received, out)
             return out
         # in the compute dtype (what the plan prices), a differentiable cast: the gradient comes back in it
-        outs = [self.tp.precision.wire(t) for n in g.send for t in tensors(env[n])]
+        outs = [self.tp.precision.wire(t) for n in g.send for t in tensor_values(env[n])]
         self._send(outs, self.next)
         if grad:
             sent = [t for (n, v, _), t in zip(self._wire(g.send, grads_only=False), outs)

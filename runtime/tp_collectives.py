@@ -17,7 +17,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from partita.core.ops import tensor_values as tensors  # noqa: F401 (the interpreter's and the pipeline's name)
 from partita.core.placement import shard_dim
 from partita.core.plan import InputLayout, MeshAxis
 from partita.runtime.collectives import CollectiveCounter

@@ -28,12 +28,13 @@ import torch.fx
 from torch import nn
 
 from partita.core.errors import PlanError
+from partita.core.ops import tensor_values
 from partita.core.placement import shard_dim
 from partita.core.plan import NodeDecision
 from partita.core.precision import PrecisionPolicy
 from partita.runtime.recompute import Region, run_recomputed
 from partita.runtime.rng import is_random, op_seed, seeded
-from partita.runtime.tp_collectives import TPGroup, edge, local_shape, tensors
+from partita.runtime.tp_collectives import TPGroup, edge, local_shape
 from partita.runtime.tp_local_ops import LOCAL_OPS
 from partita.runtime.watchdog import FLIGHT
 
@@ -80,8 +81,8 @@ def op_name(n: torch.fx.Node) -> str:
 
 def check_shapes(g: TPGroup, n: torch.fx.Node, d: NodeDecision, out: Any) -> None:
     """Raise if a local output's shape is not the plan's (the global shape, sharded)."""
-    expected = [local_shape(v.shape, p, g.size) for v, p in zip(tensors(n.meta.get("val")), d.out)]
-    got = [tuple(v.shape) for v in tensors(out)]
+    expected = [local_shape(v.shape, p, g.size) for v, p in zip(tensor_values(n.meta.get("val")), d.out)]
+    got = [tuple(v.shape) for v in tensor_values(out)]
     if got != expected:
         raise PlanError(
             f"tensor-parallel node {n.format_node()} (strategy {d.strategy!r}, outputs {list(d.out)}) "
@@ -160,7 +161,7 @@ class LocalInterpreter(torch.fx.Interpreter):
         def fetch(a: torch.fx.Node) -> Any:
             nonlocal j
             v = self.env[a]
-            if not tensors(a.meta.get("val")):
+            if not tensor_values(a.meta.get("val")):
                 return v
             lay = d.ins[j]
             j += 1
