@@ -162,7 +162,7 @@ def capture(
         if _is_data_dependent(export_error):
             raise _data_dependent_error(export_error, module, inputs) from export_error
         constants = {}
-        gm, method = _symbolic_trace(module, args, mode, export_error, inputs)
+        gm, method = _symbolic_trace(module, args, mode, export_error, inputs, stack_traces)
         attrs = {n.name: str(n.target) for n in gm.graph.nodes if n.op == "get_attr"}
         param_names = set(dict(module.named_parameters(remove_duplicate=False)))
         param_targets = {k: v for k, v in attrs.items() if v in param_names}
@@ -367,9 +367,9 @@ class _InlineAllModules(torch.fx.Tracer):
     """Trace through every module, so the graph holds functions (F.linear, ...) rather than
     opaque ``call_module`` nodes, and ``nn_module_stack`` names the innermost module."""
 
-    def __init__(self) -> None:
+    def __init__(self, stack_traces: bool) -> None:
         super().__init__(autowrap_functions=(), param_shapes_constant=False)
-        self.record_stack_traces = True
+        self.record_stack_traces = stack_traces
 
     def is_leaf_module(self, m: torch.nn.Module, module_qualified_name: str) -> bool:
         return False
@@ -381,9 +381,10 @@ def _symbolic_trace(
     mode: FakeTensorMode,
     export_error: Exception,
     inputs: tuple[InputSpec, ...],
+    stack_traces: bool,
 ) -> tuple[torch.fx.GraphModule, str]:
     try:
-        tracer = _InlineAllModules()
+        tracer = _InlineAllModules(stack_traces)
         graph = tracer.trace(module)
         gm = torch.fx.GraphModule(tracer.root, graph, type(module).__name__)
         with mode:
