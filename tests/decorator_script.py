@@ -61,16 +61,10 @@ def run_plan(ctx, plan: str, out: str) -> None:
     """tests/harness.py's entry: the decorated model on a running group, with ``plan`` as `partita
     run` passes it (PARTITA_PLAN)."""
     import os
+    from unittest import mock
 
-    before = os.environ.get("PARTITA_PLAN")
-    os.environ["PARTITA_PLAN"] = plan
-    try:
+    with mock.patch.dict(os.environ, {"PARTITA_PLAN": plan}):
         write_results(make_model(), Path(out))
-    finally:
-        if before is None:
-            del os.environ["PARTITA_PLAN"]
-        else:
-            os.environ["PARTITA_PLAN"] = before
 
 
 if __name__ == "__main__":
