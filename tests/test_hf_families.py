@@ -4,6 +4,7 @@ planned by the planner on dp2, tp2, pp2 and ZeRO-3 and run on 2 gloo processes: 
 parameters as one process. Tolerance 1e-4 relative: fp32, only the reduction order differs."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -33,13 +34,10 @@ def test_bare_hf_models_train_on_every_axis_as_one_process(tmp_path):
             runs.append(f"{name}={plan.save(tmp_path / f'{name}-{mesh}.json')}")
     launch(2, script.run, str(tmp_path), runs, timeout_s=600)
     for name in script.MODELS:
-        ref_losses, ref_state = script.reference(name)
+        reference = script.reference(name)
         for mesh in MESHES:
-            got = json.loads((tmp_path / f"{name}-{mesh}.json").read_text())
-            assert got["losses"] == pytest.approx(ref_losses, rel=1e-4, abs=1e-5), (name, mesh)
-            state = torch.load(tmp_path / f"{name}-{mesh}.pt", weights_only=True)
-            for k, v in state.items():
-                torch.testing.assert_close(v, ref_state[k], rtol=1e-4, atol=1e-4, msg=lambda m: f"{name} {mesh} {k}: {m}")
+            _same_as_one_process(tmp_path / f"{name}-{mesh}.json", tmp_path / f"{name}-{mesh}.pt", reference,
+                                 f"{name} {mesh}")
 
 
 @pytest.mark.slow
@@ -61,11 +59,19 @@ def test_more_families_vit_t5_a_masked_llama_gemma_and_phi_train_as_one_process(
             runs.append(f"{name}={plan.save(tmp_path / f'more-{name}-{mesh}.json')}")
     launch(2, more.run, str(tmp_path), runs)
     for name, (_, _, _, meshes) in more.MODELS.items():
-        ref_losses, ref_state = more.reference(name)
+        reference = more.reference(name)
         for mesh in meshes:
-            got = json.loads((tmp_path / f"more-{name}-{mesh}.out.json").read_text())
-            assert got["losses"] == pytest.approx(ref_losses, rel=1e-4, abs=1e-5), (name, mesh, got["losses"], ref_losses)
-            state = torch.load(tmp_path / f"more-{name}-{mesh}.out.pt", weights_only=True)
-            assert set(state) <= set(ref_state), (name, mesh, sorted(set(state) - set(ref_state))[:5])
-            for k, v in state.items():
-                torch.testing.assert_close(v, ref_state[k], rtol=1e-4, atol=1e-4, msg=lambda m: f"{name} {mesh} {k}: {m}")
+            _same_as_one_process(tmp_path / f"more-{name}-{mesh}.out.json", tmp_path / f"more-{name}-{mesh}.out.pt",
+                                 reference, f"{name} {mesh}")
+
+
+def _same_as_one_process(losses: Path, state: Path, reference: tuple[list[float], dict], what: str) -> None:
+    """A run's losses (JSON) and full state (torch.save) equal one process's (fp32; 1e-4 relative:
+    only the reduction order differs); every name in the run's state is one of the reference's."""
+    ref_losses, ref_state = reference
+    got = json.loads(losses.read_text())["losses"]
+    assert got == pytest.approx(ref_losses, rel=1e-4, abs=1e-5), (what, got, ref_losses)
+    held = torch.load(state, weights_only=True)
+    assert set(held) <= set(ref_state), (what, sorted(set(held) - set(ref_state))[:5])
+    for k, v in held.items():
+        torch.testing.assert_close(v, ref_state[k], rtol=1e-4, atol=1e-4, msg=lambda m: f"{what} {k}: {m}")
