@@ -41,10 +41,11 @@ MATMUL_N = 1024
 MATMUL_SECONDS = 1.0
 TIMEOUT_S = 60
 CALL_BYTES = 4096
-CALL_REPEATS = 100
+CALL_REPEATS = 40
 COPY_BYTES = 64 * 2**20  # larger than the caches: memory's bandwidth, not a cache's
 COPY_REPEATS = 5
-CALL_COMPUTE_N = 256  # the matmul between calls (~0.3-0.6 ms on a core here)
+CALL_ROUNDS = 3  # a kind's per-call cost is the median of this many (with calls) - (without) loop pairs
+CALL_COMPUTE_N = 512  # the matmul between calls (~3 ms on a core here: a layer's matmul, as in a TP step)
 CALL_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send_recv")
 
 
@@ -83,7 +84,8 @@ def _total_memory() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def _matmul_flops(n: int, seconds: float) -> float:
+def matmul_flops(n: int, seconds: float) -> float:
+    """fp32 FLOP/s of ``n`` x ``n`` matmuls in this process over ``seconds`` (the calibrated rate)."""
     a, b = torch.randn(n, n), torch.randn(n, n)
     torch.mm(a, b)  # warm-up
     calls, start = 0, time.perf_counter()
@@ -128,7 +130,16 @@ def _call_seconds(kind: str, nbytes: int, repeats: int) -> float:
     and for waking a process that blocked, and on a shared machine an occasional call stalls
     for milliseconds. A step's time is the sum of its calls, so the mean, tail included, is
     what the cost model needs (on 2 gloo processes here a 4 KB all-reduce's median after a
-    barrier is ~0.5 ms, its mean between matmuls ~1.7 ms, as a tensor-parallel step measures)."""
+    barrier is ~0.5 ms, its mean between matmuls ~1.7 ms, as a tensor-parallel step measures).
+
+    The cost grows with the compute between calls (the ranks drift further apart, and a process
+    that waited longer wakes slower): measured here for a 4 KB all-reduce, 1.3-1.7 ms between
+    0.4 ms matmuls, 2.7-3.0 ms between 3.5 ms ones, 3-6 ms between 11 ms ones. The matmul between
+    calls (``CALL_COMPUTE_N``, ~3 ms) is sized like a layer's matmul in a tensor-parallel step, the
+    plans that issue calls by the dozen; with 0.4 ms between calls the planner's tp2 GPT step was
+    predicted 1.21-1.35x short of measured, with 3 ms 1.13-1.28x (median 1.15 over 3 rounds,
+    benchmarks/predicted_vs_measured.py). Each kind's cost is the median of ``CALL_ROUNDS`` pairs
+    of loops, so that one stalled loop does not set it."""
     n, rank = dist.get_world_size(), dist.get_rank()
     whole = torch.zeros(max(n, nbytes // 4), dtype=torch.float32)
     whole = whole[: whole.numel() // n * n]
@@ -163,8 +174,7 @@ def _call_seconds(kind: str, nbytes: int, repeats: int) -> float:
 
     once()  # warm-up
     loop(True)
-    compute = min(loop(False) for _ in range(2))
-    return max(0.0, (loop(True) - compute) / repeats)
+    return max(0.0, statistics.median((loop(True) - loop(False)) / repeats for _ in range(CALL_ROUNDS)))
 
 
 def _worker(rank: int, nproc: int, port: int, sizes: tuple[int, ...], repeats: int,
@@ -174,7 +184,7 @@ def _worker(rank: int, nproc: int, port: int, sizes: tuple[int, ...], repeats: i
                             world_size=nproc, timeout=timedelta(seconds=TIMEOUT_S))
     try:
         dist.barrier()
-        flops = _matmul_flops(MATMUL_N, MATMUL_SECONDS)
+        flops = matmul_flops(MATMUL_N, MATMUL_SECONDS)
         dist.barrier()
         bandwidth = _copy_bandwidth(COPY_BYTES, COPY_REPEATS)
         dist.barrier()
