@@ -129,16 +129,19 @@ def compute_time(flops: float, cluster: ClusterSpec, precision: str, nbytes: flo
     return max(t, nbytes / cluster.hbm_bandwidth) if cluster.roofline else t
 
 
+NODE_TIME_ATTRS = ("flops_fwd", "flops_bwd", "bytes_fwd", "bytes_bwd")  # what node_compute_time reads of a node
+
+
 def node_compute_time(a: Mapping[str, Any], cluster: ClusterSpec, precision: str, *, scale: float,
                       byte_scale: float, inference: bool = False) -> tuple[float, float]:
-    """(forward, backward) seconds of one graph node (its ``flops_fwd`` / ``flops_bwd`` and
-    ``bytes_fwd`` / ``bytes_bwd`` attributes, passes/flops.py) on one device: FLOPs times
+    """(forward, backward) seconds of one graph node (its ``NODE_TIME_ATTRS``: ``flops_fwd`` /
+    ``flops_bwd`` and ``bytes_fwd`` / ``bytes_bwd``, passes/flops.py) on one device: FLOPs times
     ``scale`` (the micro-batch over the captured batch, a strategy's share), bytes times
     ``byte_scale`` (the same, at the precision's element size); no backward for inference.
     The one per-node compute rule of the TP costs, the pipeline costs and the plan's record."""
-    fwd = compute_time(a.get("flops_fwd", 0) * scale, cluster, precision, a.get("bytes_fwd", 0) * byte_scale)
-    bwd = 0.0 if inference else compute_time(a.get("flops_bwd", 0) * scale, cluster, precision,
-                                             a.get("bytes_bwd", 0) * byte_scale)
+    flops_fwd, flops_bwd, bytes_fwd, bytes_bwd = (a.get(k, 0) for k in NODE_TIME_ATTRS)
+    fwd = compute_time(flops_fwd * scale, cluster, precision, bytes_fwd * byte_scale)
+    bwd = 0.0 if inference else compute_time(flops_bwd * scale, cluster, precision, bytes_bwd * byte_scale)
     return fwd, bwd
 
 

@@ -32,7 +32,7 @@ import networkx as nx
 
 from partita.core.precision import activation_scale, element_bytes
 from partita.passes.cluster import ClusterSpec, Link
-from partita.passes.cost_model import collective_time, node_compute_time, reshard_time
+from partita.passes.cost_model import NODE_TIME_ATTRS, collective_time, node_compute_time, reshard_time
 from partita.passes.tp_layout import tensor_bytes
 from partita.passes.tp_vocabulary import NONE, Strategy, grad_convention, reshard_kind
 
@@ -65,8 +65,8 @@ class TPCosts:
         nodes with equal keys cost the same under the same strategy (a repeated layer's nodes at
         one position), so a caller may price one and reuse it."""
         a = self.G.nodes[n]
-        return (a.get("flops_fwd", 0), a.get("flops_bwd", 0), bool(a.get("depends_on_input")),
-                a.get("saved_bytes", 0), a.get("kv_bytes", 0), a.get("bytes_fwd", 0), a.get("bytes_bwd", 0))
+        return (*(a.get(k, 0) for k in NODE_TIME_ATTRS), bool(a.get("depends_on_input")),
+                a.get("saved_bytes", 0), a.get("kv_bytes", 0))
 
     def beta(self, n: str) -> float:
         """How node ``n``'s work and tensors scale from the captured batch to the micro-batch."""
