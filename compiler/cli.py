@@ -340,8 +340,8 @@ def calibrate(nproc: int, output: str) -> None:
     t.add_row("memory bandwidth (copy, per process)", f"{fmt_bytes(r.memory_bandwidth)}/s")
     t.add_row("memory per process", fmt_bytes(r.memory_bytes_per_process))
     for kind, s in spec.call_latency.items():
-        t.add_row(f"{kind} cost per call", f"{fmt_time(s)} (a {fmt_bytes(r.call_bytes)} call took "
-                  f"{fmt_time(r.call_seconds[kind])})")
+        t.add_row(f"{kind} cost per call", f"{fmt_time(s)} (a {fmt_bytes(r.call_bytes)} call between matmuls "
+                  f"added {fmt_time(r.call_seconds[kind])})")
     console.print(t)
     console.print(f"cluster file written to [bold]{plain(output)}[/]; use it with --cluster {plain(output)}")
 
