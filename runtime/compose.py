@@ -148,7 +148,8 @@ def compose(
             # pipeline first sums tied copies' gradients between its stages, from .grad)
             averager = apply_data_parallel(local.parameters(), dp_group, bucket_bytes=buckets, counter=counter,
                                            axis=DP, reduce_dtype=policy.reduce_dtype, keep_reduced=pipeline is None)
-        master = MasterWeights([q for q in local.parameters() if q.requires_grad], optimizer, policy)
+        master = MasterWeights([q for q in local.parameters() if q.requires_grad], optimizer, policy,
+                               chunk_bytes=buckets)
         opt = master.optimizer
     buffers = (BufferAverager(_local_buffers(local, pipeline), dp_group, counter=counter, axis=DP)
                if training and dp_group is not None else None)

@@ -15,7 +15,8 @@ it holds an fp32 master copy of each parameter it updates (a plain parameter,
 a ZeRO flat shard or a parameter tied across stages) and builds the user's
 optimizer on the masters, so the optimizer's state is fp32 too; ``step``
 upcasts each low-precision gradient into its master's ``.grad`` (unscaled
-under fp16), steps, and casts the masters back into the parameters. Under
+under fp16), steps, and casts the masters back into the parameters, a bucket
+of masters at a time (no fp32 gradient of the whole model is held). Under
 ``fp32`` (and pure ``bf16``) the masters are the parameters themselves and
 ``step`` is the optimizer's.
 
@@ -33,6 +34,7 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
+from partita.core.buckets import DEFAULT_BUCKET_BYTES, pack_buckets
 from partita.core.precision import PrecisionPolicy
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], Optimizer]  # the user's optimizer, built on what it updates (the one definition)
@@ -57,9 +59,11 @@ def apply_mixed_precision(module: nn.Module, policy: PrecisionPolicy, *, trainin
 class MasterWeights:
     """The user's optimizer on fp32 masters of ``params`` (module docstring)."""
 
-    def __init__(self, params: Iterable[nn.Parameter], factory: OptimizerFactory, policy: PrecisionPolicy) -> None:
+    def __init__(self, params: Iterable[nn.Parameter], factory: OptimizerFactory, policy: PrecisionPolicy, *,
+                 chunk_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
         self.params = list(params)
         self.policy = policy
+        self.chunk_bytes = chunk_bytes  # the most fp32 master gradient ``step`` holds at once (a gradient bucket's cap)
         self.separate = any(p.dtype != policy.master_dtype for p in self.params)
         if self.separate:
             self.masters = [nn.Parameter(p.detach().to(policy.master_dtype, copy=True)) for p in self.params]
@@ -89,15 +93,27 @@ class MasterWeights:
             self.optimizer.step()
             return
         reduced = reduced or {}
-        for p, m in zip(self.params, self.masters):
-            g = reduced.get(id(p), p.grad)
-            m.grad = None if g is None else g.to(m.dtype)
-        if inv_scale != 1.0:  # a loss scale to undo (fp16); bf16's 1.0 costs no pass over the gradients
-            torch._foreach_mul_([m.grad for m in self.masters if m.grad is not None], inv_scale)
-        self.optimizer.step()
-        for p, m in zip(self.params, self.masters):
-            m.grad = None  # transient: held only during the step
-            p.copy_(m)
+        # The masters' fp32 gradients are made a chunk at a time (the gradient buckets' rule and
+        # cap), each chunk stepped and freed before the next: the cost model's 16 bytes a
+        # parameter hold no fp32 gradient of the whole model (made at once, they added 4 bytes a
+        # parameter at the step's peak: 2 under ZeRO-1 at dp=2). The optimizer steps only the
+        # masters whose ``.grad`` is set, each once per step, and is elementwise (AdamW, Adam,
+        # SGD), so stepping by chunks is the same update as one step over all.
+        for chunk in pack_buckets([m.numel() * m.element_size() for m in self.masters], self.chunk_bytes):
+            for i in chunk:
+                p, m = self.params[i], self.masters[i]
+                g = reduced.get(id(p), p.grad)
+                m.grad = None if g is None else g.to(m.dtype)
+            grads = [self.masters[i].grad for i in chunk if self.masters[i].grad is not None]
+            if not grads:
+                continue
+            if inv_scale != 1.0:  # a loss scale to undo (fp16); bf16's 1.0 costs no pass over the gradients
+                torch._foreach_mul_(grads, inv_scale)
+            del grads
+            self.optimizer.step()
+            for i in chunk:
+                self.masters[i].grad = None  # transient: held only during its chunk's step
+                self.params[i].copy_(self.masters[i])
 
     @torch.no_grad()
     def masters_to_params(self) -> None:

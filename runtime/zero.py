@@ -147,7 +147,8 @@ class ZeroProgram:
         # the one optimizer: on the shards' fp32 masters under mixed precision, and on
         # ``extra_params`` (whole parameters compose averages apart, e.g. tied across stages)
         self.precision = precision
-        self.master = MasterWeights([*self.shards, *extra_params], optimizer_factory, precision)
+        self.master = MasterWeights([*self.shards, *extra_params], optimizer_factory, precision,
+                                     chunk_bytes=bucket_bytes)
         self.optimizer = self.master.optimizer
 
     def _setup_bucket(self, b: _FlatBucket) -> nn.Parameter:

@@ -177,4 +177,53 @@ def tp2_then_pp2(ctx: DistContext, out: str) -> list[dict]:
     return [check(ctx, out, dict(tp=2)), check(ctx, out, dict(pp=2))]
 
 
+MIXED_BUCKET_BYTES = 1 << 20  # small buckets, so that the 4.2M-parameter model's state is many of them
+
+
+def mixed_step_bytes(ctx: DistContext, outdir: str, zero_stage: int) -> dict:
+    """bf16-mixed ZeRO at dp=2 with 1 MiB gradient buckets: the most bytes of tensors held (made
+    since before the model was built) at any of the optimizer's steps, from the second train step
+    on (AdamW's state exists), beside the cost model's model state for the rank."""
+    import dataclasses
+
+    path = f"{outdir}/gpt-bf16-zero{zero_stage}.plan.json"
+    if ctx.rank == 0:
+        from partita.compiler.compile import compile_model
+        from partita.core.inputs import parse_input_spec
+        from partita.passes.cluster import load_cluster
+        from partita.passes.constraints import Pins
+
+        compile_model(gpt, [parse_input_spec(f"idx=int64[{BATCH},{SEQ}]")], load_cluster("local", devices=2),
+                      optimizer="adamw", precision="bf16-mixed",
+                      pins=Pins(world_size=2, dp=2, zero_stage=zero_stage)).plan.save(path)
+    dist.barrier()
+    plan = load_plan(path, world_size=2)
+    plan = dataclasses.replace(plan, training=dataclasses.replace(plan.training, grad_bucket_bytes=MIXED_BUCKET_BYTES))
+    idx = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(1))
+    gc.collect()
+    gc.disable()
+    try:
+        before = live_storages()
+        torch.manual_seed(0)
+        model = ParallelModel(gpt(), plan, loss_fn=default_loss, optimizer=adamw, ctx=ctx)
+        seen: list[int] = []
+        model.optimizer.register_step_pre_hook(
+            lambda *_: seen.append(sum(b for ptr, b in live_storages().items() if ptr not in before)))
+        for step in range(STEPS):
+            del seen[:]
+            model.train_step(idx[:, :-1], targets=idx[:, 1:])
+        shards = model._program.zero.shards
+        largest = max(s.numel() for s in shards) * 4  # the largest fp32 master, one bucket's shard
+    finally:
+        gc.enable()
+    want = predicted_state(plan, 0)
+    return {"zero": zero_stage, "held_at_step": max(seen), "steps_per_step": len(seen), "shards": len(shards),
+            "largest_master": largest,
+            "predicted": want.params + want.grads + want.optimizer}
+
+
+def mixed_zero(ctx: DistContext, out: str) -> list[dict]:
+    return [mixed_step_bytes(ctx, out, 1), mixed_step_bytes(ctx, out, 2)]
+
+
 LAUNCHES: dict[str, tuple[int, Callable[[DistContext, str], list[dict]]]] = {"tp2+pp2": (2, tp2_then_pp2)}

@@ -24,3 +24,20 @@ def test_each_rank_holds_its_part_and_leaves_no_cycles(name, tmp_path):
     per_rank = launch(world, checks, str(tmp_path))
     stages = {(r["case"], r["stage"]) for results in per_rank for r in results}
     assert stages == {("gpt/tp2", 0), ("gpt/pp2", 0), ("gpt/pp2", 1)}
+
+
+@pytest.mark.slow
+def test_mixed_precision_zero_holds_no_fp32_gradient_of_the_whole_shard_at_the_step(tmp_path):
+    """bf16-mixed ZeRO-1 and ZeRO-2 at dp=2, 1 MiB buckets: at every optimizer step the rank holds
+    its model state as the cost model counts it (bf16 parameters and gradients, fp32 masters and
+    moments over dp) plus one chunk of fp32 master gradients (MasterWeights steps the masters a
+    bucket's cap at a time; here each chunk is one shard, as each shard's fp32 bytes reach the 1
+    MiB cap, and the largest, a bucket that closed past the cap on its last parameter, bounds it), plus AdamW's 4-byte step counter per shard and each bucket's
+    padding to a multiple of dp (one element, 16 bytes of state). Upcast all at once, the fp32
+    gradients of the rank's whole shard (4 bytes x 4.2M / 2 = 8.4 MB) were held too."""
+    per_rank = launch(2, memory_worker.mixed_zero, str(tmp_path))
+    for results in per_rank:
+        for r in results:
+            slack = r["shards"] * (4 + 16) + 4096
+            assert r["steps_per_step"] > 1, r  # the shard's state is more than one bucket
+            assert r["held_at_step"] <= r["predicted"] + r["largest_master"] + slack, r
