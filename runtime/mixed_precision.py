@@ -98,7 +98,8 @@ class MasterWeights:
         # parameter hold no fp32 gradient of the whole model (made at once, they added 4 bytes a
         # parameter at the step's peak: 2 under ZeRO-1 at dp=2). The optimizer steps only the
         # masters whose ``.grad`` is set, each once per step, and is elementwise (AdamW, Adam,
-        # SGD), so stepping by chunks is the same update as one step over all.
+        # SGD), so stepping by chunks is the same update as one step over all; the optimizer's
+        # ``step`` (and a hook on it) runs once per chunk.
         for chunk in pack_buckets([m.numel() * m.element_size() for m in self.masters], self.chunk_bytes):
             for i in chunk:
                 p, m = self.params[i], self.masters[i]
