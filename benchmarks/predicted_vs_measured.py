@@ -67,10 +67,10 @@ def worker(plan_path: str, out: str) -> None:
     # The machine's matmul speed right after the steps, every rank at once as calibration measures
     # it: this machine's speed drifts by 20-40% from minute to minute, and a prediction holds for
     # the speed it was calibrated at.
-    from partita.runtime.calibrate import MATMUL_N, matmul_flops
+    from partita.runtime.calibrate import MATMUL_N, MATMUL_SECONDS, matmul_flops
 
     torch.distributed.barrier()
-    flops = matmul_flops(MATMUL_N, 1.0)
+    flops = matmul_flops(MATMUL_N, MATMUL_SECONDS)
     if m.ctx.rank == 0:
         Path(out).write_text(json.dumps({"times": times[WARMUP:], "blocked": blocked, "calls": calls,
                                          "flops_after": flops}))
@@ -152,16 +152,15 @@ def main(nprocs: list[int], rounds: int) -> None:
                 got = run_plan(plan, n)
                 measured = statistics.median(got["times"])
                 p = plan.predicted
-                drift = got["flops_after"] / r.matmul_flops
-                ratios[n, name].append(measured / p.step_time_s)
-                matched[n, name].append(measured / p.step_time_s * drift)
+                ratio, drift = measured / p.step_time_s, got["flops_after"] / r.matmul_flops
+                ratios[n, name].append(ratio)
+                matched[n, name].append(ratio * drift)
                 steps.add_row(str(n), str(rnd), name, str(plan.mesh), fmt_time(p.step_time_s), fmt_time(measured),
-                              f"{measured / p.step_time_s:.2f}", f"{drift:.2f}", f"{measured / p.step_time_s * drift:.2f}")
+                              f"{ratio:.2f}", f"{drift:.2f}", f"{ratio * drift:.2f}")
                 if name == f"tp={n}":
-                    hand = run_plan(megatron_plan(n, result), n)
-                    versus[n].append(measured / statistics.median(hand["times"]))
-                    steps.add_row(str(n), str(rnd), f"tp={n} Megatron (hand)", str(plan.mesh), "-",
-                                  fmt_time(statistics.median(hand["times"])), "-")
+                    hand = statistics.median(run_plan(megatron_plan(n, result), n)["times"])
+                    versus[n].append(measured / hand)
+                    steps.add_row(str(n), str(rnd), f"tp={n} Megatron (hand)", str(plan.mesh), "-", fmt_time(hand), "-")
                 predicted = predicted_by_kind(plan)
                 for key in sorted(set(predicted) | set(got["blocked"])):
                     pr, me = predicted.get(key, 0.0), got["blocked"].get(key, 0.0)

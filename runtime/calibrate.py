@@ -136,9 +136,9 @@ def _call_seconds(kind: str, nbytes: int, repeats: int) -> float:
     that waited longer wakes slower): measured here for a 4 KB all-reduce, 1.3-1.7 ms between
     0.4 ms matmuls, 2.7-3.0 ms between 3.5 ms ones, 3-6 ms between 11 ms ones. The matmul between
     calls (``CALL_COMPUTE_N``, ~3 ms) is sized like a layer's matmul in a tensor-parallel step, the
-    plans that issue calls by the dozen; with 0.4 ms between calls the planner's tp2 GPT step was
-    predicted 1.21-1.35x short of measured, with 3 ms 1.13-1.28x (median 1.15 over 3 rounds,
-    benchmarks/predicted_vs_measured.py). Each kind's cost is the median of ``CALL_ROUNDS`` pairs
+    plans that issue calls by the dozen; with 0.4 ms between calls the planner's tp2 GPT step
+    measured 1.21-1.35x its prediction, with 3 ms a median 1.21 over 15 rounds
+    (benchmarks/predicted_vs_measured.py, README). Each kind's cost is the median of ``CALL_ROUNDS`` pairs
     of loops, so that one stalled loop does not set it."""
     n, rank = dist.get_world_size(), dist.get_rank()
     whole = torch.zeros(max(n, nbytes // 4), dtype=torch.float32)

@@ -101,20 +101,25 @@ class MasterWeights:
         # SGD), so stepping by chunks is the same update as one step over all; the optimizer's
         # ``step`` (and a hook on it) runs once per chunk.
         for chunk in pack_buckets([m.numel() * m.element_size() for m in self.masters], self.chunk_bytes):
-            for i in chunk:
-                p, m = self.params[i], self.masters[i]
-                g = reduced.get(id(p), p.grad)
-                m.grad = None if g is None else g.to(m.dtype)
-            grads = [self.masters[i].grad for i in chunk if self.masters[i].grad is not None]
-            if not grads:
-                continue
-            if inv_scale != 1.0:  # a loss scale to undo (fp16); bf16's 1.0 costs no pass over the gradients
-                torch._foreach_mul_(grads, inv_scale)
-            del grads
-            self.optimizer.step()
-            for i in chunk:
-                self.masters[i].grad = None  # transient: held only during its chunk's step
-                self.params[i].copy_(self.masters[i])
+            self._step_chunk(chunk, inv_scale, reduced)
+
+    def _step_chunk(self, chunk: list[int], inv_scale: float, reduced: Mapping[int, torch.Tensor]) -> None:
+        """The optimizer's step on the masters ``chunk`` indexes, their fp32 gradients held only
+        for it (no reference outlives the call), then the parameters take the masters' values."""
+        grads = []
+        for i in chunk:
+            g = reduced.get(id(self.params[i]), self.params[i].grad)
+            self.masters[i].grad = None if g is None else g.to(self.masters[i].dtype)
+            if g is not None:
+                grads.append(self.masters[i].grad)
+        if not grads:
+            return
+        if inv_scale != 1.0:  # a loss scale to undo (fp16); bf16's 1.0 costs no pass over the gradients
+            torch._foreach_mul_(grads, inv_scale)
+        self.optimizer.step()
+        for i in chunk:
+            self.masters[i].grad = None
+            self.params[i].copy_(self.masters[i])
 
     @torch.no_grad()
     def masters_to_params(self) -> None:

@@ -81,9 +81,9 @@ def garbage_tensors() -> list[str]:
     return found
 
 
-def _plan(ctx: DistContext, pins: dict, outdir: str) -> Plan:
+def _plan(ctx: DistContext, pins: dict, outdir: str, precision: str | None = None) -> Plan:
     """Rank 0 compiles the plan (as `partita compile` would), the others read it."""
-    path = f"{outdir}/gpt-{'-'.join(f'{k}{v}' for k, v in pins.items())}.plan.json"
+    path = f"{outdir}/gpt-{'-'.join(f'{k}{v}' for k, v in pins.items())}-{precision}.plan.json"
     if ctx.rank == 0:
         from partita.compiler.compile import compile_model
         from partita.core.inputs import parse_input_spec
@@ -91,7 +91,7 @@ def _plan(ctx: DistContext, pins: dict, outdir: str) -> Plan:
         from partita.passes.constraints import Pins
 
         compile_model(gpt, [parse_input_spec(f"idx=int64[{BATCH},{SEQ}]")],
-                      load_cluster("local", devices=ctx.world_size), optimizer="adamw",
+                      load_cluster("local", devices=ctx.world_size), optimizer="adamw", precision=precision,
                       pins=Pins(world_size=ctx.world_size, **pins)).plan.save(path)
     dist.barrier()
     return load_plan(path, world_size=ctx.world_size)
@@ -182,22 +182,12 @@ MIXED_BUCKET_BYTES = 1 << 20  # small buckets, so that the 4.2M-parameter model'
 
 def mixed_step_bytes(ctx: DistContext, outdir: str, zero_stage: int) -> dict:
     """bf16-mixed ZeRO at dp=2 with 1 MiB gradient buckets: the most bytes of tensors held (made
-    since before the model was built) at any of the optimizer's steps, from the second train step
-    on (AdamW's state exists), beside the cost model's model state for the rank."""
+    since before the model was built) at any of the optimizer's steps (one per chunk of masters)
+    in the last of ``STEPS`` train steps (AdamW's state exists by then), beside the cost model's
+    model state for the rank."""
     import dataclasses
 
-    path = f"{outdir}/gpt-bf16-zero{zero_stage}.plan.json"
-    if ctx.rank == 0:
-        from partita.compiler.compile import compile_model
-        from partita.core.inputs import parse_input_spec
-        from partita.passes.cluster import load_cluster
-        from partita.passes.constraints import Pins
-
-        compile_model(gpt, [parse_input_spec(f"idx=int64[{BATCH},{SEQ}]")], load_cluster("local", devices=2),
-                      optimizer="adamw", precision="bf16-mixed",
-                      pins=Pins(world_size=2, dp=2, zero_stage=zero_stage)).plan.save(path)
-    dist.barrier()
-    plan = load_plan(path, world_size=2)
+    plan = _plan(ctx, dict(dp=2, zero_stage=zero_stage), outdir, precision="bf16-mixed")
     plan = dataclasses.replace(plan, training=dataclasses.replace(plan.training, grad_bucket_bytes=MIXED_BUCKET_BYTES))
     idx = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(1))
     gc.collect()
@@ -209,7 +199,7 @@ def mixed_step_bytes(ctx: DistContext, outdir: str, zero_stage: int) -> dict:
         seen: list[int] = []
         model.optimizer.register_step_pre_hook(
             lambda *_: seen.append(sum(b for ptr, b in live_storages().items() if ptr not in before)))
-        for step in range(STEPS):
+        for _ in range(STEPS):
             del seen[:]
             model.train_step(idx[:, :-1], targets=idx[:, 1:])
         shards = model._program.zero.shards
