@@ -61,7 +61,7 @@ def main() -> int:
     from partita.compiler.api import default_loss
     from partita.compiler.compile import compile_model
     from partita.core.inputs import parse_input_spec
-    from partita.passes.cluster import load_cluster
+    from partita.core.cluster import load_cluster
     from partita.passes.constraints import Pins
     from partita.runtime.engine import ParallelModel
 

@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from examples.models import llama2_70b  # noqa: E402
 from partita.compiler.compile import compile_model  # noqa: E402
 from partita.core.inputs import parse_input_spec  # noqa: E402
-from partita.passes.cluster import load_cluster  # noqa: E402
+from partita.core.cluster import load_cluster  # noqa: E402
 
 
 def main(batch: int = 512, nodes: int = 8) -> None:

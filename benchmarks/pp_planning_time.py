@@ -44,12 +44,12 @@ from examples.models import GPT, GPTConfig, llama2_70b  # noqa: E402
 from partita.compiler.api import default_loss  # noqa: E402
 from partita.core.capture import capture  # noqa: E402
 from partita.core.inputs import parse_input_spec  # noqa: E402
-from partita.passes.cluster import PRESETS  # noqa: E402
+from partita.core.cluster import PRESETS  # noqa: E402
 from partita.passes.constraints import Pins, TrainingRequest  # noqa: E402
 from partita.passes.cost_model import state_bytes_per_param  # noqa: E402
-from partita.passes.pipeline_costs import node_costs  # noqa: E402
-from partita.passes.pipeline_cuts import Partition, StageSetup, solve_cuts  # noqa: E402
-from partita.passes.pipeline_parallel import choose_pipeline, stage_links  # noqa: E402
+from partita.passes.pipeline.costs import node_costs  # noqa: E402
+from partita.passes.pipeline.cuts import Partition, StageSetup, solve_cuts  # noqa: E402
+from partita.passes.pipeline.stages import choose_pipeline, stage_links  # noqa: E402
 from partita.passes.profile import profile_model  # noqa: E402
 
 TP = 8

@@ -99,7 +99,7 @@ from partita.compiler.api import default_loss  # noqa: E402
 from partita.core.capture import capture  # noqa: E402
 from partita.core.errors import InfeasibleError  # noqa: E402
 from partita.core.inputs import parse_input_spec  # noqa: E402
-from partita.passes.cluster import PRESETS, ClusterSpec  # noqa: E402
+from partita.core.cluster import PRESETS, ClusterSpec  # noqa: E402
 from partita.passes.constraints import Pins, TrainingRequest  # noqa: E402
 from partita.passes.cost_model import model_state_memory, state_bytes_per_param  # noqa: E402
 from partita.passes.profile import ModelProfile, profile_model  # noqa: E402

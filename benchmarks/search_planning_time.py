@@ -27,14 +27,14 @@ from examples.models import GPT, GPTConfig, hf_llama, llama2_70b  # noqa: E402
 import partita.compiler.compile as compile_module  # noqa: E402
 from partita.compiler.compile import compile_model  # noqa: E402
 from partita.core.inputs import parse_input_spec  # noqa: E402
-from partita.passes.cluster import PRESETS  # noqa: E402
+from partita.core.cluster import PRESETS  # noqa: E402
 from partita.passes.cost_model import state_bytes_per_param  # noqa: E402
-from partita.passes.pipeline_costs import kv_ratio  # noqa: E402
-from partita.passes.pipeline_cuts import Partition, StageSetup, solve_cuts  # noqa: E402
-from partita.passes.pipeline_parallel import stage_links  # noqa: E402
+from partita.passes.pipeline.costs import kv_ratio  # noqa: E402
+from partita.passes.pipeline.cuts import Partition, StageSetup, solve_cuts  # noqa: E402
+from partita.passes.pipeline.stages import stage_links  # noqa: E402
 from partita.passes.search import tp_node_costs  # noqa: E402
-from partita.passes.tp_ilp import solve_tp  # noqa: E402
-from partita.passes.tp_problem import TPSetting, build_problem  # noqa: E402
+from partita.passes.tp.ilp import solve_tp  # noqa: E402
+from partita.passes.tp.problem import TPSetting, build_problem  # noqa: E402
 
 
 def llama2_7b():

@@ -28,7 +28,7 @@ layers keep their own strategies (their inputs' gradients can differ): 0.07 ->
 classes (one layer + embedding + head), so the solve is hundredths of a
 second at any depth; the untied models give the same optimum here (same
 micro-batch time) at 10-30x the solve time, and are what tells the solvers
-apart: CBC fastest, the default in passes/tp_ilp.py. The capture dominates
+apart: CBC fastest, the default in passes/tp/ilp.py. The capture dominates
 planning time.
 """
 
@@ -49,10 +49,10 @@ from examples.models import GPT, GPTConfig  # noqa: E402
 from partita.compiler.api import default_loss  # noqa: E402
 from partita.core.capture import capture  # noqa: E402
 from partita.core.inputs import parse_input_spec  # noqa: E402
-from partita.passes.cluster import PRESETS  # noqa: E402
+from partita.core.cluster import PRESETS  # noqa: E402
 from partita.passes.profile import profile_model  # noqa: E402
-from partita.passes.tp_ilp import SOLVERS, solve_tp  # noqa: E402
-from partita.passes.tp_problem import TPSetting, build_problem  # noqa: E402
+from partita.passes.tp.ilp import SOLVERS, solve_tp  # noqa: E402
+from partita.passes.tp.problem import TPSetting, build_problem  # noqa: E402
 
 # name: (layers, hidden, heads, vocab, context)
 MODELS = {

@@ -26,7 +26,7 @@ from partita.core.errors import PartitaError
 from partita.core.inputs import InputSpec, parse_input_spec
 from partita.core.losses import default_loss, resolve_loss
 from partita.core.plan import Plan
-from partita.passes.verify import load_plan, verified_plan
+from partita.core.verify import load_plan, verified_plan
 
 OptimizerFactory = Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]
 
@@ -84,7 +84,7 @@ class ParallelizeSpec:
     pins: Mapping[str, int | str | bool] = field(default_factory=dict)
     targets: InputSpec | None = None  # the loss's targets, when the output does not imply them
     watchdog_s: float | None = None  # runtime/watchdog.py; None: PARTITA_WATCHDOG_S or its default
-    checkpoint_dir: str | None = None  # runtime/sharded_state.py; None: PARTITA_CHECKPOINT_DIR
+    checkpoint_dir: str | None = None  # runtime/state/sharded.py; None: PARTITA_CHECKPOINT_DIR
     checkpoint_every: int | None = None
     weights: str | None = None  # pretrained weights (torch.save or .safetensors), each rank reading its part
     check_replicas_every: int | None = None  # runtime/rng.py; None: PARTITA_CHECK_REPLICAS_EVERY (0: off)
@@ -203,7 +203,7 @@ def _check_keywords(pins: dict[str, Any], *, cluster: str, nodes: int | None, de
     """Refuse a bad keyword where ``parallelize(...)`` is written, by the checks `partita compile`
     makes of the same options (the pins, the cluster, the training set-up), not when the model is
     first built."""
-    from partita.passes.cluster import load_cluster
+    from partita.core.cluster import load_cluster
     from partita.passes.constraints import Pins, TrainingRequest
 
     Pins(**pins)
@@ -228,9 +228,9 @@ def plan_for(module: torch.nn.Module, spec: ParallelizeSpec, world_size: int) ->
     """Compile (or load and check) the plan for ``module`` on ``world_size`` processes."""
     from partita.core.capture import capture
     from partita.compiler.compile import compile_model
-    from partita.passes.cluster import load_cluster
+    from partita.core.cluster import load_cluster
     from partita.passes.constraints import Pins
-    from partita.passes.graph import graph_fingerprint, to_networkx
+    from partita.core.graph import graph_fingerprint, to_networkx
 
     launched = os.environ.get("PARTITA_PLAN")
     if spec.plan and launched and not _same_file(spec.plan, launched):

@@ -36,7 +36,7 @@ def _progress() -> Progress:
 
 
 def _cluster(name: str, nodes: int | None, devices: int | None):
-    from partita.passes.cluster import load_cluster
+    from partita.core.cluster import load_cluster
 
     return load_cluster(name, nodes=nodes, devices=devices)
 
@@ -166,7 +166,7 @@ def compile_cmd(target: str, inputs: tuple[str, ...], cluster_name: str, nodes: 
 @click.option("--json", "as_json", is_flag=True, help="print the validated plan as JSON")
 def show(plan_path: str, as_json: bool) -> None:
     """Print a plan file for a person."""
-    from partita.passes.verify import load_plan
+    from partita.core.verify import load_plan
     from partita.compiler.report import plan_report
 
     plan = load_plan(plan_path)
@@ -186,7 +186,7 @@ def verify(plan_path: str, output: str | None) -> None:
     A plan's seal (its sha256) is written by `partita compile`; loading refuses a plan whose seal
     does not match. This command re-derives what the plan's decisions imply, refuses any
     inconsistency, and only then writes the plan with a new seal."""
-    from partita.passes.verify import load_plan
+    from partita.core.verify import load_plan
 
     plan = load_plan(plan_path, sealed=False)
     out = writable_path(output or plan_path)
@@ -233,7 +233,7 @@ def estimate(target: str | None, params_text: str | None, inputs: tuple[str, ...
     from partita.compiler.compile import default_precision
     from partita.compiler.report import fmt_bytes, fmt_count, fmt_time, memory_row
     from partita.core.precision import activation_scale, element_bytes
-    from partita.passes.zero import estimate_strategies
+    from partita.passes.dp.zero import estimate_strategies
 
     if (target is None) == (params_text is None):
         raise PartitaError("give a model (FILE.py:NAME) or --params N, not both or neither",
@@ -382,7 +382,7 @@ def run(trace_path: str | None, watchdog_s: float | None, checkpoint_dir: str | 
     """
     import os
 
-    from partita.passes.verify import load_plan
+    from partita.core.verify import load_plan
     from partita.runtime.engine import refuse_unsupported
     from partita.runtime.launch import launch, slurm_layout
 

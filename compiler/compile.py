@@ -29,17 +29,17 @@ from partita.core.plan import (
     Training,
     tied_stages,
 )
-from partita.passes.cluster import ClusterSpec
+from partita.core.cluster import ClusterSpec
 from partita.passes.constraints import Pins, TrainingRequest
 from partita.compiler.plan_collectives import plan_collectives
 from partita.core.precision import activation_scale, compute_dtype, element_bytes
 from partita.passes.cost_model import node_compute_time
 from partita.passes.profile import ModelProfile, profile_model
 from partita.passes.flops import annotate_flops
-from partita.passes.graph import annotate_batch_shapes, to_networkx
+from partita.core.graph import annotate_batch_shapes, to_networkx
 from partita.passes.search import Decision, plan_search, tp_choice
-from partita.passes.tp_costs import captured_float_dtype
-from partita.passes.tp_layout import layout_decisions
+from partita.passes.tp.costs import captured_float_dtype
+from partita.core.tp.layout import layout_decisions
 
 MAX_ALTERNATIVES = 12
 
@@ -134,7 +134,7 @@ def micro_batch_graph(model: Any, captured: CapturedModel, profile: ModelProfile
     Node decisions (their tensors' bytes, their shard sizes) are for what one rank
     executes per micro-batch, so they are recorded on this graph. When it has the
     captured graph's nodes, the search's layout carries over by name: the search only
-    offered strategies valid at the micro-batch (``tp_strategies.valid_at``). When the
+    offered strategies valid at the micro-batch (``strategies.valid_at``). When the
     model's structure depends on the batch (HF Llama at batch 1 has a node more), the
     TP layout is solved again on this graph, at its own batch, and the stages are
     carried over layer by layer. ``second``: the batch-shape capture (``batch_shape_capture``),
@@ -212,7 +212,7 @@ def _strategies_hold(G: Any, d: Decision) -> bool:
     """Every chosen strategy is one ``G`` (the micro-batch graph) offers."""
     if d.mesh.tp <= 1:
         return True
-    from partita.passes.tp_strategies import node_strategies
+    from partita.core.tp.strategies import node_strategies
 
     return all(any(o.name == s.name and o.ins == s.ins and o.out == s.out for o in node_strategies(G, n, d.mesh.tp))
                for n, s in d.choice.items())
@@ -222,7 +222,7 @@ def _stages_by_layer(G: Any, captured_graph: Any, node_stage: Mapping[str, int])
     """node -> stage on ``G`` from the captured graph's: each repeated layer keeps its stage, the nodes
     between layers go with the layer before them (the embedding with the first), and each
     placeholder with its first user."""
-    from partita.passes.pipeline_costs import pipeline_order
+    from partita.passes.pipeline.costs import pipeline_order
 
     layer_stage: dict[str, int] = {}
     for n, a in captured_graph.nodes(data=True):
@@ -364,7 +364,7 @@ def _single_stage(profile: ModelProfile, captured: CapturedModel, times: Mapping
 
 
 def _unsupported_note(G: Any) -> tuple[str, ...]:
-    from partita.passes.tp_strategies import unsupported_ops
+    from partita.core.tp.strategies import unsupported_ops
 
     ops = unsupported_ops(G)
     if not ops:

@@ -96,7 +96,7 @@ def run_demo(*, nproc: int, steps: int, output: str, console: Any, progress: Any
     from partita.compiler.compile import compile_model
     from partita.core.inputs import parse_input_spec
     from partita.compiler.report import plan_summary
-    from partita.passes.cluster import load_cluster
+    from partita.core.cluster import load_cluster
     from partita.passes.constraints import Pins
     from partita.runtime.launch import run_torchrun
 

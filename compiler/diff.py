@@ -20,7 +20,7 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 
 from partita.core.plan import NodeDecision, Plan
-from partita.passes.verify import load_plan
+from partita.core.verify import load_plan
 from partita.compiler.report import fmt_bytes, fmt_time, plain
 
 # Inserted collectives on an edge are every reshard but these two (no traffic).

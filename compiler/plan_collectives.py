@@ -19,12 +19,12 @@ from partita.core.ops import running_buffers
 from partita.core.placement import is_shard
 from partita.core.plan import Collective, MeshAxis, ParamDecision
 from partita.core.precision import dtype_bytes, element_bytes
-from partita.passes.cluster import ClusterSpec
+from partita.core.cluster import ClusterSpec
 from partita.passes.constraints import TrainingRequest
 from partita.passes.cost_model import collective_time, padded_bucket, zero_collectives
-from partita.passes.data_parallel import gradient_buckets
+from partita.passes.dp.buckets import gradient_buckets
 from partita.passes.search import Decision
-from partita.passes.tp_layout import forward_collectives, recompute_collectives, tp_collectives
+from partita.core.tp.layout import forward_collectives, recompute_collectives, tp_collectives
 
 
 def plan_collectives(captured: CapturedModel, params: Sequence[ParamDecision], nodes: Sequence[Any],
@@ -47,7 +47,7 @@ def _local_numel(p: ParamDecision, tp: int) -> int:
 def _tied_collectives(params: Sequence[ParamDecision], tied: Mapping[str, tuple[int, ...]], d: Decision,
                       cluster: ClusterSpec, request: TrainingRequest) -> tuple[Collective, ...]:
     """The tied-gradient all-reduce of each parameter held on several stages, listed for every
-    stage that takes part (runtime/pipeline_parallel.py ``sync_tied``)."""
+    stage that takes part (runtime/pipeline/stage.py ``sync_tied``)."""
     if request.inference:
         return ()
     grad_bytes = element_bytes(request.precision)
@@ -110,7 +110,7 @@ def _dp_collectives(params: Sequence[ParamDecision], tied: Mapping[str, tuple[in
 def _buffer_collectives(captured: CapturedModel, nodes: Sequence[Any], d: Decision, cluster: ClusterSpec,
                         request: TrainingRequest) -> tuple[Collective, ...]:
     """The running statistics a training forward writes (batch norm's), averaged over "dp" after
-    each step: one all-reduce per dtype per stage (runtime/data_parallel.py ``BufferAverager``)."""
+    each step: one all-reduce per dtype per stage (runtime/dp/averaging.py ``BufferAverager``)."""
     dp = d.mesh.dp
     written = running_buffers(captured.graph_module.graph, captured.buffer_nodes)
     if dp <= 1 or request.inference or not written:
@@ -176,7 +176,7 @@ def _pp_collectives(captured: CapturedModel, nodes: Sequence[Any], d: Decision, 
         sends[(s, "forward", nbytes)] = sends.get((s, "forward", nbytes), 0) + 1
         if grad and not request.inference:
             sends[(s + 1, "backward", nbytes)] = sends.get((s + 1, "backward", nbytes), 0) + 1
-    if request.inference:  # runtime/pipeline_parallel.py ``infer``: the whole output to every stage
+    if request.inference:  # runtime/pipeline/stage.py ``infer``: the whole output to every stage
         out_bytes = d.grad_accum_steps * sum(lay.bytes for n in nodes if n.op == "output" for lay in n.ins)
         out = [Collective(kind="broadcast", axis=MeshAxis.PP.value, bytes=out_bytes, count=1, group_size=d.mesh.pp,
                           purpose="the output from the last stage to every stage",

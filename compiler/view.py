@@ -28,7 +28,7 @@ import click
 from partita.compiler.diff import diff_plans
 from partita.core.errors import writable_path, write_text
 from partita.core.plan import MemoryBreakdown, Plan
-from partita.passes.verify import load_plan
+from partita.core.verify import load_plan
 from partita.compiler.report import tp_split
 from partita.compiler.timeline import load_trace, measured_timeline, predicted_timeline
 

@@ -1,8 +1,8 @@
 """Gradient buckets: the one rule that groups gradients into all-reduce (or ZeRO) calls.
 
 The planner prices the buckets it packs from parameter sizes
-(passes/data_parallel.py ``gradient_buckets``) and the runtime all-reduces the
-buckets it packs from the live parameters (runtime/data_parallel.py), both with
+(passes/dp/buckets.py ``gradient_buckets``) and the runtime all-reduces the
+buckets it packs from the live parameters (runtime/dp/averaging.py), both with
 ``pack_buckets``, so the plan lists the calls the runtime makes.
 """
 

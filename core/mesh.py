@@ -3,7 +3,7 @@
 Owns the mesh axes (``MeshAxis``, ``MESH_ORDER``), a rank's coordinates, the
 ranks of a group along an axis or of a pipeline stage, and whether a set of
 ranks spans more than one node. The planner prices links with these rules
-(``passes/cluster.py`` ``ClusterSpec.link_for_ranks``, the pipeline's stage
+(``core/cluster.py`` ``ClusterSpec.link_for_ranks``, the pipeline's stage
 links), the plan records stage ranks with them and the runtime forms its
 groups with them, so a collective is priced on the link it will run on.
 

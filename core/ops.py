@@ -2,7 +2,7 @@
 ``"addmm"``, ``base_op``): the one list each family lives in; and the one rule of whether a
 gradient flows through a node (``passes_gradient``), which the planner (passes/flops.py
 ``gradient_flows``: FLOPs, the TP layouts' gradient placements, the pipeline's gradient sends)
-and the pipeline runtime (runtime/pipeline_parallel.py, by ``gradient_nodes``: which gradients cross
+and the pipeline runtime (runtime/pipeline/stage.py, by ``gradient_nodes``: which gradients cross
 a cut) both apply.
 
 passes/flops.py counts their FLOPs (2mnk for a matmul, per output element for a
@@ -103,7 +103,7 @@ def gradient_nodes(graph: torch.fx.Graph, param_nodes: Iterable[str]) -> set[str
 def running_buffers(graph: torch.fx.Graph, buffer_nodes: dict[str, str]) -> dict[str, tuple[int, torch.dtype]]:
     """Floating-point buffers a training forward writes (batch norm's running statistics), by
     placeholder: (elements, dtype). A replica's are computed from its share of the batch, so the
-    runtime averages them over "dp" after each step (runtime/data_parallel.py ``BufferAverager``)
+    runtime averages them over "dp" after each step (runtime/dp/averaging.py ``BufferAverager``)
     and the plan lists that all-reduce. ``graph``: a captured graph; ``buffer_nodes`` its
     placeholder -> buffer name map (``CapturedModel.buffer_nodes``)."""
     out: dict[str, tuple[int, torch.dtype]] = {}

@@ -33,6 +33,8 @@ SCHEMA_VERSION = 1
 SCHEMA_PATH = Path(__file__).with_name("plan_schema.json")
 SEAL = "sha256"  # the plan file's field holding ``seal_digest``
 MAX_PLAN_BYTES = 1 << 30  # a plan file larger than this is not one partita wrote
+# the optimizers a plan may name (passes/cost_model.py prices their state)
+OPTIMIZERS = ("adamw", "adam", "sgd", "sgd-momentum", "none")
 
 
 def seal_digest(data: Mapping[str, Any]) -> str:
@@ -81,7 +83,7 @@ class Training:
     grad_accum_steps: int  # micro-batches per data-parallel rank per step
     precision: str = "fp32"  # "fp32" | "bf16-mixed" | "fp16-mixed" | "bf16" (core/precision.py)
     reduce_dtype: str = "fp32"  # gradients are reduced over dp in this dtype: "fp32" | "bf16" | "fp16"
-    optimizer: str = "adamw"  # "adamw" | "adam" | "sgd" | "sgd-momentum" | "none"
+    optimizer: str = "adamw"  # one of OPTIMIZERS
     zero_stage: int = 0
     schedule: str = "none"  # pipeline schedule: "none" | "gpipe" | "1f1b"
     inference: bool = False
@@ -353,7 +355,7 @@ def read_plan_data(path: str | Path) -> Any:
 def plan_from_data(data: Any, *, source: str = "plan", sealed: bool = True,
                    verify: Callable[[Plan], list[str]] | None = None) -> Plan:
     """Validate parsed JSON against the schema, build a ``Plan``, refuse it if ``verify`` (the
-    planner's rules, passes/verify.py) finds problems, then check its seal unless ``sealed`` is False."""
+    planner's rules, core/verify.py) finds problems, then check its seal unless ``sealed`` is False."""
     if not isinstance(data, dict):
         raise PlanError(f"{source} is not a plan file: expected a JSON object, got {type(data).__name__}",
                         hint="pass a plan file `partita compile` wrote")

@@ -2,7 +2,7 @@
 micro-batches' activations a stage holds at its peak.
 
 One home for what the cost model prices (passes/cost_model.py: memory in flight,
-the bubble), the runtime runs (runtime/pipeline_parallel.py walks ``stage_order``)
+the bubble), the runtime runs (runtime/pipeline/stage.py walks ``stage_order``)
 and the viewer draws (compiler/timeline.py plays ``stage_order`` over the plan's
 stage times), so the three cannot disagree on a schedule.
 

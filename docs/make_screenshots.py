@@ -23,7 +23,7 @@ def demo_plan():
     from partita.compiler.compile import compile_model
     from partita.compiler.demo import BATCH, SEQ, demo_model
     from partita.core.inputs import parse_input_spec
-    from partita.passes.cluster import load_cluster
+    from partita.core.cluster import load_cluster
     from partita.passes.constraints import Pins
 
     return compile_model(demo_model, [parse_input_spec(f"idx=int64[{BATCH},{SEQ}]")],
@@ -36,7 +36,7 @@ def gpt3_plan():
 
     from partita.compiler.compile import compile_model
     from partita.core.inputs import parse_input_spec
-    from partita.passes.cluster import load_cluster
+    from partita.core.cluster import load_cluster
 
     def gpt3():
         return GPT(GPTConfig(vocab_size=50257, block_size=2048, n_layer=96, n_head=96, n_embd=12288))

@@ -9,6 +9,6 @@ __version__ = "0.1.0"
 
 from partita.compiler.api import parallelize  # noqa: E402
 from partita.core.plan import Plan  # noqa: E402
-from partita.passes.verify import load_plan  # noqa: E402
+from partita.core.verify import load_plan  # noqa: E402
 
 __all__ = ["parallelize", "Plan", "load_plan", "__version__"]

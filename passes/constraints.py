@@ -14,7 +14,7 @@ from partita.core.errors import POSITIVE_HINT, PartitaError
 from partita.core.precision import REDUCE_DTYPES
 from partita.core.precision import PRECISIONS
 from partita.core.schedule import SCHEDULES as PIPELINE_SCHEDULES
-from partita.passes.cost_model import OPTIMIZERS
+from partita.core.plan import OPTIMIZERS
 
 
 @dataclass(frozen=True)
@@ -55,8 +55,8 @@ class Pins:
                 raise PartitaError(f"--schedule {self.schedule} schedules pipeline stages, but --pp 1 has none",
                                    hint="pin --pp 2 or more, or drop --schedule")
     # The planners decide every axis; a tp pin is checked against the cluster in
-    # passes/tensor_parallel.py, a pp pin against the devices in passes/pipeline_parallel.py,
-    # and a ZeRO pin narrows the stages passes/zero.zero_stages offers both.
+    # passes/tp/mesh.py, a pp pin against the devices in passes/pipeline/stages.py,
+    # and a ZeRO pin narrows the stages passes/dp/zero.zero_stages offers both.
     def describe(self) -> str:
         """The pins in the CLI's words (``--dp 2 --zero 1``), or "no pins"."""
         flags = {"zero_stage": "zero", "world_size": "devices"}

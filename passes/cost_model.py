@@ -14,7 +14,7 @@ Mixed-precision Adam is p = g = 2, k = 12 (16 bytes/param); fp32 Adam is
 p = g = 4, k = 8 (also 16). ``sharded_state`` gives the same as bytes per
 parameter on one device, which is what the solvers' memory rows multiply.
 
-ZeRO's collectives (runtime/zero.py, per step, m micro-batches, one call per
+ZeRO's collectives (runtime/dp/zero.py, per step, m micro-batches, one call per
 flat bucket, each bucket padded to a multiple of Nd elements):
 
     ZeRO-0: all-reduce of the gradients          = 2 Psi (n-1)/n sent
@@ -49,9 +49,8 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
 from partita.core.precision import PRECISIONS, compute_dtype, element_bytes
-from partita.passes.cluster import COLLECTIVES, ClusterSpec, Link
-
-OPTIMIZERS = ("adamw", "adam", "sgd", "sgd-momentum", "none")
+from partita.core.cluster import COLLECTIVES, ClusterSpec, Link
+from partita.core.plan import OPTIMIZERS
 
 
 @dataclass(frozen=True)
@@ -172,7 +171,7 @@ def calibrated_local(*, nproc: int, cpu_name: str, memory_bytes: int, matmul_flo
     time (``compute_time``)."""
     import dataclasses
 
-    from partita.passes.cluster import PRESETS
+    from partita.core.cluster import PRESETS
 
     plain = Link(beta, alpha, "measured")
     return dataclasses.replace(
@@ -187,7 +186,7 @@ def calibrated_local(*, nproc: int, cpu_name: str, memory_bytes: int, matmul_flo
 
 
 def reshard_time(kind: str, nbytes: float, n: int, link: Link) -> float:
-    """Time of one tensor-parallel reshard (passes/tp_strategies.reshard_kind) of a tensor of
+    """Time of one tensor-parallel reshard (core/tp/strategies.reshard_kind) of a tensor of
     ``nbytes`` (its whole size) over ``n`` ranks. "none" and "slice" are local and free."""
     if kind in ("none", "slice"):
         return 0.0
@@ -208,7 +207,7 @@ def collective_traffic(kind: str, nbytes: float, n: int) -> float:
 
 def zero_collectives(zero_stage: int, micro_batches: int = 1) -> tuple[tuple[str, int, str], ...]:
     """The collectives ZeRO ``zero_stage`` runs per step over each bucket, as (kind, calls, what):
-    runtime/zero.py's counts (module docstring). Stage 0 is plain data parallelism."""
+    runtime/dp/zero.py's counts (module docstring). Stage 0 is plain data parallelism."""
     if zero_stage not in ZERO_STAGES:
         raise ValueError(f"zero_stage={zero_stage} must be 0, 1, 2 or 3")
     if micro_batches < 1:
@@ -238,7 +237,7 @@ def zero_traffic_elements(num_params: int, zero_stage: int, dp: int, micro_batch
 
 
 def padded_bucket(nbytes: float, dp: int, elem_bytes: int) -> float:
-    """A ZeRO bucket's bytes padded to a multiple of ``dp`` elements (runtime/zero.py)."""
+    """A ZeRO bucket's bytes padded to a multiple of ``dp`` elements (runtime/dp/zero.py)."""
     numel = math.ceil(nbytes / elem_bytes)
     return math.ceil(numel / dp) * dp * elem_bytes
 

@@ -1,7 +1,7 @@
 """The words every planner explains its decisions in: why a candidate lost, in one vocabulary.
 
-Each solver states its own comparisons (passes/tensor_parallel.py's mesh candidates,
-passes/pipeline_decision.py's pipelines, passes/search.py's ZeRO stages not weighed)
+Each solver states its own comparisons (passes/tp/mesh.py's mesh candidates,
+passes/pipeline/decision.py's pipelines, passes/search.py's ZeRO stages not weighed)
 with these phrases, so the plan's alternatives read alike whichever solver wrote them:
 "chosen: ...", "1.42x slower: compute 12 ms vs 9 ms; ...", byte amounts in GB / MB,
 and a ZeRO stage's traffic over its link.
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Iterable
 
-from partita.passes.cluster import Link
+from partita.core.cluster import Link
 
 CHOSEN = "chosen: fastest predicted step that fits"
 ZERO_NAMES = {0: "DP", 1: "ZeRO-1", 2: "ZeRO-2", 3: "ZeRO-3"}

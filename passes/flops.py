@@ -35,7 +35,8 @@ import networkx as nx
 from partita.core.ops import ATTENTION as _ATTENTION
 from partita.core.ops import CONV as _CONV
 from partita.core.ops import MATMUL as _MATMUL
-from partita.core.ops import base_op, carries_gradient, passes_gradient
+from partita.core.graph import gradient_flows
+from partita.core.ops import base_op
 _FREE = {
     "view", "_unsafe_view", "reshape", "transpose", "t", "permute", "expand", "expand_as", "split",
     "split_with_sizes", "chunk", "unbind", "getitem", "slice", "select", "unsqueeze", "squeeze",
@@ -65,29 +66,6 @@ def annotate_flops(G: nx.DiGraph) -> nx.DiGraph:
     G.graph["flops_fwd"] = sum(a["flops_fwd"] for _, a in G.nodes(data=True))
     G.graph["flops_bwd"] = sum(a["flops_bwd"] for _, a in G.nodes(data=True))
     return G
-
-
-def gradient_flows(G: nx.DiGraph) -> dict[str, bool]:
-    """Node -> whether a gradient flows into its outputs in backward: the one rule the FLOP
-    count (``requires_grad``), the pipeline's gradient sends and the TP layouts' gradient
-    placements (passes/tp_strategies.py) all use. A parameter carries one when floating; a call
-    node when an output is floating (or complex), its op is not in ``NO_GRAD_OPS`` and an input
-    carries one; inputs, buffers and the output node never. Cached in ``G.graph["grad_flows"]``."""
-    cached = G.graph.get("grad_flows")
-    if cached is not None and len(cached) == G.number_of_nodes():
-        return cached
-    flows: dict[str, bool] = {}
-    for n in nx.topological_sort(G):
-        a = G.nodes[n]
-        carries = any(carries_gradient(d) for d in a["dtypes"])
-        if a["kind"] == "param":
-            flows[n] = carries
-        elif a["kind"] == "call":
-            flows[n] = passes_gradient(a["op"], a["dtypes"], any(flows.get(p, False) for p in G.predecessors(n)))
-        else:
-            flows[n] = False
-    G.graph["grad_flows"] = flows
-    return flows
 
 
 def _forward(a: dict, op: str) -> int:

@@ -21,7 +21,7 @@ from partita.passes.activations import (
     annotate_kv_cache, annotate_live_bytes, annotate_saved_activations, peak_live_bytes,
 )
 from partita.passes.flops import annotate_flops
-from partita.passes.graph import graph_fingerprint, to_networkx
+from partita.core.graph import graph_fingerprint, to_networkx
 from partita.passes.repeats import RepeatedBlock, find_repeated_layers
 
 

@@ -10,13 +10,13 @@ How the space is covered (each part has one home; this module only joins them):
 - tp runs over the divisors of the GPUs per node (TP stays on a node's links);
 - the ZeRO stage z (0-3, or the pinned one) is weighed inside both solvers, per
   (mesh, micro-batch): each tries z = 0, 1, 2, 3 and keeps the first that fits
-  (passes/zero.py says why nothing that could win is lost, and which part is
+  (passes/dp/zero.py says why nothing that could win is lost, and which part is
   policy); z shards the model state over the dp group in the ILP's memory row
   and the cut DP's stage memory, and replaces the dp all-reduce by ZeRO's
   collectives, with the runtime's counts, in the step time;
-- pp = 1: passes/tensor_parallel.choose_mesh solves the TP ILP
-  (passes/tp_ilp.py) for every micro-batch size under the device's memory;
-- pp > 1: passes/pipeline_parallel.choose_pipeline cuts the model with its
+- pp = 1: passes/tp/mesh.choose_mesh solves the TP ILP
+  (passes/tp/ilp.py) for every micro-batch size under the device's memory;
+- pp > 1: passes/pipeline/stages.choose_pipeline cuts the model with its
   exact dynamic program and picks p, m and the schedule; the per-node costs it
   cuts by are those of the TP layout the ILP chooses at that tp and micro-batch
   (``tp_node_costs``), so a stage's time includes its tensor-parallel
@@ -60,7 +60,7 @@ from typing import Any, Callable, Mapping, Sequence
 from partita.core.buckets import DEFAULT_BUCKET_BYTES
 from partita.core.errors import InfeasibleError, PartitaError
 from partita.core.plan import Alternative, MemoryBreakdown, Mesh, Stage
-from partita.passes.cluster import ClusterSpec
+from partita.core.cluster import ClusterSpec
 from partita.passes.constraints import Pins, TrainingRequest
 from partita.passes.cost_model import (
     model_state_memory,
@@ -68,20 +68,20 @@ from partita.passes.cost_model import (
     zero_optimizer_time,
     zero_step_comm,
 )
-from partita.passes.data_parallel import gradient_buckets
+from partita.passes.dp.buckets import gradient_buckets
 from partita.passes.explain import traffic_reason
-from partita.passes.zero import STRATEGY_NAMES
-from partita.passes.pipeline_bounds import AllPruned, PrunedCandidate
-from partita.passes.pipeline_costs import NodeCosts, kv_ratio, node_costs
-from partita.passes.pipeline_decision import PipelineCandidate, PipelineDecision
-from partita.passes.pipeline_parallel import choose_pipeline, stage_of_nodes
+from partita.passes.dp.zero import STRATEGY_NAMES
+from partita.passes.pipeline.bounds import AllPruned, PrunedCandidate
+from partita.passes.pipeline.costs import NodeCosts, kv_ratio, node_costs
+from partita.passes.pipeline.decision import PipelineCandidate, PipelineDecision
+from partita.passes.pipeline.stages import choose_pipeline, stage_of_nodes
 from partita.passes.profile import ModelProfile
 from partita.passes.space import tp_degrees, world_size
-from partita.passes.tensor_parallel import MeshDecision, choose_mesh, plan_alternatives
-from partita.passes.tp_ilp import solve_tp
-from partita.passes.tp_problem import TPSetting, build_problem
-from partita.passes.tp_costs import TPCosts
-from partita.passes.tp_strategies import Strategy, input_index, is_shard, node_strategies
+from partita.passes.tp.mesh import MeshDecision, choose_mesh, plan_alternatives
+from partita.passes.tp.ilp import solve_tp
+from partita.passes.tp.problem import TPSetting, build_problem
+from partita.passes.tp.costs import TPCosts
+from partita.core.tp.strategies import Strategy, input_index, is_shard, node_strategies
 
 
 @dataclass(frozen=True)
@@ -172,7 +172,7 @@ def plan_search(
     if not options:
         if errors:
             raise errors[-1] if tried_pipeline else errors[0]
-        from partita.passes.zero import RUNTIME_ZERO
+        from partita.passes.dp.zero import RUNTIME_ZERO
 
         raise PartitaError(f"no plan matches the pins ({pins.describe()}) on {world} devices"
                            + (f" ({RUNTIME_ZERO})" if pins.zero_stage else ""),
@@ -185,13 +185,13 @@ def plan_search(
     notes = best.notes + (f"{len(options)} mesh families weighed "
                           f"({', '.join(sorted({f'pp={o.mesh.pp} tp={o.mesh.tp}' for o in options}))})",
                           "ZeRO: per (mesh, micro-batch) the first stage of 0-3 that fits is weighed; larger "
-                          "stages only add traffic there (passes/zero.py)" if pins.zero_stage is None
+                          "stages only add traffic there (passes/dp/zero.py)" if pins.zero_stage is None
                           else f"ZeRO-{pins.zero_stage} pinned")
     if prune:
         slower = sum(not x.memory for x in pruned)
         notes += (f"{solved} candidates solved; {len(pruned)} pipeline (p, micro-batch) groups pruned before "
                   f"cutting: {slower} by a lower bound above the best step found, {len(pruned) - slower} "
-                  "because no cuts fit memory (passes/pipeline_parallel.PipelineBound)",)
+                  "because no cuts fit memory (passes/pipeline/stages.PipelineBound)",)
     return replace(best, alternatives=alternatives, seconds=time.perf_counter() - t0, notes=notes,
                    candidates=solved, pruned=len(pruned))
 
@@ -244,7 +244,7 @@ class _Layouts:
 
 def _pruned_zero(best: Decision, cluster: ClusterSpec, request: TrainingRequest, pins: Pins) -> tuple[Alternative, ...]:
     """The ZeRO stages above the chosen one, which the solvers did not weigh at its (mesh, micro-batch)
-    (passes/zero.py), priced at the chosen layout and cuts: the chosen step with its data-parallel
+    (passes/dp/zero.py), priced at the chosen layout and cuts: the chosen step with its data-parallel
     collectives replaced by theirs, so the plan says what each would have cost."""
     dp, z0 = best.mesh.dp, best.zero_stage
     if pins.zero_stage is not None or dp <= 1 or request.inference or z0 == 3:

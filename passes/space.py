@@ -1,8 +1,8 @@
 """The search space: which (dp, tp, pp, micro-batch) the planners enumerate, and the pins checked
 once against the cluster.
 
-Every planner enumerates from here (passes/search.py over tp, passes/tensor_parallel.py
-over (tp, micro-batch) at pp = 1, passes/pipeline_parallel.py over (p, dp, micro-batch)
+Every planner enumerates from here (passes/search.py over tp, passes/tp/mesh.py
+over (tp, micro-batch) at pp = 1, passes/pipeline/stages.py over (p, dp, micro-batch)
 at a tp), so a pin means the same thing to all of them and is refused with one
 message wherever it cannot hold:
 
@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 
 from partita.core.errors import PartitaError
-from partita.passes.cluster import ClusterSpec
+from partita.core.cluster import ClusterSpec
 from partita.passes.constraints import Pins
 
 

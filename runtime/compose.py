@@ -24,16 +24,16 @@ from partita.core.losses import training_loss
 from partita.core.plan import MeshAxis, Plan
 from partita.core.precision import PrecisionPolicy
 from partita.runtime.collectives import CollectiveCounter
-from partita.runtime.data_parallel import (BufferAverager, GradientAverager, apply_data_parallel, broadcast_replicas,
+from partita.runtime.dp.averaging import (BufferAverager, GradientAverager, apply_data_parallel, broadcast_replicas,
                                           running_statistics)
 from partita.runtime.distributed import DistContext, build_mesh
 from partita.runtime.mixed_precision import MasterWeights, OptimizerFactory, apply_mixed_precision
-from partita.runtime.pipeline_parallel import SCHEDULES, PipelineStage, apply_pipeline
+from partita.runtime.pipeline.stage import SCHEDULES, PipelineStage, apply_pipeline
 from partita.runtime.program import MicroBatchLoss, Program, interpreter_of
 from partita.runtime.rng import run_seed
-from partita.runtime.tensor_parallel import TensorParallel, apply_tensor_parallel
-from partita.runtime.weights import load_eager, open_weights, state_names
-from partita.runtime.zero import ZeroProgram, apply_zero
+from partita.runtime.tp.module import TensorParallel, apply_tensor_parallel
+from partita.runtime.state.weights import load_eager, open_weights, state_names
+from partita.runtime.dp.zero import ZeroProgram, apply_zero
 
 LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
 DP, TP = MeshAxis.DP.value, MeshAxis.TP.value

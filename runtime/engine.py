@@ -4,7 +4,7 @@
 in one stated order and returns this rank's ``Program`` (runtime/program.py);
 ``ParallelModel`` runs it: the micro-batch loop (or the pipeline's schedule),
 the gradient norm and clipping (runtime/grad_norm.py), the one optimizer step,
-checkpoints (runtime/sharded_state.py) and what a step reports (``StepResult``).
+checkpoints (runtime/state/sharded.py) and what a step reports (``StepResult``).
 
 Tracing: ``ParallelModel.write_trace(path)`` (collective: every rank calls it)
 gathers each rank's per-micro-batch forward / backward spans to rank 0, which
@@ -28,8 +28,8 @@ from torch import nn
 from partita.core.errors import PartitaError, PlanError
 from partita.core.placement import is_shard
 from partita.core.plan import MeshAxis, Plan
-from partita.runtime import checkpoint as full_state
-from partita.runtime import sharded_state
+from partita.runtime.state import full as full_state
+from partita.runtime.state import sharded as sharded_state
 from partita.runtime.batches import check_batch, check_same_batch, share
 from partita.runtime.collectives import CollectiveCounter
 from partita.runtime.compose import LossFn, OptimizerFactory, compose, refuse_unsupported
@@ -37,7 +37,7 @@ from partita.runtime.distributed import DistContext, init_distributed
 from partita.runtime.grad_norm import clip_coefficient, global_grad_norm
 from partita.runtime.program import Program
 from partita.runtime.rng import replica_divergence
-from partita.runtime.tensor_parallel import TensorParallel
+from partita.runtime.tp.module import TensorParallel
 from partita.runtime.trace import BACKWARD, FORWARD, TraceRecorder
 from partita.runtime.watchdog import FLIGHT, watch
 
@@ -92,7 +92,7 @@ class ParallelModel(nn.Module):
         self._program = program
         self.trace = program.pipeline.trace if program.pipeline is not None else TraceRecorder(self.ctx.rank, 0)
         self._trace_path = os.environ.get("PARTITA_TRACE")
-        # Periodic checkpoints (runtime/sharded_state.py): every ``checkpoint_every`` steps under
+        # Periodic checkpoints (runtime/state/sharded.py): every ``checkpoint_every`` steps under
         # ``checkpoint_dir``, and a run that finds a complete one there resumes from it (a restart).
         self.checkpoint_dir = checkpoint_dir or os.environ.get("PARTITA_CHECKPOINT_DIR") or None
         self.checkpoint_every = checkpoint_every or int(os.environ.get("PARTITA_CHECKPOINT_EVERY", "0") or 0)
@@ -127,7 +127,7 @@ class ParallelModel(nn.Module):
     def full_state_dict(self, *, buffers: bool = True) -> dict[str, torch.Tensor]:
         """Every parameter at full shape on every rank, however the plan spread them, and the
         persistent buffers unless ``buffers=False`` (a collective: call it on every rank).
-        runtime/checkpoint.py says how."""
+        runtime/state/full.py says how."""
         return full_state.full_state_dict(self._program, buffers=buffers)
 
     def _resume(self) -> None:
@@ -414,7 +414,7 @@ def apply_plan(
     file; under tensor parallelism each rank reads only its slices, so ``module``
     may be built on the meta device. ``checkpoint_dir`` / ``checkpoint_every``: a sharded checkpoint
     every N steps there, and resuming from the newest complete one found at construction
-    (runtime/sharded_state.py). ``watchdog_s`` bounds every wait of a step (runtime/watchdog.py;
+    (runtime/state/sharded.py). ``watchdog_s`` bounds every wait of a step (runtime/watchdog.py;
     default ``PARTITA_WATCHDOG_S`` or 300 s, 0 turns it off)."""
     return ParallelModel(module, plan, loss_fn=loss_fn, optimizer=optimizer, ctx=ctx,
                          bucket_bytes=bucket_bytes, checkpoint=checkpoint, watchdog_s=watchdog_s,

@@ -8,7 +8,7 @@ forward's autocast is the policy's too: the TP program and the pipeline stage
 are built with the policy (their forward runs under ``policy.autocast``,
 activations cross stages in ``policy.wire``), the eager loss is wrapped in it
 by compose; gradients are reduced in ``policy.reduce_dtype``
-(runtime/grad_buckets.py).
+(runtime/dp/buckets.py).
 
 ``MasterWeights`` is the one optimizer a plan's rank steps. Under a mixed policy
 it holds an fp32 master copy of each parameter it updates (a plain parameter,

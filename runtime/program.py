@@ -1,8 +1,8 @@
 """``Program``: what compose (runtime/compose.py) built for this rank, as one record.
 
 The training loop (runtime/engine.py), the gradient norm (runtime/grad_norm.py),
-checkpoints (runtime/sharded_state.py) and the full state dict
-(runtime/checkpoint.py) read a rank's parts from here, never from one another:
+checkpoints (runtime/state/sharded.py) and the full state dict
+(runtime/state/full.py) read a rank's parts from here, never from one another:
 this file sits below all of them, so none of them imports the engine.
 """
 
@@ -18,12 +18,12 @@ from torch.optim import Optimizer
 
 from partita.core.plan import Plan
 from partita.core.precision import FP32, PrecisionPolicy
-from partita.runtime.data_parallel import BufferAverager, GradientAverager
+from partita.runtime.dp.averaging import BufferAverager, GradientAverager
 from partita.runtime.distributed import DistContext
 from partita.runtime.mixed_precision import LossScaler, MasterWeights
-from partita.runtime.pipeline_parallel import PipelineStage
-from partita.runtime.tensor_parallel import TensorParallel
-from partita.runtime.zero import ZeroProgram
+from partita.runtime.pipeline.stage import PipelineStage
+from partita.runtime.tp.module import TensorParallel
+from partita.runtime.dp.zero import ZeroProgram
 
 MicroBatchLoss = Callable[[list[torch.Tensor], torch.Tensor], torch.Tensor]
 

@@ -22,7 +22,7 @@ from dp_worker import OPTIMIZERS
 from examples.models import SmallCNN
 from harness import check_close, reference_step
 from partita.compiler.api import default_loss
-from partita.passes.verify import load_plan
+from partita.core.verify import load_plan
 from partita.runtime.distributed import DistContext
 from partita.runtime.engine import ParallelModel
 

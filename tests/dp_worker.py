@@ -227,7 +227,7 @@ def bf16_mean_kept(ctx: DistContext) -> dict:
     ranks' bf16 gradients exactly (no rounding to bf16), while ``.grad`` keeps this rank's own."""
     import torch.distributed as dist
 
-    from partita.runtime.data_parallel import apply_data_parallel
+    from partita.runtime.dp.averaging import apply_data_parallel
 
     torch.manual_seed(0)
     p = nn.Parameter(torch.zeros(1000, dtype=torch.bfloat16))

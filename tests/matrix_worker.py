@@ -33,7 +33,7 @@ from examples.models import MLP, SmallCNN, gpt_tiny
 from harness import check_close, check_loss, max_abs_diff, reference_step
 from partita.compiler.api import default_loss
 from partita.core.errors import PartitaError
-from partita.passes.verify import load_plan
+from partita.core.verify import load_plan
 from partita.runtime.distributed import DistContext
 from partita.runtime.engine import ParallelModel
 from tp_worker import hf_gpt2_tiny, hf_llama_tiny
@@ -106,7 +106,7 @@ def compile_case(case: Case, outdir: str) -> None:
     """Plan ``case`` as ``partita compile`` would; write the plan, or the planner's refusal."""
     from partita.compiler.compile import compile_model
     from partita.core.inputs import parse_input_spec
-    from partita.passes.cluster import load_cluster
+    from partita.core.cluster import load_cluster
     from partita.passes.constraints import Pins
 
     factory, spec, _ = MODELS[case.model]

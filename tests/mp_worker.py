@@ -35,7 +35,7 @@ from matrix_worker import MODELS
 from partita.compiler.api import default_loss
 from partita.core.errors import PartitaError
 from partita.core.losses import training_loss
-from partita.passes.verify import load_plan
+from partita.core.verify import load_plan
 from partita.core.precision import PrecisionPolicy
 from partita.runtime.distributed import DistContext
 from partita.runtime.engine import ParallelModel
@@ -72,7 +72,7 @@ def _plan_path(outdir: str, case: tuple) -> Path:
 def compile_case(case: tuple, outdir: str) -> None:
     from partita.compiler.compile import compile_model
     from partita.core.inputs import parse_input_spec
-    from partita.passes.cluster import load_cluster
+    from partita.core.cluster import load_cluster
     from partita.passes.constraints import Pins
 
     model, _, pins, precision = case
@@ -177,7 +177,7 @@ def check_memory(ctx: DistContext, outdir: str) -> list[dict]:
     per parameter for Adam, divided as ZeRO says), up to ZeRO's padding of its flat buckets."""
     from partita.compiler.compile import compile_model
     from partita.core.inputs import parse_input_spec
-    from partita.passes.cluster import load_cluster
+    from partita.core.cluster import load_cluster
     from partita.passes.constraints import Pins
 
     factory, spec, batch = MODELS["gpt"]
@@ -237,7 +237,7 @@ def check_loss_curve(ctx: DistContext, outdir: str, steps: int = 20) -> dict:
     """The example GPT's bf16-mixed loss curve stays within 1% of fp32's over 20 AdamW steps (dp2)."""
     from partita.compiler.compile import compile_model
     from partita.core.inputs import parse_input_spec
-    from partita.passes.cluster import load_cluster
+    from partita.core.cluster import load_cluster
     from partita.passes.constraints import Pins
 
     factory, spec, batch = MODELS["gpt"]
@@ -268,7 +268,7 @@ CLIP_PINS_4 = {"dp2xtp2-zero2": PINS_4["dp2xtp2-zero2"], "tp2xpp2-1f1b": PINS_4[
 def _compile(factory: Callable, spec: str, devices: int, path: Path, **kw) -> None:
     from partita.compiler.compile import compile_model
     from partita.core.inputs import parse_input_spec
-    from partita.passes.cluster import load_cluster
+    from partita.core.cluster import load_cluster
     from partita.passes.constraints import Pins
 
     pins = kw.pop("pins")

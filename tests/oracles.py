@@ -4,7 +4,7 @@ Each is simpler (or slower) than what partita ships and independent of it where 
 matters, so a test comparing the two can fail:
 
 - ``exhaustive_choice``: the TP layout by enumeration, the optimum the ILP
-  (passes/tp_ilp.py) must match;
+  (passes/tp/ilp.py) must match;
 - ``choose_data_parallel``: the pure data-parallel planner by enumeration over
   (dp, micro-batch), priced by ``data_parallel_step``, which the joint search must
   rediscover when the model fits;
@@ -28,15 +28,15 @@ from partita.core.buckets import DEFAULT_BUCKET_BYTES  # noqa: E402
 from partita.core.errors import InfeasibleError, PartitaError  # noqa: E402
 from partita.core.plan import MemoryBreakdown  # noqa: E402
 from partita.core.precision import activation_scale  # noqa: E402
-from partita.passes.cluster import ClusterSpec  # noqa: E402
+from partita.core.cluster import ClusterSpec  # noqa: E402
 from partita.passes.constraints import Pins, TrainingRequest  # noqa: E402
 from partita.passes.cost_model import (  # noqa: E402
     ModelStateMemory, StateBytes, StepCost, collective_time, collective_traffic, compute_time, model_state_memory,
     optimizer_time, state_bytes_per_param,
 )
-from partita.passes.data_parallel import gradient_buckets  # noqa: E402
-from partita.passes.tp_problem import EdgeClass, NodeClass, TPProblem, TPSolution, TPSolveReport, evaluate  # noqa: E402
-from partita.passes.tp_strategies import Strategy, node_strategies, valid_at  # noqa: E402
+from partita.passes.dp.buckets import gradient_buckets  # noqa: E402
+from partita.passes.tp.problem import EdgeClass, NodeClass, TPProblem, TPSolution, TPSolveReport, evaluate  # noqa: E402
+from partita.core.tp.strategies import Strategy, node_strategies, valid_at  # noqa: E402
 
 
 # -- the TP layout by enumeration ---------------------------------------------------------
@@ -302,13 +302,13 @@ def choose_data_parallel(
     if pins.tp not in (None, 1):
         raise PartitaError(
             f"--tp {pins.tp}: this planner decides data parallelism only; tensor parallelism arrives "
-            "with the (dp, tp) mesh search (passes/tensor_parallel.choose_mesh)",
+            "with the (dp, tp) mesh search (passes/tp/mesh.choose_mesh)",
             hint="drop --tp (or pass --tp 1)",
         )
     if pins.pp not in (None, 1):
         raise PartitaError(
             f"--pp {pins.pp}: this planner decides data parallelism only; pipelines are chosen by "
-            "passes/pipeline_parallel.choose_pipeline",
+            "passes/pipeline/stages.choose_pipeline",
             hint="drop --pp (or pass --pp 1)",
         )
     B = request.global_batch

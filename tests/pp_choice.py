@@ -20,7 +20,7 @@ from tp_choice import MEGATRON, tp_plan
 def boundary_cuts(G, layers_before: list[int]) -> list[str]:
     """Cut nodes for cuts at allowed boundaries number ``layers_before`` (0: before the first
     repeated layer, L: after the last), as ``stage_of_nodes`` takes them."""
-    from partita.passes.pipeline_costs import allowed_boundaries, pipeline_order
+    from partita.passes.pipeline.costs import allowed_boundaries, pipeline_order
 
     order = pipeline_order(G)
     allowed = allowed_boundaries(G, order)
@@ -33,7 +33,7 @@ def pp_plan(module, inputs: list, loss, targets, *, pp: int, cuts_at: list[int],
     from partita.core.capture import capture
     from partita.core.inputs import InputSpec
     from partita.core.plan import Mesh, Stage
-    from partita.passes.pipeline_parallel import stage_of_nodes
+    from partita.passes.pipeline.stages import stage_of_nodes
     from partita.passes.profile import profile_model
 
     micro = [InputSpec(s.name, s.dtype, (mbs, *s.shape[1:])) for s in inputs]

@@ -26,7 +26,7 @@ from partita.core.inputs import InputSpec
 from partita.compiler.timeline import load_trace, measured_timeline
 from partita.runtime.distributed import DistContext
 from partita.runtime.engine import ParallelModel
-from partita.runtime.pipeline_parallel import schedule_order
+from partita.runtime.pipeline.stage import schedule_order
 from pp_choice import expected_sends, pp_plan
 from tied_script import TiedGPT
 from tp_choice import MEGATRON

@@ -74,8 +74,8 @@ def _measure_saved(model: ParallelModel, store: list[int]) -> None:
 
 def _recomputed_forward_calls(plan, model: ParallelModel) -> Counter:
     """Per step: the TP collectives recomputing this rank's nodes repeats, by the planner's
-    ``tp_layout.recompute_collectives`` (the function compile.py lists them with)."""
-    from partita.passes.tp_layout import recompute_collectives
+    ``layout.recompute_collectives`` (the function compile.py lists them with)."""
+    from partita.core.tp.layout import recompute_collectives
 
     stages = {s.index for s in plan.stages if s.recompute}
     runs = {n.name for n in model.tensor_parallel.nodes}

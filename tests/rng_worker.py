@@ -23,8 +23,8 @@ from examples.models import hf_bert_mlm
 from partita.compiler.compile import compile_model
 from partita.core.errors import PartitaError
 from partita.core.inputs import parse_input_spec
-from partita.passes.verify import load_plan
-from partita.passes.cluster import load_cluster
+from partita.core.verify import load_plan
+from partita.core.cluster import load_cluster
 from partita.passes.constraints import Pins
 from partita.runtime.distributed import DistContext
 from partita.runtime.engine import ParallelModel

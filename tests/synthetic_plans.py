@@ -10,8 +10,8 @@ from partita.core.plan import (
     Alternative, Collective, InputLayout, MemoryBreakdown, Mesh, ModelInfo, NodeDecision, ParamDecision, Plan,
     Prediction, SolverReport, Stage, Training,
 )
-from partita.passes.cluster import PRESETS
-from partita.passes.verify import verified_plan
+from partita.core.cluster import PRESETS
+from partita.core.verify import verified_plan
 
 R, P = "replicate", "partial"
 

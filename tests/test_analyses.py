@@ -18,7 +18,7 @@ from partita.core.capture import capture  # noqa: E402
 from partita.core.inputs import parse_input_spec  # noqa: E402
 from partita.passes.activations import annotate_saved_activations  # noqa: E402
 from partita.passes.flops import annotate_flops  # noqa: E402
-from partita.passes.graph import to_networkx  # noqa: E402
+from partita.core.graph import to_networkx  # noqa: E402
 from partita.passes.profile import profile_model  # noqa: E402
 from partita.passes.repeats import find_repeated_layers  # noqa: E402
 

@@ -365,7 +365,7 @@ def test_a_bad_cluster_file(cli, cluster_files, name):
 
 
 def test_the_good_cluster_file_of_the_matrix_loads(tmp_path):
-    from partita.passes.cluster import load_cluster
+    from partita.core.cluster import load_cluster
 
     good = tmp_path / "good.toml"
     good.write_text(toml())

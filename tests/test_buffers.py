@@ -14,7 +14,7 @@ from partita.core.capture import capture
 from partita.core.ops import running_buffers
 from partita.core.inputs import parse_input_spec
 from partita.core.losses import default_loss
-from partita.passes.cluster import load_cluster
+from partita.core.cluster import load_cluster
 from partita.passes.constraints import Pins
 
 SPEC = "x=float32[16,3,32,32]"

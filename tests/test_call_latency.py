@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from partita.core.errors import ClusterError
-from partita.passes.cluster import COLLECTIVES, PRESETS, Link, load_cluster
+from partita.core.cluster import COLLECTIVES, PRESETS, Link, load_cluster
 from partita.passes.cost_model import calibrated_local, collective_time
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -106,12 +106,12 @@ def test_a_roofline_cluster_prices_an_op_by_the_longer_of_its_flops_and_its_byte
 
 def test_an_elementwise_node_is_priced_by_its_bytes_on_a_roofline_cluster():
     """The node's bytes (``annotate_flops``: inputs read + output written; backward about twice)
-    reach the per-node costs the TP ILP and the pipeline cut by (passes/tp_costs.py,
-    passes/pipeline_costs.py)."""
+    reach the per-node costs the TP ILP and the pipeline cut by (passes/tp/costs.py,
+    passes/pipeline/costs.py)."""
     from partita.core.capture import capture
     from partita.core.inputs import parse_input_spec
     from partita.passes.constraints import TrainingRequest
-    from partita.passes.pipeline_costs import node_costs
+    from partita.passes.pipeline.costs import node_costs
     from partita.passes.profile import profile_model
 
     class Scale(torch.nn.Module):

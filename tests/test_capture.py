@@ -19,7 +19,7 @@ from examples.models import MLP, SmallCNN, gpt_tiny, hf_gpt2, hf_llama, llama2_7
 from partita.core.capture import EXPORT, SYMBOLIC_TRACE, capture  # noqa: E402
 from partita.core.errors import CaptureError, InputSpecError  # noqa: E402
 from partita.core.inputs import InputSpec, parse_input_spec  # noqa: E402
-from partita.passes.graph import graph_fingerprint, to_networkx  # noqa: E402
+from partita.core.graph import graph_fingerprint, to_networkx  # noqa: E402
 
 
 # ---------------------------------------------------------------- input specs
@@ -194,7 +194,7 @@ import sys; sys.path.insert(0, {root!r})
 from examples.models import gpt_tiny
 from partita.core.capture import capture
 from partita.core.inputs import parse_input_spec
-from partita.passes.graph import graph_fingerprint, to_networkx
+from partita.core.graph import graph_fingerprint, to_networkx
 print(graph_fingerprint(to_networkx(capture(gpt_tiny, [parse_input_spec("idx=int64[2,16]")]))))
 """
 

@@ -1,4 +1,4 @@
-"""Sharded checkpoints with torch.distributed.checkpoint (runtime/sharded_state.py), on real gloo
+"""Sharded checkpoints with torch.distributed.checkpoint (runtime/state/sharded.py), on real gloo
 processes: exact resume bit for bit on DP, ZeRO-1/3, TP, PP (tied embedding), dp x tp with ZeRO-3
 and tp x pp; resharding across plans; torch's dcp_to_torch_save loads into the plain model."""
 
@@ -8,7 +8,7 @@ import pytest
 
 import checkpoint_worker
 from harness import launch
-from partita.runtime.sharded_state import flat_range_pieces
+from partita.runtime.state.sharded import flat_range_pieces
 
 
 @pytest.mark.slow

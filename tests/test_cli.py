@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from partita.core.plan import SCHEMA_VERSION
-from partita.passes.verify import load_plan
+from partita.core.verify import load_plan
 
 ROOT = Path(__file__).resolve().parents[1]
 GPT = f"{ROOT}/examples/models.py:gpt_tiny"
@@ -144,7 +144,7 @@ def test_console_script_exit_code_for_a_user_error(tmp_path):
 
 
 def test_calibrate_writes_a_cluster_file_the_planner_reads(cli, tmp_path):
-    from partita.passes.cluster import load_cluster
+    from partita.core.cluster import load_cluster
 
     out = tmp_path / "local.toml"
     code, stdout, err = cli("calibrate", "--nproc", "2", "-o", out)

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from partita.core.errors import ClusterError
-from partita.passes.cluster import GB, PRESETS, load_cluster
+from partita.core.cluster import GB, PRESETS, load_cluster
 from partita.passes.cost_model import (
     collective_time,
     collective_traffic,

@@ -14,7 +14,7 @@ import partita
 from partita.compiler.compile import compile_model
 from partita.core.errors import PlanError
 from partita.core.inputs import parse_input_spec
-from partita.passes.cluster import load_cluster
+from partita.core.cluster import load_cluster
 from partita.passes.constraints import Pins
 
 import decorator_script as script
@@ -131,7 +131,7 @@ def test_partita_run_a_pipeline_plan(tmp_path, ref):
     check(out, ref, 4, mesh=(2, 1, 2))
     assert ("send_recv", "pp") in counted_kinds(out)
     # the measured schedule: every rank's forward and backward of every micro-batch of every step
-    from partita.passes.verify import load_plan
+    from partita.core.verify import load_plan
     from partita.compiler.view import load_trace, render_html
 
     events = load_trace(trace)["traceEvents"]
@@ -184,7 +184,7 @@ def test_planned_a_recomputing_tensor_parallel_plan(tmp_path, cli, ref):
     list (check compares every collective, call for call)."""
     plan, out = compile_and_launch(tmp_path, cli, "--cluster", fast_cluster(tmp_path), "--tp", "2", "--recompute")
     check(out, ref, 4, mesh=(2, 2, 1))
-    from partita.passes.verify import load_plan
+    from partita.core.verify import load_plan
 
     p = load_plan(plan)
     assert all(s.recompute for s in p.stages)

@@ -12,7 +12,7 @@ import torch
 from partita.compiler.compile import compile_model
 from partita.core.inputs import parse_input_spec
 from partita.core.losses import resolve_loss
-from partita.passes.cluster import load_cluster
+from partita.core.cluster import load_cluster
 from partita.passes.constraints import Pins
 
 import families_script as script

@@ -10,7 +10,7 @@ from partita.core.capture import capture
 from partita.compiler.cli import main
 from partita.compiler.compile import compile_model
 from partita.core.inputs import parse_input_spec
-from partita.passes.cluster import load_cluster
+from partita.core.cluster import load_cluster
 from partita.passes.profile import profile_model
 
 

@@ -9,7 +9,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from examples.models import gpt_tiny  # noqa: E402
 from partita.compiler.compile import compile_model  # noqa: E402
 from partita.core.inputs import parse_input_spec  # noqa: E402
-from partita.passes.cluster import load_cluster  # noqa: E402
+from partita.core.cluster import load_cluster  # noqa: E402
 from partita.passes.constraints import Pins  # noqa: E402
 from test_decorator import fast_cluster  # noqa: E402
 

@@ -15,13 +15,13 @@ from partita.core.capture import capture  # noqa: E402
 from partita.compiler.compile import compile_model  # noqa: E402
 from partita.core.inputs import parse_input_spec  # noqa: E402
 from partita.core.losses import resolve_loss  # noqa: E402
-from partita.passes.cluster import load_cluster  # noqa: E402
+from partita.core.cluster import load_cluster  # noqa: E402
 from partita.passes.constraints import Pins, TrainingRequest  # noqa: E402
 from partita.passes.flops import annotate_flops  # noqa: E402
-from partita.passes.graph import annotate_batch_shapes, shape_at, to_networkx  # noqa: E402
+from partita.core.graph import annotate_batch_shapes, shape_at, to_networkx  # noqa: E402
 from partita.passes.profile import profile_model  # noqa: E402
 from partita.passes.search import tp_choice  # noqa: E402
-from partita.passes.tp_strategies import node_strategies, shard_dim  # noqa: E402
+from partita.core.tp.strategies import node_strategies, shard_dim  # noqa: E402
 from tests.oracles import strategies_at  # noqa: E402
 
 
@@ -122,7 +122,7 @@ def test_the_batch_shape_capture_doubles_as_the_micro_batch_graph(monkeypatch) -
 def test_the_tp_problem_is_priced_again_once_the_batch_shapes_are_known():
     """build_problem caches each (tp, micro-batch) layout per graph; learning the shapes at other
     batches (annotate_batch_shapes) changes which strategies are valid there, so it is not reused."""
-    from partita.passes.tp_problem import TPSetting, build_problem
+    from partita.passes.tp.problem import TPSetting, build_problem
 
     p = _profile(16)
     cluster = load_cluster("local", devices=2)

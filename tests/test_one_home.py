@@ -26,7 +26,7 @@ from partita.core.mesh import Mesh, axis_crosses_nodes, crosses_nodes  # noqa: E
 from partita.core.placement import Placement, is_shard, shard_dim  # noqa: E402
 from partita.core.precision import activation_scale, dtype_bytes  # noqa: E402
 from partita.core.schedule import BACKWARD, FORWARD, SCHEDULES, in_flight, stage_order  # noqa: E402
-from partita.passes.cluster import PRESETS  # noqa: E402
+from partita.core.cluster import PRESETS  # noqa: E402
 from partita.passes.constraints import TrainingRequest  # noqa: E402
 from partita.passes.cost_model import collective_time  # noqa: E402
 from partita.passes.profile import profile_model  # noqa: E402
@@ -119,8 +119,8 @@ class _Lookup(nn.Module):
 
 def test_an_int64_tensor_is_priced_at_8_bytes_by_the_ilp_and_the_pipeline_search():
     from partita.passes.search import tp_node_costs
-    from partita.passes.tp_problem import TPSetting, build_problem
-    from partita.passes.tp_strategies import node_strategies
+    from partita.passes.tp.problem import TPSetting, build_problem
+    from partita.core.tp.strategies import node_strategies
 
     cluster = PRESETS["dgx-a100"]
     prof = profile_model(capture(_Lookup, [parse_input_spec("idx=int64[8,16]")], name="lookup"))
@@ -183,7 +183,7 @@ def test_in_flight_is_what_the_order_holds(schedule):
 
 def test_the_runtime_and_the_viewer_run_the_core_order():
     from partita.compiler.timeline import stage_order as drawn
-    from partita.runtime.pipeline_parallel import schedule_order
+    from partita.runtime.pipeline.stage import schedule_order
 
     for schedule in SCHEDULES:
         for s in range(4):
@@ -194,8 +194,8 @@ def test_the_runtime_and_the_viewer_run_the_core_order():
 
 def test_bucket_rule_is_shared():
     from partita.core.buckets import DEFAULT_BUCKET_BYTES
-    from partita.passes.data_parallel import gradient_buckets
-    from partita.runtime.grad_buckets import bucket_layout
+    from partita.passes.dp.buckets import gradient_buckets
+    from partita.runtime.dp.buckets import bucket_layout
 
     params = [nn.Parameter(torch.zeros(n)) for n in (3_000_000, 5_000_000, 1_000, 4_000_000, 2_000_000)]
     assert bucket_layout(params, DEFAULT_BUCKET_BYTES) == gradient_buckets([p.numel() for p in params], 4)
@@ -233,7 +233,7 @@ class _Detached(nn.Module):
 def test_one_rule_for_where_a_gradient_flows():
     """A detached tensor carries no gradient for the FLOP count (no backward FLOPs, no gradient
     sent back over a cut) exactly as for the TP layouts' gradient placements."""
-    from partita.passes.tp_strategies import grad_flows
+    from partita.core.tp.strategies import grad_flows
 
     prof = profile_model(capture(_Detached, [parse_input_spec("x=float32[4,32]")], loss=_mse,
                                  targets=parse_input_spec("y=float32[4,32]")))

@@ -14,13 +14,13 @@ from partita.compiler.api import default_loss
 from partita.core.capture import capture
 from partita.core.errors import InfeasibleError, PartitaError
 from partita.core.inputs import parse_input_spec
-from partita.passes.cluster import GB, PRESETS, load_cluster
+from partita.core.cluster import GB, PRESETS, load_cluster
 from partita.passes.constraints import Pins, TrainingRequest
 from partita.core.schedule import bubble_fraction
 from partita.passes.cost_model import collective_time, state_bytes_per_param
-from partita.passes.pipeline_costs import NodeCosts, SharedParam, node_costs, pipeline_order
-from partita.passes.pipeline_cuts import INF, Partition, StageSetup, solve_cuts
-from partita.passes.pipeline_parallel import choose_pipeline, stage_links, stage_of_nodes
+from partita.passes.pipeline.costs import NodeCosts, SharedParam, node_costs, pipeline_order
+from partita.passes.pipeline.cuts import INF, Partition, StageSetup, solve_cuts
+from partita.passes.pipeline.stages import choose_pipeline, stage_links, stage_of_nodes
 from partita.passes.profile import profile_model
 
 FP32 = TrainingRequest(global_batch=8)
@@ -282,7 +282,7 @@ def test_recompute_costs_keep_each_layers_inputs_and_rerun_its_forward():
     """Hand-worked: an embedding, then two layers of two nodes (a parameter of h.1 placed before
     its first user). Each layer keeps what crosses its first boundary; its backward adds its
     forward; one layer's saved bytes are held again while it is recomputed."""
-    from partita.passes.pipeline_costs import NodeCosts, recompute_costs
+    from partita.passes.pipeline.costs import NodeCosts, recompute_costs
 
     c = NodeCosts(
         order=("emb", "a0", "b0", "w1", "a1", "b1"),

@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 
 from partita.core.errors import InfeasibleError, PartitaError
-from partita.passes.cluster import GB, PRESETS, load_cluster
+from partita.core.cluster import GB, PRESETS, load_cluster
 from partita.passes.constraints import Pins, TrainingRequest
 from partita.passes.cost_model import collective_time
-from partita.passes.data_parallel import gradient_buckets
+from partita.passes.dp.buckets import gradient_buckets
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 

@@ -10,9 +10,9 @@ import torch
 
 from partita.compiler.compile import compile_model
 from partita.core.inputs import parse_input_spec
-from partita.passes.cluster import load_cluster
+from partita.core.cluster import load_cluster
 from partita.passes.constraints import Pins
-from partita.runtime.sharded_state import COMPLETE, latest, step_dir
+from partita.runtime.state.sharded import COMPLETE, latest, step_dir
 
 import tied_script as script
 from harness import TESTS, partita_cli

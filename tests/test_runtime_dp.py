@@ -18,7 +18,7 @@ from dp_worker import MLP_BUCKET_BYTES, MLP_BUCKETS, OPTIMIZERS, make_plan, mlp,
 from harness import launch
 from partita.core.errors import PartitaError
 from partita.runtime.engine import ParallelModel
-from partita.runtime.grad_buckets import bucket_layout
+from partita.runtime.dp.buckets import bucket_layout
 
 
 def test_bucket_layout_follows_the_stated_rule():

@@ -33,7 +33,7 @@ def _in_flight(order):
 
 
 def test_schedules_run_every_micro_batch_once_and_1f1b_bounds_activations():
-    from partita.runtime.pipeline_parallel import schedule_order
+    from partita.runtime.pipeline.stage import schedule_order
 
     p, m = 4, 8
     assert schedule_order("1f1b", p, 0, 4) == [("F", 0), ("F", 1), ("F", 2), ("F", 3), ("B", 0), ("B", 1),
@@ -56,7 +56,7 @@ def test_split_refuses_a_stage_map_against_the_graph_order():
     from partita.core.capture import capture
     from partita.core.errors import PlanError
     from partita.core.inputs import InputSpec
-    from partita.runtime.pipeline_parallel import split_stages
+    from partita.runtime.pipeline.stage import split_stages
 
     c = capture(gpt_tiny(), [InputSpec("idx", torch.int64, (2, SEQ))], loss=gpt_loss)
     graph = c.graph_module.graph

@@ -13,7 +13,7 @@ import torch
 from partita.compiler.compile import compile_model
 from partita.core.inputs import parse_input_spec
 from partita.core.plan import tied_stages
-from partita.passes.cluster import load_cluster
+from partita.core.cluster import load_cluster
 from partita.passes.constraints import Pins
 
 import tied_script as script

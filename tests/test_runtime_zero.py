@@ -1,4 +1,4 @@
-"""ZeRO stages 1-3 (runtime/zero.py) on real gloo processes, against a single-process reference.
+"""ZeRO stages 1-3 (runtime/dp/zero.py) on real gloo processes, against a single-process reference.
 
 Each launch (2 and 4 ranks) runs every check (see zero_worker.py):
 stages 1, 2, 3 x MLP and tiny GPT x AdamW and SGD-momentum, 2 micro-batches, 3

@@ -1,7 +1,7 @@
 """The pruned joint search chooses what the exhaustive one chooses, and what it prunes could not win.
 
 ``plan_search(prune=False)`` cuts every (p, micro-batch) group; the default
-prunes a group whose lower bound (passes/pipeline_parallel.PipelineBound)
+prunes a group whose lower bound (passes/pipeline/stages.PipelineBound)
 exceeds the best step found, or that no cuts fit even at 1/tp of every layer.
 Both must return the same plan to the last bit of its predicted step, and each
 pruned group must be one the exhaustive search shows losing: every candidate it
@@ -25,12 +25,13 @@ from examples.models import GPT, GPTConfig  # noqa: E402
 from partita.compiler.api import default_loss  # noqa: E402
 from partita.core.capture import capture  # noqa: E402
 from partita.core.inputs import parse_input_spec  # noqa: E402
-from partita.passes import pipeline_parallel, tensor_parallel  # noqa: E402
-from partita.passes.cluster import PRESETS  # noqa: E402
+from partita.passes.pipeline import stages as pipeline_parallel  # noqa: E402
+from partita.passes.tp import mesh as tensor_parallel  # noqa: E402
+from partita.core.cluster import PRESETS  # noqa: E402
 from partita.passes.constraints import Pins, TrainingRequest  # noqa: E402
 from partita.passes.cost_model import ZERO_STAGES  # noqa: E402
-from partita.passes.pipeline_costs import node_costs  # noqa: E402
-from partita.passes.pipeline_parallel import choose_pipeline  # noqa: E402
+from partita.passes.pipeline.costs import node_costs  # noqa: E402
+from partita.passes.pipeline.stages import choose_pipeline  # noqa: E402
 from partita.passes.profile import profile_model  # noqa: E402
 from partita.passes.search import plan_search, tp_node_costs  # noqa: E402
 

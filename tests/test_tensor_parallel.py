@@ -16,11 +16,11 @@ from partita.compiler.api import default_loss  # noqa: E402
 from partita.core.capture import capture  # noqa: E402
 from partita.core.errors import InfeasibleError, PartitaError  # noqa: E402
 from partita.core.inputs import parse_input_spec  # noqa: E402
-from partita.passes.cluster import PRESETS  # noqa: E402
+from partita.core.cluster import PRESETS  # noqa: E402
 from partita.passes.constraints import Pins, TrainingRequest  # noqa: E402
 from tests.oracles import choose_data_parallel  # noqa: E402
 from partita.passes.profile import profile_model  # noqa: E402
-from partita.passes.tensor_parallel import choose_mesh, plan_alternatives  # noqa: E402
+from partita.passes.tp.mesh import choose_mesh, plan_alternatives  # noqa: E402
 
 
 @functools.lru_cache(maxsize=None)
@@ -110,7 +110,7 @@ def test_recomputing_repeats_the_forward_collectives_only():
     """A vocabulary-parallel softmax all-reduces twice in forward and once in backward; a column
     input all-gathered in forward and reduced back: recomputing repeats the forward ones."""
     from partita.core.plan import InputLayout, NodeDecision
-    from partita.passes.tp_layout import recompute_collectives
+    from partita.core.tp.layout import recompute_collectives
 
     soft = NodeDecision("sm", "aten._softmax.default", "m", "vocab", ("shard(1)",),
                         internal=("all_reduce:64", "all_reduce:64", "all_reduce:64"), layer="h.0")

@@ -16,12 +16,12 @@ from partita.compiler.api import default_loss  # noqa: E402
 from partita.core.capture import capture  # noqa: E402
 from partita.core.errors import InfeasibleError  # noqa: E402
 from partita.core.inputs import parse_input_spec  # noqa: E402
-from partita.passes.cluster import PRESETS  # noqa: E402
+from partita.core.cluster import PRESETS  # noqa: E402
 from partita.passes.profile import profile_model  # noqa: E402
-from partita.passes.tp_ilp import solve_tp  # noqa: E402
-from partita.passes.tp_problem import TPSetting, build_problem, evaluate  # noqa: E402
+from partita.passes.tp.ilp import solve_tp  # noqa: E402
+from partita.passes.tp.problem import TPSetting, build_problem, evaluate  # noqa: E402
 from tests.oracles import exhaustive_choice  # noqa: E402
-from partita.passes.tp_layout import layout_decisions  # noqa: E402
+from partita.core.tp.layout import layout_decisions  # noqa: E402
 
 A100 = PRESETS["dgx-a100"]
 
@@ -174,9 +174,9 @@ def test_tied_layers_keep_their_own_backward_reshards():
     strategy used to be copied to all four, with its "no gradient" input: the run then failed in
     its first backward (issue 16)."""
     from partita.compiler.compile import compile_model
-    from partita.passes.cluster import load_cluster
+    from partita.core.cluster import load_cluster
     from partita.passes.constraints import Pins
-    from partita.passes.tp_strategies import NONE, grad_convention, node_strategies, reshard_kind
+    from partita.core.tp.strategies import NONE, grad_convention, node_strategies, reshard_kind
 
     result = compile_model(lambda: MLP(1024, 1024, 1024, 4), [parse_input_spec("x=float32[128,1024]")],
                            load_cluster("local", devices=2), pins=Pins(world_size=2, tp=2))
@@ -202,7 +202,7 @@ def test_tied_layers_keep_their_own_backward_reshards():
 def test_a_member_offered_other_layouts_gets_its_own_class():
     """Tying shares a choice among members whose strategy lists agree layout for layout; a member
     offered other layouts (here: layer 2's linear without "col") is solved on its own."""
-    from partita.passes.tp_strategies import node_strategies
+    from partita.core.tp.strategies import node_strategies
 
     prof = _profile("mlp4", width=256, spec="x=float32[64,256]")
     G = prof.graph

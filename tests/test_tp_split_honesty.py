@@ -16,7 +16,7 @@ from partita.compiler.compile import compile_model  # noqa: E402
 from partita.core.inputs import parse_input_spec  # noqa: E402
 from partita.compiler.report import plan_summary, tp_split  # noqa: E402
 from partita.compiler.view import page_data  # noqa: E402
-from partita.passes.cluster import load_cluster  # noqa: E402
+from partita.core.cluster import load_cluster  # noqa: E402
 from partita.passes.constraints import Pins  # noqa: E402
 
 

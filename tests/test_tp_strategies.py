@@ -20,10 +20,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from examples.models import MLP, gpt_tiny  # noqa: E402
 from partita.core.capture import capture  # noqa: E402
 from partita.core.inputs import InputSpec  # noqa: E402
-from partita.passes.graph import to_networkx  # noqa: E402
-from partita.passes.tp_layout import layout_decisions, tp_collectives  # noqa: E402
-from partita.passes.tp_rules_views import view_dim  # noqa: E402
-from partita.passes.tp_strategies import (  # noqa: E402
+from partita.core.graph import to_networkx  # noqa: E402
+from partita.core.tp.layout import layout_decisions, tp_collectives  # noqa: E402
+from partita.core.tp.view_rules import view_dim  # noqa: E402
+from partita.core.tp.strategies import (  # noqa: E402
     NONE, PARTIAL, REPLICATE, node_strategies, shard_dim, unsupported_ops,
 )
 from tp_choice import MEGATRON, pinned_choice  # noqa: E402

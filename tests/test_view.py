@@ -35,7 +35,7 @@ def demo_plan():
     from partita.compiler.compile import compile_model
     from partita.compiler.demo import BATCH, SEQ, demo_model
     from partita.core.inputs import parse_input_spec
-    from partita.passes.cluster import load_cluster
+    from partita.core.cluster import load_cluster
     from partita.passes.constraints import Pins
 
     return compile_model(demo_model, [parse_input_spec(f"idx=int64[{BATCH},{SEQ}]")],

@@ -11,7 +11,7 @@ import pytest
 from partita.compiler.compile import compile_model
 from partita.core.inputs import parse_input_spec
 from partita.core.plan import Mesh
-from partita.passes.cluster import load_cluster
+from partita.core.cluster import load_cluster
 from partita.passes.constraints import Pins
 from partita.runtime.watchdog import EXIT_HUNG, FlightRecorder, Watchdog
 

@@ -15,7 +15,7 @@ from typing import Mapping
 
 import networkx as nx
 
-from partita.passes.tp_strategies import Strategy, input_index, node_strategies
+from partita.core.tp.strategies import Strategy, input_index, node_strategies
 
 # (module-path regex, op packet name) -> strategy name
 MEGATRON: dict[tuple[str, str], str] = {
@@ -66,8 +66,8 @@ def tp_plan(module, inputs: list, loss, targets, *, tp: int, dp: int = 1, mbs: i
     from partita.core.plan import (
         Collective, MemoryBreakdown, Mesh, ModelInfo, ParamDecision, Plan, Prediction, SolverReport, Training,
     )
-    from partita.passes.graph import graph_fingerprint, to_networkx
-    from partita.passes.tp_layout import layout_decisions, tp_collectives
+    from partita.core.graph import graph_fingerprint, to_networkx
+    from partita.core.tp.layout import layout_decisions, tp_collectives
 
     micro = [InputSpec(s.name, s.dtype, (mbs, *s.shape[1:])) for s in inputs]
     mt = InputSpec(targets.name, targets.dtype, (mbs, *targets.shape[1:])) if targets is not None else None

@@ -25,7 +25,7 @@ from dp_worker import GPT_VOCAB, OPTIMIZERS, SEQ, gpt_batch, gpt_loss, mlp, mlp_
 from examples.models import LogitsOnly, gpt_tiny
 from harness import check_close, check_loss, gather_tp, reference_backward
 from partita.core.inputs import InputSpec
-from partita.runtime.grad_buckets import bucket_layout
+from partita.runtime.dp.buckets import bucket_layout
 from partita.runtime.distributed import DistContext
 from partita.runtime.engine import ParallelModel
 from tp_choice import MEGATRON, tp_plan

@@ -31,7 +31,7 @@ import torch.distributed as dist
 from dp_worker import OPTIMIZERS, gpt_batch, gpt_loss
 from harness import check_close, check_loss, gather_tp, reference_step
 from partita.passes.cost_model import model_state_memory, state_bytes_per_param, zero_collectives
-from partita.runtime.grad_buckets import bucket_layout
+from partita.runtime.dp.buckets import bucket_layout
 from partita.runtime.distributed import DistContext
 from partita.runtime.engine import ParallelModel
 from pp_choice import pp_plan

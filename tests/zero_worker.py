@@ -1,6 +1,6 @@
 """Checks run inside each rank of a multi-process ZeRO test (see test_runtime_zero.py).
 
-Every rank trains with runtime/zero.py's ZeroProgram (its own small train step,
+Every rank trains with runtime/dp/zero.py's ZeroProgram (its own small train step,
 the engine's micro-batch loop) and, in the same process, a plain single-process
 reference over the same global batch; it compares losses, first-step gradients
 and parameters after STEPS steps, the model-state bytes it holds with
@@ -25,8 +25,8 @@ from partita.passes.cost_model import (
 )
 from partita.runtime.collectives import CollectiveCounter
 from partita.runtime.distributed import DistContext
-from partita.runtime.grad_buckets import bucket_layout
-from partita.runtime.zero import ZeroProgram, apply_zero
+from partita.runtime.dp.buckets import bucket_layout
+from partita.runtime.dp.zero import ZeroProgram, apply_zero
 
 STEPS = 3
 MBS = 2
@@ -77,7 +77,7 @@ def sent_bytes(counter: CollectiveCounter, n: int) -> float:
 
 
 def expected_traffic_bytes(num_params: int, stage: int, n: int, accum: int) -> float:
-    """The plan's per-step figure, scaled for accumulation as runtime/zero.py documents."""
+    """The plan's per-step figure, scaled for accumulation as runtime/dp/zero.py documents."""
     per_step = zero_traffic_elements(num_params, stage, n) * 4
     return per_step * {1: 1, 2: (accum + 1) / 2, 3: accum}[stage]
 

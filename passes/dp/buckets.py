@@ -1,0 +1,22 @@
+"""The data-parallel axis's planner half: how gradients are grouped into collectives.
+
+The data-parallel degree is chosen jointly with the other axes (passes/search.py:
+passes/tp/mesh.py at pp = 1, passes/pipeline/stages.py at pp > 1, with
+ZeRO as passes/dp/zero.py says); what is data parallelism's own is the gradient
+buckets those searches price and the plan lists: ``gradient_buckets`` packs them
+by core/buckets.py's rule, the one the runtime all-reduces by
+(runtime/dp/averaging.py).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from partita.core.buckets import DEFAULT_BUCKET_BYTES, pack_buckets  # noqa: F401 (re-exported)
+
+
+def gradient_buckets(numels: Sequence[int], elem_bytes: int, cap_bytes: int = DEFAULT_BUCKET_BYTES) -> list[int]:
+    """Bytes of each gradient bucket of parameters of ``numels`` elements (registration order),
+    packed by core/buckets.py's ``pack_buckets``, the runtime's rule."""
+    sizes = [n * elem_bytes for n in numels]
+    return [sum(sizes[i] for i in b) for b in pack_buckets(sizes, cap_bytes)]

@@ -1,0 +1,316 @@
+"""The pipeline solver's input: the order stages are runs of, where cuts may fall, and each
+position's costs per micro-batch.
+
+Reads a ``ModelProfile``'s annotated graph (``kind``, ``inputs``, ``out_bytes``,
+``dtypes``, ``flops_fwd``, ``flops_bwd``, ``requires_grad``, ``saved_bytes``,
+``param_name``, ``layer``, ``module``, ``depends_on_input``). Writes nothing.
+
+The order (``pipeline_order``): the captured (topological) order with every
+placeholder moved to just before its first user, so a stage owns the parameters
+it uses and the last stage reads the targets itself.
+
+The search space (``allowed_boundaries``): with repeated layers a cut may only
+fall between two layers or between a layer and the code before or after them
+(L + 1 places for L layers); otherwise after any call node. A cut at boundary k
+sends every tensor live across it forward per micro-batch, and the gradients of
+those that carry one back (``NodeCosts.send_bytes`` / ``grad_bytes``).
+
+Recomputation (``recompute_costs``): a layer keeps only its inputs and runs its
+forward again in backward.
+"""
+
+from __future__ import annotations
+
+import bisect
+import functools
+import math
+import weakref
+from dataclasses import dataclass, replace
+from typing import Sequence
+
+import networkx as nx
+
+from partita.core.precision import activation_scale as precision_activation_scale, is_floating
+from partita.core.cluster import ClusterSpec
+from partita.passes.constraints import TrainingRequest
+from partita.passes.cost_model import node_compute_time
+from partita.core.graph import per_graph
+from partita.passes.profile import ModelProfile
+
+
+
+_PLACEHOLDERS = ("param", "buffer", "input")
+
+
+# -- the order and the search space ---------------------------------------------
+
+
+def pipeline_order(G: nx.DiGraph) -> list[str]:
+    """The graph's nodes in captured order, each placeholder moved to just before its first user."""
+    position = {n: i for i, n in enumerate(G.nodes)}
+
+    def key(n: str) -> tuple[int, int]:
+        if G.nodes[n]["kind"] in _PLACEHOLDERS:
+            users = [position[u] for u in G.successors(n)]
+            return (min(users), 0) if users else (position[n], 0)
+        return (position[n], 1)
+
+    order = sorted(G.nodes, key=key)
+    at = {n: i for i, n in enumerate(order)}
+    assert all(at[u] < at[v] for u, v in G.edges), "pipeline order must be topological"
+    return order
+
+
+def allowed_boundaries(G: nx.DiGraph, order: Sequence[str]) -> tuple[int, ...]:
+    """Boundaries k (a cut between positions k - 1 and k) the solver may cut at (module docstring)."""
+    n = len(order)
+    spans: dict[str, list[int]] = {}
+    for i, name in enumerate(order):
+        layer = G.nodes[name].get("layer")
+        if layer:
+            spans.setdefault(layer, [i, i])[1] = i
+    after_call = [k for k in range(1, n) if G.nodes[order[k - 1]]["kind"] == "call" and G.nodes[order[k]]["kind"] != "output"]
+    if not spans:
+        return tuple(after_call)
+    inside = set()
+    for lo, hi in spans.values():
+        inside.update(range(lo + 1, hi + 1))
+    in_layer = lambda i: bool(G.nodes[order[i]].get("layer"))  # noqa: E731
+    return tuple(k for k in after_call if k not in inside and (in_layer(k - 1) or in_layer(k)))
+
+
+# graph -> {"both": (order, boundaries)} (graph.per_graph): a search asks for node costs at
+# every (micro-batch, tp)
+_STRUCTURE: "weakref.WeakKeyDictionary[nx.DiGraph, tuple[int, dict]]" = weakref.WeakKeyDictionary()
+
+
+def _structure(G: nx.DiGraph) -> tuple[list[str], tuple[int, ...]]:
+    """``pipeline_order`` and ``allowed_boundaries`` of ``G``, computed once per graph."""
+    cache = per_graph(_STRUCTURE, G)
+    if "both" not in cache:
+        order = pipeline_order(G)
+        cache["both"] = (order, allowed_boundaries(G, order))
+    return cache["both"]
+
+
+# -- the solver's input ----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SharedParam:
+    """A parameter whose users a cut can separate: every stage with a user holds a copy."""
+
+    name: str
+    numel: int  # on one device (after tensor-parallel sharding)
+    users: tuple[int, ...]  # positions of its users, sorted
+
+
+@dataclass(frozen=True)
+class NodeCosts:
+    """One micro-batch's costs per position of the pipeline order, on one device of a stage.
+
+    The solver reads nothing else, so a tensor-parallel solve can hand in its own
+    per-node costs at a TP degree. ``send_bytes[k]`` / ``grad_bytes[k]`` are the
+    bytes crossing boundary k forward / backward (k = 0..N; 0 and N are empty).
+    """
+
+    order: tuple[str, ...]
+    forward_s: tuple[float, ...]
+    backward_s: tuple[float, ...]
+    saved_bytes: tuple[int, ...]
+    param_numel: tuple[int, ...]  # parameters used only at this position, local numel
+    send_bytes: tuple[int, ...]
+    grad_bytes: tuple[int, ...]
+    boundaries: tuple[int, ...]
+    shared: tuple[SharedParam, ...] = ()
+    modules: tuple[str, ...] = ()  # per position: its layer ("transformer.h.3"), a parameter's module, or ""
+    layers: frozenset[str] = frozenset()  # the repeated layers' names
+    live_bytes: tuple[int, ...] = ()  # inference: activations alive while each position runs (activations.py)
+
+    @functools.cached_property
+    def _live_table(self) -> list[list[int]]:
+        """Sparse table of ``live_bytes``: row r holds the max over each window of 2**r positions."""
+        table = [list(self.live_bytes)]
+        while 2 ** len(table) <= len(self.live_bytes):
+            prev, half = table[-1], 2 ** (len(table) - 1)
+            table.append([max(prev[i], prev[i + half]) for i in range(len(prev) - half)])
+        return table
+
+    def live_peak(self, j: int, k: int) -> int:
+        """The largest live set over positions [j, k): an inference stage's activations (0 in training)."""
+        if not self.live_bytes or k <= j:
+            return 0
+        r = (k - j).bit_length() - 1
+        row = self._live_table[r]
+        return max(row[j], row[k - 2 ** r])
+
+    @functools.cached_property
+    def _label_runs(self) -> tuple[list[int], list[str]]:
+        starts, labels = [], []
+        for i, label in enumerate(self.modules):
+            if not labels or label != labels[-1]:
+                starts.append(i)
+                labels.append(label)
+        return starts, labels
+
+    def module_runs(self, j: int, k: int) -> list[str]:
+        """``modules[j:k]`` with consecutive repeats collapsed (a layer's label once per run of its
+        nodes, not once per node)."""
+        if k <= j:
+            return []
+        starts, labels = self._label_runs
+        first = bisect.bisect_right(starts, j) - 1
+        last = bisect.bisect_right(starts, k - 1)
+        return labels[first:last]
+
+    @functools.cached_property
+    def prefix_sums(self) -> tuple[list[float], list[float], list[float], list[float]]:
+        """Prefix sums of (forward + backward, forward, saved bytes, parameters) over the order."""
+        return (_prefix([f + b for f, b in zip(self.forward_s, self.backward_s)]), _prefix(self.forward_s),
+                _prefix(self.saved_bytes), _prefix(self.param_numel))
+
+    def __post_init__(self) -> None:
+        n = len(self.order)
+        for name in ("forward_s", "backward_s", "saved_bytes", "param_numel"):
+            if len(getattr(self, name)) != n:
+                raise ValueError(f"NodeCosts.{name} has {len(getattr(self, name))} entries for {n} positions")
+        if len(self.send_bytes) != n + 1 or len(self.grad_bytes) != n + 1:
+            raise ValueError(f"NodeCosts needs {n + 1} boundary byte counts")
+
+
+@dataclass(frozen=True)
+class Recompute:
+    """A stage's costs when its repeated layers recompute their activations (``recompute_costs``)."""
+
+    costs: NodeCosts  # saved bytes: only each layer's inputs; backward: + the layer's forward
+    transient_bytes: int  # one layer's full activations, rebuilt while its backward runs
+    forced: bool = False  # every stage recomputes (``Pins.recompute``), not only where memory binds
+
+
+def recompute_costs(c: NodeCosts, *, forced: bool = False) -> Recompute | None:
+    """``c`` with every repeated layer checkpointed at its boundaries; None without layers.
+
+    A layer keeps ``send_bytes`` at its first position (every tensor live across
+    that boundary: its inputs, an upper bound when something is relayed past it)
+    and nothing else; its backward runs its forward again first. The largest
+    layer's saved bytes are held once more while that layer is recomputed."""
+    if not c.layers:
+        return None
+    fwd, bwd, saved = list(c.forward_s), list(c.backward_s), list(c.saved_bytes)
+    per_layer: dict[str, int] = {}
+    current = ""  # the layer the previous position belonged to
+    for i, label in enumerate(c.modules):
+        # a layer's own nodes carry its name; its parameters (placed before their first user)
+        # their module's, below it
+        layer = label if label in c.layers else current if current and label.startswith(current + ".") else ""
+        if not layer:
+            current = ""
+            continue
+        per_layer[layer] = per_layer.get(layer, 0) + saved[i]
+        bwd[i] += fwd[i]
+        saved[i] = c.send_bytes[i] if layer != current else 0
+        current = layer
+    return Recompute(replace(c, backward_s=tuple(bwd), saved_bytes=tuple(saved)), max(per_layer.values()), forced)
+
+
+def activation_scale(profile: ModelProfile, request: TrainingRequest) -> float:
+    """The precision's element size over the captured one: the profile measured saved and sent
+    bytes at the capture's dtype, the plan holds floating tensors at the precision's."""
+    return precision_activation_scale(request.precision, profile.param_dtype)
+
+
+def kv_ratio(profile: ModelProfile, request: TrainingRequest) -> float:
+    """An attention op's KV cache over the keys and values it reads at the captured sequence:
+    prompt + new tokens over the captured tokens (0 unless generating; activations.annotate_kv_cache)."""
+    return request.kv_tokens / profile.seq_len if request.inference and request.kv_tokens and profile.seq_len else 0.0
+
+
+def node_costs(profile: ModelProfile, cluster: ClusterSpec, request: TrainingRequest, micro_batch: int,
+               *, tp: int = 1) -> NodeCosts:
+    """Per-node costs from the profile, scaled from the captured batch to ``micro_batch``.
+
+    Batch-dependent nodes (``depends_on_input``) scale linearly, the rest stay; float
+    tensors take the precision's element size. ``tp > 1`` divides compute, parameters
+    and saved activations (an inference step's KV cache) evenly (ideal tensor + sequence parallelism, Korthikanti's
+    (s b h / t)(34 + 5 a s / h), and no TP communication): pass the TP solver's per-node
+    costs instead for real numbers. What crosses a cut stays whole (b s h, not b s h / t).
+    """
+    G = profile.graph
+    order, boundaries = _structure(G)
+    at = {n: i for i, n in enumerate(order)}
+    batch = micro_batch / profile.batch_size
+    act = activation_scale(profile, request)
+    kv = kv_ratio(profile, request)
+
+    def scale(a: dict) -> float:
+        return batch if a["depends_on_input"] else 1.0
+
+    def nbytes(a: dict) -> float:
+        floating = any(is_floating(d) for d in a["dtypes"])
+        return a["out_bytes"] * scale(a) * (act if floating else 1.0)
+
+    fwd, bwd, saved, params = [], [], [], [0] * len(order)
+    for name in order:
+        a = G.nodes[name]
+        f, b = node_compute_time(a, cluster, request.precision, scale=scale(a) / tp, byte_scale=scale(a) * act / tp,
+                                 inference=request.inference)
+        fwd.append(f)
+        bwd.append(b)
+        saved.append(round(a.get("kv_bytes", 0) * scale(a) * act * kv / tp) if request.inference
+                     else round(a["saved_bytes"] * scale(a) * act / tp))
+    live = [round((a["live_batch"] * batch + a["live_fixed"]) * act / tp) for a in map(G.nodes.__getitem__, order)] \
+        if request.inference else []
+    send = [0.0] * (len(order) + 2)
+    grad = [0.0] * (len(order) + 2)
+    users_by_param: dict[str, list[int]] = {}
+    numel_by_param: dict[str, int] = {}
+    for name in order:
+        a = G.nodes[name]
+        users = sorted(at[u] for u in G.successors(name))
+        if a["kind"] == "param":
+            pname = a.get("param_name", name)
+            users_by_param.setdefault(pname, []).extend(users or [at[name]])
+            numel_by_param[pname] = math.prod(a["shapes"][0]) // tp if a["shapes"] else 0
+            continue
+        if a["kind"] == "buffer" or not users or users[-1] <= at[name] + 1:
+            continue
+        first, last = at[name] + 1, users[-1]  # live across boundaries first..last
+        b = nbytes(a)
+        send[first] += b
+        send[last + 1] -= b
+        if a.get("requires_grad") and not request.inference:
+            grad[first] += b
+            grad[last + 1] -= b
+    shared = []
+    for pname, users in users_by_param.items():
+        users = sorted(set(users))
+        lo, hi = users[0], users[-1]
+        i = bisect.bisect_right(boundaries, lo)  # the first boundary after the first user
+        if i < len(boundaries) and boundaries[i] <= hi:
+            shared.append(SharedParam(pname, numel_by_param[pname], tuple(users)))
+        else:
+            params[lo] += numel_by_param[pname]
+    return NodeCosts(
+        order=tuple(order), forward_s=tuple(fwd), backward_s=tuple(bwd), saved_bytes=tuple(saved),
+        param_numel=tuple(params), send_bytes=_running(send), grad_bytes=_running(grad),
+        boundaries=boundaries, shared=tuple(shared),
+        modules=tuple(G.nodes[n].get("layer") or (G.nodes[n]["module"] if G.nodes[n]["kind"] == "param" else "")
+                      for n in order),
+        layers=frozenset(a["layer"] for _, a in G.nodes(data=True) if a.get("layer")),
+        live_bytes=tuple(live),
+    )
+
+
+def _running(diff: list[float]) -> tuple[int, ...]:
+    out, acc = [], 0.0
+    for d in diff[:-1]:
+        acc += d
+        out.append(round(acc))
+    return tuple(out)
+
+
+def _prefix(values: Sequence[float]) -> list[float]:
+    out = [0]
+    for v in values:
+        out.append(out[-1] + v)
+    return out

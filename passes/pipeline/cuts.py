@@ -1,0 +1,244 @@
+"""The exact cut solver: a bottleneck partition of the pipeline order into p stages.
+
+Over the K allowed boundaries of a ``NodeCosts`` (passes/pipeline/costs.py),
+
+    f[s][k] = min_{j < k} max(f[s-1][j], slot(j, k, s))   subject to mem(j, k, s) <= budget
+
+where slot is a stage's forward + backward + overhead + sends per micro-batch
+(cost_model.stage_slot_time) and mem its model state plus the activations in
+flight under the schedule (core/schedule.py ``in_flight``). ``Partition`` gives
+every segment's time and memory in O(1) from prefix sums (plus one bisect per
+shared parameter) and decides per segment whether the stage recomputes;
+``solve_cuts`` runs the dynamic program; ``any_cuts_fit`` says by one greedy pass
+whether any cuts fit memory at all.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+from partita.core.plan import MemoryBreakdown
+from partita.core.schedule import in_flight
+from partita.core.cluster import ClusterSpec, Link
+from partita.passes.cost_model import (
+    StateBytes,
+    model_state_memory,
+    p2p_time,
+    sharded_state,
+    stage_slot_time,
+)
+from partita.passes.pipeline.costs import NodeCosts, Recompute, SharedParam
+
+INF = math.inf
+
+
+# -- the partition problem -------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StageSetup:
+    """What is fixed while cuts are searched: stage count, schedule, links, budget."""
+
+    stages: int
+    micro_batches: int
+    schedule: str
+    links: tuple[Link, ...]  # links[s]: between stage s and s + 1
+    capacity: int  # usable bytes per device
+    state: StateBytes
+    zero_stage: int = 0  # ZeRO over each stage's dp group
+    dp: int = 1
+
+    @property
+    def held(self) -> StateBytes:
+        """Bytes per parameter one device holds: ``state`` sharded by ZeRO over the dp group."""
+        return sharded_state(self.state, self.zero_stage, self.dp)
+
+
+class Partition:
+    """Segment costs of one ``NodeCosts`` under one ``StageSetup``, from prefix sums.
+
+    A segment is positions [j, k) on stage s.
+    """
+
+    def __init__(self, costs: NodeCosts, setup: StageSetup, cluster: ClusterSpec, *, forbid: Sequence[int] = (),
+                 recompute: Recompute | None = None):
+        self.costs, self.setup, self.cluster = costs, setup, cluster
+        self.n = len(costs.order)
+        # the prefix sums depend on the costs only: shared by every setup cut over them
+        self.compute, self.fwd, self.saved, self.params = costs.prefix_sums
+        self.rc = recompute if setup.zero_stage < 3 else None
+        if self.rc is not None:
+            self._rc_compute, _, self._rc_saved, _ = self.rc.costs.prefix_sums
+        blocked = set(forbid)
+        self.boundaries = tuple(k for k in costs.boundaries if k not in blocked)
+        self.held = [in_flight(setup.schedule, s, setup.stages, setup.micro_batches)
+                     for s in range(setup.stages)]
+        held = setup.held  # bytes per parameter, read once: memory_total is the DP's inner loop
+        self._state_bytes = (held.params, held.grads, held.optimizer)
+
+    def shared_in(self, j: int, k: int) -> list[SharedParam]:
+        out = []
+        for sp in self.costs.shared:
+            i = bisect.bisect_left(sp.users, j)
+            if i < len(sp.users) and sp.users[i] < k:
+                out.append(sp)
+        return out
+
+    def param_numel(self, j: int, k: int) -> int:
+        numel = self.params[k] - self.params[j]
+        if self.costs.shared:
+            numel += sum(sp.numel for sp in self.shared_in(j, k))
+        return numel
+
+    def p2p(self, j: int, k: int, s: int) -> float:
+        """Stage s's sends per micro-batch: activations over boundary k, gradients back over j."""
+        p, c = self.setup.stages, self.costs
+        out = p2p_time(c.send_bytes[k], self.setup.links[s]) if s < p - 1 else 0.0
+        back = p2p_time(c.grad_bytes[j], self.setup.links[s - 1]) if s > 0 else 0.0
+        return out + back
+
+    def _choice(self, j: int, k: int, s: int) -> tuple[int, bool]:
+        """(bytes per device, whether it recomputes) of stage s over [j, k): the one place the
+        stage's recomputation is decided. Forced, it always recomputes; otherwise exactly when
+        it does not fit without and does with. Whether the total fits never turns from no to
+        yes as a segment grows: each of the two totals grows with the segment."""
+        state = self._state_total(j, k) + self.costs.live_peak(j, k)
+        plain = state + self.held[s] * (self.saved[k] - self.saved[j])
+        rc, cap = self.rc, self.setup.capacity
+        if rc is None or (not rc.forced and plain <= cap):
+            return plain, False
+        total = state + self.held[s] * (self._rc_saved[k] - self._rc_saved[j]) + rc.transient_bytes
+        if rc.forced or total <= cap:
+            return total, True
+        return plain, False
+
+    def recomputes(self, j: int, k: int, s: int) -> bool:
+        """Whether stage s over [j, k) recomputes its layers (``_choice``)."""
+        return self._choice(j, k, s)[1]
+
+    def _compute(self, j: int, k: int, recompute: bool) -> float:
+        compute = self._rc_compute if recompute else self.compute
+        return compute[k] - compute[j]
+
+    def compute_s(self, j: int, k: int, s: int) -> float:
+        """One micro-batch's forward + backward of the segment (recomputation included)."""
+        return self._compute(j, k, self.recomputes(j, k, s))
+
+    def slot(self, j: int, k: int, s: int) -> float:
+        return stage_slot_time(self.compute_s(j, k, s), self.p2p(j, k, s), self.cluster)
+
+    def memory(self, j: int, k: int, s: int) -> MemoryBreakdown:
+        st = model_state_memory(self.param_numel(j, k), self.setup.held)
+        held = in_flight(self.setup.schedule, s, self.setup.stages, self.setup.micro_batches)
+        if self.recomputes(j, k, s):
+            act = held * (self._rc_saved[k] - self._rc_saved[j]) + self.rc.transient_bytes
+        else:
+            act = held * (self.saved[k] - self.saved[j]) + self.costs.live_peak(j, k)
+        return MemoryBreakdown(st.params, st.grads, st.optimizer, act, self.setup.capacity)
+
+    def _state_total(self, j: int, k: int) -> int:
+        numel = self.param_numel(j, k)
+        params, grads, optimizer = self._state_bytes
+        return round(numel * params) + round(numel * grads) + round(numel * optimizer)
+
+    def memory_total(self, j: int, k: int, s: int) -> int:
+        """``memory(j, k, s).total`` without building the records (the DP's inner loop)."""
+        return self._choice(j, k, s)[0]
+
+    def time_cost(self, j: int, k: int, s: int) -> float:
+        """The DP's segment cost: the slot, or infinity when the stage does not fit."""
+        total, recompute = self._choice(j, k, s)
+        if total > self.setup.capacity:
+            return INF
+        return stage_slot_time(self._compute(j, k, recompute), self.p2p(j, k, s), self.cluster)
+
+    def time_floor(self, j: int, k: int, s: int) -> float:
+        """A lower bound on ``time_cost`` that never decreases as the segment grows (j falls):
+        the compute without recomputation, which only adds time."""
+        if self.memory_total(j, k, s) > self.setup.capacity:
+            return INF
+        forced = self.rc is not None and self.rc.forced
+        return self._compute(j, k, forced) + self.cluster.step_overhead_s
+
+    def memory_cost(self, j: int, k: int, s: int) -> float:
+        return float(self.memory_total(j, k, s))
+
+
+
+def solve_cuts(part: Partition, cost: Callable[[int, int, int], float] | None = None,
+               floor: Callable[[int, int, int], float] | None = None) -> tuple[float, tuple[int, ...]]:
+    """Exact bottleneck partition of positions 0..N into ``part.setup.stages`` segments at
+    ``part.boundaries``, minimising the largest ``cost(j, k, s)`` (default: ``part.time_cost``).
+
+    ``floor(j, k, s)`` is a lower bound on the cost that never decreases as a segment
+    grows (default: ``part.time_floor`` for the time cost, the cost itself otherwise):
+    segments ending at k are tried longest-last and the scan stops once the floor
+    reaches the best found. Returns (objective, bounds) with bounds = (0, b_1, ..., N);
+    objective ``inf`` when no partition has a finite cost (then bounds is empty).
+    """
+    if cost is None:
+        cost, floor = part.time_cost, floor or part.time_floor
+    floor = floor or cost
+    p, n = part.setup.stages, part.n
+    ends = list(part.boundaries)
+    if p == 1:
+        v = cost(0, n, 0)
+        return (v, (0, n)) if v < INF else (INF, ())
+    if len(ends) < p - 1:
+        return INF, ()
+    # best[s][k]: the least bottleneck of stages 0..s ending at boundary k; back[s][k]: its previous boundary
+    best: list[dict[int, float]] = [{k: cost(0, k, 0) for k in ends}]
+    back: list[dict[int, int]] = [{k: 0 for k in ends}]
+    for s in range(1, p):
+        targets = [n] if s == p - 1 else ends
+        row, prev = {}, {}
+        for k in targets:
+            v_best, j_best = INF, -1
+            for j in reversed(ends[:bisect.bisect_left(ends, k)]):
+                if floor(j, k, s) >= v_best:
+                    break  # longer segments cost at least as much
+                if best[s - 1][j] >= v_best:
+                    continue
+                v = max(best[s - 1][j], cost(j, k, s))
+                if v < v_best:
+                    v_best, j_best = v, j
+            row[k], prev[k] = v_best, j_best
+        best.append(row)
+        back.append(prev)
+    v = best[p - 1][n]
+    if v == INF:
+        return INF, ()
+    bounds, k = [n], n
+    for s in range(p - 1, 0, -1):
+        k = back[s][k]
+        bounds.append(k)
+    return v, tuple([0] + bounds[::-1])
+
+
+def any_cuts_fit(part: Partition) -> bool:
+    """Whether some cuts keep every stage of ``part`` within its memory (exactly what makes
+    ``solve_cuts(part)`` finite), by one greedy pass: each stage takes the furthest boundary
+    that still fits. Exact because a segment's memory never falls as it grows, and a
+    partition into fewer fitting stages refines into p (a stage split in two holds no
+    more, and a stage further on holds no more activations under any schedule)."""
+    p, n, cap = part.setup.stages, part.n, part.setup.capacity
+    ends = part.boundaries
+    if p > 1 and len(ends) < p - 1:
+        return False
+    j, i = 0, 0  # i: the first boundary after j
+    for s in range(p):
+        if part.memory_total(j, n, s) <= cap:
+            return True
+        reach = -1
+        while i < len(ends) and part.memory_total(j, ends[i], s) <= cap:
+            reach = ends[i]
+            i += 1
+        if reach < 0:
+            return False
+        j = reach
+    return False
+
+

@@ -1,0 +1,375 @@
+"""The pipeline axis: where to cut the model into stages, how many micro-batches, which schedule.
+
+Reads a ``ModelProfile``'s annotated graph (``kind``, ``inputs``, ``out_bytes``,
+``dtypes``, ``flops_fwd``, ``flops_bwd``, ``requires_grad``, ``saved_bytes``,
+``param_name``, ``layer``, ``module``, ``depends_on_input``), a ``ClusterSpec``, a
+``TrainingRequest`` and ``Pins``. Writes nothing on the graph. Returns a
+``PipelineDecision``: stages count p, micro-batches m, schedule and cuts, the
+stages' time and memory, and every alternative weighed with why it lost.
+
+The order. Stages are contiguous runs of ``pipeline_order``: the captured
+(topological) order with every placeholder moved to just before its first
+user, so a stage owns the parameters it uses and the last stage reads the
+targets itself. Repeated layers run one after another in that order.
+
+The search space. When the graph has repeated layers a cut may only fall
+between two layers or between a layer and the code before or after the
+layers (L + 1 places for L layers); otherwise after any call node. A cut at
+boundary k (between positions k - 1 and k) sends every tensor live across it
+(produced before k, used at or after k) forward per micro-batch, and the
+gradients of those that carry one back.
+
+Where each part lives: the order, the allowed boundaries and the per-node costs
+in passes/pipeline/costs.py; the cut DP in passes/pipeline/cuts.py; the branch
+and bound in passes/pipeline/bounds.py; why each candidate lost in
+passes/pipeline_explain.py; this module enumerates (p, dp, micro-batch,
+schedule, ZeRO stage) and joins them.
+
+The solver, per (p, dp, micro-batch size, schedule): an exact dynamic program
+over the boundaries (a bottleneck partition). With K allowed boundaries,
+
+    f[s][k] = min_{j < k} max(f[s-1][j], slot(j, k, s))   subject to mem(j, k, s) <= budget
+
+where slot is a stage's forward + backward + overhead + sends per
+micro-batch (cost_model.stage_slot_time) and mem its model state plus the
+activations in flight under the schedule (cost_model.activations_in_flight).
+For fixed (p, m) the step (m + p - 1) max_s slot_s is minimised exactly by
+minimising the slowest slot, so the DP is exact for that part of the step;
+the per-step tail (gradient all-reduce, optimizer) is added for the cuts found.
+O(p K^2) segment evaluations, each O(1) from prefix sums (plus one bisect per
+shared parameter); with 97 boundaries and p = 8 that is 75k evaluations.
+OR-Tools is not used: the problem is one-dimensional and the DP is exact and
+milliseconds fast (benchmarks/pp_planning_time.py), where a CP-SAT model of
+the same min-max would need a variable per boundary and stage.
+
+ZeRO. Each (p, dp, micro-batch, schedule, shared-parameter policy) is cut
+at the ZeRO stages of passes/dp/zero.zero_stages in order 0, 1, 2, 3, keeping the
+first that fits (the rule, and why it is safe, in passes/dp/zero.py): a stage's
+model state is sharded over its dp group (``StageSetup.zero_stage``, ``dp``),
+and its tail pays ZeRO's collectives (cost_model.zero_step_comm) and the
+optimizer's 1/dp slice instead of the all-reduce and the whole state.
+
+Activation recomputation, per stage where memory binds. A stage whose cuts do
+not fit memory may recompute its repeated layers (``recompute_costs``): each
+layer keeps only what crosses its first boundary (its inputs, what a
+checkpoint keeps) and recomputes its forward in backward (backward + forward
+time, the forward's TP collectives included), plus one layer's full
+activations while it is recomputed. The DP decides it segment by segment: a
+stage recomputes exactly when it does not fit without (``Partition.recomputes``),
+so it never costs time where memory does not bind. ``Pins.recompute`` forces it
+on every stage (True) or off (False). Not with ZeRO-3 (the runtime gathers its
+parameters per node, which a recompute in backward would free under it).
+
+Shared (tied) parameters. A parameter used in two stages (GPT-2's tied wte and
+lm_head) is held by both, counted in both stages' memory, and its gradient is
+all-reduced between them once per step. Both policies are weighed: cuts that
+split a shared parameter's users forbidden ("kept together"), or allowed and
+that all-reduce paid ("split").
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import time
+from dataclasses import replace
+from typing import Callable, Sequence
+
+from partita.core.errors import PartitaError
+from partita.core.plan import Mesh
+from partita.core.schedule import SCHEDULES, in_flight
+from partita.core.cluster import ClusterSpec, Link
+from partita.passes.constraints import Pins, TrainingRequest
+from partita.passes.cost_model import (
+    collective_time,
+    pipeline_step,
+    state_bytes_per_param,
+    zero_optimizer_time,
+    zero_step_comm,
+)
+from partita.passes.dp.buckets import gradient_buckets
+from partita.passes.pipeline.bounds import AllPruned, PipelineBound, PrunedCandidate, cached_costs
+from partita.passes.pipeline.costs import NodeCosts, Recompute, node_costs, pipeline_order, recompute_costs
+from partita.passes.pipeline.cuts import Partition, StageSetup, any_cuts_fit, solve_cuts
+from partita.passes.pipeline.decision import (
+    PipelineCandidate, PipelineDecision, PipelineStage, infeasible_error, loss_reason,
+)
+from partita.passes.explain import gb
+from partita.passes.profile import ModelProfile
+from partita.passes.space import pipeline_groups
+from partita.passes.dp.zero import STRATEGY_NAMES, zero_stages
+
+INF = math.inf
+
+
+def stage_links(cluster: ClusterSpec, pp: int, dp: int, tp: int) -> tuple[Link, ...]:
+    """The link between stage s and s + 1 of a (pp, dp, tp) mesh (``ClusterSpec.stage_links``)."""
+    return cluster.stage_links(Mesh(dp=dp, tp=tp, pp=pp))
+
+
+def stage_of_nodes(profile: ModelProfile, cuts: Sequence[str]) -> dict[str, int]:
+    """node -> stage for ``cuts`` (the last node of every stage but the last), over ``pipeline_order``.
+
+    The one mechanism from a cut list to a node -> stage map (``split_module``'s
+    ``split_callback``); a shared parameter's placeholder goes with its first user,
+    and its other users' stages hold a copy (``PipelineDecision.shared``).
+    """
+    order = pipeline_order(profile.graph)
+    at = {n: i for i, n in enumerate(order)}
+    missing = [c for c in cuts if c not in at]
+    if missing:
+        raise ValueError(f"cut node(s) {', '.join(missing)} are not in the graph of {profile.name}")
+    ends = [at[c] + 1 for c in cuts]
+    if ends != sorted(set(ends)) or (ends and ends[-1] >= len(order)):
+        raise ValueError(f"cuts {list(cuts)} are not strictly increasing positions before the last node")
+    return {n: bisect.bisect_right(ends, i) for i, n in enumerate(order)}
+
+
+def choose_pipeline(
+    profile: ModelProfile,
+    cluster: ClusterSpec,
+    request: TrainingRequest,
+    pins: Pins = Pins(),
+    *,
+    devices_per_stage: int = 1,
+    schedules: Sequence[str] = SCHEDULES,
+    costs: Callable[[int], NodeCosts] | None = None,
+    floor_costs: Callable[[int], NodeCosts] | None = None,
+    prune: bool = False,
+    bound: float = INF,
+) -> PipelineDecision:
+    """Decide p, m, the schedule and the cuts jointly; see the module docstring.
+
+    Every device is used: pp x dp x devices_per_stage = devices (``pins.world_size``
+    or the cluster's). ``costs(micro_batch)`` replaces the profile's per-node costs
+    (a tensor-parallel solve at ``devices_per_stage``). ``schedules`` narrows the
+    schedules weighed (a runtime that runs only GPipe).
+
+    ``prune`` turns on branch and bound (``PipelineBound``): (p, micro-batch) groups
+    are visited by their lower bound, and a group whose bound exceeds the fastest
+    step found so far (or ``bound``, a step found elsewhere) is recorded in
+    ``pruned`` without building its costs or cutting it; so is one that no cuts
+    could fit even at ``floor_costs(micro_batch)`` (per-node costs never above
+    ``costs``'; the profile's at tp = 1, which are exact there, by default). A ZeRO
+    stage that no cuts fit is found by a greedy pass (``any_cuts_fit``) instead of a
+    failed DP, and the least-memory DP of a group that fits nowhere is run only when
+    nothing fits at all. The best candidate is the exhaustive search's: nothing
+    pruned could have been faster. When everything here was pruned against an
+    outside ``bound``, ``AllPruned`` carries the record.
+    """
+    t0 = time.perf_counter()
+    devices = pins.world_size or cluster.world_size
+    tp = pins.tp or devices_per_stage
+    bad = [s for s in schedules if s not in SCHEDULES]
+    if bad or not schedules:
+        raise PartitaError(f"schedule(s) {bad or '(none)'} are not among {', '.join(SCHEDULES)}",
+                           hint="pass --schedule 1f1b or gpipe")
+    state = state_bytes_per_param(request.precision, request.optimizer, inference=request.inference)
+    build = costs or (lambda mb: node_costs(profile, cluster, request, mb, tp=tp))
+    if floor_costs is None and costs is None:
+        floor_costs = build
+    cache: dict[int, NodeCosts] = {}
+    B = request.global_batch
+    groups = pipeline_groups(devices, tp, B, pins)  # (p, dp, micro-batch size, micro-batches)
+    if pins.schedule is not None:  # a pinned schedule: only pipelines (p > 1) that run it
+        schedules = (pins.schedule,)
+    weigh_rc = not request.inference and pins.recompute is not False
+    rc_cache: dict[int, Recompute | None] = {}
+
+    def with_rc(c: NodeCosts) -> Recompute | None:
+        return recompute_costs(c, forced=bool(pins.recompute)) if weigh_rc else None
+
+    bounder = PipelineBound(cluster, request, state, tp, floor_costs) if prune and floor_costs else None
+    visit = list(enumerate(groups))
+    if bounder is not None:  # the most promising first, so the incumbent falls early
+        visit.sort(key=lambda ig: bounder.step(*ig[1], zero_stages(pins.zero_stage, ig[1][1], request.inference,
+                                                                    tp=tp, pp=ig[1][0])))
+    found: list[tuple[int, PipelineCandidate]] = []  # (group index, candidate)
+    pruned: list[PrunedCandidate] = []
+    unfit: list[tuple[int, Partition, int, int, str]] = []  # groups no cuts fit at any ZeRO stage: DP deferred
+    solves = 0
+    for g, (p, dp, mb, m) in visit:
+        zs = zero_stages(pins.zero_stage, dp, request.inference, tp=tp, pp=p)
+        if pins.recompute:  # pinned recomputation: not under ZeRO-3 (see the module docstring)
+            zs = tuple(z for z in zs if z < 3)
+        if not zs:
+            continue
+        links = stage_links(cluster, p, dp, tp)
+        if bounder is not None:
+            lb = bounder.step(p, dp, mb, m, zs)
+            best_s = min([bound] + [c.step_s for _, c in found])
+            if lb > best_s:
+                pruned.append(PrunedCandidate(p, dp, tp, mb, m, zs[0], lb, False,
+                                              f"not solved: lower bound {lb:.4g} s > best {best_s:.4g} s "
+                                              f"({bounder.explain(p, dp, mb, m, zs)})"))
+                continue
+            if p > len(bounder.floor(mb).boundaries) + 1:
+                continue
+            plans = [(sch, forbid) for sch in (("none",) if p == 1 else schedules)
+                     for _, forbid in _shared_policies(bounder.floor(mb), p)]
+            if not any(any_cuts_fit(bounder.partition(mb, StageSetup(p, m, sch, links, cluster.usable_memory, state,
+                                                                     z, dp), forbid, with_rc))
+                       for sch, forbid in plans for z in zs):
+                pruned.append(PrunedCandidate(
+                    p, dp, tp, mb, m, zs[-1], lb, True,
+                    f"does not fit: no cuts keep every stage within {gb(cluster.usable_memory)} even at "
+                    f"1/{tp} of every layer's state and activations ({', '.join(STRATEGY_NAMES[z] for z in zs)})"))
+                continue
+        c = cached_costs(cache, build, mb)
+        if p > len(c.boundaries) + 1:
+            continue
+        if mb not in rc_cache:
+            rc_cache[mb] = with_rc(c)
+        for schedule, policy, forbid in [(sch, pol, fb) for sch in (("none",) if p == 1 else schedules)
+                                         for pol, fb in _shared_policies(c, p)]:
+            missed: list[Partition] = []  # smaller ZeRO stages that did not fit
+            fitted = False
+            best_here = INF  # this group's best fitting step so far (over the ZeRO stages)
+            for z in zs:
+                if fitted and bounder is not None and sum(bounder.parts(p, dp, mb, m, z)) > min(best_here, bound):
+                    break  # past a fit that recomputes: this stage's lower bound already loses to it
+                part = Partition(c, StageSetup(p, m, schedule, links, cluster.usable_memory, state, z, dp), cluster,
+                                 forbid=forbid, recompute=rc_cache[mb])
+                if bounder is not None and not any_cuts_fit(part):
+                    missed.append(part)
+                    continue
+                value, bounds = solve_cuts(part)
+                solves += 1
+                if value < INF:
+                    # the stages that did not fit, costed at the cuts that fit one larger
+                    found += [(g, replace(_candidate(x, bounds, dp, tp, mb, policy, False, request), cut_for=z))
+                              for x in missed]
+                    missed = []
+                    cand = _candidate(part, bounds, dp, tp, mb, policy, True, request)
+                    found.append((g, cand))
+                    fitted = True
+                    best_here = min(best_here, cand.step_s)
+                    # Larger stages only add traffic (passes/dp/zero.py), unless this one fits by
+                    # recomputing where a larger one, holding less state, might not need to.
+                    if part.rc is None or part.rc.forced or not any(st.recompute for st in cand.stages):
+                        break
+                    continue
+                missed.append(part)
+            if not fitted:
+                if not missed:  # no ZeRO stage the runtime executes at this (tp, p)
+                    continue
+                part = missed[-1]  # the least memory: the largest stage weighed, least-memory cuts
+                if bounder is not None:
+                    unfit.append((g, part, dp, mb, policy))
+                    continue
+                value, bounds = solve_cuts(part, part.memory_cost)
+                solves += 1
+                if bounds:
+                    found.append((g, _candidate(part, bounds, dp, tp, mb, policy, False, request)))
+    if bounder is not None and not any(c.fits for _, c in found):
+        if bound < INF and (found or pruned or unfit):
+            raise AllPruned(tuple(pruned) + tuple(_unfit_record(part, dp, tp, mb, cluster) for _, part, dp, mb, _ in unfit))
+        # nothing fits anywhere: the exhaustive search names the least-memory plan
+        return choose_pipeline(profile, cluster, request, pins, devices_per_stage=devices_per_stage,
+                               schedules=schedules, costs=costs)
+    for g, part, dp, mb, policy in unfit:
+        pruned.append(_unfit_record(part, dp, tp, mb, cluster))
+    found.sort(key=lambda gc: gc[0])  # enumeration order, whatever order the groups were visited in
+    candidates = [c for _, c in found]
+    if not candidates:
+        raise PartitaError(
+            f"no pipeline split matches: {devices} devices, {tp} per stage, global batch {B}, pins ({pins.describe()})",
+            hint="the batch must divide over the data-parallel ranks; pp must divide devices / tp",
+        )
+    fitting = sorted((c for c in candidates if c.fits),
+                     key=lambda c: (c.step_s, c.memory.total, c.schedule != "1f1b", c.pp))
+    if not fitting:
+        raise infeasible_error(candidates, cluster)
+    best = fitting[0]
+    reasons = {c.key: loss_reason(c, best, cluster) for c in candidates}
+    ordered = fitting + sorted((c for c in candidates if not c.fits), key=lambda c: c.memory.total)
+    any_costs = next(iter(cache.values()))
+    return PipelineDecision(best, tuple(ordered), reasons, any_costs.order, any_costs.boundaries, any_costs.shared,
+                            solves, time.perf_counter() - t0, tuple(pruned))
+
+
+def _unfit_record(part: Partition, dp: int, tp: int, mb: int, cluster: ClusterSpec) -> PrunedCandidate:
+    st = part.setup
+    return PrunedCandidate(st.stages, dp, tp, mb, st.micro_batches, st.zero_stage, INF, True,
+                           f"does not fit: no cuts keep every stage within {gb(cluster.usable_memory)} "
+                           f"({st.schedule}, up to {STRATEGY_NAMES[st.zero_stage]}); least-memory cuts not searched",
+                           st.schedule)
+
+
+def _shared_policies(c: NodeCosts, p: int) -> list[tuple[str, tuple[int, ...]]]:
+    if not c.shared or p == 1:
+        return [("", ())]
+    forbid = tuple(k for k in c.boundaries if any(sp.users[0] < k <= sp.users[-1] for sp in c.shared))
+    return [("kept together", forbid), ("split", ())]
+
+
+def _candidate(part: Partition, bounds: tuple[int, ...], dp: int, tp: int, mb: int, policy: str, fits: bool,
+               request: TrainingRequest) -> PipelineCandidate:
+    c, setup, cluster = part.costs, part.setup, part.cluster
+    p = setup.stages
+    grad_elem = 0 if request.inference else max(1, int(setup.state.grads))
+    stages, dp_s, opt_s, dp_bytes = [], [], [], []
+    for s, (j, k) in enumerate(zip(bounds, bounds[1:])):
+        mem = part.memory(j, k, s)
+        numels = [n for n in c.param_numel[j:k] if n] + [sp.numel for sp in part.shared_in(j, k)]
+        buckets = gradient_buckets(numels, grad_elem) if grad_elem and dp > 1 else []
+        link = cluster.link_for_group(dp, stride=tp)
+        zc = zero_step_comm(setup.zero_stage, buckets, dp, setup.micro_batches, link, elem_bytes=grad_elem or 2)
+        dp_s.append(zc.total_s)
+        dp_bytes.append(zc.total_bytes)
+        opt_s.append(0.0 if request.inference else
+                     zero_optimizer_time(sum(numels), setup.state, setup.zero_stage, dp, cluster))
+        stages.append(PipelineStage(
+            index=s, start=j, stop=k, first_node=c.order[j], last_node=c.order[k - 1], params=sum(numels),
+            forward_s=part.fwd[k] - part.fwd[j], backward_s=part.compute_s(j, k, s) - (part.fwd[k] - part.fwd[j]),
+            p2p_s=part.p2p(j, k, s), slot_s=part.slot(j, k, s), memory=mem,
+            in_flight=in_flight(setup.schedule, s, p, setup.micro_batches),
+            send_bytes=c.send_bytes[k] if s < p - 1 else 0, ranks=Mesh(dp=dp, tp=tp, pp=p).stage_ranks(s),
+            modules=_modules(part, j, k), recompute=part.recomputes(j, k, s),
+        ))
+    tied = 0.0
+    for sp in c.shared:
+        holders = sorted({bisect.bisect_right(bounds[1:-1], u) for u in sp.users})
+        if len(holders) > 1 and grad_elem:
+            span = setup.links[holders[0]:holders[-1]]
+            link = min(span, key=lambda ln: ln.bandwidth)
+            tied += collective_time("all_reduce", sp.numel * grad_elem, len(holders), link)
+    cost = pipeline_step(
+        compute_s=[st.forward_s + st.backward_s for st in stages], p2p_s=[st.p2p_s for st in stages],
+        micro_batches=setup.micro_batches, dp_all_reduce_s=dp_s, optimizer_s=opt_s, tied_all_reduce_s=tied,
+        cluster=cluster,
+    ) if fits else None
+    return PipelineCandidate(
+        pp=p, dp=dp, tp=tp, micro_batch_size=mb, micro_batches=setup.micro_batches, schedule=setup.schedule,
+        shared_policy=policy, cuts=tuple(c.order[k - 1] for k in bounds[1:-1]), stages=tuple(stages), cost=cost,
+        memory=max((st.memory for st in stages), key=lambda mm: mm.total), zero_stage=setup.zero_stage,
+        dp_traffic_bytes=max(dp_bytes, default=0),
+    )
+
+
+def _modules(part: Partition, j: int, k: int) -> tuple[str, ...]:
+    """Layers as ``prefix.a-b`` runs, then the other modules owning parameters, in order."""
+    out: list[str] = []
+    run: list[str] = []  # [prefix, first index, last index] of the current run of layers
+    for label in part.costs.module_runs(j, k):
+        prefix, _, index = label.rpartition(".")
+        if label and index.isdigit() and label in part.costs.layers:
+            if run and run[0] == prefix and int(index) in (int(run[2]), int(run[2]) + 1):
+                run[2] = index
+                continue
+            if run:
+                out.append(_run_name(run))
+            run = [prefix, index, index]
+        elif label and label not in out:
+            if run:
+                out.append(_run_name(run))
+                run = []
+            out.append(label)
+    if run:
+        out.append(_run_name(run))
+    return tuple(out)
+
+
+def _run_name(run: list[str]) -> str:
+    prefix, a, b = run
+    return f"{prefix}.{a}" if a == b else f"{prefix}.{a}-{b}"

@@ -1,0 +1,111 @@
+"""What one tensor-parallel strategy costs on one node: the one per-node TP cost.
+
+The TP ILP (passes/tp/ilp.py ``build_problem``) prices every strategy of every
+node with it, and the pipeline search (passes/search.py ``tp_node_costs``) prices
+the chosen layout node by node with it, so a stage is cut by the numbers the
+layout was chosen by.
+
+Per micro-batch on one device of a TP group of t ranks, under a ``TPCosts``:
+
+- compute: the node's forward / backward FLOPs times the strategy's compute
+  fraction, at the micro-batch (``beta``: micro-batch / captured batch for nodes
+  that depend on a model input, 1 otherwise); on a roofline cluster at least the
+  bytes it moves (``bytes_fwd`` / ``bytes_bwd``) over the memory bandwidth;
+- internal: the collectives the op runs itself (vocabulary-parallel softmax);
+- reshards: the forward reshard of each input from its producer's placement to
+  the strategy's, and the backward reshard of its gradient to the producer's
+  gradient convention, of the whole tensor's bytes (``tensor_bytes``: floating
+  tensors at the precision's element size, others at their own: int64 is 8);
+- saved bytes: the node's saved activations (an inference step's KV cache) at
+  the precision, times the strategy's memory fraction.
+
+Every time formula is passes/cost_model.py's; every collective runs on the TP
+group's link.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+import networkx as nx
+
+from partita.core.precision import activation_scale, element_bytes
+from partita.core.cluster import ClusterSpec, Link
+from partita.passes.cost_model import NODE_TIME_ATTRS, collective_time, node_compute_time, reshard_time
+from partita.core.tp.layout import tensor_bytes
+from partita.core.tp.vocabulary import NONE, Strategy, grad_convention, reshard_kind
+
+
+@dataclass(frozen=True)
+class TPCosts:
+    """The per-node cost of TP strategies on graph ``G`` at one (t, micro-batch) and training set-up."""
+
+    G: nx.DiGraph
+    cluster: ClusterSpec
+    t: int
+    micro_batch: int
+    captured_batch: int
+    precision: str
+    inference: bool = False
+    kv_ratio: float = 0.0  # inference with generation: KV cache / keys and values read
+    captured_dtype: str = ""  # the dtype the graph's floating tensors were captured in ("": its parameters')
+
+    @cached_property
+    def link(self) -> Link:
+        return self.cluster.link_for_group(self.t)
+
+    @cached_property
+    def act_scale(self) -> float:
+        """Precision bytes over captured bytes of a floating tensor (core/precision.py)."""
+        return activation_scale(self.precision, self.captured_dtype or captured_float_dtype(self.G))
+
+    def node_key(self, n: str) -> tuple:
+        """Everything ``compute_s``, ``internal_s`` and ``saved_bytes`` read of node ``n``: two
+        nodes with equal keys cost the same under the same strategy (a repeated layer's nodes at
+        one position), so a caller may price one and reuse it."""
+        a = self.G.nodes[n]
+        return (*(a.get(k, 0) for k in NODE_TIME_ATTRS), bool(a.get("depends_on_input")),
+                a.get("saved_bytes", 0), a.get("kv_bytes", 0))
+
+    def beta(self, n: str) -> float:
+        """How node ``n``'s work and tensors scale from the captured batch to the micro-batch."""
+        return self.micro_batch / self.captured_batch if self.G.nodes[n].get("depends_on_input") else 1.0
+
+    def tensor_bytes(self, n: str, i: int) -> float:
+        """Bytes of node ``n``'s ``i``-th output at the micro-batch (whole, not one rank's share)."""
+        return tensor_bytes(self.G, n, i, element_bytes(self.precision)) * self.beta(n)
+
+    def compute_s(self, n: str, st: Strategy) -> tuple[float, float]:
+        """(forward, backward) seconds of node ``n``'s local FLOPs under ``st``."""
+        a, scale = self.G.nodes[n], self.beta(n) * st.compute_fraction
+        return node_compute_time(a, self.cluster, self.precision, scale=scale, byte_scale=scale * self.act_scale,
+                                 inference=self.inference)
+
+    def internal_s(self, n: str, st: Strategy) -> float:
+        """Seconds of the collectives ``st`` runs inside the op."""
+        return sum(collective_time(kind, nbytes * self.beta(n), self.t, self.link) for kind, nbytes in st.internal)
+
+    def reshard_s(self, have: str, st: Strategy, j: int, nbytes: float) -> tuple[float, float] | None:
+        """(forward, backward) seconds of input ``j`` of a node under ``st`` whose producer's output
+        is in placement ``have`` and ``nbytes`` big; None when either reshard has no collective."""
+        kf = reshard_kind(have, st.ins[j])
+        kb = "none" if self.inference or st.grads[j] == NONE else reshard_kind(st.grads[j], grad_convention(have))
+        if "invalid" in (kf, kb):
+            return None
+        return reshard_time(kf, nbytes, self.t, self.link), reshard_time(kb, nbytes, self.t, self.link)
+
+    def saved_bytes(self, n: str, st: Strategy) -> float:
+        """Bytes node ``n`` keeps for backward under ``st`` on one device (its KV cache when generating)."""
+        a = self.G.nodes[n]
+        held = a.get("kv_bytes", 0) * self.kv_ratio if self.inference else a.get("saved_bytes", 0)
+        return held * st.memory_fraction * self.beta(n) * self.act_scale
+
+
+def captured_float_dtype(G: nx.DiGraph) -> str:
+    """The dtype of the graph's first floating parameter (what its analyses measured floating
+    tensors in); "" when it has none."""
+    for _, a in G.nodes(data=True):
+        if a["kind"] == "param" and a["dtypes"] and a["dtypes"][0].startswith(("float", "bfloat")):
+            return a["dtypes"][0]
+    return ""

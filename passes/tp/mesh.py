@@ -1,0 +1,332 @@
+"""The (dp, tp) mesh: how many ways each layer is split, how many replicas, how each splits its batch.
+
+Reads a ``ModelProfile`` (its annotated graph, repeated layers, captured
+batch), the parameter sizes, a ``ClusterSpec``, a ``TrainingRequest`` and
+``Pins``. Returns a ``MeshDecision``: the tensor-parallel degree tp, the
+data-parallel degree dp = world / tp, the micro-batch size and accumulation
+steps, the strategy of every node (from the TP ILP, passes/tp/ilp.py), the
+predicted step time and memory by part, the solver's report, and every
+alternative weighed with the reason it lost. Writes nothing on the graph;
+the compile pipeline turns the decision into a plan (``layout_decisions``).
+
+Space. tp runs over the divisors of ``gpus_per_node`` that divide the world
+size: a TP group exchanges activations inside every layer, so it stays
+inside one node on its fast links (shared/SEED_NOTES.md, Megatron's
+placement rule); a TP group never spans nodes, whatever the cluster. Ranks
+are laid out TP innermost (core/plan.MESH_ORDER), so each dp group's
+ranks are tp apart and its link is ``link_for_group(dp, stride=tp)``. For
+each tp, micro-batch sizes run over the divisors of the per-replica batch
+B / dp, smallest first.
+
+ZeRO. For each (tp, micro-batch) the ZeRO stages of passes/dp/zero.zero_stages
+are solved in order 0, 1, 2, 3 and the first that fits is kept (the pruning
+rule and why it is safe are in passes/dp/zero.py); a ZeRO stage changes both the
+ILP's memory row (model state sharded over the dp group) and its per-parameter
+step cost (ZeRO's collectives instead of the all-reduce).
+
+Cost of one candidate (cost_model.mesh_step): grad_accum x (the ILP's
+per-micro-batch time: compute + TP forward/backward/internal collectives,
+plus the cluster's per-micro-batch overhead) + the data-parallel collectives
+of the LOCAL shards over the dp group (bucketed as the runtime buckets them:
+one all-reduce per bucket at ZeRO-0, ZeRO's reduce-scatters and all-gathers
+otherwise) + the optimizer step over the local model state (its 1/dp slice
+under ZeRO). Memory: the ILP's layout (model state of the local shards under
+the ZeRO stage + saved activations of one micro-batch) within the device's
+usable memory, a constraint of the ILP itself.
+
+Reuse. One ILP per (tp, micro-batch, ZeRO stage) weighed, each with the
+repeated layers tied (one layer's variables however deep the model); strategy
+lists are computed once per tp. Memory grows with the micro-batch for every
+layout, so once a micro-batch does not fit at some (tp, ZeRO stage), the larger
+ones are reported as not fitting without a solve.
+
+Objective: the fastest predicted step that fits; ties go to the smaller ZeRO
+stage, then the larger micro-batch, then the smaller tp (plain data
+parallelism when TP buys nothing).
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+from partita.core.errors import InfeasibleError
+from partita.core.plan import Alternative, MemoryBreakdown, Mesh
+from partita.core.cluster import ClusterSpec
+from partita.passes.constraints import Pins, TrainingRequest
+from partita.passes.cost_model import StepCost, mesh_step, model_state_memory, state_bytes_per_param
+from partita.passes.explain import CHOSEN, slower, slower_parts, traffic_reason
+from partita.passes.dp.zero import STRATEGY_NAMES, zero_stages
+from partita.passes.dp.buckets import DEFAULT_BUCKET_BYTES, gradient_buckets
+from partita.passes.pipeline.costs import kv_ratio
+from partita.passes.profile import ModelProfile
+from partita.passes.space import micro_batches, tp_degrees, world_size
+from partita.passes.tp.ilp import SOLVER, solve_tp
+from partita.passes.tp.problem import StrategyFn, TPSetting, TPSolution, TPSolveReport, build_problem
+from partita.core.tp.strategies import Strategy, node_strategies, shard_dim
+
+
+@dataclass(frozen=True)
+class MeshCandidate:
+    """One (tp, micro-batch) weighed; ``cost``/``solver`` are None when it does not fit."""
+
+    tp: int
+    dp: int
+    micro_batch_size: int
+    grad_accum_steps: int
+    memory_bytes: int  # of the chosen layout, or of the smallest layout when it does not fit
+    fits: bool
+    cost: StepCost | None
+    memory: MemoryBreakdown | None
+    solver: TPSolveReport | None
+    reason: str = ""
+    zero_stage: int = 0
+
+    @property
+    def step_s(self) -> float | None:
+        return self.cost.step_s if self.cost is not None else None
+
+
+@dataclass(frozen=True)
+class MeshDecision:
+    tp: int
+    dp: int
+    micro_batch_size: int
+    grad_accum_steps: int
+    choice: Mapping[str, Strategy]  # every graph node -> its strategy at this tp
+    cost: StepCost  # comm_s keys: tp_forward, tp_backward, tp_internal, dp_all_reduce
+    memory: MemoryBreakdown  # per device
+    solver: TPSolveReport  # of the chosen (tp, micro-batch) solve
+    alternatives: tuple[MeshCandidate, ...]  # every candidate, chosen first, then fitting by time, then misses
+    buckets: tuple[int, ...]  # gradient bucket payloads of the local shards, bytes
+    bucket_bytes: int
+    tp_link: str
+    dp_link: str
+    solves: int  # ILPs solved
+    seconds: float
+    zero_stage: int = 0
+
+    @property
+    def step_s(self) -> float:
+        return self.cost.step_s
+
+    @property
+    def mesh(self) -> Mesh:
+        return Mesh(dp=self.dp, tp=self.tp)
+
+
+def choose_mesh(
+    profile: ModelProfile,
+    param_numels: Sequence[int],
+    cluster: ClusterSpec,
+    request: TrainingRequest,
+    pins: Pins = Pins(),
+    *,
+    strategies: StrategyFn | None = None,
+    solver: str = SOLVER,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+) -> MeshDecision:
+    """Search (tp, micro-batch), solving the TP ILP for each; see the module docstring."""
+    t0 = time.perf_counter()
+    world = world_size(cluster, pins)
+    B = request.global_batch
+    G = profile.graph
+    if sum(param_numels) != _graph_param_numel(G):
+        raise ValueError(f"param_numels sum to {sum(param_numels):,} but the graph's parameters to "
+                         f"{_graph_param_numel(G):,}: they describe different models")
+    if strategies is None:
+        strategies = node_strategies
+    # the default strategies cache themselves on the graph (and their per-t lists in build_problem)
+    cached = None if strategies is node_strategies else functools.lru_cache(maxsize=None)(
+        lambda node, t: tuple(strategies(G, node, t)))
+
+    state_per_param = state_bytes_per_param(request.precision, request.optimizer, inference=request.inference)
+    grad_elem = 0 if request.inference else int(state_per_param.grads)
+    candidates: list[MeshCandidate] = []
+    best: tuple[MeshCandidate, TPSolution, tuple[int, ...]] | None = None
+    solves = 0
+    for tp in tp_degrees(cluster, world, pins):
+        dp = world // tp
+        if B % dp:
+            candidates.append(MeshCandidate(tp, dp, 0, 0, 0, False, None, None, None,
+                                            f"global batch {B} does not divide over dp={dp}"))
+            continue
+        too_big: dict[int, tuple[int, int]] = {}  # ZeRO stage -> (micro-batch, bytes) of the first that did not fit
+        for mb in micro_batches(B // dp, pins):
+            accum = B // dp // mb
+            for z in zero_stages(pins.zero_stage, dp, request.inference, tp=tp):
+                if z in too_big:
+                    mb0, need = too_big[z]
+                    candidates.append(MeshCandidate(tp, dp, mb, accum, need, False, None, None, None,
+                                                    f"does not fit: {_zero(z)}micro-batch {mb0} already needs "
+                                                    f"{need / 1e9:.1f} GB > {cluster.usable_memory / 1e9:.1f} GB", z))
+                    continue
+                setting = TPSetting(tp, mb, profile.batch_size, request.precision, request.optimizer,
+                                    request.inference, cluster.usable_memory, dp=dp, grad_accum=accum, zero_stage=z,
+                                    kv_ratio=kv_ratio(profile, request), captured_dtype=profile.param_dtype)
+                problem = build_problem(G, setting, cluster,
+                                        strategies=None if cached is None else lambda _G, n, t: cached(n, t),
+                                        repeated=profile.repeated)
+                solves += 1
+                try:
+                    sol = solve_tp(problem, solver=solver)
+                except InfeasibleError as e:
+                    if getattr(e, "constraint", None) != "memory":
+                        raise
+                    too_big[z] = (mb, round(e.needed_bytes))
+                    candidates.append(MeshCandidate(tp, dp, mb, accum, too_big[z][1], False, None, None, None,
+                                                    f"does not fit: {e.message}", z))
+                    continue
+                local = _local_numels(G, sol.choice, tp)
+                buckets = tuple(gradient_buckets(local, grad_elem, bucket_bytes)) if grad_elem else ()
+                state = model_state_memory(sum(local), state_per_param, zero_stage=z, dp=dp)
+                memory = MemoryBreakdown(state.params, state.grads, state.optimizer, round(sol.activation_bytes),
+                                         cluster.usable_memory)
+                cost = mesh_step(
+                    micro_batch_s={"compute": sol.compute_s, "tp_forward": sol.tp_forward_s,
+                                   "tp_backward": sol.tp_backward_s, "tp_internal": sol.tp_internal_s},
+                    grad_accum=accum, dp=dp, tp=tp, grad_buckets=list(buckets), state=state, cluster=cluster,
+                    zero_stage=z, local_params=sum(local), state_bytes=state_per_param)
+                if request.inference:
+                    cost = StepCost(cost.compute_s, {k: v for k, v in cost.comm_s.items() if k.startswith("tp_")}, 0.0)
+                cand = MeshCandidate(tp, dp, mb, accum, memory.total, True, cost, memory, sol.report, "", z)
+                candidates.append(cand)
+                if best is None or _key(cand) < _key(best[0]):
+                    best = (cand, sol, buckets)
+                break  # the first ZeRO stage that fits: larger ones only add traffic (passes/dp/zero.py)
+    if best is None:
+        raise _infeasible(candidates, cluster, world)
+    chosen, sol, buckets = best
+    ordered = _ordered(candidates, chosen, cluster)
+    return MeshDecision(
+        tp=chosen.tp, dp=chosen.dp, micro_batch_size=chosen.micro_batch_size,
+        grad_accum_steps=chosen.grad_accum_steps, choice=sol.choice, cost=chosen.cost, memory=chosen.memory,
+        solver=sol.report, alternatives=ordered, buckets=buckets, bucket_bytes=bucket_bytes,
+        tp_link=cluster.link_for_group(chosen.tp).name, dp_link=cluster.link_for_group(chosen.dp, stride=chosen.tp).name,
+        solves=solves, seconds=time.perf_counter() - t0, zero_stage=chosen.zero_stage,
+    )
+
+
+def plan_alternatives(decision: MeshDecision, limit: int = 12) -> tuple[Alternative, ...]:
+    """The alternatives in the plan's form: the chosen one, the fastest per tp, then the nearest misses."""
+    chosen = decision.alternatives[0]
+    picked = [chosen]
+    seen = {(chosen.tp, chosen.zero_stage)}
+    for c in decision.alternatives[1:]:
+        if c.fits and (c.tp, c.zero_stage) not in seen:
+            picked.append(c)
+            seen.add((c.tp, c.zero_stage))
+    picked += [c for c in decision.alternatives[1:] if c.fits and c not in picked][:2]
+    misses = [c for c in decision.alternatives if not c.fits and c.micro_batch_size]
+    by_zero = {}
+    for c in misses:  # the nearest miss of each ZeRO stage, then the nearest others
+        by_zero.setdefault(c.zero_stage, c)
+    picked += list(by_zero.values()) + [c for c in misses if c not in by_zero.values()][:2]
+    return tuple(
+        Alternative(mesh=Mesh(dp=c.dp, tp=c.tp), micro_batch_size=c.micro_batch_size,
+                    grad_accum_steps=c.grad_accum_steps, zero_stage=c.zero_stage, step_time_s=c.step_s,
+                    memory_bytes=c.memory_bytes, fits=c.fits, chosen=c is chosen, reason=c.reason)
+        for c in picked[:limit]
+    )
+
+
+# -- the space -----------------------------------------------------------------------
+
+
+def _graph_param_numel(G) -> int:
+    seen: dict[str, int] = {}
+    for _, a in G.nodes(data=True):
+        if a["kind"] == "param":
+            seen.setdefault(a["param_name"], _numel(a["shapes"][0]))
+    return sum(seen.values())
+
+
+def _local_numels(G, choice: Mapping[str, Strategy], tp: int) -> list[int]:
+    """Elements of each distinct parameter's local shard, in graph (registration) order."""
+    out: dict[str, int] = {}
+    for n, a in G.nodes(data=True):
+        if a["kind"] == "param" and a["param_name"] not in out:
+            st = choice[n]
+            sharded = bool(st.out) and shard_dim(st.out[0]) is not None
+            out[a["param_name"]] = _numel(a["shapes"][0]) // (tp if sharded else 1)
+    return list(out.values())
+
+
+def _numel(shape: Sequence[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+# -- choosing and explaining ----------------------------------------------------------
+
+
+def _key(c: MeshCandidate) -> tuple:
+    return (c.step_s, c.zero_stage, -c.micro_batch_size, c.tp)
+
+
+def _zero(z: int) -> str:
+    return f"{STRATEGY_NAMES[z]}, " if z else ""
+
+
+def _ordered(candidates: list[MeshCandidate], chosen: MeshCandidate,
+             cluster: ClusterSpec) -> tuple[MeshCandidate, ...]:
+    fitting = sorted((c for c in candidates if c.fits), key=_key)
+    misses = sorted((c for c in candidates if not c.fits), key=lambda c: (c.memory_bytes == 0, c.memory_bytes))
+    out = []
+    for c in fitting + misses:
+        reason = c.reason if not c.fits else _reason(c, chosen, cluster)
+        out.append(c if c.reason == reason else _with_reason(c, reason))
+    return tuple(out)
+
+
+def _with_reason(c: MeshCandidate, reason: str) -> MeshCandidate:
+    return MeshCandidate(c.tp, c.dp, c.micro_batch_size, c.grad_accum_steps, c.memory_bytes, c.fits, c.cost,
+                         c.memory, c.solver, reason, c.zero_stage)
+
+
+def _reason(c: MeshCandidate, best: MeshCandidate, cluster: ClusterSpec | None = None) -> str:
+    if c is best:
+        return CHOSEN
+    a, b = c.cost, best.cost
+    tp_a = sum(v for k, v in a.comm_s.items() if k.startswith("tp_"))
+    tp_b = sum(v for k, v in b.comm_s.items() if k.startswith("tp_"))
+    dp_a, dp_b = _dp_comm(a), _dp_comm(b)
+    parts = slower_parts((("compute", a.compute_s, b.compute_s), ("TP communication", tp_a, tp_b),
+                          ("gradient all-reduce" if not c.zero_stage and not best.zero_stage
+                           else "data-parallel collectives", dp_a, dp_b),
+                          ("optimizer", a.optimizer_s, b.optimizer_s)), slack=1e-9)
+    if not parts:
+        parts.append("equal time; the smaller ZeRO stage, the larger micro-batch, then the smaller tp, break the tie")
+    if c.zero_stage and dp_a > dp_b * 1.001 and cluster is not None:
+        parts.append(traffic_reason(c.zero_stage, _dp_bytes(a), cluster.link_for_group(c.dp, stride=c.tp), dp_a))
+    return slower(c.step_s / best.step_s, parts)
+
+
+def _dp_comm(cost: StepCost) -> float:
+    return sum(v for k, v in cost.comm_s.items() if k == "dp_all_reduce" or k.startswith("zero_"))
+
+
+def _dp_bytes(cost: StepCost) -> float:
+    return sum(v for k, v in cost.traffic_bytes.items() if k == "dp_all_reduce" or k.startswith("zero_"))
+
+
+def _infeasible(candidates: list[MeshCandidate], cluster: ClusterSpec, world: int) -> InfeasibleError:
+    sized = [c for c in candidates if c.memory_bytes]
+    if not sized:
+        reasons = "; ".join(sorted({c.reason for c in candidates if c.reason})) or (
+            "no tensor-parallel degree divides both the devices per node and the world")
+        return InfeasibleError(f"no (dp, tp) mesh of {world} devices is possible: {reasons}",
+                               hint="choose a global batch divisible by the data-parallel degree")
+    least = min(sized, key=lambda c: c.memory_bytes)
+    gb = 1e9
+    return InfeasibleError(
+        f"memory: no (dp, tp) mesh fits; the smallest layout (tp={least.tp}, {_zero(least.zero_stage)}"
+        f"micro-batch {least.micro_batch_size}) "
+        f"needs {least.memory_bytes / gb:.1f} GB per device, budget {cluster.usable_memory / gb:.1f} GB "
+        f"({cluster.memory_bytes / gb:.0f} GB less {cluster.memory_reserve:.0%} reserve)",
+        hint=f"tp is at most {cluster.gpus_per_node} (one node); add pipeline stages, a higher ZeRO stage, "
+        "use devices with more memory, or lower the micro-batch")

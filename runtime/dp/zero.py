@@ -1,0 +1,417 @@
+"""ZeRO over the dp axis: optimizer state (1), gradients (2) and parameters (3) sharded.
+
+ZeRO acts on the rank's LOCAL parameters (its tensor-parallel shards, plain
+``nn.Parameter``s), never on modules, so it works the same whether forward
+runs eagerly or as an fx Interpreter over a captured graph.
+
+Layout. Parameters are grouped into flat buckets by the gradient-bucket rule
+of runtime/dp/buckets.py (reverse order, closed at ``bucket_bytes`` or a
+change of dtype), so the planner predicts ZeRO's collectives from the same
+``bucket_layout``; the reduce-scatters overlapped with backward are that
+file's ``BucketReducer``, as data parallelism's all-reduces are. A bucket of N elements is padded to ``ceil(N/dp) * dp``
+and dp rank r owns the contiguous slice ``[r*S, (r+1)*S)``, S = ceil(N/dp).
+Padding adds at most dp - 1 elements per bucket, to each of the tensors that
+are flat (parameters, gradients and optimizer state alike). The user's
+optimizer is built once, on one flat shard ``nn.Parameter`` per bucket; it
+must be elementwise (SGD, Adam, AdamW: not LAMB, not per-tensor norms) and it
+sees one param group.
+
+Per stage (Psi parameters, n dp ranks, m micro-batches per step; "RS" a
+reduce-scatter and "AG" an all-gather, each of a whole bucket, one per bucket):
+
+- 1: parameters and gradients stay full. ``.grad`` is a view into a flat
+  gradient bucket that accumulates locally over the micro-batches; in the last
+  backward each bucket is RS'd in place as soon as its gradients are ready
+  (overlapped with backward), leaving this rank's slice averaged. The
+  optimizer updates its slice in place and each parameter bucket is AG'd in
+  place. Per step: RS Psi + AG Psi = ``zero_traffic_elements(.., 1, n)``,
+  whatever m. (A gradient all-reduce, as stage 0, would send 3 Psi.)
+- 2: as 1, but gradients are RS'd after EVERY backward, in place in a
+  transient flat bucket built from the ``.grad``s as they become ready; the
+  full ``.grad`` is freed and the averaged slice is added to the bucket's
+  persistent shard gradient. Per step: m RS + 1 AG = (m + 1) Psi; equal to
+  the plan's 2 Psi at m = 1. Reducing only on the last micro-batch instead
+  would need full gradients between micro-batches: that is stage 1.
+- 3: parameters are held only as shards. A bucket is AG'd into a flat buffer
+  that the parameters view, just before forward first uses it
+  (``gather`` / the eager module pre-hook), and its storage is freed once
+  every parameter of the bucket has been released (``release`` / the
+  post-hook). ``release`` hooks the outputs so that the first gradient
+  flowing into them AGs the bucket again for backward; gradients are RS'd as
+  in stage 2, and the buffer is freed when the bucket's RS is launched. Per
+  micro-batch: AG + AG + RS = 3 Psi, so (3 m) Psi per step; the plan's 3 Psi
+  at m = 1. No prefetching: each AG runs when needed, not overlapped.
+
+Composition (runtime/compose.py). Under tensor parallelism the local
+parameters are TP shards, so the buckets are flat over shards and the dp group
+is each TP coordinate's. In a pipeline each stage shards only its own
+parameters over its dp group; the schedule calls ``begin_forward`` before each
+forward and ``begin_backward`` / ``after_backward`` around each backward (1F1B
+interleaves them), stage 1 reducing in the last micro-batch's backward (the
+same on every stage), stages 2-3 in each. Stage 3 inside the TP interpreter
+(runtime/tp/interpreter.py, ``ParamAccess``): each graph node gathers the
+buckets of the parameters it reads before it runs, hooks its outputs to gather
+them again in backward, and the last node of forward to read a parameter
+releases it; a node reading one through a view op (``t``, ``view``) counts as a
+reader, so no view of a freed bucket is used in forward. Under 1F1B a
+micro-batch's saved views of a bucket stay valid across the other
+micro-batches' gathers and frees: the storage is resized in place, never
+replaced. A parameter tied across stages is left out of ZeRO (compose averages
+it whole): the stages' buckets differ, so shards of its copies would not line up.
+
+Frozen parameters (``requires_grad=False``) stay full and replicated and are
+not counted. The parameters must already be equal across the dp group
+(``compose`` broadcasts them first).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterable, Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.autograd.graph import register_multi_grad_hook
+
+from partita.core.precision import FP32, PrecisionPolicy
+from partita.runtime.collectives import CollectiveCounter
+from partita.runtime.dp.buckets import (DEFAULT_BUCKET_BYTES, BucketReducer, GradBucket, bucket_members,
+                                          grad_params)
+from partita.runtime.mixed_precision import MasterWeights, OptimizerFactory
+
+
+
+class _FlatBucket(GradBucket):
+    """A gradient bucket that also holds its members' data flat (``params_flat``) and the shard of
+    it that this rank's optimizer updates."""
+
+    def __init__(self, members: list[nn.Parameter], rank: int, size: int) -> None:
+        super().__init__(members, rank, size)
+        self.params_flat = torch.empty(0)  # (padded,) the members' data; stage 3 frees its storage
+        self.shard: nn.Parameter | None = None  # (S,) what the optimizer updates
+        self.pending: set[int] = set()  # stage 3 forward: members gathered and not yet released
+        self.seen = False  # stage 3: gathered at least once in this forward
+
+
+def _is_freed(t: torch.Tensor) -> bool:
+    return t.untyped_storage().nbytes() == 0
+
+
+class ZeroProgram:
+    """ZeRO stage 1, 2 or 3 over the dp group for a list of local parameters.
+
+    Per step the train step calls, for each micro-batch,
+    ``begin_micro_batch(is_last)`` BEFORE its forward and ``after_backward()``
+    after its backward; then ``step()`` and ``zero_grad()``. Gradients must be
+    scaled by the caller so that their mean over the dp ranks is the step's
+    gradient (each bucket is divided by n before its sum reduce-scatter).
+    Stage 3 also needs ``install_module_hooks(module)`` (eager) or
+    ``gather`` / ``release`` around each use (an fx Interpreter).
+    """
+
+    def __init__(
+        self,
+        named_params: Iterable[tuple[str, nn.Parameter]],
+        stage: int,
+        group: dist.ProcessGroup,
+        *,
+        optimizer_factory: OptimizerFactory,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        counter: CollectiveCounter | None = None,
+        axis: str = "dp",
+        precision: PrecisionPolicy = FP32,
+        extra_params: Sequence[nn.Parameter] = (),
+    ) -> None:
+        if stage not in (1, 2, 3):
+            raise ValueError(f"zero stage={stage} must be 1, 2 or 3 (stage 0 is GradientAverager)")
+        named = list(named_params)
+        self.stage, self.group, self.axis = stage, group, axis
+        self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
+        self.counter = counter if counter is not None else CollectiveCounter()
+        self._by_name = {n: p for n, p in named}
+        self.buckets = [_FlatBucket(m, self.rank, self.size)
+                        for m in bucket_members(grad_params(p for _, p in named), bucket_bytes)]
+        self._bucket_of: dict[int, _FlatBucket] = {id(p): b for b in self.buckets for p in b.members}
+        self.shards: list[nn.Parameter] = []
+        self._pinned = False  # inside gathered(): nothing is freed
+        with torch.no_grad():
+            for b in self.buckets:
+                b.shard = self._setup_bucket(b)
+                self.shards.append(b.shard)
+        # stage 1 keeps full gradients between micro-batches (persistent buckets, reduced in the
+        # last backward); stages 2-3 reduce every backward's, from transient buckets
+        self.reducer = BucketReducer(self.buckets, group, collective="reduce_scatter", persistent=stage == 1,
+                                     counter=self.counter, axis=axis, reduce_dtype=precision.reduce_dtype,
+                                     on_launch=self._after_launch)
+        # the one optimizer: on the shards' fp32 masters under mixed precision, and on
+        # ``extra_params`` (whole parameters compose averages apart, e.g. tied across stages)
+        self.precision = precision
+        self.master = MasterWeights([*self.shards, *extra_params], optimizer_factory, precision,
+                                     chunk_bytes=bucket_bytes)
+        self.optimizer = self.master.optimizer
+
+    def _setup_bucket(self, b: _FlatBucket) -> nn.Parameter:
+        """Lay the bucket out flat; return the shard the optimizer updates."""
+        flat = b.flatten_data()  # (padded,)
+        b.view_params_into(flat)
+        b.params_flat = flat
+        if self.stage == 3:
+            shard = nn.Parameter(flat[b.own].clone())
+            shard.grad = torch.zeros_like(shard)
+            self._free_params(b, park=True)
+            return shard
+        shard = nn.Parameter(flat[b.own])  # a view: the optimizer updates the full parameters in place
+        if self.stage == 1:
+            b.attach_grads()  # the members' .grad: views of the persistent flat gradient
+            shard.grad = b.grad_flat[b.own]
+        else:
+            shard.grad = torch.zeros_like(shard)
+        return shard
+
+    # -- backward: gradients -------------------------------------------------------------
+
+    def begin_micro_batch(self, is_last: bool) -> None:
+        """Before a micro-batch's forward, when its backward follows it (no pipeline): both
+        ``begin_forward`` and ``begin_backward``; stage 1 communicates only in the last one."""
+        self.begin_forward()
+        self.begin_backward(is_last)
+
+    def begin_forward(self) -> None:
+        """Before each micro-batch's forward (stage 3 tracks which buckets it has gathered)."""
+        if self.stage == 3:
+            for b in self.buckets:
+                b.seen = False
+
+    def begin_backward(self, is_last: bool) -> None:
+        """Before each micro-batch's backward. A pipeline schedule calls it apart from
+        ``begin_forward``: under 1F1B other micro-batches' forwards run in between."""
+        self.reducer.begin(sync=is_last or self.stage >= 2)
+
+    @property
+    def launched_in_backward(self) -> int:
+        """Buckets of the last backward whose reduce-scatter a gradient hook launched (overlapped)."""
+        return self.reducer.launched_in_backward
+
+    def _after_launch(self, b: _FlatBucket) -> None:
+        if self.stage == 3:
+            self._free_params(b, park=False)  # backward is done with them (autograd may still hold views)
+
+    def after_backward(self) -> None:
+        """After each micro-batch's backward: finish its reduce-scatters (stage 1: the last one's)."""
+        if not self.reducer.finish():
+            return
+        for b, shard in zip(self.buckets, self.shards):
+            if self.stage >= 2:
+                shard.grad += b.reduced
+                b.reduced = None
+                for p in b.members:
+                    p.grad = None
+            if self.stage == 3:
+                self._free_params(b, park=True)
+
+    # -- the step --------------------------------------------------------------------------
+
+    def step(self, inv_scale: float = 1.0) -> None:
+        """The optimizer on this rank's shards (their masters); stages 1-2 then all-gather the full
+        parameters."""
+        self.master.step(inv_scale)
+        self.shards_to_params()
+
+    def shards_to_params(self) -> None:
+        """Stages 1-2: every rank's shard all-gathered into the full parameters (stage 3 holds
+        only the shards)."""
+        if self.stage == 3:
+            return
+        works = []
+        for b, shard in zip(self.buckets, self.shards):
+            works.append(dist.all_gather_single(b.params_flat, shard.detach(), group=self.group, async_op=True))
+            self.counter.record("all_gather", self.axis, b.nbytes)
+        with self.counter.blocking("all_gather", self.axis):
+            for w in works:
+                w.wait()
+
+    def zero_grad(self) -> None:
+        if self.stage == 1:
+            self.reducer.zero_grad()
+            return
+        for shard in self.shards:
+            shard.grad.zero_()
+
+    # -- stage 3: parameters gathered around their use -------------------------------------
+
+    def _materialize(self, b: _FlatBucket) -> None:
+        if not _is_freed(b.params_flat):
+            return
+        b.params_flat.untyped_storage().resize_(b.nbytes)
+        with torch.no_grad(), self.counter.blocking("all_gather", self.axis):
+            dist.all_gather_single(b.params_flat, b.shard.detach(), group=self.group)
+        self.counter.record("all_gather", self.axis, b.nbytes)
+        b.view_params_into(b.params_flat)
+
+    def _free_params(self, b: _FlatBucket, *, park: bool) -> None:
+        """Free a gathered bucket. The storage is released but kept (resized to 0), so the views
+        autograd saved in forward see the bucket again once backward gathers it; ``park`` (when no
+        backward can need them) also points the parameters at an empty tensor, so that stray use
+        fails with a shape error instead of reading freed memory."""
+        if self._pinned:
+            return
+        b.params_flat.untyped_storage().resize_(0)
+        if park:
+            for p in b.members:
+                p.data = b.params_flat[:0]
+
+    def _gather_ids(self, ids: Iterable[int]) -> None:
+        for b in self._buckets_of(ids):
+            if _is_freed(b.params_flat):
+                self._materialize(b)
+                b.pending = set(b.ids) if not b.seen else set(ids) & b.ids
+                b.seen = True
+
+    def _release_ids(self, ids: Iterable[int], outputs: object) -> None:
+        buckets = self._buckets_of(ids)
+        for b in buckets:
+            b.pending -= set(ids)
+            if not b.pending and not _is_freed(b.params_flat):
+                self._free_params(b, park=not torch.is_grad_enabled())
+        self._gather_in_backward(buckets, outputs)
+
+    def _gather_in_backward(self, buckets: list[_FlatBucket], outputs: object) -> None:
+        if torch.is_grad_enabled():
+            tensors = [t for t in _tensors(outputs) if t.requires_grad]
+            if tensors:  # the first gradient into these outputs precedes the backward that needs the parameters
+                register_multi_grad_hook(tensors, lambda _: [self._materialize(b) for b in buckets], mode="any")
+
+    def _buckets_of(self, ids: Iterable[int]) -> list[_FlatBucket]:
+        if self.stage != 3:
+            raise RuntimeError(f"gather/release are for ZeRO stage 3; this is stage {self.stage}")
+        out: list[_FlatBucket] = []
+        for i in ids:
+            b = self._bucket_of.get(i)
+            if b is not None and b not in out:
+                out.append(b)
+        return out
+
+    def gather(self, name: str) -> nn.Parameter:
+        """The full parameter ``name`` (gathered if it is not), for an executor to use in forward."""
+        p = self._by_name[name]
+        self._gather_ids([id(p)])
+        return p
+
+    def release(self, names: Sequence[str], outputs: object) -> object:
+        """Forward is done with ``names``: free their buckets once all members are released, and
+        gather them again when backward reaches ``outputs`` (the tensors computed from them)."""
+        self._release_ids([id(self._by_name[n]) for n in names], outputs)
+        return outputs
+
+    # The interpreter's side (runtime/tp/interpreter.py's ``ParamAccess``): by Parameter object,
+    # per graph node. A node's backward needs the parameters it read, so every reader hooks its
+    # outputs; only the last reader in forward releases them.
+
+    def gather_params(self, params: Sequence[nn.Parameter]) -> None:
+        """Before a graph node reads ``params``: their buckets gathered, if freed."""
+        self._gather_ids([id(p) for p in params])
+
+    def used_params(self, params: Sequence[nn.Parameter], outputs: object) -> None:
+        """A node read ``params`` and made ``outputs``: gather again when backward reaches them."""
+        self._gather_in_backward(self._buckets_of([id(p) for p in params]), outputs)
+
+    def release_params(self, params: Sequence[nn.Parameter], outputs: object) -> None:
+        """The last node of forward to read ``params`` made ``outputs``: release them."""
+        self._release_ids([id(p) for p in params], outputs)
+
+    def install_module_hooks(self, module: nn.Module) -> list[torch.utils.hooks.RemovableHandle]:
+        """Eager stage 3: gather each module's own parameters before its forward, release after."""
+        handles = []
+        for m in module.modules():
+            ids = [id(p) for p in m.parameters(recurse=False) if id(p) in self._bucket_of]
+            if ids:
+                handles.append(m.register_forward_pre_hook(lambda _m, _a, ids=ids: self._gather_ids(ids)))
+                handles.append(m.register_forward_hook(lambda _m, _a, out, ids=ids: self._release_ids(ids, out)))
+        return handles
+
+    @contextlib.contextmanager
+    def gathered(self) -> Iterator[None]:
+        """Stage 3: every parameter full inside the block (to evaluate, compare or save); no-op otherwise."""
+        if self.stage != 3:
+            yield
+            return
+        for b in self.buckets:
+            self._materialize(b)
+        self._pinned = True
+        try:
+            yield
+        finally:
+            self._pinned = False
+            for b in self.buckets:
+                self._free_params(b, park=True)
+
+    # -- introspection ---------------------------------------------------------------------
+
+    def gather_grads(self) -> dict[str, torch.Tensor]:
+        """The averaged gradients of the step, full, by name (all-gathers every shard gradient)."""
+        names = {id(p): n for n, p in self._by_name.items()}
+        out = {}
+        for b, shard in zip(self.buckets, self.shards):
+            flat = b.new_flat()
+            dist.all_gather_single(flat, shard.grad.detach(), group=self.group)
+            self.counter.record("all_gather", self.axis, b.nbytes)
+            out.update({names[id(p)]: g.clone() for p, g in zip(b.members, b.unflatten(flat))})
+        return out
+
+    @property
+    def padding_elements(self) -> int:
+        """Elements added to make every bucket a multiple of n (at most n - 1 per bucket)."""
+        return sum(b.padded - b.numel for b in self.buckets)
+
+    def state_bytes(self) -> dict[str, int]:
+        """Bytes of model state this rank holds: the tensors it keeps between steps, padding
+        included; stage 3's transient gathered buckets are excluded (they are freed by then)."""
+        def nbytes(ts: Iterable[torch.Tensor]) -> int:
+            return sum(t.numel() * t.element_size() for t in ts)
+
+        if self.stage == 3:
+            params = nbytes(self.shards)
+            grads = nbytes(s.grad for s in self.shards)
+        else:
+            params = nbytes(b.params_flat for b in self.buckets)
+            grads = nbytes(b.grad_flat for b in self.buckets) if self.stage == 1 else nbytes(s.grad for s in self.shards)
+        masters = [self.master.master_of(s) for s in self.shards]
+        optimizer = nbytes(t for m in masters for t in self.optimizer.state.get(m, {}).values()
+                           if isinstance(t, torch.Tensor))
+        if self.master.separate:
+            optimizer += nbytes(masters)  # fp32 master weights, counted with the optimizer state (ZeRO's K)
+        return {"params": params, "grads": grads, "optimizer": optimizer}
+
+
+def _tensors(obj: object) -> list[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, (list, tuple)):
+        return [t for o in obj for t in _tensors(o)]
+    if isinstance(obj, dict):
+        return [t for o in obj.values() for t in _tensors(o)]
+    return []
+
+
+def apply_zero(
+    named_params: Iterable[tuple[str, nn.Parameter]],
+    stage: int,
+    dp_group: dist.ProcessGroup,
+    *,
+    optimizer_factory: OptimizerFactory,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    counter: CollectiveCounter | None = None,
+    axis: str = "dp",
+    precision: PrecisionPolicy = FP32,
+    extra_params: Sequence[nn.Parameter] = (),
+) -> ZeroProgram:
+    """Shard these local parameters' model state over ``dp_group`` as ZeRO ``stage`` says.
+
+    ``named_params`` is e.g. ``module.named_parameters()`` after tensor parallelism
+    (the names are what ``gather``/``release`` take). The optimizer is built here
+    by ``optimizer_factory`` on the flat shards; use ``program.optimizer``.
+    """
+    return ZeroProgram(named_params, stage, dp_group, optimizer_factory=optimizer_factory,
+                       bucket_bytes=bucket_bytes, counter=counter, axis=axis, precision=precision,
+                       extra_params=extra_params)

@@ -1,0 +1,446 @@
+"""Pipeline parallelism: this rank's stage of the training graph, and the schedule that drives it.
+
+Splitting. ``split_stages`` is the one mechanism: it takes the captured graph
+and the plan's node -> stage map (``NodeDecision.stage``, the policy) and
+returns, per stage, the nodes it runs (graph order), the user inputs it reads
+(the micro-batch inputs at the stage of their placeholder, the targets at the
+loss's), and the values that cross each cut: every value produced at or
+before stage s and used after it travels from s to s + 1, so a value made
+early and used several stages later is relayed by the stages in between
+(each receives it and sends it on). Parameters and buffers never cross a cut:
+a stage holds those its nodes read. A parameter read on several stages (tied
+embeddings) is held by each of them, and after backward its gradient is summed
+between the copies (one all-reduce per step over the ranks with the same
+dp/tp coordinates on those stages); the copies start equal and take the same
+update, so they stay equal.
+
+Running a stage. ``PipelineStage`` hands its nodes to the tensor-parallel
+executor (``TensorParallel`` with ``keep``), so a stage is the TP program
+restricted to its nodes: it holds only its parameters' shards, and TP
+collectives run inside it as in a whole-graph plan. A value crossing a cut is
+sent as this rank's local tensor (the producer's placement) to the rank with
+the same (dp, tp) coordinates on the next stage, over the "pp" process group;
+its consumers' ``InputLayout`` reshard it on arrival as usual. Gradients come
+back the same way, for the values that carry one (floating values that depend
+on a parameter); the rest (token ids, targets) go forward only. Sends are
+asynchronous (``isend``, waited at the end of the step) and receives block, so
+neighbouring stages never wait on each other's sends.
+
+Schedules. GPipe (all forwards, then all backwards) and 1F1B (stage i runs
+min(p - i - 1, m) warm-up forwards, then one forward / one backward, then the
+remaining backwards). Own code rather than torch.distributed.pipelining's
+schedules: the targets enter at the last stage only, stages are interpreter
+programs over local TP tensors with relayed values whose sets differ per cut,
+the gradient all-reduce must start on the last backward of each stage (not
+after the schedule), and each micro-batch's forward and backward is timed
+for the trace (runtime/trace.py); the schedule itself is ``schedule_order``.
+
+The loss: the last stage computes each micro-batch's loss and back-propagates
+loss / m; data-parallel averaging of every stage's gradients then gives the
+mean over the global batch. The step's mean loss is averaged over "dp" on the
+last stage and broadcast over "pp", so every rank returns it.
+
+Inference (forward only): ``infer`` streams the micro-batches through the
+stages (stage i works on micro-batch k while stage i + 1 works on k - 1, since
+sends do not wait) and returns the model's output, gathered over "dp" and
+broadcast over "pp": every rank returns the whole batch's output.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping, NamedTuple
+
+import torch
+import torch.distributed as dist
+import torch.fx
+from torch import nn
+
+from partita.core.errors import PlanError
+from partita.core.ops import gradient_nodes, tensor_values
+from partita.core.plan import MeshAxis, Plan, tied_stages
+from partita.core.precision import PrecisionPolicy
+from partita.core.schedule import SCHEDULES, stage_order
+from partita.runtime.collectives import CollectiveCounter
+from partita.runtime.dp.averaging import GradientAverager
+from partita.runtime.tp.module import TensorParallel
+from partita.runtime.tp.collectives import local_shape
+from partita.runtime.trace import BACKWARD, FORWARD, TraceRecorder  # core/schedule.py's
+from partita.runtime.watchdog import FLIGHT
+
+if TYPE_CHECKING:
+    from partita.runtime.dp.zero import ZeroProgram
+
+PP = MeshAxis.PP.value
+
+
+# -- the split ---------------------------------------------------------------------
+
+
+@dataclass
+class StageGraph:
+    """What one stage runs and what crosses its cuts (``split_stages``)."""
+
+    index: int
+    nodes: list[torch.fx.Node]  # call / output nodes it runs, in graph order
+    inputs: list[tuple[int, torch.fx.Node]]  # (position among the user inputs, placeholder) it reads
+    recv: list[torch.fx.Node] = field(default_factory=list)  # values from stage index - 1, in order
+    send: list[torch.fx.Node] = field(default_factory=list)  # values to stage index + 1, in order
+
+
+def split_stages(graph: torch.fx.Graph, stage_of: Mapping[str, int], stages: int,
+                 held: Callable[[torch.fx.Node], bool]) -> list[StageGraph]:
+    """Partition ``graph`` by ``stage_of`` (node name -> stage) into ``stages`` programs.
+
+    ``held(node)`` says which placeholders are parameters or buffers (held by
+    every stage that reads them, never sent). Raises ``PlanError`` for a node
+    without a stage, a stage out of range, an edge that runs backwards, or an
+    empty stage.
+    """
+    nodes = list(graph.nodes)
+    for n in nodes:
+        if n.name not in stage_of:
+            raise PlanError(f"the plan gives no pipeline stage for node {n.format_node()}",
+                            hint="recompile the plan with `partita compile`")
+        if not 0 <= stage_of[n.name] < stages:
+            raise PlanError(f"node {n.name} is on stage {stage_of[n.name]}, but the plan has {stages} stages",
+                            hint="recompile the plan for this model with `partita compile`")
+    for n in nodes:
+        for u in n.users:
+            if not held(n) and stage_of[u.name] < stage_of[n.name]:
+                raise PlanError(f"node {u.format_node()} on stage {stage_of[u.name]} reads {n.name} from the "
+                                f"later stage {stage_of[n.name]}: stages must follow the graph's order",
+                                    hint="recompile the plan for this model with `partita compile`")
+    out = [StageGraph(s, [], []) for s in range(stages)]
+    user_inputs = [n for n in nodes if n.op == "placeholder" and not held(n)]
+    for i, n in enumerate(user_inputs):
+        out[stage_of[n.name]].inputs.append((i, n))
+    for n in nodes:
+        if n.op != "placeholder":
+            out[stage_of[n.name]].nodes.append(n)
+        if held(n) or not n.users:
+            continue
+        last = max(stage_of[u.name] for u in n.users)
+        for s in range(stage_of[n.name], last):  # live across the cut after stage s
+            out[s].send.append(n)
+            out[s + 1].recv.append(n)
+    empty = [s.index for s in out if not s.nodes]
+    if empty:
+        raise PlanError(f"pipeline stage(s) {empty} have no nodes to run",
+                        hint="recompile the plan for this model with `partita compile`")
+    return out
+
+
+def schedule_order(schedule: str, stages: int, stage: int, micro_batches: int) -> list[tuple[str, int]]:
+    """This stage's actions in order: ("F", k) forward / ("B", k) backward of micro-batch k
+    (core/schedule.py ``stage_order``, the order the planner and the viewer use too)."""
+    if schedule not in SCHEDULES:
+        raise PlanError(f"unknown pipeline schedule {schedule!r}; this runtime runs {', '.join(SCHEDULES)}",
+                        hint="recompile the plan for this model with `partita compile`")
+    return [("F" if a == FORWARD else "B", k) for a, k in stage_order(schedule, stage, stages, micro_batches)]
+
+
+def _rebuild(meta: Any, values: Iterable[torch.Tensor]) -> Any:
+    """``meta``'s structure (a tensor, or nested tuples / lists) with its tensors replaced in order."""
+    return _fill(meta, iter(values))
+
+
+def _fill(v: Any, it: Iterator[torch.Tensor]) -> Any:
+    # A module-level function, not a closure calling itself: that closure would be a reference
+    # cycle holding the received tensors until the garbage collector runs.
+    if isinstance(v, torch.Tensor):
+        return next(it)
+    if isinstance(v, (tuple, list)):
+        return type(v)(_fill(x, it) for x in v)
+    return v
+
+
+# -- one stage ---------------------------------------------------------------------
+
+
+class Tie(NamedTuple):
+    """A parameter held on several stages: this stage's copy and the group of all its copies."""
+
+    name: str
+    param: nn.Parameter
+    group: dist.ProcessGroup
+    ranks: tuple[int, ...]  # one per stage holding it
+
+
+@dataclass
+class _InFlight:
+    """A micro-batch between its forward and its backward on this stage."""
+
+    sent: list[torch.Tensor]  # outputs that carry a gradient, in the order gradients arrive
+    received: list[torch.Tensor]  # inputs that carry a gradient, in the order gradients are sent back
+    loss: torch.Tensor | None = None
+
+
+class PipelineStage(nn.Module):
+    """This rank's stage: its TP program over the stage's nodes, its neighbours, its schedule."""
+
+    def __init__(self, module: nn.Module, plan: Plan, mesh: Any, *, loss_fn: Callable | None,
+                 counter: CollectiveCounter, device: torch.device, precision: PrecisionPolicy,
+                 rng: tuple[int, int] | None, checkpoint: str | Path | None = None) -> None:
+        super().__init__()
+        self.plan, self.counter, self.device = plan, counter, device
+        p = plan.mesh.pp
+        self.pp_group = mesh[PP].get_group()
+        self.index = dist.get_rank(self.pp_group)
+        self.num_stages = p
+        self.rank = dist.get_rank()
+        stage_of = {d.name: d.stage for d in plan.nodes}
+        if plan.stages and len(plan.stages) == p and plan.stages[self.index].ranks \
+                and self.rank not in plan.stages[self.index].ranks:
+            raise PlanError(f"rank {self.rank} is on pipeline stage {self.index} by the mesh order "
+                            f"(pp outermost), but the plan lists stage {self.index}'s ranks as "
+                            f"{list(plan.stages[self.index].ranks)}",
+                            hint="recompile the plan for this model with `partita compile`")
+        tp_group = mesh[MeshAxis.TP.value].get_group() if plan.mesh.tp > 1 else None
+        self.tp = TensorParallel(module, plan, tp_group, loss_fn=loss_fn, counter=counter, device=device,
+                                 checkpoint=checkpoint, keep=lambda n: stage_of.get(n.name) == self.index,
+                                 precision=precision, rng=rng)
+        graph = self.tp.graph_module.graph
+        held = lambda n: n.name in self.tp.param_nodes or n.name in self.tp.buffer_nodes  # noqa: E731
+        self.stages = split_stages(graph, stage_of, p, held)
+        self.graph = self.stages[self.index]
+        self.grad_nodes = gradient_nodes(graph, self.tp.param_nodes)  # the planner's rule (core/ops.py)
+        self.prev = dist.get_global_rank(self.pp_group, self.index - 1) if self.index > 0 else None
+        self.next = dist.get_global_rank(self.pp_group, self.index + 1) if self.index < p - 1 else None
+        self.held = [n for n in graph.nodes if n.op == "placeholder" and self.tp.holds(n)]
+        self.trace = TraceRecorder(self.rank, self.index)
+        self.ties = self._tie_groups(mesh, stage_of)
+        self._inflight: dict[int, _InFlight] = {}
+        self._sends: list[tuple[dist.Work, torch.Tensor]] = []
+
+    @property
+    def is_last(self) -> bool:
+        return self.index == self.num_stages - 1
+
+    def local_parameters(self) -> dict[str, tuple[nn.Parameter, str]]:
+        return self.tp.local_parameters()
+
+    # -- tied parameters ---------------------------------------------------------
+
+    def _tie_groups(self, mesh: Any, stage_of: Mapping[str, int]) -> list[Tie]:
+        """A ``Tie`` for each parameter held on several stages, by name: the plan's stage map and
+        the graph decide it (``tied_stages``), so every stage derives the same list in the same
+        order. Every rank creates every group, in that order (``new_group`` is collective)."""
+        graph = self.tp.graph_module.graph
+        param_nodes = self.tp.param_nodes
+        readers = {n.name: [u.name for u in n.users] for n in graph.nodes if n.name in param_nodes}
+        m, local = self.plan.mesh, self.local_parameters()
+        out = []
+        for q, stages in tied_stages(param_nodes, readers, stage_of).items():
+            for dp in range(m.dp):
+                for tp in range(m.tp):
+                    ranks = [m.rank(pp=s, dp=dp, tp=tp) for s in stages]
+                    group = dist.new_group(ranks)
+                    if self.rank in ranks:
+                        out.append(Tie(q, local[q][0], group, tuple(ranks)))
+        return out
+
+    @property
+    def tied_parameters(self) -> list[nn.Parameter]:
+        """This stage's copies of the parameters it shares with other stages."""
+        return [t.param for t in self.ties]
+
+    def sync_tied(self) -> None:
+        """Sum the gradients of tied copies over the stages holding them (after dp averaging).
+
+        Every holder takes part every step, whether or not its copy received a gradient (a copy
+        whose stage's nodes gave it none contributes zeros): skipping the call on one stage
+        would leave the others waiting in it."""
+        for _, param, group, ranks in self.ties:
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
+            self.counter.record("all_reduce", PP, param.grad.numel() * param.grad.element_size(), ranks)
+            with self.counter.blocking("all_reduce", PP):
+                dist.all_reduce(param.grad, group=group)
+
+    # -- point to point ------------------------------------------------------------
+
+    def _wire(self, nodes: list[torch.fx.Node], grads_only: bool) -> list[tuple[torch.fx.Node, Any, str]]:
+        """(node, meta value, placement) of each tensor crossing with ``nodes``, in wire order."""
+        out = []
+        for n in nodes:
+            placements = self.tp.decisions[n.name].out
+            for v, placement in zip(tensor_values(n.meta.get("val")), placements):
+                if not grads_only or (n.name in self.grad_nodes and v.dtype.is_floating_point):
+                    out.append((n, v, placement))
+        return out
+
+    def _send(self, values: list[torch.Tensor], dst: int) -> None:
+        for t in values:
+            t = t.detach().contiguous()
+            self.counter.record("send_recv", PP, t.numel() * t.element_size())
+            self._sends.append((dist.isend(t, dst=dst, group=self.pp_group), t))
+
+    def _recv(self, wire: list[tuple[torch.fx.Node, Any, str]], src: int) -> list[torch.Tensor]:
+        dtype = self.tp.precision.held_dtype  # floating activations cross in the compute dtype (``_send``'s)
+        bufs = [torch.empty(local_shape(v.shape, placement, self.tp.tp.size), dtype=dtype(v.dtype), device=self.device)
+                for _, v, placement in wire]
+        FLIGHT.entered("recv", PP, sum(b.numel() * b.element_size() for b in bufs), tuple(sorted((src, self.rank))))
+        works = [dist.irecv(b, src=src, group=self.pp_group) for b in bufs]
+        with self.counter.blocking("send_recv", PP):
+            for w in works:
+                w.wait()
+        return bufs
+
+    def wait_sends(self) -> None:
+        for work, _ in self._sends:
+            work.wait()
+        self._sends.clear()
+
+    # -- one micro-batch -------------------------------------------------------------
+
+    def forward_micro(self, k: int, inputs: list[torch.Tensor], *, grad: bool = True) -> Any:
+        """Forward of micro-batch ``k`` (``inputs``: its user inputs, targets last); returns the last
+        stage's output (the loss in training), None elsewhere."""
+        g = self.graph
+        env: dict[torch.fx.Node, Any] = {n: self.tp.placeholder_value(n, None) for n in self.held}
+        for i, n in g.inputs:
+            env[n] = self.tp.placeholder_value(n, inputs[i])
+        received: list[torch.Tensor] = []
+        if g.recv:
+            wire = self._wire(g.recv, grads_only=False)
+            values = self._recv(wire, self.prev)
+            for (n, v, _), t in zip(wire, values):
+                if grad and n.name in self.grad_nodes and v.dtype.is_floating_point:
+                    t.requires_grad_(True)
+                    received.append(t)
+            it = iter(values)
+            for n in g.recv:
+                env[n] = _rebuild(n.meta.get("val"), it)
+        with self.trace.span(FORWARD, k), torch.set_grad_enabled(grad):
+            self.tp.run_nodes(g.nodes, env)
+        if self.is_last:
+            out = env[g.nodes[-1]]
+            out = out[-1] if isinstance(out, (tuple, list)) and len(out) == 1 else out
+            if grad:
+                self._inflight[k] = _InFlight([], received, out)
+            return out
+        # in the compute dtype (what the plan prices), a differentiable cast: the gradient comes back in it
+        outs = [self.tp.precision.wire(t) for n in g.send for t in tensor_values(env[n])]
+        self._send(outs, self.next)
+        if grad:
+            sent = [t for (n, v, _), t in zip(self._wire(g.send, grads_only=False), outs)
+                    if n.name in self.grad_nodes and v.dtype.is_floating_point]
+            self._inflight[k] = _InFlight(sent, received)
+        return None
+
+    def backward_micro(self, k: int, scale: float) -> None:
+        """Backward of micro-batch ``k``: from ``loss * scale`` on the last stage, else from the
+        gradients the next stage sends back; then the inputs' gradients go to the previous stage."""
+        f = self._inflight.pop(k)
+        if self.is_last:
+            with self.trace.span(BACKWARD, k):
+                (f.loss * scale).backward()
+        else:
+            grads = self._recv(self._wire(self.graph.send, grads_only=True), self.next)
+            pairs = [(t, g) for t, g in zip(f.sent, grads) if t.requires_grad]
+            with self.trace.span(BACKWARD, k):
+                if pairs:
+                    torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
+        if self.prev is not None:
+            self._send([t.grad if t.grad is not None else torch.zeros_like(t) for t in f.received], self.prev)
+
+    # -- a step ----------------------------------------------------------------------
+
+    def train_step(self, xs: list[torch.Tensor], y: torch.Tensor, averager: GradientAverager | None,
+                   dp_group: dist.ProcessGroup | None, zero: "ZeroProgram | None" = None,
+                   loss_scale: float = 1.0) -> float:
+        """One step of the plan's schedule over this rank's share (``grad_accum_steps`` micro-batches);
+        gradients are averaged over "dp" (or reduce-scattered by ``zero``, runtime/dp/zero.py, told
+        where each forward and backward starts) and tied copies summed. Returns the global mean loss."""
+        tr = self.plan.training
+        m, mbs = tr.grad_accum_steps, tr.micro_batch_size
+        users = [*xs, y]
+        loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
+        for action, k in schedule_order(tr.schedule, self.num_stages, self.index, m):
+            if action == "F":
+                if zero is not None:
+                    zero.begin_forward()
+                loss = self.forward_micro(k, [u[k * mbs:(k + 1) * mbs] for u in users])
+                if loss is not None:
+                    loss_sum += loss.detach().float()
+            else:
+                if averager is not None:
+                    averager.begin(sync=k == m - 1)
+                if zero is not None:
+                    zero.begin_backward(k == m - 1)
+                self.backward_micro(k, loss_scale / m)
+                if zero is not None:
+                    zero.after_backward()
+        if averager is not None:
+            averager.finish()
+        self.sync_tied()
+        self.wait_sends()
+        self.trace.step += 1
+        return self._share_loss(loss_sum.div_(m), dp_group)
+
+    def evaluate(self, xs: list[torch.Tensor], y: torch.Tensor, dp_group: dist.ProcessGroup | None,
+                 zero: "ZeroProgram | None" = None) -> float:
+        """The global mean loss of this rank's share without gradients: every micro-batch's forward
+        through the stages (no backward, so no schedule), the last stage's mean shared as in training."""
+        tr = self.plan.training
+        m, mbs = tr.grad_accum_steps, tr.micro_batch_size
+        loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
+        for k in range(m):
+            if zero is not None:
+                zero.begin_forward()
+            loss = self.forward_micro(k, [u[k * mbs:(k + 1) * mbs] for u in (*xs, y)], grad=False)
+            if loss is not None:
+                loss_sum += loss.float()
+        self.wait_sends()
+        return self._share_loss(loss_sum.div_(m), dp_group)
+
+    def _share_loss(self, loss: torch.Tensor, dp_group: dist.ProcessGroup | None) -> float:
+        """The last stage's dp mean, broadcast over "pp"."""
+        if self.is_last and dp_group is not None:
+            self.counter.record("all_reduce", MeshAxis.DP.value, loss.element_size())
+            loss.div_(dist.get_world_size(dp_group))
+            dist.all_reduce(loss, group=dp_group)
+        self.counter.record("broadcast", PP, loss.element_size())
+        with self.counter.blocking("broadcast", PP):
+            dist.broadcast(loss, src=dist.get_global_rank(self.pp_group, self.num_stages - 1), group=self.pp_group)
+        return float(loss)
+
+    # -- inference -------------------------------------------------------------------
+
+    @torch.no_grad()
+    def infer(self, xs: list[torch.Tensor], dp_group: dist.ProcessGroup | None) -> torch.Tensor:
+        """The model's output for this rank's share ``xs``, streamed as micro-batches; gathered over
+        "dp" and broadcast over "pp", so every rank returns the output for the whole batch."""
+        tr = self.plan.training
+        mbs = tr.micro_batch_size
+        m = xs[0].shape[0] // mbs
+        outs = []
+        for k in range(m):
+            out = self.forward_micro(k, [x[k * mbs:(k + 1) * mbs] for x in xs], grad=False)
+            if out is not None:
+                outs.append(out)
+        last = self.stages[-1].nodes[-1]  # the output node: its input's placement, at the micro-batch shape
+        (meta,) = [a.meta["val"] for a in last.all_input_nodes]
+        shape = local_shape(meta.shape, self.tp.decisions[last.name].ins[0].need, self.tp.tp.size)
+        result = torch.cat(outs) if outs else torch.empty((m * shape[0], *shape[1:]), dtype=meta.dtype,
+                                                          device=self.device)
+        self.wait_sends()
+        self.counter.record("broadcast", PP, result.numel() * result.element_size())
+        dist.broadcast(result, src=dist.get_global_rank(self.pp_group, self.num_stages - 1), group=self.pp_group)
+        if dp_group is not None:
+            whole = result.new_empty((result.shape[0] * dist.get_world_size(dp_group), *result.shape[1:]))
+            self.counter.record("all_gather", MeshAxis.DP.value, whole.numel() * whole.element_size())
+            dist.all_gather_into_tensor(whole, result.contiguous(), group=dp_group)
+            result = whole
+        return result
+
+
+def apply_pipeline(module: nn.Module, plan: Plan, mesh: Any, *, loss_fn: Callable | None,
+                   counter: CollectiveCounter, device: torch.device, precision: PrecisionPolicy,
+                   rng: tuple[int, int] | None, checkpoint: str | Path | None = None) -> PipelineStage:
+    """Compose's pipeline step: this rank's stage, the TP program over the stage's nodes (tensor
+    parallelism inside it, over "tp" when tp > 1), linked to its neighbours over "pp"."""
+    return PipelineStage(module, plan, mesh, loss_fn=loss_fn, counter=counter, device=device,
+                         precision=precision, rng=rng, checkpoint=checkpoint)

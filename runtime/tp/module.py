@@ -1,0 +1,215 @@
+"""Tensor parallelism: a plan's node decisions run on this rank with local tensors.
+
+``TensorParallel`` captures the training graph (model + loss) itself, keeps only
+this rank's shard of every parameter (runtime/state/weights.py ``load_local``), and
+runs the graph's nodes with the tensor-parallel interpreter over LOCAL tensors
+(runtime/tp/interpreter.py: each input resharded as the plan says by
+runtime/tp/collectives.py, a few ops through local programs of
+runtime/tp/local_ops.py, recomputed layers per runtime/tp/recompute.py).
+
+The same program is a pipeline stage's (``keep``: the stage's nodes; it then
+holds only the parameters they read) and, at tp = 1, the program of a plan that
+recomputes activations (a one-rank TP group). ``apply_tensor_parallel`` is the
+step of compose (runtime/compose.py) that builds it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.fx
+from torch import nn
+
+from partita.core.capture import CapturedModel, capture
+from partita.core.errors import PlanError
+from partita.core.inputs import InputSpec, parse_input_spec
+from partita.core.plan import Plan
+from partita.core.precision import FP32, PrecisionPolicy
+from partita.core.verify import check_layouts
+from partita.runtime.collectives import CollectiveCounter
+from partita.runtime.tp.recompute import RegionCache
+from partita.runtime.tp.collectives import TPGroup
+from partita.runtime.tp.interpreter import LocalInterpreter, ParamAccess
+from partita.runtime.state.weights import load_local, open_weights
+
+
+def _aliases(op: Any) -> bool:
+    """Whether an aten op's output may be a view of its input (t, view, permute, slice...)."""
+    schema = getattr(op, "_schema", None)
+    return schema is not None and any(r.alias_info is not None for r in schema.returns)
+
+
+class TensorParallel(nn.Module):
+    """This rank's part of a tensor-parallel plan: local parameter shards and the local program.
+
+    ``forward(*inputs, targets)`` runs one micro-batch (inputs and targets whole,
+    replicated on the TP group) and returns the loss, equal on every TP rank.
+    Parameters come from ``module`` (its real weights are sliced, then the module's
+    tensors move to the meta device) or, when ``checkpoint`` is given, from a
+    ``torch.save``d state dict read with ``mmap=True`` so only each slice is read:
+    ``module`` may then live on the meta device. The forward runs under
+    ``precision``'s autocast; random ops are seeded per op from ``rng``
+    ((run seed, dp rank), runtime/rng.py) when given.
+    """
+
+    def __init__(self, module: nn.Module, plan: Plan, group: dist.ProcessGroup | None, *,
+                 loss_fn: Callable[[Any, torch.Tensor], torch.Tensor] | None, counter: CollectiveCounter,
+                 device: torch.device, checkpoint: str | Path | None = None,
+                 keep: Callable[[torch.fx.Node], bool] | None = None,
+                 precision: PrecisionPolicy = FP32, rng: tuple[int, int] | None = None) -> None:
+        super().__init__()
+        self.tp = TPGroup(group, counter)
+        self.plan = plan
+        self.device = device
+        self.precision = precision
+        self.rng = rng
+        self.decisions = {d.name: d for d in plan.nodes}
+        captured = _capture(module, plan, loss_fn)  # dropped after loading: it holds the lifted constants
+        self.graph_module = captured.graph_module
+        self.param_nodes, self.buffer_nodes = captured.param_nodes, captured.buffer_nodes  # placeholder -> name
+        self._check_graph(captured)
+        check_layouts(plan, captured)  # every strategy, placement and collective re-derived on this graph
+        # The nodes this rank runs (a pipeline stage's; all by default): it holds the
+        # parameters and buffers they read, and no others.
+        graph = captured.graph_module.graph
+        self.nodes = [n for n in graph.nodes if n.op != "placeholder" and (keep is None or keep(n))]
+        kept = {n.name for n in self.nodes}
+        # A placeholder no node reads is held on its own stage only when no other placeholder of
+        # the same tensor is read (a tied parameter's unused duplicate is no copy to hold).
+        same = {**captured.param_nodes, **captured.buffer_nodes}
+        read = {same.get(n.name, n.name) for n in graph.nodes if n.op == "placeholder" and n.users}
+        held = {n.name for n in graph.nodes if n.op == "placeholder" and (
+            keep is None or any(u.name in kept for u in n.users)
+            or (not n.users and same.get(n.name, n.name) not in read and keep(n)))}
+        state = open_weights(checkpoint) if checkpoint is not None else None
+        local = load_local(module, captured, plan, state, held=held, tp=self.tp, device=device)
+        if state is None:
+            module.to("meta")  # drop the full tensors: this rank keeps only its slices
+        self.shards = nn.ParameterDict(local.shards)
+        self.placements = local.placements  # qualified parameter name -> tp placement
+        self._param_by_node = local.param_by_node  # placeholder -> key in self.shards
+        self._buffers_by_node: dict[str, torch.Tensor] = {}
+        for node, (qualified, value) in local.buffers.items():
+            self.register_buffer(qualified.replace(".", "__"), value, persistent=False)
+            self._buffers_by_node[node] = getattr(self, qualified.replace(".", "__"))
+        self.param_access: ParamAccess | None = None  # who holds the parameters between uses (ZeRO-3)
+        self.param_reads, self.param_last_reads = self._param_readers()
+        self.regions = RegionCache(plan)  # a node list with its recomputed layers grouped
+
+    def _param_readers(self) -> tuple[dict[str, list[nn.Parameter]], dict[str, list[nn.Parameter]]]:
+        """Per node this rank runs, the parameters it reads (directly, or through a chain of view
+        ops such as ``t`` or ``view``, whose outputs alias the parameter's storage), and per node
+        those it is the last in graph order to read: after it, forward is done with them."""
+        graph_nodes = list(self.graph_module.graph.nodes)
+        order = {n.name: i for i, n in enumerate(graph_nodes)}
+        placeholders = {n.name: n for n in graph_nodes if n.op == "placeholder"}
+        runs = {n.name for n in self.nodes}
+        reads: dict[str, list[nn.Parameter]] = {}
+        last: dict[str, str] = {}  # shard key -> its last reader (over all of a tied parameter's placeholders)
+        for node_name, key in self._param_by_node.items():
+            param = self.shards[key]
+            frontier = [u for u in placeholders[node_name].users if u.name in runs]
+            seen: set[str] = set()
+            while frontier:
+                u = frontier.pop()
+                if u.name in seen:
+                    continue
+                seen.add(u.name)
+                if not any(q is param for q in reads.setdefault(u.name, [])):
+                    reads[u.name].append(param)
+                if _aliases(u.target):
+                    frontier += [v for v in u.users if v.name in runs]
+            for name in seen:
+                if key not in last or order[name] > order[last[key]]:
+                    last[key] = name
+        last_reads: dict[str, list[nn.Parameter]] = {}
+        for key, node_name in last.items():
+            last_reads.setdefault(node_name, []).append(self.shards[key])
+        return reads, last_reads
+
+    def _check_graph(self, captured: CapturedModel) -> None:
+        names = [n.name for n in captured.graph_module.graph.nodes]
+        missing = [n for n in names if n not in self.decisions]
+        if missing:
+            raise PlanError(
+                f"the plan has no tensor-parallel decision for {len(missing)} of the {len(names)} nodes of "
+                f"this model's training graph (first: {', '.join(missing[:3])})",
+                hint="recompile the plan for this model (and loss) with `partita compile`",
+            )
+
+    # -- running -------------------------------------------------------------------------
+
+    def local_parameters(self) -> dict[str, tuple[nn.Parameter, str]]:
+        """Qualified name -> (this rank's shard, its tp placement)."""
+        return {k.replace("/", "."): (p, self.placements[k.replace("/", ".")]) for k, p in self.shards.items()}
+
+    def forward(self, *inputs: torch.Tensor, targets: torch.Tensor | None = None) -> Any:
+        """One micro-batch through the whole graph: the loss (or, without a loss, the output)."""
+        users = iter((*inputs, targets) if targets is not None else inputs)
+        env = {n: self.placeholder_value(n, None if self.holds(n) else next(users))
+               for n in self.graph_module.graph.nodes if n.op == "placeholder"}
+        out = self.run_nodes(self.nodes, env)[self.nodes[-1]]
+        return out[-1] if isinstance(out, (tuple, list)) and targets is not None else out
+
+    def buffers_by_node(self) -> dict[str, torch.Tensor]:
+        """The buffers this rank holds, by placeholder name (``buffer_nodes`` names them)."""
+        return dict(self._buffers_by_node)
+
+    def holds(self, n: torch.fx.Node) -> bool:
+        """Whether placeholder ``n`` is a parameter or buffer this rank holds (not a user input)."""
+        return n.name in self._param_by_node or n.name in self._buffers_by_node
+
+    def placeholder_value(self, n: torch.fx.Node, user: torch.Tensor | None) -> torch.Tensor:
+        """The local value of placeholder ``n``: this rank's shard or buffer, or the user's
+        micro-batch tensor ``user`` (checked against the captured shape)."""
+        if n.name in self._buffers_by_node:
+            return self._buffers_by_node[n.name]
+        if n.name in self._param_by_node:
+            return self.shards[self._param_by_node[n.name]]
+        want = tuple(n.meta["val"].shape)
+        if user is None or tuple(user.shape) != want:
+            got = None if user is None else tuple(user.shape)
+            raise PlanError(f"input {n.name} has shape {got}, but the plan's micro-batch is {want}", hint="pass batches of the plan's shape, or recompile for this shape")
+        return user.to(self.device)
+
+    def run_nodes(self, nodes: list[torch.fx.Node], env: dict[torch.fx.Node, Any]) -> dict[torch.fx.Node, Any]:
+        """Run ``nodes`` (a subset of ``self.nodes``, in graph order) over ``env``, under the
+        precision policy's autocast (runtime/tp/interpreter.py)."""
+        with self.precision.autocast(self.device):
+            return LocalInterpreter(self).run_items(self.regions(nodes), env)
+
+
+def _micro_batch_specs(plan: Plan) -> tuple[list[InputSpec], InputSpec | None]:
+    """The plan's input and target specs with the batch dim set to the micro-batch size."""
+    mbs = plan.training.micro_batch_size
+
+    def micro(text: str) -> InputSpec:
+        spec = parse_input_spec(text)
+        return InputSpec(spec.name, spec.dtype, (mbs, *spec.shape[1:]))
+
+    if not plan.model.inputs:
+        raise PlanError("a tensor-parallel plan must record the model's inputs (plan.model.inputs)",
+                        hint="recompile the plan for this model with `partita compile`")
+    return [micro(s) for s in plan.model.inputs], micro(plan.model.targets) if plan.model.targets else None
+
+
+def _capture(module: nn.Module, plan: Plan, loss_fn: Callable | None) -> CapturedModel:
+    inputs, targets = _micro_batch_specs(plan)
+    on_meta = any(t.device.type == "meta" for t in module.parameters())
+    # A meta module is captured through fake tensors (export cannot run some models on meta);
+    # its tensors are replaced by the local shards anyway.
+    model = (lambda: module.to_empty(device="cpu")) if on_meta else module
+    return capture(model, inputs, loss=loss_fn, targets=targets, name=plan.model.name)
+
+
+def apply_tensor_parallel(module: nn.Module, plan: Plan, group: dist.ProcessGroup | None, *,
+                          loss_fn: Callable | None, counter: CollectiveCounter, device: torch.device,
+                          precision: PrecisionPolicy, rng: tuple[int, int] | None,
+                          checkpoint: str | Path | None = None) -> TensorParallel:
+    """Compose's tensor-parallel step: this rank's shards of ``module`` and the program over the
+    "tp" ``group`` (None: a one-rank group, for a plan that only recomputes)."""
+    return TensorParallel(module, plan, group, loss_fn=loss_fn, counter=counter, device=device,
+                          checkpoint=checkpoint, precision=precision, rng=rng)
