@@ -47,6 +47,7 @@ from partita.core.plan import (  # noqa: E402
 )
 from partita.runtime.distributed import init_distributed  # noqa: E402
 from partita.runtime.engine import ParallelModel  # noqa: E402
+from partita.core.options import Options
 
 WORLD = 2
 WARMUP = 3
@@ -116,7 +117,7 @@ def _worker(rank: int, port: int, repeats: int, queue) -> None:
         module = factory()
         params = sum(p.numel() for p in module.parameters())
         plan = _plan(WORLD, x.shape[0] // WORLD)
-        ours = ParallelModel(copy.deepcopy(module), plan, loss_fn=loss_fn, optimizer=optimizer, ctx=ctx)
+        ours = ParallelModel(copy.deepcopy(module), plan, Options(loss=loss_fn, optimizer=optimizer), ctx=ctx)
         ddp = DistributedDataParallel(module)
         ddp_opt = optimizer(ddp.parameters())
         share = slice(rank * x.shape[0] // WORLD, (rank + 1) * x.shape[0] // WORLD)

@@ -58,16 +58,15 @@ def main() -> int:
         print("gpu_check: no CUDA device here; nothing to measure (this check needs one GPU)")
         return 0
 
-    from partita.compiler.api import default_loss
+    from partita.core.losses import default_loss
     from partita.compiler.compile import compile_model
     from partita.core.inputs import parse_input_spec
     from partita.core.cluster import load_cluster
-    from partita.passes.constraints import Pins
+    from partita.core.options import Options
     from partita.runtime.engine import ParallelModel
 
     B, T = args.batch, args.seq
-    plan = compile_model(gpt_100m, [parse_input_spec(f"idx=int64[{B},{T}]")], load_cluster("dgx-h100", devices=1),
-                         precision="bf16-mixed", optimizer="adamw", pins=Pins(world_size=1)).plan
+    plan = compile_model(gpt_100m, Options(inputs=[parse_input_spec(f"idx=int64[{B},{T}]")], cluster=load_cluster("dgx-h100", devices=1), precision="bf16-mixed", optimizer="adamw", world_size=1)).plan
     g = torch.Generator().manual_seed(0)
     batches = [torch.randint(0, 32768, (B, T + 1), generator=g) for _ in range(4)]
     opt = lambda ps: torch.optim.AdamW(ps, lr=3e-4, fused=True)  # noqa: E731
@@ -76,7 +75,7 @@ def main() -> int:
     model = gpt_100m()
     init = {k: v.clone() for k, v in model.state_dict().items()}
     torch.cuda.reset_peak_memory_stats()
-    pm = ParallelModel(model, plan, loss_fn=default_loss, optimizer=opt)
+    pm = ParallelModel(model, plan, Options(loss=default_loss, optimizer=opt))
 
     def partita_step(k: int) -> float:
         b = batches[k % len(batches)]

@@ -40,6 +40,7 @@ from dp_vs_ddp import _plan, alternate  # noqa: E402
 from examples.models import MLP  # noqa: E402
 from partita.runtime.distributed import init_distributed  # noqa: E402
 from partita.runtime.engine import ParallelModel  # noqa: E402
+from partita.core.options import Options
 
 WORLD, WARMUP, BATCH = 2, 3, 64
 
@@ -66,7 +67,7 @@ LAYER_BYTES = 1024 * 1024 * 2
 def _ours(ctx, zero: int) -> ParallelModel:
     plan = _plan(WORLD, BATCH // WORLD, precision="bf16-mixed", zero_stage=zero,
                  **({"grad_bucket_bytes": LAYER_BYTES} if zero == 3 else {}))
-    return ParallelModel(_model(), plan, loss_fn=F.mse_loss, optimizer=_optimizer, ctx=ctx)
+    return ParallelModel(_model(), plan, Options(loss=F.mse_loss, optimizer=_optimizer), ctx=ctx)
 
 
 def _torch_step(kind: str, rank: int):

@@ -64,6 +64,7 @@ for path in (ROOT, ROOT / "tests"):
 from dp_worker import free_port, gpt_loss  # noqa: E402
 from examples.models import GPT, GPTConfig  # noqa: E402
 from partita.core.inputs import InputSpec  # noqa: E402
+from partita.core.options import Options
 
 SEQ, MBS, VOCAB = 64, 4, 256
 CASES = [("1f1b", 4), ("gpipe", 4), ("1f1b", 8), ("gpipe", 8)]
@@ -103,8 +104,7 @@ def worker(rank: int, world: int, port: int, steps: int, outdir: str) -> None:
                                  cuts_at={2: [2], 4: [1, 2, 3]}[world],
                                  schedule=schedule, mbs=MBS, accum=m, pins=None)
             torch.manual_seed(0)
-            pm = ParallelModel(model(), plan, loss_fn=gpt_loss, optimizer=lambda ps: torch.optim.AdamW(ps, 1e-3),
-                               ctx=ctx)
+            pm = ParallelModel(model(), plan, Options(loss=gpt_loss, optimizer=lambda ps: torch.optim.AdamW(ps, 1e-3)), ctx=ctx)
             g = torch.Generator().manual_seed(1)
             for _ in range(steps):
                 idx = torch.randint(0, VOCAB, (plan.training.global_batch, SEQ + 1), generator=g)

@@ -41,11 +41,11 @@ from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 from examples.models import GPT, GPTConfig, llama2_70b  # noqa: E402
-from partita.compiler.api import default_loss  # noqa: E402
+from partita.core.losses import default_loss  # noqa: E402
 from partita.core.capture import capture  # noqa: E402
 from partita.core.inputs import parse_input_spec  # noqa: E402
 from partita.core.cluster import PRESETS  # noqa: E402
-from partita.passes.constraints import Pins, TrainingRequest  # noqa: E402
+from partita.core.options import Pins, TrainingRequest  # noqa: E402
 from partita.passes.cost_model import state_bytes_per_param  # noqa: E402
 from partita.passes.pipeline.costs import node_costs  # noqa: E402
 from partita.passes.pipeline.cuts import Partition, StageSetup, solve_cuts  # noqa: E402

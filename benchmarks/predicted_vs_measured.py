@@ -122,7 +122,7 @@ def main(nprocs: list[int], rounds: int) -> None:
     from partita.compiler.compile import compile_model
     from partita.core.inputs import parse_input_spec
     from partita.compiler.report import fmt_time
-    from partita.passes.constraints import Pins
+    from partita.core.options import Options
     from partita.runtime.calibrate import calibrate
 
     console = Console(width=170)
@@ -144,10 +144,10 @@ def main(nprocs: list[int], rounds: int) -> None:
                           f"beta {r.allreduce_beta / 1e9:.2f} GB/s, alpha {fmt_time(r.allreduce_alpha)}, cost per call: "
                           + ", ".join(f"{k} {fmt_time(v)}" for k, v in cluster.call_latency.items()))
             spec = parse_input_spec(f"idx=int64[{BATCH},{SEQ}]")
-            cases = {"free": Pins(world_size=n), f"tp={n}": Pins(world_size=n, tp=n),
-                     f"zero3 dp={n}": Pins(world_size=n, dp=n, zero_stage=3), "pp=2": Pins(world_size=n, pp=2)}
+            cases = {"free": dict(world_size=n), f"tp={n}": dict(world_size=n, tp=n),
+                     f"zero3 dp={n}": dict(world_size=n, dp=n, zero=3), "pp=2": dict(world_size=n, pp=2)}
             for name, pins in cases.items():
-                result = compile_model(model, [spec], cluster, pins=pins)
+                result = compile_model(model, Options(inputs=[spec], cluster=cluster, **pins))
                 plan = result.plan
                 got = run_plan(plan, n)
                 measured = statistics.median(got["times"])

@@ -95,12 +95,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from examples.models import GPT, GPTConfig  # noqa: E402
-from partita.compiler.api import default_loss  # noqa: E402
+from partita.core.losses import default_loss  # noqa: E402
 from partita.core.capture import capture  # noqa: E402
 from partita.core.errors import InfeasibleError  # noqa: E402
 from partita.core.inputs import parse_input_spec  # noqa: E402
 from partita.core.cluster import PRESETS, ClusterSpec  # noqa: E402
-from partita.passes.constraints import Pins, TrainingRequest  # noqa: E402
+from partita.core.options import Pins, TrainingRequest  # noqa: E402
 from partita.passes.cost_model import model_state_memory, state_bytes_per_param  # noqa: E402
 from partita.passes.profile import ModelProfile, profile_model  # noqa: E402
 from partita.passes.search import Decision, plan_search  # noqa: E402

@@ -35,6 +35,7 @@ from partita.passes.pipeline.stages import stage_links  # noqa: E402
 from partita.passes.search import tp_node_costs  # noqa: E402
 from partita.passes.tp.ilp import solve_tp  # noqa: E402
 from partita.passes.tp.problem import TPSetting, build_problem  # noqa: E402
+from partita.core.options import Options
 
 
 def llama2_7b():
@@ -71,8 +72,7 @@ def run(name, factory, spec, gpus, batch, inference=False, generate=0):
 
     compile_module.capture = counting
     t = time.perf_counter()
-    result = compile_model(factory, [spec], cluster, global_batch=batch, precision="bf16-mixed",
-                           inference=inference, generate=generate, name=name)
+    result = compile_model(factory, Options(inputs=[spec], cluster=cluster, batch=batch, precision="bf16-mixed", inference=inference, generate=generate), name=name)
     with tempfile.TemporaryDirectory() as tmp:
         result.plan.save(Path(tmp) / "plan.json")
     total = time.perf_counter() - t

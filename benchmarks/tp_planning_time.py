@@ -46,7 +46,7 @@ from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 from examples.models import GPT, GPTConfig  # noqa: E402
-from partita.compiler.api import default_loss  # noqa: E402
+from partita.core.losses import default_loss  # noqa: E402
 from partita.core.capture import capture  # noqa: E402
 from partita.core.inputs import parse_input_spec  # noqa: E402
 from partita.core.cluster import PRESETS  # noqa: E402

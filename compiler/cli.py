@@ -18,7 +18,7 @@ import math
 import re
 import sys
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import click
 from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
@@ -26,25 +26,13 @@ from rich.table import Table
 
 from partita.compiler.console import console, err_console
 from partita.compiler.report import plain
-from partita.core.errors import POSITIVE_HINT, PartitaError, writable_path, write_text
-from partita.core.schedule import SCHEDULES
+from partita.core.errors import PartitaError, writable_path, write_text
+from partita.core.options import ALIASES, RUN, Options, flag_of, option_fields
 
 
 def _progress() -> Progress:
     return Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(),
                     console=err_console, transient=False)
-
-
-def _cluster(name: str, nodes: int | None, devices: int | None):
-    from partita.core.cluster import load_cluster
-
-    return load_cluster(name, nodes=nodes, devices=devices)
-
-
-def _input_specs(texts: Sequence[str]):
-    from partita.core.inputs import parse_input_spec
-
-    return tuple(parse_input_spec(t) for t in texts)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -53,107 +41,82 @@ def cli() -> None:
     """partita: plan how to train a PyTorch model across many devices, then run the plan."""
 
 
-_cluster_options = [
-    click.option("--cluster", "cluster_name", default="local", show_default=True,
-                 help="preset (dgx-a100, dgx-h100, h200, ethernet-10g, local) or a .toml cluster file"),
-    click.option("--nodes", type=int, default=None, help="scale the cluster to N nodes"),
-    click.option("--devices", type=int, default=None, help="devices per node (e.g. local processes)"),
-]
+def option_flags(command: str) -> Callable[[Any], Any]:
+    """The flags of ``command`` made from the ``Options`` fields it offers (core/options.py): their
+    names, help, types and choices come from the fields, so a new option is one field there."""
+    def decorate(f: Any) -> Any:
+        for fld in reversed(option_fields(command=command)):
+            f = _flag(fld)(f)
+            for alias, name in ALIASES.items():
+                if name == fld.name:
+                    f = click.option(f"--{alias}", alias, type=int, default=None, hidden=True)(f)
+        return f
+
+    return decorate
 
 
-def cluster_options(f: Any) -> Any:
-    for opt in reversed(_cluster_options):
-        f = opt(f)
-    return f
+def _flag(fld: Any) -> Any:
+    m, flag = fld.metadata, flag_of(fld)
+    if m["kind"] is bool:
+        if fld.default is None:  # three ways: on, off, or (unset) the planner's choice
+            return click.option(f"{flag}/--no-{flag[2:]}", fld.name, default=None, help=m["help"])
+        return click.option(flag, fld.name, is_flag=True, default=None, help=m["help"])
+    kind = click.Choice([str(c) for c in m["choices"]]) if m["choices"] else (m["kind"] or str)
+    return click.option(flag, fld.name, type=kind, default=() if m["multiple"] else None, multiple=m["multiple"],
+                        metavar=m["metavar"], help=m["help"])
 
 
-def _loss_option(name: str | None, field: str | None, default: Any) -> Any:
-    """``--loss`` (a name, `model` or FILE.py:FN) and ``--output-field`` as the loss object."""
-    from partita.core.losses import resolve_loss
+def flag_options(values: dict[str, Any], base: Options | None = None) -> Options:
+    """``base`` (a decorated target's options) with the option flags a user gave; a refusal is
+    worded in flags (``--checkpoint-every``), as the user wrote them."""
+    try:
+        return Options.of(base, **_flag_values(values))
+    except PartitaError as e:
+        raise PartitaError(_in_flags(e.message), hint=_in_flags(e.hint) if e.hint else None) from None
 
-    out: str | int | None = int(field) if field is not None and field.lstrip("-").isdigit() else field
-    if name is not None and ":" in name and name.split(":", 1)[0].endswith(".py"):
+
+def _in_flags(text: str) -> str:
+    for fld in option_fields():
+        if fld.metadata["flag"] is not None:
+            text = re.sub(rf"(?<![\w-]){fld.name}=", f"{flag_of(fld)} ", text)
+            text = re.sub(rf"(?<![\w-]){fld.name}(?![\w=])", flag_of(fld), text)
+    return text
+
+
+def _flag_values(values: dict[str, Any]) -> dict[str, Any]:
+    """The option flags a user gave (not left at None), as ``Options`` keywords: ``--loss
+    FILE.py:FN`` loaded as the function, a numeric ``--output-field`` as a tuple index."""
+    given = {k: v for k, v in values.items() if v is not None and v != ()}
+    loss = given.get("loss")
+    if isinstance(loss, str) and ":" in loss and loss.split(":", 1)[0].endswith(".py"):
         from partita.compiler.loader import load_function
 
-        return resolve_loss(load_function(name), out)
-    return resolve_loss(name if name is not None else default, out)
+        given["loss"] = load_function(loss)
+    out = given.get("output")
+    if isinstance(out, str) and out.lstrip("-").isdigit():
+        given["output"] = int(out)
+    return given
 
 
 @cli.command("compile")
 @click.argument("target")
-@click.option("--input", "inputs", multiple=True, metavar="NAME=DTYPE[SHAPE]",
-              help="an example input, e.g. idx=int64[16,64]; repeat for several")
-@cluster_options
-@click.option("--batch", type=int, default=None, help="global batch (default: the first input's leading dim)")
-@click.option("--precision", type=click.Choice(["fp32", "bf16-mixed", "fp16-mixed"]), default=None,
-              help="default: bf16-mixed on GPUs, fp32 on CPU")
-@click.option("--optimizer", type=click.Choice(["adamw", "adam", "sgd", "sgd-momentum"]), default="adamw",
-              show_default=True)
-@click.option("--reduce-dtype", type=click.Choice(["fp32", "bf16", "fp16"]), default="fp32", show_default=True,
-              help="the dtype gradients are reduced in over data parallelism")
-@click.option("--max-grad-norm", type=float, default=None, metavar="NORM",
-              help="clip the global gradient norm to NORM every step (default: no clipping)")
-@click.option("--dp", type=int, default=None, help="pin the data-parallel degree")
-@click.option("--micro-batch-size", type=int, default=None, help="pin the micro-batch size")
-@click.option("--grad-accum-steps", type=int, default=None, help="pin the gradient-accumulation steps")
-@click.option("--tp", type=int, default=None, help="pin the tensor-parallel degree (inside a node)")
-@click.option("--pp", type=int, default=None, help="pin the number of pipeline stages")
-@click.option("--zero", type=int, default=None, help="pin the ZeRO stage (0-3) of every data-parallel group")
-@click.option("--microbatches", type=int, default=None, help="pin the micro-batches per step (= --grad-accum-steps)")
-@click.option("--schedule", type=click.Choice(list(SCHEDULES)), default=None,
-              help="pin the pipeline schedule (the plan then has pipeline stages)")
-@click.option("--recompute/--no-recompute", default=None,
-              help="activation recomputation on every stage / on none (default: on the stages where memory binds)")
-@click.option("--inference", is_flag=True, help="a forward-only plan: no gradients, no optimizer state")
-@click.option("--generate", "generate_tokens", type=int, default=0, metavar="N",
-              help="with --inference: N new tokens per sequence, whose KV cache (prompt + N) each stage holds")
-@click.option("--loss", "loss_name", default=None, metavar="NAME|model|FILE.py:FN",
-              help="the loss: cross-entropy (default), mse, `model` (the model's own, given labels=) or a function")
-@click.option("--output-field", default=None, metavar="NAME",
-              help="the field (or tuple index) of the model's output the loss attaches to (default: logits)")
-@click.option("--target", "target_spec", default=None, metavar="NAME=DTYPE[SHAPE]",
-              help="the loss's targets, when the output does not imply them")
-@click.option("-o", "--output", metavar="PATH", default="plan.json", show_default=True)
+@option_flags("compile")
+@click.option("-o", "--output", "plan_path", metavar="PATH", default="plan.json", show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="print the plan as JSON instead of tables")
-def compile_cmd(target: str, inputs: tuple[str, ...], cluster_name: str, nodes: int | None, devices: int | None,
-                batch: int | None, precision: str | None, optimizer: str, reduce_dtype: str,
-                max_grad_norm: float | None, dp: int | None, micro_batch_size: int | None, grad_accum_steps: int | None, tp: int | None, pp: int | None,
-                zero: int | None, microbatches: int | None, schedule: str | None, recompute: bool | None,
-                inference: bool, generate_tokens: int, loss_name: str | None, output_field: str | None,
-                target_spec: str | None, output: str, as_json: bool) -> None:
+def compile_cmd(target: str, plan_path: str, as_json: bool, **values: Any) -> None:
     """Capture TARGET (FILE.py:NAME), analyse it, and write a plan for the cluster."""
     from partita.compiler.compile import compile_model
     from partita.compiler.loader import load_target
     from partita.compiler.report import plan_report
-    from partita.passes.constraints import Pins
-
-    writable_path(output)  # before the work, not after it
+    writable_path(plan_path)  # before the work, not after it
     model = load_target(target)
-    spec = model.spec
-    specs = _input_specs(inputs) if inputs else tuple(getattr(spec, "inputs", ()))
-    if not specs:
-        raise PartitaError(f"{target} needs example inputs", hint="pass --input NAME=DTYPE[SHAPE], e.g. --input idx=int64[16,64]")
-    if spec is not None and cluster_name == "local" and nodes is None and devices is None:
-        cluster_name, nodes, devices = spec.cluster, spec.nodes, spec.devices
-    cluster = _cluster(cluster_name, nodes, devices)
-    if microbatches is not None and microbatches < 1:
-        raise PartitaError(f"--microbatches {microbatches} must be a positive integer", hint=POSITIVE_HINT)
-    if microbatches is not None and grad_accum_steps not in (None, microbatches):
-        raise PartitaError(f"--microbatches {microbatches} and --grad-accum-steps {grad_accum_steps} disagree",
-                           hint="they are the same decision; pass one")
-    pins = Pins(dp=dp, tp=tp, pp=pp, zero_stage=zero, micro_batch_size=micro_batch_size,
-                grad_accum_steps=grad_accum_steps or microbatches, schedule=schedule,
-                recompute=recompute)
-    loss = _loss_option(loss_name, output_field, getattr(spec, "loss", None))
-    targets = _input_specs([target_spec])[0] if target_spec else getattr(spec, "targets", None)
+    options = flag_options(values, model.options)  # the flags over the decorator's keywords
+    if not options.inputs:
+        raise PartitaError(f"{target} needs example inputs",
+                           hint="pass --input NAME=DTYPE[SHAPE], e.g. --input idx=int64[16,64]")
     with _progress() as progress:
-        result = compile_model(model.factory, specs, cluster, global_batch=batch if batch is not None else getattr(spec, "batch", None),
-                               precision=precision or getattr(spec, "precision", None), optimizer=optimizer,
-                               pins=pins, name=model.name, progress=progress, inference=inference, loss=loss,
-                               targets=targets, reduce_dtype=reduce_dtype,
-                               max_grad_norm=max_grad_norm if max_grad_norm is not None
-                               else getattr(spec, "max_grad_norm", None), generate=generate_tokens)
-    path = result.plan.save(output)
+        result = compile_model(model.factory, options, name=model.name, progress=progress)
+    path = result.plan.save(plan_path)
     if as_json:
         click.echo(result.plan.to_json(), nl=False)
     else:
@@ -215,21 +178,11 @@ def parse_count(text: str) -> int:
 @cli.command()
 @click.argument("target", required=False)
 @click.option("--params", "params_text", default=None, help="a parameter count instead of a model, e.g. 65B")
-@click.option("--input", "inputs", multiple=True, metavar="NAME=DTYPE[SHAPE]")
-@cluster_options
-@click.option("--dp", type=int, default=None, help="data-parallel degree (default: every device)")
-@click.option("--batch", type=int, default=None, help="global batch (default: the first input's leading dim)")
-@click.option("--precision", type=click.Choice(["fp32", "bf16-mixed", "fp16-mixed"]), default=None)
-@click.option("--optimizer", type=click.Choice(["adamw", "adam", "sgd", "sgd-momentum"]), default="adamw",
-              show_default=True)
-@click.option("--inference", is_flag=True, help="forward only: the weights and the forward's largest live set")
-@click.option("--generate", type=int, default=0, metavar="N",
-              help="with --inference: N new tokens per sequence, whose KV cache (prompt + N) is counted")
+@option_flags("estimate")
 @click.option("--json", "as_json", is_flag=True)
-def estimate(target: str | None, params_text: str | None, inputs: tuple[str, ...], cluster_name: str,
-             nodes: int | None, devices: int | None, dp: int | None, batch: int | None, precision: str | None,
-             optimizer: str, inference: bool, generate: int, as_json: bool) -> None:
-    """What fits: per-device memory of DP and ZeRO-1/2/3, and each one's traffic per step."""
+def estimate(target: str | None, params_text: str | None, as_json: bool, **values: Any) -> None:
+    """What fits: per-device memory of DP and ZeRO-1/2/3, and each one's traffic per step (--dp:
+    the data-parallel degree, default every device)."""
     from partita.compiler.compile import default_precision
     from partita.compiler.report import fmt_bytes, fmt_count, fmt_time, memory_row
     from partita.core.precision import activation_scale, element_bytes
@@ -238,37 +191,37 @@ def estimate(target: str | None, params_text: str | None, inputs: tuple[str, ...
     if (target is None) == (params_text is None):
         raise PartitaError("give a model (FILE.py:NAME) or --params N, not both or neither",
                            hint="e.g. `partita estimate --params 7B` or `partita estimate FILE.py:NAME --input ...`")
-    from partita.passes.constraints import Pins, TrainingRequest
+    model = None
+    if target is not None:
+        from partita.compiler.loader import load_target
 
-    cluster = _cluster(cluster_name, nodes, devices)
-    Pins(dp=dp).check_cluster(cluster.world_size)  # the words `partita compile` uses
-    if batch is not None:
-        TrainingRequest(global_batch=batch)
-    dp = dp or cluster.world_size
-    precision = precision or default_precision(cluster)
+        model = load_target(target)
+    options = flag_options(values, model.options if model else None)
+    cluster = options.cluster_spec()
+    options.pins().check_cluster(cluster.world_size)  # the words `partita compile` uses
+    dp = options.dp or cluster.world_size
+    precision = options.precision or default_precision(cluster)
+    optimizer, inference, generate = options.optimizer_kind, options.inference, options.generate
+    if generate and not inference:
+        raise PartitaError("--generate needs --inference", hint="add --inference")
     note = ""
-    if params_text is not None:
+    if model is None:
         num_params, activations, name = parse_count(params_text), 0, "--params"
         note = "activations not counted: give a model and --input to include them"
     else:
         from partita.core.capture import capture
-        from partita.compiler.loader import load_target
         from partita.passes.profile import profile_model
 
-        model = load_target(target)
-        specs = _input_specs(inputs) if inputs else tuple(getattr(model.spec, "inputs", ()))
-        if not specs:
+        if not options.inputs:
             raise PartitaError(f"{target} needs example inputs", hint="pass --input NAME=DTYPE[SHAPE]")
         with _progress() as progress:
             task = progress.add_task("capturing and analysing", total=1)
-            profile = profile_model(capture(model.factory, specs, name=model.name))
+            profile = profile_model(capture(model.factory, options.inputs, name=model.name))
             progress.update(task, completed=1)
-        global_batch = batch if batch is not None else profile.batch_size
+        global_batch = options.batch if options.batch is not None else profile.batch_size
         if global_batch % dp:
             raise PartitaError(f"global batch {global_batch} does not divide over dp={dp}",
                                hint=f"use --batch a multiple of {dp} or a different --dp")
-        if generate and not inference:
-            raise PartitaError("--generate needs --inference", hint="add --inference")
         mb = global_batch // dp
         held = profile.live_bytes(mb) if inference else profile.activation_bytes(mb)
         held += profile.kv_cache_bytes(mb, (profile.seq_len or 0) + generate) if generate else 0
@@ -347,15 +300,7 @@ def calibrate(nproc: int, output: str) -> None:
 
 
 @cli.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
-@click.option("--trace", "trace_path", type=click.Path(dir_okay=False), default=None,
-              help="write a Chrome/Perfetto trace of every micro-batch's forward and backward per rank")
-@click.option("--watchdog", "watchdog_s", type=click.FloatRange(min=0, max=1e9), default=None, metavar="SECONDS",
-              help="end the job when a step waits this long in a collective, every rank saying what it "
-              "waits in (default 300; 0: off)")
-@click.option("--checkpoint-dir", type=click.Path(file_okay=False), default=None,
-              help="save sharded checkpoints here, and resume from the newest complete one")
-@click.option("--checkpoint-every", type=click.IntRange(min=1), default=None, metavar="N",
-              help="save a checkpoint every N steps (with --checkpoint-dir)")
+@option_flags("run")
 @click.option("--max-restarts", type=click.IntRange(min=0), default=0, show_default=True,
               help="restart every rank this many times after one dies (torchrun's elastic restarts); "
               "with --checkpoint-dir the run resumes from its newest complete checkpoint")
@@ -370,10 +315,8 @@ def calibrate(nproc: int, output: str) -> None:
 @click.argument("plan_path", metavar="PLAN.json")
 @click.argument("script")
 @click.argument("args", nargs=-1, type=click.UNPROCESSED)
-def run(trace_path: str | None, watchdog_s: float | None, checkpoint_dir: str | None, checkpoint_every: int | None,
-        max_restarts: int, nnodes: int | None, node_rank: int | None, rdzv_endpoint: str | None, standalone: bool,
-        plan_path: str,
-        script: str, args: tuple[str, ...]) -> None:
+def run(max_restarts: int, nnodes: int | None, node_rank: int | None, rdzv_endpoint: str | None,
+        standalone: bool, plan_path: str, script: str, args: tuple[str, ...], **values: Any) -> None:
     """Launch SCRIPT under torchrun with one process per device of PLAN.json.
 
     The script's `partita.parallelize(...)` picks the plan up from the
@@ -412,18 +355,14 @@ def run(trace_path: str | None, watchdog_s: float | None, checkpoint_dir: str | 
     if nodes > 1 and endpoint is None:
         raise PartitaError(f"{nodes} nodes need a rendezvous every node can reach",
                            hint="pass --rdzv-endpoint HOST:PORT (the same on every node)")
+    # the run options reach every rank through the environment, checked here as the decorator checks them
+    options = flag_options(values)
     env = dict(os.environ, PARTITA_PLAN=str(Path(plan_path).resolve()))
-    if trace_path:
-        env["PARTITA_TRACE"] = str(Path(trace_path).resolve())
-    if watchdog_s is not None:
-        env["PARTITA_WATCHDOG_S"] = f"{watchdog_s:g}"
-    if checkpoint_every is not None and checkpoint_dir is None:
-        raise PartitaError("--checkpoint-every needs --checkpoint-dir: where should the checkpoints go?",
-                           hint="add --checkpoint-dir DIR")
-    if checkpoint_dir is not None:
-        env["PARTITA_CHECKPOINT_DIR"] = str(Path(checkpoint_dir).resolve())
-    if checkpoint_every is not None:
-        env["PARTITA_CHECKPOINT_EVERY"] = str(checkpoint_every)
+    for fld in option_fields(RUN, command="run"):
+        value = getattr(options, fld.name)
+        if value is not None:
+            env[fld.metadata["env"]] = str(Path(value).resolve()) if fld.metadata["path"] else f"{value:g}" \
+                if isinstance(value, float) else str(value)
     rank = node_rank if node_rank is not None else (slurm.node_rank if slurm else None)
     if nodes > 1 and rank is None:
         raise PartitaError(f"{nodes} nodes: which one is this?", hint="pass --node-rank R (0 on the node that "

@@ -15,9 +15,8 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 
 from partita.core.capture import CapturedModel, capture
-from partita.core.errors import CaptureError
+from partita.core.errors import CaptureError, PartitaError
 from partita.core.inputs import InputSpec
-from partita.core.losses import resolve_loss
 from partita.core.plan import (
     MeshAxis,
     ModelInfo,
@@ -30,7 +29,7 @@ from partita.core.plan import (
     tied_stages,
 )
 from partita.core.cluster import ClusterSpec
-from partita.passes.constraints import Pins, TrainingRequest
+from partita.core.options import Options, Pins, TrainingRequest
 from partita.compiler.plan_collectives import plan_collectives
 from partita.core.precision import activation_scale, compute_dtype, element_bytes
 from partita.passes.cost_model import node_compute_time
@@ -60,39 +59,29 @@ def default_precision(cluster: ClusterSpec) -> str:
 
 def compile_model(
     model: torch.nn.Module | Callable[[], torch.nn.Module],
-    inputs: Sequence[InputSpec],
-    cluster: ClusterSpec,
+    options: Options,
     *,
-    global_batch: int | None = None,
-    precision: str | None = None,
-    optimizer: str = "adamw",
-    inference: bool = False,
-    reduce_dtype: str = "fp32",
-    max_grad_norm: float | None = None,
-    pins: Pins = Pins(),
     name: str | None = None,
-    loss: Callable[[Any, torch.Tensor], torch.Tensor] | None = None,
-    targets: InputSpec | None = None,
     progress: Any = None,
-    generate: int = 0,
 ) -> CompileResult:
-    """Capture ``model`` on ``inputs``, analyse it, decide a plan for ``cluster``.
+    """Capture ``model`` on ``options.inputs``, analyse it, decide a plan for ``options``' cluster.
 
-    For training the loss (default: cross-entropy) is captured with the model,
-    so its ops are analysed and laid out too; ``targets`` defaults to what the
-    model's output implies. ``global_batch`` defaults to the leading dimension
-    of the first input. ``progress`` is an optional rich ``Progress``. ``generate``
-    (inference): new tokens per sequence, whose KV cache the plan's memory holds.
+    For training the loss (``options.loss``, default cross-entropy) is captured with the model,
+    so its ops are analysed and laid out too; ``options.targets`` defaults to what the model's
+    output implies. The global batch defaults to the leading dimension of the first input.
+    ``progress`` is an optional rich ``Progress``. ``options.generate`` (inference): new tokens
+    per sequence, whose KV cache the plan's memory holds.
     """
+    if not options.inputs:
+        raise PartitaError(f"{name or 'the model'} needs example inputs to plan",
+                           hint="pass --input NAME=DTYPE[SHAPE] (inputs={'idx': 'int64[16,64]'} to the decorator)")
+    cluster, pins, inference = options.cluster_spec(), options.pins(), options.inference
+    inputs, loss, global_batch = options.inputs, options.loss, options.batch
     timings: dict[str, float] = {}
     phase = _phases(progress)
     pins.check_cluster(pins.world_size or cluster.world_size)  # before any capture
-    if global_batch is not None:
-        TrainingRequest(global_batch=global_batch)  # a bad batch is refused before the work, too
-    if not inference:
-        loss = resolve_loss(loss)
     with phase("capturing the model"):
-        captured = capture(model, inputs, name=name, loss=None if inference else loss, targets=targets)
+        captured = capture(model, inputs, name=name, loss=None if inference else loss, targets=options.targets)
     timings["capture"] = captured.seconds
     with phase("analysing the graph"):
         t0 = time.perf_counter()
@@ -100,12 +89,12 @@ def compile_model(
         timings["analysis"] = time.perf_counter() - t0
     request = TrainingRequest(
         global_batch=global_batch if global_batch is not None else profile.batch_size,
-        precision=precision or default_precision(cluster),
-        optimizer="none" if inference else optimizer,
+        precision=options.precision or default_precision(cluster),
+        optimizer="none" if inference else options.optimizer_kind,
         inference=inference,
-        reduce_dtype=reduce_dtype,
-        max_grad_norm=None if inference else max_grad_norm,
-        kv_tokens=(profile.seq_len or 0) + generate if generate else 0,
+        reduce_dtype=options.reduce_dtype,
+        max_grad_norm=None if inference else options.max_grad_norm,
+        kv_tokens=(profile.seq_len or 0) + options.generate if options.generate else 0,
     )
     with phase("capturing at a second batch"):
         t0 = time.perf_counter()

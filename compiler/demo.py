@@ -19,6 +19,7 @@ from typing import Any, Callable
 import torch
 
 from partita.core.errors import PartitaError
+from partita.core.options import Options
 
 SEQ = 64
 BATCH = 16
@@ -61,7 +62,7 @@ def _optimizer(params: Any) -> torch.optim.Optimizer:
 
 def reference(steps: int) -> tuple[list[float], dict[str, torch.Tensor]]:
     """The same training in one process, whole batch at once, no partita."""
-    from partita.compiler.api import default_loss
+    from partita.core.losses import default_loss
 
     model = demo_model()
     opt = _optimizer(model.parameters())
@@ -97,7 +98,7 @@ def run_demo(*, nproc: int, steps: int, output: str, console: Any, progress: Any
     from partita.core.inputs import parse_input_spec
     from partita.compiler.report import plan_summary
     from partita.core.cluster import load_cluster
-    from partita.passes.constraints import Pins
+    from partita.core.options import Pins
     from partita.runtime.launch import run_torchrun
 
     if nproc < 1 or steps < 1:
@@ -106,9 +107,7 @@ def run_demo(*, nproc: int, steps: int, output: str, console: Any, progress: Any
     t_start = time.perf_counter()
     cluster = load_cluster("local", devices=nproc)
     with progress:
-        result = compile_model(demo_model, [parse_input_spec(f"idx=int64[{BATCH},{SEQ}]")], cluster,
-                               pins=Pins(world_size=nproc), name="GPT (examples/models.py:gpt_tiny)",
-                               progress=progress)
+        result = compile_model(demo_model, Options(inputs=[parse_input_spec(f"idx=int64[{BATCH},{SEQ}]")], cluster=cluster, world_size=nproc), name="GPT (examples/models.py:gpt_tiny)", progress=progress)
         plan_path = result.plan.save(output)
         task = progress.add_task(f"training {steps} steps on {nproc} gloo processes", total=1)
         with tempfile.TemporaryDirectory() as tmp:

@@ -23,7 +23,7 @@ from partita.core.errors import ModelLoadError
 class ModelTarget:
     name: str
     factory: Callable[[], torch.nn.Module]
-    spec: object | None  # a ParallelizeSpec when NAME was decorated
+    options: object | None  # the decorator's Options when NAME was decorated
 
 
 def load_function(text: str) -> Callable:
@@ -42,7 +42,7 @@ def load_target(text: str) -> ModelTarget:
     mod, name, path = _import(text)
     obj = getattr(mod, name)
     if isinstance(obj, Parallelized):
-        return ModelTarget(name, _checked_factory(obj.target, text), obj.spec)
+        return ModelTarget(name, _checked_factory(obj.target, text), obj.options)
     if not _buildable(obj):
         raise ModelLoadError(f"{text} is a {type(obj).__name__}, not a model class or factory",
                              hint="point FILE.py:NAME at an nn.Module class or a function returning a module")

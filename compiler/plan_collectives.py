@@ -20,7 +20,7 @@ from partita.core.placement import is_shard
 from partita.core.plan import Collective, MeshAxis, ParamDecision
 from partita.core.precision import dtype_bytes, element_bytes
 from partita.core.cluster import ClusterSpec
-from partita.passes.constraints import TrainingRequest
+from partita.core.options import TrainingRequest
 from partita.passes.cost_model import collective_time, padded_bucket, zero_collectives
 from partita.passes.dp.buckets import gradient_buckets
 from partita.passes.search import Decision

@@ -129,8 +129,10 @@ def model_loss_of(out: Any) -> torch.Tensor:
 def resolve_loss(loss: Any = None, output: str | int | None = None) -> Callable[[Any, torch.Tensor], torch.Tensor]:
     """The loss object for ``loss`` (a callable, a name in ``NAMED``, "model", or None: cross-entropy)
     attached to ``output``."""
-    if isinstance(loss, (OutputLoss, ModelLoss)) and output is None:
-        return loss
+    if isinstance(loss, (OutputLoss, ModelLoss)) and output in (None, getattr(loss, "output", None)):
+        return loss  # resolved already
+    if isinstance(loss, OutputLoss):
+        return OutputLoss(loss.loss, output)
     if loss == MODEL:
         if output is not None:
             raise PartitaError("loss='model' takes the model's own loss: output= does not apply", hint="drop output= (the model's own loss is used), or pass another loss")

@@ -28,13 +28,14 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
-import torch
+if TYPE_CHECKING:  # torch is imported where a dtype is made: the CLI's plan readers run without it
+    import torch
 
 PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed", "bf16")
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}  # plan name -> torch dtype
-REDUCE_DTYPES = tuple(DTYPES)
+_TORCH_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}  # plan name -> torch's name
+REDUCE_DTYPES = tuple(_TORCH_NAMES)
 _COMPUTE = {"fp32": "fp32", "bf16-mixed": "bf16", "fp16-mixed": "fp16", "bf16": "bf16"}
 
 
@@ -46,9 +47,9 @@ def compute_dtype(precision: str) -> str:
 def torch_dtype(name: str) -> torch.dtype:
     """The torch dtype a name stands for: a plan name ("fp32", "bf16", "fp16") or a torch one
     ("float32", "torch.int64", ...)."""
-    if name in DTYPES:
-        return DTYPES[name]
-    dtype = getattr(torch, name.removeprefix("torch."), None)
+    import torch
+
+    dtype = getattr(torch, _TORCH_NAMES.get(name, name.removeprefix("torch.")), None)
     if not isinstance(dtype, torch.dtype):
         raise ValueError(f"{name!r} is not a dtype")
     return dtype
@@ -100,16 +101,16 @@ class PrecisionPolicy:
     @property
     def param_dtype(self) -> torch.dtype:
         """Parameters as the model computes with them, their gradients, and activations."""
-        return DTYPES[compute_dtype(self.precision)]
+        return torch_dtype(compute_dtype(self.precision))
 
     @property
     def master_dtype(self) -> torch.dtype:
         """What the optimizer updates (and holds its state in)."""
-        return torch.float32 if self.mixed or self.precision == "fp32" else self.param_dtype
+        return torch_dtype("fp32") if self.mixed or self.precision == "fp32" else self.param_dtype
 
     @property
     def reduce_dtype(self) -> torch.dtype:
-        return DTYPES[self.reduce]
+        return torch_dtype(self.reduce)
 
     @property
     def mixed(self) -> bool:
@@ -118,11 +119,11 @@ class PrecisionPolicy:
     @property
     def low(self) -> bool:
         """Anything below fp32 runs."""
-        return self.param_dtype != torch.float32
+        return self.precision != "fp32"
 
     @property
     def loss_scaling(self) -> bool:
-        return self.param_dtype == torch.float16
+        return compute_dtype(self.precision) == "fp16"
 
     @contextlib.contextmanager
     def autocast(self, device: torch.device | str) -> Iterator[None]:
@@ -130,6 +131,8 @@ class PrecisionPolicy:
         if not self.low:
             yield
             return
+        import torch
+
         kind = torch.device(device).type
         with torch.autocast(device_type=kind, dtype=self.param_dtype):
             yield

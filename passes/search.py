@@ -61,7 +61,7 @@ from partita.core.buckets import DEFAULT_BUCKET_BYTES
 from partita.core.errors import InfeasibleError, PartitaError
 from partita.core.plan import Alternative, MemoryBreakdown, Mesh, Stage
 from partita.core.cluster import ClusterSpec
-from partita.passes.constraints import Pins, TrainingRequest
+from partita.core.options import Pins, TrainingRequest
 from partita.passes.cost_model import (
     model_state_memory,
     state_bytes_per_param,

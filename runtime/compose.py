@@ -21,6 +21,7 @@ from partita.core.errors import PlanError
 from partita.core.capture import uncompiled
 from partita.core.ops import running_buffers
 from partita.core.losses import training_loss
+from partita.core.options import Options
 from partita.core.plan import MeshAxis, Plan
 from partita.core.precision import PrecisionPolicy
 from partita.runtime.collectives import CollectiveCounter
@@ -66,17 +67,7 @@ def refuse_unsupported(plan: Plan) -> None:
                         "recomputation (`--no-recompute`)")
 
 
-def compose(
-    module: nn.Module,
-    plan: Plan,
-    ctx: DistContext,
-    optimizer: OptimizerFactory,
-    counter: CollectiveCounter,
-    bucket_bytes: int | None = None,
-    *,
-    loss_fn: LossFn,
-    checkpoint: str | Path | None = None,
-) -> Program:
+def compose(module: nn.Module, plan: Plan, ctx: DistContext, options: Options, counter: CollectiveCounter) -> Program:
     """Apply a plan's parts to ``module`` for this rank (after checking the plan against the world
     and ``refuse_unsupported``).
 
@@ -103,6 +94,7 @@ def compose(
     """
     plan.check_matches(world_size=ctx.world_size)
     refuse_unsupported(plan)
+    loss_fn, optimizer, weights = options.loss, options.optimizer_factory, options.weights
     module = uncompiled(module)  # a torch.compile'd model runs its own forward, as it was captured
     mesh = build_mesh(plan.mesh, ctx)
     policy = PrecisionPolicy.of(plan.training)
@@ -119,16 +111,16 @@ def compose(
     pipeline = None
     if plan.mesh.pp > 1:
         local = pipeline = apply_pipeline(module, plan, mesh, loss_fn=graph_loss, counter=counter,
-                                          device=ctx.device, precision=policy, rng=rng, checkpoint=checkpoint)
+                                          device=ctx.device, precision=policy, rng=rng, weights=weights)
         loss = None  # the stage's schedule runs the micro-batches
     elif interpreted:
         local = apply_tensor_parallel(module, plan, mesh[TP].get_group() if plan.mesh.tp > 1 else None,
                                       loss_fn=graph_loss, counter=counter, device=ctx.device,
-                                      precision=policy, rng=rng, checkpoint=checkpoint)
+                                      precision=policy, rng=rng, weights=weights)
         loss = _program_loss(local)
     else:
-        if checkpoint is not None:
-            load_eager(module, open_weights(checkpoint))
+        if weights is not None:
+            load_eager(module, open_weights(weights))
         local = module.to(ctx.device)
         loss = _eager_loss(local, loss_fn, policy, ctx.device)
     # 3. mixed precision
@@ -136,7 +128,7 @@ def compose(
     # 4. ZeRO / data parallelism, and the optimizer
     if dp_group is not None:
         broadcast_replicas(local, dp_group)
-    buckets = bucket_bytes or plan.training.grad_bucket_bytes
+    buckets = options.bucket_bytes or plan.training.grad_bucket_bytes
     zero = averager = master = opt = None
     if training and dp_group is not None and plan.training.zero_stage > 0:
         zero, averager = _apply_zero(local, pipeline, plan.training.zero_stage, dp_group, optimizer=optimizer,

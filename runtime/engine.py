@@ -26,13 +26,14 @@ import torch.distributed as dist
 from torch import nn
 
 from partita.core.errors import PartitaError, PlanError
+from partita.core.options import Options
 from partita.core.placement import is_shard
 from partita.core.plan import MeshAxis, Plan
 from partita.runtime.state import full as full_state
 from partita.runtime.state import sharded as sharded_state
 from partita.runtime.batches import check_batch, check_same_batch, share
 from partita.runtime.collectives import CollectiveCounter
-from partita.runtime.compose import LossFn, OptimizerFactory, compose, refuse_unsupported
+from partita.runtime.compose import compose, refuse_unsupported
 from partita.runtime.distributed import DistContext, init_distributed
 from partita.runtime.grad_norm import clip_coefficient, global_grad_norm
 from partita.runtime.program import Program
@@ -55,47 +56,35 @@ class ParallelModel(nn.Module):
     and silently diverge, since averaged gradients cannot bring them together.
     """
 
-    def __init__(
-        self,
-        module: nn.Module,
-        plan: Plan,
-        *,
-        loss_fn: LossFn,
-        optimizer: OptimizerFactory,
-        ctx: DistContext | None = None,
-        bucket_bytes: int | None = None,
-        checkpoint: str | Path | None = None,
-        watchdog_s: float | None = None,
-        checkpoint_dir: str | Path | None = None,
-        checkpoint_every: int | None = None,
-        check_replicas_every: int | None = None,
-    ) -> None:
+    def __init__(self, module: nn.Module, plan: Plan, options: Options | None = None, *,
+                 ctx: DistContext | None = None) -> None:
         super().__init__()
-        self.ctx = ctx if ctx is not None else init_distributed(watchdog_s=watchdog_s)
+        # the run options left unset come from the environment `partita run` sets (core/options.py)
+        options = (options if options is not None else Options()).with_environment()
+        self.options = options
+        self.ctx = ctx if ctx is not None else init_distributed(watchdog_s=options.watchdog_s)
         # before any collective: a hang from here on ends with one message (runtime/watchdog.py)
-        watch(rank=self.ctx.rank, world_size=self.ctx.world_size, mesh=plan.mesh, timeout_s=watchdog_s)
+        watch(rank=self.ctx.rank, world_size=self.ctx.world_size, mesh=plan.mesh, timeout_s=options.watchdog_s)
         self.plan = plan
-        self.loss_fn = loss_fn
+        self.loss_fn = options.loss
         self.collectives = CollectiveCounter()  # calls issued by the last train_step
         self._step = 0
         self.grad_norm = float("nan")  # the last step's global gradient norm (before clipping)
-        self.log_every = int(os.environ.get("PARTITA_LOG_EVERY", "10") or 0)  # rank 0's progress line
+        self.log_every = options.log_every if options.log_every is not None else 10  # rank 0's progress line
         self.skipped_steps = 0  # fp16: steps skipped for an inf or nan gradient (the loss scale halved)
-        self.batch_check_every = max(1, int(os.environ.get("PARTITA_BATCH_CHECK_EVERY", "100") or 100))
+        self.batch_check_every = options.batch_check_every or 100
         # every N steps, replicated parameters compared across their groups (0: never; runtime/rng.py)
-        self.check_replicas_every = (check_replicas_every if check_replicas_every is not None
-                                     else int(os.environ.get("PARTITA_CHECK_REPLICAS_EVERY", "0") or 0))
-        program = compose(module, plan, self.ctx, optimizer, self.collectives, bucket_bytes,
-                          loss_fn=loss_fn, checkpoint=checkpoint)
+        self.check_replicas_every = options.check_replicas_every or 0
+        program = compose(module, plan, self.ctx, options, self.collectives)
         self.module = program.module
         self.optimizer = program.optimizer
         self._program = program
         self.trace = program.pipeline.trace if program.pipeline is not None else TraceRecorder(self.ctx.rank, 0)
-        self._trace_path = os.environ.get("PARTITA_TRACE")
+        self._trace_path = options.trace
         # Periodic checkpoints (runtime/state/sharded.py): every ``checkpoint_every`` steps under
         # ``checkpoint_dir``, and a run that finds a complete one there resumes from it (a restart).
-        self.checkpoint_dir = checkpoint_dir or os.environ.get("PARTITA_CHECKPOINT_DIR") or None
-        self.checkpoint_every = checkpoint_every or int(os.environ.get("PARTITA_CHECKPOINT_EVERY", "0") or 0)
+        self.checkpoint_dir = options.checkpoint_dir
+        self.checkpoint_every = options.checkpoint_every or 0
         self.extra: dict = {}  # saved with every periodic checkpoint, restored on resume (e.g. the data position)
         self.resumed_from: Path | None = None
         if self.checkpoint_dir is not None:
@@ -394,29 +383,13 @@ class StepResult(float):
         return float(self)
 
 
-def apply_plan(
-    module: nn.Module,
-    plan: Plan,
-    *,
-    loss_fn: LossFn,
-    optimizer: OptimizerFactory,
-    ctx: DistContext | None = None,
-    bucket_bytes: int | None = None,
-    checkpoint: str | Path | None = None,
-    watchdog_s: float | None = None,
-    checkpoint_dir: str | Path | None = None,
-    checkpoint_every: int | None = None,
-    check_replicas_every: int | None = None,
-) -> ParallelModel:
-    """Wrap ``module`` to run ``plan`` on this rank (the parts are applied by ``compose``).
-
-    With ``checkpoint`` (a ``torch.save``d state dict) the weights come from the
-    file; under tensor parallelism each rank reads only its slices, so ``module``
-    may be built on the meta device. ``checkpoint_dir`` / ``checkpoint_every``: a sharded checkpoint
-    every N steps there, and resuming from the newest complete one found at construction
-    (runtime/state/sharded.py). ``watchdog_s`` bounds every wait of a step (runtime/watchdog.py;
-    default ``PARTITA_WATCHDOG_S`` or 300 s, 0 turns it off)."""
-    return ParallelModel(module, plan, loss_fn=loss_fn, optimizer=optimizer, ctx=ctx,
-                         bucket_bytes=bucket_bytes, checkpoint=checkpoint, watchdog_s=watchdog_s,
-                         checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every,
-                         check_replicas_every=check_replicas_every)
+def apply_plan(module: nn.Module, plan: Plan, options: Options | None = None, *,
+               ctx: DistContext | None = None) -> ParallelModel:
+    """Wrap ``module`` to run ``plan`` on this rank (the parts are applied by ``compose``), as
+    ``options`` say (core/options.py): the loss and the optimizer factory; ``weights`` (a
+    ``torch.save``d state dict or a .safetensors file: under tensor parallelism each rank reads
+    only its slices, so ``module`` may be built on the meta device); ``checkpoint_dir`` /
+    ``checkpoint_every`` (a sharded checkpoint every N steps there, and resuming from the newest
+    complete one found at construction: runtime/state/sharded.py); ``watchdog_s`` (how long a
+    step may wait: runtime/watchdog.py, default 300 s, 0 off)."""
+    return ParallelModel(module, plan, options, ctx=ctx)

@@ -21,10 +21,11 @@ import torch.distributed as dist
 from dp_worker import OPTIMIZERS
 from examples.models import SmallCNN
 from harness import check_close, reference_step
-from partita.compiler.api import default_loss
+from partita.core.losses import default_loss
 from partita.core.verify import load_plan
 from partita.runtime.distributed import DistContext
 from partita.runtime.engine import ParallelModel
+from partita.core.options import Options
 
 STEPS = 2
 
@@ -56,7 +57,7 @@ def run(ctx: DistContext, plan_path: str) -> dict:
     tr = plan.training
     torch.manual_seed(5)
     reference = SmallCNN()
-    model = ParallelModel(copy.deepcopy(reference), plan, loss_fn=default_loss, optimizer=OPTIMIZERS["sgd"], ctx=ctx)
+    model = ParallelModel(copy.deepcopy(reference), plan, Options(loss=default_loss, optimizer=OPTIMIZERS["sgd"]), ctx=ctx)
     opt = OPTIMIZERS["sgd"](reference.parameters())
     for x, y in batches(tr.global_batch):
         want = expected_stats(reference, x, plan.mesh.dp, tr.micro_batch_size)

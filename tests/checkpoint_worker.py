@@ -22,6 +22,7 @@ from dp_worker import OPTIMIZERS, gpt_batch, gpt_loss
 from harness import check_close, check_loss, reference_step
 from partita.runtime.distributed import DistContext
 from partita.runtime.engine import ParallelModel
+from partita.core.options import Options
 from zero_mesh_worker import mesh_case
 
 K, MORE = 2, 2
@@ -44,7 +45,7 @@ def exact_resume(ctx: DistContext, outdir: str, name: str, async_save: bool = Fa
     reference, plan = _plan(name, **mesh)
     batches = _batches(plan, K + MORE)
     path = Path(outdir, "ckpt-" + "-".join(f"{k}{v}" for k, v in mesh.items()) + f"-{name}")
-    model = ParallelModel(copy.deepcopy(reference), plan, loss_fn=gpt_loss, optimizer=OPTIMIZERS["adamw"], ctx=ctx)
+    model = ParallelModel(copy.deepcopy(reference), plan, Options(loss=gpt_loss, optimizer=OPTIMIZERS["adamw"]), ctx=ctx)
     for x, y in batches[:K]:
         model.train_step(x, targets=y)
     assert model.step == K
@@ -58,7 +59,7 @@ def exact_resume(ctx: DistContext, outdir: str, name: str, async_save: bool = Fa
     fresh = copy.deepcopy(reference)
     for p in fresh.parameters():
         torch.nn.init.normal_(p)
-    resumed = ParallelModel(fresh, plan, loss_fn=gpt_loss, optimizer=OPTIMIZERS["adamw"], ctx=ctx)
+    resumed = ParallelModel(fresh, plan, Options(loss=gpt_loss, optimizer=OPTIMIZERS["adamw"]), ctx=ctx)
     extra = resumed.load_checkpoint(path)
     assert extra == {"data_position": K} and resumed.step == K
     again = [resumed.train_step(x, targets=y) for x, y in batches[K:]]
@@ -76,14 +77,14 @@ def reshard(ctx: DistContext, outdir: str, name: str, src: dict, dst: dict) -> d
     assert plan_a.training.global_batch == plan_b.training.global_batch
     batches = _batches(plan_a, K + MORE)
     path = Path(outdir, f"reshard-{name}-" + "-".join(f"{k}{v}" for k, v in src.items()))
-    a = ParallelModel(copy.deepcopy(reference), plan_a, loss_fn=gpt_loss, optimizer=OPTIMIZERS["adamw"], ctx=ctx)
+    a = ParallelModel(copy.deepcopy(reference), plan_a, Options(loss=gpt_loss, optimizer=OPTIMIZERS["adamw"]), ctx=ctx)
     ref = copy.deepcopy(reference)
     ref_opt = OPTIMIZERS["adamw"](ref.parameters())
     for x, y in batches[:K]:
         a.train_step(x, targets=y)
         reference_step(ref, ref_opt, gpt_loss, x, y)
     a.save_checkpoint(path)
-    b = ParallelModel(copy.deepcopy(reference), plan_b, loss_fn=gpt_loss, optimizer=OPTIMIZERS["adamw"], ctx=ctx)
+    b = ParallelModel(copy.deepcopy(reference), plan_b, Options(loss=gpt_loss, optimizer=OPTIMIZERS["adamw"]), ctx=ctx)
     b.load_checkpoint(path)
     errs = []
     for x, y in batches[K:]:
@@ -102,7 +103,7 @@ def to_torch_save(ctx: DistContext, outdir: str, name: str, **mesh) -> dict:
 
     reference, plan = _plan(name, **mesh)
     path = Path(outdir, f"plain-{name}")
-    model = ParallelModel(copy.deepcopy(reference), plan, loss_fn=gpt_loss, optimizer=OPTIMIZERS["adamw"], ctx=ctx)
+    model = ParallelModel(copy.deepcopy(reference), plan, Options(loss=gpt_loss, optimizer=OPTIMIZERS["adamw"]), ctx=ctx)
     for x, y in _batches(plan, 1):
         model.train_step(x, targets=y)
     model.save_checkpoint(path)
@@ -134,8 +135,7 @@ def pretrained(ctx: DistContext, outdir: str, name: str, fmt: str, **mesh) -> di
         else:
             torch.save(source.state_dict(), path)
     dist.barrier()
-    model = ParallelModel(copy.deepcopy(reference), plan, loss_fn=gpt_loss, optimizer=OPTIMIZERS["adamw"], ctx=ctx,
-                          checkpoint=path)
+    model = ParallelModel(copy.deepcopy(reference), plan, Options(loss=gpt_loss, optimizer=OPTIMIZERS["adamw"], weights=path), ctx=ctx)
     got = model.full_state_dict()
     for k, v in source.state_dict().items():
         if k in got:
@@ -145,7 +145,7 @@ def pretrained(ctx: DistContext, outdir: str, name: str, fmt: str, **mesh) -> di
 
 def save_only(ctx: DistContext, outdir: str, name: str, **mesh) -> dict:
     reference, plan = _plan(name, **mesh)
-    model = ParallelModel(copy.deepcopy(reference), plan, loss_fn=gpt_loss, optimizer=OPTIMIZERS["adamw"], ctx=ctx)
+    model = ParallelModel(copy.deepcopy(reference), plan, Options(loss=gpt_loss, optimizer=OPTIMIZERS["adamw"]), ctx=ctx)
     for x, y in _batches(plan, K):
         model.train_step(x, targets=y)
     model.save_checkpoint(Path(outdir, f"save-{name}"))

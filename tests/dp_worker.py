@@ -24,6 +24,7 @@ from harness import check_close, check_loss, reference_step
 from partita.runtime.collectives import CollectiveCounter
 from partita.runtime.distributed import DistContext
 from partita.runtime.engine import ParallelModel
+from partita.core.options import Options
 
 RTOL, ATOL = 1e-5, 1e-6
 STEPS = 3
@@ -119,8 +120,7 @@ def compare_with_reference(ctx: DistContext, dp: int, model_name: str, opt_name:
         nbytes = 4 * sum(p.numel() for p in reference.parameters())
         collectives = (grad_collective(nbytes, 1, dp),)
     plan = make_plan(dp, collectives + (loss_collective(dp),))
-    model = ParallelModel(module, plan, loss_fn=loss_fn, optimizer=OPTIMIZERS[opt_name],
-                          ctx=ctx, bucket_bytes=bucket_bytes)
+    model = ParallelModel(module, plan, Options(loss=loss_fn, optimizer=OPTIMIZERS[opt_name], bucket_bytes=bucket_bytes), ctx=ctx)
     ref_opt = OPTIMIZERS[opt_name](reference.parameters())
     grads, ref_grads = [], []
     _grab_grads(model.optimizer, grads)
@@ -161,7 +161,7 @@ def compare_zero(ctx: DistContext, dp: int, stage: int, model_name: str) -> dict
     reference = factory()
     torch.manual_seed(100 + ctx.rank)
     plan = make_plan(dp, zero_stage=stage)
-    model = ParallelModel(factory(), plan, loss_fn=loss_fn, optimizer=OPTIMIZERS["adamw"], ctx=ctx)
+    model = ParallelModel(factory(), plan, Options(loss=loss_fn, optimizer=OPTIMIZERS["adamw"]), ctx=ctx)
     ref_opt = OPTIMIZERS["adamw"](reference.parameters())
     x, y = batch(plan.training.global_batch)
     loss_errs = []
@@ -195,14 +195,12 @@ def check_refusals(ctx: DistContext, dp: int) -> None:
         else:
             raise AssertionError(f"expected {error.__name__} mentioning {words}")
 
-    refused(lambda: ParallelModel(mlp(), make_plan(dp + 1), loss_fn=F.mse_loss,
-                                  optimizer=OPTIMIZERS["sgd"], ctx=ctx),
+    refused(lambda: ParallelModel(mlp(), make_plan(dp + 1), Options(loss=F.mse_loss, optimizer=OPTIMIZERS["sgd"]), ctx=ctx),
             PlanError, f"{dp + 1} processes", f"{dp} were launched")
-    refused(lambda: ParallelModel(mlp(), make_plan(dp // 2, tp=2), loss_fn=F.mse_loss,
-                                  optimizer=OPTIMIZERS["sgd"], ctx=ctx),
+    refused(lambda: ParallelModel(mlp(), make_plan(dp // 2, tp=2), Options(loss=F.mse_loss, optimizer=OPTIMIZERS["sgd"]), ctx=ctx),
             PlanError, "tp=2", "no tensor-parallel node decisions")
     plan = make_plan(dp)
-    model = ParallelModel(mlp(), plan, loss_fn=F.mse_loss, optimizer=OPTIMIZERS["sgd"], ctx=ctx)
+    model = ParallelModel(mlp(), plan, Options(loss=F.mse_loss, optimizer=OPTIMIZERS["sgd"]), ctx=ctx)
     gb = plan.training.global_batch
     x, y = mlp_batch(gb + 2)
     refused(lambda: model.train_step(x, targets=y), PartitaError,

@@ -31,11 +31,12 @@ import torch.distributed as dist
 from dp_worker import OPTIMIZERS, gpt_batch
 from examples.models import MLP, SmallCNN, gpt_tiny
 from harness import check_close, check_loss, max_abs_diff, reference_step
-from partita.compiler.api import default_loss
+from partita.core.losses import default_loss
 from partita.core.errors import PartitaError
 from partita.core.verify import load_plan
 from partita.runtime.distributed import DistContext
 from partita.runtime.engine import ParallelModel
+from partita.core.options import Options
 from tp_worker import hf_gpt2_tiny, hf_llama_tiny
 
 RTOL, ATOL = 1e-4, 2e-5
@@ -62,22 +63,22 @@ MODELS: dict[str, tuple[Callable, str, Callable]] = {
     "hf-llama": (hf_llama_tiny, "input_ids=int64[8,16]", gpt_batch),
 }
 
-# label -> the CLI's pins (keyword names of passes.constraints.Pins)
+# label -> the CLI's pins (keyword names of core.options.Options)
 PINS_2: dict[str, dict] = {
     "dp2": dict(dp=2),
     "tp2": dict(tp=2),
     "pp2-gpipe": dict(pp=2, schedule="gpipe"),
     "pp2-1f1b": dict(pp=2, schedule="1f1b"),
-    "dp2-zero1": dict(dp=2, zero_stage=1),
-    "dp2-zero2": dict(dp=2, zero_stage=2),
-    "dp2-zero3": dict(dp=2, zero_stage=3),
+    "dp2-zero1": dict(dp=2, zero=1),
+    "dp2-zero2": dict(dp=2, zero=2),
+    "dp2-zero3": dict(dp=2, zero=3),
     "tp2-recompute": dict(tp=2, recompute=True),
     "pp2-recompute": dict(pp=2, recompute=True),
 }
 PINS_4: dict[str, dict] = {
-    "dp2xtp2-zero2": dict(dp=2, tp=2, zero_stage=2),
+    "dp2xtp2-zero2": dict(dp=2, tp=2, zero=2),
     "tp2xpp2-1f1b-recompute": dict(tp=2, pp=2, schedule="1f1b", recompute=True),
-    "dp2xpp2-gpipe-zero1": dict(dp=2, pp=2, schedule="gpipe", zero_stage=1),
+    "dp2xpp2-gpipe-zero1": dict(dp=2, pp=2, schedule="gpipe", zero=1),
 }
 MODELS_4 = ("mlp", "gpt", "hf-llama")
 
@@ -107,13 +108,12 @@ def compile_case(case: Case, outdir: str) -> None:
     from partita.compiler.compile import compile_model
     from partita.core.inputs import parse_input_spec
     from partita.core.cluster import load_cluster
-    from partita.passes.constraints import Pins
+    from partita.core.options import Pins
 
     factory, spec, _ = MODELS[case.model]
     path = _plan_file(outdir, case)
     try:
-        plan = compile_model(factory, [parse_input_spec(spec)], load_cluster("local", devices=case.devices),
-                             optimizer="sgd-momentum", pins=Pins(world_size=case.devices, **case.pins)).plan
+        plan = compile_model(factory, Options(inputs=[parse_input_spec(spec)], cluster=load_cluster("local", devices=case.devices), optimizer="sgd-momentum", world_size=case.devices, **case.pins)).plan
     except PartitaError as e:  # a user error: the pins cannot hold for this model
         path.write_text(json.dumps({"refused": f"{type(e).__name__}: {e}"}))
         return
@@ -142,8 +142,7 @@ def run_case(ctx: DistContext, case: Case, outdir: str) -> dict:
     reference = factory()
     x, y = batch(plan.training.global_batch)
     try:
-        model = ParallelModel(copy.deepcopy(reference), plan, loss_fn=default_loss, optimizer=OPTIMIZERS["sgd"],
-                              ctx=ctx)
+        model = ParallelModel(copy.deepcopy(reference), plan, Options(loss=default_loss, optimizer=OPTIMIZERS["sgd"]), ctx=ctx)
         model.eval()  # evaluate as PyTorch's eval mode runs: dropout off, batch norm's running statistics
         evaluated = model.evaluate(x, targets=y)
         model.train()

@@ -29,12 +29,13 @@ import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensor
 
 from examples.models import GPT, GPTConfig
-from partita.compiler.api import default_loss
+from partita.core.losses import default_loss
 from partita.core.plan import Plan
 from partita.core.verify import load_plan
 from partita.passes.cost_model import model_state_memory, state_bytes_per_param
 from partita.runtime.distributed import DistContext
 from partita.runtime.engine import ParallelModel
+from partita.core.options import Options
 
 VOCAB, SEQ, BATCH, STEPS = 2048, 32, 8, 3
 # What the cost model leaves out, beyond the parameters, gradients and AdamW's moments: AdamW's
@@ -88,11 +89,9 @@ def _plan(ctx: DistContext, pins: dict, outdir: str, precision: str | None = Non
         from partita.compiler.compile import compile_model
         from partita.core.inputs import parse_input_spec
         from partita.core.cluster import load_cluster
-        from partita.passes.constraints import Pins
+        from partita.core.options import Pins
 
-        compile_model(gpt, [parse_input_spec(f"idx=int64[{BATCH},{SEQ}]")],
-                      load_cluster("local", devices=ctx.world_size), optimizer="adamw", precision=precision,
-                      pins=Pins(world_size=ctx.world_size, **pins)).plan.save(path)
+        compile_model(gpt, Options(inputs=[parse_input_spec(f"idx=int64[{BATCH},{SEQ}]")], cluster=load_cluster("local", devices=ctx.world_size), optimizer="adamw", precision=precision, world_size=ctx.world_size, **pins)).plan.save(path)
     dist.barrier()
     return load_plan(path, world_size=ctx.world_size)
 
@@ -134,7 +133,7 @@ def check(ctx: DistContext, outdir: str, pins: dict) -> dict:
             return got
 
         torch.manual_seed(0)
-        model = ParallelModel(gpt(), plan, loss_fn=default_loss, optimizer=adamw, ctx=ctx)
+        model = ParallelModel(gpt(), plan, Options(loss=default_loss, optimizer=adamw), ctx=ctx)
         stage = model._program.pipeline.index if model._program.pipeline is not None else 0
         want = predicted_state(plan, stage)
         params = list(model.parameters())
@@ -187,7 +186,7 @@ def mixed_step_bytes(ctx: DistContext, outdir: str, zero_stage: int) -> dict:
     model state for the rank."""
     import dataclasses
 
-    plan = _plan(ctx, dict(dp=2, zero_stage=zero_stage), outdir, precision="bf16-mixed")
+    plan = _plan(ctx, dict(dp=2, zero=zero_stage), outdir, precision="bf16-mixed")
     plan = dataclasses.replace(plan, training=dataclasses.replace(plan.training, grad_bucket_bytes=MIXED_BUCKET_BYTES))
     idx = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(1))
     gc.collect()
@@ -195,7 +194,7 @@ def mixed_step_bytes(ctx: DistContext, outdir: str, zero_stage: int) -> dict:
     try:
         before = live_storages()
         torch.manual_seed(0)
-        model = ParallelModel(gpt(), plan, loss_fn=default_loss, optimizer=adamw, ctx=ctx)
+        model = ParallelModel(gpt(), plan, Options(loss=default_loss, optimizer=adamw), ctx=ctx)
         seen: list[int] = []
         model.optimizer.register_step_pre_hook(
             lambda *_: seen.append(sum(b for ptr, b in live_storages().items() if ptr not in before)))

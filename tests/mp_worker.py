@@ -32,13 +32,14 @@ import torch.distributed as dist
 from dp_worker import OPTIMIZERS
 from harness import check_close, max_abs_diff, max_rel_diff
 from matrix_worker import MODELS
-from partita.compiler.api import default_loss
+from partita.core.losses import default_loss
 from partita.core.errors import PartitaError
 from partita.core.losses import training_loss
 from partita.core.verify import load_plan
 from partita.core.precision import PrecisionPolicy
 from partita.runtime.distributed import DistContext
 from partita.runtime.engine import ParallelModel
+from partita.core.options import Options
 
 STEPS = 3
 LOSS_RTOL = 5e-3
@@ -47,12 +48,12 @@ SGD = OPTIMIZERS["sgd"]
 
 # (model, label, pins, precision)
 PINS_2 = {
-    "dp2": dict(dp=2), "dp2-zero1": dict(dp=2, zero_stage=1), "dp2-zero2": dict(dp=2, zero_stage=2),
-    "dp2-zero3": dict(dp=2, zero_stage=3), "tp2": dict(tp=2), "tp2-recompute": dict(tp=2, recompute=True),
+    "dp2": dict(dp=2), "dp2-zero1": dict(dp=2, zero=1), "dp2-zero2": dict(dp=2, zero=2),
+    "dp2-zero3": dict(dp=2, zero=3), "tp2": dict(tp=2), "tp2-recompute": dict(tp=2, recompute=True),
     "pp2-gpipe": dict(pp=2, schedule="gpipe"), "pp2-1f1b": dict(pp=2, schedule="1f1b"),
 }
-PINS_4 = {"dp2xtp2-zero2": dict(dp=2, tp=2, zero_stage=2), "tp2xpp2-1f1b": dict(tp=2, pp=2, schedule="1f1b"),
-          "dp2xpp2-zero3": dict(dp=2, pp=2, schedule="gpipe", zero_stage=3)}
+PINS_4 = {"dp2xtp2-zero2": dict(dp=2, tp=2, zero=2), "tp2xpp2-1f1b": dict(tp=2, pp=2, schedule="1f1b"),
+          "dp2xpp2-zero3": dict(dp=2, pp=2, schedule="gpipe", zero=3)}
 CASES_2 = ([("gpt", label, pins, "bf16-mixed") for label, pins in PINS_2.items()]
            + [("mlp", label, PINS_2[label], "bf16-mixed") for label in ("dp2-zero3", "tp2")]
            + [("gpt", label, PINS_2[label], "fp16-mixed") for label in ("dp2", "dp2-zero3", "tp2", "pp2-1f1b")])
@@ -73,14 +74,12 @@ def compile_case(case: tuple, outdir: str) -> None:
     from partita.compiler.compile import compile_model
     from partita.core.inputs import parse_input_spec
     from partita.core.cluster import load_cluster
-    from partita.passes.constraints import Pins
+    from partita.core.options import Pins
 
     model, _, pins, precision = case
     factory, spec, _ = MODELS[model]
     devices = 4 if case in CASES_4 else 2
-    plan = compile_model(factory, [parse_input_spec(spec)], load_cluster("local", devices=devices),
-                         optimizer="sgd-momentum", precision=precision,
-                         pins=Pins(world_size=devices, **pins)).plan
+    plan = compile_model(factory, Options(inputs=[parse_input_spec(spec)], cluster=load_cluster("local", devices=devices), optimizer="sgd-momentum", precision=precision, world_size=devices, **pins)).plan
     plan.save(_plan_path(outdir, case))
 
 
@@ -128,7 +127,7 @@ def run_case(ctx: DistContext, case: tuple, outdir: str) -> dict:
     reference = factory()
     x, y = batch(plan.training.global_batch)
     try:
-        model = ParallelModel(copy.deepcopy(reference), plan, loss_fn=default_loss, optimizer=SGD, ctx=ctx)
+        model = ParallelModel(copy.deepcopy(reference), plan, Options(loss=default_loss, optimizer=SGD), ctx=ctx)
         assert all(p.dtype == policy.param_dtype for p in model.parameters() if p.is_floating_point())
         losses = [model.train_step(x, targets=y) for _ in range(STEPS)]
         final = model.full_state_dict(buffers=False)
@@ -178,19 +177,18 @@ def check_memory(ctx: DistContext, outdir: str) -> list[dict]:
     from partita.compiler.compile import compile_model
     from partita.core.inputs import parse_input_spec
     from partita.core.cluster import load_cluster
-    from partita.passes.constraints import Pins
+    from partita.core.options import Pins
 
     factory, spec, batch = MODELS["gpt"]
     out = []
     for stage in (0, 1, 2, 3):
         path = Path(outdir, f"memory-zero{stage}.json")
         if ctx.rank == 0:
-            compile_model(factory, [parse_input_spec(spec)], load_cluster("local", devices=2), optimizer="adamw",
-                          precision="bf16-mixed", pins=Pins(world_size=2, dp=2, zero_stage=stage)).plan.save(path)
+            compile_model(factory, Options(inputs=[parse_input_spec(spec)], cluster=load_cluster("local", devices=2), optimizer="adamw", precision="bf16-mixed", world_size=2, dp=2, zero=stage)).plan.save(path)
         dist.barrier()
         plan = load_plan(path, world_size=ctx.world_size)
         torch.manual_seed(0)
-        model = ParallelModel(factory(), plan, loss_fn=default_loss, optimizer=OPTIMIZERS["adamw"], ctx=ctx)
+        model = ParallelModel(factory(), plan, Options(loss=default_loss, optimizer=OPTIMIZERS["adamw"]), ctx=ctx)
         x, y = batch(plan.training.global_batch)
         model.train_step(x, targets=y)
         held = held_state(model)
@@ -215,7 +213,7 @@ def check_fp16_skip(ctx: DistContext, outdir: str) -> dict:
     plan = load_plan(_plan_path(outdir, ("gpt", "dp2", PINS_2["dp2"], "fp16-mixed")), world_size=ctx.world_size)
     factory, _, batch = MODELS["gpt"]
     torch.manual_seed(0)
-    model = ParallelModel(factory(), plan, loss_fn=default_loss, optimizer=SGD, ctx=ctx)
+    model = ParallelModel(factory(), plan, Options(loss=default_loss, optimizer=SGD), ctx=ctx)
     x, y = batch(plan.training.global_batch)
     model.train_step(x, targets=y)
     scale = model._loss_scale
@@ -238,19 +236,18 @@ def check_loss_curve(ctx: DistContext, outdir: str, steps: int = 20) -> dict:
     from partita.compiler.compile import compile_model
     from partita.core.inputs import parse_input_spec
     from partita.core.cluster import load_cluster
-    from partita.passes.constraints import Pins
+    from partita.core.options import Pins
 
     factory, spec, batch = MODELS["gpt"]
     curves = {}
     for precision in ("fp32", "bf16-mixed"):
         path = Path(outdir, f"curve-{precision}.json")
         if ctx.rank == 0:
-            compile_model(factory, [parse_input_spec(spec)], load_cluster("local", devices=2), optimizer="adamw",
-                          precision=precision, pins=Pins(world_size=2, dp=2)).plan.save(path)
+            compile_model(factory, Options(inputs=[parse_input_spec(spec)], cluster=load_cluster("local", devices=2), optimizer="adamw", precision=precision, world_size=2, dp=2)).plan.save(path)
         dist.barrier()
         plan = load_plan(path, world_size=ctx.world_size)
         torch.manual_seed(0)
-        model = ParallelModel(factory(), plan, loss_fn=default_loss, optimizer=OPTIMIZERS["adamw"], ctx=ctx)
+        model = ParallelModel(factory(), plan, Options(loss=default_loss, optimizer=OPTIMIZERS["adamw"]), ctx=ctx)
         x, y = batch(plan.training.global_batch)
         curves[precision] = [model.train_step(x, targets=y) for _ in range(steps)]
     worst = max(abs(a - b) / b for a, b in zip(curves["bf16-mixed"], curves["fp32"]))
@@ -262,18 +259,18 @@ def check_loss_curve(ctx: DistContext, outdir: str, steps: int = 20) -> dict:
 CLIP = 0.05  # well below the tiny GPT's gradient norm (~0.5-1), so every step clips
 CLIP_PINS_2 = {k: PINS_2[k] for k in ("dp2", "dp2-zero1", "dp2-zero3", "tp2", "pp2-1f1b")}
 CLIP_PINS_4 = {"dp2xtp2-zero2": PINS_4["dp2xtp2-zero2"], "tp2xpp2-1f1b": PINS_4["tp2xpp2-1f1b"],
-               "dp2xpp2-tied-zero1": dict(dp=2, pp=2, schedule="gpipe", zero_stage=1)}
+               "dp2xpp2-tied-zero1": dict(dp=2, pp=2, schedule="gpipe", zero=1)}
 
 
 def _compile(factory: Callable, spec: str, devices: int, path: Path, **kw) -> None:
     from partita.compiler.compile import compile_model
     from partita.core.inputs import parse_input_spec
     from partita.core.cluster import load_cluster
-    from partita.passes.constraints import Pins
+    from partita.core.options import Options
 
     pins = kw.pop("pins")
-    compile_model(factory, [parse_input_spec(spec)], load_cluster("local", devices=devices),
-                  pins=Pins(world_size=devices, **pins), **kw).plan.save(path)
+    compile_model(factory, Options(inputs=[parse_input_spec(spec)], cluster=load_cluster("local", devices=devices),
+                                   world_size=devices, **pins, **kw)).plan.save(path)
 
 
 def check_clipping(ctx: DistContext, outdir: str, cases: dict[str, dict]) -> list[dict]:
@@ -296,7 +293,7 @@ def check_clipping(ctx: DistContext, outdir: str, cases: dict[str, dict]) -> lis
         assert plan.training.max_grad_norm == CLIP
         torch.manual_seed(5)
         reference = factory()
-        model = ParallelModel(copy.deepcopy(reference), plan, loss_fn=default_loss, optimizer=SGD, ctx=ctx)
+        model = ParallelModel(copy.deepcopy(reference), plan, Options(loss=default_loss, optimizer=SGD), ctx=ctx)
         x, y = batch(plan.training.global_batch)
         results = [model.train_step(x, targets=y) for _ in range(STEPS)]
         final = model.full_state_dict()
@@ -337,11 +334,11 @@ def check_one_optimizer(ctx: DistContext, outdir: str) -> dict:
     path = Path(outdir, "one-optimizer.json")
     if ctx.rank == 0:
         _compile(tied_script.tied_gpt, "idx=int64[8,16]", 4, path, optimizer="adamw", precision="bf16-mixed",
-                 pins=dict(dp=2, pp=2, schedule="1f1b", zero_stage=1))
+                 pins=dict(dp=2, pp=2, schedule="1f1b", zero=1))
     dist.barrier()
     plan = load_plan(path, world_size=ctx.world_size)
     torch.manual_seed(0)
-    model = ParallelModel(tied_script.tied_gpt(), plan, loss_fn=default_loss, optimizer=OPTIMIZERS["adamw"], ctx=ctx)
+    model = ParallelModel(tied_script.tied_gpt(), plan, Options(loss=default_loss, optimizer=OPTIMIZERS["adamw"]), ctx=ctx)
     sched = torch.optim.lr_scheduler.LambdaLR(model.optimizer, lambda step: 0.0)
     x, y = MODELS["gpt"][2](plan.training.global_batch)
     before = model.full_state_dict()

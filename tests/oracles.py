@@ -29,7 +29,7 @@ from partita.core.errors import InfeasibleError, PartitaError  # noqa: E402
 from partita.core.plan import MemoryBreakdown  # noqa: E402
 from partita.core.precision import activation_scale  # noqa: E402
 from partita.core.cluster import ClusterSpec  # noqa: E402
-from partita.passes.constraints import Pins, TrainingRequest  # noqa: E402
+from partita.core.options import Pins, TrainingRequest  # noqa: E402
 from partita.passes.cost_model import (  # noqa: E402
     ModelStateMemory, StateBytes, StepCost, collective_time, collective_traffic, compute_time, model_state_memory,
     optimizer_time, state_bytes_per_param,

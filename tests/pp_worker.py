@@ -27,6 +27,7 @@ from partita.compiler.timeline import load_trace, measured_timeline
 from partita.runtime.distributed import DistContext
 from partita.runtime.engine import ParallelModel
 from partita.runtime.pipeline.stage import schedule_order
+from partita.core.options import Options
 from pp_choice import expected_sends, pp_plan
 from tied_script import TiedGPT
 from tp_choice import MEGATRON
@@ -56,7 +57,7 @@ def compare(ctx: DistContext, name: str, *, pp: int, cuts_at: list[int], schedul
     plan, profile, stage = pp_plan(copy.deepcopy(reference), [spec], gpt_loss, None, pp=pp, cuts_at=cuts_at,
                                    schedule=schedule, tp=tp, dp=dp, mbs=MBS, accum=accum,
                                    pins=None if tp == 1 else MEGATRON)
-    model = ParallelModel(copy.deepcopy(reference), plan, loss_fn=gpt_loss, optimizer=OPTIMIZERS["adamw"], ctx=ctx)
+    model = ParallelModel(copy.deepcopy(reference), plan, Options(loss=gpt_loss, optimizer=OPTIMIZERS["adamw"]), ctx=ctx)
     st = model.module
     local = st.local_parameters()
     names = {id(p): n for n, (p, _) in local.items()}
@@ -126,7 +127,7 @@ def compare_inference(ctx: DistContext, name: str, *, pp: int, cuts_at: list[int
     reference = factory()
     plan, _, _ = pp_plan(copy.deepcopy(reference), [spec], gpt_loss, None, pp=pp, cuts_at=cuts_at, schedule="none",
                          dp=dp, mbs=MBS, accum=4, pins=None, inference=True)
-    model = ParallelModel(copy.deepcopy(reference), plan, loss_fn=gpt_loss, optimizer=OPTIMIZERS["adamw"], ctx=ctx)
+    model = ParallelModel(copy.deepcopy(reference), plan, Options(loss=gpt_loss, optimizer=OPTIMIZERS["adamw"]), ctx=ctx)
     x, _ = gpt_batch(plan.training.global_batch)
     out = model(x)
     with torch.no_grad():

@@ -30,6 +30,7 @@ from dp_worker import OPTIMIZERS, gpt_batch, gpt_loss
 from harness import check_close, check_loss, gather_tp, reference_step
 from partita.runtime.distributed import DistContext
 from partita.runtime.engine import ParallelModel
+from partita.core.options import Options
 from zero_mesh_worker import _short, mesh_case
 
 RTOL, ATOL = 1e-4, 2e-5
@@ -108,9 +109,8 @@ def compare(ctx: DistContext, name: str, *, tp: int = 1, dp: int = 1, pp: int = 
     plan = dataclasses.replace(plan, training=dataclasses.replace(plan.training, zero_stage=zero))
     rc_plan = dataclasses.replace(plan, stages=tuple(dataclasses.replace(s, recompute=s.index in recompute)
                                                      for s in plan.stages))
-    plain = ParallelModel(copy.deepcopy(reference), plan, loss_fn=gpt_loss, optimizer=OPTIMIZERS["adamw"], ctx=ctx)
-    model = ParallelModel(copy.deepcopy(reference), rc_plan, loss_fn=gpt_loss, optimizer=OPTIMIZERS["adamw"],
-                          ctx=ctx)
+    plain = ParallelModel(copy.deepcopy(reference), plan, Options(loss=gpt_loss, optimizer=OPTIMIZERS["adamw"]), ctx=ctx)
+    model = ParallelModel(copy.deepcopy(reference), rc_plan, Options(loss=gpt_loss, optimizer=OPTIMIZERS["adamw"]), ctx=ctx)
     program = model._program
     stage = program.pipeline.index if program.pipeline is not None else 0
     recomputes = stage in recompute

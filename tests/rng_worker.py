@@ -25,9 +25,10 @@ from partita.core.errors import PartitaError
 from partita.core.inputs import parse_input_spec
 from partita.core.verify import load_plan
 from partita.core.cluster import load_cluster
-from partita.passes.constraints import Pins
+from partita.core.options import Pins
 from partita.runtime.distributed import DistContext
 from partita.runtime.engine import ParallelModel
+from partita.core.options import Options
 
 STEPS, BATCH, SEQ, VOCAB = 3, 8, 16, 256
 
@@ -46,17 +47,14 @@ def _plan(ctx: DistContext, out: str, **pins):
     model = hf_bert_mlm(vocab_size=VOCAB, dropout=0.1)
     path = Path(out, "bert-" + "-".join(f"{k}{v}" for k, v in pins.items()) + ".plan.json")
     if ctx.rank == 0:
-        compile_model(copy.deepcopy(model), [parse_input_spec(f"input_ids=int64[{BATCH},{SEQ}]")],
-                      load_cluster("local", devices=ctx.world_size), pins=Pins(world_size=ctx.world_size, **pins),
-                      loss=_loss).plan.save(path)
+        compile_model(copy.deepcopy(model), Options(inputs=[parse_input_spec(f"input_ids=int64[{BATCH},{SEQ}]")], cluster=load_cluster("local", devices=ctx.world_size), world_size=ctx.world_size, **pins, loss=_loss)).plan.save(path)
     dist.barrier()
     return model, load_plan(path, world_size=ctx.world_size)
 
 
 def _train(ctx: DistContext, model, plan, *, tracker: bool = True, check: int = 1) -> tuple[ParallelModel, list[float]]:
     torch.manual_seed(0)  # rank 0's initial seed: the run seed
-    pm = ParallelModel(copy.deepcopy(model), plan, loss_fn=_loss, optimizer=_optimizer, ctx=ctx,
-                       check_replicas_every=0)
+    pm = ParallelModel(copy.deepcopy(model), plan, Options(loss=_loss, optimizer=_optimizer, check_replicas_every=0), ctx=ctx)
     if not tracker:
         pm.tensor_parallel.rng = None
     torch.manual_seed(1000 + ctx.rank)  # every rank its own seed, after building, as scripts do

@@ -15,7 +15,8 @@ from partita.core.ops import running_buffers
 from partita.core.inputs import parse_input_spec
 from partita.core.losses import default_loss
 from partita.core.cluster import load_cluster
-from partita.passes.constraints import Pins
+from partita.core.options import Pins
+from partita.core.options import Options
 
 SPEC = "x=float32[16,3,32,32]"
 
@@ -29,16 +30,14 @@ def test_the_running_statistics_a_training_forward_writes_are_found_in_the_graph
 
 
 def test_a_dp_plan_lists_one_all_reduce_of_the_statistics():
-    plan = compile_model(SmallCNN, [parse_input_spec(SPEC)], load_cluster("local", devices=2),
-                         pins=Pins(world_size=2, dp=2)).plan
+    plan = compile_model(SmallCNN, Options(inputs=[parse_input_spec(SPEC)], cluster=load_cluster("local", devices=2), world_size=2, dp=2)).plan
     listed = [c for c in plan.collectives if "running statistics" in c.purpose]
     assert [(c.kind, c.axis, c.bytes, c.count) for c in listed] == [("all_reduce", "dp", 2 * (16 + 32) * 4, 1)]
 
 
 @pytest.mark.slow
 def test_running_statistics_are_averaged_over_dp_and_saved(tmp_path):
-    plan = compile_model(SmallCNN, [parse_input_spec(SPEC)], load_cluster("local", devices=2),
-                         pins=Pins(world_size=2, dp=2, grad_accum_steps=2)).plan
+    plan = compile_model(SmallCNN, Options(inputs=[parse_input_spec(SPEC)], cluster=load_cluster("local", devices=2), world_size=2, dp=2, grad_accum_steps=2)).plan
     path = tmp_path / "cnn.plan.json"
     plan.save(path)
     for r in launch(2, buffers_worker.run, str(path)):

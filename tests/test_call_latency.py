@@ -13,6 +13,7 @@ import torch
 from partita.core.errors import ClusterError
 from partita.core.cluster import COLLECTIVES, PRESETS, Link, load_cluster
 from partita.passes.cost_model import calibrated_local, collective_time
+from partita.core.options import Options
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -59,7 +60,7 @@ def test_when_calls_cost_the_tp_search_prefers_megatron_to_per_layer_gathers():
     from examples.models import GPT, GPTConfig
     from partita.compiler.compile import compile_model
     from partita.core.inputs import parse_input_spec
-    from partita.passes.constraints import Pins
+    from partita.core.options import Pins
 
     def model():
         torch.manual_seed(0)
@@ -69,7 +70,7 @@ def test_when_calls_cost_the_tp_search_prefers_megatron_to_per_layer_gathers():
     for cost in (0.0, 1e-3):
         cluster = dataclasses.replace(PRESETS["local"], gpus_per_node=2, flops={"fp32": 60e9},
                                       call_latency={k: cost for k in COLLECTIVES})
-        plan = compile_model(model, [parse_input_spec("idx=int64[16,128]")], cluster, pins=Pins(world_size=2, tp=2)).plan
+        plan = compile_model(model, Options(inputs=[parse_input_spec("idx=int64[16,128]")], cluster=cluster, world_size=2, tp=2)).plan
         count = collections.Counter()
         for c in plan.collectives:
             count[c.kind] += c.count
@@ -110,7 +111,7 @@ def test_an_elementwise_node_is_priced_by_its_bytes_on_a_roofline_cluster():
     passes/pipeline/costs.py)."""
     from partita.core.capture import capture
     from partita.core.inputs import parse_input_spec
-    from partita.passes.constraints import TrainingRequest
+    from partita.core.options import TrainingRequest
     from partita.passes.pipeline.costs import node_costs
     from partita.passes.profile import profile_model
 

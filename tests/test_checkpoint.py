@@ -9,6 +9,7 @@ import pytest
 import checkpoint_worker
 from harness import launch
 from partita.runtime.state.sharded import flat_range_pieces
+from partita.core.options import Options
 
 
 @pytest.mark.slow
@@ -54,7 +55,7 @@ def test_a_four_rank_checkpoint_loads_into_one_process(tmp_path):
     launch(4, checkpoint_worker.save_4, str(tmp_path))
     path = tmp_path / "save-gpt"
     reference, plan = checkpoint_worker._plan("gpt")
-    model = ParallelModel(copy.deepcopy(reference), plan, loss_fn=gpt_loss, optimizer=OPTIMIZERS["adamw"])
+    model = ParallelModel(copy.deepcopy(reference), plan, Options(loss=gpt_loss, optimizer=OPTIMIZERS["adamw"]))
     model.load_checkpoint(path)
     dcp_to_torch_save(str(path), str(tmp_path / "plain.pt"))
     plain = torch.load(tmp_path / "plain.pt", weights_only=False)

@@ -15,7 +15,8 @@ from partita.compiler.compile import compile_model
 from partita.core.errors import PlanError
 from partita.core.inputs import parse_input_spec
 from partita.core.cluster import load_cluster
-from partita.passes.constraints import Pins
+from partita.core.options import Pins
+from partita.core.options import Options
 
 import decorator_script as script
 from examples.models import GPT, GPTConfig, gpt_tiny
@@ -204,13 +205,13 @@ def test_planned_a_zero_plan(tmp_path, cli, ref, zero):
 
 def test_a_plan_for_another_model_or_world_size_is_refused(tmp_path):
     specs = [parse_input_spec("idx=int64[8,32]")]
-    plan = compile_model(gpt_tiny, specs, load_cluster("local", devices=1), pins=Pins(world_size=1)).plan
+    plan = compile_model(gpt_tiny, Options(inputs=specs, cluster=load_cluster("local", devices=1), world_size=1)).plan
     path = plan.save(tmp_path / "tiny.json")
     torch.manual_seed(0)
     other = GPT(GPTConfig(vocab_size=256, block_size=64, n_layer=3, n_head=4, n_embd=64))
     with pytest.raises(PlanError, match="this plan was made for another model"):
         partita.parallelize(other, plan=str(path))
-    plan4 = compile_model(gpt_tiny, specs, load_cluster("local", devices=4), pins=Pins(world_size=4)).plan
+    plan4 = compile_model(gpt_tiny, Options(inputs=specs, cluster=load_cluster("local", devices=4), world_size=4)).plan
     path4 = plan4.save(tmp_path / "tiny4.json")
     with pytest.raises(PlanError, match="this plan needs 4 processes"):
         partita.parallelize(gpt_tiny(), plan=str(path4))
@@ -220,7 +221,7 @@ def test_the_default_optimizer_is_fused_adamw_and_steps_as_torchs_default_does(m
     """One pass over the state (what the cost model prices), the same update as torch's foreach
     AdamW within float rounding (the fused kernel evaluates the same formula in another order),
     and the foreach step where torch has no fused kernel for the parameters."""
-    from partita.compiler.api import default_optimizer
+    from partita.core.options import default_optimizer
 
     def params():
         torch.manual_seed(0)

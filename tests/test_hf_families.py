@@ -13,13 +13,14 @@ from partita.compiler.compile import compile_model
 from partita.core.inputs import parse_input_spec
 from partita.core.losses import resolve_loss
 from partita.core.cluster import load_cluster
-from partita.passes.constraints import Pins
+from partita.core.options import Pins
+from partita.core.options import Options
 
 import families_script as script
 from harness import launch
 from test_decorator import fast_cluster
 
-MESHES = {"dp2": dict(dp=2), "tp2": dict(tp=2), "pp2": dict(pp=2), "zero3": dict(dp=2, zero_stage=3)}
+MESHES = {"dp2": dict(dp=2), "tp2": dict(tp=2), "pp2": dict(pp=2), "zero3": dict(dp=2, zero=3)}
 
 
 @pytest.mark.slow
@@ -29,8 +30,7 @@ def test_bare_hf_models_train_on_every_axis_as_one_process(tmp_path):
     runs = []
     for name, (_, loss, _, _) in script.MODELS.items():
         for mesh, pins in MESHES.items():
-            plan = compile_model(script.build(name), [spec], cluster, pins=Pins(world_size=2, **pins),
-                                 loss=resolve_loss(loss)).plan
+            plan = compile_model(script.build(name), Options(inputs=[spec], cluster=cluster, world_size=2, **pins, loss=resolve_loss(loss))).plan
             runs.append(f"{name}={plan.save(tmp_path / f'{name}-{mesh}.json')}")
     launch(2, script.run, str(tmp_path), runs, timeout_s=600)
     for name in script.MODELS:
@@ -53,8 +53,7 @@ def test_more_families_vit_t5_a_masked_llama_gemma_and_phi_train_as_one_process(
     runs = []
     for name, (_, specs, _, meshes) in more.MODELS.items():
         for mesh in meshes:
-            plan = compile_model(more.build(name), [parse_input_spec(s) for s in specs], cluster,
-                                 pins=Pins(world_size=2, **MESHES[mesh])).plan
+            plan = compile_model(more.build(name), Options(inputs=[parse_input_spec(s) for s in specs], cluster=cluster, world_size=2, **MESHES[mesh])).plan
             assert plan.mesh.dp * plan.mesh.tp * plan.mesh.pp == 2
             runs.append(f"{name}={plan.save(tmp_path / f'more-{name}-{mesh}.json')}")
     launch(2, more.run, str(tmp_path), runs)

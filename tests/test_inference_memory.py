@@ -12,6 +12,7 @@ from partita.compiler.compile import compile_model
 from partita.core.inputs import parse_input_spec
 from partita.core.cluster import load_cluster
 from partita.passes.profile import profile_model
+from partita.core.options import Options
 
 
 class MLP(torch.nn.Module):
@@ -38,8 +39,7 @@ def test_live_set_by_hand() -> None:
 
 def test_an_inference_plan_counts_its_live_set() -> None:
     """One device, fp32: activations = the peak live set at the micro-batch (was 0)."""
-    plan = compile_model(MLP, [parse_input_spec("x=float32[2,8]")], load_cluster("local", devices=1),
-                         inference=True).plan
+    plan = compile_model(MLP, Options(inputs=[parse_input_spec("x=float32[2,8]")], cluster=load_cluster("local", devices=1), inference=True)).plan
     assert plan.predicted.memory.activations == 256 * plan.training.micro_batch_size // 2
     assert plan.predicted.memory.params == (8 * 16 + 16 + 16 * 4 + 4) * 4
 
@@ -52,8 +52,7 @@ def test_logits_dominate_a_language_model_inference_plan() -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from examples.models import gpt_tiny
 
-    plan = compile_model(gpt_tiny, [parse_input_spec("idx=int64[8,64]")], load_cluster("local", devices=2),
-                         inference=True).plan
+    plan = compile_model(gpt_tiny, Options(inputs=[parse_input_spec("idx=int64[8,64]")], cluster=load_cluster("local", devices=2), inference=True)).plan
     mb = plan.training.micro_batch_size
     assert plan.predicted.memory.activations >= mb * 64 * 256 * 4
 
@@ -134,7 +133,6 @@ def test_an_inference_plan_with_generation_holds_the_kv_cache() -> None:
         return hf_llama(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
                         intermediate_size=128, vocab_size=256)
 
-    plans = [compile_model(small, [parse_input_spec("input_ids=int64[2,16]")], load_cluster("local", devices=1),
-                           inference=True, precision="fp32", generate=n).plan for n in (0, 48)]
+    plans = [compile_model(small, Options(inputs=[parse_input_spec("input_ids=int64[2,16]")], cluster=load_cluster("local", devices=1), inference=True, precision="fp32", generate=n)).plan for n in (0, 48)]
     assert [p.training.micro_batch_size for p in plans] == [2, 2]
     assert plans[1].predicted.memory.activations - plans[0].predicted.memory.activations == 65_536

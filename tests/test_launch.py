@@ -10,8 +10,9 @@ import pytest
 from partita.compiler.compile import compile_model
 from partita.core.inputs import parse_input_spec
 from partita.core.cluster import load_cluster
-from partita.passes.constraints import Pins
+from partita.core.options import Pins
 from partita.runtime.launch import slurm_layout
+from partita.core.options import Options
 
 import tied_script as script
 from harness import ENV, PARTITA, TESTS, free_port, partita_cli
@@ -19,8 +20,7 @@ from harness import ENV, PARTITA, TESTS, free_port, partita_cli
 
 @pytest.fixture(scope="module")
 def dp2_plan(tmp_path_factory):
-    plan = compile_model(script.build("tied-gpt"), [parse_input_spec(f"idx=int64[4,{script.SEQ}]")],
-                         load_cluster("local", devices=2), pins=Pins(world_size=2, dp=2)).plan
+    plan = compile_model(script.build("tied-gpt"), Options(inputs=[parse_input_spec(f"idx=int64[4,{script.SEQ}]")], cluster=load_cluster("local", devices=2), world_size=2, dp=2)).plan
     return plan.save(tmp_path_factory.mktemp("plan") / "plan.json")
 
 
@@ -46,8 +46,7 @@ def test_a_user_error_on_the_ranks_is_one_message_and_exit_2(dp2_plan, case, wor
 
 
 def test_a_multi_node_plan_is_not_started_on_one_host_unless_asked(tmp_path):
-    plan = compile_model(script.build("tied-gpt"), [parse_input_spec(f"idx=int64[32,{script.SEQ}]")],
-                         load_cluster("dgx-a100", nodes=2), pins=Pins(world_size=16), precision="fp32").plan
+    plan = compile_model(script.build("tied-gpt"), Options(inputs=[parse_input_spec(f"idx=int64[32,{script.SEQ}]")], cluster=load_cluster("dgx-a100", nodes=2), world_size=16, precision="fp32")).plan
     path = plan.save(tmp_path / "plan.json")
     r = partita_run(path, TESTS / "launch_script.py", "fine")
     assert r.returncode == 2
@@ -78,8 +77,7 @@ def test_the_scripts_plan_and_partita_runs_plan_must_agree(dp2_plan, tmp_path):
 
 
 def test_a_plan_the_runtime_cannot_run_is_refused_before_any_process_starts(tmp_path):
-    plan = compile_model(script.build("tied-gpt"), [parse_input_spec(f"idx=int64[4,{script.SEQ}]")],
-                         load_cluster("local", devices=2), pins=Pins(world_size=2, dp=2)).plan
+    plan = compile_model(script.build("tied-gpt"), Options(inputs=[parse_input_spec(f"idx=int64[4,{script.SEQ}]")], cluster=load_cluster("local", devices=2), world_size=2, dp=2)).plan
     import dataclasses
 
     bad = dataclasses.replace(plan, training=dataclasses.replace(plan.training, zero_stage=3, inference=False),

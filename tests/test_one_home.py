@@ -27,9 +27,10 @@ from partita.core.placement import Placement, is_shard, shard_dim  # noqa: E402
 from partita.core.precision import activation_scale, dtype_bytes  # noqa: E402
 from partita.core.schedule import BACKWARD, FORWARD, SCHEDULES, in_flight, stage_order  # noqa: E402
 from partita.core.cluster import PRESETS  # noqa: E402
-from partita.passes.constraints import TrainingRequest  # noqa: E402
+from partita.core.options import TrainingRequest  # noqa: E402
 from partita.passes.cost_model import collective_time  # noqa: E402
 from partita.passes.profile import profile_model  # noqa: E402
+from partita.core.options import Options
 
 
 # -- the mesh's rank layout ------------------------------------------------------------
@@ -76,18 +77,17 @@ def _mse(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 def _plan(cluster, pins, batch=24):
     from partita.compiler.compile import compile_model
 
-    return compile_model(_Stack, [parse_input_spec("x=float32[24,64]")], cluster, global_batch=batch,
-                         pins=pins, loss=_mse, targets=parse_input_spec("y=float32[24,64]")).plan
+    return compile_model(_Stack, Options(inputs=[parse_input_spec("x=float32[24,64]")], cluster=cluster, batch=batch, **pins, loss=_mse, targets=parse_input_spec("y=float32[24,64]"))).plan
 
 
 @pytest.mark.parametrize("nodes,pp,dp", [(3, 8, 3), (1, 2, 4)])
 def test_the_plans_pipeline_collectives_use_the_planners_links(nodes, pp, dp):
     """Every send and the loss broadcast of the plan are priced on the link its ranks span: the
     stage pair's (the links the cuts were chosen by), the pp groups' for the broadcast."""
-    from partita.passes.constraints import Pins
+    from partita.core.options import Pins
 
     cluster = PRESETS["dgx-a100"].with_nodes(nodes)
-    plan = _plan(cluster, Pins(pp=pp, dp=dp, tp=1))
+    plan = _plan(cluster, dict(pp=pp, dp=dp, tp=1))
     mesh = plan.mesh
     assert (mesh.pp, mesh.dp, mesh.tp) == (pp, dp, 1)
     links = cluster.stage_links(mesh)
@@ -210,7 +210,7 @@ def test_a_bad_tp_pin_is_refused_the_same_way_with_a_pipeline_pinned():
     is whether or not --pp is pinned too (a pipeline search used to skip the tp and end with
     'no plan matches the pins')."""
     from partita.core.errors import PartitaError
-    from partita.passes.constraints import Pins
+    from partita.core.options import Pins
     from partita.passes.search import plan_search
 
     prof = profile_model(capture(_Stack, [parse_input_spec("x=float32[8,64]")], loss=_mse,

@@ -19,6 +19,7 @@ from harness import launch
 from partita.core.errors import PartitaError
 from partita.runtime.engine import ParallelModel
 from partita.runtime.dp.buckets import bucket_layout
+from partita.core.options import Options
 
 
 def test_bucket_layout_follows_the_stated_rule():
@@ -38,7 +39,7 @@ def test_single_process_runs_the_plan_micro_batching_like_the_plain_model():
     plan = make_plan(1)
     torch.manual_seed(0)
     reference = mlp()
-    model = ParallelModel(mlp(), plan, loss_fn=F.mse_loss, optimizer=OPTIMIZERS["adamw"])
+    model = ParallelModel(mlp(), plan, Options(loss=F.mse_loss, optimizer=OPTIMIZERS["adamw"]))
     model.module.load_state_dict(reference.state_dict())
     opt = OPTIMIZERS["adamw"](reference.parameters())
     assert model.ctx.world_size == 1 and model.ctx.backend == "none"

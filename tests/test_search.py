@@ -21,11 +21,11 @@ from partita.core.errors import InfeasibleError
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from examples.models import GPT, GPTConfig  # noqa: E402
-from partita.compiler.api import default_loss  # noqa: E402
+from partita.core.losses import default_loss  # noqa: E402
 from partita.core.capture import capture  # noqa: E402
 from partita.core.inputs import parse_input_spec  # noqa: E402
 from partita.core.cluster import PRESETS  # noqa: E402
-from partita.passes.constraints import Pins, TrainingRequest  # noqa: E402
+from partita.core.options import Pins, TrainingRequest  # noqa: E402
 from partita.passes.cost_model import state_bytes_per_param, zero_traffic_elements  # noqa: E402
 from partita.passes.search import plan_search  # noqa: E402
 

@@ -22,13 +22,13 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from examples.models import GPT, GPTConfig  # noqa: E402
-from partita.compiler.api import default_loss  # noqa: E402
+from partita.core.losses import default_loss  # noqa: E402
 from partita.core.capture import capture  # noqa: E402
 from partita.core.inputs import parse_input_spec  # noqa: E402
 from partita.passes.pipeline import stages as pipeline_parallel  # noqa: E402
 from partita.passes.tp import mesh as tensor_parallel  # noqa: E402
 from partita.core.cluster import PRESETS  # noqa: E402
-from partita.passes.constraints import Pins, TrainingRequest  # noqa: E402
+from partita.core.options import Pins, TrainingRequest  # noqa: E402
 from partita.passes.cost_model import ZERO_STAGES  # noqa: E402
 from partita.passes.pipeline.costs import node_costs  # noqa: E402
 from partita.passes.pipeline.stages import choose_pipeline  # noqa: E402

@@ -12,12 +12,12 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from examples.models import GPT, GPTConfig  # noqa: E402
-from partita.compiler.api import default_loss  # noqa: E402
+from partita.core.losses import default_loss  # noqa: E402
 from partita.core.capture import capture  # noqa: E402
 from partita.core.errors import InfeasibleError, PartitaError  # noqa: E402
 from partita.core.inputs import parse_input_spec  # noqa: E402
 from partita.core.cluster import PRESETS  # noqa: E402
-from partita.passes.constraints import Pins, TrainingRequest  # noqa: E402
+from partita.core.options import Pins, TrainingRequest  # noqa: E402
 from tests.oracles import choose_data_parallel  # noqa: E402
 from partita.passes.profile import profile_model  # noqa: E402
 from partita.passes.tp.mesh import choose_mesh, plan_alternatives  # noqa: E402

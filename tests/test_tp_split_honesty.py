@@ -17,7 +17,8 @@ from partita.core.inputs import parse_input_spec  # noqa: E402
 from partita.compiler.report import plan_summary, tp_split  # noqa: E402
 from partita.compiler.view import page_data  # noqa: E402
 from partita.core.cluster import load_cluster  # noqa: E402
-from partita.passes.constraints import Pins  # noqa: E402
+from partita.core.options import Pins  # noqa: E402
+from partita.core.options import Options
 
 
 def _text(renderable) -> str:
@@ -27,8 +28,7 @@ def _text(renderable) -> str:
 
 
 def _plan():
-    return compile_model(gpt_tiny, [parse_input_spec("idx=int64[16,64]")], load_cluster("local", devices=4),
-                         pins=Pins(tp=2, pp=1)).plan
+    return compile_model(gpt_tiny, Options(inputs=[parse_input_spec("idx=int64[16,64]")], cluster=load_cluster("local", devices=4), tp=2, pp=1)).plan
 
 
 def test_megatron_style_tp_is_called_tp() -> None:

@@ -21,6 +21,7 @@ from partita.core.errors import PlanError  # noqa: E402
 from partita.compiler.report import fmt_bytes, fmt_time  # noqa: E402
 from partita.compiler.timeline import measured_timeline, predicted_timeline, stage_order  # noqa: E402
 from partita.compiler.view import load_trace, render_html, stage_memory, view_command  # noqa: E402
+from partita.core.options import Options
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
@@ -36,10 +37,9 @@ def demo_plan():
     from partita.compiler.demo import BATCH, SEQ, demo_model
     from partita.core.inputs import parse_input_spec
     from partita.core.cluster import load_cluster
-    from partita.passes.constraints import Pins
+    from partita.core.options import Pins
 
-    return compile_model(demo_model, [parse_input_spec(f"idx=int64[{BATCH},{SEQ}]")],
-                         load_cluster("local", devices=4), pins=Pins(world_size=4), name="gpt_tiny (demo)").plan
+    return compile_model(demo_model, Options(inputs=[parse_input_spec(f"idx=int64[{BATCH},{SEQ}]")], cluster=load_cluster("local", devices=4), world_size=4), name="gpt_tiny (demo)").plan
 
 
 @pytest.fixture(scope="module")

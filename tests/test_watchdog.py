@@ -12,8 +12,9 @@ from partita.compiler.compile import compile_model
 from partita.core.inputs import parse_input_spec
 from partita.core.plan import Mesh
 from partita.core.cluster import load_cluster
-from partita.passes.constraints import Pins
+from partita.core.options import Pins
 from partita.runtime.watchdog import EXIT_HUNG, FlightRecorder, Watchdog
+from partita.core.options import Options
 
 import tied_script as script
 from harness import TESTS, command
@@ -110,8 +111,7 @@ def test_outside_a_step_nothing_fires():
 
 @pytest.mark.slow
 def test_an_injected_mismatch_ends_the_job_with_one_message_within_the_limit(tmp_path):
-    plan = compile_model(script.build("tied-gpt"), [parse_input_spec(f"idx=int64[4,{script.SEQ}]")],
-                         load_cluster("local", devices=2), pins=Pins(world_size=2, pp=2)).plan
+    plan = compile_model(script.build("tied-gpt"), Options(inputs=[parse_input_spec(f"idx=int64[4,{script.SEQ}]")], cluster=load_cluster("local", devices=2), world_size=2, pp=2)).plan
     path = plan.save(tmp_path / "plan.json")
     limit = 4
     t0 = time.monotonic()

@@ -28,6 +28,7 @@ from partita.core.inputs import InputSpec
 from partita.runtime.dp.buckets import bucket_layout
 from partita.runtime.distributed import DistContext
 from partita.runtime.engine import ParallelModel
+from partita.core.options import Options
 from tp_choice import MEGATRON, tp_plan
 
 RTOL, ATOL = 1e-4, 2e-5
@@ -98,8 +99,7 @@ def compare(ctx: DistContext, name: str, *, tp: int, dp: int = 1, replicated: bo
     else:
         module = copy.deepcopy(reference)
     bucket_bytes = 25 * 1024 * 1024
-    model = ParallelModel(module, plan, loss_fn=loss_fn, optimizer=OPTIMIZERS[opt_name], ctx=ctx,
-                          bucket_bytes=bucket_bytes, checkpoint=checkpoint)
+    model = ParallelModel(module, plan, Options(loss=loss_fn, optimizer=OPTIMIZERS[opt_name], bucket_bytes=bucket_bytes, weights=checkpoint), ctx=ctx)
     local = model.module.local_parameters()
     ref_params = dict(reference.named_parameters())
     if checkpoint is not None:  # each rank holds exactly its slices of the saved weights

@@ -34,6 +34,7 @@ from partita.passes.cost_model import model_state_memory, state_bytes_per_param,
 from partita.runtime.dp.buckets import bucket_layout
 from partita.runtime.distributed import DistContext
 from partita.runtime.engine import ParallelModel
+from partita.core.options import Options
 from pp_choice import pp_plan
 from pp_worker import MODELS
 from tp_choice import MEGATRON
@@ -68,7 +69,7 @@ def compare(ctx: DistContext, name: str, *, zero: int, dp: int, pp: int = 1, tp:
     reference, plan, _ = mesh_case(name, pp=pp, tp=tp, dp=dp, cuts_at=cuts_at, schedule=schedule, accum=accum)
     plan = dataclasses.replace(plan, training=dataclasses.replace(plan.training, zero_stage=zero,
                                                                   grad_bucket_bytes=BUCKET_BYTES))
-    model = ParallelModel(copy.deepcopy(reference), plan, loss_fn=gpt_loss, optimizer=OPTIMIZERS["adamw"], ctx=ctx)
+    model = ParallelModel(copy.deepcopy(reference), plan, Options(loss=gpt_loss, optimizer=OPTIMIZERS["adamw"]), ctx=ctx)
     zp = model._program.zero
     assert zp is not None and zp.stage == zero
     program = model._program

@@ -9,7 +9,7 @@ from typing import Callable, Sequence
 
 from partita.core.errors import PartitaError
 from partita.core.cluster import ClusterSpec
-from partita.passes.constraints import TrainingRequest
+from partita.core.options import TrainingRequest
 from partita.passes.cost_model import StateBytes, zero_optimizer_time, zero_step_comm
 from partita.passes.pipeline.costs import NodeCosts, Recompute
 from partita.passes.pipeline.cuts import Partition, StageSetup

@@ -32,7 +32,7 @@ import networkx as nx
 
 from partita.core.precision import activation_scale as precision_activation_scale, is_floating
 from partita.core.cluster import ClusterSpec
-from partita.passes.constraints import TrainingRequest
+from partita.core.options import TrainingRequest
 from partita.passes.cost_model import node_compute_time
 from partita.core.graph import per_graph
 from partita.passes.profile import ModelProfile

@@ -79,7 +79,7 @@ from partita.core.errors import PartitaError
 from partita.core.plan import Mesh
 from partita.core.schedule import SCHEDULES, in_flight
 from partita.core.cluster import ClusterSpec, Link
-from partita.passes.constraints import Pins, TrainingRequest
+from partita.core.options import Pins, TrainingRequest
 from partita.passes.cost_model import (
     collective_time,
     pipeline_step,

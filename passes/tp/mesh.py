@@ -55,7 +55,7 @@ from typing import Mapping, Sequence
 from partita.core.errors import InfeasibleError
 from partita.core.plan import Alternative, MemoryBreakdown, Mesh
 from partita.core.cluster import ClusterSpec
-from partita.passes.constraints import Pins, TrainingRequest
+from partita.core.options import Pins, TrainingRequest
 from partita.passes.cost_model import StepCost, mesh_step, model_state_memory, state_bytes_per_param
 from partita.passes.explain import CHOSEN, slower, slower_parts, traffic_reason
 from partita.passes.dp.zero import STRATEGY_NAMES, zero_stages

@@ -182,7 +182,7 @@ class PipelineStage(nn.Module):
 
     def __init__(self, module: nn.Module, plan: Plan, mesh: Any, *, loss_fn: Callable | None,
                  counter: CollectiveCounter, device: torch.device, precision: PrecisionPolicy,
-                 rng: tuple[int, int] | None, checkpoint: str | Path | None = None) -> None:
+                 rng: tuple[int, int] | None, weights: str | Path | None = None) -> None:
         super().__init__()
         self.plan, self.counter, self.device = plan, counter, device
         p = plan.mesh.pp
@@ -199,7 +199,7 @@ class PipelineStage(nn.Module):
                             hint="recompile the plan for this model with `partita compile`")
         tp_group = mesh[MeshAxis.TP.value].get_group() if plan.mesh.tp > 1 else None
         self.tp = TensorParallel(module, plan, tp_group, loss_fn=loss_fn, counter=counter, device=device,
-                                 checkpoint=checkpoint, keep=lambda n: stage_of.get(n.name) == self.index,
+                                 weights=weights, keep=lambda n: stage_of.get(n.name) == self.index,
                                  precision=precision, rng=rng)
         graph = self.tp.graph_module.graph
         held = lambda n: n.name in self.tp.param_nodes or n.name in self.tp.buffer_nodes  # noqa: E731
@@ -439,8 +439,8 @@ class PipelineStage(nn.Module):
 
 def apply_pipeline(module: nn.Module, plan: Plan, mesh: Any, *, loss_fn: Callable | None,
                    counter: CollectiveCounter, device: torch.device, precision: PrecisionPolicy,
-                   rng: tuple[int, int] | None, checkpoint: str | Path | None = None) -> PipelineStage:
+                   rng: tuple[int, int] | None, weights: str | Path | None = None) -> PipelineStage:
     """Compose's pipeline step: this rank's stage, the TP program over the stage's nodes (tensor
     parallelism inside it, over "tp" when tp > 1), linked to its neighbours over "pp"."""
     return PipelineStage(module, plan, mesh, loss_fn=loss_fn, counter=counter, device=device,
-                         precision=precision, rng=rng, checkpoint=checkpoint)
+                         precision=precision, rng=rng, weights=weights)

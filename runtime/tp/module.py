@@ -48,7 +48,7 @@ class TensorParallel(nn.Module):
     ``forward(*inputs, targets)`` runs one micro-batch (inputs and targets whole,
     replicated on the TP group) and returns the loss, equal on every TP rank.
     Parameters come from ``module`` (its real weights are sliced, then the module's
-    tensors move to the meta device) or, when ``checkpoint`` is given, from a
+    tensors move to the meta device) or, when ``weights`` is given, from a
     ``torch.save``d state dict read with ``mmap=True`` so only each slice is read:
     ``module`` may then live on the meta device. The forward runs under
     ``precision``'s autocast; random ops are seeded per op from ``rng``
@@ -57,7 +57,7 @@ class TensorParallel(nn.Module):
 
     def __init__(self, module: nn.Module, plan: Plan, group: dist.ProcessGroup | None, *,
                  loss_fn: Callable[[Any, torch.Tensor], torch.Tensor] | None, counter: CollectiveCounter,
-                 device: torch.device, checkpoint: str | Path | None = None,
+                 device: torch.device, weights: str | Path | None = None,
                  keep: Callable[[torch.fx.Node], bool] | None = None,
                  precision: PrecisionPolicy = FP32, rng: tuple[int, int] | None = None) -> None:
         super().__init__()
@@ -84,7 +84,7 @@ class TensorParallel(nn.Module):
         held = {n.name for n in graph.nodes if n.op == "placeholder" and (
             keep is None or any(u.name in kept for u in n.users)
             or (not n.users and same.get(n.name, n.name) not in read and keep(n)))}
-        state = open_weights(checkpoint) if checkpoint is not None else None
+        state = open_weights(weights) if weights is not None else None
         local = load_local(module, captured, plan, state, held=held, tp=self.tp, device=device)
         if state is None:
             module.to("meta")  # drop the full tensors: this rank keeps only its slices
@@ -208,8 +208,8 @@ def _capture(module: nn.Module, plan: Plan, loss_fn: Callable | None) -> Capture
 def apply_tensor_parallel(module: nn.Module, plan: Plan, group: dist.ProcessGroup | None, *,
                           loss_fn: Callable | None, counter: CollectiveCounter, device: torch.device,
                           precision: PrecisionPolicy, rng: tuple[int, int] | None,
-                          checkpoint: str | Path | None = None) -> TensorParallel:
+                          weights: str | Path | None = None) -> TensorParallel:
     """Compose's tensor-parallel step: this rank's shards of ``module`` and the program over the
     "tp" ``group`` (None: a one-rank group, for a plan that only recomputes)."""
     return TensorParallel(module, plan, group, loss_fn=loss_fn, counter=counter, device=device,
-                          checkpoint=checkpoint, precision=precision, rng=rng)
+                          weights=weights, precision=precision, rng=rng)

@@ -1,0 +1,426 @@
+"""The user's choices, from the decorator and the CLI down to the runtime: one object, validated once.
+
+``Options`` is flat, so ``@partita.parallelize(tp=2, zero=1)``, ``partita compile --tp 2 --zero 1``
+and ``Options(tp=2, zero=1)`` read alike. Each field's metadata (``option``) says which part of
+the work reads it (``PLAN``: what to plan for; ``PIN``: a decision fixed for the solvers; ``RUN``:
+how the runtime runs), its CLI flag and help, the commands that offer the flag, its choices (taken
+from the constants that own them) and, for run options, the environment variable through which
+`partita run` hands it to the ranks. A new option is a field here and its use; the decorator,
+the CLI flags and the environment follow from the field (docs/architecture.md).
+
+``Pins`` and ``TrainingRequest`` are the solvers' named inputs, made from an ``Options``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import functools
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Mapping
+
+from partita.core.errors import POSITIVE_HINT, PartitaError, writable_path
+from partita.core.plan import OPTIMIZERS
+from partita.core.precision import PRECISIONS, REDUCE_DTYPES
+from partita.core.schedule import SCHEDULES
+
+PLAN, PIN, RUN = "plan", "pin", "run"
+ZERO_STAGES = (0, 1, 2, 3)
+ALIASES = {"microbatches": "grad_accum_steps"}  # another name users know a keyword by
+
+
+def option(default: Any, part: str, help: str, *, flag: str | None = "", commands: tuple[str, ...] = ("compile",),
+           env: str | None = None, choices: tuple | None = None, kind: type | None = None,
+           multiple: bool = False, metavar: str | None = None, path: bool = False) -> Any:
+    """A field of ``Options`` with what the CLI and the environment need to offer it. ``flag``
+    "" derives ``--name-with-dashes``; None offers no flag (a keyword of the API only)."""
+    meta = dict(part=part, help=help, flag=flag, commands=commands, env=env, choices=choices, kind=kind,
+                multiple=multiple, metavar=metavar, path=path)
+    if isinstance(default, (list, dict, set)):
+        raise TypeError("mutable default")
+    return field(default=default, metadata=meta)
+
+
+@dataclass(frozen=True)
+class Options:
+    """Every choice a user makes about planning and running a model (see the module docstring)."""
+
+    # -- what to plan for ----------------------------------------------------------------------
+    inputs: Any = option((), PLAN, "an example input, e.g. idx=int64[16,64]; repeat for several",
+                         flag="--input", commands=("compile", "estimate"), multiple=True,
+                         metavar="NAME=DTYPE[SHAPE]")
+    targets: Any = option(None, PLAN, "the loss's targets, when the output does not imply them",
+                          flag="--target", metavar="NAME=DTYPE[SHAPE]")
+    cluster: Any = option("local", PLAN, "preset (dgx-a100, dgx-h100, h200, ethernet-10g, local) or a .toml "
+                          "cluster file [default: local]", commands=("compile", "estimate"))
+    nodes: int | None = option(None, PLAN, "scale the cluster to N nodes", commands=("compile", "estimate"), kind=int)
+    devices: int | None = option(None, PLAN, "devices per node (e.g. local processes)",
+                                 commands=("compile", "estimate"), kind=int)
+    batch: int | None = option(None, PLAN, "global batch (default: the first input's leading dim)",
+                               commands=("compile", "estimate"), kind=int)
+    precision: str | None = option(None, PLAN, "default: bf16-mixed on GPUs, fp32 on CPU",
+                                   commands=("compile", "estimate"), choices=PRECISIONS)
+    reduce_dtype: str = option("fp32", PLAN, "the dtype gradients are reduced in over data parallelism "
+                               "[default: fp32]", choices=REDUCE_DTYPES)
+    max_grad_norm: float | None = option(None, PLAN, "clip the global gradient norm to NORM every step "
+                                         "(default: no clipping)", kind=float, metavar="NORM")
+    optimizer: Any = option(None, PLAN, "the optimizer whose state is planned [default: adamw]; the "
+                            "decorator also takes a factory of parameters", commands=("compile", "estimate"),
+                            choices=tuple(o for o in OPTIMIZERS if o != "none"))
+    loss: Any = option(None, PLAN, "the loss: cross-entropy (default), mse, `model` (the model's own, given "
+                       "labels=) or a function", metavar="NAME|model|FILE.py:FN")
+    output: Any = option(None, PLAN, "the field (or tuple index) of the model's output the loss attaches to "
+                         "(default: logits)", flag="--output-field", metavar="NAME")
+    inference: bool = option(False, PLAN, "a forward-only plan: no gradients, no optimizer state",
+                             commands=("compile", "estimate"), kind=bool)
+    generate: int = option(0, PLAN, "with --inference: N new tokens per sequence, whose KV cache (prompt + N) "
+                           "each stage holds", commands=("compile", "estimate"), kind=int, metavar="N")
+    plan: str | None = option(None, PLAN, "a plan file to run instead of planning", flag=None)
+
+    # -- decisions pinned (the solvers decide what is left None) ---------------------------------
+    dp: int | None = option(None, PIN, "pin the data-parallel degree", commands=("compile", "estimate"), kind=int)
+    tp: int | None = option(None, PIN, "pin the tensor-parallel degree (inside a node)", kind=int)
+    pp: int | None = option(None, PIN, "pin the number of pipeline stages", kind=int)
+    zero: int | None = option(None, PIN, "pin the ZeRO stage (0-3) of every data-parallel group", kind=int)
+    micro_batch_size: int | None = option(None, PIN, "pin the micro-batch size", kind=int)
+    grad_accum_steps: int | None = option(None, PIN, "pin the micro-batches per step (also --microbatches)",
+                                          kind=int)
+    schedule: str | None = option(None, PIN, "pin the pipeline schedule (the plan then has pipeline stages)",
+                                  choices=SCHEDULES)
+    recompute: bool | None = option(None, PIN, "activation recomputation on every stage / on none (default: on "
+                                    "the stages where memory binds)", kind=bool)
+    world_size: int | None = option(None, PIN, "the processes the plan runs on (torchrun's)", flag=None)
+
+    # -- how the runtime runs --------------------------------------------------------------------
+    weights: str | None = option(None, RUN, "pretrained weights (torch.save or .safetensors)", flag=None)
+    watchdog_s: float | None = option(None, RUN, "end the job when a step waits this long in a collective, every "
+                                      "rank saying what it waits in (default 300; 0: off)", flag="--watchdog",
+                                      commands=("run",), env="PARTITA_WATCHDOG_S", kind=float, metavar="SECONDS")
+    checkpoint_dir: str | None = option(None, RUN, "save sharded checkpoints here, and resume from the newest "
+                                        "complete one", commands=("run",), env="PARTITA_CHECKPOINT_DIR", path=True)
+    checkpoint_every: int | None = option(None, RUN, "save a checkpoint every N steps (with --checkpoint-dir)",
+                                          commands=("run",), env="PARTITA_CHECKPOINT_EVERY", kind=int, metavar="N")
+    check_replicas_every: int | None = option(None, RUN, "compare replicated parameters across ranks every N "
+                                              "steps (0: never)", flag=None, env="PARTITA_CHECK_REPLICAS_EVERY",
+                                              kind=int)
+    trace: str | None = option(None, RUN, "write a Chrome/Perfetto trace of every micro-batch's forward and "
+                               "backward per rank", commands=("run",), env="PARTITA_TRACE", path=True)
+    log_every: int | None = option(None, RUN, "rank 0 prints a progress line every N steps (0: silent; "
+                                   "default 10)", flag=None, env="PARTITA_LOG_EVERY", kind=int)
+    batch_check_every: int | None = option(None, RUN, "every N steps the ranks check they were given the same "
+                                           "global batch (default 100)", flag=None,
+                                           env="PARTITA_BATCH_CHECK_EVERY", kind=int)
+    bucket_bytes: int | None = option(None, RUN, "gradient bucket size instead of the plan's", flag=None, kind=int)
+
+    def __post_init__(self) -> None:
+        _set = object.__setattr__
+        _set(self, "inputs", _input_specs(self.inputs))
+        if isinstance(self.targets, str):
+            from partita.core.inputs import parse_input_spec
+
+            _set(self, "targets", parse_input_spec(self.targets if "=" in self.targets else f"targets={self.targets}"))
+        if self.optimizer is not None and not callable(self.optimizer) and self.optimizer not in OPTIMIZERS:
+            raise PartitaError(f"--optimizer {self.optimizer!r} is not one of {', '.join(OPTIMIZERS)}",
+                               hint="partita models the memory of these optimizers only; the decorator also "
+                               "takes a factory of parameters")
+        from partita.core.losses import resolve_loss
+
+        _set(self, "loss", resolve_loss(self.loss, self.output))
+        for name in ("nodes", "devices"):
+            _positive(name, getattr(self, name))
+        self.pins()  # the pins' checks (Pins)
+        TrainingRequest(global_batch=self.batch if self.batch is not None else 1, precision=self.precision or "fp32",
+                        reduce_dtype=self.reduce_dtype, max_grad_norm=self.max_grad_norm,
+                        inference=self.inference, kv_tokens=self.generate)
+        if not isinstance(self.generate, int) or isinstance(self.generate, bool) or self.generate < 0:
+            raise PartitaError(f"--generate {self.generate!r} must be a whole number of tokens >= 0",
+                               hint="e.g. --generate 128, or leave it out")
+        self._check_run()
+
+    def _check_run(self) -> None:
+        if self.checkpoint_every is not None and not _whole(self.checkpoint_every, 1):
+            raise PartitaError(f"checkpoint_every={self.checkpoint_every!r} must be a whole number of steps >= 1",
+                               hint="e.g. checkpoint_every=100, or leave it out for no periodic checkpoint")
+        if self.checkpoint_every is not None and self.checkpoint_dir is None:
+            raise PartitaError("checkpoint_every needs checkpoint_dir: where should the checkpoints go?",
+                               hint="pass checkpoint_dir='DIR' too (or `partita run --checkpoint-dir DIR`)")
+        if self.watchdog_s is not None and not (isinstance(self.watchdog_s, (int, float))
+                                                and not isinstance(self.watchdog_s, bool)
+                                                and 0 <= self.watchdog_s < math.inf):
+            raise PartitaError(f"watchdog_s={self.watchdog_s!r} must be a number of seconds >= 0 (0 turns it off)",
+                               hint="e.g. watchdog_s=600, or leave it out for the default (300 s)")
+        for name, low in (("check_replicas_every", 0), ("log_every", 0), ("batch_check_every", 1),
+                          ("bucket_bytes", 1)):
+            v = getattr(self, name)
+            if v is not None and not _whole(v, low):
+                raise PartitaError(f"{name}={v!r} must be a whole number >= {low}",
+                                   hint=f"e.g. {name}=10, or leave it out for the default")
+        for name in ("checkpoint_dir", "trace", "weights", "plan"):
+            v = getattr(self, name)
+            if v is not None and not isinstance(v, (str, os.PathLike)):
+                raise PartitaError(f"{name}={v!r} must be a path", hint=f"pass {name}='PATH', or leave it out")
+        if self.trace is not None:
+            writable_path(self.trace)  # before the run, not after its first step
+
+    # -- building one ------------------------------------------------------------------------------
+
+    @classmethod
+    def of(cls, base: "Options | None" = None, **keywords: Any) -> "Options":
+        """``base`` (default: the defaults) with ``keywords`` set: the decorator's keywords, by
+        their names or aliases (``microbatches``); an unknown keyword is refused by name."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        values: dict[str, Any] = {}
+        for key, value in keywords.items():
+            name = ALIASES.get(key, key)
+            if key in ALIASES:
+                _positive(key, value)  # named as the user wrote it (the aliased options are counts)
+            if name not in known:
+                close = difflib.get_close_matches(key, sorted(known | set(ALIASES)), n=1)
+                raise PartitaError(f"parallelize() has no option {key!r}",
+                                   hint=f"did you mean {close[0]!r}?" if close else
+                                   "see `help(partita.Options)` for every option")
+            if name in values and values[name] != value:
+                raise PartitaError(f"{key}={value!r} and {name}={values[name]!r} disagree",
+                                   hint="they are the same decision; pass one")
+            values[name] = value
+        return dataclasses.replace(base, **values) if base is not None else cls(**values)
+
+    def replace(self, **changes: Any) -> "Options":
+        """A copy with ``changes`` (re-validated)."""
+        return dataclasses.replace(self, **changes)
+
+    def with_environment(self, environ: Mapping[str, str] | None = None) -> "Options":
+        """The run options left unset filled in from their environment variables (`partita run`
+        passes its flags that way), each checked as its keyword is; a bad value is refused naming
+        the variable."""
+        environ = os.environ if environ is None else environ
+        changes: dict[str, Any] = {}
+        for f in dataclasses.fields(self):
+            env = f.metadata.get("env")
+            raw = environ.get(env) if env else None
+            if raw is None or raw == "" or getattr(self, f.name) is not None:
+                continue
+            kind = f.metadata.get("kind") or str
+            try:
+                value = _parse(kind, raw)
+                Options(**{f.name: value, **({"checkpoint_dir": "."} if f.name == "checkpoint_every" else {})})
+            except ValueError:
+                raise PartitaError(f"{env}={raw!r} is not {'a whole number' if kind is int else 'a number'}",
+                                   hint=f"set {env} to {'a whole number' if kind is int else 'a number'} "
+                                   f"(see `partita run --help`), or unset it") from None
+            except PartitaError as e:
+                raise PartitaError(f"{env}={raw!r}: {e.message}", hint=f"set {env} to a valid value, or unset it") from None
+            changes[f.name] = value
+        return self.replace(**changes) if changes else self
+
+    # -- what the layers below read --------------------------------------------------------------
+
+    def pins(self, world_size: int | None = None) -> "Pins":
+        """The pinned decisions, for the solvers."""
+        return Pins(dp=self.dp, tp=self.tp, pp=self.pp, zero_stage=self.zero, micro_batch_size=self.micro_batch_size,
+                    grad_accum_steps=self.grad_accum_steps, world_size=world_size or self.world_size,
+                    schedule=self.schedule, recompute=self.recompute)
+
+    def cluster_spec(self) -> Any:
+        """The cluster to plan for: a preset or cluster file by name, scaled by ``nodes`` / ``devices``."""
+        from partita.core.cluster import ClusterSpec, load_cluster
+
+        if isinstance(self.cluster, ClusterSpec):
+            spec = self.cluster
+            if self.nodes is not None:
+                spec = dataclasses.replace(spec, nodes=self.nodes)
+            return spec.with_devices(self.devices) if self.devices is not None else spec
+        return load_cluster(self.cluster, nodes=self.nodes, devices=self.devices)
+
+    @property
+    def optimizer_factory(self) -> Callable:
+        """What builds the optimizer over the parameters a rank updates."""
+        if callable(self.optimizer):
+            return self.optimizer
+        return functools.partial(default_optimizer, kind=self.optimizer or "adamw")
+
+    @property
+    def optimizer_kind(self) -> str:
+        """The cost model's name for the optimizer (a factory is probed on a one-element parameter)."""
+        if not callable(self.optimizer):
+            return self.optimizer or "adamw"
+        return optimizer_kind(self.optimizer)
+
+
+def option_fields(part: str | None = None, command: str | None = None) -> list[dataclasses.Field]:
+    """The fields of ``Options`` of a ``part`` and offered as flags of ``command``, in order."""
+    return [f for f in dataclasses.fields(Options)
+            if (part is None or f.metadata["part"] == part)
+            and (command is None or (f.metadata["flag"] is not None and command in f.metadata["commands"]))]
+
+
+def flag_of(f: dataclasses.Field) -> str:
+    """A field's CLI flag."""
+    return f.metadata["flag"] or "--" + f.name.replace("_", "-")
+
+
+def default_optimizer(params: Iterable[Any], kind: str = "adamw") -> Any:
+    """The optimizer ``kind`` at lr 1e-3 (SGD with momentum 0.9): AdamW fused where torch has a
+    fused kernel for the parameters' device (CPU and CUDA do), one pass over the optimizer
+    state as the cost model prices the step (passes/cost_model.py ``optimizer_time``), where the
+    foreach step makes several (on this machine 2.6 ms against 17.8 ms for 3.7M fp32 parameters)."""
+    import torch
+
+    params = list(params)
+    if kind in ("sgd", "sgd-momentum"):
+        return torch.optim.SGD(params, lr=1e-3, momentum=0.9 if kind == "sgd-momentum" else 0.0)
+    cls = torch.optim.AdamW if kind == "adamw" else torch.optim.Adam
+    try:
+        return cls(params, lr=1e-3, fused=True)
+    except RuntimeError:  # a device or dtype torch has no fused kernel for
+        return cls(params, lr=1e-3)
+
+
+def optimizer_kind(factory: Callable) -> str:
+    """The cost model's name for what ``factory`` builds (probed on a one-element parameter)."""
+    import torch
+
+    try:
+        probe = factory([torch.nn.Parameter(torch.zeros(1))])
+    except Exception as e:  # the user's factory failed: say so, naming it
+        raise PartitaError(f"the optimizer factory failed on a test parameter: {type(e).__name__}: {e}",
+                           hint="pass optimizer=lambda params: torch.optim.AdamW(params, lr=...)") from e
+    if isinstance(probe, torch.optim.AdamW):
+        return "adamw"
+    if isinstance(probe, torch.optim.Adam):
+        return "adam"
+    if isinstance(probe, torch.optim.SGD):
+        return "sgd-momentum" if probe.defaults.get("momentum", 0) else "sgd"
+    raise PartitaError(f"optimizer {type(probe).__name__} has no memory model yet",
+                       hint="use torch.optim.AdamW, Adam or SGD")
+
+
+def _parse(kind: type, raw: str) -> Any:
+    """An environment variable's text as ``kind``; ASCII only (full-width digits are no number)."""
+    text = raw.strip()
+    if kind is str:
+        return text
+    if not text.isascii():
+        raise ValueError(raw)
+    return kind(text)
+
+
+def _input_specs(inputs: Any) -> tuple:
+    if not inputs:
+        return ()
+    from partita.core.inputs import InputSpec, parse_input_spec
+
+    if isinstance(inputs, Mapping):
+        return tuple(parse_input_spec(f"{k}={v}") for k, v in inputs.items())
+    if isinstance(inputs, (str, InputSpec)):
+        inputs = [inputs]
+    return tuple(s if isinstance(s, InputSpec) else parse_input_spec(s) for s in inputs)
+
+
+def _whole(v: Any, low: int) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= low
+
+
+def _positive(name: str, v: Any) -> None:
+    if v is not None and not _whole(v, 1):
+        raise PartitaError(f"--{name.replace('_', '-')} {v!r} must be a positive integer", hint=POSITIVE_HINT)
+
+
+@dataclass(frozen=True)
+class Pins:
+    """Decisions fixed by the user, as the solvers take them; ``None`` leaves one to the planner.
+
+    Pins are constraints handed to the same solvers that decide the free parts, not a second
+    code path. A pin that can never be honoured (a ZeRO stage of 5) is refused here.
+    """
+
+    dp: int | None = None
+    tp: int | None = None
+    pp: int | None = None
+    zero_stage: int | None = None
+    micro_batch_size: int | None = None
+    grad_accum_steps: int | None = None
+    world_size: int | None = None  # e.g. the processes torchrun launched
+    schedule: str | None = None  # the pipeline schedule (core/schedule.py SCHEDULES; implies pp > 1)
+    recompute: bool | None = None  # activation recomputation: on every stage, never, or (None) where memory binds
+
+    def __post_init__(self) -> None:
+        for name in ("dp", "tp", "pp", "micro_batch_size", "grad_accum_steps", "world_size"):
+            _positive(name, getattr(self, name))
+        if self.zero_stage is not None and (isinstance(self.zero_stage, bool) or self.zero_stage not in ZERO_STAGES):
+            raise PartitaError(f"--zero {self.zero_stage!r} must be 0, 1, 2 or 3",
+                               hint="ZeRO shards optimizer state (1), gradients (2) and parameters (3) over dp; "
+                               "leave --zero out to let partita choose")
+        if self.recompute not in (None, True, False):
+            raise PartitaError(f"recompute={self.recompute!r} must be True, False or None",
+                               hint="True recomputes every stage, False never, None where memory binds")
+        if self.recompute and self.zero_stage == 3:
+            raise PartitaError("--recompute with --zero 3: recomputation reruns a layer's forward in backward, "
+                               "where ZeRO-3 would free the parameters it gathers under it",
+                               hint="pin --zero 2 or lower, or drop --recompute")
+        if self.schedule is not None:
+            if self.schedule not in SCHEDULES:
+                raise PartitaError(f"--schedule {self.schedule!r} is not one of {', '.join(SCHEDULES)}",
+                                   hint="leave --schedule out to let partita choose")
+            if self.pp == 1:
+                raise PartitaError(f"--schedule {self.schedule} schedules pipeline stages, but --pp 1 has none",
+                                   hint="pin --pp 2 or more, or drop --schedule")
+
+    # The planners decide every axis; a tp pin is checked against the cluster in
+    # passes/tp/mesh.py, a pp pin against the devices in passes/pipeline/stages.py,
+    # and a ZeRO pin narrows the stages passes/dp/zero.zero_stages offers both.
+    def describe(self) -> str:
+        """The pins in the CLI's words (``--dp 2 --zero 1``), or "no pins"."""
+        flags = {"zero_stage": "zero", "world_size": "devices"}
+        parts = []
+        for name in ("dp", "tp", "pp", "zero_stage", "micro_batch_size", "grad_accum_steps", "schedule", "world_size"):
+            v = getattr(self, name)
+            if v is not None:
+                parts.append(f"--{flags.get(name, name).replace('_', '-')} {v}")
+        if self.recompute is not None:
+            parts.append("--recompute" if self.recompute else "--no-recompute")
+        return " ".join(parts) or "no pins"
+
+    def check_cluster(self, devices: int) -> None:
+        """A degree pinned beyond the cluster's devices is refused in the same words everywhere
+        (`partita compile`, `partita estimate`, the decorator)."""
+        for name in ("dp", "tp", "pp"):
+            v = getattr(self, name)
+            if v is not None and v > devices:
+                raise PartitaError(f"--{name} {v} is more than the cluster's {devices} devices",
+                                   hint=f"pin --{name} {devices} or less, or give more devices (--nodes, --devices)")
+
+
+@dataclass(frozen=True)
+class TrainingRequest:
+    """The training set-up a plan is made for (the global batch resolved), as the solvers take it."""
+
+    global_batch: int
+    precision: str = "fp32"
+    optimizer: str = "adamw"
+    inference: bool = False
+    reduce_dtype: str = "fp32"  # gradients are reduced over dp in this dtype (core/precision.py)
+    max_grad_norm: float | None = None  # the global gradient norm is clipped to this
+    kv_tokens: int = 0  # inference with generation: prompt + new tokens per sequence, whose KV cache is held
+
+    def __post_init__(self) -> None:
+        if self.kv_tokens and not self.inference:
+            raise PartitaError("--generate needs --inference", hint="add --inference")
+        if isinstance(self.global_batch, bool) or not isinstance(self.global_batch, int) or self.global_batch < 1:
+            raise PartitaError(f"--batch {self.global_batch!r} must be a positive integer",
+                               hint="the global batch: samples per optimizer step over all devices")
+        if self.reduce_dtype not in REDUCE_DTYPES:
+            raise PartitaError(f"--reduce-dtype {self.reduce_dtype!r} is not one of {', '.join(REDUCE_DTYPES)}",
+                               hint="fp32 (the default) reduces gradients at full precision")
+        if self.max_grad_norm is not None and not (isinstance(self.max_grad_norm, (int, float))
+                                                   and math.isfinite(self.max_grad_norm) and self.max_grad_norm > 0):
+            raise PartitaError(f"--max-grad-norm {self.max_grad_norm!r} must be a positive number",
+                               hint="e.g. --max-grad-norm 1.0, or leave it out for no clipping")
+        if self.precision not in PRECISIONS:
+            raise PartitaError(f"--precision {self.precision!r} is not one of {', '.join(PRECISIONS)}",
+                               hint="leave --precision out for the cluster's default")
+        if self.optimizer not in OPTIMIZERS:
+            raise PartitaError(f"--optimizer {self.optimizer!r} is not one of {', '.join(OPTIMIZERS)}",
+                               hint="partita models the memory of these optimizers only")
