@@ -8,7 +8,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.partita-installed
 
-.PHONY: demo test check bench install browser clean
+.PHONY: demo test check lint bench install browser clean
 
 install: $(STAMP)
 
@@ -29,12 +29,16 @@ browser:
 demo: $(STAMP)
 	$(BIN)/partita demo
 
+# The linter (ruff, configured in pyproject.toml) over the whole tree.
+lint: $(STAMP)
+	$(BIN)/ruff check .
+
 # Everything, the multi-process runs included (tests/harness.py), with the 30 slowest tests listed.
-test: $(STAMP) browser
+test: $(STAMP) browser lint
 	$(BIN)/python -m pytest -q -p no:logging --durations=30
 
-# The fast tier for a developer's loop: everything but the multi-process runs (marked slow).
-check: $(STAMP)
+# The fast tier for a developer's loop: the linter, then everything but the multi-process runs (marked slow).
+check: $(STAMP) lint
 	$(BIN)/python -m pytest -q -m "not slow" -p no:logging
 
 bench: $(STAMP)

@@ -25,10 +25,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from examples.models import llama2_70b  # noqa: E402
-from partita.core.capture import capture  # noqa: E402
-from partita.core.inputs import parse_input_spec  # noqa: E402
-from partita.passes.profile import profile_model  # noqa: E402
+from examples.models import llama2_70b
+from partita.core.capture import capture
+from partita.core.inputs import parse_input_spec
+from partita.passes.profile import profile_model
 
 
 def main(seq: int = 4096) -> None:

@@ -42,12 +42,18 @@ if str(ROOT) not in sys.path:  # examples/ is not installed; spawned ranks inher
     sys.path.insert(0, str(ROOT))
 
 from examples.models import MLP, gpt_tiny  # noqa: E402
+from partita.core.options import Options  # noqa: E402
 from partita.core.plan import (  # noqa: E402
-    MemoryBreakdown, Mesh, ModelInfo, Plan, Prediction, SolverReport, Training,
+    MemoryBreakdown,
+    Mesh,
+    ModelInfo,
+    Plan,
+    Prediction,
+    SolverReport,
+    Training,
 )
 from partita.runtime.distributed import init_distributed  # noqa: E402
 from partita.runtime.engine import ParallelModel  # noqa: E402
-from partita.core.options import Options
 
 WORLD = 2
 WARMUP = 3
@@ -111,7 +117,7 @@ def _worker(rank: int, port: int, repeats: int, queue) -> None:
                       WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
     ctx = init_distributed(timeout_s=60)
-    optimizer = lambda ps: torch.optim.AdamW(ps, lr=1e-4)  # noqa: E731
+    optimizer = lambda ps: torch.optim.AdamW(ps, lr=1e-4)
     for name, factory, loss_fn, x, y in _cases():
         torch.manual_seed(0)
         module = factory()
@@ -123,10 +129,10 @@ def _worker(rank: int, port: int, repeats: int, queue) -> None:
         share = slice(rank * x.shape[0] // WORLD, (rank + 1) * x.shape[0] // WORLD)
         x_local, y_local = x[share], y[share]
 
-        def ours_step() -> None:
+        def ours_step(ours=ours, x=x, y=y) -> None:
             ours.train_step(x, targets=y)
 
-        def ddp_step() -> None:
+        def ddp_step(loss_fn=loss_fn, ddp=ddp, ddp_opt=ddp_opt, x_local=x_local, y_local=y_local) -> None:
             loss = loss_fn(ddp(x_local), y_local)
             loss.backward()
             ddp_opt.step()

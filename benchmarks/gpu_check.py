@@ -58,18 +58,20 @@ def main() -> int:
         print("gpu_check: no CUDA device here; nothing to measure (this check needs one GPU)")
         return 0
 
-    from partita.core.losses import default_loss
     from partita.compiler.compile import compile_model
-    from partita.core.inputs import parse_input_spec
     from partita.core.cluster import load_cluster
+    from partita.core.inputs import parse_input_spec
+    from partita.core.losses import default_loss
     from partita.core.options import Options
     from partita.runtime.engine import ParallelModel
 
     B, T = args.batch, args.seq
-    plan = compile_model(gpt_100m, Options(inputs=[parse_input_spec(f"idx=int64[{B},{T}]")], cluster=load_cluster("dgx-h100", devices=1), precision="bf16-mixed", optimizer="adamw", world_size=1)).plan
+    options = Options(inputs=[parse_input_spec(f"idx=int64[{B},{T}]")], cluster=load_cluster("dgx-h100", devices=1),
+                      precision="bf16-mixed", optimizer="adamw", world_size=1)
+    plan = compile_model(gpt_100m, options).plan
     g = torch.Generator().manual_seed(0)
     batches = [torch.randint(0, 32768, (B, T + 1), generator=g) for _ in range(4)]
-    opt = lambda ps: torch.optim.AdamW(ps, lr=3e-4, fused=True)  # noqa: E731
+    opt = lambda ps: torch.optim.AdamW(ps, lr=3e-4, fused=True)
 
     torch.manual_seed(0)
     model = gpt_100m()
@@ -83,7 +85,7 @@ def main() -> int:
 
     t_partita, l_partita = _time_steps(partita_step, args.steps)
     peak_partita = torch.cuda.max_memory_allocated()
-    del pm, model
+    pm = model = None  # freed before the eager run measures its peak
     torch.cuda.empty_cache()
 
     eager = gpt_100m()
@@ -108,7 +110,8 @@ def main() -> int:
         "device": torch.cuda.get_device_name(), "params": plan.model.num_params, "batch": [B, T],
         "step_ms": {"partita": t_partita * 1e3, "eager_autocast": t_eager * 1e3, "ratio": t_partita / t_eager},
         "peak_bytes": {"partita": peak_partita, "eager_autocast": peak_eager,
-                       "plan_predicted": predicted.total, "plan_state": predicted.params + predicted.grads + predicted.optimizer,
+                       "plan_predicted": predicted.total,
+                       "plan_state": predicted.params + predicted.grads + predicted.optimizer,
                        "plan_activations": predicted.activations},
         "loss": {"partita": l_partita[-1], "eager_autocast": l_eager[-1],
                  "max_rel_diff": max(abs(a - b) / abs(b) for a, b in zip(l_partita, l_eager))},

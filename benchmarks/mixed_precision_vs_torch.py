@@ -37,10 +37,11 @@ for p in (ROOT, ROOT / "benchmarks"):
         sys.path.insert(0, str(p))
 
 from dp_vs_ddp import _plan, alternate  # noqa: E402
+
 from examples.models import MLP  # noqa: E402
+from partita.core.options import Options  # noqa: E402
 from partita.runtime.distributed import init_distributed  # noqa: E402
 from partita.runtime.engine import ParallelModel  # noqa: E402
-from partita.core.options import Options
 
 WORLD, WARMUP, BATCH = 2, 3, 64
 
@@ -114,7 +115,7 @@ def _time_worker(rank: int, port: int, repeats: int, queue) -> None:
                               ("ZeRO-3, bf16-mixed vs FSDP2 + MixedPrecisionPolicy", 3, "fsdp2")):
         ours = _ours(ctx, zero)
         theirs = _torch_step(kind, rank)
-        mine = lambda m=ours: m.train_step(x, targets=y)  # noqa: E731
+        mine = lambda m=ours: m.train_step(x, targets=y)
         t_ours, t_theirs = alternate(mine, theirs, repeats, WARMUP)
         peaks = (peak_transient_bytes(mine), peak_transient_bytes(theirs))
         if rank == 0:

@@ -62,9 +62,10 @@ for path in (ROOT, ROOT / "tests"):
         sys.path.insert(0, str(path))
 
 from dp_worker import free_port, gpt_loss  # noqa: E402
+
 from examples.models import GPT, GPTConfig  # noqa: E402
 from partita.core.inputs import InputSpec  # noqa: E402
-from partita.core.options import Options
+from partita.core.options import Options  # noqa: E402
 
 SEQ, MBS, VOCAB = 64, 4, 256
 CASES = [("1f1b", 4), ("gpipe", 4), ("1f1b", 8), ("gpipe", 8)]
@@ -92,9 +93,10 @@ def worker(rank: int, world: int, port: int, steps: int, outdir: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
+    from pp_choice import pp_plan
+
     from partita.runtime.distributed import destroy, init_distributed
     from partita.runtime.engine import ParallelModel
-    from pp_choice import pp_plan
 
     ctx = init_distributed(timeout_s=60)
     try:
@@ -104,7 +106,8 @@ def worker(rank: int, world: int, port: int, steps: int, outdir: str) -> None:
                                  cuts_at={2: [2], 4: [1, 2, 3]}[world],
                                  schedule=schedule, mbs=MBS, accum=m, pins=None)
             torch.manual_seed(0)
-            pm = ParallelModel(model(), plan, Options(loss=gpt_loss, optimizer=lambda ps: torch.optim.AdamW(ps, 1e-3)), ctx=ctx)
+            options = Options(loss=gpt_loss, optimizer=lambda ps: torch.optim.AdamW(ps, 1e-3))
+            pm = ParallelModel(model(), plan, options, ctx=ctx)
             g = torch.Generator().manual_seed(1)
             for _ in range(steps):
                 idx = torch.randint(0, VOCAB, (plan.training.global_batch, SEQ + 1), generator=g)

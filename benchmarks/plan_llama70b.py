@@ -21,16 +21,18 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from examples.models import llama2_70b  # noqa: E402
-from partita.compiler.compile import compile_model  # noqa: E402
-from partita.core.inputs import parse_input_spec  # noqa: E402
-from partita.core.cluster import load_cluster  # noqa: E402
+from examples.models import llama2_70b
+from partita.compiler.compile import compile_model
+from partita.core.cluster import load_cluster
+from partita.core.inputs import parse_input_spec
 from partita.core.options import Options
 
 
 def main(batch: int = 512, nodes: int = 8) -> None:
     start = time.perf_counter()
-    result = compile_model(llama2_70b, Options(inputs=[parse_input_spec(f"input_ids=int64[{batch},4096]")], cluster=load_cluster("dgx-h100", nodes=nodes)), name="Llama-2-70B")
+    options = Options(inputs=[parse_input_spec(f"input_ids=int64[{batch},4096]")],
+                      cluster=load_cluster("dgx-h100", nodes=nodes))
+    result = compile_model(llama2_70b, options, name="Llama-2-70B")
     plan = result.plan
     print(f"{time.perf_counter() - start:.1f} s capture to plan; phases: "
           + ", ".join(f"{k} {v:.1f} s" for k, v in plan.analysis_seconds.items()))

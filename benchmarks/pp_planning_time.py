@@ -37,20 +37,20 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from rich.console import Console  # noqa: E402
-from rich.table import Table  # noqa: E402
+from rich.console import Console
+from rich.table import Table
 
-from examples.models import GPT, GPTConfig, llama2_70b  # noqa: E402
-from partita.core.losses import default_loss  # noqa: E402
-from partita.core.capture import capture  # noqa: E402
-from partita.core.inputs import parse_input_spec  # noqa: E402
-from partita.core.cluster import PRESETS  # noqa: E402
-from partita.core.options import Pins, TrainingRequest  # noqa: E402
-from partita.passes.cost_model import state_bytes_per_param  # noqa: E402
-from partita.passes.pipeline.costs import node_costs  # noqa: E402
-from partita.passes.pipeline.cuts import Partition, StageSetup, solve_cuts  # noqa: E402
-from partita.passes.pipeline.stages import choose_pipeline, stage_links  # noqa: E402
-from partita.passes.profile import profile_model  # noqa: E402
+from examples.models import GPT, GPTConfig, llama2_70b
+from partita.core.capture import capture
+from partita.core.cluster import PRESETS
+from partita.core.inputs import parse_input_spec
+from partita.core.losses import default_loss
+from partita.core.options import Pins, TrainingRequest
+from partita.passes.cost_model import state_bytes_per_param
+from partita.passes.pipeline.costs import node_costs
+from partita.passes.pipeline.cuts import Partition, StageSetup, solve_cuts
+from partita.passes.pipeline.stages import choose_pipeline, stage_links
+from partita.passes.profile import profile_model
 
 TP = 8
 

@@ -120,8 +120,8 @@ def main(nprocs: list[int], rounds: int) -> None:
 
     from partita.compiler.cli import calibrated_cluster
     from partita.compiler.compile import compile_model
-    from partita.core.inputs import parse_input_spec
     from partita.compiler.report import fmt_time
+    from partita.core.inputs import parse_input_spec
     from partita.core.options import Options
     from partita.runtime.calibrate import calibrate
 
@@ -141,7 +141,8 @@ def main(nprocs: list[int], rounds: int) -> None:
             r = calibrate(n)
             cluster = calibrated_cluster(r)
             console.print(f"{n} processes, round {rnd}: {r.matmul_flops / 1e9:.1f} GFLOP/s/proc, "
-                          f"beta {r.allreduce_beta / 1e9:.2f} GB/s, alpha {fmt_time(r.allreduce_alpha)}, cost per call: "
+                          f"beta {r.allreduce_beta / 1e9:.2f} GB/s, alpha {fmt_time(r.allreduce_alpha)}, "
+                          "cost per call: "
                           + ", ".join(f"{k} {fmt_time(v)}" for k, v in cluster.call_latency.items()))
             spec = parse_input_spec(f"idx=int64[{BATCH},{SEQ}]")
             cases = {"free": dict(world_size=n), f"tp={n}": dict(world_size=n, tp=n),

@@ -94,16 +94,16 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from examples.models import GPT, GPTConfig  # noqa: E402
-from partita.core.losses import default_loss  # noqa: E402
-from partita.core.capture import capture  # noqa: E402
-from partita.core.errors import InfeasibleError  # noqa: E402
-from partita.core.inputs import parse_input_spec  # noqa: E402
-from partita.core.cluster import PRESETS, ClusterSpec  # noqa: E402
-from partita.core.options import Pins, TrainingRequest  # noqa: E402
-from partita.passes.cost_model import model_state_memory, state_bytes_per_param  # noqa: E402
-from partita.passes.profile import ModelProfile, profile_model  # noqa: E402
-from partita.passes.search import Decision, plan_search  # noqa: E402
+from examples.models import GPT, GPTConfig
+from partita.core.capture import capture
+from partita.core.cluster import PRESETS, ClusterSpec
+from partita.core.errors import InfeasibleError
+from partita.core.inputs import parse_input_spec
+from partita.core.losses import default_loss
+from partita.core.options import Pins, TrainingRequest
+from partita.passes.cost_model import model_state_memory, state_bytes_per_param
+from partita.passes.profile import ModelProfile, profile_model
+from partita.passes.search import Decision, plan_search
 
 SEQ, VOCAB = 2048, 51200
 
@@ -158,8 +158,8 @@ class Run:
 
 def megatron_flops(r: Run, factor: int = 96) -> float:
     """Narayanan et al. eq. (3): FLOPs per iteration; factor 96 with full recomputation, 72 without."""
-    B, s, l, h, V = r.batch, SEQ, r.layers, r.hidden, VOCAB
-    return factor * B * s * l * h * h * (1 + s / (6 * h) + V / (16 * l * h))
+    B, s, layers, h, V = r.batch, SEQ, r.layers, r.hidden, VOCAB
+    return factor * B * s * layers * h * h * (1 + s / (6 * h) + V / (16 * layers * h))
 
 
 def _from_tflops(tflops: float, **kw) -> Run:

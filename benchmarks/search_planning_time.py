@@ -23,19 +23,19 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from examples.models import GPT, GPTConfig, hf_llama, llama2_70b  # noqa: E402
-import partita.compiler.compile as compile_module  # noqa: E402
-from partita.compiler.compile import compile_model  # noqa: E402
-from partita.core.inputs import parse_input_spec  # noqa: E402
-from partita.core.cluster import PRESETS  # noqa: E402
-from partita.passes.cost_model import state_bytes_per_param  # noqa: E402
-from partita.passes.pipeline.costs import kv_ratio  # noqa: E402
-from partita.passes.pipeline.cuts import Partition, StageSetup, solve_cuts  # noqa: E402
-from partita.passes.pipeline.stages import stage_links  # noqa: E402
-from partita.passes.search import tp_node_costs  # noqa: E402
-from partita.passes.tp.ilp import solve_tp  # noqa: E402
-from partita.passes.tp.problem import TPSetting, build_problem  # noqa: E402
+import partita.compiler.compile as compile_module
+from examples.models import GPT, GPTConfig, hf_llama, llama2_70b
+from partita.compiler.compile import compile_model
+from partita.core.cluster import PRESETS
+from partita.core.inputs import parse_input_spec
 from partita.core.options import Options
+from partita.passes.cost_model import state_bytes_per_param
+from partita.passes.pipeline.costs import kv_ratio
+from partita.passes.pipeline.cuts import Partition, StageSetup, solve_cuts
+from partita.passes.pipeline.stages import stage_links
+from partita.passes.search import tp_node_costs
+from partita.passes.tp.ilp import solve_tp
+from partita.passes.tp.problem import TPSetting, build_problem
 
 
 def llama2_7b():
@@ -72,7 +72,9 @@ def run(name, factory, spec, gpus, batch, inference=False, generate=0):
 
     compile_module.capture = counting
     t = time.perf_counter()
-    result = compile_model(factory, Options(inputs=[spec], cluster=cluster, batch=batch, precision="bf16-mixed", inference=inference, generate=generate), name=name)
+    options = Options(inputs=[spec], cluster=cluster, batch=batch, precision="bf16-mixed", inference=inference,
+                      generate=generate)
+    result = compile_model(factory, options, name=name)
     with tempfile.TemporaryDirectory() as tmp:
         result.plan.save(Path(tmp) / "plan.json")
     total = time.perf_counter() - t

@@ -42,17 +42,17 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from rich.console import Console  # noqa: E402
-from rich.table import Table  # noqa: E402
+from rich.console import Console
+from rich.table import Table
 
-from examples.models import GPT, GPTConfig  # noqa: E402
-from partita.core.losses import default_loss  # noqa: E402
-from partita.core.capture import capture  # noqa: E402
-from partita.core.inputs import parse_input_spec  # noqa: E402
-from partita.core.cluster import PRESETS  # noqa: E402
-from partita.passes.profile import profile_model  # noqa: E402
-from partita.passes.tp.ilp import SOLVERS, solve_tp  # noqa: E402
-from partita.passes.tp.problem import TPSetting, build_problem  # noqa: E402
+from examples.models import GPT, GPTConfig
+from partita.core.capture import capture
+from partita.core.cluster import PRESETS
+from partita.core.inputs import parse_input_spec
+from partita.core.losses import default_loss
+from partita.passes.profile import profile_model
+from partita.passes.tp.ilp import SOLVERS, solve_tp
+from partita.passes.tp.problem import TPSetting, build_problem
 
 # name: (layers, hidden, heads, vocab, context)
 MODELS = {
@@ -75,7 +75,8 @@ def measure(name: str, solvers: tuple[str, ...], tie: bool = True) -> dict:
     t1 = time.perf_counter()
     problem = build_problem(profile.graph, setting, cluster, repeated=profile.repeated if tie else ())
     build_s = time.perf_counter() - t1
-    row = {"model": name + ("" if tie else " (untied)"), "params": profile.num_params, "nodes": profile.num_nodes, "classes": len(problem.classes),
+    row = {"model": name + ("" if tie else " (untied)"), "params": profile.num_params, "nodes": profile.num_nodes,
+           "classes": len(problem.classes),
            "capture_s": capture_s, "analysis_s": profile.analysis_seconds, "build_s": build_s, "solves": {}}
     for solver in solvers:
         sol = solve_tp(problem, solver=solver)
@@ -92,14 +93,16 @@ def main() -> None:
     args = ap.parse_args()
     solvers = SOLVERS if args.solvers else ("HIGHS",)
     table = Table(title="TP solve, t=8 on dgx-a100, micro-batch 1 (seconds)")
-    for col in ("model", "params", "nodes", "classes", "capture", "analysis", "ILP build", *(f"{s} solve" for s in solvers),
+    for col in ("model", "params", "nodes", "classes", "capture", "analysis", "ILP build",
+                *(f"{s} solve" for s in solvers),
                 "status", "variables", "micro-batch ms", "memory GB"):
         table.add_column(col, justify="right")
     runs = [(name, True) for name in args.models] + [(name, False) for name in args.untied]
     for name, tie in runs:
         r = measure(name, solvers, tie)
         h = r["solves"]["HIGHS"]
-        table.add_row(r["model"], f"{r['params'] / 1e9:.2f}B", str(r["nodes"]), str(r["classes"]), f"{r['capture_s']:.1f}",
+        table.add_row(r["model"], f"{r['params'] / 1e9:.2f}B", str(r["nodes"]), str(r["classes"]),
+                      f"{r['capture_s']:.1f}",
                       f"{r['analysis_s']:.1f}", f"{r['build_s']:.2f}",
                       *(f"{r['solves'][s].report.solve_seconds:.2f}" for s in solvers),
                       h.report.status, str(h.report.variables), f"{h.time_s * 1e3:.1f}", f"{h.memory_bytes / 1e9:.0f}")

@@ -17,7 +17,8 @@ from __future__ import annotations
 import functools
 import json
 import os
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -90,8 +91,8 @@ def parallelize(target: Any = None, /, options: Options | None = None, **keyword
 
 def plan_for(module: torch.nn.Module, options: Options, world_size: int) -> Plan:
     """Compile (or load and check) the plan for ``module`` on ``world_size`` processes."""
-    from partita.core.capture import capture
     from partita.compiler.compile import compile_model
+    from partita.core.capture import capture
     from partita.core.graph import graph_fingerprint, to_networkx
 
     launched = os.environ.get("PARTITA_PLAN")
@@ -145,7 +146,8 @@ def _wrap(module: torch.nn.Module, options: Options) -> Any:
                 text = json.dumps({"error": str(e)})
         data = json.loads(_broadcast_text(text, ctx.device))
         if "error" in data:
-            raise PartitaError(f"rank 0 could not plan: {data['error']}", hint="rank 0's message above says what to fix")
+            raise PartitaError(f"rank 0 could not plan: {data['error']}",
+                               hint="rank 0's message above says what to fix")
         plan = verified_plan(data, source="plan from rank 0")
     return apply_plan(module, plan, options, ctx=ctx)
 

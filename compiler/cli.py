@@ -17,8 +17,9 @@ import json
 import math
 import re
 import sys
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import click
 from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
@@ -129,8 +130,8 @@ def compile_cmd(target: str, plan_path: str, as_json: bool, **values: Any) -> No
 @click.option("--json", "as_json", is_flag=True, help="print the validated plan as JSON")
 def show(plan_path: str, as_json: bool) -> None:
     """Print a plan file for a person."""
-    from partita.core.verify import load_plan
     from partita.compiler.report import plan_report
+    from partita.core.verify import load_plan
 
     plan = load_plan(plan_path)
     if as_json:

@@ -8,15 +8,20 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
+from collections.abc import Callable, Mapping
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 
+from partita.compiler.plan_collectives import plan_collectives
 from partita.core.capture import CapturedModel, capture
+from partita.core.cluster import ClusterSpec
 from partita.core.errors import CaptureError, PartitaError
+from partita.core.graph import annotate_batch_shapes, to_networkx
 from partita.core.inputs import InputSpec
+from partita.core.options import Options, Pins, TrainingRequest
 from partita.core.plan import (
     MeshAxis,
     ModelInfo,
@@ -28,17 +33,13 @@ from partita.core.plan import (
     Training,
     tied_stages,
 )
-from partita.core.cluster import ClusterSpec
-from partita.core.options import Options, Pins, TrainingRequest
-from partita.compiler.plan_collectives import plan_collectives
 from partita.core.precision import activation_scale, compute_dtype, element_bytes
+from partita.core.tp.layout import layout_decisions
 from partita.passes.cost_model import node_compute_time
-from partita.passes.profile import ModelProfile, profile_model
 from partita.passes.flops import annotate_flops
-from partita.core.graph import annotate_batch_shapes, to_networkx
+from partita.passes.profile import ModelProfile, profile_model
 from partita.passes.search import Decision, plan_search, tp_choice
 from partita.passes.tp.costs import captured_float_dtype
-from partita.core.tp.layout import layout_decisions
 
 MAX_ALTERNATIVES = 12
 

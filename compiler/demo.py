@@ -14,7 +14,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -95,10 +95,9 @@ def run_demo(*, nproc: int, steps: int, output: str, console: Any, progress: Any
     from rich.table import Table
 
     from partita.compiler.compile import compile_model
-    from partita.core.inputs import parse_input_spec
     from partita.compiler.report import plan_summary
     from partita.core.cluster import load_cluster
-    from partita.core.options import Pins
+    from partita.core.inputs import parse_input_spec
     from partita.runtime.launch import run_torchrun
 
     if nproc < 1 or steps < 1:
@@ -107,7 +106,8 @@ def run_demo(*, nproc: int, steps: int, output: str, console: Any, progress: Any
     t_start = time.perf_counter()
     cluster = load_cluster("local", devices=nproc)
     with progress:
-        result = compile_model(demo_model, Options(inputs=[parse_input_spec(f"idx=int64[{BATCH},{SEQ}]")], cluster=cluster, world_size=nproc), name="GPT (examples/models.py:gpt_tiny)", progress=progress)
+        options = Options(inputs=[parse_input_spec(f"idx=int64[{BATCH},{SEQ}]")], cluster=cluster, world_size=nproc)
+        result = compile_model(demo_model, options, name="GPT (examples/models.py:gpt_tiny)", progress=progress)
         plan_path = result.plan.save(output)
         task = progress.add_task(f"training {steps} steps on {nproc} gloo processes", total=1)
         with tempfile.TemporaryDirectory() as tmp:
@@ -115,7 +115,8 @@ def run_demo(*, nproc: int, steps: int, output: str, console: Any, progress: Any
             env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
             rc = run_torchrun(nproc, ["-m", "partita.compiler.demo", str(plan_path), out, str(steps)], env=env)
             if rc != 0:
-                raise PartitaError(f"the {nproc}-process run failed (exit code {rc}); see its output above", hint="the output above shows the failing rank's error")
+                raise PartitaError(f"the {nproc}-process run failed (exit code {rc}); see its output above",
+                                   hint="the output above shows the failing rank's error")
             ran = json.loads(Path(out).read_text())
             parallel_state = torch.load(out + ".pt", weights_only=True)
         progress.update(task, completed=1)

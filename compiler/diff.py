@@ -12,16 +12,17 @@ from __future__ import annotations
 
 import dataclasses
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any
 
 import click
 from rich.console import Group, RenderableType
 from rich.table import Table
 
+from partita.compiler.report import fmt_bytes, fmt_time, plain
 from partita.core.plan import NodeDecision, Plan
 from partita.core.verify import load_plan
-from partita.compiler.report import fmt_bytes, fmt_time, plain
 
 # Inserted collectives on an edge are every reshard but these two (no traffic).
 FREE_RESHARDS = ("none", "slice")

@@ -10,9 +10,9 @@ from __future__ import annotations
 import importlib.util
 import inspect
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -56,11 +56,13 @@ def _import(text: str) -> tuple[object, str, Path]:
         raise ModelLoadError(f"{text!r} is not FILE.py:NAME", hint="e.g. examples/models.py:gpt_tiny")
     path = Path(path_text)
     if not path.is_file():
-        raise ModelLoadError(f"model file {path} does not exist", hint="pass FILE.py:NAME with the path of an existing Python file")
+        raise ModelLoadError(f"model file {path} does not exist",
+                             hint="pass FILE.py:NAME with the path of an existing Python file")
     module_name = f"_partita_user_{path.stem}"
     spec = importlib.util.spec_from_file_location(module_name, path)
     if spec is None or spec.loader is None:
-        raise ModelLoadError(f"cannot import {path}: not a Python file", hint="pass FILE.py:NAME, a .py file defining NAME")
+        raise ModelLoadError(f"cannot import {path}: not a Python file",
+                             hint="pass FILE.py:NAME, a .py file defining NAME")
     mod = importlib.util.module_from_spec(spec)
     sys.modules[module_name] = mod
     sys.path.insert(0, str(path.parent.resolve()))
@@ -73,7 +75,8 @@ def _import(text: str) -> tuple[object, str, Path]:
         sys.path.pop(0)
     if not hasattr(mod, name):
         public = sorted(n for n, v in vars(mod).items() if not n.startswith("_") and _buildable(v))
-        raise ModelLoadError(f"{path} has no {name!r}", hint=f"models and factories there: {', '.join(public) or 'none'}")
+        raise ModelLoadError(f"{path} has no {name!r}",
+                             hint=f"models and factories there: {', '.join(public) or 'none'}")
     return mod, name, path
 
 

@@ -12,19 +12,20 @@ one the planner priced the decision on.
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from partita.core.capture import CapturedModel
+from partita.core.cluster import ClusterSpec
 from partita.core.ops import running_buffers
+from partita.core.options import TrainingRequest
 from partita.core.placement import is_shard
 from partita.core.plan import Collective, MeshAxis, ParamDecision
 from partita.core.precision import dtype_bytes, element_bytes
-from partita.core.cluster import ClusterSpec
-from partita.core.options import TrainingRequest
+from partita.core.tp.layout import forward_collectives, recompute_collectives, tp_collectives
 from partita.passes.cost_model import collective_time, padded_bucket, zero_collectives
 from partita.passes.dp.buckets import gradient_buckets
 from partita.passes.search import Decision
-from partita.core.tp.layout import forward_collectives, recompute_collectives, tp_collectives
 
 
 def plan_collectives(captured: CapturedModel, params: Sequence[ParamDecision], nodes: Sequence[Any],
@@ -88,13 +89,17 @@ def _dp_collectives(params: Sequence[ParamDecision], tied: Mapping[str, tuple[in
             for b in gradient_buckets(local, grad_bytes, d.bucket_bytes):
                 if zero_stage == 0:
                     key = ("all_reduce", b * reduce // grad_bytes,
-                           f"gradient averaging in {request.reduce_dtype} (one bucket per call, after the last micro-batch)")
+                           f"gradient averaging in {request.reduce_dtype} (one bucket per call, after the last "
+                           "micro-batch)")
                     by_call[key] = by_call.get(key, 0) + 1
                     continue
                 padded = round(padded_bucket(b, dp, grad_bytes))  # ZeRO's flat buckets split evenly over dp
                 for kind, calls, what in zero_collectives(zero_stage, d.grad_accum_steps):
-                    size = padded * reduce // grad_bytes if what == "grads" else padded  # grads sent in the reduce dtype
-                    key = (kind, size, f"ZeRO-{zero_stage} {what} ({f'reduce-scatter of gradients in {request.reduce_dtype}' if what == 'grads' else 'all-gather of parameters'})")
+                    # gradients are sent in the reduce dtype
+                    size = padded * reduce // grad_bytes if what == "grads" else padded
+                    how = (f"reduce-scatter of gradients in {request.reduce_dtype}" if what == "grads"
+                           else "all-gather of parameters")
+                    key = (kind, size, f"ZeRO-{zero_stage} {what} ({how})")
                     by_call[key] = by_call.get(key, 0) + calls
         out += [Collective(kind=kind, axis=MeshAxis.DP.value, bytes=size, count=count, group_size=dp,
                            purpose=purpose, seconds=count * collective_time(kind, size, dp, link),
@@ -180,17 +185,20 @@ def _pp_collectives(captured: CapturedModel, nodes: Sequence[Any], d: Decision, 
         out_bytes = d.grad_accum_steps * sum(lay.bytes for n in nodes if n.op == "output" for lay in n.ins)
         out = [Collective(kind="broadcast", axis=MeshAxis.PP.value, bytes=out_bytes, count=1, group_size=d.mesh.pp,
                           purpose="the output from the last stage to every stage",
-                          seconds=collective_time("broadcast", out_bytes, d.mesh.pp, cluster.link_for_axis(d.mesh, MeshAxis.PP.value)))]
+                          seconds=collective_time("broadcast", out_bytes, d.mesh.pp,
+                                                  cluster.link_for_axis(d.mesh, MeshAxis.PP.value)))]
     else:
         out = [Collective(kind="broadcast", axis=MeshAxis.PP.value, bytes=4, count=1, group_size=d.mesh.pp,
                           purpose="the step's loss from the last stage to every stage",
-                          seconds=collective_time("broadcast", 4, d.mesh.pp, cluster.link_for_axis(d.mesh, MeshAxis.PP.value)))]
+                          seconds=collective_time("broadcast", 4, d.mesh.pp,
+                                                  cluster.link_for_axis(d.mesh, MeshAxis.PP.value)))]
     links = cluster.stage_links(d.mesh)  # the planner's: its cuts were priced on them
     for (s, direction, nbytes), count in sorted(sends.items()):
         link = links[s if direction == "forward" else s - 1]
         calls = count * d.grad_accum_steps
         out.append(Collective(kind="send_recv", axis=MeshAxis.PP.value, bytes=nbytes, count=calls, group_size=2,
-                              purpose=f"{'activation to the next' if direction == 'forward' else 'gradient to the previous'} stage",
+                              purpose=("activation to the next stage" if direction == "forward"
+                                       else "gradient to the previous stage"),
                               seconds=calls * collective_time("send_recv", nbytes, 2, link), stage=s))
     return tuple(out)
 

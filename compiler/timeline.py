@@ -16,13 +16,14 @@ runtime writes; ``measured_timeline(trace)`` turns it into the same shape.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from partita.core.errors import PlanError
 from partita.core.plan import Plan
-from partita.core.schedule import BACKWARD, FORWARD, stage_order  # noqa: F401 (the schedule this module draws)
+from partita.core.schedule import BACKWARD, FORWARD, stage_order
 
 
 @dataclass(frozen=True)

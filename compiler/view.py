@@ -26,11 +26,11 @@ from typing import Any
 import click
 
 from partita.compiler.diff import diff_plans
+from partita.compiler.report import tp_split
+from partita.compiler.timeline import load_trace, measured_timeline, predicted_timeline
 from partita.core.errors import writable_path, write_text
 from partita.core.plan import MemoryBreakdown, Plan
 from partita.core.verify import load_plan
-from partita.compiler.report import tp_split
-from partita.compiler.timeline import load_trace, measured_timeline, predicted_timeline
 
 __all__ = ["render_html", "load_trace", "stage_memory", "view_command"]
 
@@ -105,7 +105,8 @@ _TEMPLATE = """<!DOCTYPE html>
 <head>
 <meta charset="utf-8">
 <meta name="viewport" content="width=device-width, initial-scale=1">
-<meta http-equiv="Content-Security-Policy" content="default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; img-src data:; connect-src data: blob:">
+<meta http-equiv="Content-Security-Policy" content="default-src 'none'; script-src 'unsafe-inline'; \
+style-src 'unsafe-inline'; img-src data:; connect-src data: blob:">
 <title>{title}</title>
 <style>
 {css}

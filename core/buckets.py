@@ -8,7 +8,7 @@ buckets it packs from the live parameters (runtime/dp/averaging.py), both with
 
 from __future__ import annotations
 
-from typing import Hashable, Sequence
+from collections.abc import Hashable, Sequence
 
 DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024  # DDP's default bucket_cap_mb
 

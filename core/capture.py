@@ -24,9 +24,9 @@ import os
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
 from dataclasses import dataclass, field
 from types import FrameType, TracebackType
+from typing import Any
 
 import torch
 import torch.fx
@@ -213,7 +213,7 @@ def _build_fake(factory: Callable[[], Any], mode: FakeTensorMode) -> Any:
     try:
         with mode:
             return uncompiled(factory())
-    except Exception as e:  # noqa: BLE001 - retried below only for a value the build asked for
+    except Exception as e:
         if not _is_data_dependent(e):
             raise
     with torch.device("meta"):
@@ -421,7 +421,8 @@ def _is_data_dependent(e: BaseException) -> bool:
     return False
 
 
-def _data_dependent_error(e: BaseException, module: torch.nn.Module, inputs: tuple[InputSpec, ...] | None) -> CaptureError:
+def _data_dependent_error(e: BaseException, module: torch.nn.Module,
+                          inputs: tuple[InputSpec, ...] | None) -> CaptureError:
     return _capture_error(
         e, module, inputs, "data-dependent Python control flow",
         hint="remove data-dependent Python control flow (e.g. `if torch.rand([]) < p:`) or mark the module as a leaf",
@@ -443,7 +444,8 @@ def _capture_error(
     return CaptureError(
         f"cannot capture {_name_of(model)}{shapes}: {what} {where}: {type(e).__name__}: {_first_line(e)}",
         hint=hint or (_DTYPE_HINT if "scalar type" in str(e) or "dtype" in str(e) else
-                      "make the forward traceable by torch.export (see the chained error) or mark the module as a leaf"),
+                      "make the forward traceable by torch.export (see the chained error) or mark the module as "
+                      "a leaf"),
     )
 
 

@@ -30,9 +30,10 @@ from __future__ import annotations
 import dataclasses
 import math
 import sys
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 from partita.core.errors import POSITIVE_HINT, ClusterError
 from partita.core.mesh import Mesh, axis_crosses_nodes, crosses_nodes, stage_pair_crosses_nodes
@@ -129,7 +130,8 @@ class ClusterSpec:
             raise bad(f"roofline={self.roofline!r} must be true or false")
         if not isinstance(self.flops, Mapping) or not self.flops or any(
                 not isinstance(k, str) or not _number(v, low=0, low_open=True) for k, v in self.flops.items()):
-            raise bad(f"flops needs a positive finite rate per dtype, got {dict(self.flops) if isinstance(self.flops, Mapping) else self.flops!r}")
+            got = dict(self.flops) if isinstance(self.flops, Mapping) else self.flops
+            raise bad(f"flops needs a positive finite rate per dtype, got {got!r}")
         if not isinstance(self.call_latency, Mapping) or any(
                 k not in COLLECTIVES or not _number(v, low=0) for k, v in self.call_latency.items()):
             raise bad(f"call latency takes seconds >= 0 per collective kind ({', '.join(COLLECTIVES)}), "
@@ -190,12 +192,12 @@ class ClusterSpec:
             return self.flops["bf16"]
         return self.flops.get("fp32", min(self.flops.values()))
 
-    def with_nodes(self, nodes: int) -> "ClusterSpec":
+    def with_nodes(self, nodes: int) -> ClusterSpec:
         if isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 1:
             raise ClusterError(f"--nodes {nodes!r} must be a positive integer", hint=POSITIVE_HINT)
         return dataclasses.replace(self, nodes=nodes)
 
-    def with_devices(self, gpus_per_node: int) -> "ClusterSpec":
+    def with_devices(self, gpus_per_node: int) -> ClusterSpec:
         if isinstance(gpus_per_node, bool) or not isinstance(gpus_per_node, int) or gpus_per_node < 1:
             raise ClusterError(f"--devices {gpus_per_node!r} must be a positive integer (devices per node)",
                                hint=POSITIVE_HINT)
@@ -207,7 +209,7 @@ class ClusterSpec:
         return d
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> "ClusterSpec":
+    def from_dict(cls, d: Mapping[str, Any]) -> ClusterSpec:
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in d.items() if k in names})
 

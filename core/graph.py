@@ -32,11 +32,11 @@ and ``shape_at`` give every tensor's shape at another micro-batch.
 from __future__ import annotations
 
 import hashlib
-from fractions import Fraction
 import json
 import os
 import re
 import weakref
+from fractions import Fraction
 from typing import Any
 
 import networkx as nx
@@ -254,7 +254,7 @@ def annotate_batch_shapes(G: nx.DiGraph, other: nx.DiGraph) -> bool:
     return True
 
 
-def per_graph(store: "weakref.WeakKeyDictionary[nx.DiGraph, tuple[int, dict]]", G: nx.DiGraph) -> dict:
+def per_graph(store: weakref.WeakKeyDictionary[nx.DiGraph, tuple[int, dict]], G: nx.DiGraph) -> dict:
     """``G``'s dict in ``store``, a cache of what is derived from a graph: emptied when ``G`` has
     gained or lost nodes since it was filled; weakly keyed, so a dropped graph frees its entry."""
     filled, cache = store.get(G, (None, None))

@@ -82,7 +82,8 @@ class InputSpec:
         try:
             return cls(str(data["name"]), parse_dtype(str(data["dtype"])), tuple(int(d) for d in data["shape"]))
         except (KeyError, TypeError, ValueError) as e:
-            raise InputSpecError(f"malformed input spec {data!r}: {e}", hint="expected {\"name\": ..., \"dtype\": ..., \"shape\": [...]}") from e
+            raise InputSpecError(f"malformed input spec {data!r}: {e}",
+                                 hint='expected {"name": ..., "dtype": ..., "shape": [...]}') from e
 
 
 def parse_input_spec(text: str) -> InputSpec:

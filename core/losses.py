@@ -13,8 +13,8 @@ compute the same thing.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
-from typing import Any, Callable
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -91,7 +91,7 @@ class OutputLoss:
     output: str | int | None = None
 
     @property
-    def __name__(self) -> str:  # noqa: A003 - the plan records the loss by name
+    def __name__(self) -> str:
         name = getattr(self.loss, "__name__", type(self.loss).__name__)
         return name if self.output is None else f"{name}({self.output})"
 
@@ -122,7 +122,8 @@ def model_loss_of(out: Any) -> torch.Tensor:
     value = fields.get("loss") if fields else (out[0] if isinstance(out, (tuple, list)) and out else out)
     if not isinstance(value, torch.Tensor) or value.dim() != 0:
         raise PartitaError("loss='model': the model returned no scalar `loss` when given labels=",
-                           hint="pass a model that takes `labels` (e.g. a Hugging Face *ForCausalLM), or a loss function")
+                           hint="pass a model that takes `labels` (e.g. a Hugging Face *ForCausalLM), or a loss "
+                           "function")
     return value
 
 
@@ -135,14 +136,16 @@ def resolve_loss(loss: Any = None, output: str | int | None = None) -> Callable[
         return OutputLoss(loss.loss, output)
     if loss == MODEL:
         if output is not None:
-            raise PartitaError("loss='model' takes the model's own loss: output= does not apply", hint="drop output= (the model's own loss is used), or pass another loss")
+            raise PartitaError("loss='model' takes the model's own loss: output= does not apply",
+                               hint="drop output= (the model's own loss is used), or pass another loss")
         return ModelLoss()
     if isinstance(loss, str):
         if loss not in NAMED:
             raise PartitaError(f"unknown loss {loss!r}", hint=f"use one of {', '.join(NAMED)}, 'model', or a function")
         loss = NAMED[loss]
     if loss is not None and not callable(loss):
-        raise PartitaError(f"loss={loss!r} is neither a function nor a loss name", hint="pass a function (output, targets) -> loss, 'cross-entropy', 'mse' or 'model'")
+        raise PartitaError(f"loss={loss!r} is neither a function nor a loss name",
+                           hint="pass a function (output, targets) -> loss, 'cross-entropy', 'mse' or 'model'")
     return OutputLoss(loss or default_loss, output)
 
 

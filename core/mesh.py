@@ -13,9 +13,9 @@ as torchrun numbers them.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from enum import Enum
-from typing import Iterable
 
 
 class MeshAxis(str, Enum):

@@ -13,7 +13,7 @@ matmul of an int64 input would capture, then fail on the device).
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 import torch.fx

@@ -18,8 +18,9 @@ import difflib
 import functools
 import math
 import os
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any
 
 from partita.core.errors import POSITIVE_HINT, PartitaError, writable_path
 from partita.core.plan import OPTIMIZERS
@@ -167,7 +168,7 @@ class Options:
     # -- building one ------------------------------------------------------------------------------
 
     @classmethod
-    def of(cls, base: "Options | None" = None, **keywords: Any) -> "Options":
+    def of(cls, base: Options | None = None, **keywords: Any) -> Options:
         """``base`` (default: the defaults) with ``keywords`` set: the decorator's keywords, by
         their names or aliases (``microbatches``); an unknown keyword is refused by name."""
         known = {f.name for f in dataclasses.fields(cls)}
@@ -187,11 +188,11 @@ class Options:
             values[name] = value
         return dataclasses.replace(base, **values) if base is not None else cls(**values)
 
-    def replace(self, **changes: Any) -> "Options":
+    def replace(self, **changes: Any) -> Options:
         """A copy with ``changes`` (re-validated)."""
         return dataclasses.replace(self, **changes)
 
-    def with_environment(self, environ: Mapping[str, str] | None = None) -> "Options":
+    def with_environment(self, environ: Mapping[str, str] | None = None) -> Options:
         """The run options left unset filled in from their environment variables (`partita run`
         passes its flags that way), each checked as its keyword is; a bad value is refused naming
         the variable."""
@@ -211,13 +212,14 @@ class Options:
                                    hint=f"set {env} to {'a whole number' if kind is int else 'a number'} "
                                    f"(see `partita run --help`), or unset it") from None
             except PartitaError as e:
-                raise PartitaError(f"{env}={raw!r}: {e.message}", hint=f"set {env} to a valid value, or unset it") from None
+                raise PartitaError(f"{env}={raw!r}: {e.message}",
+                                   hint=f"set {env} to a valid value, or unset it") from None
             changes[f.name] = value
         return self.replace(**changes) if changes else self
 
     # -- what the layers below read --------------------------------------------------------------
 
-    def pins(self, world_size: int | None = None) -> "Pins":
+    def pins(self, world_size: int | None = None) -> Pins:
         """The pinned decisions, for the solvers."""
         return Pins(dp=self.dp, tp=self.tp, pp=self.pp, zero_stage=self.zero, micro_batch_size=self.micro_batch_size,
                     grad_accum_steps=self.grad_accum_steps, world_size=world_size or self.world_size,

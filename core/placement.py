@@ -31,7 +31,7 @@ class Placement:
     dim: int | None = None
 
     @classmethod
-    def parse(cls, text: str) -> "Placement":
+    def parse(cls, text: str) -> Placement:
         """The placement a plan string names; ``ValueError`` for any other word."""
         m = _SHARD.match(text)
         if m:

@@ -20,10 +20,11 @@ import hashlib
 import json
 import types
 import typing
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any
 
 from partita.core.buckets import DEFAULT_BUCKET_BYTES
 from partita.core.errors import PlanError
@@ -290,7 +291,7 @@ class Plan:
         return write_text(path, self.to_json())
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "Plan":
+    def from_dict(cls, data: Mapping[str, Any]) -> Plan:
         data = dict(data)
         data.pop("world_size", None)
         data.pop(SEAL, None)
@@ -428,7 +429,7 @@ def _to_jsonable(obj: Any) -> Any:
     return obj
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _type_hints(tp: type) -> dict[str, Any]:
     return typing.get_type_hints(tp)
 

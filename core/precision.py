@@ -27,8 +27,9 @@ parameters directly.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # torch is imported where a dtype is made: the CLI's plan readers run without it
     import torch
@@ -94,7 +95,7 @@ class PrecisionPolicy:
             raise ValueError(f"reduce dtype {self.reduce!r} is not one of {', '.join(REDUCE_DTYPES)}")
 
     @classmethod
-    def of(cls, training: object) -> "PrecisionPolicy":
+    def of(cls, training: object) -> PrecisionPolicy:
         """The policy a plan's training section records."""
         return cls(getattr(training, "precision", "fp32"), getattr(training, "reduce_dtype", "fp32"))
 

@@ -25,9 +25,11 @@ Reads a ``Plan`` (and, for ``check_layouts``, the graph the runtime captured); w
 from __future__ import annotations
 
 import math
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 from partita.core.plan import MeshAxis, NodeDecision, Plan, describe_problems, plan_from_data, read_plan
+
 
 def load_plan(path: Any, *, fingerprint: str | None = None, world_size: int | None = None,
               sealed: bool = True) -> Plan:
@@ -89,8 +91,8 @@ def _model(plan: Plan) -> list[str]:
 
 
 def _cluster(plan: Plan) -> list[str]:
-    from partita.core.errors import PartitaError
     from partita.core.cluster import ClusterSpec
+    from partita.core.errors import PartitaError
 
     try:
         cluster = ClusterSpec.from_dict(plan.cluster)
@@ -103,9 +105,9 @@ def _cluster(plan: Plan) -> list[str]:
 
 
 def _training(plan: Plan) -> list[str]:
+    from partita.core.plan import OPTIMIZERS
     from partita.core.precision import PRECISIONS
     from partita.core.schedule import SCHEDULES
-    from partita.core.plan import OPTIMIZERS
 
     t, out = plan.training, []
     if t.precision not in PRECISIONS:

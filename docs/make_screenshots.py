@@ -17,31 +17,32 @@ from playwright.sync_api import sync_playwright  # noqa: E402
 from test_view import CHROMIUM, CHROMIUM_ARGS  # noqa: E402
 
 from partita.compiler.view import render_html  # noqa: E402
-from partita.core.options import Options
+from partita.core.options import Options  # noqa: E402
 
 
 def demo_plan():
     from partita.compiler.compile import compile_model
     from partita.compiler.demo import BATCH, SEQ, demo_model
-    from partita.core.inputs import parse_input_spec
     from partita.core.cluster import load_cluster
-    from partita.core.options import Pins
+    from partita.core.inputs import parse_input_spec
 
-    return compile_model(demo_model, Options(inputs=[parse_input_spec(f"idx=int64[{BATCH},{SEQ}]")], cluster=load_cluster("local", devices=4), world_size=4), name="gpt_tiny (demo)").plan
+    options = Options(inputs=[parse_input_spec(f"idx=int64[{BATCH},{SEQ}]")], cluster=load_cluster("local", devices=4),
+                      world_size=4)
+    return compile_model(demo_model, options, name="gpt_tiny (demo)").plan
 
 
 def gpt3_plan():
     sys.path.insert(0, str(ROOT))
     from examples.models import GPT, GPTConfig
-
     from partita.compiler.compile import compile_model
-    from partita.core.inputs import parse_input_spec
     from partita.core.cluster import load_cluster
+    from partita.core.inputs import parse_input_spec
 
     def gpt3():
         return GPT(GPTConfig(vocab_size=50257, block_size=2048, n_layer=96, n_head=96, n_embd=12288))
 
-    return compile_model(gpt3, Options(inputs=[parse_input_spec("idx=int64[64,2048]")], cluster=load_cluster("dgx-a100", nodes=16)), name="GPT-3 175B shape").plan
+    options = Options(inputs=[parse_input_spec("idx=int64[64,2048]")], cluster=load_cluster("dgx-a100", nodes=16))
+    return compile_model(gpt3, options, name="GPT-3 175B shape").plan
 
 
 def shoot(context, html: str, out: Path, expand: str | None) -> None:

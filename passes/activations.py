@@ -181,7 +181,7 @@ def annotate_kv_cache(G: nx.DiGraph) -> int:
     embeddings are applied before it (Hugging Face's order).
     """
     total = 0
-    for n, a in G.nodes(data=True):
+    for _, a in G.nodes(data=True):
         if a["kind"] != "call" or not any(k in a["op"] for k in _ATTENTION) or len(a["inputs"]) < 3:
             continue
         for src in a["inputs"][1:3]:
@@ -189,7 +189,8 @@ def annotate_kv_cache(G: nx.DiGraph) -> int:
             while True:
                 b = G.nodes[src]
                 tensors = b.get("inputs", [])
-                if len(tensors) != 1 or not (_aliases(b["op"]) or b["op"].split(".")[1:2] and b["op"].split(".")[1] in _REARRANGE):
+                rearranges = b["op"].split(".")[1:2] and b["op"].split(".")[1] in _REARRANGE
+                if len(tensors) != 1 or not (_aliases(b["op"]) or rearranges):
                     break
                 src = tensors[0]
                 smallest = min(smallest, _tensor_bytes(G, src))

@@ -45,12 +45,13 @@ predicted step times are upper bounds on that term.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any
 
-from partita.core.precision import PRECISIONS, compute_dtype, element_bytes
 from partita.core.cluster import COLLECTIVES, ClusterSpec, Link
 from partita.core.plan import OPTIMIZERS
+from partita.core.precision import PRECISIONS, compute_dtype, element_bytes
 
 
 @dataclass(frozen=True)
@@ -410,7 +411,8 @@ class PipelineStepCost:
 
     @property
     def step_s(self) -> float:
-        return self.compute_s + self.p2p_s + self.bubble_s + self.dp_all_reduce_s + self.tied_all_reduce_s + self.optimizer_s
+        return (self.compute_s + self.p2p_s + self.bubble_s + self.dp_all_reduce_s + self.tied_all_reduce_s
+                + self.optimizer_s)
 
 
 def pipeline_step(

@@ -9,7 +9,7 @@ and a ZeRO stage's traffic over its link.
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 from partita.core.cluster import Link
 

@@ -32,11 +32,12 @@ import math
 
 import networkx as nx
 
+from partita.core.graph import gradient_flows
 from partita.core.ops import ATTENTION as _ATTENTION
 from partita.core.ops import CONV as _CONV
 from partita.core.ops import MATMUL as _MATMUL
-from partita.core.graph import gradient_flows
 from partita.core.ops import base_op
+
 _FREE = {
     "view", "_unsafe_view", "reshape", "transpose", "t", "permute", "expand", "expand_as", "split",
     "split_with_sizes", "chunk", "unbind", "getitem", "slice", "select", "unsqueeze", "squeeze",

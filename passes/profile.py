@@ -16,12 +16,15 @@ from typing import Any
 import networkx as nx
 
 from partita.core.capture import CapturedModel
+from partita.core.graph import graph_fingerprint, to_networkx
 from partita.core.inputs import dtype_name
 from partita.passes.activations import (
-    annotate_kv_cache, annotate_live_bytes, annotate_saved_activations, peak_live_bytes,
+    annotate_kv_cache,
+    annotate_live_bytes,
+    annotate_saved_activations,
+    peak_live_bytes,
 )
 from partita.passes.flops import annotate_flops
-from partita.core.graph import graph_fingerprint, to_networkx
 from partita.passes.repeats import RepeatedBlock, find_repeated_layers
 
 
@@ -96,7 +99,7 @@ def profile_model(captured: CapturedModel) -> ModelProfile:
 
     numels = {k: _numel(shape) for k, (shape, _) in captured.params.items()}
     bytes_by_dtype: dict[str, int] = {}
-    for k, (shape, dtype) in captured.params.items():
+    for k, (_, dtype) in captured.params.items():
         bytes_by_dtype[dtype_name(dtype)] = bytes_by_dtype.get(dtype_name(dtype), 0) + numels[k] * dtype.itemsize
     first = captured.inputs[0] if captured.inputs else None
     return ModelProfile(

@@ -54,14 +54,16 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
 from partita.core.buckets import DEFAULT_BUCKET_BYTES
-from partita.core.errors import InfeasibleError, PartitaError
-from partita.core.plan import Alternative, MemoryBreakdown, Mesh, Stage
 from partita.core.cluster import ClusterSpec
+from partita.core.errors import InfeasibleError, PartitaError
 from partita.core.options import Pins, TrainingRequest
+from partita.core.plan import Alternative, MemoryBreakdown, Mesh, Stage
+from partita.core.tp.strategies import Strategy, input_index, is_shard, node_strategies
 from partita.passes.cost_model import (
     model_state_memory,
     state_bytes_per_param,
@@ -69,19 +71,18 @@ from partita.passes.cost_model import (
     zero_step_comm,
 )
 from partita.passes.dp.buckets import gradient_buckets
-from partita.passes.explain import traffic_reason
 from partita.passes.dp.zero import STRATEGY_NAMES
+from partita.passes.explain import traffic_reason
 from partita.passes.pipeline.bounds import AllPruned, PrunedCandidate
 from partita.passes.pipeline.costs import NodeCosts, kv_ratio, node_costs
 from partita.passes.pipeline.decision import PipelineCandidate, PipelineDecision
 from partita.passes.pipeline.stages import choose_pipeline, stage_of_nodes
 from partita.passes.profile import ModelProfile
 from partita.passes.space import tp_degrees, world_size
-from partita.passes.tp.mesh import MeshDecision, choose_mesh, plan_alternatives
-from partita.passes.tp.ilp import solve_tp
-from partita.passes.tp.problem import TPSetting, build_problem
 from partita.passes.tp.costs import TPCosts
-from partita.core.tp.strategies import Strategy, input_index, is_shard, node_strategies
+from partita.passes.tp.ilp import solve_tp
+from partita.passes.tp.mesh import MeshDecision, choose_mesh, plan_alternatives
+from partita.passes.tp.problem import TPSetting, build_problem
 
 
 @dataclass(frozen=True)
@@ -346,7 +347,8 @@ def tp_node_costs(profile: ModelProfile, cluster: ClusterSpec, request: Training
             for d in a["shapes"][0]:
                 whole *= d
             sharded = choice[n].out and is_shard(choice[n].out[0])
-            local[a.get("param_name", n)] = min(local.get(a.get("param_name", n), whole), whole / tp if sharded else whole)
+            name = a.get("param_name", n)
+            local[name] = min(local.get(name, whole), whole / tp if sharded else whole)
     shared = {p.name for p in base.shared}
     for n, a in G.nodes(data=True):
         if a["kind"] != "param" or a.get("param_name", n) in shared:

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import math
 
-from partita.core.errors import PartitaError
 from partita.core.cluster import ClusterSpec
+from partita.core.errors import PartitaError
 from partita.core.options import Pins
 
 

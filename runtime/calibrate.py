@@ -14,7 +14,8 @@ beta). Last, each collective kind the runtime issues runs on a small message
 (``CALL_BYTES``) ``CALL_REPEATS`` times between matmuls: the mean time it adds,
 less its alpha-beta time, is that kind's fixed cost per call (``call_latency``:
 gloo's and torch's work around the transfer, the ranks' skew and the occasional
-stall, which dominate the many small collectives of a tensor-parallel step). Turning the result into a cluster file is the cost model's job
+stall, which dominate the many small collectives of a tensor-parallel step). Turning the result into a
+cluster file is the cost model's job
 (passes/cost_model.py ``calibrated_local``).
 """
 

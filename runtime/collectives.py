@@ -10,8 +10,8 @@ from __future__ import annotations
 import contextlib
 import time
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Iterator
 
 from partita.runtime.watchdog import FLIGHT
 

@@ -10,31 +10,36 @@ the plans this runtime cannot run, before anything is built.
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from partita.core.errors import PlanError
 from partita.core.capture import uncompiled
-from partita.core.ops import running_buffers
+from partita.core.errors import PlanError
 from partita.core.losses import training_loss
+from partita.core.ops import running_buffers
 from partita.core.options import Options
 from partita.core.plan import MeshAxis, Plan
 from partita.core.precision import PrecisionPolicy
 from partita.runtime.collectives import CollectiveCounter
-from partita.runtime.dp.averaging import (BufferAverager, GradientAverager, apply_data_parallel, broadcast_replicas,
-                                          running_statistics)
 from partita.runtime.distributed import DistContext, build_mesh
+from partita.runtime.dp.averaging import (
+    BufferAverager,
+    GradientAverager,
+    apply_data_parallel,
+    broadcast_replicas,
+    running_statistics,
+)
+from partita.runtime.dp.zero import ZeroProgram, apply_zero
 from partita.runtime.mixed_precision import MasterWeights, OptimizerFactory, apply_mixed_precision
 from partita.runtime.pipeline.stage import SCHEDULES, PipelineStage, apply_pipeline
 from partita.runtime.program import MicroBatchLoss, Program, interpreter_of
 from partita.runtime.rng import run_seed
-from partita.runtime.tp.module import TensorParallel, apply_tensor_parallel
 from partita.runtime.state.weights import load_eager, open_weights, state_names
-from partita.runtime.dp.zero import ZeroProgram, apply_zero
+from partita.runtime.tp.module import TensorParallel, apply_tensor_parallel
 
 LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
 DP, TP = MeshAxis.DP.value, MeshAxis.TP.value

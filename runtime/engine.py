@@ -16,7 +16,6 @@ all steps so far when the run ends.
 from __future__ import annotations
 
 import math
-import os
 import time
 from pathlib import Path
 from typing import Any
@@ -29,8 +28,6 @@ from partita.core.errors import PartitaError, PlanError
 from partita.core.options import Options
 from partita.core.placement import is_shard
 from partita.core.plan import MeshAxis, Plan
-from partita.runtime.state import full as full_state
-from partita.runtime.state import sharded as sharded_state
 from partita.runtime.batches import check_batch, check_same_batch, share
 from partita.runtime.collectives import CollectiveCounter
 from partita.runtime.compose import compose, refuse_unsupported
@@ -38,6 +35,8 @@ from partita.runtime.distributed import DistContext, init_distributed
 from partita.runtime.grad_norm import clip_coefficient, global_grad_norm
 from partita.runtime.program import Program
 from partita.runtime.rng import replica_divergence
+from partita.runtime.state import full as full_state
+from partita.runtime.state import sharded as sharded_state
 from partita.runtime.tp.module import TensorParallel
 from partita.runtime.trace import BACKWARD, FORWARD, TraceRecorder
 from partita.runtime.watchdog import FLIGHT, watch
@@ -188,7 +187,7 @@ class ParallelModel(nn.Module):
         except AttributeError:
             return getattr(super().__getattr__("module"), name)
 
-    def train_step(self, *inputs: torch.Tensor, targets: torch.Tensor, local: bool = False) -> "StepResult":
+    def train_step(self, *inputs: torch.Tensor, targets: torch.Tensor, local: bool = False) -> StepResult:
         """One optimizer step over the global batch; returns its mean loss (equal on every rank), a
         float that also carries the step's gradient norm, time and throughput (``StepResult``).
 
@@ -302,7 +301,7 @@ class ParallelModel(nn.Module):
             loss_sum.div_(steps)
         return float(loss_sum)
 
-    def _report(self, result: "StepResult") -> None:
+    def _report(self, result: StepResult) -> None:
         """Rank 0: the plan once, then a progress line every ``log_every`` steps, measured next to
         predicted (``log_every=0`` / ``PARTITA_LOG_EVERY=0``: silent)."""
         if self.ctx.rank != 0 or not self.log_every:
@@ -371,7 +370,7 @@ class StepResult(float):
     tokens_per_s: float | None
 
     def __new__(cls, loss: float, *, step: int, grad_norm: float, seconds: float, samples: int,
-                tokens_per_sample: int | None) -> "StepResult":
+                tokens_per_sample: int | None) -> StepResult:
         self = super().__new__(cls, loss)
         self.step, self.grad_norm, self.seconds = step, grad_norm, seconds
         self.samples_per_s = samples / seconds if seconds > 0 else float("inf")

@@ -21,7 +21,7 @@ rewritten.
 from __future__ import annotations
 
 import math
-from typing import Mapping
+from collections.abc import Mapping
 
 import torch
 import torch.distributed as dist

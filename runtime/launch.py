@@ -20,9 +20,9 @@ import os
 import sys
 import tempfile
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping
 
 ERROR_DIR_ENV = "PARTITA_ERROR_DIR"
 

@@ -22,13 +22,14 @@ of masters at a time (no fp32 gradient of the whole model is held). Under
 
 ``LossScaler`` is fp16's dynamic loss scale: the loss is multiplied by it
 before backward; a step whose global gradient norm (runtime/grad_norm.py, one
-all-reduce over the world) is inf or nan is skipped on every rank alike; the scale halves on such a step and doubles after
+all-reduce over the world) is inf or nan is skipped on every rank alike; the scale halves on such a
+step and doubles after
 ``growth_interval`` clean ones, as ``torch.amp.GradScaler`` does.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 import torch
 from torch import nn
@@ -37,7 +38,8 @@ from torch.optim import Optimizer
 from partita.core.buckets import DEFAULT_BUCKET_BYTES, pack_buckets
 from partita.core.precision import PrecisionPolicy
 
-OptimizerFactory = Callable[[Iterable[nn.Parameter]], Optimizer]  # the user's optimizer, built on what it updates (the one definition)
+# the user's optimizer, built on what it updates (the one definition)
+OptimizerFactory = Callable[[Iterable[nn.Parameter]], Optimizer]
 
 
 def cast_parameters(module: nn.Module, policy: PrecisionPolicy) -> None:

@@ -8,8 +8,8 @@ this file sits below all of them, so none of them imports the engine.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -18,12 +18,12 @@ from torch.optim import Optimizer
 
 from partita.core.plan import Plan
 from partita.core.precision import FP32, PrecisionPolicy
-from partita.runtime.dp.averaging import BufferAverager, GradientAverager
 from partita.runtime.distributed import DistContext
+from partita.runtime.dp.averaging import BufferAverager, GradientAverager
+from partita.runtime.dp.zero import ZeroProgram
 from partita.runtime.mixed_precision import LossScaler, MasterWeights
 from partita.runtime.pipeline.stage import PipelineStage
 from partita.runtime.tp.module import TensorParallel
-from partita.runtime.dp.zero import ZeroProgram
 
 MicroBatchLoss = Callable[[list[torch.Tensor], torch.Tensor], torch.Tensor]
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
@@ -79,7 +79,8 @@ def fingerprint(t: torch.Tensor) -> int:
     (NaNs included); changed or shuffled ones almost never do."""
     flat = t.detach().reshape(-1)
     if flat.is_floating_point() or flat.is_complex() or flat.dtype == torch.bool:
-        flat = flat.contiguous().view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[flat.element_size()])
+        as_int = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[flat.element_size()]
+        flat = flat.contiguous().view(as_int)
     weights = torch.arange(flat.numel(), device=flat.device) % 65521 + 1
     return int((flat.to(torch.int64) * weights).sum()) ^ (flat.numel() << 40)
 

@@ -20,15 +20,15 @@ from __future__ import annotations
 import contextlib
 import json
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch.distributed as dist
 
 from partita.core.plan import Plan
 from partita.core.schedule import BACKWARD, FORWARD  # noqa: F401 (re-exported)
 from partita.runtime.watchdog import FLIGHT
-
 
 
 class TraceRecorder:

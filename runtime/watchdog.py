@@ -33,9 +33,10 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Callable, TextIO
+from typing import Any, TextIO
 
 from partita.core.plan import Mesh
 
@@ -115,7 +116,7 @@ class FlightRecorder:
         self.step, self.phase, self.micro_batch = step, phase, micro_batch
         self.progress = time.monotonic()
 
-    def running(self) -> "_Busy":
+    def running(self) -> _Busy:
         """``with FLIGHT.running():`` around a step: the watchdog watches only inside."""
         return _Busy(self)
 

@@ -16,14 +16,19 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from typing import Mapping
+from collections.abc import Mapping
 
 import networkx as nx
 
 from partita.core.plan import InputLayout, NodeDecision
 from partita.core.precision import dtype_bytes, is_floating
 from partita.core.tp.strategies import (
-    NONE, Strategy, grad_convention, input_index, node_strategies, reshard_kind,
+    NONE,
+    Strategy,
+    grad_convention,
+    input_index,
+    node_strategies,
+    reshard_kind,
 )
 
 # collectives with traffic; "none" and "slice" are local

@@ -73,8 +73,9 @@ nature; every other op (index, cumsum, ...) has no rule and is replicated.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from partita.core.tp.vocabulary import PARTIAL, REPLICATE, Strategy, is_shard, shard
 

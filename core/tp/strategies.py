@@ -14,14 +14,22 @@ from __future__ import annotations
 
 from typing import Any
 
-from partita.core.ops import carries_gradient
 from partita.core.graph import gradient_flows
+from partita.core.ops import carries_gradient
 from partita.core.tp.rules import REPLICATE_BY_NATURE, RULES, OpView, Rule
 from partita.core.tp.view_rules import VIEW_RULES
 from partita.core.tp.vocabulary import (  # noqa: F401 (re-exported: the solver's vocabulary)
-    NONE, PARTIAL, REPLICATE, Strategy, grad_convention, is_shard, replicated, reshard_kind, shard, shard_dim,
+    NONE,
+    PARTIAL,
+    REPLICATE,
+    Strategy,
+    grad_convention,
+    is_shard,
+    replicated,
+    reshard_kind,
+    shard,
+    shard_dim,
 )
-
 
 # -- the strategies of a graph node ------------------------------------------------
 

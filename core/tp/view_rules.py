@@ -5,7 +5,7 @@ onwards); each rule maps an input's shard(d) to the output dim d lands on.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from partita.core.tp.rules import OpView, Rule, registrar, rule_strategy
 from partita.core.tp.vocabulary import PARTIAL, REPLICATE, Strategy, shard
@@ -41,9 +41,13 @@ def view_groups(src: tuple[int, ...], dst: tuple[int, ...]) -> list[tuple[list[i
         i, j = i + 1, j + 1
         while pi != pj:
             if pi < pj and i < len(src):
-                pi *= src[i]; gi.append(i); i += 1
+                pi *= src[i]
+                gi.append(i)
+                i += 1
             elif pj < pi and j < len(dst):
-                pj *= dst[j]; gj.append(j); j += 1
+                pj *= dst[j]
+                gj.append(j)
+                j += 1
             else:
                 return None
         groups.append((gi, gj))

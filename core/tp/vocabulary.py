@@ -37,7 +37,6 @@ from dataclasses import dataclass
 
 from partita.core.placement import NONE, PARTIAL, REPLICATE, is_shard, shard, shard_dim  # noqa: F401 (re-exported)
 
-
 # The names a strategy goes by (a plan's ``nodes[].strategy``): these words, ``shard(D)`` for an
 # op split along its dim D, and ``partial`` / ``partial(J)`` for one whose output is partial (the
 # J-th operand partial). ``Strategy`` refuses any other name, and a plan is checked against them.

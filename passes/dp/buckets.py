@@ -10,9 +10,9 @@ by core/buckets.py's rule, the one the runtime all-reduces by
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
-from partita.core.buckets import DEFAULT_BUCKET_BYTES, pack_buckets  # noqa: F401 (re-exported)
+from partita.core.buckets import DEFAULT_BUCKET_BYTES, pack_buckets
 
 
 def gradient_buckets(numels: Sequence[int], elem_bytes: int, cap_bytes: int = DEFAULT_BUCKET_BYTES) -> list[int]:

@@ -37,9 +37,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from partita.core.cluster import ClusterSpec
 from partita.core.plan import MemoryBreakdown
 from partita.core.precision import element_bytes
-from partita.core.cluster import ClusterSpec
 from partita.passes.cost_model import (
     ZERO_STAGES,
     collective_time,

@@ -4,16 +4,16 @@ step, and the record of groups it pruned (``choose_pipeline(prune=True)``)."""
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import Callable, Sequence
 
-from partita.core.errors import PartitaError
 from partita.core.cluster import ClusterSpec
+from partita.core.errors import PartitaError
 from partita.core.options import TrainingRequest
 from partita.passes.cost_model import StateBytes, zero_optimizer_time, zero_step_comm
+from partita.passes.dp.zero import STRATEGY_NAMES
 from partita.passes.pipeline.costs import NodeCosts, Recompute
 from partita.passes.pipeline.cuts import Partition, StageSetup
-from partita.passes.dp.zero import STRATEGY_NAMES
 
 INF = math.inf
 

@@ -25,19 +25,18 @@ import bisect
 import functools
 import math
 import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Sequence
 
 import networkx as nx
 
-from partita.core.precision import activation_scale as precision_activation_scale, is_floating
 from partita.core.cluster import ClusterSpec
-from partita.core.options import TrainingRequest
-from partita.passes.cost_model import node_compute_time
 from partita.core.graph import per_graph
+from partita.core.options import TrainingRequest
+from partita.core.precision import activation_scale as precision_activation_scale
+from partita.core.precision import is_floating
+from partita.passes.cost_model import node_compute_time
 from partita.passes.profile import ModelProfile
-
-
 
 _PLACEHOLDERS = ("param", "buffer", "input")
 
@@ -69,19 +68,20 @@ def allowed_boundaries(G: nx.DiGraph, order: Sequence[str]) -> tuple[int, ...]:
         layer = G.nodes[name].get("layer")
         if layer:
             spans.setdefault(layer, [i, i])[1] = i
-    after_call = [k for k in range(1, n) if G.nodes[order[k - 1]]["kind"] == "call" and G.nodes[order[k]]["kind"] != "output"]
+    after_call = [k for k in range(1, n)
+                  if G.nodes[order[k - 1]]["kind"] == "call" and G.nodes[order[k]]["kind"] != "output"]
     if not spans:
         return tuple(after_call)
     inside = set()
     for lo, hi in spans.values():
         inside.update(range(lo + 1, hi + 1))
-    in_layer = lambda i: bool(G.nodes[order[i]].get("layer"))  # noqa: E731
+    in_layer = lambda i: bool(G.nodes[order[i]].get("layer"))
     return tuple(k for k in after_call if k not in inside and (in_layer(k - 1) or in_layer(k)))
 
 
 # graph -> {"both": (order, boundaries)} (graph.per_graph): a search asks for node costs at
 # every (micro-batch, tp)
-_STRUCTURE: "weakref.WeakKeyDictionary[nx.DiGraph, tuple[int, dict]]" = weakref.WeakKeyDictionary()
+_STRUCTURE: weakref.WeakKeyDictionary[nx.DiGraph, tuple[int, dict]] = weakref.WeakKeyDictionary()
 
 
 def _structure(G: nx.DiGraph) -> tuple[list[str], tuple[int, ...]]:

@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import bisect
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
+from partita.core.cluster import ClusterSpec, Link
 from partita.core.plan import MemoryBreakdown
 from partita.core.schedule import in_flight
-from partita.core.cluster import ClusterSpec, Link
 from partita.passes.cost_model import (
     StateBytes,
     model_state_memory,

@@ -6,14 +6,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from partita.core.cluster import ClusterSpec
 from partita.core.errors import InfeasibleError
 from partita.core.plan import MemoryBreakdown, Stage
-from partita.core.cluster import ClusterSpec
 from partita.passes.cost_model import PipelineStepCost
+from partita.passes.dp.zero import STRATEGY_NAMES
+from partita.passes.explain import CHOSEN, gb, slower, slower_parts, traffic_reason
 from partita.passes.pipeline.bounds import PrunedCandidate
 from partita.passes.pipeline.costs import SharedParam
-from partita.passes.explain import CHOSEN, gb, slower, slower_parts, traffic_reason
-from partita.passes.dp.zero import STRATEGY_NAMES
 
 INF = math.inf
 
@@ -88,7 +88,7 @@ class PipelineDecision:
     shared: tuple[SharedParam, ...]  # parameters a cut could split (tied embeddings)
     solves: int  # dynamic programs run
     seconds: float
-    pruned: tuple["PrunedCandidate", ...] = ()  # groups the pruned search did not cut (choose_pipeline)
+    pruned: tuple[PrunedCandidate, ...] = ()  # groups the pruned search did not cut (choose_pipeline)
 
     @property
     def stages(self) -> tuple[PipelineStage, ...]:

@@ -72,14 +72,14 @@ from __future__ import annotations
 import bisect
 import math
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import replace
-from typing import Callable, Sequence
 
+from partita.core.cluster import ClusterSpec, Link
 from partita.core.errors import PartitaError
+from partita.core.options import Pins, TrainingRequest
 from partita.core.plan import Mesh
 from partita.core.schedule import SCHEDULES, in_flight
-from partita.core.cluster import ClusterSpec, Link
-from partita.core.options import Pins, TrainingRequest
 from partita.passes.cost_model import (
     collective_time,
     pipeline_step,
@@ -88,16 +88,20 @@ from partita.passes.cost_model import (
     zero_step_comm,
 )
 from partita.passes.dp.buckets import gradient_buckets
+from partita.passes.dp.zero import STRATEGY_NAMES, zero_stages
+from partita.passes.explain import gb
 from partita.passes.pipeline.bounds import AllPruned, PipelineBound, PrunedCandidate, cached_costs
 from partita.passes.pipeline.costs import NodeCosts, Recompute, node_costs, pipeline_order, recompute_costs
 from partita.passes.pipeline.cuts import Partition, StageSetup, any_cuts_fit, solve_cuts
 from partita.passes.pipeline.decision import (
-    PipelineCandidate, PipelineDecision, PipelineStage, infeasible_error, loss_reason,
+    PipelineCandidate,
+    PipelineDecision,
+    PipelineStage,
+    infeasible_error,
+    loss_reason,
 )
-from partita.passes.explain import gb
 from partita.passes.profile import ModelProfile
 from partita.passes.space import pipeline_groups
-from partita.passes.dp.zero import STRATEGY_NAMES, zero_stages
 
 INF = math.inf
 
@@ -263,11 +267,12 @@ def choose_pipeline(
                     found.append((g, _candidate(part, bounds, dp, tp, mb, policy, False, request)))
     if bounder is not None and not any(c.fits for _, c in found):
         if bound < INF and (found or pruned or unfit):
-            raise AllPruned(tuple(pruned) + tuple(_unfit_record(part, dp, tp, mb, cluster) for _, part, dp, mb, _ in unfit))
+            raise AllPruned(tuple(pruned)
+                            + tuple(_unfit_record(part, dp, tp, mb, cluster) for _, part, dp, mb, _ in unfit))
         # nothing fits anywhere: the exhaustive search names the least-memory plan
         return choose_pipeline(profile, cluster, request, pins, devices_per_stage=devices_per_stage,
                                schedules=schedules, costs=costs)
-    for g, part, dp, mb, policy in unfit:
+    for _, part, dp, mb, _ in unfit:
         pruned.append(_unfit_record(part, dp, tp, mb, cluster))
     found.sort(key=lambda gc: gc[0])  # enumeration order, whatever order the groups were visited in
     candidates = [c for _, c in found]

@@ -30,11 +30,11 @@ from functools import cached_property
 
 import networkx as nx
 
-from partita.core.precision import activation_scale, element_bytes
 from partita.core.cluster import ClusterSpec, Link
-from partita.passes.cost_model import NODE_TIME_ATTRS, collective_time, node_compute_time, reshard_time
+from partita.core.precision import activation_scale, element_bytes
 from partita.core.tp.layout import tensor_bytes
 from partita.core.tp.vocabulary import NONE, Strategy, grad_convention, reshard_kind
+from partita.passes.cost_model import NODE_TIME_ATTRS, collective_time, node_compute_time, reshard_time
 
 
 @dataclass(frozen=True)

@@ -137,8 +137,9 @@ def solve_tp(problem: TPProblem, *, solver: str = SOLVER, time_limit_s: float = 
             try:  # one choice per class (t = 1): that choice is the solution when its edges are valid
                 sol = evaluate(problem, pick)
                 obj = sol.report.objective_s
-                return replace(sol, report=TPSolveReport(solver, "OPTIMAL", obj, obj, 0.0, 0.0, time.perf_counter() - t0,
-                                                         0, 0, len(problem.classes), problem.num_nodes))
+                report = TPSolveReport(solver, "OPTIMAL", obj, obj, 0.0, 0.0, time.perf_counter() - t0, 0, 0,
+                                       len(problem.classes), problem.num_nodes)
+                return replace(sol, report=report)
             except ValueError:
                 pass
     m = _new_model(solver)
@@ -282,7 +283,8 @@ def _infeasible(p: TPProblem, solver: str, objective: str,
         f"memory: the smallest layout needs {smallest.memory_bytes / gb:.1f} GB per device "
         f"(model state {smallest.param_numel * p.bytes_per_param / gb:.1f} GB + activations "
         f"{smallest.activation_bytes / gb:.1f} GB at micro-batch {s.micro_batch}), budget "
-        f"{s.memory_budget / gb:.1f} GB at tp={s.t}" + (f", ZeRO-{s.zero_stage} over dp={s.dp}" if s.zero_stage else ""),
+        f"{s.memory_budget / gb:.1f} GB at tp={s.t}"
+        + (f", ZeRO-{s.zero_stage} over dp={s.dp}" if s.zero_stage else ""),
         hint="raise tp, add devices, or lower the micro-batch"
         + ("; a higher ZeRO stage shards more of the model state" if s.zero_stage < 3 else ""))
     err.constraint = "memory"  # type: ignore[attr-defined]

@@ -49,23 +49,23 @@ from __future__ import annotations
 
 import functools
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Mapping, Sequence
 
-from partita.core.errors import InfeasibleError
-from partita.core.plan import Alternative, MemoryBreakdown, Mesh
 from partita.core.cluster import ClusterSpec
+from partita.core.errors import InfeasibleError
 from partita.core.options import Pins, TrainingRequest
+from partita.core.plan import Alternative, MemoryBreakdown, Mesh
+from partita.core.tp.strategies import Strategy, node_strategies, shard_dim
 from partita.passes.cost_model import StepCost, mesh_step, model_state_memory, state_bytes_per_param
-from partita.passes.explain import CHOSEN, slower, slower_parts, traffic_reason
-from partita.passes.dp.zero import STRATEGY_NAMES, zero_stages
 from partita.passes.dp.buckets import DEFAULT_BUCKET_BYTES, gradient_buckets
+from partita.passes.dp.zero import STRATEGY_NAMES, zero_stages
+from partita.passes.explain import CHOSEN, slower, slower_parts, traffic_reason
 from partita.passes.pipeline.costs import kv_ratio
 from partita.passes.profile import ModelProfile
 from partita.passes.space import micro_batches, tp_degrees, world_size
 from partita.passes.tp.ilp import SOLVER, solve_tp
 from partita.passes.tp.problem import StrategyFn, TPSetting, TPSolution, TPSolveReport, build_problem
-from partita.core.tp.strategies import Strategy, node_strategies, shard_dim
 
 
 @dataclass(frozen=True)
@@ -204,7 +204,8 @@ def choose_mesh(
         tp=chosen.tp, dp=chosen.dp, micro_batch_size=chosen.micro_batch_size,
         grad_accum_steps=chosen.grad_accum_steps, choice=sol.choice, cost=chosen.cost, memory=chosen.memory,
         solver=sol.report, alternatives=ordered, buckets=buckets, bucket_bytes=bucket_bytes,
-        tp_link=cluster.link_for_group(chosen.tp).name, dp_link=cluster.link_for_group(chosen.dp, stride=chosen.tp).name,
+        tp_link=cluster.link_for_group(chosen.tp).name,
+        dp_link=cluster.link_for_group(chosen.dp, stride=chosen.tp).name,
         solves=solves, seconds=time.perf_counter() - t0, zero_stage=chosen.zero_stage,
     )
 

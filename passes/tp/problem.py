@@ -43,18 +43,18 @@ from __future__ import annotations
 
 import math
 import weakref
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Callable, Mapping, Sequence
 
 import networkx as nx
 
-from partita.passes.activations import peak_live_bytes
 from partita.core.cluster import ClusterSpec
-from partita.passes.cost_model import param_step_time, sharded_state, state_bytes_per_param
 from partita.core.graph import per_graph
+from partita.core.tp.strategies import Strategy, input_index, is_shard, valid_at
+from partita.passes.activations import peak_live_bytes
+from partita.passes.cost_model import param_step_time, sharded_state, state_bytes_per_param
 from partita.passes.repeats import RepeatedBlock
 from partita.passes.tp.costs import TPCosts
-from partita.core.tp.strategies import Strategy, input_index, is_shard, valid_at
 
 StrategyFn = Callable[[nx.DiGraph, str, int], Sequence[Strategy]]
 
@@ -248,7 +248,7 @@ class _Layout:
 
 
 # graph -> {layout key: _Layout} (graph.per_graph); at most _MAX_LAYOUTS per graph
-_LAYOUTS: "weakref.WeakKeyDictionary[nx.DiGraph, tuple[int, dict]]" = weakref.WeakKeyDictionary()
+_LAYOUTS: weakref.WeakKeyDictionary[nx.DiGraph, tuple[int, dict]] = weakref.WeakKeyDictionary()
 _MAX_LAYOUTS = 64
 
 

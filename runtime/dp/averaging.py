@@ -16,15 +16,14 @@ The planner predicts the calls from ``grad_buckets.bucket_layout``.
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from partita.runtime.collectives import CollectiveCounter
-from partita.runtime.dp.buckets import (DEFAULT_BUCKET_BYTES, BucketReducer, GradBucket, bucket_members,
-                                          grad_params)
+from partita.runtime.dp.buckets import DEFAULT_BUCKET_BYTES, BucketReducer, GradBucket, bucket_members, grad_params
 
 
 class GradientAverager(BucketReducer):

@@ -33,7 +33,7 @@ parameters) and waits for all of them.
 
 from __future__ import annotations
 
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.distributed as dist
@@ -182,7 +182,8 @@ class BucketReducer:
             b.grad_flat[o : o + p.grad.numel()].copy_(p.grad.reshape(-1))
             p.grad = None  # the full gradient lives only until its bucket is built
         b.ready.add(id(p))
-        while self._next < len(self.buckets) and len(self.buckets[self._next].ready) == len(self.buckets[self._next].members):
+        while (self._next < len(self.buckets)
+               and len(self.buckets[self._next].ready) == len(self.buckets[self._next].members)):
             self._launch(self.buckets[self._next])
             self._next += 1
             self.launched_in_backward += 1

@@ -67,7 +67,7 @@ not counted. The parameters must already be equal across the dp group
 from __future__ import annotations
 
 import contextlib
-from typing import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -76,10 +76,8 @@ from torch.autograd.graph import register_multi_grad_hook
 
 from partita.core.precision import FP32, PrecisionPolicy
 from partita.runtime.collectives import CollectiveCounter
-from partita.runtime.dp.buckets import (DEFAULT_BUCKET_BYTES, BucketReducer, GradBucket, bucket_members,
-                                          grad_params)
+from partita.runtime.dp.buckets import DEFAULT_BUCKET_BYTES, BucketReducer, GradBucket, bucket_members, grad_params
 from partita.runtime.mixed_precision import MasterWeights, OptimizerFactory
-
 
 
 class _FlatBucket(GradBucket):
@@ -375,7 +373,8 @@ class ZeroProgram:
             grads = nbytes(s.grad for s in self.shards)
         else:
             params = nbytes(b.params_flat for b in self.buckets)
-            grads = nbytes(b.grad_flat for b in self.buckets) if self.stage == 1 else nbytes(s.grad for s in self.shards)
+            grads = (nbytes(b.grad_flat for b in self.buckets) if self.stage == 1
+                     else nbytes(s.grad for s in self.shards))
         masters = [self.master.master_of(s) for s in self.shards]
         optimizer = nbytes(t for m in masters for t in self.optimizer.state.get(m, {}).values()
                            if isinstance(t, torch.Tensor))

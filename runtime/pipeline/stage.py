@@ -48,9 +48,10 @@ broadcast over "pp": every rank returns the whole batch's output.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -64,8 +65,8 @@ from partita.core.precision import PrecisionPolicy
 from partita.core.schedule import SCHEDULES, stage_order
 from partita.runtime.collectives import CollectiveCounter
 from partita.runtime.dp.averaging import GradientAverager
-from partita.runtime.tp.module import TensorParallel
 from partita.runtime.tp.collectives import local_shape
+from partita.runtime.tp.module import TensorParallel
 from partita.runtime.trace import BACKWARD, FORWARD, TraceRecorder  # core/schedule.py's
 from partita.runtime.watchdog import FLIGHT
 
@@ -202,7 +203,7 @@ class PipelineStage(nn.Module):
                                  weights=weights, keep=lambda n: stage_of.get(n.name) == self.index,
                                  precision=precision, rng=rng)
         graph = self.tp.graph_module.graph
-        held = lambda n: n.name in self.tp.param_nodes or n.name in self.tp.buffer_nodes  # noqa: E731
+        held = lambda n: n.name in self.tp.param_nodes or n.name in self.tp.buffer_nodes
         self.stages = split_stages(graph, stage_of, p, held)
         self.graph = self.stages[self.index]
         self.grad_nodes = gradient_nodes(graph, self.tp.param_nodes)  # the planner's rule (core/ops.py)
@@ -349,7 +350,7 @@ class PipelineStage(nn.Module):
     # -- a step ----------------------------------------------------------------------
 
     def train_step(self, xs: list[torch.Tensor], y: torch.Tensor, averager: GradientAverager | None,
-                   dp_group: dist.ProcessGroup | None, zero: "ZeroProgram | None" = None,
+                   dp_group: dist.ProcessGroup | None, zero: ZeroProgram | None = None,
                    loss_scale: float = 1.0) -> float:
         """One step of the plan's schedule over this rank's share (``grad_accum_steps`` micro-batches);
         gradients are averaged over "dp" (or reduce-scattered by ``zero``, runtime/dp/zero.py, told
@@ -381,7 +382,7 @@ class PipelineStage(nn.Module):
         return self._share_loss(loss_sum.div_(m), dp_group)
 
     def evaluate(self, xs: list[torch.Tensor], y: torch.Tensor, dp_group: dist.ProcessGroup | None,
-                 zero: "ZeroProgram | None" = None) -> float:
+                 zero: ZeroProgram | None = None) -> float:
         """The global mean loss of this rank's share without gradients: every micro-batch's forward
         through the stages (no backward, so no schedule), the last stage's mean shared as in training."""
         tr = self.plan.training

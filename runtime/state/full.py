@@ -20,6 +20,7 @@ from partita.core.plan import Plan
 from partita.core.precision import PrecisionPolicy
 from partita.runtime.program import Program
 
+
 def full_state_dict(program: Program, *, buffers: bool = True) -> dict[str, torch.Tensor]:
     """Every parameter of the model at full shape, and its persistent buffers, on every rank (a
     collective)."""

@@ -35,9 +35,10 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -135,7 +136,7 @@ class _Pieces(torch.Tensor):
     rank's; unlike a DTensor it can describe ZeRO's ranges of flat buckets."""
 
     @staticmethod
-    def __new__(cls, pieces: list[Piece], shape: tuple[int, ...]) -> "_Pieces":
+    def __new__(cls, pieces: list[Piece], shape: tuple[int, ...]) -> _Pieces:
         t = pieces[0][1]
         self = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=t.dtype, device=t.device)
         self.pieces = {tuple(off): data for off, data in pieces}

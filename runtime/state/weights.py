@@ -14,9 +14,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import Any
 
 import torch
 from torch import nn
@@ -27,7 +28,6 @@ from partita.core.errors import PartitaError, PlanError
 from partita.core.placement import shard_dim
 from partita.core.plan import NodeDecision, Plan
 from partita.runtime.tp.collectives import TPGroup
-
 
 
 class _SafetensorsFile(Mapping):
@@ -63,7 +63,7 @@ def open_weights(path: Any) -> Mapping[str, torch.Tensor]:
         if path.suffix == ".safetensors":
             return _SafetensorsFile(str(path))
         state = torch.load(path, mmap=True, weights_only=True, map_location="cpu")
-    except Exception as e:  # noqa: BLE001 - any unreadable file is the same user error
+    except Exception as e:
         raise PartitaError(f"cannot read weights from {path}: {e}",
                            hint="pass a state dict saved with torch.save, or a .safetensors file") from e
     if not isinstance(state, Mapping):

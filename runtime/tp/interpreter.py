@@ -21,7 +21,8 @@ parameters between their uses (ZeRO-3) answers to ``ParamAccess``.
 from __future__ import annotations
 
 import operator
-from typing import Any, Mapping, Protocol, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
 
 import torch
 import torch.fx
@@ -32,10 +33,10 @@ from partita.core.ops import tensor_values
 from partita.core.placement import shard_dim
 from partita.core.plan import NodeDecision
 from partita.core.precision import PrecisionPolicy
-from partita.runtime.tp.recompute import Region, run_recomputed
 from partita.runtime.rng import is_random, op_seed, seeded
 from partita.runtime.tp.collectives import TPGroup, edge, local_shape
 from partita.runtime.tp.local_ops import LOCAL_OPS
+from partita.runtime.tp.recompute import Region, run_recomputed
 from partita.runtime.watchdog import FLIGHT
 
 _SIZE_ARG = frozenset({"view", "reshape", "_unsafe_view", "expand"})

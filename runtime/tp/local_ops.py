@@ -11,7 +11,8 @@ serves with ``@local_op``, next to its code; the interpreter
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist

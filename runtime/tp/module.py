@@ -15,8 +15,9 @@ step of compose (runtime/compose.py) that builds it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -30,10 +31,10 @@ from partita.core.plan import Plan
 from partita.core.precision import FP32, PrecisionPolicy
 from partita.core.verify import check_layouts
 from partita.runtime.collectives import CollectiveCounter
-from partita.runtime.tp.recompute import RegionCache
+from partita.runtime.state.weights import load_local, open_weights
 from partita.runtime.tp.collectives import TPGroup
 from partita.runtime.tp.interpreter import LocalInterpreter, ParamAccess
-from partita.runtime.state.weights import load_local, open_weights
+from partita.runtime.tp.recompute import RegionCache
 
 
 def _aliases(op: Any) -> bool:
@@ -172,7 +173,8 @@ class TensorParallel(nn.Module):
         want = tuple(n.meta["val"].shape)
         if user is None or tuple(user.shape) != want:
             got = None if user is None else tuple(user.shape)
-            raise PlanError(f"input {n.name} has shape {got}, but the plan's micro-batch is {want}", hint="pass batches of the plan's shape, or recompile for this shape")
+            raise PlanError(f"input {n.name} has shape {got}, but the plan's micro-batch is {want}",
+                            hint="pass batches of the plan's shape, or recompile for this shape")
         return user.to(self.device)
 
     def run_nodes(self, nodes: list[torch.fx.Node], env: dict[torch.fx.Node, Any]) -> dict[torch.fx.Node, Any]:
