@@ -14,9 +14,11 @@ matmul of an int64 input would capture, then fail on the device).
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
-import torch
-import torch.fx
+if TYPE_CHECKING:  # torch is imported by the functions that read fx nodes: the plan's checks run without it
+    import torch
+    import torch.fx
 
 MATMUL = frozenset({"mm", "addmm", "bmm", "matmul", "linear", "baddbmm"})
 CONV = frozenset({"convolution", "conv1d", "conv2d", "conv3d", "_convolution", "conv_transpose1d",
@@ -59,6 +61,8 @@ def passes_gradient(op: str, dtypes: Iterable[str], an_input_carries: bool) -> b
 
 def op_name(node: torch.fx.Node) -> str:
     """``"aten.mm.default"`` for an ATen overload; a dotted name for other callables."""
+    import torch
+
     if node.op in ("placeholder", "get_attr", "output"):
         return node.op
     if node.op == "call_method":
@@ -75,6 +79,8 @@ def op_name(node: torch.fx.Node) -> str:
 
 def tensor_values(val: object) -> list[torch.Tensor]:
     """The tensors in a node's ``meta["val"]`` (a tensor, or a tuple/list holding some)."""
+    import torch
+
     if isinstance(val, torch.Tensor):
         return [val]
     if isinstance(val, (tuple, list)):
@@ -86,6 +92,7 @@ def gradient_nodes(graph: torch.fx.Graph, param_nodes: Iterable[str]) -> set[str
     """Names of the nodes of a captured graph into whose outputs a gradient flows: parameter
     placeholders that can carry one, and calls by ``passes_gradient`` (passes/flops.py
     ``gradient_flows`` applies the same rule to the planner's graph)."""
+
     params = set(param_nodes)
     out: set[str] = set()
     for n in graph.nodes:
@@ -106,6 +113,8 @@ def running_buffers(graph: torch.fx.Graph, buffer_nodes: dict[str, str]) -> dict
     runtime averages them over "dp" after each step (runtime/dp/averaging.py ``BufferAverager``)
     and the plan lists that all-reduce. ``graph``: a captured graph; ``buffer_nodes`` its
     placeholder -> buffer name map (``CapturedModel.buffer_nodes``)."""
+    import torch
+
     out: dict[str, tuple[int, torch.dtype]] = {}
     for n in graph.nodes:
         if n.op != "call_function":

@@ -77,14 +77,14 @@ def _numbers(plan: Plan) -> list[str]:
 def _model(plan: Plan) -> list[str]:
     """The captured inputs and targets read back as input specs (each rank captures the model at them)."""
     from partita.core.errors import PartitaError
-    from partita.core.inputs import parse_input_spec
+    from partita.core.inputs import check_input_spec
 
     out = []
     for what, text in [*(("input", s) for s in plan.model.inputs), ("targets", plan.model.targets)]:
         if text is None:
             continue
         try:
-            parse_input_spec(text)
+            check_input_spec(text)
         except PartitaError as e:
             out.append(f"model {what} {text!r}: {e.message}")
     return out

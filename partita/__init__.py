@@ -2,13 +2,23 @@
 
 The public names live in the subpackages; this module re-exports the few a
 user needs: ``partita.parallelize`` (the decorator), ``partita.Options`` (its
-keywords as one object), ``partita.Plan`` and ``partita.load_plan``.
+keywords as one object), ``partita.Plan`` and ``partita.load_plan``. They are
+imported when first used, so that the CLI's plan readers (`partita show`,
+`diff`, `--help`) start without importing torch.
 """
 
-from partita.compiler.api import parallelize
-from partita.core.options import Options
-from partita.core.plan import Plan
-from partita.core.verify import load_plan
+from __future__ import annotations
+
+import importlib
+from typing import Any
 
 __version__ = "0.1.0"
-__all__ = ["parallelize", "Options", "Plan", "load_plan", "__version__"]
+_PUBLIC = {"parallelize": "partita.compiler.api", "Options": "partita.core.options", "Plan": "partita.core.plan",
+           "load_plan": "partita.core.verify"}
+__all__ = [*_PUBLIC, "__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _PUBLIC:
+        return getattr(importlib.import_module(_PUBLIC[name]), name)
+    raise AttributeError(f"module 'partita' has no attribute {name!r}")

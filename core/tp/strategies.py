@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from partita.core.graph import gradient_flows
 from partita.core.ops import carries_gradient
 from partita.core.tp.rules import REPLICATE_BY_NATURE, RULES, OpView, Rule
 from partita.core.tp.view_rules import VIEW_RULES
@@ -60,6 +59,8 @@ def input_index(G: Any, node: str, j: int) -> int:
 def grad_flows(G: Any) -> dict[str, bool]:
     """Node -> whether a gradient flows into its outputs in backward (passes/flops.py
     ``gradient_flows``, the one rule)."""
+    from partita.core.graph import gradient_flows  # the graph module reads fx (torch): the plan's checks do not
+
     return gradient_flows(G)
 
 
