@@ -200,12 +200,19 @@ def batch_shape_capture(model: Any, captured: CapturedModel, profile: ModelProfi
 
 def _strategies_hold(G: Any, d: Decision) -> bool:
     """Every chosen strategy is one ``G`` (the micro-batch graph) offers."""
+    return not _strategies_not_offered(G, d)
+
+
+def _strategies_not_offered(G: Any, d: Decision) -> list[str]:
+    """The nodes whose chosen strategy ``G`` (the micro-batch graph) does not offer."""
     if d.mesh.tp <= 1:
-        return True
+        return []
     from partita.core.tp.strategies import node_strategies
 
-    return all(any(o.name == s.name and o.ins == s.ins and o.out == s.out for o in node_strategies(G, n, d.mesh.tp))
-               for n, s in d.choice.items())
+    def offered(n: str, s: Any) -> bool:
+        return any(o.name == s.name and o.ins == s.ins and o.out == s.out for o in node_strategies(G, n, d.mesh.tp))
+
+    return [n for n, s in d.choice.items() if not offered(n, s)]
 
 
 def _stages_by_layer(G: Any, captured_graph: Any, node_stage: Mapping[str, int]) -> dict[str, int]:
@@ -286,7 +293,10 @@ def build_plan(
         mfu=achieved / peak,
     )
     Gm = micro_graph if micro_graph is not None else G
-    assert _strategies_hold(Gm, d), "the layout holds strategies the micro-batch graph does not offer"
+    missing = _strategies_not_offered(Gm, d)
+    if missing:  # the search offers only strategies valid at the micro-batch: this is partita's bug, not the user's
+        raise RuntimeError(f"a bug in partita: the plan's layout holds strategies the micro-batch graph does not offer "
+                           f"at nodes {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}; please report it")
     act_scale = activation_scale(request.precision, captured_float_dtype(Gm))
     times = {n: _node_times(Gm, n, d, cluster, request, act_scale) for n in Gm.nodes}
     nodes = tuple(

@@ -11,6 +11,7 @@ from rich.table import Table
 
 from partita.core.placement import REPLICATE, Placement
 from partita.core.plan import MemoryBreakdown, Plan
+from partita.core.schedule import bubble_fraction
 
 
 def plain(value: object) -> str:
@@ -162,7 +163,7 @@ def stages_table(plan: Plan) -> Table:
     """The pipeline stages and the predicted schedule."""
     t = plan.training
     title = (f"pipeline: {len(plan.stages)} stages, {t.schedule}, {t.grad_accum_steps} micro-batches of "
-             f"{t.micro_batch_size}; bubble (p-1)/m = {(len(plan.stages) - 1) / t.grad_accum_steps:.1%}")
+             f"{t.micro_batch_size}; bubble (p-1)/m = {bubble_fraction(len(plan.stages), t.grad_accum_steps):.1%}")
     table = Table(title=title, title_justify="left", title_style="bold")
     for col in ("stage", "ranks", "holds", "params", "forward", "backward", "busy/step", "memory/device",
                 "sends/micro-batch"):

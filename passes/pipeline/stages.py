@@ -161,136 +161,177 @@ def choose_pipeline(
     pruned could have been faster. When everything here was pruned against an
     outside ``bound``, ``AllPruned`` carries the record.
     """
-    t0 = time.perf_counter()
-    devices = pins.world_size or cluster.world_size
-    tp = pins.tp or devices_per_stage
-    bad = [s for s in schedules if s not in SCHEDULES]
-    if bad or not schedules:
-        raise PartitaError(f"schedule(s) {bad or '(none)'} are not among {', '.join(SCHEDULES)}",
-                           hint="pass --schedule 1f1b or gpipe")
-    state = state_bytes_per_param(request.precision, request.optimizer, inference=request.inference)
-    build = costs or (lambda mb: node_costs(profile, cluster, request, mb, tp=tp))
-    if floor_costs is None and costs is None:
-        floor_costs = build
-    cache: dict[int, NodeCosts] = {}
-    B = request.global_batch
-    groups = pipeline_groups(devices, tp, B, pins)  # (p, dp, micro-batch size, micro-batches)
-    if pins.schedule is not None:  # a pinned schedule: only pipelines (p > 1) that run it
-        schedules = (pins.schedule,)
-    weigh_rc = not request.inference and pins.recompute is not False
-    rc_cache: dict[int, Recompute | None] = {}
-
-    def with_rc(c: NodeCosts) -> Recompute | None:
-        return recompute_costs(c, forced=bool(pins.recompute)) if weigh_rc else None
-
-    bounder = PipelineBound(cluster, request, state, tp, floor_costs) if prune and floor_costs else None
-    visit = list(enumerate(groups))
-    if bounder is not None:  # the most promising first, so the incumbent falls early
-        visit.sort(key=lambda ig: bounder.step(*ig[1], zero_stages(pins.zero_stage, ig[1][1], request.inference,
-                                                                    tp=tp, pp=ig[1][0])))
-    found: list[tuple[int, PipelineCandidate]] = []  # (group index, candidate)
-    pruned: list[PrunedCandidate] = []
-    unfit: list[tuple[int, Partition, int, int, str]] = []  # groups no cuts fit at any ZeRO stage: DP deferred
-    solves = 0
-    for g, (p, dp, mb, m) in visit:
-        zs = zero_stages(pins.zero_stage, dp, request.inference, tp=tp, pp=p)
-        if pins.recompute:  # pinned recomputation: not under ZeRO-3 (see the module docstring)
-            zs = tuple(z for z in zs if z < 3)
-        if not zs:
-            continue
-        links = stage_links(cluster, p, dp, tp)
-        if bounder is not None:
-            lb = bounder.step(p, dp, mb, m, zs)
-            best_s = min([bound] + [c.step_s for _, c in found])
-            if lb > best_s:
-                pruned.append(PrunedCandidate(p, dp, tp, mb, m, zs[0], lb, False,
-                                              f"not solved: lower bound {lb:.4g} s > best {best_s:.4g} s "
-                                              f"({bounder.explain(p, dp, mb, m, zs)})"))
-                continue
-            if p > len(bounder.floor(mb).boundaries) + 1:
-                continue
-            plans = [(sch, forbid) for sch in (("none",) if p == 1 else schedules)
-                     for _, forbid in _shared_policies(bounder.floor(mb), p)]
-            if not any(any_cuts_fit(bounder.partition(mb, StageSetup(p, m, sch, links, cluster.usable_memory, state,
-                                                                     z, dp), forbid, with_rc))
-                       for sch, forbid in plans for z in zs):
-                pruned.append(PrunedCandidate(
-                    p, dp, tp, mb, m, zs[-1], lb, True,
-                    f"does not fit: no cuts keep every stage within {gb(cluster.usable_memory)} even at "
-                    f"1/{tp} of every layer's state and activations ({', '.join(STRATEGY_NAMES[z] for z in zs)})"))
-                continue
-        c = cached_costs(cache, build, mb)
-        if p > len(c.boundaries) + 1:
-            continue
-        if mb not in rc_cache:
-            rc_cache[mb] = with_rc(c)
-        for schedule, policy, forbid in [(sch, pol, fb) for sch in (("none",) if p == 1 else schedules)
-                                         for pol, fb in _shared_policies(c, p)]:
-            missed: list[Partition] = []  # smaller ZeRO stages that did not fit
-            fitted = False
-            best_here = INF  # this group's best fitting step so far (over the ZeRO stages)
-            for z in zs:
-                if fitted and bounder is not None and sum(bounder.parts(p, dp, mb, m, z)) > min(best_here, bound):
-                    break  # past a fit that recomputes: this stage's lower bound already loses to it
-                part = Partition(c, StageSetup(p, m, schedule, links, cluster.usable_memory, state, z, dp), cluster,
-                                 forbid=forbid, recompute=rc_cache[mb])
-                if bounder is not None and not any_cuts_fit(part):
-                    missed.append(part)
-                    continue
-                value, bounds = solve_cuts(part)
-                solves += 1
-                if value < INF:
-                    # the stages that did not fit, costed at the cuts that fit one larger
-                    found += [(g, replace(_candidate(x, bounds, dp, tp, mb, policy, False, request), cut_for=z))
-                              for x in missed]
-                    missed = []
-                    cand = _candidate(part, bounds, dp, tp, mb, policy, True, request)
-                    found.append((g, cand))
-                    fitted = True
-                    best_here = min(best_here, cand.step_s)
-                    # Larger stages only add traffic (passes/dp/zero.py), unless this one fits by
-                    # recomputing where a larger one, holding less state, might not need to.
-                    if part.rc is None or part.rc.forced or not any(st.recompute for st in cand.stages):
-                        break
-                    continue
-                missed.append(part)
-            if not fitted:
-                if not missed:  # no ZeRO stage the runtime executes at this (tp, p)
-                    continue
-                part = missed[-1]  # the least memory: the largest stage weighed, least-memory cuts
-                if bounder is not None:
-                    unfit.append((g, part, dp, mb, policy))
-                    continue
-                value, bounds = solve_cuts(part, part.memory_cost)
-                solves += 1
-                if bounds:
-                    found.append((g, _candidate(part, bounds, dp, tp, mb, policy, False, request)))
-    if bounder is not None and not any(c.fits for _, c in found):
-        if bound < INF and (found or pruned or unfit):
-            raise AllPruned(tuple(pruned)
-                            + tuple(_unfit_record(part, dp, tp, mb, cluster) for _, part, dp, mb, _ in unfit))
+    search = _CutSearch(profile, cluster, request, pins, devices_per_stage=devices_per_stage, schedules=schedules,
+                        costs=costs, floor_costs=floor_costs, prune=prune, bound=bound)
+    for index, group in search.visit_order():
+        search.weigh_group(index, *group)
+    if search.bounder is not None and not any(c.fits for _, c in search.found):
+        if bound < INF and (search.found or search.pruned or search.unfit):
+            raise AllPruned(tuple(search.pruned) + tuple(search.unfit_records()))
         # nothing fits anywhere: the exhaustive search names the least-memory plan
         return choose_pipeline(profile, cluster, request, pins, devices_per_stage=devices_per_stage,
-                               schedules=schedules, costs=costs)
-    for _, part, dp, mb, _ in unfit:
-        pruned.append(_unfit_record(part, dp, tp, mb, cluster))
-    found.sort(key=lambda gc: gc[0])  # enumeration order, whatever order the groups were visited in
-    candidates = [c for _, c in found]
-    if not candidates:
-        raise PartitaError(
-            f"no pipeline split matches: {devices} devices, {tp} per stage, global batch {B}, pins ({pins.describe()})",
-            hint="the batch must divide over the data-parallel ranks; pp must divide devices / tp",
-        )
-    fitting = sorted((c for c in candidates if c.fits),
-                     key=lambda c: (c.step_s, c.memory.total, c.schedule != "1f1b", c.pp))
-    if not fitting:
-        raise infeasible_error(candidates, cluster)
-    best = fitting[0]
-    reasons = {c.key: loss_reason(c, best, cluster) for c in candidates}
-    ordered = fitting + sorted((c for c in candidates if not c.fits), key=lambda c: c.memory.total)
-    any_costs = next(iter(cache.values()))
-    return PipelineDecision(best, tuple(ordered), reasons, any_costs.order, any_costs.boundaries, any_costs.shared,
-                            solves, time.perf_counter() - t0, tuple(pruned))
+                               schedules=search.schedules, costs=costs)
+    return search.decision()
+
+
+class _CutSearch:
+    """One pipeline search's state: its settings, the per-micro-batch costs built so far, and
+    what it found (candidates by group index), pruned and deferred (groups no cuts fit)."""
+
+    def __init__(self, profile: ModelProfile, cluster: ClusterSpec, request: TrainingRequest, pins: Pins, *,
+                 devices_per_stage: int, schedules: Sequence[str], costs: Callable[[int], NodeCosts] | None,
+                 floor_costs: Callable[[int], NodeCosts] | None, prune: bool, bound: float) -> None:
+        self.t0 = time.perf_counter()
+        self.cluster, self.request, self.pins, self.bound = cluster, request, pins, bound
+        self.devices = pins.world_size or cluster.world_size
+        self.tp = tp = pins.tp or devices_per_stage
+        bad = [s for s in schedules if s not in SCHEDULES]
+        if bad or not schedules:
+            raise PartitaError(f"schedule(s) {bad or '(none)'} are not among {', '.join(SCHEDULES)}",
+                               hint="pass --schedule 1f1b or gpipe")
+        # a pinned schedule: only pipelines (p > 1) that run it
+        self.schedules = (pins.schedule,) if pins.schedule is not None else tuple(schedules)
+        self.state = state_bytes_per_param(request.precision, request.optimizer, inference=request.inference)
+        self.build = costs or (lambda mb: node_costs(profile, cluster, request, mb, tp=tp))
+        if floor_costs is None and costs is None:
+            floor_costs = self.build
+        self.cache: dict[int, NodeCosts] = {}
+        self.groups = pipeline_groups(self.devices, tp, request.global_batch, pins)  # (p, dp, mb size, mbs)
+        self.weigh_recompute = not request.inference and pins.recompute is not False
+        self.recompute_cache: dict[int, Recompute | None] = {}
+        self.bounder = PipelineBound(cluster, request, self.state, tp, floor_costs) if prune and floor_costs else None
+        self.found: list[tuple[int, PipelineCandidate]] = []  # (group index, candidate)
+        self.pruned: list[PrunedCandidate] = []
+        self.unfit: list[tuple[Partition, int, int]] = []  # (least-memory partition, dp, mb): the DP deferred
+        self.solves = 0
+
+    def zero_options(self, p: int, dp: int) -> tuple[int, ...]:
+        """The ZeRO stages weighed at (p, dp): not ZeRO-3 under pinned recomputation (module docstring)."""
+        stages = zero_stages(self.pins.zero_stage, dp, self.request.inference, tp=self.tp, pp=p)
+        return tuple(z for z in stages if z < 3) if self.pins.recompute else stages
+
+    def visit_order(self) -> list[tuple[int, tuple[int, int, int, int]]]:
+        """The (p, dp, micro-batch size, micro-batches) groups by index; with branch and bound the most
+        promising first, so that the incumbent falls early."""
+        order = list(enumerate(self.groups))
+        if self.bounder is not None:
+            order.sort(key=lambda ig: self.bounder.step(*ig[1], self.zero_options(ig[1][0], ig[1][1])))
+        return order
+
+    def with_recompute(self, c: NodeCosts) -> Recompute | None:
+        return recompute_costs(c, forced=bool(self.pins.recompute)) if self.weigh_recompute else None
+
+    def weigh_group(self, index: int, p: int, dp: int, mb: int, m: int) -> None:
+        """Every schedule, shared-parameter policy and ZeRO stage of one group, unless its bound prunes it."""
+        zero_options = self.zero_options(p, dp)
+        if not zero_options:
+            return
+        links = stage_links(self.cluster, p, dp, self.tp)
+        if self.bounder is not None and self._pruned(p, dp, mb, m, zero_options, links):
+            return
+        c = cached_costs(self.cache, self.build, mb)
+        if p > len(c.boundaries) + 1:
+            return
+        if mb not in self.recompute_cache:
+            self.recompute_cache[mb] = self.with_recompute(c)
+        for schedule in (("none",) if p == 1 else self.schedules):
+            for policy, forbid in _shared_policies(c, p):
+                setups = [StageSetup(p, m, schedule, links, self.cluster.usable_memory, self.state, z, dp)
+                          for z in zero_options]
+                self._weigh_zero_stages(index, c, setups, mb, policy, forbid)
+
+    def _pruned(self, p: int, dp: int, mb: int, m: int, zero_options: tuple[int, ...], links: tuple[Link, ...]) -> bool:
+        """Record and skip a group whose lower bound loses to the best step so far, or that no cuts
+        fit even at the floor costs."""
+        lower = self.bounder.step(p, dp, mb, m, zero_options)
+        best_s = min([self.bound] + [c.step_s for _, c in self.found])
+        if lower > best_s:
+            self.pruned.append(PrunedCandidate(p, dp, self.tp, mb, m, zero_options[0], lower, False,
+                                               f"not solved: lower bound {lower:.4g} s > best {best_s:.4g} s "
+                                               f"({self.bounder.explain(p, dp, mb, m, zero_options)})"))
+            return True
+        floor = self.bounder.floor(mb)
+        if p > len(floor.boundaries) + 1:
+            return True
+        for schedule in (("none",) if p == 1 else self.schedules):
+            for _, forbid in _shared_policies(floor, p):
+                for z in zero_options:
+                    setup = StageSetup(p, m, schedule, links, self.cluster.usable_memory, self.state, z, dp)
+                    if any_cuts_fit(self.bounder.partition(mb, setup, forbid, self.with_recompute)):
+                        return False
+        self.pruned.append(PrunedCandidate(
+            p, dp, self.tp, mb, m, zero_options[-1], lower, True,
+            f"does not fit: no cuts keep every stage within {gb(self.cluster.usable_memory)} even at "
+            f"1/{self.tp} of every layer's state and activations "
+            f"({', '.join(STRATEGY_NAMES[z] for z in zero_options)})"))
+        return True
+
+    def _weigh_zero_stages(self, index: int, c: NodeCosts, setups: list[StageSetup], mb: int, policy: str,
+                           forbid: tuple[int, ...]) -> None:
+        """The ZeRO stages of one (group, schedule, policy) in increasing order, until one fits: larger
+        stages only add traffic (passes/dp/zero.py), unless the fit recomputes, where a larger
+        stage, holding less state, might not need to."""
+        tp, request = self.tp, self.request
+        missed: list[Partition] = []  # smaller ZeRO stages that did not fit
+        best_here = INF  # this group's best fitting step so far (over the ZeRO stages)
+        for setup in setups:
+            p, m, dp, z = setup.stages, setup.micro_batches, setup.dp, setup.zero_stage
+            if best_here < INF and self.bounder is not None \
+                    and sum(self.bounder.parts(p, dp, mb, m, z)) > min(best_here, self.bound):
+                return  # past a fit that recomputes: this stage's lower bound already loses to it
+            part = Partition(c, setup, self.cluster, forbid=forbid, recompute=self.recompute_cache[mb])
+            if self.bounder is not None and not any_cuts_fit(part):
+                missed.append(part)
+                continue
+            value, bounds = solve_cuts(part)
+            self.solves += 1
+            if value == INF:
+                missed.append(part)
+                continue
+            # the stages that did not fit, costed at the cuts that fit one larger
+            self.found += [(index, replace(_candidate(x, bounds, dp, tp, mb, policy, False, request), cut_for=z))
+                           for x in missed]
+            missed = []
+            candidate = _candidate(part, bounds, dp, tp, mb, policy, True, request)
+            self.found.append((index, candidate))
+            best_here = min(best_here, candidate.step_s)
+            if part.rc is None or part.rc.forced or not any(st.recompute for st in candidate.stages):
+                return
+        if best_here < INF or not missed:  # fitted, or no ZeRO stage the runtime executes at this (tp, p)
+            return
+        part = missed[-1]  # the least memory: the largest stage weighed, least-memory cuts
+        if self.bounder is not None:
+            self.unfit.append((part, part.setup.dp, mb))
+            return
+        _, bounds = solve_cuts(part, part.memory_cost)
+        self.solves += 1
+        if bounds:
+            self.found.append((index, _candidate(part, bounds, part.setup.dp, tp, mb, policy, False, request)))
+
+    def unfit_records(self) -> list[PrunedCandidate]:
+        return [_unfit_record(part, dp, self.tp, mb, self.cluster) for part, dp, mb in self.unfit]
+
+    def decision(self) -> PipelineDecision:
+        """The fastest fitting candidate, the others in order, and why each lost."""
+        self.pruned += self.unfit_records()
+        self.found.sort(key=lambda gc: gc[0])  # enumeration order, whatever order the groups were visited in
+        candidates = [c for _, c in self.found]
+        if not candidates:
+            raise PartitaError(
+                f"no pipeline split matches: {self.devices} devices, {self.tp} per stage, global batch "
+                f"{self.request.global_batch}, pins ({self.pins.describe()})",
+                hint="the batch must divide over the data-parallel ranks; pp must divide devices / tp",
+            )
+        fitting = sorted((c for c in candidates if c.fits),
+                         key=lambda c: (c.step_s, c.memory.total, c.schedule != "1f1b", c.pp))
+        if not fitting:
+            raise infeasible_error(candidates, self.cluster)
+        best = fitting[0]
+        reasons = {c.key: loss_reason(c, best, self.cluster) for c in candidates}
+        ordered = fitting + sorted((c for c in candidates if not c.fits), key=lambda c: c.memory.total)
+        any_costs = next(iter(self.cache.values()))
+        return PipelineDecision(best, tuple(ordered), reasons, any_costs.order, any_costs.boundaries,
+                                any_costs.shared, self.solves, time.perf_counter() - self.t0, tuple(self.pruned))
 
 
 def _unfit_record(part: Partition, dp: int, tp: int, mb: int, cluster: ClusterSpec) -> PrunedCandidate:

@@ -45,9 +45,9 @@ import torch.distributed as dist
 from torch import nn
 
 from partita.core.errors import PartitaError
+from partita.core.placement import shard_dim
 from partita.runtime.program import Program
 
-_SHARD = "shard("
 Piece = tuple[tuple[int, ...], torch.Tensor]  # (offsets in the whole tensor, the local data of that block)
 
 
@@ -118,8 +118,8 @@ def _tensors_of(program: Program) -> Iterator[_Held]:
         shape = shapes.get(name, tuple(param.shape))
         origin = [0] * len(shape)
         local_shape = list(shape)
-        if placement.startswith(_SHARD):
-            d = int(placement[len(_SHARD):-1])
+        d = shard_dim(placement)
+        if d is not None:
             origin[d] = chunk_offset(shape[d], t_size, t_rank)
             local_shape[d] = min(shape[d], origin[d] + -(-shape[d] // t_size)) - origin[d]
         z = in_zero.get(id(param))
