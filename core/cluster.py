@@ -2,10 +2,10 @@
 
 A cluster is ``nodes`` x ``gpus_per_node`` identical devices. Bandwidths are
 per device and per direction, in bytes/s, as the alpha-beta model of
-shared/REFERENCE.md wants them: the bandwidth one device gets when every
+docs/references.md wants them: the bandwidth one device gets when every
 device in the group sends at once.
 
-Preset figures (vendor, dense, no sparsity; shared/REFERENCE.md):
+Preset figures (vendor, dense, no sparsity; docs/references.md):
 - A100 SXM 80GB: 312 TFLOP/s bf16, 19.5 fp32 (no TF32), 2.0 TB/s HBM,
   NVLink 600 GB/s bidirectional = 300 GB/s per direction; DGX A100: 8 x 200 Gb/s
   HDR InfiniBand = 25 GB/s per GPU between nodes.
@@ -22,7 +22,7 @@ Preset figures (vendor, dense, no sparsity; shared/REFERENCE.md):
   ``partita calibrate``.
 
 Achieved matmul throughput is below peak: each preset carries an efficiency
-factor (0.7 for large GEMMs on A100/H100, REFERENCE.md's 70-80% range).
+factor (0.7 for large GEMMs on A100/H100, the 70-80% range of docs/references.md).
 """
 
 from __future__ import annotations
@@ -270,7 +270,7 @@ def _a100_like(name: str, **kw: Any) -> ClusterSpec:
         memory_bytes=int(80 * GB), flops={"bf16": 312 * TFLOPS, "fp16": 312 * TFLOPS, "fp32": 19.5 * TFLOPS},
         efficiency=0.7, hbm_bandwidth=2.0e12, intra_node_bandwidth=300 * GB, inter_node_bandwidth=25 * GB,
         intra_node_latency=5e-6, inter_node_latency=10e-6, nvlink=True,
-        source="DGX A100: NVLink 600 GB/s bidirectional, 8x HDR 200 Gb/s (REFERENCE.md)",
+        source="DGX A100: NVLink 600 GB/s bidirectional, 8x HDR 200 Gb/s (docs/references.md)",
     )
     base.update(kw)
     return ClusterSpec(**base)
@@ -284,11 +284,11 @@ def _presets() -> dict[str, ClusterSpec]:
     return {
         "dgx-a100": _a100_like("dgx-a100"),
         "dgx-h100": _a100_like(
-            "dgx-h100", **h100, source="DGX H100: NVLink 900 GB/s bidirectional, 8x NDR 400 Gb/s (REFERENCE.md)"
+            "dgx-h100", **h100, source="DGX H100: NVLink 900 GB/s bidirectional, 8x NDR 400 Gb/s (docs/references.md)"
         ),
         "h200": _a100_like(
             "h200", **{**h100, "device_name": "H200 SXM 141GB", "memory_bytes": int(141 * GB), "hbm_bandwidth": 4.8e12},
-            source="HGX H200: 141 GB HBM3e 4.8 TB/s, NVLink 900 GB/s, 8x NDR 400 Gb/s (REFERENCE.md)",
+            source="HGX H200: 141 GB HBM3e 4.8 TB/s, NVLink 900 GB/s, 8x NDR 400 Gb/s (docs/references.md)",
         ),
         "ethernet-10g": _a100_like(
             "ethernet-10g", device_name="A100 PCIe 80GB", intra_node_bandwidth=32 * GB,

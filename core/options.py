@@ -6,7 +6,8 @@ the work reads it (``PLAN``: what to plan for; ``PIN``: a decision fixed for the
 how the runtime runs), its CLI flag and help, the commands that offer the flag, its choices (taken
 from the constants that own them) and, for run options, the environment variable through which
 `partita run` hands it to the ranks. A new option is a field here and its use; the decorator,
-the CLI flags and the environment follow from the field (docs/architecture.md).
+the CLI flags and the environment follow from the field (docs/architecture.md, "The one options
+object").
 
 ``Pins`` and ``TrainingRequest`` are the solvers' named inputs, made from an ``Options``.
 """

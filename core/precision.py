@@ -1,7 +1,7 @@
 """The precision policy: which dtype each kind of tensor has under a plan's precision.
 
 One object, recorded in the plan (``Training.precision`` and ``Training.reduce_dtype``)
-and threaded through the runtime's composition (runtime/engine.py ``compose``), so
+and threaded through the runtime's composition (runtime/compose.py ``compose``), so
 that no runtime file writes a dtype of its own. The cost model reads its byte
 sizes from here too (passes/cost_model.py ``element_bytes``).
 

@@ -7,7 +7,7 @@ and the viewer draws (compiler/timeline.py plays ``stage_order`` over the plan's
 stage times), so the three cannot disagree on a schedule.
 
 GPipe runs every micro-batch's forward, then every backward: a stage holds all m
-micro-batches' activations. 1F1B (PipeDream-flush, Narayanan et al.) fills the
+micro-batches' activations. 1F1B (PipeDream-flush, Narayanan et al.: docs/references.md) fills the
 pipe with p - 1 - i forwards on stage i of p, then alternates one forward and one
 backward, then drains: stage i holds min(p - i, m). "none" is no pipeline: one
 micro-batch at a time, gradients accumulated.

@@ -1,45 +1,24 @@
 """The one cost model: memory arithmetic, compute time and collective time.
 
 Every solver and every prediction in a plan calls these functions; no solver
-carries its own copy of a formula. Sources are in shared/REFERENCE.md.
+carries its own copy of a formula. The formulas, their assumptions and how the solvers
+use them: docs/cost-model.md ("Model-state memory", "Compute time", "Collectives",
+"ZeRO's collectives", "The pipeline step"); their published sources: docs/references.md.
 
-Memory (ZeRO, Rajbhandari et al. SC'20). For Psi parameters, data-parallel
-degree Nd, and per-parameter bytes p (weights), g (gradients), k (optimizer
-state, fp32 master weights included under mixed precision):
+- memory: ``state_bytes_per_param`` (bytes per parameter of weights, gradients and
+  optimizer state, fp32 masters counted with the optimizer as ZeRO's K), and
+  ``sharded_state`` / ``model_state_memory`` under ZeRO 0-3 over dp ranks;
+- time: ``compute_time`` (FLOPs at the achieved rate; on a roofline cluster at least the
+  bytes' time), ``collective_time`` (the alpha-beta ring model on the group's slowest
+  link) and ``reshard_time``;
+- ZeRO: ``zero_collectives`` (the one list of runtime/dp/zero.py's calls per step, which
+  traffic and time both read), ``zero_step_comm``, ``zero_optimizer_time``,
+  ``param_step_time``;
+- steps: ``mesh_step`` (a (dp, tp) mesh) and ``pipeline_step`` (a pipeline).
 
-    ZeRO-0: (p + g + k) Psi          ZeRO-2: p Psi + (g + k) Psi / Nd
-    ZeRO-1: (p + g) Psi + k Psi / Nd  ZeRO-3: (p + g + k) Psi / Nd
-
-Mixed-precision Adam is p = g = 2, k = 12 (16 bytes/param); fp32 Adam is
-p = g = 4, k = 8 (also 16). ``sharded_state`` gives the same as bytes per
-parameter on one device, which is what the solvers' memory rows multiply.
-
-ZeRO's collectives (runtime/dp/zero.py, per step, m micro-batches, one call per
-flat bucket, each bucket padded to a multiple of Nd elements):
-
-    ZeRO-0: all-reduce of the gradients          = 2 Psi (n-1)/n sent
-    ZeRO-1: RS(grads) + AG(params)               = 2 Psi (n-1)/n, whatever m
-    ZeRO-2: m RS(grads) + AG(params)             = (m + 1) Psi (n-1)/n
-    ZeRO-3: m (AG fwd + AG bwd + RS(grads))      = 3 m Psi (n-1)/n
-
-(``zero_collectives`` is the one list; traffic and time both read it.) Under
-ZeRO >= 1 the optimizer updates only the rank's 1/Nd slice of the state.
-
-Time. Compute is FLOPs / (peak FLOP/s of the dtype x efficiency); on a roofline cluster
-(``ClusterSpec.roofline``: calibrated local processes) an op takes at least the bytes it
-moves over the memory bandwidth (``compute_time``).
-Collectives follow the alpha-beta ring model, S bytes over n ranks on the
-slowest link of the group (bandwidth beta per device, latency alpha):
-
-    all-reduce:                   2 (n - 1) alpha + 2 S (n - 1) / n / beta
-    all-gather, reduce-scatter,
-    all-to-all (S = full array):  (n - 1) alpha + S (n - 1) / n / beta
-    broadcast, send/recv:         alpha + S / beta
-
-The optimizer step is memory-bound: it is costed as reading and writing the
-device's model state once at HBM bandwidth (an assumption, stated here).
-Gradient all-reduce is costed as fully exposed (no overlap with backward), so
-predicted step times are upper bounds on that term.
+Assumptions: the optimizer step is memory-bound (the device's model state read and
+written once at HBM bandwidth); collectives are exposed (no overlap with backward), so
+predicted step times are upper bounds on those terms.
 """
 
 from __future__ import annotations
@@ -113,7 +92,7 @@ def sharded_state(state: StateBytes, zero_stage: int = 0, dp: int = 1) -> StateB
 
 
 def model_state_memory(num_params: int, state: StateBytes, *, zero_stage: int = 0, dp: int = 1) -> ModelStateMemory:
-    """Per-device model state under ZeRO stage 0-3 over ``dp`` ranks (formulas in the module docstring)."""
+    """Per-device model state under ZeRO stage 0-3 over ``dp`` ranks (docs/cost-model.md, "Model-state memory")."""
     s = sharded_state(state, zero_stage, dp)
     return ModelStateMemory(round(num_params * s.params), round(num_params * s.grads), round(num_params * s.optimizer))
 
@@ -149,7 +128,7 @@ def node_compute_time(a: Mapping[str, Any], cluster: ClusterSpec, precision: str
 
 def collective_time(kind: str, nbytes: float, n: int, link: Link) -> float:
     """Time of one collective of ``nbytes`` (the full array) over ``n`` ranks: its alpha-beta time
-    (REFERENCE.md) plus the link's fixed cost of one call of that kind (``Link.call_s``)."""
+    (docs/references.md) plus the link's fixed cost of one call of that kind (``Link.call_s``)."""
     if kind not in COLLECTIVES:
         raise ValueError(f"unknown collective {kind!r}")
     if kind in ("broadcast", "send_recv"):
@@ -208,7 +187,7 @@ def collective_traffic(kind: str, nbytes: float, n: int) -> float:
 
 def zero_collectives(zero_stage: int, micro_batches: int = 1) -> tuple[tuple[str, int, str], ...]:
     """The collectives ZeRO ``zero_stage`` runs per step over each bucket, as (kind, calls, what):
-    runtime/dp/zero.py's counts (module docstring). Stage 0 is plain data parallelism."""
+    runtime/dp/zero.py's counts (docs/runtime.md, "ZeRO at run time"). Stage 0 is plain data parallelism."""
     if zero_stage not in ZERO_STAGES:
         raise ValueError(f"zero_stage={zero_stage} must be 0, 1, 2 or 3")
     if micro_batches < 1:
@@ -262,7 +241,7 @@ class ZeroComm:
 def zero_step_comm(zero_stage: int, buckets: Sequence[float], dp: int, micro_batches: int, link: Link, *,
                    elem_bytes: int = 2) -> ZeroComm:
     """Time and bytes sent per step by one rank for its buckets (bytes of its LOCAL parameters'
-    gradients, one flat bucket each, as data_parallel.gradient_buckets packs them) over ``dp``
+    gradients, one flat bucket each, as passes/dp/buckets.gradient_buckets packs them) over ``dp``
     ranks on ``link``: ``zero_collectives`` calls per bucket, each exposed (no overlap).
     ZeRO buckets are padded to a multiple of dp elements; stage 0's all-reduce is not."""
     if dp <= 1 or not buckets:
@@ -371,7 +350,7 @@ def mesh_step(
 #     step = (m + p - 1) x max_s slot_s + tail,    slot_s = F_s + B_s + overhead + P_s
 #
 # i.e. m slowest slots plus a bubble of (p - 1) of them: the bubble fraction
-# (p - 1)/m of REFERENCE.md. P_s is what stage s sends per micro-batch (its
+# (p - 1)/m of docs/references.md. P_s is what stage s sends per micro-batch (its
 # activations forward, its input gradients back), each a point-to-point
 # transfer, exposed (no overlap with compute: an upper bound); what it
 # receives arrives on the other direction of the full-duplex link in the same

@@ -5,49 +5,19 @@ Reads a ``ModelProfile`` (the annotated graph), the parameter sizes, a
 everything a plan records, with the predicted step time and memory, and every
 alternative weighed with the reason it lost. Writes nothing on the graph.
 
-How the space is covered (each part has one home; this module only joins them):
+Each part has one home; this module only joins them. tp runs over the divisors of the
+GPUs per node (passes/space.py). At pp = 1, passes/tp/mesh.choose_mesh solves the TP ILP
+(passes/tp/ilp.py); at pp > 1, passes/pipeline/stages.choose_pipeline cuts the model by
+the per-node costs of the layout the ILP chooses at that tp and micro-batch
+(``tp_node_costs``, solved once per (tp, micro-batch) in ``_Layouts`` and shared by every
+p, dp and ZeRO stage). Both weigh the ZeRO stages of passes/dp/zero.py. With
+``prune=True`` (the default) the fastest step found so far bounds the next
+choose_pipeline (passes/pipeline/bounds.py); ``prune=False`` cuts everything and gives
+the same plan (tests/test_search_pruning.py).
 
-- tp runs over the divisors of the GPUs per node (TP stays on a node's links);
-- the ZeRO stage z (0-3, or the pinned one) is weighed inside both solvers, per
-  (mesh, micro-batch): each tries z = 0, 1, 2, 3 and keeps the first that fits
-  (passes/dp/zero.py says why nothing that could win is lost, and which part is
-  policy); z shards the model state over the dp group in the ILP's memory row
-  and the cut DP's stage memory, and replaces the dp all-reduce by ZeRO's
-  collectives, with the runtime's counts, in the step time;
-- pp = 1: passes/tp/mesh.choose_mesh solves the TP ILP
-  (passes/tp/ilp.py) for every micro-batch size under the device's memory;
-- pp > 1: passes/pipeline/stages.choose_pipeline cuts the model with its
-  exact dynamic program and picks p, m and the schedule; the per-node costs it
-  cuts by are those of the TP layout the ILP chooses at that tp and micro-batch
-  (``tp_node_costs``), so a stage's time includes its tensor-parallel
-  collectives. The ILP is solved once per (tp, micro-batch) over the whole
-  graph and reused for every p (its per-layer answer does not depend on where
-  the cuts fall); each stage's memory is then checked by the cut solver.
-
-Pruning: when a pp = 1 plan fits without ZeRO, pipelines are weighed at one
-tp only (the pinned one, else tp = 1, which needs no ILP): with the model
-fitting, a pipeline mostly adds its bubble (the 1F1B step is (m + p - 1)/m of
-the unpipelined one), and those alternatives let the plan say why none was
-taken. When nothing fits at pp = 1 without ZeRO (or pp is pinned), every tp is
-pipelined: a pipeline divides the model state that ZeRO would otherwise
-gather and scatter over the dp group every step (GPT-3 175B on 128 A100s:
-ZeRO-3 at tp = 8 fits, but tp = 8 x pp = 8 is predicted 1.7x faster).
-
-Branch and bound (``prune=True``, the default): the fastest step found so far
-(the pp = 1 plan, then each tp's pipelines) is handed to the next
-choose_pipeline as a bound; there each (p, micro-batch) group is cut only when
-its lower bound (pipeline_parallel.PipelineBound) does not exceed the best, and
-when some cuts could fit it at 1/tp of every layer's memory. Pruned groups are
-listed in the alternatives with the bound they lost by. The TP layout and its
-per-node costs are solved once per (tp, micro-batch) (``_Layouts``) and shared by
-every p, dp and ZeRO stage. ``prune=False`` cuts everything: the same plan
-(tests/test_search_pruning.py).
-
-The objective: the fastest predicted step that fits; ties go to fewer stages,
-then to the smaller ZeRO stage, then to the smaller tp. Every alternative
-records its ZeRO stage, and a ZeRO stage that lost says why: the memory that
-did not fit, or its traffic per step over the dp group's link and the time
-that costs (passes/explain.traffic_reason).
+The objective: the fastest predicted step that fits; ties go to fewer stages, then to
+the smaller ZeRO stage, then to the smaller tp. How the space is covered and pruned, and
+why: docs/cost-model.md, "The joint search".
 """
 
 from __future__ import annotations
@@ -124,7 +94,7 @@ def plan_search(
     *,
     prune: bool = True,
 ) -> Decision:
-    """Decide every axis together; see the module docstring.
+    """Decide every axis together (docs/cost-model.md, "The joint search").
 
     ``prune=False`` solves every candidate (the exhaustive search the pruned one is
     tested against): the same plan, slower, with every candidate's own numbers.
@@ -192,7 +162,7 @@ def plan_search(
         slower = sum(not x.memory for x in pruned)
         notes += (f"{solved} candidates solved; {len(pruned)} pipeline (p, micro-batch) groups pruned before "
                   f"cutting: {slower} by a lower bound above the best step found, {len(pruned) - slower} "
-                  "because no cuts fit memory (passes/pipeline/stages.PipelineBound)",)
+                  "because no cuts fit memory (passes/pipeline/bounds.py PipelineBound)",)
     return replace(best, alternatives=alternatives, seconds=time.perf_counter() - t0, notes=notes,
                    candidates=solved, pruned=len(pruned))
 

@@ -2,10 +2,11 @@
 
 Each part lives in the runtime file named for its axis, as an ``apply_*`` step
 that takes what it needs as arguments: ``apply_tensor_parallel``
-(tensor_parallel.py), ``apply_pipeline`` (pipeline_parallel.py),
-``apply_mixed_precision`` (mixed_precision.py), ``apply_data_parallel``
-(data_parallel.py) and ``apply_zero`` (zero.py). ``refuse_unsupported`` names
-the plans this runtime cannot run, before anything is built.
+(runtime/tp/module.py), ``apply_pipeline`` (runtime/pipeline/stage.py),
+``apply_mixed_precision`` (runtime/mixed_precision.py), ``apply_data_parallel``
+(runtime/dp/averaging.py) and ``apply_zero`` (runtime/dp/zero.py). ``refuse_unsupported``
+names the plans this runtime cannot run, before anything is built. The order, and why:
+``compose``'s docstring and docs/runtime.md, "compose's order".
 """
 
 from __future__ import annotations

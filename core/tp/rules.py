@@ -6,69 +6,13 @@ and calls the rule with an ``OpView`` of it; the function lists the op's
 non-replicated strategies (the replicated one is added by ``node_strategies``).
 Gradient placements are written as if every input carried a gradient;
 ``node_strategies`` then writes ``"none"`` for inputs that carry none.
-Every shard a rule offers divides its dim by t. The catalog (``t`` = TP size,
-``R`` = the output's rank, "last" = its last dim):
+Every shard a rule offers divides its dim by t.
 
-linear(x (..., K), w (M, K), b (M)?)
-    ``col``   x replicate, w shard(0), b shard(0) -> out shard(last); grad x partial.
-    ``row``   x shard(last), w shard(1), b replicate -> out partial; grad b partial
-              (the runtime adds the bias on tp rank 0 only).
-    ``shard(d)`` x shard(d) on a leading dim, w, b replicate (grads partial) -> out shard(d).
-addmm(b, x (N, K), w (K, M)) (HF GPT-2's Conv1D), mm(a (N, K), b (K, M)),
-bmm / matmul(a (..., N, K), b (..., K, M))
-    ``col``   w (b) shard(last), bias sharded along M, x (a) replicate -> out shard(last).
-    ``row``   x (a) shard(last), w (b) shard(-2), bias replicate -> out partial.
-    ``shard(d)`` a's N dim or a batch dim (both operands sharded where they have it,
-              a broadcast operand replicate with a partial grad) -> out shard(d).
-embedding(w (V, C), idx)
-    ``vocab`` w shard(0), idx replicate -> out partial (the runtime masks ids outside
-              this rank's rows and zeroes their output rows).
-    ``dim``   w shard(1) -> out shard(last).
-    ``shard(d)`` idx shard(d), w replicate (grad partial) -> out shard(d).
-scaled_dot_product_attention(q, k, v (B, H, S, D), mask?)
-    ``heads`` q, k, v shard(1); a mask with H > 1 shard(1), a broadcast one replicate.
-    ``shard(0)`` the batch likewise.
-conv2d(x (B, C, H, W), w (O, C, kh, kw), b (O)?), groups == 1 only
-    ``col`` w, b shard(0), x replicate -> out shard(1); ``row`` x shard(1), w shard(1),
-    b replicate (rank 0) -> out partial; ``shard(0)`` the batch.
-max_pool2d / avg_pool2d / adaptive_avg_pool2d: shard(0) or shard(1) passes through.
-layer_norm(x, shape, w?, b?): x shard(d) on a dim not normalised -> out shard(d);
-    w, b replicate with partial grads.
-elementwise ops (add, sub, mul, div, neg, gelu, silu, relu, tanh, pow, rsqrt, exp,
-    where, comparisons, ...), right-aligned broadcasting
-    ``shard(d)`` out shard(d); every input with a real (size > 1) dim there is sharded
-              on it (grad shard), an input broadcast along d stays replicate (grad partial).
-    ``partial`` add / sub of partials -> partial (grads replicate); mul / div by
-              replicated operands (``partial`` names the first operand partial,
-              ``partial(J)`` operand J; div only its numerator) -> partial
-              (grad replicate for the partial operand, partial for the others);
-              neg -> partial. No partial through nonlinear ops.
-reductions sum / mean (``dim`` list or all dims, keepdim or not), amax / amin
-    input shard(d): d reduced -> out partial (sum, mean: the runtime's mean divides
-    the local sum by the GLOBAL count; not amax); d kept -> shard(d'). partial -> partial
-    (sum, mean).
-softmax / log_softmax over dim k: shard(d), d != k, passes through; ``vocab`` (d == k)
-    runs its own collectives: all-reduce of the max (no gradient) and of the sum of
-    exponentials in forward, one more all-reduce in backward (3 of outer-size elements).
-cross_entropy_loss(logits (N, C), targets (N)), default weight and label smoothing
-    ``vocab`` logits shard(1), targets replicate -> out replicate; all-reduces of the
-              max, the sum of exponentials and the target logit (N elements each);
-              grad logits shard(1) (local softmax - one-hot, scaled); ignore_index honoured.
-    ``shard(0)`` logits and targets shard(0) -> out partial (sum over the rank's rows /
-              the global count of counted targets: one int64 all-reduce).
-views: view / reshape / _unsafe_view / flatten / unflatten: input dim d maps to the
-    output dim that begins the group of dims d becomes; only when d is the leading
-    non-unit dim of its group and that output dim divides by t. partial -> partial.
-transpose / t / permute / unsqueeze / squeeze / select / slice / expand (a
-    non-expanded dim): the shard's dim is remapped; not on a sliced / selected dim.
-split / split_with_sizes / chunk along k: shard(d), d != k, on every output; cat along
-    k: every input shard(d), d != k. partial -> partial for all of them.
-getitem: passes the indexed output's placement (any of replicate / shard / partial).
-contiguous / clone / alias / to / _to_copy / dropout / _assert_tensor_metadata: any
-    placement passes through (dropout with p > 0: not partial).
-batch_norm: replicate only (its statistics are over the whole batch and channels).
-Factories (arange, zeros, ones, full, new_*, scalar_tensor, ...) are replicated by
-nature; every other op (index, cumsum, ...) has no rule and is replicated.
+The catalog of what each op offers (linear, the matmuls, embedding, attention, conv2d and
+pooling, layer_norm, elementwise ops, reductions, softmax, cross-entropy, views) is
+docs/architecture.md, "The tensor-parallel rule catalog". batch_norm and the factories
+(``REPLICATE_BY_NATURE``) are replicated by nature; every other op without a rule is
+replicated.
 """
 
 from __future__ import annotations

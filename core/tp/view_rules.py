@@ -1,6 +1,6 @@
 """Tensor-parallel rules of the ops that only move dims: views, transposes, splits, concatenation,
-getitem and the identity-like ops. Their catalog is core/tp/rules.py's docstring ("views"
-onwards); each rule maps an input's shard(d) to the output dim d lands on.
+getitem and the identity-like ops. Their catalog is docs/architecture.md, "The tensor-parallel
+rule catalog" ("Views"); each rule maps an input's shard(d) to the output dim d lands on.
 """
 
 from __future__ import annotations

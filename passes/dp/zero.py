@@ -9,28 +9,10 @@ with memory and time from cost_model.sharded_state / zero_step_comm.
 
 Pruning (one rule, both solvers): at one (mesh, micro-batch[, schedule, cuts
 policy]) the stages are tried in order 0, 1, 2, 3 and only the first that
-fits is kept. Why this loses nothing the cost model could show, and where it
-is a policy:
-
-- Among z >= 1 it is exact: the memory falls with z, the per-step traffic
-  grows (2, m + 1, 3m Psi; cost_model.zero_collectives) and the optimizer
-  pass is the same 1/dp slice, so a larger stage is never faster at the same
-  (mesh, micro-batch).
-- z = 0 over z >= 1 is a policy, not a bound: ZeRO-1 sends the same 2 Psi
-  per step, and the cost model credits every ZeRO stage with an optimizer
-  pass over 1/dp of the state (memory-bound: 2 x 16 Psi / dp bytes of HBM
-  traffic), which on NVLink can outweigh even ZeRO-3's extra Psi (a 150M
-  model on 8 A100s: ZeRO-3 is predicted 0.95x the step). What the cost model
-  does not see is overlap: it exposes every collective, but a DP all-reduce
-  runs under the backward, while ZeRO's parameter all-gathers (after the
-  step, or before each use at stage 3, without prefetch in runtime/dp/zero.py)
-  have nothing to hide behind. Where plain data parallelism fits, the planner
-  does not trade that for the optimizer pass; the plan lists the stages it
-  did not weigh with their traffic, optimizer time and predicted step.
-- A larger stage can still win by letting a larger micro-batch fit (fewer
-  per-micro-batch overheads, fewer pipeline bubbles), or by letting a mesh
-  fit at all (ZeRO instead of TP or PP): those are weighed, since z is chosen
-  per (mesh, micro-batch), and the costs decide.
+fits is kept. Exact among z >= 1 (a larger stage only adds traffic); z = 0 over
+z >= 1 is a policy, since the cost model sees no overlap of the DP all-reduce with
+backward; a larger stage still wins where it lets a larger micro-batch or a mesh fit.
+Why, with the numbers: docs/cost-model.md, "Choosing the ZeRO stage".
 """
 
 from __future__ import annotations

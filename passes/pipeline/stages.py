@@ -7,64 +7,14 @@ Reads a ``ModelProfile``'s annotated graph (``kind``, ``inputs``, ``out_bytes``,
 ``PipelineDecision``: stages count p, micro-batches m, schedule and cuts, the
 stages' time and memory, and every alternative weighed with why it lost.
 
-The order. Stages are contiguous runs of ``pipeline_order``: the captured
-(topological) order with every placeholder moved to just before its first
-user, so a stage owns the parameters it uses and the last stage reads the
-targets itself. Repeated layers run one after another in that order.
-
-The search space. When the graph has repeated layers a cut may only fall
-between two layers or between a layer and the code before or after the
-layers (L + 1 places for L layers); otherwise after any call node. A cut at
-boundary k (between positions k - 1 and k) sends every tensor live across it
-(produced before k, used at or after k) forward per micro-batch, and the
-gradients of those that carry one back.
-
-Where each part lives: the order, the allowed boundaries and the per-node costs
-in passes/pipeline/costs.py; the cut DP in passes/pipeline/cuts.py; the branch
-and bound in passes/pipeline/bounds.py; why each candidate lost in
-passes/pipeline_explain.py; this module enumerates (p, dp, micro-batch,
-schedule, ZeRO stage) and joins them.
-
-The solver, per (p, dp, micro-batch size, schedule): an exact dynamic program
-over the boundaries (a bottleneck partition). With K allowed boundaries,
-
-    f[s][k] = min_{j < k} max(f[s-1][j], slot(j, k, s))   subject to mem(j, k, s) <= budget
-
-where slot is a stage's forward + backward + overhead + sends per
-micro-batch (cost_model.stage_slot_time) and mem its model state plus the
-activations in flight under the schedule (cost_model.activations_in_flight).
-For fixed (p, m) the step (m + p - 1) max_s slot_s is minimised exactly by
-minimising the slowest slot, so the DP is exact for that part of the step;
-the per-step tail (gradient all-reduce, optimizer) is added for the cuts found.
-O(p K^2) segment evaluations, each O(1) from prefix sums (plus one bisect per
-shared parameter); with 97 boundaries and p = 8 that is 75k evaluations.
-OR-Tools is not used: the problem is one-dimensional and the DP is exact and
-milliseconds fast (benchmarks/pp_planning_time.py), where a CP-SAT model of
-the same min-max would need a variable per boundary and stage.
-
-ZeRO. Each (p, dp, micro-batch, schedule, shared-parameter policy) is cut
-at the ZeRO stages of passes/dp/zero.zero_stages in order 0, 1, 2, 3, keeping the
-first that fits (the rule, and why it is safe, in passes/dp/zero.py): a stage's
-model state is sharded over its dp group (``StageSetup.zero_stage``, ``dp``),
-and its tail pays ZeRO's collectives (cost_model.zero_step_comm) and the
-optimizer's 1/dp slice instead of the all-reduce and the whole state.
-
-Activation recomputation, per stage where memory binds. A stage whose cuts do
-not fit memory may recompute its repeated layers (``recompute_costs``): each
-layer keeps only what crosses its first boundary (its inputs, what a
-checkpoint keeps) and recomputes its forward in backward (backward + forward
-time, the forward's TP collectives included), plus one layer's full
-activations while it is recomputed. The DP decides it segment by segment: a
-stage recomputes exactly when it does not fit without (``Partition.recomputes``),
-so it never costs time where memory does not bind. ``Pins.recompute`` forces it
-on every stage (True) or off (False). Not with ZeRO-3 (the runtime gathers its
-parameters per node, which a recompute in backward would free under it).
-
-Shared (tied) parameters. A parameter used in two stages (GPT-2's tied wte and
-lm_head) is held by both, counted in both stages' memory, and its gradient is
-all-reduced between them once per step. Both policies are weighed: cuts that
-split a shared parameter's users forbidden ("kept together"), or allowed and
-that all-reduce paid ("split").
+This module enumerates (p, dp, micro-batch, schedule, shared-parameter policy) and, per
+group, the ZeRO stages of passes/dp/zero.zero_stages (the first that fits is kept), and
+joins the parts, each with its own home: the order, the allowed boundaries and the
+per-node costs (recomputation's too) in passes/pipeline/costs.py; the exact cut DP in
+passes/pipeline/cuts.py; the branch and bound in passes/pipeline/bounds.py; why each
+candidate lost in passes/pipeline/decision.py. The search space, the dynamic program and
+its cost, ZeRO, recomputation per stage and shared parameters: docs/cost-model.md,
+"The pipeline search".
 """
 
 from __future__ import annotations
@@ -142,7 +92,7 @@ def choose_pipeline(
     prune: bool = False,
     bound: float = INF,
 ) -> PipelineDecision:
-    """Decide p, m, the schedule and the cuts jointly; see the module docstring.
+    """Decide p, m, the schedule and the cuts jointly (docs/cost-model.md, "The pipeline search").
 
     Every device is used: pp x dp x devices_per_stage = devices (``pins.world_size``
     or the cluster's). ``costs(micro_batch)`` replaces the profile's per-node costs
@@ -206,7 +156,8 @@ class _CutSearch:
         self.solves = 0
 
     def zero_options(self, p: int, dp: int) -> tuple[int, ...]:
-        """The ZeRO stages weighed at (p, dp): not ZeRO-3 under pinned recomputation (module docstring)."""
+        """The ZeRO stages weighed at (p, dp): not ZeRO-3 under pinned recomputation (docs/cost-model.md,
+        "Activation recomputation")."""
         stages = zero_stages(self.pins.zero_stage, dp, self.request.inference, tp=self.tp, pp=p)
         return tuple(z for z in stages if z < 3) if self.pins.recompute else stages
 

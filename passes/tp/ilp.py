@@ -1,89 +1,33 @@
 """The tensor-parallel ILP: one strategy per node, for one TP degree t and one micro-batch.
 
-Reads the annotated DiGraph of a ``ModelProfile`` (node attributes ``kind``,
-``shapes``, ``dtypes``, ``inputs``, ``flops_fwd``, ``flops_bwd``,
-``saved_bytes``, ``depends_on_input``, ``param_name``, ``layer``) and the
-candidate strategies of every node (``strategies.node_strategies``), those valid at the micro-batch
-(``strategies.valid_at``: a shard of a dim that grows with the batch must still divide there).
-Writes nothing on the graph: it returns a ``TPSolution`` (node -> Strategy,
-the cost and memory of that choice, and a ``TPSolveReport``). The problem it
-solves (classes, costs) is built by passes/tp/problem.py ``build_problem``.
+Reads a ``TPProblem`` (passes/tp/problem.py ``build_problem``: node and edge classes of a
+``ModelProfile``'s graph, every strategy and reshard priced by passes/tp/costs.py). Writes
+nothing on the graph: returns a ``TPSolution`` (node -> Strategy, the cost and memory of that
+choice, and a ``TPSolveReport``). The formulation in full, why it is tight, and the solver
+measurements: docs/cost-model.md, "The tensor-parallel ILP".
 
-Formulation
------------
-Sets. V: the graph's nodes, grouped into classes c in C (below); S_c the
-strategies of class c; E the data edges u -> v, grouped into edge classes
-k = (c(u), c(v)) in K with c(u) != c(v) (an edge inside one class is folded
-into that class's node cost, see "Classes").
+Formulation (c in C node classes, s in S_c their strategies, k in K edge classes, A = grad_accum):
 
-Variables (``_add_choice_variables``, ``_add_edge_variables``):
-    x[c,s] in {0,1}        class c runs strategy s
-    e[k,i,j] in [0,1]      edge class k joins producer strategy i and consumer
-                           strategy j (continuous: integral once x is)
+    x[c,s] in {0,1}     class c runs strategy s                   (_add_choice_variables)
+    e[k,i,j] in [0,1]   edge class k joins producer strategy i
+                        and consumer strategy j                   (_add_edge_variables)
 
-Objective (``_set_objective``): predicted seconds of one micro-batch's
-forward + backward on one device, plus the step's per-parameter work
-amortised over the A = grad_accum micro-batches of a step,
+    min  sum_c sum_s n[c,s] x[c,s] + sum_k sum_(i,j) w[k,i,j] e[k,i,j]      (_set_objective)
 
-    min  sum_c sum_s  n[c,s] x[c,s]  +  sum_k sum_(i,j) w[k,i,j] e[k,i,j]
+    n[c,s]    seconds of class c under s per micro-batch on one device: compute, s's internal
+              collectives, the edges folded into the class, + its parameters' step work / A
+    w[k,i,j]  seconds of the forward and backward reshards of the edges of class k
 
-    n[c,s] = sum_{v in c} compute_time((F_fwd(v) + F_bwd(v)) * frac_s * beta(v))
-                          + sum over s's internal collectives of collective_time
-                          + the edges folded into the class
-                          + param_step_time(local elements of c's parameters under s) / A
+    one_strategy[c]  sum_s x[c,s] = 1                     (_add_choice_variables)
+    edge_out[k,i]    sum_j e[k,i,j] = x[c(u),i]           (_add_edge_variables)
+    edge_in[k,j]     sum_i e[k,i,j] = x[c(v),j]           (_add_edge_variables)
+    invalid pairs    no e[k,i,j] where either reshard is "invalid"
+    memory           sum_c sum_s m[c,s] x[c,s] <= budget  (_add_memory_constraint)
 
-(param_step_time: the local shard's bandwidth share of the step's data-parallel
-collectives on ``link_for_group(dp, stride=t)``, under the setting's ZeRO stage z
-(2, 2, A + 1 or 3A elements per local element for z = 0..3, A micro-batches:
-cost_model.zero_collectives), and the optimizer's pass over the local state (its
-1/dp slice under z >= 1); this is what makes a sharded embedding pay off at dp > 1.)
-    w[k,i,j] = sum_{u->v in k} sum_{input slots of v fed by u}
-                 reshard_time(reshard_kind(out_i, in_j), bytes)               (forward)
-               + reshard_time(reshard_kind(grad_j, grad_convention(out_i)), bytes) (backward)
+    m[c,s]    bytes of c's model state under s and the ZeRO stage, + its saved activations
 
-with beta(v) = micro_batch / captured batch for nodes that depend on a model
-input (1 otherwise), tensor bytes at the training precision for floating
-tensors, and every collective on the TP group's link ``cluster.link_for_group(t)``.
-All time formulas are passes/cost_model.py's, composed per node by passes/tp/costs.py (``TPCosts``),
-the cost the pipeline search prices the chosen layout with too.
-
-Constraints, each family named (the name prefixes every row of the family):
-    one_strategy[c]     sum_s x[c,s] = 1                      (_add_choice_variables)
-    edge_out[k,i]       sum_j e[k,i,j] = x[c(u),i]             (_add_edge_variables)
-    edge_in[k,j]        sum_i e[k,i,j] = x[c(v),j]             (_add_edge_variables)
-    invalid pairs       e[k,i,j] is not created when either reshard is "invalid"
-    memory              sum_c sum_s m[c,s] x[c,s] <= budget      (_add_memory_constraint)
-
-    m[c,s] = sum_{params p in c} numel(p) * bytes_per_param * (1/t if s shards p else 1)
-             + sum_{v in c} saved_bytes(v) * mem_frac_s * beta(v) * precision ratio
-
-bytes_per_param = params + grads + optimizer of ``state_bytes_per_param`` as one
-device holds them under ZeRO z over the dp group (``cost_model.sharded_state``:
-optimizer / dp for z >= 1, gradients / dp for z >= 2, parameters / dp for z = 3;
-16 for mixed-precision Adam at z = 0, 2 + 2 + 12/dp at z = 1). The two edge families make e the product
-x[c(u),i] x[c(v),j] exactly (a transport polytope with one-hot margins has
-one point), so the model is tight without the e <= x, e >= x + x - 1 rows.
-
-Classes: the node and edge classes the variables range over are
-passes/tp/problem.py's (identical repeated layers tied, tied weights merged).
-
-Solver
-------
-CBC through pywraplp (``SOLVER = "CBC"``), 1 thread. Measured on this 2-core
-machine (benchmarks/tp_planning_time.py --solvers, t=8, micro-batch 1), seconds
-to prove optimality, all four solvers agreeing on the objective:
-
-    model (classes, variables)       HiGHS   SCIP   CBC    CP-SAT (1 worker, lin. 2)
-    GPT-3 175B tied (56, 741)        0.03    0.02   0.01   0.03
-    70B-ish tied (56, 781)           0.05    0.04   0.02   0.05
-    GPT-2 small untied (474, 6067)   0.30    0.28   0.09   0.18
-    7B-ish untied (1234, 18399)      1.07    1.30   0.37   1.93
-
-CBC proved optimality fastest on the bigger (untied) models and ties on the
-tied ones that are actually solved; shared/TORCH_ON_CPU.md found HiGHS first on
-a larger Alpa-style model, so HiGHS, SCIP and CP-SAT stay selectable
-(``solve_tp(..., solver=...)``). CP-SAT runs with num_workers=1 and
-linearization_level=2: its default of 2 workers stalls on 2 cores.
+Solver: CBC through pywraplp (``SOLVER = "CBC"``), 1 thread; HiGHS, SCIP and CP-SAT stay
+selectable (``solve_tp(..., solver=...)``), CP-SAT with num_workers=1 and linearization_level=2.
 """
 from __future__ import annotations
 
@@ -184,7 +128,7 @@ def _new_model(solver: str) -> _Model:
     if s is None:
         raise SolverError(f"OR-Tools has no {solver} backend in this build")
     if solver == "CP-SAT":
-        # 2 workers (the default here) stall on 2 cores: shared/TORCH_ON_CPU.md
+        # 2 workers (the default here) stall on 2 cores: docs/cost-model.md, "The solver"
         s.SetSolverSpecificParametersAsString("num_workers:1 linearization_level:2")
     else:
         s.SetNumThreads(1)

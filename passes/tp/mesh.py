@@ -9,40 +9,13 @@ predicted step time and memory by part, the solver's report, and every
 alternative weighed with the reason it lost. Writes nothing on the graph;
 the compile pipeline turns the decision into a plan (``layout_decisions``).
 
-Space. tp runs over the divisors of ``gpus_per_node`` that divide the world
-size: a TP group exchanges activations inside every layer, so it stays
-inside one node on its fast links (shared/SEED_NOTES.md, Megatron's
-placement rule); a TP group never spans nodes, whatever the cluster. Ranks
-are laid out TP innermost (core/plan.MESH_ORDER), so each dp group's
-ranks are tp apart and its link is ``link_for_group(dp, stride=tp)``. For
-each tp, micro-batch sizes run over the divisors of the per-replica batch
-B / dp, smallest first.
-
-ZeRO. For each (tp, micro-batch) the ZeRO stages of passes/dp/zero.zero_stages
-are solved in order 0, 1, 2, 3 and the first that fits is kept (the pruning
-rule and why it is safe are in passes/dp/zero.py); a ZeRO stage changes both the
-ILP's memory row (model state sharded over the dp group) and its per-parameter
-step cost (ZeRO's collectives instead of the all-reduce).
-
-Cost of one candidate (cost_model.mesh_step): grad_accum x (the ILP's
-per-micro-batch time: compute + TP forward/backward/internal collectives,
-plus the cluster's per-micro-batch overhead) + the data-parallel collectives
-of the LOCAL shards over the dp group (bucketed as the runtime buckets them:
-one all-reduce per bucket at ZeRO-0, ZeRO's reduce-scatters and all-gathers
-otherwise) + the optimizer step over the local model state (its 1/dp slice
-under ZeRO). Memory: the ILP's layout (model state of the local shards under
-the ZeRO stage + saved activations of one micro-batch) within the device's
-usable memory, a constraint of the ILP itself.
-
-Reuse. One ILP per (tp, micro-batch, ZeRO stage) weighed, each with the
-repeated layers tied (one layer's variables however deep the model); strategy
-lists are computed once per tp. Memory grows with the micro-batch for every
-layout, so once a micro-batch does not fit at some (tp, ZeRO stage), the larger
-ones are reported as not fitting without a solve.
-
-Objective: the fastest predicted step that fits; ties go to the smaller ZeRO
-stage, then the larger micro-batch, then the smaller tp (plain data
-parallelism when TP buys nothing).
+One ILP, repeated layers tied, per (tp, micro-batch, ZeRO stage): tp over the divisors of
+``gpus_per_node`` that divide the world (a TP group never spans nodes), micro-batch sizes
+over the divisors of B / dp, smallest first, and the ZeRO stages of
+passes/dp/zero.zero_stages in order, keeping the first that fits. A candidate's step is
+cost_model.mesh_step. The objective: the fastest predicted step that fits; ties go to the
+smaller ZeRO stage, then the larger micro-batch, then the smaller tp. The space, the cost
+of a candidate and what is reused between solves: docs/cost-model.md, "The (dp, tp) mesh".
 """
 
 from __future__ import annotations
@@ -128,7 +101,7 @@ def choose_mesh(
     solver: str = SOLVER,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
 ) -> MeshDecision:
-    """Search (tp, micro-batch), solving the TP ILP for each; see the module docstring."""
+    """Search (tp, micro-batch), solving the TP ILP for each (docs/cost-model.md, "The (dp, tp) mesh")."""
     t0 = time.perf_counter()
     world = world_size(cluster, pins)
     B = request.global_batch

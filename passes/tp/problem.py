@@ -10,33 +10,13 @@ per-node TP cost (passes/tp/costs.py ``TPCosts``) and returns a ``TPProblem``;
 ``evaluate`` prices one choice of strategy per class. The formulation the solver
 builds over it is in passes/tp/ilp.py. Writes nothing on the graph.
 
-Classes (exact reductions, ``_classes``):
-- Identical repeated layers (``RepeatedBlock``s): the node at position p of
-  every layer of a block shares one class. This ties the layers to one layout
-  (what Megatron does, and what a runtime applying one per-layer plan can
-  execute); it is a restriction, not always the untied optimum (a memory
-  budget might like some layers sharded and others not). An 80- or 96-layer
-  graph becomes as small as one layer plus embedding and head; the
-  multiplicities enter n, w and m. Tying shares the choice of layout, never
-  a member's own needs: every member keeps its own strategy list
-  (``_own_strategies``), index for index its class's, and its edges are
-  costed and expanded with it; members may differ in which inputs carry a
-  gradient (the first of a stack of layers reads the model input, which
-  carries none: its column-split linear needs no backward reshard, the
-  next layers' do). A member whose strategies differ in anything else
-  (names, placements, costs: other shapes or dtypes) gets its own class
-  (``_split_unlike``).
-- Parameter nodes with the same ``param_name`` (tied weights) share a class,
-  and their model state is counted once.
-- Edges between layers (layer i, position p -> layer i+1, position q) become
-  one edge class (p, q) with multiplicity L - 1; an edge whose two ends fall in
-  one class is exact as a node cost: both ends run the same strategy.
-
-Elementwise chains are not merged: after tying, the GPT-3 175B model has a few
-hundred choice variables and solves in well under a second (benchmarks/
-tp_planning_time.py), and merging a chain is exact only when every member's
-strategies are in bijection with its neighbour's, which the strategy lists
-do not promise (a dropout may accept ``partial``, a GELU may not).
+Classes (``_classes``): the node at position p of every identical repeated layer shares
+one class, each member keeping its own strategy list (``_own_strategies``) and a member
+whose strategies differ in anything else getting its own class (``_split_unlike``);
+parameter nodes with one ``param_name`` (tied weights) share a class, their state counted
+once; edges between layers become one edge class with multiplicity L - 1. Why these are
+exact, what tying the layers restricts, and why elementwise chains are not merged:
+docs/cost-model.md, "Node and edge classes".
 """
 
 from __future__ import annotations
@@ -76,7 +56,7 @@ class TPSetting:
     dp: int = 1  # data-parallel degree the step's gradient all-reduce runs over
     grad_accum: int = 1  # micro-batches per step: per-step costs are amortised over them
     zero_stage: int = 0  # ZeRO over the dp group: shards model state (memory) and sets the dp collectives
-    kv_ratio: float = 0.0  # inference with generation: KV cache / keys and values read (pipeline_parallel.kv_ratio)
+    kv_ratio: float = 0.0  # inference with generation: KV cache / keys and values read (passes/pipeline/costs.kv_ratio)
     captured_dtype: str = ""  # the dtype floating tensors were captured in ("": the graph's parameters')
 
     def __post_init__(self) -> None:
@@ -207,7 +187,8 @@ def build_problem(
     strategies: StrategyFn | None = None,
     repeated: Sequence[RepeatedBlock] = (),
 ) -> TPProblem:
-    """Cost every strategy of every node class and every edge class (formulas in the module docstring).
+    """Cost every strategy of every node class and every edge class (the formulas: docs/cost-model.md,
+    "Formulation").
 
     What depends on the layout alone (classes, compute, TP collectives, reshards: the TP degree,
     the micro-batch, the precision and the cluster) is built once per graph and reused by every

@@ -11,7 +11,7 @@ persistent, unpadded buckets: each parameter's ``.grad`` is a view into its
 bucket, so a bucket is all-reduced in place with one collective and nothing is
 copied back; earlier micro-batches just accumulate locally (DDP's ``no_sync``)
 and the last one's backward launches each bucket as soon as it is complete.
-The planner predicts the calls from ``grad_buckets.bucket_layout``.
+The planner predicts the calls by the same rule (runtime/dp/buckets.py ``bucket_layout``).
 """
 
 from __future__ import annotations

@@ -1,34 +1,19 @@
 """Gradient buckets, overlapped with backward: the one mechanism behind data parallelism and ZeRO.
 
 Layout (``bucket_members``, by core/buckets.py's ``pack_buckets``, the rule the
-planner uses to predict the collectives: ``bucket_layout`` is the contract). Take the
-parameters that require grad in ``module.parameters()`` order (each tied
-parameter once), walk them in REVERSE (roughly the order backward produces
-their gradients), and append each to the open bucket; a bucket closes as soon
-as its bytes reach ``bucket_bytes`` (so a bucket may exceed it by its last
-parameter, and one parameter larger than the cap is a bucket of its own), and a
-parameter of another dtype than the open bucket's closes that bucket first.
-The last, partial bucket closes at the end. Bytes are ``numel * element_size``.
+planner uses to predict the collectives: ``bucket_layout`` is the contract): the
+parameters that require grad, each tied one once, walked in REVERSE ``module.parameters()``
+order; a bucket closes once its bytes reach ``bucket_bytes`` or before a parameter of
+another dtype.
 
-A ``GradBucket`` holds its members' gradients in one flat tensor, padded to a
-multiple of the group size so that each rank owns one contiguous slice
-(``own``; data parallelism uses a one-slice layout, unpadded). The flat
-gradient is either persistent (each member's ``.grad`` a view into it, so
-gradients accumulate there over micro-batches and are reduced in place) or
-transient (built from the ``.grad``s as they become ready, which are then
-freed: ZeRO-2/3).
-
-``BucketReducer`` runs one asynchronous collective per bucket as soon as every
-gradient of the bucket has been accumulated (``register_post_accumulate_grad_hook``),
-so communication runs while backward computes the earlier layers: an
-all-reduce (data parallelism: the mean on every rank) or a reduce-scatter
-(ZeRO: this rank's slice of the mean). Buckets launch strictly in index order,
-the same on every rank. Each bucket is divided by the group size before the sum
-(as DDP does) and, when the policy's ``reduce_dtype`` differs from the
-gradients', reduced in that dtype and the mean cast back. Only a synchronising
-backward communicates (``begin(sync)``); the others accumulate locally (DDP's
-``no_sync``). ``finish`` launches what backward never completed (unused
-parameters) and waits for all of them.
+A ``GradBucket`` holds its members' gradients in one flat tensor, padded so that each rank
+owns one contiguous slice (``own``), either persistent (the ``.grad``s are views into it)
+or transient (built from the ``.grad``s, which are then freed: ZeRO-2/3).
+``BucketReducer`` runs one asynchronous collective per bucket as soon as its gradients are
+accumulated, in index order on every rank: an all-reduce (data parallelism) or a
+reduce-scatter (ZeRO), in the policy's ``reduce_dtype``; only a synchronising backward
+communicates (``begin(sync)``), and ``finish`` waits for all. The rules in full:
+docs/runtime.md, "Gradient buckets".
 """
 
 from __future__ import annotations

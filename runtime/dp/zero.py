@@ -2,62 +2,21 @@
 
 ZeRO acts on the rank's LOCAL parameters (its tensor-parallel shards, plain
 ``nn.Parameter``s), never on modules, so it works the same whether forward
-runs eagerly or as an fx Interpreter over a captured graph.
+runs eagerly or as an fx Interpreter over a captured graph. ``apply_zero`` is
+compose's step for a plan with ZeRO (runtime/compose.py).
 
-Layout. Parameters are grouped into flat buckets by the gradient-bucket rule
-of runtime/dp/buckets.py (reverse order, closed at ``bucket_bytes`` or a
-change of dtype), so the planner predicts ZeRO's collectives from the same
-``bucket_layout``; the reduce-scatters overlapped with backward are that
-file's ``BucketReducer``, as data parallelism's all-reduces are. A bucket of N elements is padded to ``ceil(N/dp) * dp``
-and dp rank r owns the contiguous slice ``[r*S, (r+1)*S)``, S = ceil(N/dp).
-Padding adds at most dp - 1 elements per bucket, to each of the tensors that
-are flat (parameters, gradients and optimizer state alike). The user's
-optimizer is built once, on one flat shard ``nn.Parameter`` per bucket; it
-must be elementwise (SGD, Adam, AdamW: not LAMB, not per-tensor norms) and it
-sees one param group.
+Parameters are grouped into flat buckets by the gradient-bucket rule of
+runtime/dp/buckets.py (so the planner predicts these collectives from the same
+``bucket_layout``), each padded to a multiple of dp elements; dp rank r owns one
+contiguous slice of every bucket. The user's optimizer (elementwise: SGD, Adam, AdamW)
+is built once, on one flat shard ``nn.Parameter`` per bucket.
 
-Per stage (Psi parameters, n dp ranks, m micro-batches per step; "RS" a
-reduce-scatter and "AG" an all-gather, each of a whole bucket, one per bucket):
-
-- 1: parameters and gradients stay full. ``.grad`` is a view into a flat
-  gradient bucket that accumulates locally over the micro-batches; in the last
-  backward each bucket is RS'd in place as soon as its gradients are ready
-  (overlapped with backward), leaving this rank's slice averaged. The
-  optimizer updates its slice in place and each parameter bucket is AG'd in
-  place. Per step: RS Psi + AG Psi = ``zero_traffic_elements(.., 1, n)``,
-  whatever m. (A gradient all-reduce, as stage 0, would send 3 Psi.)
-- 2: as 1, but gradients are RS'd after EVERY backward, in place in a
-  transient flat bucket built from the ``.grad``s as they become ready; the
-  full ``.grad`` is freed and the averaged slice is added to the bucket's
-  persistent shard gradient. Per step: m RS + 1 AG = (m + 1) Psi; equal to
-  the plan's 2 Psi at m = 1. Reducing only on the last micro-batch instead
-  would need full gradients between micro-batches: that is stage 1.
-- 3: parameters are held only as shards. A bucket is AG'd into a flat buffer
-  that the parameters view, just before forward first uses it
-  (``gather`` / the eager module pre-hook), and its storage is freed once
-  every parameter of the bucket has been released (``release`` / the
-  post-hook). ``release`` hooks the outputs so that the first gradient
-  flowing into them AGs the bucket again for backward; gradients are RS'd as
-  in stage 2, and the buffer is freed when the bucket's RS is launched. Per
-  micro-batch: AG + AG + RS = 3 Psi, so (3 m) Psi per step; the plan's 3 Psi
-  at m = 1. No prefetching: each AG runs when needed, not overlapped.
-
-Composition (runtime/compose.py). Under tensor parallelism the local
-parameters are TP shards, so the buckets are flat over shards and the dp group
-is each TP coordinate's. In a pipeline each stage shards only its own
-parameters over its dp group; the schedule calls ``begin_forward`` before each
-forward and ``begin_backward`` / ``after_backward`` around each backward (1F1B
-interleaves them), stage 1 reducing in the last micro-batch's backward (the
-same on every stage), stages 2-3 in each. Stage 3 inside the TP interpreter
-(runtime/tp/interpreter.py, ``ParamAccess``): each graph node gathers the
-buckets of the parameters it reads before it runs, hooks its outputs to gather
-them again in backward, and the last node of forward to read a parameter
-releases it; a node reading one through a view op (``t``, ``view``) counts as a
-reader, so no view of a freed bucket is used in forward. Under 1F1B a
-micro-batch's saved views of a bucket stay valid across the other
-micro-batches' gathers and frees: the storage is resized in place, never
-replaced. A parameter tied across stages is left out of ZeRO (compose averages
-it whole): the stages' buckets differ, so shards of its copies would not line up.
+Per step, over m micro-batches: stage 1 reduce-scatters each gradient bucket in the last
+backward and all-gathers the parameters after the optimizer; stage 2 reduce-scatters after
+every backward; stage 3 holds parameters only as shards, all-gathering a bucket before its
+first use in forward and again in backward (``gather`` / ``release``, or the eager module
+hooks). The counts are cost_model.zero_collectives'. How each stage works and composes with
+TP, the pipeline's schedule and the ZeRO-3 interpreter: docs/runtime.md, "ZeRO at run time".
 
 Frozen parameters (``requires_grad=False``) stay full and replicated and are
 not counted. The parameters must already be equal across the dp group

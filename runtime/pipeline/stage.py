@@ -1,49 +1,17 @@
 """Pipeline parallelism: this rank's stage of the training graph, and the schedule that drives it.
 
-Splitting. ``split_stages`` is the one mechanism: it takes the captured graph
-and the plan's node -> stage map (``NodeDecision.stage``, the policy) and
-returns, per stage, the nodes it runs (graph order), the user inputs it reads
-(the micro-batch inputs at the stage of their placeholder, the targets at the
-loss's), and the values that cross each cut: every value produced at or
-before stage s and used after it travels from s to s + 1, so a value made
-early and used several stages later is relayed by the stages in between
-(each receives it and sends it on). Parameters and buffers never cross a cut:
-a stage holds those its nodes read. A parameter read on several stages (tied
-embeddings) is held by each of them, and after backward its gradient is summed
-between the copies (one all-reduce per step over the ranks with the same
-dp/tp coordinates on those stages); the copies start equal and take the same
-update, so they stay equal.
+``split_stages`` is the one mechanism: from the captured graph and the plan's node ->
+stage map (``NodeDecision.stage``, the policy) it gives each stage the nodes it runs, the
+user inputs it reads and the values that cross each cut (relayed by the stages in
+between). ``PipelineStage`` runs a stage as the tensor-parallel program restricted to its
+nodes (``TensorParallel`` with ``keep``), sending what crosses a cut over the "pp" group
+(``isend``; receives block) and the gradients back, and sums the gradients of parameters
+tied across stages. ``schedule_order`` gives a stage's GPipe or 1F1B order
+(core/schedule.py); ``infer`` streams the micro-batches forward only. ``apply_pipeline``
+is compose's step (runtime/compose.py).
 
-Running a stage. ``PipelineStage`` hands its nodes to the tensor-parallel
-executor (``TensorParallel`` with ``keep``), so a stage is the TP program
-restricted to its nodes: it holds only its parameters' shards, and TP
-collectives run inside it as in a whole-graph plan. A value crossing a cut is
-sent as this rank's local tensor (the producer's placement) to the rank with
-the same (dp, tp) coordinates on the next stage, over the "pp" process group;
-its consumers' ``InputLayout`` reshard it on arrival as usual. Gradients come
-back the same way, for the values that carry one (floating values that depend
-on a parameter); the rest (token ids, targets) go forward only. Sends are
-asynchronous (``isend``, waited at the end of the step) and receives block, so
-neighbouring stages never wait on each other's sends.
-
-Schedules. GPipe (all forwards, then all backwards) and 1F1B (stage i runs
-min(p - i - 1, m) warm-up forwards, then one forward / one backward, then the
-remaining backwards). Own code rather than torch.distributed.pipelining's
-schedules: the targets enter at the last stage only, stages are interpreter
-programs over local TP tensors with relayed values whose sets differ per cut,
-the gradient all-reduce must start on the last backward of each stage (not
-after the schedule), and each micro-batch's forward and backward is timed
-for the trace (runtime/trace.py); the schedule itself is ``schedule_order``.
-
-The loss: the last stage computes each micro-batch's loss and back-propagates
-loss / m; data-parallel averaging of every stage's gradients then gives the
-mean over the global batch. The step's mean loss is averaged over "dp" on the
-last stage and broadcast over "pp", so every rank returns it.
-
-Inference (forward only): ``infer`` streams the micro-batches through the
-stages (stage i works on micro-batch k while stage i + 1 works on k - 1, since
-sends do not wait) and returns the model's output, gathered over "dp" and
-broadcast over "pp": every rank returns the whole batch's output.
+What crosses a cut, tied parameters, the schedules and why they are partita's own, the
+loss and inference: docs/runtime.md, "Pipeline stages and schedules".
 """
 
 from __future__ import annotations

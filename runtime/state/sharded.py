@@ -1,22 +1,10 @@
 """Sharded checkpoints: this rank's training state in the whole model's coordinates, for DCP.
 
-A checkpoint is torch.distributed.checkpoint's (DCP), not a format of our own:
-each rank hands ``dcp.save`` / ``dcp.load`` only what it holds, described as
-pieces of the WHOLE tensors, so every rank writes only its own bytes, no rank
-ever materialises the model, and a checkpoint saved under one plan loads under
-any other (DCP reads, for each piece a rank now holds, the overlapping parts of
-the pieces that were saved).
-
-What a rank holds of a parameter, in the whole tensor's coordinates:
-- a tensor-parallel shard ``shard(d)`` is the ``tp_rank``-th ``torch.chunk``
-  along d (runtime/state/weights.py cuts it so); a replicated parameter is
-  the whole tensor;
-- under ZeRO the rank holds a contiguous range of a flat bucket of its
-  (TP-local) parameters (runtime/dp/zero.py). Each parameter's part of that range
-  is a range of its row-major elements, cut into at most 2 * ndim rectangles
-  (``flat_range_pieces``), each contiguous in the flat shard;
-- replicas (data-parallel copies without ZeRO, tied copies on several pipeline
-  stages) describe identical pieces, which DCP writes once.
+A checkpoint is torch.distributed.checkpoint's (DCP): each rank hands ``dcp.save`` /
+``dcp.load`` only what it holds, described as pieces of the WHOLE tensors (a TP shard as
+its ``torch.chunk``, a ZeRO range of a flat bucket as at most 2 * ndim rectangles:
+``flat_range_pieces``), so a checkpoint saved under one plan loads under any other. Why,
+and what a rank holds: docs/runtime.md, "Checkpoints".
 
 The state dict (keys as in the unwrapped model's ``state_dict``, tied names
 included, so ``dcp_to_torch_save`` gives a file the plain model loads with

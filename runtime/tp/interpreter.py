@@ -2,7 +2,7 @@
 
 Each tensor input of a node is brought from the producer's placement
 (``InputLayout.have``) to the one the node's strategy needs through
-``tp_collectives.edge`` (the plan's ``fwd`` collective in forward, its ``bwd``
+runtime/tp/collectives.py ``edge`` (the plan's ``fwd`` collective in forward, its ``bwd``
 in backward); the op then runs on the local pieces, through a local program
 when its (op, strategy) has one (runtime/tp/local_ops.py), with its size
 arguments made local, random ops seeded per op (runtime/rng.py), and means
