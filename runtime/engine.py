@@ -153,6 +153,16 @@ class ParallelModel(nn.Module):
                     "report it with this message")
 
     @property
+    def rank(self) -> int:
+        """This process's rank in the job (0 outside torchrun): print and save on rank 0."""
+        return self.ctx.rank
+
+    @property
+    def world_size(self) -> int:
+        """The processes the plan runs on (1 outside torchrun)."""
+        return self.ctx.world_size
+
+    @property
     def step(self) -> int:
         """Optimizer steps completed (restored by ``load_checkpoint``): a loop
         ``while model.step < N: model.train_step(...)`` resumes where it stopped."""
