@@ -77,10 +77,13 @@ def flag_options(values: dict[str, Any], base: Options | None = None) -> Options
 
 
 def _in_flags(text: str) -> str:
+    """A keyword's ``name=value`` as ``--flag value``, and a bare keyword name with an underscore
+    (``checkpoint_dir``, unambiguous in prose) as its flag."""
     for fld in option_fields():
         if fld.metadata["flag"] is not None:
             text = re.sub(rf"(?<![\w-]){fld.name}=", f"{flag_of(fld)} ", text)
-            text = re.sub(rf"(?<![\w-]){fld.name}(?![\w=])", flag_of(fld), text)
+            if "_" in fld.name:
+                text = re.sub(rf"(?<![\w-]){fld.name}(?![\w=])", flag_of(fld), text)
     return text
 
 

@@ -37,7 +37,7 @@ from partita.runtime.dp.averaging import (
 from partita.runtime.dp.zero import ZeroProgram, apply_zero
 from partita.runtime.mixed_precision import MasterWeights, OptimizerFactory, apply_mixed_precision
 from partita.runtime.pipeline.stage import SCHEDULES, PipelineStage, apply_pipeline
-from partita.runtime.program import MicroBatchLoss, Program, interpreter_of
+from partita.runtime.program import MicroBatchLoss, Program, tp_module_of
 from partita.runtime.rng import run_seed
 from partita.runtime.state.weights import load_eager, open_weights, state_names
 from partita.runtime.tp.module import TensorParallel, apply_tensor_parallel
@@ -159,7 +159,7 @@ def compose(module: nn.Module, plan: Plan, ctx: DistContext, options: Options, c
 def _local_buffers(local: nn.Module, pipeline: PipelineStage | None) -> list[torch.Tensor]:
     """The running statistics this rank's training forward writes: by the plan's graph in its TP
     program (a stage's), else the eager module's batch-norm statistics."""
-    program = interpreter_of(local, pipeline)
+    program = tp_module_of(local, pipeline)
     if program is None:
         return running_statistics(local)
     held = program.buffers_by_node()
@@ -180,7 +180,7 @@ def _apply_zero(local: nn.Module, pipeline: PipelineStage | None, stage: int, dp
     averager = apply_data_parallel(tied, dp_group, bucket_bytes=bucket_bytes, counter=counter, axis=DP,
                                    reduce_dtype=policy.reduce_dtype) if tied else None
     if stage == 3:
-        program = interpreter_of(local, pipeline)
+        program = tp_module_of(local, pipeline)
         if program is not None:
             program.param_access = zero  # each graph node gathers what it reads
         else:

@@ -110,7 +110,7 @@ class ParallelModel(nn.Module):
     def tensor_parallel(self) -> TensorParallel | None:
         """This rank's TP program (its stage's, in a pipeline; also at tp = 1 there or when the
         plan recomputes); None when the eager module runs."""
-        return self._program.interpreter
+        return self._program.tp_module
 
     def full_state_dict(self, *, buffers: bool = True) -> dict[str, torch.Tensor]:
         """Every parameter at full shape on every rank, however the plan spread them, and the

@@ -37,13 +37,13 @@ def copy_weights(program: Program, tp_size: int) -> dict[int, float]:
     updates = program.updates
     if updates is None:
         return weights
-    tp = program.interpreter
+    tp = program.tp_module
     placement = {id(q): pl for q, pl in tp.local_parameters().values()} if tp is not None else {}
     tied = {id(t.param): len(t.ranks) for t in program.pipeline.ties} if program.pipeline is not None else {}
     shards = {id(s) for s in program.zero.shards} if program.zero is not None else set()
     for q in updates.params:
         if id(q) in shards:
-            continue  # ZeRO's flat shards: weighted member by member (``_zero_sum``)
+            continue  # ZeRO's flat shards: weighted member by member (``NormTerms.slices``)
         w = 1.0 / program.dp_size
         if tp_size > 1 and not is_shard(placement.get(id(q), "replicate")):
             w /= tp_size
@@ -52,47 +52,60 @@ def copy_weights(program: Program, tp_size: int) -> dict[int, float]:
     return weights
 
 
+class NormTerms:
+    """What a rank's gradient norm reads, worked out once from the program's structure: each
+    gradient's copy weight (``copy_weights``), and ZeRO's flat shards as (shard, slice, weight) per
+    member parameter (a member replicated over "tp" has the same slice on every tp rank)."""
+
+    def __init__(self, program: Program, tp_size: int) -> None:
+        self.weights = copy_weights(program, tp_size)
+        self.params = [q for q in program.updates.params if id(q) in self.weights] if program.updates else []
+        self.slices: list[tuple[int, int, int, float]] = []
+        if program.zero is not None:
+            tp = program.tp_module
+            placement = {id(q): pl for q, pl in tp.local_parameters().values()} if tp is not None else {}
+            for i, b in enumerate(program.zero.buckets):
+                for p, offset in zip(b.members, b.offsets):
+                    numel = math.prod(b.shapes[b.index[id(p)]])  # (a ZeRO-3 member is parked empty)
+                    lo, hi = max(offset, b.own.start), min(offset + numel, b.own.stop)
+                    if lo < hi:
+                        w = 1.0 if tp_size == 1 or is_shard(placement.get(id(p), "replicate")) else 1.0 / tp_size
+                        self.slices.append((i, lo - b.own.start, hi - b.own.start, w))
+
+
 def global_grad_norm(program: Program, tp_size: int, device: torch.device, inv_scale: float = 1.0,
                      reduced: Mapping[int, torch.Tensor] | None = None) -> float:
     """The L2 norm of the whole model's (unscaled) gradient; a collective over the world.
-    ``reduced``: a parameter's mean gradient by ``id`` where the reducer kept it (not in ``.grad``)."""
+    ``reduced``: a parameter's mean gradient by ``id`` where the reducer kept it (not in ``.grad``).
+    The squares are summed by one foreach norm per copy weight, not one kernel per parameter."""
     reduced = reduced or {}
-    updates = program.updates
-    weights = copy_weights(program, tp_size)
-    total = torch.zeros((), dtype=torch.float32, device=device)
-    if program.zero is not None:
-        total += _zero_sum(program, tp_size).to(device)
-    for q in updates.params:
+    if program.norm_terms is None:
+        program.norm_terms = NormTerms(program, tp_size)
+    terms: NormTerms = program.norm_terms
+    by_weight: dict[float, list[torch.Tensor]] = {}
+    for q in terms.params:
         g = reduced.get(id(q), q.grad)
-        if g is not None and id(q) in weights:
-            total += _square_norm(g) * weights[id(q)]
+        if g is not None:
+            by_weight.setdefault(terms.weights[id(q)], []).append(g)
+    if terms.slices:
+        shards = program.zero.shards
+        for i, lo, hi, w in terms.slices:
+            g = shards[i].grad
+            if g is not None:
+                by_weight.setdefault(w, []).append(g[lo:hi])
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    for w, grads in by_weight.items():
+        total += _square_sum(grads) * w
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(total)
     return math.sqrt(float(total)) * inv_scale
 
 
-def _zero_sum(program: Program, tp_size: int) -> torch.Tensor:
-    """ZeRO's shards: each member parameter's slice of this rank's flat shard gradient, weighted by
-    its tp replication (a member replicated over "tp" has the same slice on every tp rank)."""
-    tp = program.interpreter
-    placement = {id(q): pl for q, pl in tp.local_parameters().values()} if tp is not None else {}
-    out = torch.zeros((), dtype=torch.float32)
-    for b, shard in zip(program.zero.buckets, program.zero.shards):
-        g = shard.grad
-        for p, offset in zip(b.members, b.offsets):
-            numel = math.prod(b.shapes[b.index[id(p)]])  # (a ZeRO-3 member is parked empty)
-            lo, hi = max(offset, b.own.start), min(offset + numel, b.own.stop)
-            if lo >= hi:
-                continue
-            w = 1.0 if tp_size == 1 or is_shard(placement.get(id(p), "replicate")) else 1.0 / tp_size
-            out = out.to(g.device) + _square_norm(g[lo - b.own.start:hi - b.own.start]) * w
-    return out
-
-
-def _square_norm(g: torch.Tensor) -> torch.Tensor:
-    """The sum of squares of ``g`` accumulated in fp32, without an fp32 copy of a bf16 or fp16
-    gradient (``vector_norm``'s ``dtype``: 2.4x faster than ``g.float().pow(2).sum()`` here)."""
-    return torch.linalg.vector_norm(g, dtype=torch.float32).square()
+def _square_sum(grads: list[torch.Tensor]) -> torch.Tensor:
+    """The sum of squares of ``grads``, accumulated in fp32 without an fp32 copy of a bf16 or fp16
+    gradient: one ``_foreach_norm`` (``dtype=float32``) over them all."""
+    norms = torch._foreach_norm(grads, 2, dtype=torch.float32)
+    return torch.stack(norms).square().sum()
 
 
 def clip_coefficient(norm: float, max_norm: float | None) -> float:

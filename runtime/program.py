@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -28,7 +29,7 @@ from partita.runtime.tp.module import TensorParallel
 MicroBatchLoss = Callable[[list[torch.Tensor], torch.Tensor], torch.Tensor]
 
 
-def interpreter_of(local: nn.Module, pipeline: PipelineStage | None) -> TensorParallel | None:
+def tp_module_of(local: nn.Module, pipeline: PipelineStage | None) -> TensorParallel | None:
     """The TP program a rank runs: its pipeline stage's, or ``local`` itself when it is one; None
     when the eager module runs."""
     if pipeline is not None:
@@ -60,6 +61,7 @@ class Program:
     state_names: dict[str, list[str]] = field(default_factory=dict)
     persistent: set[str] = field(default_factory=set)
     buffers: BufferAverager | None = None  # running statistics averaged over "dp" after each step
+    norm_terms: Any = None  # what the gradient norm reads, worked out at its first step (runtime/grad_norm.py)
 
     @property
     def updates(self) -> MasterWeights | None:
@@ -67,20 +69,20 @@ class Program:
         return self.zero.master if self.zero is not None else self.master
 
     @property
-    def interpreter(self) -> TensorParallel | None:
+    def tp_module(self) -> TensorParallel | None:
         """This rank's TP program (its stage's, in a pipeline); None on the eager path."""
-        return interpreter_of(self.module, self.pipeline)
+        return tp_module_of(self.module, self.pipeline)
 
     def local_parameters(self) -> dict[str, tuple[nn.Parameter, str]]:
         """Qualified name -> (this rank's tensor of the parameter, its tp placement)."""
-        tp = self.interpreter
+        tp = self.tp_module
         if tp is not None:
             return tp.local_parameters()
         return {n: (q, "replicate") for n, q in self.module.named_parameters()}
 
     def persistent_buffers(self) -> dict[str, torch.Tensor]:
         """This rank's buffers that are part of the model's state_dict, by name."""
-        tp = self.interpreter
+        tp = self.tp_module
         if tp is None:
             return {k: b for k, b in self.module.named_buffers() if k in self.persistent}
         return {tp.buffer_nodes[n]: b for n, b in tp.buffers_by_node().items()

@@ -16,7 +16,7 @@ backward and all-gathers the parameters after the optimizer; stage 2 reduce-scat
 every backward; stage 3 holds parameters only as shards, all-gathering a bucket before its
 first use in forward and again in backward (``gather`` / ``release``, or the eager module
 hooks). The counts are cost_model.zero_collectives'. How each stage works and composes with
-TP, the pipeline's schedule and the ZeRO-3 interpreter: docs/runtime.md, "ZeRO at run time".
+TP, the pipeline's schedule and the rank's program: docs/runtime.md, "ZeRO at run time".
 
 Frozen parameters (``requires_grad=False``) stay full and replicated and are
 not counted. The parameters must already be equal across the dp group
@@ -261,7 +261,7 @@ class ZeroProgram:
         self._release_ids([id(self._by_name[n]) for n in names], outputs)
         return outputs
 
-    # The interpreter's side (runtime/tp/interpreter.py's ``ParamAccess``): by Parameter object,
+    # The program's side (runtime/tp/program.py's ``ParamAccess``): by Parameter object,
     # per graph node. A node's backward needs the parameters it read, so every reader hooks its
     # outputs; only the last reader in forward releases them.
 

@@ -178,6 +178,12 @@ class PipelineStage(nn.Module):
         self.prev = dist.get_global_rank(self.pp_group, self.index - 1) if self.index > 0 else None
         self.next = dist.get_global_rank(self.pp_group, self.index + 1) if self.index < p - 1 else None
         self.held = [n for n in graph.nodes if n.op == "placeholder" and self.tp.holds(n)]
+        self._held_values = [self.tp.placeholder_value(n, None) for n in self.held]
+        # the stage's program: its parameters and buffers, its user inputs, what it receives -> what it
+        # sends (the last stage: the graph's output)
+        g = self.graph
+        self._inputs = [*self.held, *(n for _, n in g.inputs), *g.recv]
+        self._outputs = [g.nodes[-1]] if self.index == p - 1 else list(g.send)
         self.trace = TraceRecorder(self.rank, self.index)
         self.ties = self._tie_groups(mesh, stage_of)
         self._inflight: dict[int, _InFlight] = {}
@@ -268,30 +274,27 @@ class PipelineStage(nn.Module):
         """Forward of micro-batch ``k`` (``inputs``: its user inputs, targets last); returns the last
         stage's output (the loss in training), None elsewhere."""
         g = self.graph
-        env: dict[torch.fx.Node, Any] = {n: self.tp.placeholder_value(n, None) for n in self.held}
-        for i, n in g.inputs:
-            env[n] = self.tp.placeholder_value(n, inputs[i])
+        values = [*self._held_values, *(self.tp.placeholder_value(n, inputs[i]) for i, n in g.inputs)]
         received: list[torch.Tensor] = []
         if g.recv:
             wire = self._wire(g.recv, grads_only=False)
-            values = self._recv(wire, self.prev)
-            for (n, v, _), t in zip(wire, values):
+            got = self._recv(wire, self.prev)
+            for (n, v, _), t in zip(wire, got):
                 if grad and n.name in self.grad_nodes and v.dtype.is_floating_point:
                     t.requires_grad_(True)
                     received.append(t)
-            it = iter(values)
-            for n in g.recv:
-                env[n] = _rebuild(n.meta.get("val"), it)
+            it = iter(got)
+            values += [_rebuild(n.meta.get("val"), it) for n in g.recv]
         with self.trace.span(FORWARD, k), torch.set_grad_enabled(grad):
-            self.tp.run_nodes(g.nodes, env)
+            results = self.tp.run("stage", g.nodes, self._inputs, self._outputs, values)
         if self.is_last:
-            out = env[g.nodes[-1]]
+            out = results[0]
             out = out[-1] if isinstance(out, (tuple, list)) and len(out) == 1 else out
             if grad:
                 self._inflight[k] = _InFlight([], received, out)
             return out
         # in the compute dtype (what the plan prices), a differentiable cast: the gradient comes back in it
-        outs = [self.tp.precision.wire(t) for n in g.send for t in tensor_values(env[n])]
+        outs = [self.tp.precision.wire(t) for value in results for t in tensor_values(value)]
         self._send(outs, self.next)
         if grad:
             sent = [t for (n, v, _), t in zip(self._wire(g.send, grads_only=False), outs)

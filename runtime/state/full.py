@@ -34,7 +34,7 @@ def full_state_dict(program: Program, *, buffers: bool = True) -> dict[str, torc
 
 def _buffers(program: Program) -> dict[str, torch.Tensor]:
     """The persistent buffers, whole (never split over "tp"), each from a rank of the stage that holds it."""
-    tp = program.interpreter
+    tp = program.tp_module
     if tp is None:
         mine = {k: v for k, v in program.module.named_buffers()}
     else:
@@ -53,7 +53,7 @@ def _buffers(program: Program) -> dict[str, torch.Tensor]:
 
 def _gathered(program: Program) -> dict[str, torch.Tensor]:
     plan = program.plan
-    tp = program.interpreter
+    tp = program.tp_module
     if tp is None:  # the eager module holds whole parameters
         return {k: v.detach().clone() for k, v in program.module.named_parameters()}
     local = tp.local_parameters()

@@ -91,7 +91,7 @@ class _Held:
 
 def _tensors_of(program: Program) -> Iterator[_Held]:
     """Every parameter this rank holds, with where it sits in the whole tensor."""
-    plan, tp = program.plan, program.interpreter
+    plan, tp = program.plan, program.tp_module
     aliases = program.state_names
     local = program.local_parameters()
     t_rank, t_size = (tp.tp.rank, tp.tp.size) if tp is not None else (0, 1)

@@ -4,7 +4,7 @@ Placements (see core/tp/strategies.py): "replicate", "shard(D)" (rank r holds
 the r-th of t equal slices of dim D), "partial" (the ranks' tensors sum to the
 value). ``reshard`` turns a local tensor from one placement into another with
 the collective the plan names for that edge (``InputLayout.fwd`` / ``bwd``);
-``edge`` runs ``fwd`` in forward and ``bwd`` on the gradient in backward.
+``Reshard`` runs ``fwd`` in forward and ``bwd`` on the gradient in backward.
 Collective byte counts are the whole tensor's (the gathered / reduced tensor),
 as in the plan, so ``core/tp/layout.tp_collectives`` predicts them call for
 call and the ``CollectiveCounter`` checks it.
@@ -101,23 +101,34 @@ def reshard(g: TPGroup, x: torch.Tensor, kind: str, src: str, dst: str) -> torch
     raise ValueError(f"unknown reshard {kind!r} ({src} -> {dst})")
 
 
-class _Reshard(torch.autograd.Function):
-    """One edge of the plan: ``fwd`` in forward, ``bwd`` on the gradient in backward."""
+class Edge:
+    """One edge of the plan bound to this rank's TP group: what ``Reshard`` runs each way."""
+
+    __slots__ = ("g", "fwd", "have", "need", "bwd", "grad", "grad_need")
+
+    def __init__(self, g: TPGroup, lay: InputLayout) -> None:
+        self.g = g
+        self.fwd, self.have, self.need = lay.fwd, lay.have, lay.need
+        self.bwd, self.grad, self.grad_need = lay.bwd, lay.grad, lay.grad_need
+
+
+class Reshard(torch.autograd.Function):
+    """One edge of the plan: ``fwd`` in forward, ``bwd`` on the gradient in backward
+    (``Reshard.apply(x, edge)``, a node of the rank's program: runtime/tp/program.py)."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, g: TPGroup, lay: InputLayout) -> torch.Tensor:
-        ctx.g, ctx.lay = g, lay
-        out = reshard(g, x, lay.fwd, lay.have, lay.need)
+    def forward(ctx: Any, x: torch.Tensor, e: Edge) -> torch.Tensor:
+        ctx.e = e
+        out = reshard(e.g, x, e.fwd, e.have, e.need)
         return out.view_as(out) if out is x else out
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, None, None]:
-        lay = ctx.lay
-        return reshard(ctx.g, grad, lay.bwd, lay.grad, lay.grad_need), None, None
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, None]:
+        e = ctx.e
+        return reshard(e.g, grad, e.bwd, e.grad, e.grad_need), None
 
 
-def edge(g: TPGroup, x: Any, lay: InputLayout) -> Any:
-    """``x`` (a node's input, as its producer placed it) as the node's strategy needs it."""
-    if not isinstance(x, torch.Tensor) or (lay.fwd == "none" and lay.bwd == "none"):
-        return x
-    return _Reshard.apply(x, g, lay)
+def reshard_edge(x: torch.Tensor, e: Edge) -> torch.Tensor:
+    """``x`` (a node's input, as its producer placed it) as the node's strategy needs it, through
+    ``Reshard``: a call the rank's generated program makes by name."""
+    return Reshard.apply(x, e)

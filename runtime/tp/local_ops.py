@@ -5,8 +5,8 @@ Most nodes run their aten op on the local tensors as they are. A few strategies
 vocabulary-parallel embedding, softmax and cross-entropy, a row-parallel bias
 added on tp rank 0 only, a batch-sharded cross-entropy divided by the global
 count. Each implementation is registered under the (op, strategy) pairs it
-serves with ``@local_op``, next to its code; the interpreter
-(runtime/tp/interpreter.py) looks a node up with ``LOCAL_OPS.get((op, strategy))``.
+serves with ``@local_op``, next to its code; the program builder
+(runtime/tp/program.py) looks a node up with ``LOCAL_OPS.get((op, strategy))``.
 """
 
 from __future__ import annotations

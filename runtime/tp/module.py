@@ -2,8 +2,8 @@
 
 ``TensorParallel`` captures the training graph (model + loss) itself, keeps only
 this rank's shard of every parameter (runtime/state/weights.py ``load_local``), and
-runs the graph's nodes with the tensor-parallel interpreter over LOCAL tensors
-(runtime/tp/interpreter.py: each input resharded as the plan says by
+runs the graph's nodes as this rank's program over LOCAL tensors, generated once per
+node list and mode (runtime/tp/program.py: each input resharded as the plan says by
 runtime/tp/collectives.py, a few ops through local programs of
 runtime/tp/local_ops.py, recomputed layers per runtime/tp/recompute.py).
 
@@ -33,7 +33,7 @@ from partita.core.verify import check_layouts
 from partita.runtime.collectives import CollectiveCounter
 from partita.runtime.state.weights import load_local, open_weights
 from partita.runtime.tp.collectives import TPGroup
-from partita.runtime.tp.interpreter import LocalInterpreter, ParamAccess
+from partita.runtime.tp.program import ParamAccess, Program, build_program
 from partita.runtime.tp.recompute import RegionCache
 
 
@@ -96,9 +96,14 @@ class TensorParallel(nn.Module):
         for node, (qualified, value) in local.buffers.items():
             self.register_buffer(qualified.replace(".", "__"), value, persistent=False)
             self._buffers_by_node[node] = getattr(self, qualified.replace(".", "__"))
-        self.param_access: ParamAccess | None = None  # who holds the parameters between uses (ZeRO-3)
+        self._param_access: ParamAccess | None = None  # who holds the parameters between uses (ZeRO-3)
         self.param_reads, self.param_last_reads = self._param_readers()
         self.regions = RegionCache(plan)  # a node list with its recomputed layers grouped
+        self._programs: dict[tuple[str, bool], Program] = {}  # (name, training) -> the built program
+        placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+        self._inputs = placeholders  # the whole program's arguments: the placeholders in graph order
+        self._user_slots = [i for i, n in enumerate(placeholders) if not self.holds(n)]
+        self._held_values = [self.placeholder_value(n, None) if self.holds(n) else None for n in placeholders]
 
     def _param_readers(self) -> tuple[dict[str, list[nn.Parameter]], dict[str, list[nn.Parameter]]]:
         """Per node this rank runs, the parameters it reads (directly, or through a chain of view
@@ -147,12 +152,43 @@ class TensorParallel(nn.Module):
         """Qualified name -> (this rank's shard, its tp placement)."""
         return {k.replace("/", "."): (p, self.placements[k.replace("/", ".")]) for k, p in self.shards.items()}
 
+    @property
+    def param_access(self) -> ParamAccess | None:
+        return self._param_access
+
+    @param_access.setter
+    def param_access(self, access: ParamAccess | None) -> None:
+        self._param_access = access
+        self._programs.clear()  # its gathers and releases are nodes of the programs: build them again
+
+    def program(self, name: str, nodes: list[torch.fx.Node], inputs: list[torch.fx.Node],
+                outputs: list[torch.fx.Node]) -> Program:
+        """The program of ``nodes`` (runtime/tp/program.py) taking the values of ``inputs`` and
+        returning those of ``outputs``, built on first use in the module's mode and kept under
+        ``name`` (a caller passes the same lists under one name)."""
+        key = (name, self.training)
+        program = self._programs.get(key)
+        if program is None:
+            module = build_program(self, self.regions(nodes), inputs, outputs, training=self.training)
+            program = self._programs[key] = Program(module, self.tp)
+        return program
+
+    def run(self, name: str, nodes: list[torch.fx.Node], inputs: list[torch.fx.Node],
+            outputs: list[torch.fx.Node], values: list[Any]) -> tuple[Any, ...]:
+        """Run the program ``name`` (``program``) on ``values``, under the precision policy's autocast."""
+        with self.precision.autocast(self.device):
+            return self.program(name, nodes, inputs, outputs)(*values)
+
     def forward(self, *inputs: torch.Tensor, targets: torch.Tensor | None = None) -> Any:
         """One micro-batch through the whole graph: the loss (or, without a loss, the output)."""
-        users = iter((*inputs, targets) if targets is not None else inputs)
-        env = {n: self.placeholder_value(n, None if self.holds(n) else next(users))
-               for n in self.graph_module.graph.nodes if n.op == "placeholder"}
-        out = self.run_nodes(self.nodes, env)[self.nodes[-1]]
+        users = (*inputs, targets) if targets is not None else inputs
+        values = list(self._held_values)
+        if len(users) != len(self._user_slots):
+            raise PlanError(f"the model takes {len(self._user_slots)} inputs (targets included), got {len(users)}",
+                            hint="pass the planned inputs, and targets=")
+        for slot, user in zip(self._user_slots, users):
+            values[slot] = self.placeholder_value(self._inputs[slot], user)
+        (out,) = self.run("whole", self.nodes, self._inputs, [self.nodes[-1]], values)
         return out[-1] if isinstance(out, (tuple, list)) and targets is not None else out
 
     def buffers_by_node(self) -> dict[str, torch.Tensor]:
@@ -176,12 +212,6 @@ class TensorParallel(nn.Module):
             raise PlanError(f"input {n.name} has shape {got}, but the plan's micro-batch is {want}",
                             hint="pass batches of the plan's shape, or recompile for this shape")
         return user.to(self.device)
-
-    def run_nodes(self, nodes: list[torch.fx.Node], env: dict[torch.fx.Node, Any]) -> dict[torch.fx.Node, Any]:
-        """Run ``nodes`` (a subset of ``self.nodes``, in graph order) over ``env``, under the
-        precision policy's autocast (runtime/tp/interpreter.py)."""
-        with self.precision.autocast(self.device):
-            return LocalInterpreter(self).run_items(self.regions(nodes), env)
 
 
 def _micro_batch_specs(plan: Plan) -> tuple[list[InputSpec], InputSpec | None]:

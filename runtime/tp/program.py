@@ -1,0 +1,345 @@
+"""The per-rank program: a plan's node decisions made, once, into generated code over local tensors.
+
+``build_program`` turns nodes of the captured graph (the whole graph, a pipeline stage's, or a
+recomputed layer's) into a ``torch.fx.GraphModule`` of this rank's ops only, built before the
+first micro-batch and cached (``TensorParallel.program``). Every decision that depends on the
+plan and the graph alone is taken while building, none while running:
+
+- each tensor input is resharded from its producer's placement to the one the node's strategy
+  needs by one graph node (``reshard``: the plan's ``fwd`` collective in forward, ``bwd`` on the
+  gradient, runtime/tp/collectives.py); an edge that needs neither is no node at all;
+- size arguments (``view``, ``reshape``, ``expand``, ``unflatten``) are the local sizes;
+- ops with a local program (runtime/tp/local_ops.py), random ops (seeded per op, runtime/rng.py),
+  the division of a mean over a sharded dim, and ZeRO-3's gather / release of a node's
+  parameters (``ParamAccess``) are graph nodes;
+- a recomputed layer (runtime/tp/recompute.py) is a sub-program run under checkpointing;
+- eval mode is a program of its own (``_TRAIN_ARG``'s ops in eval; no buffer update).
+
+The first run of each program goes node by node (``torch.fx.Interpreter``) and checks every
+local output's shape against the plan, naming the node on a mismatch or a failure; later runs
+call the generated code. The program is what ``compile=True`` hands to ``torch.compile``.
+"""
+
+from __future__ import annotations
+
+import functools
+import operator
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol
+
+import torch
+import torch.fx
+from torch import nn
+
+from partita.core.errors import PlanError
+from partita.core.ops import tensor_values
+from partita.core.placement import shard_dim
+from partita.core.plan import NodeDecision
+from partita.core.precision import PrecisionPolicy
+from partita.runtime.rng import is_random, op_seed, seeded
+from partita.runtime.tp.collectives import Edge, TPGroup, local_shape, reshard_edge
+from partita.runtime.tp.local_ops import LOCAL_OPS
+from partita.runtime.tp.recompute import Region, run_recomputed
+from partita.runtime.watchdog import FLIGHT
+
+_SIZE_ARG = frozenset({"view", "reshape", "_unsafe_view", "expand"})
+# The captured graph is the training forward. In eval mode (``module.eval()``) the ops whose result
+# depends on the mode run as PyTorch runs them in eval: their ``train`` argument (at this index)
+# False, so dropout passes its input through and batch norm normalises by its running statistics.
+_TRAIN_ARG = {"dropout": 2, "feature_dropout": 2, "alpha_dropout": 2, "feature_alpha_dropout": 2, "batch_norm": 5}
+_CHECK = "partita_check"  # node.meta key: (original node, decision) of a node whose local shapes are checked
+
+
+class ParamAccess(Protocol):
+    """Who holds the parameters between their uses (ZeRO-3, runtime/dp/zero.py): the program
+    asks for a node's parameters before it runs and says when forward is done with them."""
+
+    def gather_params(self, params: Sequence[nn.Parameter]) -> None: ...
+
+    def used_params(self, params: Sequence[nn.Parameter], outputs: Any) -> None: ...
+
+    def release_params(self, params: Sequence[nn.Parameter], outputs: Any) -> None: ...
+
+
+class LocalProgram(Protocol):
+    """What the builder reads of the rank's tensor-parallel part (runtime/tp/module.py)."""
+
+    graph_module: torch.fx.GraphModule
+    decisions: Mapping[str, NodeDecision]
+    tp: TPGroup
+    device: torch.device
+    precision: PrecisionPolicy
+    rng: tuple[int, int] | None  # (run seed, dp rank), or None: random ops draw from the user's generator
+    param_access: ParamAccess | None
+    param_reads: Mapping[str, list[nn.Parameter]]  # node -> the parameters it reads
+    param_last_reads: Mapping[str, list[nn.Parameter]]  # node -> those forward is done with after it
+    buffer_nodes: Mapping[str, str]  # buffer placeholder -> its name
+
+
+def op_name(n: torch.fx.Node) -> str:
+    """The op a node calls, as ``LOCAL_OPS`` keys it ("linear", "getitem", ...)."""
+    if n.target is operator.getitem:
+        return "getitem"
+    return getattr(n.target, "__name__", str(n.target)).split(".")[0]
+
+
+def expected_shapes(g: TPGroup, n: torch.fx.Node, d: NodeDecision) -> list[tuple[int, ...]]:
+    """The local shapes of ``n``'s tensor outputs on this rank: the global ones, sharded as the plan says."""
+    return [local_shape(v.shape, p, g.size) for v, p in zip(tensor_values(n.meta.get("val")), d.out)]
+
+
+# -- what the generated code calls -----------------------------------------------------------------
+
+
+def call(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)``: how generated code calls an object the program holds (a local op,
+    a seeded random op, a recomputed layer)."""
+    return fn(*args, **kwargs)
+
+
+def gather(access: ParamAccess, params: list[nn.Parameter]) -> None:
+    access.gather_params(params)
+
+
+def used(access: ParamAccess, params: list[nn.Parameter], out: Any, done: list[nn.Parameter] | None) -> None:
+    access.used_params(params, out)
+    if done:
+        access.release_params(done, out)
+
+
+def view_or_reshape(x: torch.Tensor, shape: list[int]) -> torch.Tensor:
+    """``x.view(shape)``, or a copy when a resharded local tensor's strides do not allow the view
+    the captured program took (a ``.contiguous()`` that was a no-op there is not in the graph)."""
+    try:
+        return x.view(shape)
+    except RuntimeError:
+        return x.reshape(shape)
+
+
+class LocalOp:
+    """A node whose (op, strategy) has a local program (runtime/tp/local_ops.py), bound to its node."""
+
+    def __init__(self, fn: Callable[..., Any], g: TPGroup, n: torch.fx.Node) -> None:
+        self.fn, self.g, self.n = fn, g, n
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.fn(self.g, self.n, list(args), kwargs)
+
+
+class RandomOp:
+    """A random op drawn with the generator seeded for it alone (runtime/rng.py ``op_seed``)."""
+
+    def __init__(self, target: Any, name: str, rng: tuple[int, int], tp_rank: int | None,
+                 device: torch.device) -> None:
+        self.target, self.name, self.tp_rank, self.device = target, name, tp_rank, device
+        self.base, self.dp_rank = rng
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        seed = op_seed(self.base, self.name, FLIGHT.step, FLIGHT.micro_batch, self.dp_rank, self.tp_rank)
+        with seeded(seed, self.device):
+            return self.target(*args, **kwargs)
+
+
+class Recomputed(nn.Module):
+    """A recomputed layer: its sub-program, whose intermediates are rebuilt in backward under the
+    autocast the forward ran in."""
+
+    def __init__(self, program: torch.fx.GraphModule, autocast: Callable[[], Any]) -> None:
+        super().__init__()
+        self.program, self.autocast = program, autocast
+
+    def forward(self, *values: Any) -> tuple[Any, ...]:
+        return run_recomputed(self.program, values, self.autocast)
+
+
+# -- building ----------------------------------------------------------------------------------------
+
+
+def build_program(p: LocalProgram, items: Sequence[torch.fx.Node | Region], inputs: Sequence[torch.fx.Node],
+                  outputs: Sequence[torch.fx.Node], *, training: bool) -> torch.fx.GraphModule:
+    """The generated program of ``items`` (nodes of ``p.graph_module`` in order, recomputed layers
+    grouped): its arguments are the values of ``inputs``, it returns those of ``outputs``."""
+    return _Builder(p, training).build(items, inputs, outputs)
+
+
+class _Builder:
+    def __init__(self, p: LocalProgram, training: bool) -> None:
+        self.p, self.training = p, training
+        self.graph = torch.fx.Graph()
+        self.attrs: dict[str, Any] = {}
+        self.env: dict[torch.fx.Node, Any] = {}
+
+    def attr(self, prefix: str, obj: Any) -> torch.fx.Node:
+        """A get_attr node for ``obj``, which the program holds as an attribute."""
+        name = f"{prefix}_{len(self.attrs)}"
+        self.attrs[name] = obj
+        return self.graph.get_attr(name)
+
+    def build(self, items: Sequence[torch.fx.Node | Region], inputs: Sequence[torch.fx.Node],
+              outputs: Sequence[torch.fx.Node]) -> torch.fx.GraphModule:
+        for n in inputs:
+            self.env[n] = self.graph.placeholder(n.name)
+        for item in items:
+            if isinstance(item, Region):
+                self._region(item)
+            else:
+                self.env[item] = self._node(item)
+        self.graph.output(tuple(self.env[n] for n in outputs))
+        module = torch.fx.GraphModule(self.attrs, self.graph, class_name="RankProgram")
+        return module
+
+    def _region(self, r: Region) -> None:
+        sub = _Builder(self.p, self.training).build(r.nodes, r.inputs, r.outputs)
+        autocast = functools.partial(self.p.precision.autocast, self.p.device)
+        out = self.graph.call_function(call, (self.attr("recomputed", Recomputed(sub, autocast)),
+                                              *(self.env[a] for a in r.inputs)))
+        for i, o in enumerate(r.outputs):
+            self.env[o] = self.graph.call_function(operator.getitem, (out, i))
+
+    def _node(self, n: torch.fx.Node) -> Any:
+        if n.op == "get_attr":
+            return self.attr("constant", _fetch_attr(self.p.graph_module, n.target))
+        d = self.p.decisions[n.name]
+        reads = self.p.param_reads.get(n.name) if self.p.param_access is not None else None
+        if reads:  # before the inputs are resharded: they read the parameters
+            self.graph.call_function(gather, (self.attr("access", self.p.param_access), self.attr("params", reads)))
+        args, kwargs = self._local_args(n, d)
+        if n.op == "output":
+            return args[0]
+        if n.op != "call_function":
+            raise PlanError(f"node {n.name}: {n.op} nodes are not supported by the tensor-parallel runtime",
+                            hint="plan this model without tensor parallelism (--tp 1)")
+        if n.target is torch.ops.aten._assert_tensor_metadata.default and self.p.precision.low:
+            return None  # export's check of the captured (fp32) dtype: the policy computes in another
+        out = self._op(n, d, args, kwargs)
+        if isinstance(out, torch.fx.Node):
+            out.meta[_CHECK] = (n, d)
+        if reads:
+            done = self.p.param_last_reads.get(n.name)
+            self.graph.call_function(used, (self.attr("access", self.p.param_access), self.attr("params", reads),
+                                            out, self.attr("params", done) if done else None))
+        return out
+
+    def _local_args(self, n: torch.fx.Node, d: NodeDecision) -> tuple[list, dict]:
+        j = 0
+        getitem = n.target is operator.getitem
+
+        def fetch(a: torch.fx.Node) -> Any:
+            nonlocal j
+            v = self.env[a]
+            if not tensor_values(a.meta.get("val")):
+                return v
+            lay = d.ins[j]
+            j += 1
+            return v if getitem else self._edge(v, lay)
+
+        args = list(torch.fx.map_arg(n.args, fetch))
+        kwargs = dict(torch.fx.map_arg(n.kwargs, fetch))
+        if j != len(d.ins):
+            raise PlanError(f"node {n.name}: the plan lists {len(d.ins)} tensor inputs, the graph has {j}",
+                            hint="recompile the plan for this model with `partita compile`")
+        if getitem:
+            args = [self._edge(self.graph.call_function(operator.getitem, (args[0], args[1])), d.ins[0])]
+        return args, kwargs
+
+    def _edge(self, v: Any, lay: Any) -> Any:
+        if lay.fwd == "none" and lay.bwd == "none":
+            return v
+        return self.graph.call_function(reshard_edge, (v, self.attr("edge", Edge(self.p.tp, lay))))
+
+    def _op(self, n: torch.fx.Node, d: NodeDecision, args: list, kwargs: dict) -> Any:
+        g, name = self.p.tp, op_name(n)
+        if name == "getitem":
+            return args[0]
+        local = LOCAL_OPS.get((name, d.strategy))
+        if local is not None:
+            return self.graph.call_function(call, (self.attr("local", LocalOp(local, g, n)), *args), kwargs)
+        if not self.training:
+            if name in _TRAIN_ARG and len(args) > _TRAIN_ARG[name]:
+                args[_TRAIN_ARG[name]] = False
+            elif name.endswith("_") and isinstance(n.args[0], torch.fx.Node) and n.args[0].name in self.p.buffer_nodes:
+                return args[0]  # a buffer's in-place update (batch norm's count of batches): training only
+        val = n.meta.get("val")
+        if name in _SIZE_ARG:
+            args[1] = list(local_shape(val.shape, d.out[0], g.size))
+        elif name == "unflatten":
+            dim = args[1] % val.dim()
+            args[2] = list(local_shape(val.shape, d.out[0], g.size))[dim:dim + len(args[2])]
+        if name in ("dropout", "feature_dropout", "alpha_dropout") and args[1] == 0:
+            return args[0]  # p = 0 draws nothing and changes nothing
+        if self.p.rng is not None and is_random(n.target):
+            sharded = shard_dim(d.out[0]) is not None if d.out else False
+            op = RandomOp(n.target, n.name, self.p.rng, g.rank if sharded else None, self.p.device)
+            return self.graph.call_function(call, (self.attr("random", op), *args), kwargs)
+        if name == "view":
+            out = self.graph.call_function(view_or_reshape, (args[0], args[1]))
+        else:
+            out = self.graph.call_function(n.target, tuple(args), kwargs)
+        if name == "mean" and d.out[0] == "partial" and shard_dim(d.ins[0].need) is not None:
+            out.meta[_CHECK] = None
+            out = self.graph.call_function(operator.truediv, (out, g.size))  # as by the global count
+        return out
+
+
+def _fetch_attr(module: torch.fx.GraphModule, target: str) -> Any:
+    obj: Any = module
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+# -- running ---------------------------------------------------------------------------------------
+
+
+class CheckedRun(torch.fx.Interpreter):
+    """A program's first run, node by node: every local output's shape is checked against the plan,
+    and a failure names the graph node it came from."""
+
+    def __init__(self, module: torch.fx.GraphModule, g: TPGroup) -> None:
+        super().__init__(module)
+        self.g = g
+
+    def run_node(self, node: torch.fx.Node) -> Any:
+        if node.op == "call_function" and node.target is call and isinstance(self.env.get(node.args[0]), Recomputed):
+            region = self.env[node.args[0]]
+            args = [self.env[a] if isinstance(a, torch.fx.Node) else a for a in node.args[1:]]
+            return run_recomputed(lambda *v: CheckedRun(region.program, self.g).run(*v), args, region.autocast)
+        check = node.meta.get(_CHECK)
+        try:
+            out = super().run_node(node)
+        except PlanError:
+            raise
+        except Exception as e:
+            if check is None:
+                raise
+            n, d = check
+            raise RuntimeError(f"tensor-parallel node {n.format_node()} (strategy {d.strategy!r}, "
+                               f"module {d.module or '<root>'}) failed on tp rank {self.g.rank}: {e}") from e
+        if check is not None:
+            n, d = check
+            got = [tuple(v.shape) for v in tensor_values(out)]
+            want = expected_shapes(self.g, n, d)
+            if got != want:
+                raise PlanError(
+                    f"tensor-parallel node {n.format_node()} (strategy {d.strategy!r}, outputs {list(d.out)}) "
+                    f"produced local shapes {got} on tp rank {self.g.rank}, the plan expects {want}",
+                    hint="recompile the plan for this model with `partita compile`")
+        return out
+
+
+class Program:
+    """A built program and how it runs: checked node by node the first time, generated code after."""
+
+    def __init__(self, module: torch.fx.GraphModule, g: TPGroup) -> None:
+        self.module, self.g = module, g
+        self.checked = False
+        self.compiled: Callable[..., Any] | None = None
+
+    def __call__(self, *values: Any) -> tuple[Any, ...]:
+        if self.compiled is not None:
+            return self.compiled(*values)
+        if not self.checked:
+            out = CheckedRun(self.module, self.g).run(*values)
+            self.checked = True
+            return out
+        return self.module(*values)
