@@ -121,14 +121,14 @@ class MasterWeights:
         self.optimizer.step()
         for i in chunk:
             self.masters[i].grad = None
-            self.params[i].copy_(self.masters[i])
+        # the working copies refreshed from the masters in one foreach copy, not a kernel a parameter
+        torch._foreach_copy_([self.params[i] for i in chunk], [self.masters[i] for i in chunk])
 
     @torch.no_grad()
     def masters_to_params(self) -> None:
         """After loading into the masters: the parameters take their values."""
         if self.separate:
-            for p, m in zip(self.params, self.masters):
-                p.copy_(m)
+            torch._foreach_copy_(self.params, self.masters)
 
     def master_bytes(self) -> int:
         """Bytes of the fp32 masters (0 when they are the parameters)."""

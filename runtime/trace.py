@@ -17,6 +17,7 @@ the processes of one machine.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import json
 import time
@@ -25,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from partita.core.plan import Plan
 from partita.core.schedule import BACKWARD, FORWARD  # noqa: F401 (re-exported)
@@ -71,3 +73,20 @@ class TraceRecorder:
         path = Path(path)
         path.write_text(json.dumps(data))
         return path
+
+
+class DispatchCount(TorchDispatchMode):
+    """The aten ops dispatched inside the block, by op (``count`` in all): on a CPU the proxy for
+    the kernels a step launches on a GPU (benchmarks/dispatch_count.py)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: collections.Counter[str] = collections.Counter()
+
+    @property
+    def count(self) -> int:
+        return sum(self.ops.values())
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        self.ops[str(func)] += 1
+        return func(*args, **(kwargs or {}))
