@@ -115,6 +115,9 @@ class Options:
                                            "global batch (default 100)", flag=None,
                                            env="PARTITA_BATCH_CHECK_EVERY", kind=int)
     bucket_bytes: int | None = option(None, RUN, "gradient bucket size instead of the plan's", flag=None, kind=int)
+    compile: bool | None = option(None, RUN, "run each rank's program through torch.compile (inductor), whole "
+                                  "where it can be; a graph break is reported in one line", commands=("run",),
+                                  env="PARTITA_COMPILE", kind=bool)
 
     def __post_init__(self) -> None:
         _set = object.__setattr__
@@ -209,9 +212,9 @@ class Options:
                 value = _parse(kind, raw)
                 Options(**{f.name: value, **({"checkpoint_dir": "."} if f.name == "checkpoint_every" else {})})
             except ValueError:
-                raise PartitaError(f"{env}={raw!r} is not {'a whole number' if kind is int else 'a number'}",
-                                   hint=f"set {env} to {'a whole number' if kind is int else 'a number'} "
-                                   f"(see `partita run --help`), or unset it") from None
+                what = {int: "a whole number", float: "a number", bool: "1 or 0 (true or false)"}[kind]
+                raise PartitaError(f"{env}={raw!r} is not {what}",
+                                   hint=f"set {env} to {what} (see `partita run --help`), or unset it") from None
             except PartitaError as e:
                 raise PartitaError(f"{env}={raw!r}: {e.message}",
                                    hint=f"set {env} to a valid value, or unset it") from None
@@ -307,6 +310,12 @@ def _parse(kind: type, raw: str) -> Any:
         return text
     if not text.isascii():
         raise ValueError(raw)
+    if kind is bool:
+        words = {"1": True, "true": True, "yes": True, "on": True,
+                 "0": False, "false": False, "no": False, "off": False}
+        if text.lower() not in words:
+            raise ValueError(raw)
+        return words[text.lower()]
     return kind(text)
 
 

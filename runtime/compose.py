@@ -41,6 +41,7 @@ from partita.runtime.program import MicroBatchLoss, Program, tp_module_of
 from partita.runtime.rng import run_seed
 from partita.runtime.state.weights import load_eager, open_weights, state_names
 from partita.runtime.tp.module import TensorParallel, apply_tensor_parallel
+from partita.runtime.tp.program import compiled
 
 LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
 DP, TP = MeshAxis.DP.value, MeshAxis.TP.value
@@ -117,18 +118,19 @@ def compose(module: nn.Module, plan: Plan, ctx: DistContext, options: Options, c
     pipeline = None
     if plan.mesh.pp > 1:
         local = pipeline = apply_pipeline(module, plan, mesh, loss_fn=graph_loss, counter=counter,
-                                          device=ctx.device, precision=policy, rng=rng, weights=weights)
+                                          device=ctx.device, precision=policy, rng=rng, weights=weights,
+                                          compile=bool(options.compile))
         loss = None  # the stage's schedule runs the micro-batches
     elif interpreted:
         local = apply_tensor_parallel(module, plan, mesh[TP].get_group() if plan.mesh.tp > 1 else None,
                                       loss_fn=graph_loss, counter=counter, device=ctx.device,
-                                      precision=policy, rng=rng, weights=weights)
+                                      precision=policy, rng=rng, weights=weights, compile=bool(options.compile))
         loss = _program_loss(local)
     else:
         if weights is not None:
             load_eager(module, open_weights(weights))
         local = module.to(ctx.device)
-        loss = _eager_loss(local, loss_fn, policy, ctx.device)
+        loss = _eager_loss(local, loss_fn, policy, ctx.device, compile=bool(options.compile))
     # 3. mixed precision
     scaler = apply_mixed_precision(local, policy, training=training)
     # 4. ZeRO / data parallelism, and the optimizer
@@ -195,9 +197,10 @@ def _program_loss(program: TensorParallel) -> MicroBatchLoss:
     return loss
 
 
-def _eager_loss(module: nn.Module, loss_fn: LossFn, policy: PrecisionPolicy, device: torch.device) -> MicroBatchLoss:
+def _eager_loss(module: nn.Module, loss_fn: LossFn, policy: PrecisionPolicy, device: torch.device, *,
+                compile: bool = False) -> MicroBatchLoss:
     def loss(xs: list[torch.Tensor], y: torch.Tensor) -> torch.Tensor:
         with policy.autocast(device):  # the precision policy's forward (runtime/mixed_precision.py)
             return training_loss(loss_fn, module, xs, y)
 
-    return loss
+    return compiled(loss, "the rank's model and loss") if compile else loss

@@ -151,7 +151,7 @@ class PipelineStage(nn.Module):
 
     def __init__(self, module: nn.Module, plan: Plan, mesh: Any, *, loss_fn: Callable | None,
                  counter: CollectiveCounter, device: torch.device, precision: PrecisionPolicy,
-                 rng: tuple[int, int] | None, weights: str | Path | None = None) -> None:
+                 rng: tuple[int, int] | None, weights: str | Path | None = None, compile: bool = False) -> None:
         super().__init__()
         self.plan, self.counter, self.device = plan, counter, device
         p = plan.mesh.pp
@@ -169,7 +169,7 @@ class PipelineStage(nn.Module):
         tp_group = mesh[MeshAxis.TP.value].get_group() if plan.mesh.tp > 1 else None
         self.tp = TensorParallel(module, plan, tp_group, loss_fn=loss_fn, counter=counter, device=device,
                                  weights=weights, keep=lambda n: stage_of.get(n.name) == self.index,
-                                 precision=precision, rng=rng)
+                                 precision=precision, rng=rng, compile=compile)
         graph = self.tp.graph_module.graph
         held = lambda n: n.name in self.tp.param_nodes or n.name in self.tp.buffer_nodes
         self.stages = split_stages(graph, stage_of, p, held)
@@ -411,8 +411,9 @@ class PipelineStage(nn.Module):
 
 def apply_pipeline(module: nn.Module, plan: Plan, mesh: Any, *, loss_fn: Callable | None,
                    counter: CollectiveCounter, device: torch.device, precision: PrecisionPolicy,
-                   rng: tuple[int, int] | None, weights: str | Path | None = None) -> PipelineStage:
+                   rng: tuple[int, int] | None, weights: str | Path | None = None,
+                   compile: bool = False) -> PipelineStage:
     """Compose's pipeline step: this rank's stage, the TP program over the stage's nodes (tensor
     parallelism inside it, over "tp" when tp > 1), linked to its neighbours over "pp"."""
     return PipelineStage(module, plan, mesh, loss_fn=loss_fn, counter=counter, device=device,
-                         precision=precision, rng=rng, weights=weights)
+                         precision=precision, rng=rng, weights=weights, compile=compile)

@@ -60,13 +60,15 @@ class TensorParallel(nn.Module):
                  loss_fn: Callable[[Any, torch.Tensor], torch.Tensor] | None, counter: CollectiveCounter,
                  device: torch.device, weights: str | Path | None = None,
                  keep: Callable[[torch.fx.Node], bool] | None = None,
-                 precision: PrecisionPolicy = FP32, rng: tuple[int, int] | None = None) -> None:
+                 precision: PrecisionPolicy = FP32, rng: tuple[int, int] | None = None,
+                 compile: bool = False) -> None:
         super().__init__()
         self.tp = TPGroup(group, counter)
         self.plan = plan
         self.device = device
         self.precision = precision
         self.rng = rng
+        self.compile = compile  # each program through torch.compile (runtime/tp/program.py ``compiled``)
         self.decisions = {d.name: d for d in plan.nodes}
         captured = _capture(module, plan, loss_fn)  # dropped after loading: it holds the lifted constants
         self.graph_module = captured.graph_module
@@ -169,8 +171,9 @@ class TensorParallel(nn.Module):
         key = (name, self.training)
         program = self._programs.get(key)
         if program is None:
-            module = build_program(self, self.regions(nodes), inputs, outputs, training=self.training)
-            program = self._programs[key] = Program(module, self.tp)
+            module = build_program(self, self.regions(nodes), inputs, outputs, training=self.training,
+                                   compiling=self.compile)
+            program = self._programs[key] = Program(module, self.tp, compile=self.compile, name=name)
         return program
 
     def run(self, name: str, nodes: list[torch.fx.Node], inputs: list[torch.fx.Node],
@@ -240,8 +243,8 @@ def _capture(module: nn.Module, plan: Plan, loss_fn: Callable | None) -> Capture
 def apply_tensor_parallel(module: nn.Module, plan: Plan, group: dist.ProcessGroup | None, *,
                           loss_fn: Callable | None, counter: CollectiveCounter, device: torch.device,
                           precision: PrecisionPolicy, rng: tuple[int, int] | None,
-                          weights: str | Path | None = None) -> TensorParallel:
+                          weights: str | Path | None = None, compile: bool = False) -> TensorParallel:
     """Compose's tensor-parallel step: this rank's shards of ``module`` and the program over the
     "tp" ``group`` (None: a one-rank group, for a plan that only recomputes)."""
     return TensorParallel(module, plan, group, loss_fn=loss_fn, counter=counter, device=device,
-                          weights=weights, precision=precision, rng=rng)
+                          weights=weights, precision=precision, rng=rng, compile=compile)

@@ -29,6 +29,7 @@ from typing import Any, Protocol
 
 import torch
 import torch.fx
+import torch.utils.checkpoint
 from torch import nn
 
 from partita.core.errors import PlanError
@@ -142,13 +143,16 @@ class RandomOp:
 
 class Recomputed(nn.Module):
     """A recomputed layer: its sub-program, whose intermediates are rebuilt in backward under the
-    autocast the forward ran in."""
+    autocast the forward ran in. In a program for ``torch.compile``, torch's own checkpoint, which
+    the compiler traces (as its activation-checkpoint region) where it cannot trace ours."""
 
-    def __init__(self, program: torch.fx.GraphModule, autocast: Callable[[], Any]) -> None:
+    def __init__(self, program: torch.fx.GraphModule, autocast: Callable[[], Any], compiling: bool) -> None:
         super().__init__()
-        self.program, self.autocast = program, autocast
+        self.program, self.autocast, self.compiling = program, autocast, compiling
 
     def forward(self, *values: Any) -> tuple[Any, ...]:
+        if self.compiling and torch.is_grad_enabled():
+            return torch.utils.checkpoint.checkpoint(self.program, *values, use_reentrant=False)
         return run_recomputed(self.program, values, self.autocast)
 
 
@@ -156,15 +160,16 @@ class Recomputed(nn.Module):
 
 
 def build_program(p: LocalProgram, items: Sequence[torch.fx.Node | Region], inputs: Sequence[torch.fx.Node],
-                  outputs: Sequence[torch.fx.Node], *, training: bool) -> torch.fx.GraphModule:
+                  outputs: Sequence[torch.fx.Node], *, training: bool, compiling: bool = False) -> torch.fx.GraphModule:
     """The generated program of ``items`` (nodes of ``p.graph_module`` in order, recomputed layers
-    grouped): its arguments are the values of ``inputs``, it returns those of ``outputs``."""
-    return _Builder(p, training).build(items, inputs, outputs)
+    grouped): its arguments are the values of ``inputs``, it returns those of ``outputs``;
+    ``compiling``: for ``torch.compile`` (``Recomputed``)."""
+    return _Builder(p, training, compiling).build(items, inputs, outputs)
 
 
 class _Builder:
-    def __init__(self, p: LocalProgram, training: bool) -> None:
-        self.p, self.training = p, training
+    def __init__(self, p: LocalProgram, training: bool, compiling: bool = False) -> None:
+        self.p, self.training, self.compiling = p, training, compiling
         self.graph = torch.fx.Graph()
         self.attrs: dict[str, Any] = {}
         self.env: dict[torch.fx.Node, Any] = {}
@@ -189,9 +194,9 @@ class _Builder:
         return module
 
     def _region(self, r: Region) -> None:
-        sub = _Builder(self.p, self.training).build(r.nodes, r.inputs, r.outputs)
+        sub = _Builder(self.p, self.training, self.compiling).build(r.nodes, r.inputs, r.outputs)
         autocast = functools.partial(self.p.precision.autocast, self.p.device)
-        out = self.graph.call_function(call, (self.attr("recomputed", Recomputed(sub, autocast)),
+        out = self.graph.call_function(call, (self.attr("recomputed", Recomputed(sub, autocast, self.compiling)),
                                               *(self.env[a] for a in r.inputs)))
         for i, o in enumerate(r.outputs):
             self.env[o] = self.graph.call_function(operator.getitem, (out, i))
@@ -328,18 +333,49 @@ class CheckedRun(torch.fx.Interpreter):
 
 
 class Program:
-    """A built program and how it runs: checked node by node the first time, generated code after."""
+    """A built program and how it runs: checked node by node the first time, then its generated
+    code, or (``compile``) that code through ``torch.compile`` (``compiled``)."""
 
-    def __init__(self, module: torch.fx.GraphModule, g: TPGroup) -> None:
+    def __init__(self, module: torch.fx.GraphModule, g: TPGroup, *, compile: bool = False,
+                 name: str = "program") -> None:
         self.module, self.g = module, g
-        self.checked = False
-        self.compiled: Callable[..., Any] | None = None
+        self.compile, self.name = compile, name
+        self.runner: Callable[..., Any] | None = None
 
     def __call__(self, *values: Any) -> tuple[Any, ...]:
-        if self.compiled is not None:
-            return self.compiled(*values)
-        if not self.checked:
-            out = CheckedRun(self.module, self.g).run(*values)
-            self.checked = True
+        if self.runner is not None:
+            return self.runner(*values)
+        out = CheckedRun(self.module, self.g).run(*values)
+        self.runner = compiled(self.module, f"the rank's {self.name} program") if self.compile else self.module
+        return out
+
+
+def compiled(fn: Callable[..., Any], what: str) -> Callable[..., Any]:
+    """``fn`` through ``torch.compile`` (inductor): whole (``fullgraph``) where it can be; where
+    it cannot, one line says where the graph breaks and it runs compiled in pieces."""
+    whole = torch.compile(fn, fullgraph=True)
+    chosen: list[Callable[..., Any]] = []
+
+    def run(*values: Any) -> Any:
+        if chosen:
+            return chosen[0](*values)
+        try:
+            out = whole(*values)
+            chosen.append(whole)
             return out
-        return self.module(*values)
+        except torch._dynamo.exc.TorchDynamoException as e:  # raised while tracing, before anything ran
+            reason = next((line.strip() for line in str(e).splitlines() if line.strip()), type(e).__name__)
+            if _reports():
+                print(f"partita: torch.compile: {what} breaks the graph ({reason[:160]}); it runs compiled "
+                      "in pieces", flush=True)
+            chosen.append(torch.compile(fn))
+            return chosen[0](*values)
+
+    return run
+
+
+def _reports() -> bool:
+    """Whether this rank prints what every rank would (rank 0, or the only process)."""
+    import torch.distributed as dist
+
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
