@@ -2,7 +2,7 @@
 under torchrun (the plan made by rank 0), under `partita run PLAN.json` (the plan from a file),
 and on the harness's gloo group with the plan passed as `partita run` passes it (``run_plan``).
 
-usage: decorator_script.py OUT.json
+usage: decorator_script.py OUT.json   (the repository's root on PYTHONPATH)
 """
 
 import json
@@ -11,10 +11,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import partita  # noqa: E402
-from examples.models import gpt_tiny  # noqa: E402
+import partita
+from examples.models import gpt_tiny
 
 STEPS, BATCH, SEQ = 3, 8, 32
 

@@ -1,15 +1,16 @@
-"""Checks run inside each rank of a multi-process data-parallel test (see test_runtime_dp.py),
+"""What each rank of a multi-process data-parallel test measures (test_runtime_dp.py asserts it),
 and the small models, batches, optimizers and hand-built plans the other workers share.
 
 Every rank runs partita's ParallelModel and, in the same process, a plain
 single-process reference of the same model over the same global batch, and
-compares losses, first-step gradients and final parameters. Failures raise, and
-tests/harness.py reports them; the largest errors are returned for the log.
+returns both runs' losses, how far the first step's gradients and the final
+parameters are from the reference's (``harness.gaps``), the collectives counted
+each step and the plan's list, and the messages of the refusals.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -17,16 +18,22 @@ from torch import nn
 
 from examples.models import MLP, gpt_tiny
 from partita.core.errors import PartitaError, PlanError
+from partita.core.options import Options
 from partita.core.plan import (
-    Collective, MemoryBreakdown, Mesh, ModelInfo, Plan, Prediction, SolverReport, Training,
+    Collective,
+    MemoryBreakdown,
+    Mesh,
+    ModelInfo,
+    Plan,
+    Prediction,
+    SolverReport,
+    Training,
 )
-from harness import check_close, check_loss, reference_step
 from partita.runtime.collectives import CollectiveCounter
 from partita.runtime.distributed import DistContext
 from partita.runtime.engine import ParallelModel
-from partita.core.options import Options
+from tests.harness import gaps, reference_step
 
-RTOL, ATOL = 1e-5, 1e-6
 STEPS = 3
 ACCUM = 2
 MBS = 2
@@ -101,9 +108,21 @@ def _grab_grads(opt: torch.optim.Optimizer, store: list) -> None:
     opt.register_step_pre_hook(hook)
 
 
+def raised(make: Callable[[], object], error: type[Exception]) -> str | None:
+    """The message of the ``error`` that ``make()`` raises; None if it raises nothing (another
+    exception propagates)."""
+    try:
+        make()
+    except error as e:
+        return str(e)
+    return None
+
+
 def compare_with_reference(ctx: DistContext, dp: int, model_name: str, opt_name: str,
                            *, local: bool = False) -> dict:
-    """Train STEPS steps with ParallelModel and with the plain model; assert they match."""
+    """Train STEPS steps with ParallelModel and with the plain model: both runs' losses, the
+    gradients and final parameters against the reference's, the collectives of each step and
+    the buckets averaged during backward."""
     factory, batch, loss_fn = (
         (mlp, mlp_batch, F.mse_loss) if model_name == "mlp" else (gpt_tiny, gpt_batch, gpt_loss)
     )
@@ -120,38 +139,38 @@ def compare_with_reference(ctx: DistContext, dp: int, model_name: str, opt_name:
         nbytes = 4 * sum(p.numel() for p in reference.parameters())
         collectives = (grad_collective(nbytes, 1, dp),)
     plan = make_plan(dp, collectives + (loss_collective(dp),))
-    model = ParallelModel(module, plan, Options(loss=loss_fn, optimizer=OPTIMIZERS[opt_name], bucket_bytes=bucket_bytes), ctx=ctx)
+    model = ParallelModel(module, plan, Options(loss=loss_fn, optimizer=OPTIMIZERS[opt_name],
+                                                bucket_bytes=bucket_bytes), ctx=ctx)
     ref_opt = OPTIMIZERS[opt_name](reference.parameters())
     grads, ref_grads = [], []
     _grab_grads(model.optimizer, grads)
     _grab_grads(ref_opt, ref_grads)
     x, y = batch(plan.training.global_batch)
     share = plan.training.global_batch // dp
-    expected_calls = sorted((c.kind, c.axis, c.bytes, c.count) for c in plan.collectives)
-    loss_errs = []
+    losses, ref_losses, calls, launched = [], [], [], []
     for _ in range(STEPS):
         if local:
             rows = slice(ctx.rank * share, (ctx.rank + 1) * share)
-            loss = model.train_step(x[rows], targets=y[rows], local=True)
+            losses.append(model.train_step(x[rows], targets=y[rows], local=True))
         else:
-            loss = model.train_step(x, targets=y)
-        ref_loss = reference_step(reference, ref_opt, loss_fn, x, y)
-        loss_errs.append(check_loss(loss, ref_loss, rtol=RTOL, atol=ATOL))
-        assert model.collectives.as_tuples() == expected_calls, (
-            model.collectives.as_tuples(), expected_calls)
+            losses.append(model.train_step(x, targets=y))
+        ref_losses.append(reference_step(reference, ref_opt, loss_fn, x, y))
+        calls.append(model.collectives.as_tuples())
         averager = model._program.averager
-        assert averager.launched_in_backward == len(averager.buckets)  # overlapped, not after
-    case = f"{model_name}/{opt_name}/dp={dp}{'/local' if local else ''}"
-    grad_err = check_close(grads[0], ref_grads[0], rtol=RTOL, atol=ATOL, what=f"{case} grad")
+        launched.append([averager.launched_in_backward, len(averager.buckets)])
     params = [p.detach() for p in model.parameters()]
     ref_params = [p.detach() for p in reference.parameters()]
-    param_err = check_close(params, ref_params, rtol=RTOL, atol=ATOL, what=f"{case} param")
-    return {"case": case, "loss_err": max(loss_errs), "grad_err": grad_err, "param_err": param_err}
+    return {"case": f"{model_name}/{opt_name}/dp={dp}{'/local' if local else ''}",
+            "losses": losses, "ref_losses": ref_losses,
+            "grads": gaps(grads[0], ref_grads[0]), "params": gaps(params, ref_params),
+            "calls": calls, "planned_calls": sorted([c.kind, c.axis, c.bytes, c.count] for c in plan.collectives),
+            # per step: the buckets whose all-reduce started during backward, and the buckets
+            "launched_in_backward": launched}
 
 
 def compare_zero(ctx: DistContext, dp: int, stage: int, model_name: str) -> dict:
     """A ZeRO-``stage`` plan run by ParallelModel against the plain model: losses each step, the
-    parameters (gathered) after the last, and the model state each rank holds against the cost model."""
+    parameters (gathered) after the last, and the model state each rank holds beside the cost model's."""
     from partita.passes.cost_model import model_state_memory, state_bytes_per_param
 
     factory, batch, loss_fn = (
@@ -164,60 +183,48 @@ def compare_zero(ctx: DistContext, dp: int, stage: int, model_name: str) -> dict
     model = ParallelModel(factory(), plan, Options(loss=loss_fn, optimizer=OPTIMIZERS["adamw"]), ctx=ctx)
     ref_opt = OPTIMIZERS["adamw"](reference.parameters())
     x, y = batch(plan.training.global_batch)
-    loss_errs = []
+    losses, ref_losses = [], []
     for _ in range(STEPS):
-        loss = model.train_step(x, targets=y)
-        ref_loss = reference_step(reference, ref_opt, loss_fn, x, y)
-        loss_errs.append(check_loss(loss, ref_loss, rtol=RTOL, atol=ATOL, what=stage))
+        losses.append(model.train_step(x, targets=y))
+        ref_losses.append(reference_step(reference, ref_opt, loss_fn, x, y))
     zero = model._program.zero
     with zero.gathered():
         params = [p.detach().clone() for p in model.module.parameters()]
     ref_params = [p.detach() for p in reference.parameters()]
-    param_err = check_close(params, ref_params, rtol=RTOL, atol=ATOL, what=f"zero{stage}/{model_name} param")
-    held = zero.state_bytes()
     n = sum(p.numel() for p in reference.parameters())
     predicted = model_state_memory(n, state_bytes_per_param("fp32", "adamw"), zero_stage=stage, dp=dp)
-    slack = 4 * (dp - 1) * len(zero.buckets) * 3 + 8 * len(zero.buckets)  # padding + AdamW's step counters
-    for part in ("params", "grads", "optimizer"):
-        assert abs(held[part] - getattr(predicted, part)) <= slack, (stage, part, held[part], getattr(predicted, part))
-    return {"case": f"zero{stage}/{model_name}/dp={dp}", "loss_err": max(loss_errs),
-            "param_err": param_err, "state_bytes": held,
+    return {"case": f"zero{stage}/{model_name}/dp={dp}", "losses": losses, "ref_losses": ref_losses,
+            "params": gaps(params, ref_params), "held": zero.state_bytes(), "buckets": len(zero.buckets),
             "predicted": {"params": predicted.params, "grads": predicted.grads, "optimizer": predicted.optimizer}}
 
 
-def check_refusals(ctx: DistContext, dp: int) -> None:
-    def refused(make: Callable[[], object], error: type, *words: str) -> None:
-        try:
-            make()
-        except error as e:
-            for w in words:
-                assert w in str(e), (w, str(e))
-        else:
-            raise AssertionError(f"expected {error.__name__} mentioning {words}")
-
-    refused(lambda: ParallelModel(mlp(), make_plan(dp + 1), Options(loss=F.mse_loss, optimizer=OPTIMIZERS["sgd"]), ctx=ctx),
-            PlanError, f"{dp + 1} processes", f"{dp} were launched")
-    refused(lambda: ParallelModel(mlp(), make_plan(dp // 2, tp=2), Options(loss=F.mse_loss, optimizer=OPTIMIZERS["sgd"]), ctx=ctx),
-            PlanError, "tp=2", "no tensor-parallel node decisions")
+def refusals(ctx: DistContext, dp: int) -> dict[str, str | None]:
+    """The messages of what the runtime refuses (None: it did not): a plan for another world
+    size, tp without node decisions (PlanError), a global batch and a local one of the wrong size
+    (PartitaError)."""
+    options = Options(loss=F.mse_loss, optimizer=OPTIMIZERS["sgd"])
+    out = {
+        "other world size": raised(lambda: ParallelModel(mlp(), make_plan(dp + 1), options, ctx=ctx), PlanError),
+        "tp without nodes": raised(lambda: ParallelModel(mlp(), make_plan(dp // 2, tp=2), options, ctx=ctx),
+                                   PlanError),
+    }
     plan = make_plan(dp)
-    model = ParallelModel(mlp(), plan, Options(loss=F.mse_loss, optimizer=OPTIMIZERS["sgd"]), ctx=ctx)
+    model = ParallelModel(mlp(), plan, options, ctx=ctx)
     gb = plan.training.global_batch
     x, y = mlp_batch(gb + 2)
-    refused(lambda: model.train_step(x, targets=y), PartitaError,
-            f"batch size {gb + 2}", f"global_batch is {gb}")
-    refused(lambda: model.train_step(x[:gb], targets=y[:gb], local=True), PartitaError,
-            f"batch size {gb}", f"dp={dp}) is {gb // dp}")
+    out["global batch"] = raised(lambda: model.train_step(x, targets=y), PartitaError)
+    out["local batch"] = raised(lambda: model.train_step(x[:gb], targets=y[:gb], local=True), PartitaError)
+    return out
 
 
-def checks(ctx: DistContext) -> list[dict]:
-    """Every data-parallel check on this rank: 5 cases, then ZeRO-1/2/3 through ParallelModel, then
+def checks(ctx: DistContext) -> dict:
+    """Every data-parallel case on this rank: 5 cases, then ZeRO-1/2/3 through ParallelModel; then
     the refusals."""
     world = ctx.world_size
-    results = [compare_with_reference(ctx, world, m, o) for m in ("mlp", "gpt") for o in ("adamw", "sgd")]
-    results.append(compare_with_reference(ctx, world, "mlp", "adamw", local=True))
-    results += [compare_zero(ctx, world, stage, "gpt") for stage in (1, 2, 3)]
-    check_refusals(ctx, world)
-    return results
+    cases = [compare_with_reference(ctx, world, m, o) for m in ("mlp", "gpt") for o in ("adamw", "sgd")]
+    cases.append(compare_with_reference(ctx, world, "mlp", "adamw", local=True))
+    cases += [compare_zero(ctx, world, stage, "gpt") for stage in (1, 2, 3)]
+    return {"cases": cases, "refusals": refusals(ctx, world)}
 
 
 def bf16_mean_kept(ctx: DistContext) -> dict:

@@ -15,8 +15,8 @@ from pathlib import Path
 import torch
 
 import partita
-from families_script import optimizer
-from harness import plain_training
+from tests.families_script import optimizer
+from tests.harness import plain_training
 
 STEPS, BATCH, SEQ, VOCAB, CLASSES = 2, 4, 16, 256, 10
 

@@ -4,7 +4,7 @@ the model's own loss (labels=), and BERT sequence classification. Run by tests/t
 on the harness's group (``run``; under torchrun as a script), and imported by it for the
 single-process reference.
 
-usage: families_script.py OUTDIR NAME=PLAN.json [NAME=PLAN.json ...]
+usage: families_script.py OUTDIR NAME=PLAN.json [NAME=PLAN.json ...]   (the repository's root on PYTHONPATH)
 """
 
 import json
@@ -13,10 +13,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import partita  # noqa: E402
-from harness import plain_training  # noqa: E402
+import partita
+from tests.harness import plain_training
 
 STEPS, BATCH, SEQ, VOCAB, CLASSES = 2, 4, 16, 256, 3
 

@@ -1,16 +1,13 @@
 """A run that hangs: stage 1 skips the tied-gradient all-reduce its peer waits in (the old
 tp x pp bug, injected). Run by tests/test_watchdog.py under torchrun with a short watchdog limit.
 
-usage: hang_script.py PLAN.json WATCHDOG_S
+usage: hang_script.py PLAN.json WATCHDOG_S   (the repository's root on PYTHONPATH)
 """
 
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import partita  # noqa: E402
-import tied_script as script  # noqa: E402
+import partita
+from tests import tied_script as script
 
 if __name__ == "__main__":
     model = partita.parallelize(script.build("tied-gpt"), plan=sys.argv[1], optimizer=script.optimizer,

@@ -9,25 +9,34 @@ Processes:
   joining a group once, not once per launch. A failure (an
   exception on any rank, a rank that dies or does not answer within ``timeout_s``) ends that
   group and raises one ``AssertionError`` with every rank's traceback or state and the tail of
-  its output; the next launch starts a fresh group. ``fn`` must be a module-level function of an importable module
-  (the ranks import it by name): the tests' ``*_worker.py`` files.
+  its output; the next launch starts a fresh group. ``fn`` must be a module-level function of an
+  importable module (the ranks import it by its name, ``tests.dp_worker`` and the like: the
+  tests' ``*_worker.py`` files). A worker measures and returns; the test asserts.
 - ``command(*argv)``, ``torchrun(script, *args, nproc=N)``, ``partita_cli(*args)``: a subprocess
-  (the launchers themselves under test) with one thread per process and the repository and
-  tests/ on the path; with ``check`` (the default) a non-zero exit raises one message with the
+  (the launchers themselves under test) with one thread per process and the repository's root on
+  ``PYTHONPATH`` (a script run as a file imports ``tests.`` and ``examples.`` modules by those
+  names); with ``check`` (the default) a non-zero exit raises one message with the
   command, its exit code and the tails of its output (under ``torchrun``, each rank's own).
 
 Comparisons with the single-process reference:
 - ``reference_step`` (one plain step on the whole global batch), ``reference_backward`` (its
   gradients as a plan's micro-batches accumulate them), ``plain_training`` (a plain loop);
 - ``max_abs_diff`` and ``max_rel_diff`` of losses, gradients or parameters (lists or dicts);
-- ``check_close``: ``torch.testing.assert_close`` on every pair, naming the one that differs,
-  returning the largest absolute difference for the log.
+- rank-side, ``gaps(got, want)``: how far tensors are from the reference, as the few numbers a
+  tolerance needs (plain data, for the rank's result); test-side, ``beyond(gaps, rtol=, atol=)``
+  and ``numbers_beyond(got, want, rtol=, atol=)``: what lies outside ``|got - want| <= atol + rtol
+  |want|`` (``torch.testing.assert_close``'s rule), element by element, each named; empty when
+  everything is close.
+
+Plans: ``calls`` (a plan's or a run's collectives per kind, axis and bytes), ``fast_cluster`` (a
+cluster file whose links make TP pay), ``gather_tp`` (full tensors from a rank's TP shards).
 """
 
 from __future__ import annotations
 
 import atexit
 import json
+import math
 import os
 import shutil
 import socket
@@ -46,8 +55,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 TESTS = ROOT / "tests"
 PARTITA = str(Path(sys.executable).with_name("partita"))
+# the root, for a script run as a file: it imports ``tests.tied_script``, ``examples.models``
 ENV = {**os.environ, "OMP_NUM_THREADS": "1",
-       "PYTHONPATH": os.pathsep.join([str(ROOT), str(TESTS), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
+       "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
 
 COLLECTIVE_TIMEOUT_S = 120  # a rank waiting for its peers this long fails (gloo's own timeout)
 LAUNCH_TIMEOUT_S = 600  # a launch whose ranks have not all answered by then fails
@@ -178,7 +188,8 @@ class Ranks:
             else:
                 state = "finished"
             out = self.log(r).read_bytes()[start[r]:].decode(errors="replace") if self.log(r).exists() else ""
-            lines.append(f"--- rank {r} {state}" + (f"\n    its output:\n{_tail(out, TAIL // 2)}" if out.strip() else ""))
+            lines.append(f"--- rank {r} {state}"
+                         + (f"\n    its output:\n{_tail(out, TAIL // 2)}" if out.strip() else ""))
         self.close()
         raise AssertionError("\n".join(lines))
 
@@ -251,7 +262,8 @@ def command(*argv: str | Path, timeout_s: float = 300, check: bool = True, env: 
     if check and r.returncode != 0:
         lines = [f"`{' '.join(argv)}` exited with {r.returncode} after {time.monotonic() - t0:.0f} s"]
         for log in sorted(logs.rglob("stderr.log")) if logs is not None else []:
-            lines.append(f"--- local rank {log.parent.name}'s stderr:\n{_tail(log.read_text(errors='replace'), TAIL // 2)}")
+            text = log.read_text(errors="replace")
+            lines.append(f"--- local rank {log.parent.name}'s stderr:\n{_tail(text, TAIL // 2)}")
         lines.append(f"--- stderr:\n{_tail(r.stderr)}")
         if r.stdout.strip():
             lines.append(f"--- stdout:\n{_tail(r.stdout, TAIL // 3)}")
@@ -350,19 +362,85 @@ def max_rel_diff(got: Sequence[float], want: Sequence[float]) -> float:
     return max((abs(a - b) / abs(b) for a, b in zip(got, want)), default=0.0)
 
 
-def check_close(got: Tensors, want: Tensors, *, rtol: float, atol: float, what: str = "") -> float:
-    """``torch.testing.assert_close`` on every pair (dicts: over ``got``'s keys); the message
-    names ``what`` and the key. Returns ``max_abs_diff``."""
+def gaps(got: Tensors, want: Tensors) -> dict:
+    """How far ``got`` is from ``want`` (dicts: over ``got``'s keys), rank-side, as plain data that
+    a test judges with ``beyond`` against any tolerance ``|got - want| <= atol + rtol |want|``:
+
+    - ``max_abs``: the largest ``|got - want|``, for the log;
+    - ``worst``: ``[key, |want|, |got - want|]`` of the elements that decide every such tolerance
+      (the upper-left convex hull of the points (|want|, |got - want|): for any rtol, atol >= 0, if
+      some element is outside, one of these is; a handful, not the tensors). An element equal to
+      its reference is never outside (infinities of one sign included); a NaN or an infinite
+      difference counts as infinitely far, at |want| 0;
+    - ``unlike``: the pairs whose shape or dtype differ (``assert_close`` refuses them).
+    """
+    keys, unlike, points = [], [], []
     for key, a, b in _pairs(got, want):
-        torch.testing.assert_close(a, b, rtol=rtol, atol=atol, msg=lambda m, key=key: f"{what} {key}: {m}")
-    return max_abs_diff(got, want)
+        if a.shape != b.shape or a.dtype != b.dtype:
+            unlike.append(f"{key}: {a.dtype} {list(a.shape)}, the reference's {b.dtype} {list(b.shape)}")
+            continue
+        a, b = a.detach().double().flatten(), b.detach().double().flatten()
+        diff = (a - b).abs()
+        diff[a == b] = 0.0
+        size = b.abs()
+        bad = ~torch.isfinite(diff)
+        diff[bad], size[bad] = math.inf, 0.0
+        far = diff > 0
+        keys.append(key)
+        points.append(torch.stack([size[far], diff[far], torch.full_like(size[far], len(keys) - 1)], dim=1))
+    pts = torch.cat(points) if points else torch.zeros(0, 3, dtype=torch.float64)
+    max_abs = float(pts[:, 1].max()) if len(pts) else 0.0
+    # The Pareto front first (no other point has a larger difference at a |want| as small), in
+    # order of |want|, then its upper hull (a point under the chord of its neighbours is never the
+    # first outside: one of them is outside whenever it is).
+    pts = pts[torch.argsort(pts[:, 1], descending=True, stable=True)]
+    pts = pts[torch.argsort(pts[:, 0], stable=True)]
+    before = torch.cat([pts.new_full((1,), -1.0), torch.cummax(pts[:, 1], 0).values[:-1]]) if len(pts) else pts[:, 1]
+    hull: list[tuple[float, float, int]] = []
+    for w, d, k in pts[pts[:, 1] > before].tolist():
+        while len(hull) >= 2 and (
+                (hull[-1][1] - hull[-2][1]) * (w - hull[-2][0]) <= (d - hull[-2][1]) * (hull[-1][0] - hull[-2][0])):
+            hull.pop()
+        hull.append((w, d, int(k)))
+    return {"max_abs": max_abs, "worst": [[keys[k], w, d] for w, d, k in hull], "unlike": unlike}
 
 
-def check_loss(got: float, want: float, *, rtol: float, atol: float, what: Any = "") -> float:
-    """``|got - want| <= atol + rtol |want|``, the losses' tolerance; returns ``|got - want|``."""
-    err = abs(got - want)
-    assert err <= atol + rtol * abs(want), (what, got, want)
-    return err
+def beyond(found: Mapping[str, Any], *, rtol: float, atol: float) -> list[str]:
+    """Test-side: what ``gaps`` found outside ``|got - want| <= atol + rtol |want|``, each named
+    (the pairs of another shape or dtype too); empty when every element is close."""
+    outside = [f"{key}: |got - want| = {d:.3g} > atol + rtol |want| = {atol:g} + {rtol:g} x {w:.3g}"
+               for key, w, d in found["worst"] if not d <= atol + rtol * w]
+    return outside + found["unlike"]
+
+
+def numbers_beyond(got: Sequence[float], want: Sequence[float], *, rtol: float, atol: float) -> list[str]:
+    """Test-side: the numbers (losses, norms; in pairs) outside ``|got - want| <= atol + rtol |want|``,
+    each with its index; empty when all are close and there are as many."""
+    outside = [f"{i}: {a!r}, the reference's {b!r}" for i, (a, b) in enumerate(zip(got, want))
+               if not abs(a - b) <= atol + rtol * abs(b)]
+    if len(got) != len(want):
+        outside.append(f"{len(got)} numbers, the reference's {len(want)}")
+    return outside
+
+
+def calls(entries: Iterable[Sequence]) -> dict:
+    """Calls per (kind, axis, bytes) of ``[kind, axis, bytes, count]`` entries: the plan lists
+    forward and backward reshards of one size apart."""
+    out: dict = {}
+    for kind, axis, nbytes, count in entries:
+        out[(kind, axis, nbytes)] = out.get((kind, axis, nbytes), 0) + count
+    return out
+
+
+def fast_cluster(tmp_path: Path) -> str:
+    """A cluster file: 4 CPU processes with NVLink-like links. On `local`'s slow gloo links the ILP
+    rightly keeps every op replicated at tp=2; here splitting pays, so the plan splits."""
+    from partita.core.cluster import load_cluster
+
+    fast = tmp_path / "fast.toml"
+    fast.write_text(load_cluster("local").to_toml().replace("intra_node_gb_per_s = 1", "intra_node_gb_per_s = 1e6")
+                    .replace("intra_node_latency_us = 100", "intra_node_latency_us = 0.001"))
+    return str(fast)
 
 
 def gather_tp(tp_program, local: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -1,17 +1,14 @@
 """User errors under `partita run` (tests/test_launch.py): each ends as one message, exit 2.
 
-usage: launch_script.py CASE    (CASE: batch | other-data | fine)
+usage: launch_script.py CASE    (CASE: batch | other-data | fine; the repository's root on PYTHONPATH)
 """
 
 import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import partita  # noqa: E402
-import tied_script as script  # noqa: E402
+import partita
+from tests import tied_script as script
 
 if __name__ == "__main__":
     case = sys.argv[1]

@@ -1,12 +1,12 @@
-"""Checks run inside each rank of the plan-matrix test (see test_plan_matrix.py).
+"""What each rank of the plan-matrix test measures (test_plan_matrix.py asserts it).
 
 Every small example model is compiled by the planner under each set of the
 CLI's pins (``compile_model`` with ``Pins``, as ``partita compile`` does), and
-every plan the planner writes is run for one training step: its loss against a
-single-process reference on the same global batch, ``evaluate`` in eval mode
-against the reference's eval-mode loss (before the step), and the parameters after
-the step (``full_state_dict``: SGD with momentum, so they move by the gradients
-themselves) against the reference's.
+every plan the planner writes is run for one training step: its loss beside a
+single-process reference's on the same global batch, ``evaluate`` in eval mode
+beside the reference's eval-mode loss (before the step), and how far the parameters
+after the step (``full_state_dict``: SGD with momentum, so they move by the gradients
+themselves) are from the reference's, and how far the step moved those.
 
 Two launches share ``outdir``. In the first (2 ranks) each rank compiles half
 of the cases, writes each plan (or the planner's refusal) to
@@ -21,25 +21,23 @@ from __future__ import annotations
 import copy
 import gc
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 import torch.distributed as dist
 
-from dp_worker import OPTIMIZERS, gpt_batch
 from examples.models import MLP, SmallCNN, gpt_tiny
-from harness import check_close, check_loss, max_abs_diff, reference_step
-from partita.core.losses import default_loss
 from partita.core.errors import PartitaError
+from partita.core.losses import default_loss
+from partita.core.options import Options
 from partita.core.verify import load_plan
 from partita.runtime.distributed import DistContext
 from partita.runtime.engine import ParallelModel
-from partita.core.options import Options
-from tp_worker import hf_gpt2_tiny, hf_llama_tiny
-
-RTOL, ATOL = 1e-4, 2e-5
+from tests.dp_worker import OPTIMIZERS, gpt_batch
+from tests.harness import gaps, max_abs_diff, reference_step
+from tests.tp_worker import hf_gpt2_tiny, hf_llama_tiny
 
 
 def mlp4() -> MLP:
@@ -106,14 +104,15 @@ def _plan_file(outdir: str, case: Case) -> Path:
 def compile_case(case: Case, outdir: str) -> None:
     """Plan ``case`` as ``partita compile`` would; write the plan, or the planner's refusal."""
     from partita.compiler.compile import compile_model
-    from partita.core.inputs import parse_input_spec
     from partita.core.cluster import load_cluster
-    from partita.core.options import Pins
+    from partita.core.inputs import parse_input_spec
 
     factory, spec, _ = MODELS[case.model]
     path = _plan_file(outdir, case)
     try:
-        plan = compile_model(factory, Options(inputs=[parse_input_spec(spec)], cluster=load_cluster("local", devices=case.devices), optimizer="sgd-momentum", world_size=case.devices, **case.pins)).plan
+        plan = compile_model(factory, Options(inputs=[parse_input_spec(spec)],
+                                              cluster=load_cluster("local", devices=case.devices),
+                                              optimizer="sgd-momentum", world_size=case.devices, **case.pins)).plan
     except PartitaError as e:  # a user error: the pins cannot hold for this model
         path.write_text(json.dumps({"refused": f"{type(e).__name__}: {e}"}))
         return
@@ -132,7 +131,8 @@ def _eval_loss(reference: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, mic
 
 
 def run_case(ctx: DistContext, case: Case, outdir: str) -> dict:
-    """One training step of the case's plan against one process; raises naming the case."""
+    """One training step of the case's plan beside one process; a plan that fails to run raises,
+    naming the case."""
     entry = json.loads(_plan_file(outdir, case).read_text())
     if "refused" in entry:
         return {"case": case.name, "refused": entry["refused"]}
@@ -142,7 +142,8 @@ def run_case(ctx: DistContext, case: Case, outdir: str) -> dict:
     reference = factory()
     x, y = batch(plan.training.global_batch)
     try:
-        model = ParallelModel(copy.deepcopy(reference), plan, Options(loss=default_loss, optimizer=OPTIMIZERS["sgd"]), ctx=ctx)
+        model = ParallelModel(copy.deepcopy(reference), plan, Options(loss=default_loss, optimizer=OPTIMIZERS["sgd"]),
+                              ctx=ctx)
         model.eval()  # evaluate as PyTorch's eval mode runs: dropout off, batch norm's running statistics
         evaluated = model.evaluate(x, targets=y)
         model.train()
@@ -152,23 +153,21 @@ def run_case(ctx: DistContext, case: Case, outdir: str) -> dict:
         raise RuntimeError(f"{case.name} ({plan.mesh}, {plan.training.schedule}, ZeRO-{plan.training.zero_stage}): "
                            f"the plan failed to run: {e}") from e
     start = {n: p.detach().clone() for n, p in reference.named_parameters()}
-    eval_err = check_loss(evaluated, _eval_loss(reference, x, y, plan.training.micro_batch_size), rtol=RTOL,
-                          atol=ATOL, what=f"{case.name} evaluate")
+    ref_evaluated = _eval_loss(reference, x, y, plan.training.micro_batch_size)
     ref_loss = reference_step(reference, OPTIMIZERS["sgd"](reference.parameters()), default_loss, x, y,
                               micro_batch=plan.training.micro_batch_size)
-    loss_err = check_loss(loss, ref_loss, rtol=RTOL, atol=ATOL, what=case.name)
     ref_final = {n: p.detach() for n, p in reference.named_parameters()}
-    assert set(final) == set(ref_final), (case.name, sorted(set(final) ^ set(ref_final)))
-    err = check_close(final, ref_final, rtol=RTOL, atol=ATOL, what=f"{case.name} param")
-    moved = max_abs_diff(ref_final, start)
-    assert moved > 10 * ATOL, (case.name, moved)  # the step moves the parameters well past the tolerance
     del model
     gc.collect()
     return {"case": case.name, "mesh": str(plan.mesh), "micro_batch": plan.training.micro_batch_size,
             "micro_batches": plan.training.grad_accum_steps, "schedule": plan.training.schedule,
             "zero": plan.training.zero_stage, "recompute": [s.index for s in plan.stages if s.recompute],
             "split": sorted({d.strategy for d in plan.nodes} - {"replicate"}),
-            "loss_err": loss_err, "eval_err": eval_err, "param_err": err, "moved": moved}
+            "loss": loss, "ref_loss": ref_loss, "evaluated": evaluated, "ref_evaluated": ref_evaluated,
+            "params": gaps({k: v for k, v in final.items() if k in ref_final}, ref_final),
+            "names_unlike_the_models": sorted(set(final) ^ set(ref_final)),
+            # how far the step moved the reference's parameters
+            "moved": max_abs_diff(ref_final, start)}
 
 
 def compile_and_run_2(ctx: DistContext, outdir: str) -> list[dict]:

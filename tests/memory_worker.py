@@ -1,4 +1,4 @@
-"""Checks run inside each rank of the memory-per-rank test (see test_runtime_memory.py).
+"""What each rank of the memory-per-rank test measures (test_runtime_memory.py asserts it).
 
 Each rank runs a plan of the example GPT (4.2M parameters) at tp=2 or pp=2 and
 counts the bytes of every live tensor it holds (each storage once; fake and meta
@@ -11,10 +11,10 @@ built, so that memory only a collection would free counts as held:
   second step, AdamW's state;
 - after each step: the parameters and AdamW's state;
 
-each against the cost model's model state for the parameters the plan places
+each beside the cost model's model state for the parameters the plan places
 on this rank (``model_state_memory`` of their local elements, which the plan's
-``predicted.memory`` states for its most loaded device). After each step a
-collection (``DEBUG_SAVEALL``) must find no tensor in a reference cycle.
+``predicted.memory`` states for its most loaded device); and the tensors a
+collection (``DEBUG_SAVEALL``) finds in reference cycles after each step.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from __future__ import annotations
 import gc
 import math
 import time
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.distributed as dist
@@ -30,19 +30,14 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 from examples.models import GPT, GPTConfig
 from partita.core.losses import default_loss
+from partita.core.options import Options
 from partita.core.plan import Plan
 from partita.core.verify import load_plan
 from partita.passes.cost_model import model_state_memory, state_bytes_per_param
 from partita.runtime.distributed import DistContext
 from partita.runtime.engine import ParallelModel
-from partita.core.options import Options
 
 VOCAB, SEQ, BATCH, STEPS = 2048, 32, 8, 3
-# What the cost model leaves out, beyond the parameters, gradients and AdamW's moments: AdamW's
-# step counter, one float32 scalar per parameter tensor (added per tensor below), and slack for
-# a scalar or two (the step's loss). Any tensor of the model is larger: the smallest one, a
-# LayerNorm bias, is 1 KiB, 512 B on a tp rank; a captured copy of the model is 17 MB.
-SLACK_BYTES = 256
 
 
 def gpt() -> GPT:
@@ -87,11 +82,12 @@ def _plan(ctx: DistContext, pins: dict, outdir: str, precision: str | None = Non
     path = f"{outdir}/gpt-{'-'.join(f'{k}{v}' for k, v in pins.items())}-{precision}.plan.json"
     if ctx.rank == 0:
         from partita.compiler.compile import compile_model
-        from partita.core.inputs import parse_input_spec
         from partita.core.cluster import load_cluster
-        from partita.core.options import Pins
+        from partita.core.inputs import parse_input_spec
 
-        compile_model(gpt, Options(inputs=[parse_input_spec(f"idx=int64[{BATCH},{SEQ}]")], cluster=load_cluster("local", devices=ctx.world_size), optimizer="adamw", precision=precision, world_size=ctx.world_size, **pins)).plan.save(path)
+        compile_model(gpt, Options(inputs=[parse_input_spec(f"idx=int64[{BATCH},{SEQ}]")],
+                                   cluster=load_cluster("local", devices=ctx.world_size), optimizer="adamw",
+                                   precision=precision, world_size=ctx.world_size, **pins)).plan.save(path)
     dist.barrier()
     return load_plan(path, world_size=ctx.world_size)
 
@@ -105,13 +101,13 @@ def predicted_state(plan: Plan, stage: int):
     return model_state_memory(numel, state, zero_stage=plan.training.zero_stage, dp=plan.mesh.dp)
 
 
-def check(ctx: DistContext, outdir: str, pins: dict) -> dict:
+def measure(ctx: DistContext, outdir: str, pins: dict, slack: int) -> dict:
+    """The bytes held at each point, and what the plan predicts (with the step counters it may add);
+    ``slack``: the bytes over those within which a measurement is taken as settled (gloo's)."""
     plan = _plan(ctx, pins, outdir)
     stages = range(plan.mesh.pp)
     # The plan's predicted memory is its most loaded device's: the largest stage's model state.
     most = max((predicted_state(plan, s) for s in stages), key=lambda m: m.params)
-    assert (most.params, most.grads, most.optimizer) == (
-        plan.predicted.memory.params, plan.predicted.memory.grads, plan.predicted.memory.optimizer), (pins, most)
 
     g = torch.Generator().manual_seed(1)
     idx = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=g)
@@ -137,7 +133,6 @@ def check(ctx: DistContext, outdir: str, pins: dict) -> dict:
         stage = model._program.pipeline.index if model._program.pipeline is not None else 0
         want = predicted_state(plan, stage)
         params = list(model.parameters())
-        assert sum(p.numel() * p.element_size() for p in params) == want.params, (pins, stage)
         counters = 4 * len(params)  # AdamW's step counters, from the first update on
         # (what is measured, the plan's prediction of it, the step counters it may add)
         expected = {"after building": (want.params, 0)}
@@ -145,7 +140,7 @@ def check(ctx: DistContext, outdir: str, pins: dict) -> dict:
             moments, extra = (want.optimizer, counters) if k > 0 else (0, 0)  # AdamW's state: from step 0's update
             expected[f"at step {k}'s update"] = (want.params + want.grads + moments, extra)
             expected[f"after step {k}"] = (want.params + want.optimizer, counters)
-        bound = {what: want_b + extra + SLACK_BYTES for what, (want_b, extra) in expected.items()}
+        bound = {what: want_b + extra + slack for what, (want_b, extra) in expected.items()}
         measured = {"after building": held(bound["after building"])}
 
         def at_update(opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
@@ -160,20 +155,20 @@ def check(ctx: DistContext, outdir: str, pins: dict) -> dict:
     finally:
         gc.enable()
 
-    assert list(measured) == list(expected), list(measured)
-    for what, got in measured.items():
-        want_b, extra = expected[what]
-        assert want_b <= got <= bound[what], (
-            f"{pins} rank {ctx.rank} stage {stage} {what}: holds {got:,} bytes of tensors, "
-            f"the plan predicts {want_b:,} (+ {extra} B of step counters, + {SLACK_BYTES} B)")
-    assert garbage == [[]] * STEPS, (pins, ctx.rank, "tensors in reference cycles after each step", garbage)
     return {"case": f"gpt/{'-'.join(f'{k}{v}' for k, v in pins.items())}", "stage": stage,
+            # the most loaded stage's model state by the cost model, and the plan's predicted memory
+            "most_loaded": [most.params, most.grads, most.optimizer],
+            "plan_predicted": [plan.predicted.memory.params, plan.predicted.memory.grads,
+                               plan.predicted.memory.optimizer],
+            "param_bytes": sum(p.numel() * p.element_size() for p in params),
             "predicted": {"params": want.params, "grads": want.grads, "optimizer": want.optimizer},
-            "measured": measured}
+            # what -> bytes held; what -> [the plan's prediction, the step counters it may add]
+            "measured": measured, "expected": {what: list(v) for what, v in expected.items()},
+            "garbage": garbage}
 
 
-def tp2_then_pp2(ctx: DistContext, out: str) -> list[dict]:
-    return [check(ctx, out, dict(tp=2)), check(ctx, out, dict(pp=2))]
+def tp2_then_pp2(ctx: DistContext, out: str, slack: int) -> list[dict]:
+    return [measure(ctx, out, dict(tp=2), slack), measure(ctx, out, dict(pp=2), slack)]
 
 
 MIXED_BUCKET_BYTES = 1 << 20  # small buckets, so that the 4.2M-parameter model's state is many of them
@@ -215,4 +210,4 @@ def mixed_zero(ctx: DistContext, out: str) -> list[dict]:
     return [mixed_step_bytes(ctx, out, 1), mixed_step_bytes(ctx, out, 2)]
 
 
-LAUNCHES: dict[str, tuple[int, Callable[[DistContext, str], list[dict]]]] = {"tp2+pp2": (2, tp2_then_pp2)}
+LAUNCHES: dict[str, tuple[int, Callable[[DistContext, str, int], list[dict]]]] = {"tp2+pp2": (2, tp2_then_pp2)}

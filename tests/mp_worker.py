@@ -1,49 +1,37 @@
-"""Checks run inside each rank of the mixed-precision test (see test_mixed_precision.py).
+"""What each rank of the mixed-precision test measures (test_mixed_precision.py asserts it, and
+says why its tolerances are what they are).
 
 Each case is a plan the planner writes under the CLI's pins with ``precision=bf16-mixed`` (or
-fp16-mixed), run for STEPS steps against a single-process reference that runs the same recipe
+fp16-mixed), run for STEPS steps beside a single-process reference that runs the same recipe
 (``reference_mixed``, written out here on its own): parameters cast to the low dtype, an fp32
 master copy that SGD updates, the forward under autocast, the micro-batches of the plan, and
-(fp16) the loss multiplied by the scale and the gradients divided by it.
-
-Why the tolerance is what it is: bf16 keeps 8 significant bits, so one rounding moves a value
-by up to 2^-9 (0.2%) of itself. A plan computes the same sums in other orders and other
-roundings (TP's partial sums are rounded to bf16 before they are all-reduced, pipeline stages
-send activations in bf16, the dp mean of bf16 gradients is summed in fp32 and rounded once), so
-losses and parameters differ from the reference by a few roundings: LOSS_RTOL (0.5%, about two
-bf16 roundings of the loss) on losses and 2^-6 relative plus PARAM_ATOL (1e-3) absolute on the
-bf16 parameters, i.e. a couple of bf16 units in the last place; fp16 keeps 11 bits, so the same
-bounds hold with room. Measured: DP, ZeRO-1/2/3 and PP equal the reference exactly (the fp32 sum of
-two bf16 gradients rounds as the reference's fp32 gradient does); TP differs by 6e-5 in the loss
-and 5e-4 in a parameter. A bug (a missing all-reduce, a dropped micro-batch, an unscaled
-gradient) moves losses by far more than 0.5%.
+(fp16) the loss multiplied by the scale and the gradients divided by it. Also: fp16's skipped
+step, the model state held under ZeRO 0-3, the bf16 loss curve beside fp32's, gradient clipping,
+and one optimizer over a tied parameter.
 """
 
 from __future__ import annotations
 
 import copy
 import gc
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 import torch.distributed as dist
 
-from dp_worker import OPTIMIZERS
-from harness import check_close, max_abs_diff, max_rel_diff
-from matrix_worker import MODELS
-from partita.core.losses import default_loss
 from partita.core.errors import PartitaError
-from partita.core.losses import training_loss
-from partita.core.verify import load_plan
+from partita.core.losses import default_loss, training_loss
+from partita.core.options import Options
 from partita.core.precision import PrecisionPolicy
+from partita.core.verify import load_plan
 from partita.runtime.distributed import DistContext
 from partita.runtime.engine import ParallelModel
-from partita.core.options import Options
+from tests.dp_worker import OPTIMIZERS
+from tests.harness import gaps, max_abs_diff, max_rel_diff
+from tests.matrix_worker import MODELS
 
 STEPS = 3
-LOSS_RTOL = 5e-3
-PARAM_RTOL, PARAM_ATOL = 2.0**-6, 1e-3
 SGD = OPTIMIZERS["sgd"]
 
 # (model, label, pins, precision)
@@ -71,16 +59,10 @@ def _plan_path(outdir: str, case: tuple) -> Path:
 
 
 def compile_case(case: tuple, outdir: str) -> None:
-    from partita.compiler.compile import compile_model
-    from partita.core.inputs import parse_input_spec
-    from partita.core.cluster import load_cluster
-    from partita.core.options import Pins
-
     model, _, pins, precision = case
     factory, spec, _ = MODELS[model]
-    devices = 4 if case in CASES_4 else 2
-    plan = compile_model(factory, Options(inputs=[parse_input_spec(spec)], cluster=load_cluster("local", devices=devices), optimizer="sgd-momentum", precision=precision, world_size=devices, **pins)).plan
-    plan.save(_plan_path(outdir, case))
+    _compile(factory, spec, 4 if case in CASES_4 else 2, _plan_path(outdir, case), optimizer="sgd-momentum",
+             precision=precision, pins=pins)
 
 
 def reference_mixed(model: torch.nn.Module, policy: PrecisionPolicy, x: torch.Tensor, y: torch.Tensor,
@@ -128,7 +110,7 @@ def run_case(ctx: DistContext, case: tuple, outdir: str) -> dict:
     x, y = batch(plan.training.global_batch)
     try:
         model = ParallelModel(copy.deepcopy(reference), plan, Options(loss=default_loss, optimizer=SGD), ctx=ctx)
-        assert all(p.dtype == policy.param_dtype for p in model.parameters() if p.is_floating_point())
+        param_dtypes = sorted({str(p.dtype) for p in model.parameters() if p.is_floating_point()})
         losses = [model.train_step(x, targets=y) for _ in range(STEPS)]
         final = model.full_state_dict(buffers=False)
     except PartitaError:
@@ -137,24 +119,24 @@ def run_case(ctx: DistContext, case: tuple, outdir: str) -> dict:
         raise RuntimeError(f"{name(case)} ({plan.mesh}): the plan failed to run: {e}") from e
     start = {n: p.detach().clone() for n, p in reference.named_parameters()}
     ref_losses = reference_mixed(reference, policy, x, y, plan.training.micro_batch_size, STEPS)
-    for k, (got, want) in enumerate(zip(losses, ref_losses)):
-        assert abs(got - want) <= LOSS_RTOL * abs(want), (name(case), k, losses, ref_losses)
     ref_final = {n: p.detach() for n, p in reference.named_parameters()}
-    assert set(final) == set(ref_final), (name(case), sorted(set(final) ^ set(ref_final)))
-    for n in final:
-        assert final[n].dtype == policy.param_dtype, (name(case), n, final[n].dtype)
-    param_err = check_close({n: t.float() for n, t in final.items()}, {n: t.float() for n, t in ref_final.items()},
-                            rtol=PARAM_RTOL, atol=PARAM_ATOL, what=f"{name(case)} param")
-    moved = max_abs_diff({n: ref_final[n] for n in final}, start)
-    assert moved > 4 * PARAM_ATOL, (name(case), moved)  # the steps move parameters well past the tolerance
+    params = gaps({n: t.float() for n, t in final.items() if n in ref_final},
+                  {n: t.float() for n, t in ref_final.items()})
+    moved = max_abs_diff({n: ref_final[n] for n in final if n in ref_final}, start)
     loss_err = max_rel_diff(losses, ref_losses)
     skipped = model.skipped_steps
     del model
     gc.collect()
     if ctx.rank == 0:
-        print(f"{name(case)}: loss err {loss_err:.2e}, param err {param_err:.2e}, moved {moved:.2e}", flush=True)
+        print(f"{name(case)}: loss err {loss_err:.2e}, param err {params['max_abs']:.2e}, moved {moved:.2e}",
+              flush=True)
     return {"case": name(case), "mesh": str(plan.mesh), "zero": plan.training.zero_stage,
-            "losses": losses, "ref_losses": ref_losses, "loss_rel_err": loss_err, "param_err": param_err,
+            "param_dtype": str(policy.param_dtype),
+            # the dtypes of the model's floating parameters as built, and of the full state after the steps
+            "param_dtypes": param_dtypes, "final_dtypes": sorted({str(t.dtype) for t in final.values()}),
+            "names_unlike_the_models": sorted(set(final) ^ set(ref_final)),
+            "losses": losses, "ref_losses": ref_losses, "loss_rel_err": loss_err, "params": params,
+            # how far the reference's steps moved its parameters
             "moved": moved, "skipped": skipped}
 
 
@@ -164,52 +146,42 @@ def held_state(model: ParallelModel) -> dict[str, int]:
     p = model._program
     if p.zero is not None:
         return p.zero.state_bytes()
-    nbytes = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
+    nbytes = lambda ts: sum(t.numel() * t.element_size() for t in ts)
     params = nbytes(model.parameters())
     grads = nbytes(b.grad_flat for b in p.averager.buckets) if p.averager is not None else params
-    state = [t for st in p.master.optimizer.state.values() for t in st.values() if isinstance(t, torch.Tensor) and t.dim()]
+    state = [t for st in p.master.optimizer.state.values() for t in st.values()
+             if isinstance(t, torch.Tensor) and t.dim()]
     return {"params": params, "grads": grads, "optimizer": nbytes(state) + p.master.master_bytes()}
 
 
-def check_memory(ctx: DistContext, outdir: str) -> list[dict]:
-    """What each rank holds in bf16-mixed under ZeRO 0-3 equals the plan's prediction (2 + 2 + 12 bytes
-    per parameter for Adam, divided as ZeRO says), up to ZeRO's padding of its flat buckets."""
-    from partita.compiler.compile import compile_model
-    from partita.core.inputs import parse_input_spec
-    from partita.core.cluster import load_cluster
-    from partita.core.options import Pins
-
+def memory_held(ctx: DistContext, outdir: str) -> list[dict]:
+    """What each rank holds in bf16-mixed under ZeRO 0-3, beside the plan's prediction (2 + 2 + 12
+    bytes per parameter for Adam, divided as ZeRO says), with ZeRO's flat buckets (their padding)."""
     factory, spec, batch = MODELS["gpt"]
     out = []
     for stage in (0, 1, 2, 3):
         path = Path(outdir, f"memory-zero{stage}.json")
         if ctx.rank == 0:
-            compile_model(factory, Options(inputs=[parse_input_spec(spec)], cluster=load_cluster("local", devices=2), optimizer="adamw", precision="bf16-mixed", world_size=2, dp=2, zero=stage)).plan.save(path)
+            _compile(factory, spec, 2, path, optimizer="adamw", precision="bf16-mixed", pins=dict(dp=2, zero=stage))
         dist.barrier()
         plan = load_plan(path, world_size=ctx.world_size)
         torch.manual_seed(0)
         model = ParallelModel(factory(), plan, Options(loss=default_loss, optimizer=OPTIMIZERS["adamw"]), ctx=ctx)
         x, y = batch(plan.training.global_batch)
         model.train_step(x, targets=y)
-        held = held_state(model)
         want = plan.predicted.memory
-        numel = sum(p.numel() for p in model.parameters()) if stage < 3 else None
-        pad = (0 if stage == 0 else 16 * len(model._program.zero.buckets) * (ctx.world_size - 1))
-        got, predicted = sum(held.values()), want.params + want.grads + want.optimizer
-        assert predicted <= got <= predicted + pad, (stage, held, want)
-        if stage == 0:
-            assert (held["params"], held["grads"], held["optimizer"]) == (want.params, want.grads, want.optimizer)
-            assert (want.params, want.grads, want.optimizer) == (2 * numel, 2 * numel, 12 * numel)
-        out.append({"case": f"memory/zero{stage}", "held": held,
-                    "predicted": [want.params, want.grads, want.optimizer]})
+        out.append({"case": f"memory/zero{stage}", "stage": stage, "held": held_state(model),
+                    "predicted": {"params": want.params, "grads": want.grads, "optimizer": want.optimizer},
+                    "numel": sum(p.numel() for p in model.parameters()) if stage < 3 else None,
+                    "buckets": len(model._program.zero.buckets) if stage > 0 else 0})
         del model
         gc.collect()
     return out
 
 
-def check_fp16_skip(ctx: DistContext, outdir: str) -> dict:
-    """fp16: an inf gradient on ONE rank makes every rank skip that step (the parameters stay as they
-    were on both) and halves the loss scale; the next step updates again."""
+def fp16_skip(ctx: DistContext, outdir: str) -> dict:
+    """fp16: an inf gradient on ONE rank, at the second step: the state before and after it, the
+    steps skipped and the loss scale before and after it; then how far the next step moves the state."""
     plan = load_plan(_plan_path(outdir, ("gpt", "dp2", PINS_2["dp2"], "fp16-mixed")), world_size=ctx.world_size)
     factory, _, batch = MODELS["gpt"]
     torch.manual_seed(0)
@@ -223,27 +195,23 @@ def check_fp16_skip(ctx: DistContext, outdir: str) -> dict:
     model.train_step(x, targets=y)
     hook.remove()
     after = model.full_state_dict()
-    assert all(torch.equal(before[n], after[n]) for n in before), "a rank stepped on an inf gradient"
-    assert model.skipped_steps == 1 and model._loss_scale == scale / 2, (model.skipped_steps, model._loss_scale)
+    result = {"case": "fp16/skip", "state_over_the_skip": gaps({n: after[n] for n in before}, before),
+              "skipped": model.skipped_steps, "scale": [scale, model._loss_scale]}
     model.train_step(x, targets=y)
-    moved = max(float((model.full_state_dict()[n].float() - after[n].float()).abs().max()) for n in after)
-    assert moved > 0 and model.skipped_steps == 1
-    return {"case": "fp16/skip", "scale": [scale, model._loss_scale]}
+    result["moved_next"] = max(float((model.full_state_dict()[n].float() - after[n].float()).abs().max())
+                               for n in after)
+    result["skipped_next"] = model.skipped_steps
+    return result
 
 
-def check_loss_curve(ctx: DistContext, outdir: str, steps: int = 20) -> dict:
-    """The example GPT's bf16-mixed loss curve stays within 1% of fp32's over 20 AdamW steps (dp2)."""
-    from partita.compiler.compile import compile_model
-    from partita.core.inputs import parse_input_spec
-    from partita.core.cluster import load_cluster
-    from partita.core.options import Pins
-
+def loss_curves(ctx: DistContext, outdir: str, steps: int = 20) -> dict:
+    """The example GPT's bf16-mixed loss curve and fp32's over 20 AdamW steps (dp2)."""
     factory, spec, batch = MODELS["gpt"]
     curves = {}
     for precision in ("fp32", "bf16-mixed"):
         path = Path(outdir, f"curve-{precision}.json")
         if ctx.rank == 0:
-            compile_model(factory, Options(inputs=[parse_input_spec(spec)], cluster=load_cluster("local", devices=2), optimizer="adamw", precision=precision, world_size=2, dp=2)).plan.save(path)
+            _compile(factory, spec, 2, path, optimizer="adamw", precision=precision, pins=dict(dp=2))
         dist.barrier()
         plan = load_plan(path, world_size=ctx.world_size)
         torch.manual_seed(0)
@@ -251,8 +219,6 @@ def check_loss_curve(ctx: DistContext, outdir: str, steps: int = 20) -> dict:
         x, y = batch(plan.training.global_batch)
         curves[precision] = [model.train_step(x, targets=y) for _ in range(steps)]
     worst = max(abs(a - b) / b for a, b in zip(curves["bf16-mixed"], curves["fp32"]))
-    assert worst < 0.01, curves
-    assert curves["fp32"][-1] < 0.8 * curves["fp32"][0]  # it learns: the curve is not flat
     return {"case": "curve/bf16-vs-fp32", "worst_rel": worst, **curves}
 
 
@@ -264,20 +230,19 @@ CLIP_PINS_4 = {"dp2xtp2-zero2": PINS_4["dp2xtp2-zero2"], "tp2xpp2-1f1b": PINS_4[
 
 def _compile(factory: Callable, spec: str, devices: int, path: Path, **kw) -> None:
     from partita.compiler.compile import compile_model
-    from partita.core.inputs import parse_input_spec
     from partita.core.cluster import load_cluster
-    from partita.core.options import Options
+    from partita.core.inputs import parse_input_spec
 
     pins = kw.pop("pins")
     compile_model(factory, Options(inputs=[parse_input_spec(spec)], cluster=load_cluster("local", devices=devices),
                                    world_size=devices, **pins, **kw)).plan.save(path)
 
 
-def check_clipping(ctx: DistContext, outdir: str, cases: dict[str, dict]) -> list[dict]:
+def clipping(ctx: DistContext, outdir: str, cases: dict[str, dict]) -> list[dict]:
     """Gradient clipping by the global norm (fp32 plans with max_grad_norm): the norm train_step
-    reports and the clipped steps equal one process's ``clip_grad_norm_``, however the plan
+    reports and the clipped steps beside one process's ``clip_grad_norm_``, however the plan
     spreads the gradients (ZeRO shards, TP shards and replicas, pipeline stages, tied copies)."""
-    import tied_script
+    from tests import tied_script
 
     out = []
     for label, pins in cases.items():
@@ -290,7 +255,6 @@ def check_clipping(ctx: DistContext, outdir: str, cases: dict[str, dict]) -> lis
                      max_grad_norm=CLIP, pins=pins)
         dist.barrier()
         plan = load_plan(path, world_size=ctx.world_size)
-        assert plan.training.max_grad_norm == CLIP
         torch.manual_seed(5)
         reference = factory()
         model = ParallelModel(copy.deepcopy(reference), plan, Options(loss=default_loss, optimizer=SGD), ctx=ctx)
@@ -308,28 +272,21 @@ def check_clipping(ctx: DistContext, outdir: str, cases: dict[str, dict]) -> lis
             opt.step()
             opt.zero_grad()
             ref_losses.append(loss.item())
-        assert [r.grad_norm for r in results] == pytest_approx(ref_norms), (label, results, ref_norms)
-        assert [float(r) for r in results] == pytest_approx(ref_losses), (label, results, ref_losses)
-        assert min(ref_norms) > 2 * CLIP  # every step clipped
-        check_close({n: final[n] for n, _ in reference.named_parameters()},
-                    {n: p.detach() for n, p in reference.named_parameters()}, rtol=1e-4, atol=2e-5, what=label)
-        out.append({"case": f"clip/{label}", "norms": [r.grad_norm for r in results], "ref_norms": ref_norms})
+        params = gaps({n: final[n] for n, _ in reference.named_parameters()},
+                      {n: p.detach() for n, p in reference.named_parameters()})
+        out.append({"case": f"clip/{label}", "max_grad_norm": plan.training.max_grad_norm,
+                    "norms": [r.grad_norm for r in results], "ref_norms": ref_norms,
+                    "losses": [float(r) for r in results], "ref_losses": ref_losses, "params": params})
         del model
         gc.collect()
     return out
 
 
-def pytest_approx(values: list[float]):
-    import pytest
-
-    return pytest.approx(values, rel=1e-4, abs=1e-6)
-
-
-def check_one_optimizer(ctx: DistContext, outdir: str) -> dict:
-    """pp2 x dp2, ZeRO-1, a tied embedding: the user's optimizer drives every parameter, the tied
-    one included (an LR schedule that sets lr = 0 stops all training; before, a hidden optimizer of
-    the tied parameter kept training it)."""
-    import tied_script
+def one_optimizer(ctx: DistContext, outdir: str) -> dict:
+    """pp2 x dp2, ZeRO-1, a tied embedding, an LR schedule that sets lr = 0: the losses, and the
+    tensors of the state that changed (before, a hidden optimizer of the tied parameter kept
+    training it)."""
+    from tests import tied_script
 
     path = Path(outdir, "one-optimizer.json")
     if ctx.rank == 0:
@@ -338,7 +295,8 @@ def check_one_optimizer(ctx: DistContext, outdir: str) -> dict:
     dist.barrier()
     plan = load_plan(path, world_size=ctx.world_size)
     torch.manual_seed(0)
-    model = ParallelModel(tied_script.tied_gpt(), plan, Options(loss=default_loss, optimizer=OPTIMIZERS["adamw"]), ctx=ctx)
+    model = ParallelModel(tied_script.tied_gpt(), plan, Options(loss=default_loss, optimizer=OPTIMIZERS["adamw"]),
+                          ctx=ctx)
     sched = torch.optim.lr_scheduler.LambdaLR(model.optimizer, lambda step: 0.0)
     x, y = MODELS["gpt"][2](plan.training.global_batch)
     before = model.full_state_dict()
@@ -348,8 +306,7 @@ def check_one_optimizer(ctx: DistContext, outdir: str) -> dict:
         sched.step()
     after = model.full_state_dict()
     changed = [n for n in before if not torch.equal(before[n], after[n])]
-    assert not changed and len(set(losses)) == 1, (changed, losses)
-    return {"case": "one-optimizer/lr0", "losses": losses}
+    return {"case": "one-optimizer/lr0", "losses": losses, "changed": changed}
 
 
 def compile_and_run_2(ctx: DistContext, outdir: str) -> list[dict]:
@@ -358,13 +315,13 @@ def compile_and_run_2(ctx: DistContext, outdir: str) -> list[dict]:
     for case in cases[ctx.rank::ctx.world_size]:
         compile_case(case, outdir)
     dist.barrier()
-    return ([run_case(ctx, case, outdir) for case in CASES_2] + [check_fp16_skip(ctx, outdir)]
-            + check_memory(ctx, outdir) + [check_loss_curve(ctx, outdir)] + check_clipping(ctx, outdir, CLIP_PINS_2))
+    return ([run_case(ctx, case, outdir) for case in CASES_2] + [fp16_skip(ctx, outdir)]
+            + memory_held(ctx, outdir) + [loss_curves(ctx, outdir)] + clipping(ctx, outdir, CLIP_PINS_2))
 
 
 def run_4(ctx: DistContext, outdir: str) -> list[dict]:
-    return ([run_case(ctx, case, outdir) for case in CASES_4] + check_clipping(ctx, outdir, CLIP_PINS_4)
-            + [check_one_optimizer(ctx, outdir)])
+    return ([run_case(ctx, case, outdir) for case in CASES_4] + clipping(ctx, outdir, CLIP_PINS_4)
+            + [one_optimizer(ctx, outdir)])
 
 
 LAUNCHES = {"compile+run2": (2, compile_and_run_2), "run4": (4, run_4)}

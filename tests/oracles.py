@@ -16,28 +16,31 @@ from __future__ import annotations
 
 import itertools
 import math
-import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Protocol, Sequence
+from typing import Any, Protocol
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from partita.core.buckets import DEFAULT_BUCKET_BYTES  # noqa: E402
-from partita.core.errors import InfeasibleError, PartitaError  # noqa: E402
-from partita.core.plan import MemoryBreakdown  # noqa: E402
-from partita.core.precision import activation_scale  # noqa: E402
-from partita.core.cluster import ClusterSpec  # noqa: E402
-from partita.core.options import Pins, TrainingRequest  # noqa: E402
-from partita.passes.cost_model import (  # noqa: E402
-    ModelStateMemory, StateBytes, StepCost, collective_time, collective_traffic, compute_time, model_state_memory,
-    optimizer_time, state_bytes_per_param,
+from partita.core.buckets import DEFAULT_BUCKET_BYTES
+from partita.core.cluster import ClusterSpec
+from partita.core.errors import InfeasibleError, PartitaError
+from partita.core.options import Pins, TrainingRequest
+from partita.core.plan import MemoryBreakdown
+from partita.core.precision import activation_scale
+from partita.core.tp.strategies import Strategy, node_strategies, valid_at
+from partita.passes.cost_model import (
+    ModelStateMemory,
+    StateBytes,
+    StepCost,
+    collective_time,
+    collective_traffic,
+    compute_time,
+    model_state_memory,
+    optimizer_time,
+    state_bytes_per_param,
 )
-from partita.passes.dp.buckets import gradient_buckets  # noqa: E402
-from partita.passes.tp.problem import EdgeClass, NodeClass, TPProblem, TPSolution, TPSolveReport, evaluate  # noqa: E402
-from partita.core.tp.strategies import Strategy, node_strategies, valid_at  # noqa: E402
-
+from partita.passes.dp.buckets import gradient_buckets
+from partita.passes.tp.problem import EdgeClass, NodeClass, TPProblem, TPSolution, TPSolveReport, evaluate
 
 # -- the TP layout by enumeration ---------------------------------------------------------
 
@@ -156,7 +159,8 @@ def _visit_order(problem: TPProblem) -> list[NodeClass]:
 
 def _enumerate_with_budget(order, valid, step, bpp, budget, max_states, visited, accum):
     """Depth-first over every prefix, cut by the cost and memory bounds (see ``exhaustive_choice``)."""
-    min_time = [min((order[k].costs[s].objective(accum) for s in valid[k]), default=math.inf) for k in range(len(order))]
+    min_time = [min((order[k].costs[s].objective(accum) for s in valid[k]), default=math.inf)
+                for k in range(len(order))]
     min_mem = [min((order[k].costs[s].memory(bpp) for s in valid[k]), default=math.inf) for k in range(len(order))]
     rest_time = list(itertools.accumulate(reversed(min_time + [0.0])))[::-1]
     rest_mem = list(itertools.accumulate(reversed(min_mem + [0.0])))[::-1]
@@ -330,7 +334,8 @@ def choose_data_parallel(
     dps = [d for d in dps if B % d == 0]
 
     numels = list(param_numels)
-    grad_elem = max(1, int(state_bytes_per_param(request.precision, request.optimizer).grads)) if not request.inference else 0
+    grad_elem = (max(1, int(state_bytes_per_param(request.precision, request.optimizer).grads))
+                 if not request.inference else 0)
     buckets = gradient_buckets(numels, grad_elem, bucket_bytes) if grad_elem else []
     flops_per_sample = (profile.flops_fwd + (0 if request.inference else profile.flops_bwd)) / profile.batch_size
 
@@ -347,7 +352,8 @@ def choose_data_parallel(
             if share % mb:
                 continue
             accum = share // mb
-            mem = memory_per_device(profile, request, dp=dp, micro_batch=mb, zero_stage=0, capacity=cluster.usable_memory)
+            mem = memory_per_device(profile, request, dp=dp, micro_batch=mb, zero_stage=0,
+                                    capacity=cluster.usable_memory)
             cost = data_parallel_step(
                 flops_per_sample=flops_per_sample, micro_batch=mb, grad_accum=accum, dp=dp,
                 grad_buckets=buckets, state=full_state, cluster=cluster, precision=request.precision,
@@ -391,7 +397,8 @@ def _reason(c: Candidate, best: Candidate) -> str:
     return f"{slower:.2f}x slower: " + "; ".join(parts)
 
 
-def _infeasible(profile: Profile, cluster: ClusterSpec, request: TrainingRequest, candidates: list[Candidate]) -> InfeasibleError:
+def _infeasible(profile: Profile, cluster: ClusterSpec, request: TrainingRequest,
+                candidates: list[Candidate]) -> InfeasibleError:
     least = min(candidates, key=lambda c: (c.memory.total, -c.dp))
     m = least.memory
     gb = 1e9

@@ -1,7 +1,7 @@
 """Train the example GPT for 3 steps under the plan `partita run` gives, batches of the plan's
 shapes; rank 0 writes the losses. Run by tests/test_plan_mutations.py.
 
-usage: plan_run_script.py OUT.json
+usage: plan_run_script.py OUT.json   (the repository's root on PYTHONPATH)
 """
 
 import json
@@ -10,11 +10,9 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import partita  # noqa: E402
-from examples.models import gpt_tiny  # noqa: E402
-from partita.core.inputs import parse_input_spec  # noqa: E402
+import partita
+from examples.models import gpt_tiny
+from partita.core.inputs import parse_input_spec
 
 if __name__ == "__main__":
     torch.manual_seed(0)

@@ -12,9 +12,9 @@ graph alone, the tensors each stage sends per step.
 from __future__ import annotations
 
 import dataclasses
-from typing import Mapping
+from collections.abc import Mapping
 
-from tp_choice import MEGATRON, tp_plan
+from tests.tp_choice import MEGATRON, tp_plan
 
 
 def boundary_cuts(G, layers_before: list[int]) -> list[str]:

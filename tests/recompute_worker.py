@@ -1,9 +1,9 @@
-"""Checks run inside each rank of the activation-recomputation tests (see test_runtime_recompute.py).
+"""What each rank of the activation-recomputation tests measures (test_runtime_recompute.py asserts it).
 
 Each rank builds a test plan (tests/pp_choice.py's cuts, tests/tp_choice.py's
 Megatron TP, the repeated layers from the planner's profile), and runs it twice,
 as given and with ``Stage.recompute`` set on the chosen stages, side by side with
-a single-process reference on the same global batch. It checks:
+a single-process reference on the same global batch. It returns what the test checks:
 
 - the recomputing run's loss every step, its first step's gradients and, after
   STEPS steps, every parameter (``full_state_dict``) against the reference;
@@ -21,19 +21,18 @@ from __future__ import annotations
 import copy
 import dataclasses
 from collections import Counter
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch.autograd.graph import saved_tensors_hooks
 
-from dp_worker import OPTIMIZERS, gpt_batch, gpt_loss
-from harness import check_close, check_loss, gather_tp, reference_step
+from partita.core.options import Options
 from partita.runtime.distributed import DistContext
 from partita.runtime.engine import ParallelModel
-from partita.core.options import Options
-from zero_mesh_worker import _short, mesh_case
+from tests.dp_worker import OPTIMIZERS, gpt_batch, gpt_loss
+from tests.harness import gaps, gather_tp, reference_step
+from tests.zero_mesh_worker import _short, mesh_case
 
-RTOL, ATOL = 1e-4, 2e-5
 STEPS = 3
 MBS = 2
 
@@ -109,8 +108,9 @@ def compare(ctx: DistContext, name: str, *, tp: int = 1, dp: int = 1, pp: int = 
     plan = dataclasses.replace(plan, training=dataclasses.replace(plan.training, zero_stage=zero))
     rc_plan = dataclasses.replace(plan, stages=tuple(dataclasses.replace(s, recompute=s.index in recompute)
                                                      for s in plan.stages))
-    plain = ParallelModel(copy.deepcopy(reference), plan, Options(loss=gpt_loss, optimizer=OPTIMIZERS["adamw"]), ctx=ctx)
-    model = ParallelModel(copy.deepcopy(reference), rc_plan, Options(loss=gpt_loss, optimizer=OPTIMIZERS["adamw"]), ctx=ctx)
+    options = Options(loss=gpt_loss, optimizer=OPTIMIZERS["adamw"])
+    plain = ParallelModel(copy.deepcopy(reference), plan, options, ctx=ctx)
+    model = ParallelModel(copy.deepcopy(reference), rc_plan, options, ctx=ctx)
     program = model._program
     stage = program.pipeline.index if program.pipeline is not None else 0
     recomputes = stage in recompute
@@ -120,46 +120,38 @@ def compare(ctx: DistContext, name: str, *, tp: int = 1, dp: int = 1, pp: int = 
     grads: dict[str, torch.Tensor] = {}
     _grab_grads(model, grads)
     extra = _recomputed_forward_calls(rc_plan, model)
-    assert bool(extra) == (recomputes and tp > 1), (name, stage, extra)  # TP layers send in forward
 
     ref_opt = OPTIMIZERS["adamw"](reference.parameters())
     x, y = gpt_batch(plan.training.global_batch)
-    loss_errs, plain_errs, ref_grads = [], [], {}
+    losses, plain_losses, ref_losses, added, ref_grads = [], [], [], [], {}
     for step in range(STEPS):
-        loss = model.train_step(x, targets=y)
+        losses.append(model.train_step(x, targets=y))
         with_rc = Counter(model.collectives.calls)
-        plain_loss = plain.train_step(x, targets=y)
+        plain_losses.append(plain.train_step(x, targets=y))
         without = Counter(plain.collectives.calls)
         if step > 0:  # step 0's counts include the test's own gather_grads
-            diff = {k: with_rc[k] - without[k] for k in with_rc.keys() | without.keys() if with_rc[k] != without[k]}
-            assert diff == dict(extra), (name, stage, "recompute added", diff, "expected", dict(extra))
-        ref_loss = reference_step(reference, ref_opt, gpt_loss, x, y, ref_grads if step == 0 else None)
-        loss_errs.append(check_loss(loss, ref_loss, rtol=RTOL, atol=ATOL, what=(name, step)))
-        plain_errs.append(abs(loss - plain_loss))
+            added.append(sorted([k, a, b, with_rc[(k, a, b)] - without[(k, a, b)]]
+                                for (k, a, b) in with_rc.keys() | without.keys()
+                                if with_rc[(k, a, b)] != without[(k, a, b)]))
+        ref_losses.append(reference_step(reference, ref_opt, gpt_loss, x, y, ref_grads if step == 0 else None))
 
     full_grads = gather_tp(model.tensor_parallel, grads)
-    grad_err = check_close(full_grads, ref_grads, rtol=RTOL, atol=ATOL, what=f"{name} grad")
     final = model.full_state_dict(buffers=False)
     plain.full_state_dict()  # a collective: every rank takes part
     ref_final = {n: p.detach() for n, p in reference.named_parameters()}
-    assert set(final) == set(ref_final), sorted(set(final) ^ set(ref_final))
-    param_err = check_close(final, ref_final, rtol=RTOL, atol=ATOL, what=f"{name} param")
-
-    # One figure per micro-batch, the same for all (the micro-batches have one shape).
-    m = accum * STEPS
-    assert len(saved_rc) == len(saved_plain) == m and len(set(saved_rc)) == len(set(saved_plain)) == 1, (
-        saved_rc, saved_plain)
-    if recomputes:
-        assert saved_rc[0] < saved_plain[0], (name, stage, saved_rc[0], saved_plain[0])
-    else:
-        assert saved_rc[0] == saved_plain[0], (name, stage, saved_rc[0], saved_plain[0])
     return {
         "case": f"{name}/dp={dp}/tp={tp}/pp={pp}/{schedule if pp > 1 else 'none'}/zero{zero}/m={accum}"
                 f"/recompute{list(recompute)}",
-        "stage": stage, "loss_err": max(loss_errs), "vs_plain_loss_err": max(plain_errs),
-        "grad_err": grad_err, "param_err": param_err,
-        "saved_bytes_per_micro_batch": {"plain": saved_plain[0], "recompute": saved_rc[0]},
-        "extra_calls_per_step": sorted((k, a, b, n) for (k, a, b), n in extra.items()),
+        "stage": stage, "tp": tp, "recomputes": recomputes,
+        "losses": losses, "ref_losses": ref_losses, "plain_losses": plain_losses,
+        "grads": gaps(full_grads, ref_grads),
+        "params": gaps({k: v for k, v in final.items() if k in ref_final}, ref_final),
+        "names_unlike_the_models": sorted(set(final) ^ set(ref_final)),
+        # the activation bytes each micro-batch's forward saved, with recomputation and without
+        "micro_batches": accum * STEPS, "saved_recompute": saved_rc, "saved_plain": saved_plain,
+        # the collectives recomputation added each step after the first, and those the plan's recomputed
+        # layers repeat in forward (all as [kind, axis, bytes, calls])
+        "added_calls": added, "extra_calls_per_step": sorted([k, a, b, n] for (k, a, b), n in extra.items()),
     }
 
 

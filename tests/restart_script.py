@@ -1,7 +1,7 @@
 """A training loop that survives a dying rank (run by tests/test_restarts.py under
 `partita run --checkpoint-dir D --checkpoint-every 2 --max-restarts 1`).
 
-usage: restart_script.py OUTDIR KILL_AT
+usage: restart_script.py OUTDIR KILL_AT   (the repository's root on PYTHONPATH)
 
 Rank 1 SIGKILLs itself right after step KILL_AT on the first attempt (0: never). Every attempt
 appends its losses to OUTDIR/losses.jsonl; rank 0 saves the final parameters to OUTDIR/final.pt.
@@ -15,10 +15,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import partita  # noqa: E402
-import tied_script as script  # noqa: E402
+import partita
+from tests import tied_script as script
 
 STEPS = 6
 

@@ -6,11 +6,22 @@ The numbers are plausible, not predictions: the view and diff tests read them ba
 
 from __future__ import annotations
 
-from partita.core.plan import (
-    Alternative, Collective, InputLayout, MemoryBreakdown, Mesh, ModelInfo, NodeDecision, ParamDecision, Plan,
-    Prediction, SolverReport, Stage, Training,
-)
 from partita.core.cluster import PRESETS
+from partita.core.plan import (
+    Alternative,
+    Collective,
+    InputLayout,
+    MemoryBreakdown,
+    Mesh,
+    ModelInfo,
+    NodeDecision,
+    ParamDecision,
+    Plan,
+    Prediction,
+    SolverReport,
+    Stage,
+    Training,
+)
 from partita.core.verify import verified_plan
 
 R, P = "replicate", "partial"
@@ -61,7 +72,8 @@ def synthetic_plan(*, name: str = "llama-70b-synthetic", layers: int = 80, hidde
         kw = dict(layer=L, stage=s)
         mm = 2 * seq * hidden * hidden
 
-        def n(op: str, mod: str, strategy: str, out: str, ins: list[InputLayout], flops: int = 0) -> str:
+        def n(op: str, mod: str, strategy: str, out: str, ins: list[InputLayout], flops: int = 0,
+              L: str = L, kw: dict = kw) -> str:
             nonlocal k
             k += 1
             return node(f"{op.split('.')[1]}_{k}", op, f"{L}.{mod}" if mod else L, strategy, out, ins,
@@ -85,7 +97,8 @@ def synthetic_plan(*, name: str = "llama-70b-synthetic", layers: int = 80, hidde
         for j in range(rotary_ops):  # rotary embedding, casts and views on the heads
             src = q if j % 2 == 0 else kk
             r = n("aten.mul.Tensor", "self_attn", "heads", "shard(2)",
-                  [edge(src, "shard(2)", "shard(2)", "shard(2)", "shard(2)"), edge(cos, R, R, "none", "none", seq * 128 * 2)])
+                  [edge(src, "shard(2)", "shard(2)", "shard(2)", "shard(2)"),
+                   edge(cos, R, R, "none", "none", seq * 128 * 2)])
             if j % 2 == 0:
                 q = r
             else:
@@ -94,16 +107,19 @@ def synthetic_plan(*, name: str = "llama-70b-synthetic", layers: int = 80, hidde
               [edge(q, "shard(2)", "shard(2)", "shard(2)", "shard(2)"),
                edge(kk, "shard(2)", "shard(2)", "shard(2)", "shard(2)"),
                edge(v, "shard(2)", "shard(2)", "shard(2)", "shard(2)")], 4 * seq * seq * hidden)
-        o = n("aten.linear.default", "self_attn.o_proj", "row", P, [edge(a, "shard(2)", "shard(2)", "shard(2)", "shard(2)")], mm)
+        o = n("aten.linear.default", "self_attn.o_proj", "row", P,
+              [edge(a, "shard(2)", "shard(2)", "shard(2)", "shard(2)")], mm)
         x1 = n("aten.add.Tensor", "", R, R, [edge(x, R, R), edge(o, P, R)])
         h2 = n("aten.rms_norm.default", "post_attention_layernorm", R, R, [edge(x1, R, R)])
         g = n("aten.linear.default", "mlp.gate_proj", "col", "shard(2)", [edge(h2, R, R, P, R)], 2 * seq * hidden * ffn)
         u = n("aten.linear.default", "mlp.up_proj", "col", "shard(2)", [edge(h2, R, R, P, R)], 2 * seq * hidden * ffn)
-        g = n("aten.silu.default", "mlp", "shard(2)", "shard(2)", [edge(g, "shard(2)", "shard(2)", "shard(2)", "shard(2)")])
+        g = n("aten.silu.default", "mlp", "shard(2)", "shard(2)",
+              [edge(g, "shard(2)", "shard(2)", "shard(2)", "shard(2)")])
         m = n("aten.mul.Tensor", "mlp", "shard(2)", "shard(2)",
-              [edge(g, "shard(2)", "shard(2)", "shard(2)", "shard(2)"), edge(u, "shard(2)", "shard(2)", "shard(2)", "shard(2)")])
-        d = n("aten.linear.default", "mlp.down_proj", "row", P, [edge(m, "shard(2)", "shard(2)", "shard(2)", "shard(2)")],
-              2 * seq * hidden * ffn)
+              [edge(g, "shard(2)", "shard(2)", "shard(2)", "shard(2)"),
+               edge(u, "shard(2)", "shard(2)", "shard(2)", "shard(2)")])
+        d = n("aten.linear.default", "mlp.down_proj", "row", P,
+              [edge(m, "shard(2)", "shard(2)", "shard(2)", "shard(2)")], 2 * seq * hidden * ffn)
         x = n("aten.add.Tensor", "", R, R, [edge(x1, R, R), edge(d, P, R)])
     last = pp - 1
     param("model.norm.weight", (hidden,), R, last)
@@ -141,7 +157,8 @@ def synthetic_plan(*, name: str = "llama-70b-synthetic", layers: int = 80, hidde
     achieved = total_flops / step / (dp * tp * pp)
     predicted = Prediction(step, micro_batches * fb, {"tp_all_reduce": 0.4 * step / 10, "dp_reduce_scatter": 0.02,
                                                        "pp_send_recv": 0.01}, 0.03, worst,
-                           {"tp_all_reduce": 4 * act * layers // pp * micro_batches, "dp_reduce_scatter": 2 * max(per_dev) * 2},
+                           {"tp_all_reduce": 4 * act * layers // pp * micro_batches,
+                            "dp_reduce_scatter": 2 * max(per_dev) * 2},
                            B / step, B * seq / step, achieved / 1e12, achieved / 312e12)
     training = Training(global_batch=B, micro_batch_size=1, grad_accum_steps=micro_batches, precision="bf16-mixed",
                         optimizer="adamw", zero_stage=zero, schedule=schedule)
@@ -166,7 +183,8 @@ def synthetic_plan(*, name: str = "llama-70b-synthetic", layers: int = 80, hidde
         solver=SolverReport("CP-SAT", "OPTIMAL", step, 12.5, alternatives, 0.0, ("synthetic plan for tests",)),
         params=tuple(params), nodes=tuple(nodes),
         collectives=(
-            Collective("all_reduce", "tp", act, 4 * layers // pp * micro_batches, tp, "tensor-parallel activations", 0.04),
+            Collective("all_reduce", "tp", act, 4 * layers // pp * micro_batches, tp,
+                       "tensor-parallel activations", 0.04),
             Collective("reduce_scatter", "dp", max(per_dev) * 2, 1, dp, "gradient reduce-scatter (ZeRO)", 0.02),
             Collective("all_gather", "dp", max(per_dev) * 2, 1, dp, "parameter all-gather after the step (ZeRO)", 0.02),
             Collective("send_recv", "pp", act, 2 * micro_batches, 2, "activations and gradients between stages", 0.01),

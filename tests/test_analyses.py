@@ -4,23 +4,19 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn as nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from examples.models import GPT, MLP, GPTConfig, SmallCNN, hf_llama  # noqa: E402
-from partita.core.capture import capture  # noqa: E402
-from partita.core.inputs import parse_input_spec  # noqa: E402
-from partita.passes.activations import annotate_saved_activations  # noqa: E402
-from partita.passes.flops import annotate_flops  # noqa: E402
-from partita.core.graph import to_networkx  # noqa: E402
-from partita.passes.profile import profile_model  # noqa: E402
-from partita.passes.repeats import find_repeated_layers  # noqa: E402
+from examples.models import GPT, MLP, GPTConfig, SmallCNN, hf_llama
+from partita.core.capture import capture
+from partita.core.graph import to_networkx
+from partita.core.inputs import parse_input_spec
+from partita.passes.activations import annotate_saved_activations
+from partita.passes.flops import annotate_flops
+from partita.passes.profile import profile_model
+from partita.passes.repeats import find_repeated_layers
 
 
 def _graph(factory, spec: str):
@@ -57,8 +53,8 @@ def test_convolution_flops() -> None:
     assert conv2["flops_bwd"] == 2 * conv2["flops_fwd"]
 
 
-def _megatron_forward(B: int, s: int, l: int, h: int, V: int) -> float:
-    return 24 * B * s * l * h * h * (1 + s / (6 * h) + V / (16 * l * h))
+def _megatron_forward(B: int, s: int, L: int, h: int, V: int) -> float:
+    return 24 * B * s * L * h * h * (1 + s / (6 * h) + V / (16 * L * h))
 
 
 def test_gpt_forward_flops_match_megatron() -> None:
@@ -71,13 +67,13 @@ def test_gpt_forward_flops_match_megatron() -> None:
     graph is 7.3% above the formula and within 0.1% of 24 B s l h^2 (1 + s/6h)
     + 2 B s h V, the sum of the matmuls Megatron counts.
     """
-    B, s, l, h, V, heads = 2, 256, 4, 512, 512, 8
-    cfg = GPTConfig(vocab_size=V, block_size=s, n_layer=l, n_head=heads, n_embd=h)
+    B, s, L, h, V, heads = 2, 256, 4, 512, 512, 8
+    cfg = GPTConfig(vocab_size=V, block_size=s, n_layer=L, n_head=heads, n_embd=h)
     _, G = _graph(lambda: GPT(cfg), f"idx=int64[{B},{s}]")
     annotate_flops(G)
     fwd = G.graph["flops_fwd"]
-    assert fwd == pytest.approx(_megatron_forward(B, s, l, h, V), rel=0.01)
-    assert fwd == pytest.approx(24 * B * s * l * h * h * (1 + s / (6 * h)) + 2 * B * s * h * V, rel=0.002)
+    assert fwd == pytest.approx(_megatron_forward(B, s, L, h, V), rel=0.01)
+    assert fwd == pytest.approx(24 * B * s * L * h * h * (1 + s / (6 * h)) + 2 * B * s * h * V, rel=0.002)
     attn = _calls(G, "aten.scaled_dot_product_attention.default")[0]
     assert attn["flops_fwd"] == 4 * B * heads * s * s * (h // heads)
     assert attn["flops_bwd"] == int(2.5 * attn["flops_fwd"])

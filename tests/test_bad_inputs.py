@@ -12,10 +12,10 @@ import ast
 import json
 import math
 import re
-import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import click
 import pytest
@@ -26,7 +26,6 @@ from partita.core.errors import PartitaError
 from partita.core.plan import SEAL, seal_digest
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 MLP = f"{ROOT}/examples/models.py:MLP"
 X = "x=float32[8,64]"
 
@@ -286,8 +285,8 @@ def test_cli_arguments(cli, plan_files, tmp_path, args, expected):
 def test_estimate_and_compile_refuse_the_same_dp_in_the_same_words(cli):
     _, _, e1 = cli("estimate", "--params", "7B", "--dp", "8")
     _, _, e2 = cli(*COMPILE, "--dp", "8")
-    assert [l for l in e1.splitlines() if l.startswith("error:")] == [l for l in e2.splitlines()
-                                                                      if l.startswith("error:")]
+    assert [line for line in e1.splitlines() if line.startswith("error:")] == [
+        line for line in e2.splitlines() if line.startswith("error:")]
 
 
 def test_a_batch_of_10_to_the_14_does_not_hang(cli, tmp_path):

@@ -6,19 +6,20 @@ from __future__ import annotations
 
 import pytest
 
-import buffers_worker
 from examples.models import SmallCNN
-from harness import launch
 from partita.compiler.compile import compile_model
 from partita.core.capture import capture
-from partita.core.ops import running_buffers
+from partita.core.cluster import load_cluster
 from partita.core.inputs import parse_input_spec
 from partita.core.losses import default_loss
-from partita.core.cluster import load_cluster
-from partita.core.options import Pins
+from partita.core.ops import running_buffers
 from partita.core.options import Options
+from tests import buffers_worker
+from tests.harness import beyond, launch
 
 SPEC = "x=float32[16,3,32,32]"
+# fp32: the runtime's all-reduced mean and the rule worked by hand add the same numbers in another order
+RTOL, ATOL = 1e-5, 1e-6
 
 
 def test_the_running_statistics_a_training_forward_writes_are_found_in_the_graph():
@@ -30,17 +31,25 @@ def test_the_running_statistics_a_training_forward_writes_are_found_in_the_graph
 
 
 def test_a_dp_plan_lists_one_all_reduce_of_the_statistics():
-    plan = compile_model(SmallCNN, Options(inputs=[parse_input_spec(SPEC)], cluster=load_cluster("local", devices=2), world_size=2, dp=2)).plan
+    plan = compile_model(SmallCNN, Options(inputs=[parse_input_spec(SPEC)], cluster=load_cluster("local", devices=2),
+                                           world_size=2, dp=2)).plan
     listed = [c for c in plan.collectives if "running statistics" in c.purpose]
     assert [(c.kind, c.axis, c.bytes, c.count) for c in listed] == [("all_reduce", "dp", 2 * (16 + 32) * 4, 1)]
 
 
 @pytest.mark.slow
 def test_running_statistics_are_averaged_over_dp_and_saved(tmp_path):
-    plan = compile_model(SmallCNN, Options(inputs=[parse_input_spec(SPEC)], cluster=load_cluster("local", devices=2), world_size=2, dp=2, grad_accum_steps=2)).plan
+    plan = compile_model(SmallCNN, Options(inputs=[parse_input_spec(SPEC)], cluster=load_cluster("local", devices=2),
+                                           world_size=2, dp=2, grad_accum_steps=2)).plan
     path = tmp_path / "cnn.plan.json"
     plan.save(path)
-    for r in launch(2, buffers_worker.run, str(path)):
+    for rank, r in enumerate(launch(2, buffers_worker.run, str(path))):
+        assert len(r["stats"]) == buffers_worker.STEPS
+        for step, found in enumerate(r["stats"]):
+            assert not beyond(found, rtol=RTOL, atol=ATOL), f"rank {rank} step {step}: running statistics, by the rule"
+        assert r["replicas_agree"], "the replicas' running statistics differ"
+        assert r["strict_load_refused"] is None, r["strict_load_refused"]
+        assert not beyond(r["saved_stats"], rtol=0, atol=0), f"rank {rank}: full_state_dict's running statistics"
         stats = [c for c in r["counted"] if c[2] == 2 * (16 + 32) * 4]
         assert stats == [["all_reduce", "dp", 2 * (16 + 32) * 4, 1]], r["counted"]
         assert r["planned"] == [["all_reduce", "dp", 2 * (16 + 32) * 4, 1]]

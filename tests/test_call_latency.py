@@ -4,18 +4,14 @@ tensor-parallel search then prefers fewer, larger collectives."""
 
 import collections
 import dataclasses
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-from partita.core.errors import ClusterError
 from partita.core.cluster import COLLECTIVES, PRESETS, Link, load_cluster
-from partita.passes.cost_model import calibrated_local, collective_time
+from partita.core.errors import ClusterError
 from partita.core.options import Options
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from partita.passes.cost_model import calibrated_local, collective_time
 
 
 def test_a_call_costs_its_kind_fixed_cost_on_top_of_alpha_beta():
@@ -60,7 +56,6 @@ def test_when_calls_cost_the_tp_search_prefers_megatron_to_per_layer_gathers():
     from examples.models import GPT, GPTConfig
     from partita.compiler.compile import compile_model
     from partita.core.inputs import parse_input_spec
-    from partita.core.options import Pins
 
     def model():
         torch.manual_seed(0)
@@ -70,7 +65,8 @@ def test_when_calls_cost_the_tp_search_prefers_megatron_to_per_layer_gathers():
     for cost in (0.0, 1e-3):
         cluster = dataclasses.replace(PRESETS["local"], gpus_per_node=2, flops={"fp32": 60e9},
                                       call_latency={k: cost for k in COLLECTIVES})
-        plan = compile_model(model, Options(inputs=[parse_input_spec("idx=int64[16,128]")], cluster=cluster, world_size=2, tp=2)).plan
+        plan = compile_model(model, Options(inputs=[parse_input_spec("idx=int64[16,128]")], cluster=cluster,
+                                            world_size=2, tp=2)).plan
         count = collections.Counter()
         for c in plan.collectives:
             count[c.kind] += c.count

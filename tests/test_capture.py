@@ -13,14 +13,12 @@ import torch
 import torch.nn as nn
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 from examples.models import MLP, SmallCNN, gpt_tiny, hf_gpt2, hf_llama, llama2_70b  # noqa: E402
 from partita.core.capture import EXPORT, SYMBOLIC_TRACE, capture  # noqa: E402
 from partita.core.errors import CaptureError, InputSpecError  # noqa: E402
-from partita.core.inputs import InputSpec, parse_input_spec  # noqa: E402
 from partita.core.graph import graph_fingerprint, to_networkx  # noqa: E402
-
+from partita.core.inputs import InputSpec, parse_input_spec  # noqa: E402
 
 # ---------------------------------------------------------------- input specs
 
@@ -190,7 +188,6 @@ def test_llama_70b_width_allocates_no_parameter_memory() -> None:
 # ---------------------------------------------------------------- fingerprints
 
 _FINGERPRINT = """
-import sys; sys.path.insert(0, {root!r})
 from examples.models import gpt_tiny
 from partita.core.capture import capture
 from partita.core.inputs import parse_input_spec
@@ -207,8 +204,8 @@ def test_fingerprint_is_stable_and_tells_graphs_apart() -> None:
     first = _fingerprint(gpt_tiny, "idx=int64[2,16]")
     assert first == _fingerprint(gpt_tiny, "idx=int64[2,16]")
     other_process = subprocess.run(
-        [sys.executable, "-c", _FINGERPRINT.format(root=str(ROOT))], capture_output=True, text=True, check=True,
-        env={"PYTHONHASHSEED": "12345", "PATH": ""},
+        [sys.executable, "-c", _FINGERPRINT], capture_output=True, text=True, check=True,
+        env={"PYTHONHASHSEED": "12345", "PATH": "", "PYTHONPATH": str(ROOT)},
     ).stdout.split()[-1]
     assert other_process == first
     assert _fingerprint(gpt_tiny, "idx=int64[2,8]") != first  # another shape

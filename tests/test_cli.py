@@ -1,7 +1,6 @@
 """The CLI end to end: compile, show, estimate, run, and one clear message (exit 2) for each bad input."""
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -134,7 +133,7 @@ def test_bad_input_gets_one_clear_message_and_exit_2(cli, tmp_path, plan_path, a
     assert code == 2, (out, err)
     assert message in " ".join(err.split())
     assert "Traceback" not in err and "Traceback" not in out
-    assert [l for l in err.splitlines() if l.startswith("error:")].__len__() == 1
+    assert [line for line in err.splitlines() if line.startswith("error:")].__len__() == 1
 
 
 def test_console_script_exit_code_for_a_user_error(tmp_path):

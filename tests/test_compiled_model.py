@@ -9,10 +9,10 @@ import torch
 
 import partita
 from examples.models import gpt_tiny
-from harness import plain_training
 from partita.core.capture import capture, uncompiled
 from partita.core.inputs import parse_input_spec
 from partita.core.losses import default_loss
+from tests.harness import plain_training
 
 BATCH, SEQ = 4, 16
 

@@ -1,13 +1,11 @@
 """The cost model against hand-worked and published figures (shared/SEED_NOTES.md, REFERENCE.md)."""
 
 import math
-import sys
-from pathlib import Path
 
 import pytest
 
-from partita.core.errors import ClusterError
 from partita.core.cluster import GB, PRESETS, load_cluster
+from partita.core.errors import ClusterError
 from partita.passes.cost_model import (
     collective_time,
     collective_traffic,
@@ -15,10 +13,7 @@ from partita.passes.cost_model import (
     state_bytes_per_param,
     zero_traffic_elements,
 )
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from tests.oracles import max_params_fitting  # noqa: E402
+from tests.oracles import max_params_fitting
 
 
 def test_mixed_precision_adam_is_16_bytes_per_param():
@@ -43,7 +38,7 @@ def test_zero_paper_figure_1_7_5b_on_64_gpus():
     # Rajbhandari et al. 2020, Figure 1: Psi = 7.5B, Nd = 64, K = 12.
     s = state_bytes_per_param("bf16-mixed", "adamw")
     psi, nd = int(7.5e9), 64
-    gb = lambda m: m.total / 1e9  # noqa: E731
+    gb = lambda m: m.total / 1e9
     assert gb(model_state_memory(psi, s, zero_stage=0, dp=nd)) == pytest.approx(120.0)
     assert gb(model_state_memory(psi, s, zero_stage=1, dp=nd)) == pytest.approx(31.4, abs=0.05)
     assert gb(model_state_memory(psi, s, zero_stage=2, dp=nd)) == pytest.approx(16.6, abs=0.05)
@@ -104,7 +99,8 @@ def test_unknown_cluster_and_bad_toml(tmp_path):
     bad.write_text("nodes = 2\n")
     with pytest.raises(ClusterError, match="lacks"):
         load_cluster(str(bad))
-    bad.write_text("nodes = 'two'\ngpus_per_node = 8\nmemory_gb = 80\nintra_node_gb_per_s = 300\ninter_node_gb_per_s = 25\n[tflops]\nbf16 = 312\n")
+    bad.write_text("nodes = 'two'\ngpus_per_node = 8\nmemory_gb = 80\nintra_node_gb_per_s = 300\n"
+                   "inter_node_gb_per_s = 25\n[tflops]\nbf16 = 312\n")
     with pytest.raises(ClusterError, match="nodes"):
         load_cluster(str(bad))
     with pytest.raises(ClusterError, match="positive"):
@@ -126,10 +122,7 @@ def test_toml_round_trip(tmp_path):
 def test_zero_paper_table_1_model_state_per_device():
     """Rajbhandari et al. 2020, Table 1: every cell (7.5B/128B/1T at Nd = 1..1024, Pos, Pos+g,
     Pos+g+p) from model_state_memory, to the paper's printed precision."""
-    import sys
-    from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from benchmarks.published_runs import zero_table_1
 
     rows = zero_table_1()

@@ -11,16 +11,14 @@ import pytest
 import torch
 
 import partita
+from examples.models import GPT, GPTConfig, gpt_tiny
 from partita.compiler.compile import compile_model
+from partita.core.cluster import load_cluster
 from partita.core.errors import PlanError
 from partita.core.inputs import parse_input_spec
-from partita.core.cluster import load_cluster
-from partita.core.options import Pins
 from partita.core.options import Options
-
-import decorator_script as script
-from examples.models import GPT, GPTConfig, gpt_tiny
-from harness import TESTS, launch, partita_cli, plain_training, torchrun
+from tests import decorator_script as script
+from tests.harness import TESTS, calls, fast_cluster, launch, partita_cli, plain_training, torchrun
 
 
 def reference():
@@ -50,14 +48,6 @@ def check(out: Path, ref, world: int, mesh: tuple[int, int, int] | None = None) 
     # every collective the rank ran is in the plan's prediction, with the same bytes and count
     assert any(c[1] == "dp" and c[2] > 4 for c in data["counted"])  # gradients (or ZeRO shards) crossed dp
     assert calls(data["counted"]) == calls(data["planned"])
-
-
-def calls(entries) -> dict:
-    """Calls per (kind, axis, bytes): the plan lists forward and backward reshards of one size apart."""
-    out: dict = {}
-    for kind, axis, nbytes, count in entries:
-        out[(kind, axis, nbytes)] = out.get((kind, axis, nbytes), 0) + count
-    return out
 
 
 def test_outside_torchrun_the_decorated_model_trains_in_one_process(ref):
@@ -96,15 +86,6 @@ def compile_and_launch(tmp_path: Path, cli, *compile_args: str) -> tuple[Path, P
     return plan, out
 
 
-def fast_cluster(tmp_path: Path) -> str:
-    """4 CPU processes with NVLink-like links. On `local`'s slow gloo links the ILP rightly keeps
-    every op replicated at tp=2; here splitting pays, so the plan splits."""
-    fast = tmp_path / "fast.toml"
-    fast.write_text(load_cluster("local").to_toml().replace("intra_node_gb_per_s = 1", "intra_node_gb_per_s = 1e6")
-                    .replace("intra_node_latency_us = 100", "intra_node_latency_us = 0.001"))
-    return str(fast)
-
-
 def counted_kinds(out: Path) -> set[tuple[str, str]]:
     return {(c[0], c[1]) for c in json.loads(out.read_text())["counted"]}
 
@@ -132,8 +113,8 @@ def test_partita_run_a_pipeline_plan(tmp_path, ref):
     check(out, ref, 4, mesh=(2, 1, 2))
     assert ("send_recv", "pp") in counted_kinds(out)
     # the measured schedule: every rank's forward and backward of every micro-batch of every step
-    from partita.core.verify import load_plan
     from partita.compiler.view import load_trace, render_html
+    from partita.core.verify import load_plan
 
     events = load_trace(trace)["traceEvents"]
     assert len([e for e in events if e["cat"] == "forward"]) == 4 * script.STEPS * 2
@@ -165,7 +146,8 @@ def held_matches_the_plan(out: Path, dp: int) -> None:
     dp - 1 elements of 16 bytes per bucket) and AdamW's 4-byte step counter per shard."""
     data = json.loads(out.read_text())
     held, n = sum(data["held"].values()), data["buckets"]
-    assert 0 <= held - sum(data["predicted_state"]) <= 16 * (dp - 1) * n + 4 * n, (data["held"], data["predicted_state"])
+    assert 0 <= held - sum(data["predicted_state"]) <= 16 * (dp - 1) * n + 4 * n, (
+        data["held"], data["predicted_state"])
 
 
 @pytest.mark.slow

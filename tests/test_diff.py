@@ -1,19 +1,15 @@
 """`partita diff`: what changed between two plans, on the terminal and as data for the view."""
 
 import dataclasses
-import sys
-from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
 from rich.console import Console
 
-sys.path.insert(0, str(Path(__file__).parent))
-from synthetic_plans import small_plan  # noqa: E402
-
-from partita.compiler.diff import diff_command, diff_plans, diff_table  # noqa: E402
-from partita.core.errors import PlanError  # noqa: E402
-from partita.core.plan import Mesh  # noqa: E402
+from partita.compiler.diff import diff_command, diff_plans, diff_table
+from partita.core.errors import PlanError
+from partita.core.plan import Mesh
+from tests.synthetic_plans import small_plan
 
 
 def text_of(renderable) -> str:

@@ -6,13 +6,13 @@ import json
 
 import torch
 
-from partita.core.capture import capture
 from partita.compiler.cli import main
 from partita.compiler.compile import compile_model
-from partita.core.inputs import parse_input_spec
+from partita.core.capture import capture
 from partita.core.cluster import load_cluster
-from partita.passes.profile import profile_model
+from partita.core.inputs import parse_input_spec
 from partita.core.options import Options
+from partita.passes.profile import profile_model
 
 
 class MLP(torch.nn.Module):
@@ -39,20 +39,19 @@ def test_live_set_by_hand() -> None:
 
 def test_an_inference_plan_counts_its_live_set() -> None:
     """One device, fp32: activations = the peak live set at the micro-batch (was 0)."""
-    plan = compile_model(MLP, Options(inputs=[parse_input_spec("x=float32[2,8]")], cluster=load_cluster("local", devices=1), inference=True)).plan
+    plan = compile_model(MLP, Options(inputs=[parse_input_spec("x=float32[2,8]")],
+                                      cluster=load_cluster("local", devices=1), inference=True)).plan
     assert plan.predicted.memory.activations == 256 * plan.training.micro_batch_size // 2
     assert plan.predicted.memory.params == (8 * 16 + 16 + 16 * 4 + 4) * 4
 
 
 def test_logits_dominate_a_language_model_inference_plan() -> None:
     """A GPT's inference plan holds at least its logits, (B, T, V) at the precision."""
-    import sys
-    from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from examples.models import gpt_tiny
 
-    plan = compile_model(gpt_tiny, Options(inputs=[parse_input_spec("idx=int64[8,64]")], cluster=load_cluster("local", devices=2), inference=True)).plan
+    plan = compile_model(gpt_tiny, Options(inputs=[parse_input_spec("idx=int64[8,64]")],
+                                           cluster=load_cluster("local", devices=2), inference=True)).plan
     mb = plan.training.micro_batch_size
     assert plan.predicted.memory.activations >= mb * 64 * 256 * 4
 
@@ -63,7 +62,8 @@ def test_estimate_inference(tmp_path, capsys) -> None:
                      "class MLP(torch.nn.Module):\n"
                      "    def __init__(self):\n"
                      "        super().__init__()\n"
-                     "        self.fc1, self.act, self.fc2 = torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4)\n"
+                     "        self.fc1, self.act = torch.nn.Linear(8, 16), torch.nn.ReLU()\n"
+                     "        self.fc2 = torch.nn.Linear(16, 4)\n"
                      "    def forward(self, x):\n"
                      "        return self.fc2(self.act(self.fc1(x)))\n")
     try:
@@ -82,13 +82,10 @@ def test_kv_cache_by_hand() -> None:
     """Llama, 2 layers, 4 query heads sharing 2 KV heads of dim 16, fp32: the cache holds K and V of
     the KV heads (before they are repeated for the query heads): 2 x 2 layers x 2 heads x 16 x 4 B
     = 512 B per token per sequence; 2 sequences of 16 tokens: 16,384 B; one of 64: 32,768 B."""
-    import sys
-    from pathlib import Path
 
     import pytest
 
     pytest.importorskip("transformers")
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from examples.models import hf_llama
 
     p = profile_model(capture(lambda: hf_llama(num_hidden_layers=2, hidden_size=64, num_attention_heads=4,
@@ -120,19 +117,19 @@ def test_estimate_generate_counts_the_kv_cache(capsys) -> None:
 def test_an_inference_plan_with_generation_holds_the_kv_cache() -> None:
     """One device, fp32, the Llama of test_kv_cache_by_hand at [2,16] generating 48 tokens: the plan's
     activations grow by the cache of 2 sequences of 64 tokens, 2 x 64 x 512 B = 65,536 B."""
-    import sys
-    from pathlib import Path
 
     import pytest
 
     pytest.importorskip("transformers")
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from examples.models import hf_llama
 
     def small():
         return hf_llama(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
                         intermediate_size=128, vocab_size=256)
 
-    plans = [compile_model(small, Options(inputs=[parse_input_spec("input_ids=int64[2,16]")], cluster=load_cluster("local", devices=1), inference=True, precision="fp32", generate=n)).plan for n in (0, 48)]
+    plans = [compile_model(small, Options(inputs=[parse_input_spec("input_ids=int64[2,16]")],
+                                          cluster=load_cluster("local", devices=1), inference=True, precision="fp32",
+                                          generate=n)).plan
+             for n in (0, 48)]
     assert [p.training.micro_batch_size for p in plans] == [2, 2]
     assert plans[1].predicted.memory.activations - plans[0].predicted.memory.activations == 65_536

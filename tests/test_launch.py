@@ -8,19 +8,19 @@ from pathlib import Path
 import pytest
 
 from partita.compiler.compile import compile_model
-from partita.core.inputs import parse_input_spec
 from partita.core.cluster import load_cluster
-from partita.core.options import Pins
-from partita.runtime.launch import slurm_layout
+from partita.core.inputs import parse_input_spec
 from partita.core.options import Options
-
-import tied_script as script
-from harness import ENV, PARTITA, TESTS, free_port, partita_cli
+from partita.runtime.launch import slurm_layout
+from tests import tied_script as script
+from tests.harness import ENV, PARTITA, TESTS, free_port, partita_cli
 
 
 @pytest.fixture(scope="module")
 def dp2_plan(tmp_path_factory):
-    plan = compile_model(script.build("tied-gpt"), Options(inputs=[parse_input_spec(f"idx=int64[4,{script.SEQ}]")], cluster=load_cluster("local", devices=2), world_size=2, dp=2)).plan
+    plan = compile_model(script.build("tied-gpt"),
+                         Options(inputs=[parse_input_spec(f"idx=int64[4,{script.SEQ}]")],
+                                 cluster=load_cluster("local", devices=2), world_size=2, dp=2)).plan
     return plan.save(tmp_path_factory.mktemp("plan") / "plan.json")
 
 
@@ -46,11 +46,14 @@ def test_a_user_error_on_the_ranks_is_one_message_and_exit_2(dp2_plan, case, wor
 
 
 def test_a_multi_node_plan_is_not_started_on_one_host_unless_asked(tmp_path):
-    plan = compile_model(script.build("tied-gpt"), Options(inputs=[parse_input_spec(f"idx=int64[32,{script.SEQ}]")], cluster=load_cluster("dgx-a100", nodes=2), world_size=16, precision="fp32")).plan
+    plan = compile_model(script.build("tied-gpt"),
+                         Options(inputs=[parse_input_spec(f"idx=int64[32,{script.SEQ}]")],
+                                 cluster=load_cluster("dgx-a100", nodes=2), world_size=16, precision="fp32")).plan
     path = plan.save(tmp_path / "plan.json")
     r = partita_run(path, TESTS / "launch_script.py", "fine")
     assert r.returncode == 2
-    assert "this plan is for 2 nodes of 8 devices" in r.stderr and "--nnodes 2 --node-rank R --rdzv-endpoint" in r.stderr
+    assert "this plan is for 2 nodes of 8 devices" in r.stderr
+    assert "--nnodes 2 --node-rank R --rdzv-endpoint" in r.stderr
     assert "Traceback" not in r.stderr
 
 
@@ -67,8 +70,8 @@ def test_slurm_variables_give_the_nodes_and_the_rendezvous():
 def test_the_scripts_plan_and_partita_runs_plan_must_agree(dp2_plan, tmp_path):
     other = tmp_path / "other.json"
     other.write_text(Path(dp2_plan).read_text())
-    code = ("import sys; sys.path.insert(0, %r); import partita, tied_script as s; "
-            "partita.parallelize(s.build('tied-gpt'), plan=%r)" % (str(TESTS), str(other)))
+    code = ("import partita; from tests import tied_script as s; "  # the root on PYTHONPATH (harness.ENV)
+            f"partita.parallelize(s.build('tied-gpt'), plan={str(other)!r})")
     script_path = tmp_path / "s.py"
     script_path.write_text(code)
     r = partita_run(dp2_plan, script_path)
@@ -77,7 +80,9 @@ def test_the_scripts_plan_and_partita_runs_plan_must_agree(dp2_plan, tmp_path):
 
 
 def test_a_plan_the_runtime_cannot_run_is_refused_before_any_process_starts(tmp_path):
-    plan = compile_model(script.build("tied-gpt"), Options(inputs=[parse_input_spec(f"idx=int64[4,{script.SEQ}]")], cluster=load_cluster("local", devices=2), world_size=2, dp=2)).plan
+    plan = compile_model(script.build("tied-gpt"),
+                         Options(inputs=[parse_input_spec(f"idx=int64[4,{script.SEQ}]")],
+                                 cluster=load_cluster("local", devices=2), world_size=2, dp=2)).plan
     import dataclasses
 
     bad = dataclasses.replace(plan, training=dataclasses.replace(plan.training, zero_stage=3, inference=False),
@@ -111,7 +116,7 @@ def test_two_nodes_join_one_rendezvous_and_train_as_one_process(dp2_plan, tmp_pa
     got = [json.loads(x) for x in sum(((o / "losses.jsonl").read_text().splitlines()
                                        for o in outs if (o / "losses.jsonl").exists()), [])]
     state = torch.load(next(o / "final.pt" for o in outs if (o / "final.pt").exists()), weights_only=True)
-    from harness import plain_training
+    from tests.harness import plain_training
 
     def batches():
         for step in range(6):

@@ -14,7 +14,6 @@ import ast
 from pathlib import Path
 
 import networkx as nx
-import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("core", "passes", "runtime", "compiler")

@@ -3,27 +3,21 @@ model whose graph changes with the batch is laid out on its own micro-batch capt
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from examples.models import gpt_tiny  # noqa: E402
-from partita.core.capture import capture  # noqa: E402
-from partita.compiler.compile import compile_model  # noqa: E402
-from partita.core.inputs import parse_input_spec  # noqa: E402
-from partita.core.losses import resolve_loss  # noqa: E402
-from partita.core.cluster import load_cluster  # noqa: E402
-from partita.core.options import Pins, TrainingRequest  # noqa: E402
-from partita.passes.flops import annotate_flops  # noqa: E402
-from partita.core.graph import annotate_batch_shapes, shape_at, to_networkx  # noqa: E402
-from partita.passes.profile import profile_model  # noqa: E402
-from partita.passes.search import tp_choice  # noqa: E402
-from partita.core.tp.strategies import node_strategies, shard_dim  # noqa: E402
-from partita.core.options import Options
-from tests.oracles import strategies_at  # noqa: E402
+from examples.models import gpt_tiny
+from partita.compiler.compile import compile_model
+from partita.core.capture import capture
+from partita.core.cluster import load_cluster
+from partita.core.graph import annotate_batch_shapes, shape_at, to_networkx
+from partita.core.inputs import parse_input_spec
+from partita.core.losses import resolve_loss
+from partita.core.options import Options, TrainingRequest
+from partita.core.tp.strategies import node_strategies, shard_dim
+from partita.passes.flops import annotate_flops
+from partita.passes.profile import profile_model
+from partita.passes.search import tp_choice
+from tests.oracles import strategies_at
 
 
 def _profile(batch: int):
@@ -42,7 +36,7 @@ def test_shapes_at_a_micro_batch_come_from_two_captures() -> None:
 def test_a_batch_shard_valid_at_the_captured_batch_is_not_offered_where_it_does_not_divide() -> None:
     p = _profile(16)
     annotate_batch_shapes(p.graph, to_networkx(capture(gpt_tiny, [parse_input_spec("idx=int64[32,64]")])))
-    names = lambda ss: {s.name for s in ss}  # noqa: E731
+    names = lambda ss: {s.name for s in ss}
     assert "shard(0)" in names(node_strategies(p.graph, "embedding", 2))  # (16, 64, C): 16 splits in 2
     assert "shard(0)" not in names(strategies_at(p.graph, "embedding", 2, 5))  # (5, 64, C): 5 does not
     assert "shard(0)" in names(strategies_at(p.graph, "embedding", 2, 4))
@@ -59,7 +53,8 @@ def test_a_batch_shard_valid_at_the_captured_batch_is_not_offered_where_it_does_
 def test_global_batch_other_than_the_input_plans() -> None:
     """--batch 10 with an input of 16: micro-batch 5 on tp=2 plans (was: "strategy 'shard(0)' chosen at
     the full batch is not valid at micro-batch 5")."""
-    plan = compile_model(gpt_tiny, Options(inputs=[parse_input_spec("idx=int64[16,64]")], cluster=load_cluster("local", devices=4), batch=10, tp=2, pp=1)).plan
+    plan = compile_model(gpt_tiny, Options(inputs=[parse_input_spec("idx=int64[16,64]")],
+                                           cluster=load_cluster("local", devices=4), batch=10, tp=2, pp=1)).plan
     assert (plan.mesh.dp, plan.mesh.tp, plan.training.micro_batch_size) == (2, 2, 5)
     five = to_networkx(capture(gpt_tiny, [parse_input_spec("idx=int64[5,64]")], loss=resolve_loss(None)))
     for n in plan.nodes:  # every split tensor splits evenly at the micro-batch the runtime runs
@@ -77,7 +72,8 @@ def test_a_graph_that_changes_with_the_batch_is_laid_out_on_its_micro_batch_capt
         return hf_llama(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, intermediate_size=128,
                         vocab_size=256, max_position_embeddings=128)
 
-    result = compile_model(small, Options(inputs=[parse_input_spec("input_ids=int64[4,64]")], cluster=load_cluster("dgx-a100", devices=4), micro_batch_size=1, tp=2, pp=2))
+    result = compile_model(small, Options(inputs=[parse_input_spec("input_ids=int64[4,64]")],
+                                          cluster=load_cluster("dgx-a100", devices=4), micro_batch_size=1, tp=2, pp=2))
     plan = result.plan
     one = to_networkx(capture(small, [parse_input_spec("input_ids=int64[1,64]")], loss=resolve_loss(None)))
     assert plan.training.micro_batch_size == 1
@@ -102,7 +98,8 @@ def test_the_batch_shape_capture_doubles_as_the_micro_batch_graph(monkeypatch) -
         return real(model, inputs, **kwargs)
 
     monkeypatch.setattr(compile_module, "capture", counting)
-    result = compile_model(gpt_tiny, Options(inputs=[parse_input_spec("idx=int64[16,64]")], cluster=load_cluster("local", devices=4), dp=2, tp=2, pp=1))
+    result = compile_model(gpt_tiny, Options(inputs=[parse_input_spec("idx=int64[16,64]")],
+                                             cluster=load_cluster("local", devices=4), dp=2, tp=2, pp=1))
     plan = result.plan
     assert plan.training.micro_batch_size == 8 and batches == [16, 8]
     eight = to_networkx(capture(gpt_tiny, [parse_input_spec("idx=int64[8,64]")], loss=resolve_loss(None)))
@@ -125,7 +122,7 @@ def test_the_tp_problem_is_priced_again_once_the_batch_shapes_are_known():
     p = _profile(16)
     cluster = load_cluster("local", devices=2)
     setting = TPSetting(2, 5, 16, "fp32")
-    names = lambda problem: {s.name for s in problem.strategies_of["embedding"]}  # noqa: E731
+    names = lambda problem: {s.name for s in problem.strategies_of["embedding"]}
     assert "shard(0)" in names(build_problem(p.graph, setting, cluster, repeated=p.repeated))  # shapes unknown
     annotate_batch_shapes(p.graph, to_networkx(capture(gpt_tiny, [parse_input_spec("idx=int64[32,64]")])))
     assert "shard(0)" not in names(build_problem(p.graph, setting, cluster, repeated=p.repeated))  # 5 rows

@@ -11,27 +11,24 @@ Divergences this guards against, each seen in an earlier version:
 from __future__ import annotations
 
 import math
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from partita.core.capture import capture  # noqa: E402
-from partita.core.inputs import parse_input_spec  # noqa: E402
-from partita.core.mesh import Mesh, axis_crosses_nodes, crosses_nodes  # noqa: E402
-from partita.core.placement import Placement, is_shard, shard_dim  # noqa: E402
-from partita.core.precision import activation_scale, dtype_bytes  # noqa: E402
-from partita.core.schedule import BACKWARD, FORWARD, SCHEDULES, in_flight, stage_order  # noqa: E402
-from partita.core.cluster import PRESETS  # noqa: E402
-from partita.core.options import TrainingRequest  # noqa: E402
-from partita.passes.cost_model import collective_time  # noqa: E402
-from partita.passes.profile import profile_model  # noqa: E402
-from partita.core.options import Options
-
+from partita.core.capture import capture
+from partita.core.cluster import PRESETS
+from partita.core.inputs import parse_input_spec
+from partita.core.mesh import Mesh, axis_crosses_nodes, crosses_nodes
+from partita.core.options import (
+    Options,
+    TrainingRequest,
+)
+from partita.core.placement import Placement, is_shard, shard_dim
+from partita.core.precision import activation_scale, dtype_bytes
+from partita.core.schedule import BACKWARD, FORWARD, SCHEDULES, in_flight, stage_order
+from partita.passes.cost_model import collective_time
+from partita.passes.profile import profile_model
 
 # -- the mesh's rank layout ------------------------------------------------------------
 
@@ -77,14 +74,14 @@ def _mse(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 def _plan(cluster, pins, batch=24):
     from partita.compiler.compile import compile_model
 
-    return compile_model(_Stack, Options(inputs=[parse_input_spec("x=float32[24,64]")], cluster=cluster, batch=batch, **pins, loss=_mse, targets=parse_input_spec("y=float32[24,64]"))).plan
+    return compile_model(_Stack, Options(inputs=[parse_input_spec("x=float32[24,64]")], cluster=cluster, batch=batch,
+                                         **pins, loss=_mse, targets=parse_input_spec("y=float32[24,64]"))).plan
 
 
 @pytest.mark.parametrize("nodes,pp,dp", [(3, 8, 3), (1, 2, 4)])
 def test_the_plans_pipeline_collectives_use_the_planners_links(nodes, pp, dp):
     """Every send and the loss broadcast of the plan are priced on the link its ranks span: the
     stage pair's (the links the cuts were chosen by), the pp groups' for the broadcast."""
-    from partita.core.options import Pins
 
     cluster = PRESETS["dgx-a100"].with_nodes(nodes)
     plan = _plan(cluster, dict(pp=pp, dp=dp, tp=1))
@@ -118,9 +115,9 @@ class _Lookup(nn.Module):
 
 
 def test_an_int64_tensor_is_priced_at_8_bytes_by_the_ilp_and_the_pipeline_search():
+    from partita.core.tp.strategies import node_strategies
     from partita.passes.search import tp_node_costs
     from partita.passes.tp.problem import TPSetting, build_problem
-    from partita.core.tp.strategies import node_strategies
 
     cluster = PRESETS["dgx-a100"]
     prof = profile_model(capture(_Lookup, [parse_input_spec("idx=int64[8,16]")], name="lookup"))
@@ -254,8 +251,8 @@ def test_one_rule_for_where_a_gradient_flows():
 
 def test_the_runtime_and_the_planner_agree_where_gradients_flow_in_a_real_model():
     from examples.models import gpt_tiny
-    from partita.core.ops import gradient_nodes
     from partita.core.losses import default_loss
+    from partita.core.ops import gradient_nodes
     from partita.passes.flops import gradient_flows
 
     captured = capture(gpt_tiny, [parse_input_spec("idx=int64[2,16]")], loss=default_loss)

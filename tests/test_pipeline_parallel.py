@@ -10,11 +10,11 @@ import pytest
 import torch.nn as nn
 
 from examples.models import GPT, GPTConfig, gpt_tiny
-from partita.core.losses import default_loss
 from partita.core.capture import capture
+from partita.core.cluster import GB, PRESETS, load_cluster
 from partita.core.errors import InfeasibleError, PartitaError
 from partita.core.inputs import parse_input_spec
-from partita.core.cluster import GB, PRESETS, load_cluster
+from partita.core.losses import default_loss
 from partita.core.options import Pins, TrainingRequest
 from partita.core.schedule import bubble_fraction
 from partita.passes.cost_model import collective_time, state_bytes_per_param

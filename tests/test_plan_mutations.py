@@ -23,8 +23,7 @@ import pytest
 
 from partita.core.errors import PartitaError
 from partita.core.plan import SEAL, seal_digest
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.harness import ENV, ROOT
 
 # Read by nothing that runs: predictions, explanations, the solver's report, timings, summaries
 # the viewer shows. test_harmless_edits_train_identically runs a plan with all of them edited.
@@ -149,7 +148,6 @@ def refused(data: dict, captured) -> str | None:
 
 
 def test_every_field_class_is_refused_harmless_or_a_decision(good, captured):
-    sys.path.insert(0, str(ROOT))
     classes = field_classes(good)
     assert len(classes) > 100  # the matrix sees the whole plan
     accepted, kinds = [], collections.Counter()
@@ -201,7 +199,7 @@ def _run(plan: Path, out: Path) -> list[str]:
     out.mkdir()
     r = subprocess.run([sys.executable, "-m", "partita.compiler.cli", "run", str(plan),
                         str(ROOT / "tests" / "plan_run_script.py"), str(out / "losses.json")],
-                       capture_output=True, text=True, timeout=600, cwd=ROOT)
+                       capture_output=True, text=True, timeout=600, cwd=ROOT, env=ENV)
     assert r.returncode == 0, r.stderr[-3000:]
     return json.loads((out / "losses.json").read_text())
 

@@ -1,20 +1,15 @@
 """The data-parallel planner: known answers from costs alone, hand-worked step times, refusals."""
 
 import dataclasses
-import sys
-from pathlib import Path
 
 import pytest
 
-from partita.core.errors import InfeasibleError, PartitaError
 from partita.core.cluster import GB, PRESETS, load_cluster
+from partita.core.errors import InfeasibleError, PartitaError
 from partita.core.options import Pins, TrainingRequest
 from partita.passes.cost_model import collective_time
 from partita.passes.dp.buckets import gradient_buckets
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from tests.oracles import choose_data_parallel  # noqa: E402
+from tests.oracles import choose_data_parallel
 
 
 @dataclasses.dataclass(frozen=True)

@@ -9,14 +9,12 @@ import pytest
 import torch
 
 from partita.compiler.compile import compile_model
-from partita.core.inputs import parse_input_spec
 from partita.core.cluster import load_cluster
-from partita.core.options import Pins
-from partita.runtime.state.sharded import COMPLETE, latest, step_dir
+from partita.core.inputs import parse_input_spec
 from partita.core.options import Options
-
-import tied_script as script
-from harness import TESTS, partita_cli
+from partita.runtime.state.sharded import COMPLETE, latest, step_dir
+from tests import tied_script as script
+from tests.harness import TESTS, partita_cli
 
 
 def run(tmp: Path, plan: Path, kill_at: int) -> tuple[dict[int, float], dict]:
@@ -36,7 +34,9 @@ def run(tmp: Path, plan: Path, kill_at: int) -> tuple[dict[int, float], dict]:
 @pytest.mark.slow
 @pytest.mark.parametrize("mesh", [dict(dp=2), dict(pp=2)])
 def test_a_killed_rank_restarts_and_resumes_to_the_uninterrupted_result(tmp_path, mesh):
-    plan = compile_model(script.build("tied-gpt"), Options(inputs=[parse_input_spec(f"idx=int64[4,{script.SEQ}]")], cluster=load_cluster("local", devices=2), world_size=2, **mesh)).plan
+    plan = compile_model(script.build("tied-gpt"),
+                         Options(inputs=[parse_input_spec(f"idx=int64[4,{script.SEQ}]")],
+                                 cluster=load_cluster("local", devices=2), world_size=2, **mesh)).plan
     path = plan.save(tmp_path / "plan.json")
     want_losses, want_state = run(tmp_path, path, kill_at=0)
     got_losses, got_state = run(tmp_path, path, kill_at=3)

@@ -1,10 +1,11 @@
 """Data-parallel runtime on real gloo processes, against a single-process reference.
 
-Each launch (2 and 4 ranks) runs many checks (see dp_worker.py):
+Each launch (2 and 4 ranks) runs many cases (dp_worker.py measures, the test asserts):
 MLP and tiny GPT, AdamW and SGD, gradient accumulation over 2 micro-batches,
 3 steps; losses, first-step gradients and final parameters within fp32
 tolerance; collectives counted per step equal to a hand-built plan's list;
-plans for another world size, tp without node decisions or ZeRO refused; wrong batch sizes refused.
+ZeRO-1/2/3 through ParallelModel, their model state beside the cost model's;
+plans for another world size or tp without node decisions refused; wrong batch sizes refused.
 """
 
 from __future__ import annotations
@@ -13,13 +14,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import dp_worker
-from dp_worker import MLP_BUCKET_BYTES, MLP_BUCKETS, OPTIMIZERS, make_plan, mlp, mlp_batch
-from harness import launch
 from partita.core.errors import PartitaError
-from partita.runtime.engine import ParallelModel
-from partita.runtime.dp.buckets import bucket_layout
 from partita.core.options import Options
+from partita.runtime.dp.buckets import bucket_layout
+from partita.runtime.engine import ParallelModel
+from tests import dp_worker
+from tests.dp_worker import MLP_BUCKET_BYTES, MLP_BUCKETS, OPTIMIZERS, make_plan, mlp, mlp_batch
+from tests.harness import beyond, launch, numbers_beyond
+
+# fp32: a plan sums the same numbers as one process, in another order (per-rank shares, buckets)
+RTOL, ATOL = 1e-5, 1e-6
 
 
 def test_bucket_layout_follows_the_stated_rule():
@@ -61,8 +65,38 @@ def test_single_process_runs_the_plan_micro_batching_like_the_plain_model():
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
 def test_data_parallel_matches_single_process(world):
-    for results in launch(world, dp_worker.checks):
-        assert len(results) == 8  # 5 data-parallel cases, then ZeRO-1/2/3 through ParallelModel
+    gb = make_plan(world).training.global_batch
+    # what each refusal's message must say
+    refusals = {"other world size": (f"{world + 1} processes", f"{world} were launched"),
+                "tp without nodes": ("tp=2", "no tensor-parallel node decisions"),
+                "global batch": (f"batch size {gb + 2}", f"global_batch is {gb}"),
+                "local batch": (f"batch size {gb}", f"dp={world}) is {gb // world}")}
+    for rank, r in enumerate(launch(world, dp_worker.checks)):
+        # 5 data-parallel cases, then ZeRO-1/2/3 through ParallelModel
+        names = [c["case"] for c in r["cases"]]
+        assert names == ([f"{m}/{o}/dp={world}" for m in ("mlp", "gpt") for o in ("adamw", "sgd")]
+                         + [f"mlp/adamw/dp={world}/local"] + [f"zero{s}/gpt/dp={world}" for s in (1, 2, 3)])
+        for c in r["cases"]:
+            what = f"rank {rank} {c['case']}"
+            assert not numbers_beyond(c["losses"], c["ref_losses"], rtol=RTOL, atol=ATOL), f"{what}: losses"
+            assert not beyond(c["params"], rtol=RTOL, atol=ATOL), f"{what}: parameters after the last step"
+        for c in r["cases"][:5]:
+            what = f"rank {rank} {c['case']}"
+            assert not beyond(c["grads"], rtol=RTOL, atol=ATOL), f"{what}: first step's gradients"
+            for step, calls in enumerate(c["calls"]):
+                assert calls == c["planned_calls"], f"{what} step {step}: collectives counted, and the plan's"
+            for step, (launched, buckets) in enumerate(c["launched_in_backward"]):
+                assert launched == buckets, f"{what} step {step}: {launched} of {buckets} all-reduces overlapped"
+        for c in r["cases"][5:]:
+            slack = 4 * (world - 1) * c["buckets"] * 3 + 8 * c["buckets"]  # padding + AdamW's step counters
+            for part in ("params", "grads", "optimizer"):
+                assert abs(c["held"][part] - c["predicted"][part]) <= slack, (
+                    f"rank {rank} {c['case']}: {part} held, and the cost model's", c["held"], c["predicted"])
+        for what, words in refusals.items():
+            message = r["refusals"][what]
+            assert message is not None, f"rank {rank}: {what} not refused"
+            for w in words:
+                assert w in message, (what, w, message)
 
 
 @pytest.mark.slow

@@ -13,17 +13,37 @@ from __future__ import annotations
 
 import pytest
 
-import memory_worker
-from harness import launch
+from tests import memory_worker
+from tests.harness import launch
+
+# What the cost model leaves out, beyond the parameters, gradients and AdamW's moments: AdamW's
+# step counter, one float32 scalar per parameter tensor (memory_worker adds it per tensor), and slack
+# for a scalar or two (the step's loss). Any tensor of the model is larger: the smallest one, a
+# LayerNorm bias, is 1 KiB, 512 B on a tp rank; a captured copy of the model is 17 MB.
+SLACK_BYTES = 256
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(memory_worker.LAUNCHES))
 def test_each_rank_holds_its_part_and_leaves_no_cycles(name, tmp_path):
     world, checks = memory_worker.LAUNCHES[name]
-    per_rank = launch(world, checks, str(tmp_path))
+    per_rank = launch(world, checks, str(tmp_path), SLACK_BYTES)
     stages = {(r["case"], r["stage"]) for results in per_rank for r in results}
     assert stages == {("gpt/tp2", 0), ("gpt/pp2", 0), ("gpt/pp2", 1)}
+    for rank, results in enumerate(per_rank):
+        for r in results:
+            what = f"{r['case']} rank {rank} stage {r['stage']}"
+            # the plan's predicted memory is its most loaded device's: the largest stage's model state
+            assert r["most_loaded"] == r["plan_predicted"], (what, r["most_loaded"], r["plan_predicted"])
+            assert r["param_bytes"] == r["predicted"]["params"], (what, r["param_bytes"], r["predicted"])
+            assert list(r["measured"]) == list(r["expected"]), (what, list(r["measured"]))
+            for point, got in r["measured"].items():
+                want, counters = r["expected"][point]
+                assert want <= got <= want + counters + SLACK_BYTES, (
+                    f"{what} {point}: holds {got:,} bytes of tensors, "
+                    f"the plan predicts {want:,} (+ {counters} B of step counters, + {SLACK_BYTES} B)")
+            assert r["garbage"] == [[]] * memory_worker.STEPS, (
+                what, "tensors in reference cycles after each step", r["garbage"])
 
 
 @pytest.mark.slow
@@ -32,8 +52,9 @@ def test_mixed_precision_zero_holds_no_fp32_gradient_of_the_whole_shard_at_the_s
     its model state as the cost model counts it (bf16 parameters and gradients, fp32 masters and
     moments over dp) plus one chunk of fp32 master gradients (MasterWeights steps the masters a
     bucket's cap at a time; here each chunk is one shard, as each shard's fp32 bytes reach the 1
-    MiB cap, and the largest, a bucket that closed past the cap on its last parameter, bounds it), plus AdamW's 4-byte step counter per shard and each bucket's
-    padding to a multiple of dp (one element, 16 bytes of state). Upcast all at once, the fp32
+    MiB cap, and the largest, a bucket that closed past the cap on its last parameter, bounds it),
+    plus AdamW's 4-byte step counter per shard and each bucket's padding to a multiple of dp (one
+    element, 16 bytes of state). Upcast all at once, the fp32
     gradients of the rank's whole shard (4 bytes x 4.2M / 2 = 8.4 MB) were held too."""
     per_rank = launch(2, memory_worker.mixed_zero, str(tmp_path))
     for results in per_rank:

@@ -1,8 +1,8 @@
 """Tied parameters across pipeline stages, through the planner's own plans (issue: the tp x pp
 deadlock). BERT's MLM head (decoder weight tied to the word embedding, its bias under two names)
-and a GPT with a tied lm_head, at tp2 x pp2 (4 gloo processes) and dp2 x tp2 x pp2 (8, under torchrun): the same losses and
-final parameters as one process, and every rank runs exactly the collectives its plan lists for its
-stage, the tied-gradient all-reduce included."""
+and a GPT with a tied lm_head, at tp2 x pp2 (4 gloo processes) and dp2 x tp2 x pp2 (8, under
+torchrun): the same losses and final parameters as one process, and every rank runs exactly the
+collectives its plan lists for its stage, the tied-gradient all-reduce included."""
 
 import json
 from pathlib import Path
@@ -11,15 +11,12 @@ import pytest
 import torch
 
 from partita.compiler.compile import compile_model
-from partita.core.inputs import parse_input_spec
-from partita.core.plan import tied_stages
 from partita.core.cluster import load_cluster
-from partita.core.options import Pins
+from partita.core.inputs import parse_input_spec
 from partita.core.options import Options
-
-import tied_script as script
-from harness import TESTS, launch, plain_training, torchrun
-from test_decorator import calls, fast_cluster
+from partita.core.plan import tied_stages
+from tests import tied_script as script
+from tests.harness import TESTS, calls, fast_cluster, launch, plain_training, torchrun
 
 
 def reference(name: str, batch: int):
@@ -30,7 +27,8 @@ def reference(name: str, batch: int):
 def compile_plan(tmp_path: Path, name: str, *, dp: int, batch: int) -> Path:
     cluster = load_cluster(fast_cluster(tmp_path), devices=4 * dp)
     spec = parse_input_spec(f"{script.INPUT[name]}=int64[{batch},{script.SEQ}]")
-    plan = compile_model(script.build(name), Options(inputs=[spec], cluster=cluster, world_size=4 * dp, dp=dp, tp=2, pp=2, optimizer="adamw")).plan
+    plan = compile_model(script.build(name), Options(inputs=[spec], cluster=cluster, world_size=4 * dp, dp=dp, tp=2,
+                                                     pp=2, optimizer="adamw")).plan
     path = tmp_path / f"{name}.plan.json"
     plan.save(path)
     return path
@@ -72,7 +70,9 @@ def test_an_unused_duplicate_placeholder_puts_a_tied_parameter_on_no_stage():
 
 
 def test_a_bert_plan_lists_the_tied_all_reduce_on_both_stages(tmp_path):
-    plan = compile_model(script.build("bert"), Options(inputs=[parse_input_spec(f"input_ids=int64[4,{script.SEQ}]")], cluster=load_cluster("local", devices=4), world_size=4, tp=2, pp=2)).plan
+    plan = compile_model(script.build("bert"),
+                         Options(inputs=[parse_input_spec(f"input_ids=int64[4,{script.SEQ}]")],
+                                 cluster=load_cluster("local", devices=4), world_size=4, tp=2, pp=2)).plan
     tied = [c for c in plan.collectives if c.axis == "pp" and c.kind == "all_reduce"]
     assert sorted(c.stage for c in tied) == [0, 1]
     assert all("word_embeddings" in c.purpose and c.group_size == 2 for c in tied)

@@ -11,26 +11,21 @@ from __future__ import annotations
 
 import functools
 import math
-import sys
-from pathlib import Path
 
 import pytest
 
+from examples.models import GPT, GPTConfig
+from partita.core.capture import capture
+from partita.core.cluster import PRESETS
 from partita.core.errors import InfeasibleError
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from examples.models import GPT, GPTConfig  # noqa: E402
-from partita.core.losses import default_loss  # noqa: E402
-from partita.core.capture import capture  # noqa: E402
-from partita.core.inputs import parse_input_spec  # noqa: E402
-from partita.core.cluster import PRESETS  # noqa: E402
-from partita.core.options import Pins, TrainingRequest  # noqa: E402
-from partita.passes.cost_model import state_bytes_per_param, zero_traffic_elements  # noqa: E402
-from partita.passes.search import plan_search  # noqa: E402
+from partita.core.inputs import parse_input_spec
+from partita.core.losses import default_loss
+from partita.core.options import Pins, TrainingRequest
+from partita.passes.cost_model import state_bytes_per_param, zero_traffic_elements
+from partita.passes.search import plan_search
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _gpt(layers: int, width: int, heads: int, vocab: int = 50304, seq: int = 1024):
     cfg = GPTConfig(vocab_size=vocab, block_size=seq, n_layer=layers, n_head=heads, n_embd=width)
     captured = capture(lambda: GPT(cfg), [parse_input_spec(f"idx=int64[1,{seq}]")], loss=default_loss)

@@ -14,29 +14,25 @@ from __future__ import annotations
 
 import functools
 import math
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from examples.models import GPT, GPTConfig  # noqa: E402
-from partita.core.losses import default_loss  # noqa: E402
-from partita.core.capture import capture  # noqa: E402
-from partita.core.inputs import parse_input_spec  # noqa: E402
-from partita.passes.pipeline import stages as pipeline_parallel  # noqa: E402
-from partita.passes.tp import mesh as tensor_parallel  # noqa: E402
-from partita.core.cluster import PRESETS  # noqa: E402
-from partita.core.options import Pins, TrainingRequest  # noqa: E402
-from partita.passes.cost_model import ZERO_STAGES  # noqa: E402
-from partita.passes.pipeline.costs import node_costs  # noqa: E402
-from partita.passes.pipeline.stages import choose_pipeline  # noqa: E402
-from partita.passes.profile import profile_model  # noqa: E402
-from partita.passes.search import plan_search, tp_node_costs  # noqa: E402
+from examples.models import GPT, GPTConfig
+from partita.core.capture import capture
+from partita.core.cluster import PRESETS
+from partita.core.inputs import parse_input_spec
+from partita.core.losses import default_loss
+from partita.core.options import Pins, TrainingRequest
+from partita.passes.cost_model import ZERO_STAGES
+from partita.passes.pipeline import stages as pipeline_parallel
+from partita.passes.pipeline.costs import node_costs
+from partita.passes.pipeline.stages import choose_pipeline
+from partita.passes.profile import profile_model
+from partita.passes.search import plan_search, tp_node_costs
+from partita.passes.tp import mesh as tensor_parallel
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _gpt(layers: int, width: int, heads: int, seq: int = 1024):
     cfg = GPTConfig(vocab_size=50304, block_size=seq, n_layer=layers, n_head=heads, n_embd=width)
     captured = capture(lambda: GPT(cfg), [parse_input_spec(f"idx=int64[1,{seq}]")], loss=default_loss)

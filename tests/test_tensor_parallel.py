@@ -4,26 +4,22 @@ from __future__ import annotations
 
 import functools
 import math
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from examples.models import GPT, GPTConfig  # noqa: E402
-from partita.core.losses import default_loss  # noqa: E402
-from partita.core.capture import capture  # noqa: E402
-from partita.core.errors import InfeasibleError, PartitaError  # noqa: E402
-from partita.core.inputs import parse_input_spec  # noqa: E402
-from partita.core.cluster import PRESETS  # noqa: E402
-from partita.core.options import Pins, TrainingRequest  # noqa: E402
-from tests.oracles import choose_data_parallel  # noqa: E402
-from partita.passes.profile import profile_model  # noqa: E402
-from partita.passes.tp.mesh import choose_mesh, plan_alternatives  # noqa: E402
+from examples.models import GPT, GPTConfig
+from partita.core.capture import capture
+from partita.core.cluster import PRESETS
+from partita.core.errors import InfeasibleError, PartitaError
+from partita.core.inputs import parse_input_spec
+from partita.core.losses import default_loss
+from partita.core.options import Pins, TrainingRequest
+from partita.passes.profile import profile_model
+from partita.passes.tp.mesh import choose_mesh, plan_alternatives
+from tests.oracles import choose_data_parallel
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _gpt(layers: int, width: int, heads: int, vocab: int = 50304, seq: int = 1024, batch: int = 1):
     cfg = GPTConfig(vocab_size=vocab, block_size=seq, n_layer=layers, n_head=heads, n_embd=width)
     captured = capture(lambda: GPT(cfg), [parse_input_spec(f"idx=int64[{batch},{seq}]")], loss=default_loss)
@@ -115,7 +111,8 @@ def test_recomputing_repeats_the_forward_collectives_only():
     soft = NodeDecision("sm", "aten._softmax.default", "m", "vocab", ("shard(1)",),
                         internal=("all_reduce:64", "all_reduce:64", "all_reduce:64"), layer="h.0")
     lin = NodeDecision("mm", "aten.linear.default", "m", "row", ("partial",),
-                       ins=(InputLayout("x", 0, "shard(1)", "replicate", "replicate", "shard(1)", "all_gather", "slice", 128),),
+                       ins=(InputLayout("x", 0, "shard(1)", "replicate", "replicate", "shard(1)", "all_gather",
+                                        "slice", 128),),
                        layer="h.0")
     got = {(k, b): n for k, b, n, _ in recompute_collectives([soft, lin])}
     assert got == {("all_reduce", 64): 2, ("all_gather", 128): 1}

@@ -4,30 +4,26 @@ rediscovered from costs alone on graphs captured from examples/models.py under f
 from __future__ import annotations
 
 import functools
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from examples.models import GPT, MLP, GPTConfig, hf_gpt2  # noqa: E402
-from partita.core.losses import default_loss  # noqa: E402
-from partita.core.capture import capture  # noqa: E402
-from partita.core.errors import InfeasibleError  # noqa: E402
-from partita.core.inputs import parse_input_spec  # noqa: E402
-from partita.core.cluster import PRESETS  # noqa: E402
-from partita.passes.profile import profile_model  # noqa: E402
-from partita.passes.tp.ilp import solve_tp  # noqa: E402
-from partita.passes.tp.problem import TPSetting, build_problem, evaluate  # noqa: E402
-from tests.oracles import exhaustive_choice  # noqa: E402
-from partita.core.tp.layout import layout_decisions  # noqa: E402
+from examples.models import GPT, MLP, GPTConfig, hf_gpt2
+from partita.core.capture import capture
+from partita.core.cluster import PRESETS
+from partita.core.errors import InfeasibleError
+from partita.core.inputs import parse_input_spec
+from partita.core.losses import default_loss
 from partita.core.options import Options
+from partita.core.tp.layout import layout_decisions
+from partita.passes.profile import profile_model
+from partita.passes.tp.ilp import solve_tp
+from partita.passes.tp.problem import TPSetting, build_problem, evaluate
+from tests.oracles import exhaustive_choice
 
 A100 = PRESETS["dgx-a100"]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _profile(kind: str, layers: int = 1, width: int = 4096, heads: int = 32, vocab: int = 50304,
              spec: str = "idx=int64[1,2048]"):
     if kind == "mlp":
@@ -176,10 +172,11 @@ def test_tied_layers_keep_their_own_backward_reshards():
     its first backward (issue 16)."""
     from partita.compiler.compile import compile_model
     from partita.core.cluster import load_cluster
-    from partita.core.options import Pins
     from partita.core.tp.strategies import NONE, grad_convention, node_strategies, reshard_kind
 
-    result = compile_model(lambda: MLP(1024, 1024, 1024, 4), Options(inputs=[parse_input_spec("x=float32[128,1024]")], cluster=load_cluster("local", devices=2), world_size=2, tp=2))
+    result = compile_model(lambda: MLP(1024, 1024, 1024, 4),
+                           Options(inputs=[parse_input_spec("x=float32[128,1024]")],
+                                   cluster=load_cluster("local", devices=2), world_size=2, tp=2))
     plan, G = result.plan, result.profile.graph
     assert [(r.prefix, r.indices) for r in result.profile.repeated] == [("layers", [0, 1, 2, 3])]
     linears = {d.module: d for d in plan.nodes if d.op == "aten.linear.default"}

@@ -4,21 +4,18 @@ in the plan header (`partita show`), and in `partita view` (issue 12)."""
 from __future__ import annotations
 
 import dataclasses
-import sys
-from pathlib import Path
 
 from rich.console import Console
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from examples.models import gpt_tiny  # noqa: E402
-from partita.compiler.compile import compile_model  # noqa: E402
-from partita.core.inputs import parse_input_spec  # noqa: E402
-from partita.compiler.report import plan_summary, tp_split  # noqa: E402
-from partita.compiler.view import page_data  # noqa: E402
-from partita.core.cluster import load_cluster  # noqa: E402
-from partita.core.options import Pins  # noqa: E402
-from partita.core.options import Options
+from examples.models import gpt_tiny
+from partita.compiler.compile import compile_model
+from partita.compiler.report import plan_summary, tp_split
+from partita.compiler.view import page_data
+from partita.core.cluster import load_cluster
+from partita.core.inputs import parse_input_spec
+from partita.core.options import (
+    Options,
+)
 
 
 def _text(renderable) -> str:
@@ -28,7 +25,8 @@ def _text(renderable) -> str:
 
 
 def _plan():
-    return compile_model(gpt_tiny, Options(inputs=[parse_input_spec("idx=int64[16,64]")], cluster=load_cluster("local", devices=4), tp=2, pp=1)).plan
+    return compile_model(gpt_tiny, Options(inputs=[parse_input_spec("idx=int64[16,64]")],
+                                           cluster=load_cluster("local", devices=4), tp=2, pp=1)).plan
 
 
 def test_megatron_style_tp_is_called_tp() -> None:
@@ -40,7 +38,7 @@ def test_megatron_style_tp_is_called_tp() -> None:
 
 def test_a_tp_group_that_only_splits_the_batch_is_called_data_parallelism() -> None:
     plan = _plan()
-    calls = lambda n: n.op not in ("placeholder", "get_attr", "output")  # noqa: E731
+    calls = lambda n: n.op not in ("placeholder", "get_attr", "output")
     batch_only = dataclasses.replace(
         plan,
         nodes=tuple(dataclasses.replace(n, strategy="shard(0)", out=("shard(0)",) * len(n.out))

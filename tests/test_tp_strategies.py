@@ -8,26 +8,26 @@ choice counted exactly, and an impossible reshard refused naming the node.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from examples.models import MLP, gpt_tiny  # noqa: E402
-from partita.core.capture import capture  # noqa: E402
-from partita.core.inputs import InputSpec  # noqa: E402
-from partita.core.graph import to_networkx  # noqa: E402
-from partita.core.tp.layout import layout_decisions, tp_collectives  # noqa: E402
-from partita.core.tp.view_rules import view_dim  # noqa: E402
-from partita.core.tp.strategies import (  # noqa: E402
-    NONE, PARTIAL, REPLICATE, node_strategies, shard_dim, unsupported_ops,
+from examples.models import MLP, gpt_tiny
+from partita.core.capture import capture
+from partita.core.graph import to_networkx
+from partita.core.inputs import InputSpec
+from partita.core.tp.layout import layout_decisions, tp_collectives
+from partita.core.tp.strategies import (
+    NONE,
+    PARTIAL,
+    REPLICATE,
+    node_strategies,
+    shard_dim,
+    unsupported_ops,
 )
-from tp_choice import MEGATRON, pinned_choice  # noqa: E402
-from tp_worker import MLP_PINS, hf_gpt2_tiny, hf_llama_tiny  # noqa: E402
+from partita.core.tp.view_rules import view_dim
+from tests.tp_choice import MEGATRON, pinned_choice
+from tests.tp_worker import MLP_PINS, hf_gpt2_tiny, hf_llama_tiny
 
 
 def gpt_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -44,7 +44,8 @@ def graph(name: str):
                         targets=InputSpec("targets", torch.float32, (4, 8)))
         else:
             factory = {"gpt": gpt_tiny, "hf-gpt2": hf_gpt2_tiny, "hf-llama": hf_llama_tiny}[name]
-            c = capture(factory, [InputSpec("idx" if name == "gpt" else "input_ids", torch.int64, (2, 16))], loss=gpt_loss)
+            c = capture(factory, [InputSpec("idx" if name == "gpt" else "input_ids", torch.int64, (2, 16))],
+                        loss=gpt_loss)
         _GRAPHS[name] = to_networkx(c)
     return _GRAPHS[name]
 

@@ -7,21 +7,18 @@ page size, the click command) runs without a browser.
 
 import json
 import shutil
-import sys
 import tempfile
 from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
 
-sys.path.insert(0, str(Path(__file__).parent))
-from synthetic_plans import gpt3_175b_plan, llama70b_plan, small_plan  # noqa: E402
-
-from partita.core.errors import PlanError  # noqa: E402
-from partita.compiler.report import fmt_bytes, fmt_time  # noqa: E402
-from partita.compiler.timeline import measured_timeline, predicted_timeline, stage_order  # noqa: E402
-from partita.compiler.view import load_trace, render_html, stage_memory, view_command  # noqa: E402
+from partita.compiler.report import fmt_bytes, fmt_time
+from partita.compiler.timeline import measured_timeline, predicted_timeline, stage_order
+from partita.compiler.view import load_trace, render_html, stage_memory, view_command
+from partita.core.errors import PlanError
 from partita.core.options import Options
+from tests.synthetic_plans import gpt3_175b_plan, llama70b_plan, small_plan
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
@@ -35,11 +32,12 @@ def demo_plan():
     """The plan `partita demo` makes: examples/models.py:gpt_tiny on 4 local processes (data parallel)."""
     from partita.compiler.compile import compile_model
     from partita.compiler.demo import BATCH, SEQ, demo_model
-    from partita.core.inputs import parse_input_spec
     from partita.core.cluster import load_cluster
-    from partita.core.options import Pins
+    from partita.core.inputs import parse_input_spec
 
-    return compile_model(demo_model, Options(inputs=[parse_input_spec(f"idx=int64[{BATCH},{SEQ}]")], cluster=load_cluster("local", devices=4), world_size=4), name="gpt_tiny (demo)").plan
+    return compile_model(demo_model,
+                         Options(inputs=[parse_input_spec(f"idx=int64[{BATCH},{SEQ}]")],
+                                 cluster=load_cluster("local", devices=4), world_size=4), name="gpt_tiny (demo)").plan
 
 
 @pytest.fixture(scope="module")
@@ -182,7 +180,8 @@ def open_page(browser, tmp_path):
         path.write_text(html)
         page = browser.new_page()
         problems: list[str] = []
-        page.on("console", lambda m: problems.append(f"console {m.type}: {m.text}") if m.type in ("error", "warning") else None)
+        page.on("console", lambda m: problems.append(f"console {m.type}: {m.text}")
+                if m.type in ("error", "warning") else None)
         page.on("pageerror", lambda e: problems.append(f"page error: {e}"))
         page.on("requestfailed", lambda r: problems.append(f"failed request: {r.url}"))
         page.on("request", lambda r: None if r.url.startswith(("file://", "data:", "blob:")) else
@@ -215,7 +214,7 @@ def texts(page, selector):
 def test_demo_plan_page(open_page, demo_plan, tmp_path):
     page = open_page(render_html(demo_plan))
     p = demo_plan.predicted
-    field = lambda k: page.text_content(f'[data-field="{k}"]')  # noqa: E731
+    field = lambda k: page.text_content(f'[data-field="{k}"]')
     assert field("step") == fmt_time(p.step_time_s)
     assert field("mesh").startswith(str(demo_plan.mesh))
     assert field("mfu") == f"{p.mfu:.1%}" and field("samples") == f"{p.samples_per_s:,.1f}"

@@ -9,15 +9,13 @@ import time
 import pytest
 
 from partita.compiler.compile import compile_model
-from partita.core.inputs import parse_input_spec
-from partita.core.plan import Mesh
 from partita.core.cluster import load_cluster
-from partita.core.options import Pins
-from partita.runtime.watchdog import EXIT_HUNG, FlightRecorder, Watchdog
+from partita.core.inputs import parse_input_spec
 from partita.core.options import Options
-
-import tied_script as script
-from harness import TESTS, command
+from partita.core.plan import Mesh
+from partita.runtime.watchdog import EXIT_HUNG, FlightRecorder, Watchdog
+from tests import tied_script as script
+from tests.harness import TESTS, command
 
 
 class MemoryStore:
@@ -71,7 +69,8 @@ def test_two_ranks_waiting_in_different_collectives_are_named_and_exit():
     text = "".join(s for r, s in out)
     assert {r for r, _ in out} == {0}  # one message, from rank 0
     assert "no progress for 0.3 s" in text
-    assert "rank 0 (pipeline stage 0): waiting in all_reduce over pp ranks [0, 1] (1,024 B), step 1, micro-batch 3 backward" in text
+    assert ("rank 0 (pipeline stage 0): waiting in all_reduce over pp ranks [0, 1] (1,024 B), step 1, "
+            "micro-batch 3 backward") in text
     assert "rank 1 (pipeline stage 1): waiting in broadcast over pp ranks [0, 1] (4 B)" in text
     assert "mismatched collectives" in text and "rank 0 waits in all_reduce" in text
     assert "its peer rank 1 waits in broadcast" in text
@@ -111,7 +110,9 @@ def test_outside_a_step_nothing_fires():
 
 @pytest.mark.slow
 def test_an_injected_mismatch_ends_the_job_with_one_message_within_the_limit(tmp_path):
-    plan = compile_model(script.build("tied-gpt"), Options(inputs=[parse_input_spec(f"idx=int64[4,{script.SEQ}]")], cluster=load_cluster("local", devices=2), world_size=2, pp=2)).plan
+    plan = compile_model(script.build("tied-gpt"),
+                         Options(inputs=[parse_input_spec(f"idx=int64[4,{script.SEQ}]")],
+                                 cluster=load_cluster("local", devices=2), world_size=2, pp=2)).plan
     path = plan.save(tmp_path / "plan.json")
     limit = 4
     t0 = time.monotonic()

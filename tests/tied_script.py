@@ -2,7 +2,7 @@
 ranks on the harness's group, ``run``, at 8 under torchrun; imported by it for the single-process
 reference).
 
-usage: tied_script.py OUTDIR NAME=PLAN.json [NAME=PLAN.json ...]
+usage: tied_script.py OUTDIR NAME=PLAN.json [NAME=PLAN.json ...]   (the repository's root on PYTHONPATH)
 
 Each rank trains each named model under its plan and writes OUTDIR/NAME.rankR.json: the losses,
 the collectives it counted on the last step and those its plan lists for its stage; rank 0 also
@@ -15,10 +15,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import partita  # noqa: E402
-from examples.models import GPT, GPTConfig, hf_bert_mlm  # noqa: E402
+import partita
+from examples.models import GPT, GPTConfig, hf_bert_mlm
 
 STEPS, SEQ, VOCAB = 3, 16, 256
 

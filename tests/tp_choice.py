@@ -11,7 +11,7 @@ to replicate).
 from __future__ import annotations
 
 import re
-from typing import Mapping
+from collections.abc import Mapping
 
 import networkx as nx
 
@@ -62,11 +62,19 @@ def tp_plan(module, inputs: list, loss, targets, *, tp: int, dp: int = 1, mbs: i
     is that capture): nodes from ``pinned_choice`` (``pins=None``: everything replicated), params,
     collectives."""
     from partita.core.capture import capture
+    from partita.core.graph import graph_fingerprint, to_networkx
     from partita.core.inputs import InputSpec
     from partita.core.plan import (
-        Collective, MemoryBreakdown, Mesh, ModelInfo, ParamDecision, Plan, Prediction, SolverReport, Training,
+        Collective,
+        MemoryBreakdown,
+        Mesh,
+        ModelInfo,
+        ParamDecision,
+        Plan,
+        Prediction,
+        SolverReport,
+        Training,
     )
-    from partita.core.graph import graph_fingerprint, to_networkx
     from partita.core.tp.layout import layout_decisions, tp_collectives
 
     micro = [InputSpec(s.name, s.dtype, (mbs, *s.shape[1:])) for s in inputs]

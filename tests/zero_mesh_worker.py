@@ -1,9 +1,10 @@
-"""Checks run inside each rank of the ZeRO-with-TP-and-PP tests (see test_runtime_zero_mesh.py).
+"""What each rank of the ZeRO-with-TP-and-PP tests measures (test_runtime_zero_mesh.py asserts it).
 
 ZeRO over the dp axis of a 2- or 3-axis mesh: each rank builds a test plan
 (tests/pp_choice.py's cuts, tests/tp_choice.py's Megatron TP) with the ZeRO
 stage set, runs partita's ParallelModel and, in the same process, a
-single-process reference on the same global batch, and checks:
+single-process reference on the same global batch, and returns what the test
+checks:
 
 - the loss of every step, the first step's gradients (ZeRO's shard gradients
   gathered over dp, then the TP shards over tp) and, after STEPS steps, every
@@ -23,23 +24,21 @@ averaged whole, and its bytes are counted apart.
 from __future__ import annotations
 
 import copy
-from typing import Callable
+from collections.abc import Callable
 
 import torch
-import torch.distributed as dist
 
-from dp_worker import OPTIMIZERS, gpt_batch, gpt_loss
-from harness import check_close, check_loss, gather_tp, reference_step
-from partita.passes.cost_model import model_state_memory, state_bytes_per_param, zero_collectives
-from partita.runtime.dp.buckets import bucket_layout
-from partita.runtime.distributed import DistContext
-from partita.runtime.engine import ParallelModel
 from partita.core.options import Options
-from pp_choice import pp_plan
-from pp_worker import MODELS
-from tp_choice import MEGATRON
+from partita.passes.cost_model import model_state_memory, state_bytes_per_param, zero_collectives
+from partita.runtime.distributed import DistContext
+from partita.runtime.dp.buckets import bucket_layout
+from partita.runtime.engine import ParallelModel
+from tests.dp_worker import OPTIMIZERS, gpt_batch, gpt_loss
+from tests.harness import gaps, gather_tp, reference_step
+from tests.pp_choice import pp_plan
+from tests.pp_worker import MODELS
+from tests.tp_choice import MEGATRON
 
-RTOL, ATOL = 1e-4, 2e-5
 STEPS = 3
 MBS = 2
 BUCKET_BYTES = 48 * 1024  # several buckets per stage, some straddling modules
@@ -69,9 +68,11 @@ def compare(ctx: DistContext, name: str, *, zero: int, dp: int, pp: int = 1, tp:
     reference, plan, _ = mesh_case(name, pp=pp, tp=tp, dp=dp, cuts_at=cuts_at, schedule=schedule, accum=accum)
     plan = dataclasses.replace(plan, training=dataclasses.replace(plan.training, zero_stage=zero,
                                                                   grad_bucket_bytes=BUCKET_BYTES))
-    model = ParallelModel(copy.deepcopy(reference), plan, Options(loss=gpt_loss, optimizer=OPTIMIZERS["adamw"]), ctx=ctx)
+    model = ParallelModel(copy.deepcopy(reference), plan, Options(loss=gpt_loss, optimizer=OPTIMIZERS["adamw"]),
+                          ctx=ctx)
     zp = model._program.zero
-    assert zp is not None and zp.stage == zero
+    if zp is None:
+        raise RuntimeError(f"no ZeRO program for a ZeRO-{zero} plan ({plan.mesh})")
     program = model._program
     tp_program = model.tensor_parallel
     local = tp_program.local_parameters()  # qualified name -> (TP-local parameter, placement)
@@ -88,21 +89,17 @@ def compare(ctx: DistContext, name: str, *, zero: int, dp: int, pp: int = 1, tp:
 
     ref_opt = OPTIMIZERS["adamw"](reference.parameters())
     x, y = gpt_batch(plan.training.global_batch)
-    loss_errs, dp_calls, ref_grads = [], [], {}
+    losses, ref_losses, dp_calls, ref_grads = [], [], [], {}
     for step in range(STEPS):
-        loss = model.train_step(x, targets=y)
+        losses.append(model.train_step(x, targets=y))
         if step > 0:  # step 0's counts include the test's own gather_grads
-            dp_calls.append({(k, b): c for (k, axis, b), c in model.collectives.calls.items()
-                             if axis == "dp" and k in ("reduce_scatter", "all_gather")})
-        ref_loss = reference_step(reference, ref_opt, gpt_loss, x, y, ref_grads if step == 0 else None)
-        loss_errs.append(check_loss(loss, ref_loss, rtol=RTOL, atol=ATOL, what=(name, zero, step)))
+            dp_calls.append(sorted([k, b, c] for (k, axis, b), c in model.collectives.calls.items()
+                                   if axis == "dp" and k in ("reduce_scatter", "all_gather")))
+        ref_losses.append(reference_step(reference, ref_opt, gpt_loss, x, y, ref_grads if step == 0 else None))
 
     full_grads = gather_tp(tp_program, {q: grads[q] for q in local})
-    grad_err = check_close(full_grads, ref_grads, rtol=RTOL, atol=ATOL, what=f"{name} zero={zero} grad")
     final = model.full_state_dict(buffers=False)
     ref_final = {n: p.detach() for n, p in reference.named_parameters()}
-    assert set(final) == set(ref_final), sorted(set(final) ^ set(ref_final))
-    param_err = check_close(final, ref_final, rtol=RTOL, atol=ATOL, what=f"{name} zero={zero} param")
 
     # Model state held: the cost model's figure for this rank's (stage's, TP-local) parameters.
     bucket_of = {id(p): b for b in zp.buckets for p in b.members}
@@ -110,30 +107,27 @@ def compare(ctx: DistContext, name: str, *, zero: int, dp: int, pp: int = 1, tp:
     zero_params = [torch.empty(bucket_of[id(p)].shapes[bucket_of[id(p)].index[id(p)]], device="meta",
                                requires_grad=True) for p, _ in local.values() if id(p) in in_zero]
     numel = sum(p.numel() for p in zero_params)
-    held = zp.state_bytes()
     predicted = model_state_memory(numel, state_bytes_per_param("fp32", "adamw"), zero_stage=zero, dp=dp)
-    step_tensors = 4 * len(zp.buckets)  # AdamW's fp32 `step` per shard
-    pad_bound = 16 * (dp - 1) * len(zp.buckets) + step_tensors
-    assert 0 <= sum(held.values()) - predicted.total <= pad_bound, (name, zero, held, predicted)
-    if zero == 3:
-        assert all(b.params_flat.untyped_storage().nbytes() == 0 for b in zp.buckets), "a gathered bucket survived"
 
     # The dp collectives of a step, call for call, from the planner's bucket rule.
-    layout = bucket_layout(zero_params, BUCKET_BYTES)
-    assert [b.numel * 4 for b in zp.buckets] == layout, (layout, [b.numel * 4 for b in zp.buckets])
     expected: dict[tuple[str, int], int] = {}
     for b in zp.buckets:
         for kind, calls, _ in zero_collectives(zero, accum):
             expected[(kind, b.nbytes)] = expected.get((kind, b.nbytes), 0) + calls
-    for calls in dp_calls:
-        assert calls == expected, (name, zero, calls, expected)
     stage = program.pipeline.index if program.pipeline is not None else 0
     return {
         "case": f"{name}/zero{zero}/dp={dp}/tp={tp}/pp={pp}/{schedule if pp > 1 else 'none'}/m={accum}",
-        "stage": stage, "loss_err": max(loss_errs),
-        "grad_err": grad_err, "param_err": param_err,
-        "held": held, "predicted": [predicted.params, predicted.grads, predicted.optimizer],
-        "buckets": len(zp.buckets), "dp_calls_per_step": sum(expected.values()),
+        "stage": stage, "zero": zero, "zero_stage": zp.stage, "dp": dp, "losses": losses, "ref_losses": ref_losses,
+        "grads": gaps(full_grads, ref_grads),
+        "params": gaps({k: v for k, v in final.items() if k in ref_final}, ref_final),
+        "names_unlike_the_models": sorted(set(final) ^ set(ref_final)),
+        # the model state held, and the cost model's for the rank's parameters
+        "held": zp.state_bytes(), "predicted": [predicted.params, predicted.grads, predicted.optimizer],
+        "buckets": len(zp.buckets),
+        "bucket_bytes": [b.numel * 4 for b in zp.buckets], "planner_buckets": bucket_layout(zero_params, BUCKET_BYTES),
+        "gathered_bytes": [b.params_flat.untyped_storage().nbytes() for b in zp.buckets],
+        # each step after the first: [kind, bytes, calls] of the dp collectives, and the planner's rule's
+        "dp_calls": dp_calls, "expected_dp_calls": sorted([k, b, c] for (k, b), c in expected.items()),
         "tied_outside_zero": sum(1 for p, _ in local.values() if id(p) not in in_zero),
     }
 
