@@ -36,7 +36,7 @@ for p in (ROOT, ROOT / "benchmarks"):
     if str(p) not in sys.path:  # spawned ranks inherit sys.path
         sys.path.insert(0, str(p))
 
-from dp_vs_ddp import _plan, alternate  # noqa: E402
+from dp_vs_ddp import alternate  # noqa: E402
 
 from examples.models import MLP  # noqa: E402
 from partita.core.options import Options  # noqa: E402
@@ -60,15 +60,16 @@ def _data() -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(BATCH, 1024, generator=g), torch.randn(BATCH, 1024, generator=g)
 
 
-# ZeRO-3 gathers and reduce-scatters one bucket at a time; FSDP2 one fully_shard unit (a layer) at a
-# time. Compared at the same unit: a bucket closes at one layer's bf16 parameters.
-LAYER_BYTES = 1024 * 1024 * 2
-
-
 def _ours(ctx, zero: int) -> ParallelModel:
-    plan = _plan(WORLD, BATCH // WORLD, precision="bf16-mixed", zero_stage=zero,
-                 **({"grad_bucket_bytes": LAYER_BYTES} if zero == 3 else {}))
-    return ParallelModel(_model(), plan, Options(loss=F.mse_loss, optimizer=_optimizer), ctx=ctx)
+    """The planner's bf16-mixed plan at (dp=2, ZeRO ``zero``), at its default unit: ZeRO-3 gathers a
+    layer at a time (the plan's ``zero_units``, the repeated layers), as FSDP2 per layer does."""
+    from partita.compiler.compile import compile_model
+
+    options = Options(inputs=[f"x=float32[{BATCH},1024]"], targets=f"y=float32[{BATCH},1024]", loss=F.mse_loss,
+                      cluster="local", devices=WORLD, world_size=WORLD, precision="bf16-mixed", dp=WORLD,
+                      zero=zero, micro_batch_size=BATCH // WORLD, optimizer=_optimizer)
+    plan = compile_model(_model, options).plan
+    return ParallelModel(_model(), plan, options, ctx=ctx)
 
 
 def _torch_step(kind: str, rank: int):

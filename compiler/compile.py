@@ -36,6 +36,7 @@ from partita.core.plan import (
 from partita.core.precision import activation_scale, compute_dtype, element_bytes
 from partita.core.tp.layout import layout_decisions
 from partita.passes.cost_model import node_compute_time
+from partita.passes.dp.zero import zero_units
 from partita.passes.flops import annotate_flops
 from partita.passes.profile import ModelProfile, profile_model
 from partita.passes.search import Decision, plan_search, tp_choice
@@ -306,7 +307,8 @@ def build_plan(
     params = _param_decisions(captured, G, d)
     stages = d.stages or (_single_stage(profile, captured, times, d),)
     tied = _tied(captured, G, d) if d.mesh.pp > 1 else {}
-    collectives = plan_collectives(captured, params, nodes, tied, d, cluster, request)
+    units = zero_units(profile.repeated) if d.zero_stage == 3 else ()
+    collectives = plan_collectives(captured, params, nodes, tied, d, cluster, request, units)
     model = ModelInfo(
         name=profile.name,
         fingerprint=profile.fingerprint,
@@ -331,6 +333,7 @@ def build_plan(
         grad_bucket_bytes=d.bucket_bytes,
         reduce_dtype=request.reduce_dtype,
         max_grad_norm=request.max_grad_norm,
+        zero_units=units,
     )
     solver = SolverReport(
         method=d.method, status=d.status, objective=step, seconds=d.seconds, candidates=d.candidates, gap=d.gap,

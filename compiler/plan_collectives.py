@@ -15,6 +15,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from partita.core.buckets import unit_of
 from partita.core.capture import CapturedModel
 from partita.core.cluster import ClusterSpec
 from partita.core.ops import running_buffers
@@ -30,9 +31,10 @@ from partita.passes.search import Decision
 
 def plan_collectives(captured: CapturedModel, params: Sequence[ParamDecision], nodes: Sequence[Any],
                      tied: Mapping[str, tuple[int, ...]], d: Decision, cluster: ClusterSpec,
-                     request: TrainingRequest) -> tuple[Collective, ...]:
-    """Every collective of the plan: data parallel, tensor parallel, pipeline, tied parameters."""
-    return (_dp_collectives(params, tied, d, cluster, request)
+                     request: TrainingRequest, zero_units: Sequence[str] = ()) -> tuple[Collective, ...]:
+    """Every collective of the plan: data parallel, tensor parallel, pipeline, tied parameters.
+    ``zero_units``: ZeRO-3's units (core/buckets.py), the plan's ``Training.zero_units``."""
+    return (_dp_collectives(params, tied, d, cluster, request, zero_units)
             + _tp_plan_collectives(nodes, d, cluster, inference=request.inference)
             + _pp_collectives(captured, nodes, d, cluster, request)
             + _tied_collectives(params, tied, d, cluster, request)
@@ -67,7 +69,8 @@ def _tied_collectives(params: Sequence[ParamDecision], tied: Mapping[str, tuple[
 
 
 def _dp_collectives(params: Sequence[ParamDecision], tied: Mapping[str, tuple[int, ...]], d: Decision,
-                    cluster: ClusterSpec, request: TrainingRequest) -> tuple[Collective, ...]:
+                    cluster: ClusterSpec, request: TrainingRequest, zero_units: Sequence[str] = ()
+                    ) -> tuple[Collective, ...]:
     """Gradient buckets of each stage's local parameters over its dp group, and the loss average.
     A parameter tied across stages is a local parameter of every stage holding it."""
     dp = d.mesh.dp
@@ -86,7 +89,8 @@ def _dp_collectives(params: Sequence[ParamDecision], tied: Mapping[str, tuple[in
         by_call: dict[tuple[str, int, str], int] = {}
         for zero_stage, group in ((d.zero_stage, sharded), (0, whole)):
             local = [_local_numel(p, d.mesh.tp) for p in group]
-            for b in gradient_buckets(local, grad_bytes, d.bucket_bytes):
+            units = [unit_of(p.name, zero_units) for p in group] if zero_stage == 3 and zero_units else None
+            for b in gradient_buckets(local, grad_bytes, d.bucket_bytes, units):
                 if zero_stage == 0:
                     key = ("all_reduce", b * reduce // grad_bytes,
                            f"gradient averaging in {request.reduce_dtype} (one bucket per call, after the last "

@@ -4,16 +4,33 @@ The planner prices the buckets it packs from parameter sizes
 (passes/dp/buckets.py ``gradient_buckets``) and the runtime all-reduces the
 buckets it packs from the live parameters (runtime/dp/averaging.py), both with
 ``pack_buckets``, so the plan lists the calls the runtime makes.
+
+ZeRO-3 gathers and frees parameters a unit at a time, and its units follow the model's
+repeated layers, as FSDP2 wraps blocks (``Training.zero_units``): each layer's parameters are
+one bucket (``unit_of``, whatever its size), the parameters outside the layers the buckets
+their runs make.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Hashable, Sequence
 
 DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024  # DDP's default bucket_cap_mb
+WHOLE_UNITS = math.inf  # the cap of ZeRO-3's unit buckets: a unit is one bucket, whatever its size
 
 
-def pack_buckets(sizes: Sequence[int], cap_bytes: int = DEFAULT_BUCKET_BYTES,
+def unit_of(name: str, units: Sequence[str]) -> str:
+    """The ZeRO-3 unit of parameter (or module) ``name``: the longest of ``units`` (module paths,
+    one repeated layer each) it lies in, or "" (the root: what lies outside every layer)."""
+    best = ""
+    for u in units:
+        if (name == u or name.startswith(u + ".")) and len(u) > len(best):
+            best = u
+    return best
+
+
+def pack_buckets(sizes: Sequence[int], cap_bytes: float = DEFAULT_BUCKET_BYTES,
                  kinds: Sequence[Hashable] | None = None) -> list[list[int]]:
     """Indices into ``sizes`` (bytes per parameter, registration order) of each bucket, in the
     order the buckets are reduced.

@@ -90,6 +90,9 @@ class Training:
     inference: bool = False
     grad_bucket_bytes: int = DEFAULT_BUCKET_BYTES  # gradients are all-reduced in buckets of this size
     max_grad_norm: float | None = None  # clip the global gradient norm to this (None: no clipping)
+    # ZeRO-3 gathers and frees parameters by these units: one module path per repeated layer
+    # (core/buckets.py ``unit_of``); empty: by buckets of ``grad_bucket_bytes``
+    zero_units: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.zero_stage not in (0, 1, 2, 3):

@@ -239,21 +239,39 @@ class ZeroComm:
 
 
 def zero_step_comm(zero_stage: int, buckets: Sequence[float], dp: int, micro_batches: int, link: Link, *,
-                   elem_bytes: int = 2) -> ZeroComm:
+                   elem_bytes: int = 2, overlap_s: float = 0.0) -> ZeroComm:
     """Time and bytes sent per step by one rank for its buckets (bytes of its LOCAL parameters'
     gradients, one flat bucket each, as passes/dp/buckets.gradient_buckets packs them) over ``dp``
-    ranks on ``link``: ``zero_collectives`` calls per bucket, each exposed (no overlap).
-    ZeRO buckets are padded to a multiple of dp elements; stage 0's all-reduce is not."""
+    ranks on ``link``: ``zero_collectives`` calls per bucket, each exposed, unless ``overlap_s``.
+    ZeRO buckets are padded to a multiple of dp elements; stage 0's all-reduce is not.
+
+    ``overlap_s`` (ZeRO-3 by units, runtime/dp/zero.py prefetching): the compute the calls hide
+    behind, the step's forwards and backwards. A unit's gather is issued while the unit before it
+    computes and its reduce-scatter runs during the backward of the units after it, so what shows
+    is, per micro-batch, the first unit's gather in forward and in backward and the last unit's
+    reduce-scatter, plus whatever the other calls take beyond the compute:
+    ``exposed = first + max(0, rest - overlap_s)`` (docs/cost-model.md, "ZeRO's collectives")."""
     if dp <= 1 or not buckets:
         return ZeroComm({}, {})
     seconds: dict[str, float] = {}
     traffic: dict[str, float] = {}
+
+    def one(kind: str, b: float) -> float:
+        return collective_time(kind, b if zero_stage == 0 else padded_bucket(b, dp, elem_bytes), dp, link)
+
     for kind, calls, _what in zero_collectives(zero_stage, micro_batches):
         key = "dp_all_reduce" if kind == "all_reduce" else f"zero_{kind}"
         for b in buckets:
             size = b if zero_stage == 0 else padded_bucket(b, dp, elem_bytes)
-            seconds[key] = seconds.get(key, 0.0) + calls * collective_time(kind, size, dp, link)
+            seconds[key] = seconds.get(key, 0.0) + calls * one(kind, b)
             traffic[key] = traffic.get(key, 0.0) + calls * collective_traffic(kind, size, dp)
+    if overlap_s > 0 and zero_stage == 3:
+        # buckets are listed in backward order (core/buckets.py): forward starts at the last
+        first = micro_batches * (one("all_gather", buckets[-1]) + one("all_gather", buckets[0])
+                                 + one("reduce_scatter", buckets[-1]))
+        total = sum(seconds.values())
+        exposed = min(total, first + max(0.0, total - first - overlap_s))
+        seconds = {k: v * exposed / total for k, v in seconds.items()}
     return ZeroComm(seconds, {k: round(v) for k, v in traffic.items()})
 
 
@@ -310,6 +328,7 @@ def mesh_step(
     zero_stage: int = 0,
     local_params: float | None = None,
     state_bytes: StateBytes | None = None,
+    overlap: bool = False,
 ) -> StepCost:
     """One step on a (dp, tp) mesh: ``grad_accum`` micro-batches, then the data-parallel
     collectives of the device's LOCAL parameter shards over the dp group, bucketed (one
@@ -322,6 +341,7 @@ def mesh_step(
     ranks lie ``tp`` apart (TP innermost, core/plan.MESH_ORDER), so its link is
     ``link_for_group(dp, stride=tp)``. ``state`` is the device's model state; under ZeRO >= 1
     the optimizer pass is over ``local_params / dp`` parameters of ``state_bytes`` each.
+    ``overlap``: ZeRO-3's buckets are units whose calls hide behind the compute (``zero_step_comm``).
     """
     per_micro = dict(micro_batch_s)
     compute = grad_accum * (per_micro.pop("compute", 0.0) + cluster.step_overhead_s)
@@ -330,7 +350,7 @@ def mesh_step(
     if dp > 1 and grad_buckets:
         elem = int(state_bytes.grads) if state_bytes is not None and state_bytes.grads else 2
         z = zero_step_comm(zero_stage, grad_buckets, dp, grad_accum, cluster.link_for_group(dp, stride=tp),
-                           elem_bytes=elem)
+                           elem_bytes=elem, overlap_s=compute if overlap else 0.0)
         comm.update(z.seconds)
         traffic.update(z.traffic_bytes)
     if zero_stage >= 1:

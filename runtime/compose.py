@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from partita.core.buckets import unit_of
 from partita.core.capture import uncompiled
 from partita.core.errors import PlanError
 from partita.core.losses import training_loss
@@ -140,7 +141,8 @@ def compose(module: nn.Module, plan: Plan, ctx: DistContext, options: Options, c
     zero = averager = master = opt = None
     if training and dp_group is not None and plan.training.zero_stage > 0:
         zero, averager = _apply_zero(local, pipeline, plan.training.zero_stage, dp_group, optimizer=optimizer,
-                                     bucket_bytes=buckets, counter=counter, policy=policy)
+                                     bucket_bytes=buckets, counter=counter, policy=policy,
+                                     zero_units=plan.training.zero_units)
         opt = zero.optimizer
     elif training:
         if dp_group is not None:
@@ -170,15 +172,22 @@ def _local_buffers(local: nn.Module, pipeline: PipelineStage | None) -> list[tor
 
 def _apply_zero(local: nn.Module, pipeline: PipelineStage | None, stage: int, dp_group: dist.ProcessGroup, *,
                 optimizer: OptimizerFactory, bucket_bytes: int, counter: CollectiveCounter,
-                policy: PrecisionPolicy) -> tuple[ZeroProgram, GradientAverager | None]:
+                policy: PrecisionPolicy, zero_units: tuple[str, ...] = ()
+                ) -> tuple[ZeroProgram, GradientAverager | None]:
     """ZeRO ``stage`` over ``local``'s parameters, with the one optimizer; and the averager of the
     parameters tied across pipeline stages, which stay whole on each (their copies' gradients are
     summed between the stages, which lay out their ZeRO buckets differently; the optimizer's
-    elementwise update is the same)."""
+    elementwise update is the same). ``zero_units``: the plan's ZeRO-3 units (core/buckets.py)."""
     tied = pipeline.tied_parameters if pipeline is not None else []
-    zero = apply_zero([(n, q) for n, q in local.named_parameters() if not any(q is t for t in tied)], stage,
-                      dp_group, optimizer_factory=optimizer, bucket_bytes=bucket_bytes, counter=counter,
-                      axis=DP, precision=policy, extra_params=tied)
+    named = [(n, q) for n, q in local.named_parameters() if not any(q is t for t in tied)]
+    units = None
+    if stage == 3 and zero_units:
+        program = tp_module_of(local, pipeline)
+        qualified = ({id(q): n for n, (q, _) in program.local_parameters().items()} if program is not None
+                     else {id(q): n for n, q in named})  # the model's names, as the plan's units are
+        units = [unit_of(qualified[id(q)], zero_units) for _, q in named]
+    zero = apply_zero(named, stage, dp_group, optimizer_factory=optimizer, bucket_bytes=bucket_bytes,
+                      counter=counter, axis=DP, precision=policy, extra_params=tied, units=units)
     averager = apply_data_parallel(tied, dp_group, bucket_bytes=bucket_bytes, counter=counter, axis=DP,
                                    reduce_dtype=policy.reduce_dtype) if tied else None
     if stage == 3:

@@ -12,11 +12,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from partita.core.buckets import DEFAULT_BUCKET_BYTES, pack_buckets
+from partita.core.buckets import DEFAULT_BUCKET_BYTES, WHOLE_UNITS, pack_buckets
 
 
-def gradient_buckets(numels: Sequence[int], elem_bytes: int, cap_bytes: int = DEFAULT_BUCKET_BYTES) -> list[int]:
+def gradient_buckets(numels: Sequence[int], elem_bytes: int, cap_bytes: int = DEFAULT_BUCKET_BYTES,
+                     units: Sequence[str] | None = None) -> list[int]:
     """Bytes of each gradient bucket of parameters of ``numels`` elements (registration order),
-    packed by core/buckets.py's ``pack_buckets``, the runtime's rule."""
+    packed by core/buckets.py's ``pack_buckets``, the runtime's rule; with ``units`` (ZeRO-3's unit
+    of each parameter, core/buckets.py ``unit_of``) one bucket per run of a unit, whatever its size."""
     sizes = [n * elem_bytes for n in numels]
-    return [sum(sizes[i] for i in b) for b in pack_buckets(sizes, cap_bytes)]
+    packed = pack_buckets(sizes, WHOLE_UNITS, units) if units is not None else pack_buckets(sizes, cap_bytes)
+    return [sum(sizes[i] for i in b) for b in packed]

@@ -17,7 +17,9 @@ Why, with the numbers: docs/cost-model.md, "Choosing the ZeRO stage".
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from partita.core.cluster import ClusterSpec
 from partita.core.plan import MemoryBreakdown
@@ -99,3 +101,9 @@ def estimate_strategies(
         mem = MemoryBreakdown(m.params, m.grads, m.optimizer, activation_bytes, cluster.usable_memory)
         out.append(StrategyEstimate(STRATEGY_NAMES[stage], stage, dp, mem, traffic, comm))
     return out
+
+
+def zero_units(repeated: Sequence[Any]) -> tuple[str, ...]:
+    """ZeRO-3's units (core/buckets.py): one per repeated layer of the model (``RepeatedBlock``'s
+    ``layers``, e.g. "transformer.h.3"), as FSDP2 wraps each block; the plan records them."""
+    return tuple(layer for r in repeated for layer in r.layers)

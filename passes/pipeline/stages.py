@@ -25,6 +25,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 
+from partita.core.buckets import unit_of
 from partita.core.cluster import ClusterSpec, Link
 from partita.core.errors import PartitaError
 from partita.core.options import Pins, TrainingRequest
@@ -308,10 +309,17 @@ def _candidate(part: Partition, bounds: tuple[int, ...], dp: int, tp: int, mb: i
     stages, dp_s, opt_s, dp_bytes = [], [], [], []
     for s, (j, k) in enumerate(zip(bounds, bounds[1:])):
         mem = part.memory(j, k, s)
-        numels = [n for n in c.param_numel[j:k] if n] + [sp.numel for sp in part.shared_in(j, k)]
-        buckets = gradient_buckets(numels, grad_elem) if grad_elem and dp > 1 else []
+        held = [i for i in range(j, k) if c.param_numel[i]]
+        shared = part.shared_in(j, k)
+        numels = [c.param_numel[i] for i in held] + [sp.numel for sp in shared]
+        # ZeRO-3's units: a repeated layer's parameters one bucket (core/buckets.py), shared ones the root's
+        units = [unit_of(c.modules[i], c.layers) for i in held] + [""] * len(shared) \
+            if setup.zero_stage == 3 and c.modules else None
+        buckets = gradient_buckets(numels, grad_elem, units=units) if grad_elem and dp > 1 else []
         link = cluster.link_for_group(dp, stride=tp)
-        zc = zero_step_comm(setup.zero_stage, buckets, dp, setup.micro_batches, link, elem_bytes=grad_elem or 2)
+        compute = setup.micro_batches * part.compute_s(j, k, s)
+        zc = zero_step_comm(setup.zero_stage, buckets, dp, setup.micro_batches, link, elem_bytes=grad_elem or 2,
+                            overlap_s=compute if units else 0.0)
         dp_s.append(zc.total_s)
         dp_bytes.append(zc.total_bytes)
         opt_s.append(0.0 if request.inference else

@@ -25,6 +25,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from partita.core.buckets import unit_of
 from partita.core.cluster import ClusterSpec
 from partita.core.errors import InfeasibleError
 from partita.core.options import Pins, TrainingRequest
@@ -32,7 +33,7 @@ from partita.core.plan import Alternative, MemoryBreakdown, Mesh
 from partita.core.tp.strategies import Strategy, node_strategies, shard_dim
 from partita.passes.cost_model import StepCost, mesh_step, model_state_memory, state_bytes_per_param
 from partita.passes.dp.buckets import DEFAULT_BUCKET_BYTES, gradient_buckets
-from partita.passes.dp.zero import STRATEGY_NAMES, zero_stages
+from partita.passes.dp.zero import STRATEGY_NAMES, zero_stages, zero_units
 from partita.passes.explain import CHOSEN, slower, slower_parts, traffic_reason
 from partita.passes.pipeline.costs import kv_ratio
 from partita.passes.profile import ModelProfile
@@ -117,6 +118,7 @@ def choose_mesh(
 
     state_per_param = state_bytes_per_param(request.precision, request.optimizer, inference=request.inference)
     grad_elem = 0 if request.inference else int(state_per_param.grads)
+    layer_units = zero_units(profile.repeated)
     candidates: list[MeshCandidate] = []
     best: tuple[MeshCandidate, TPSolution, tuple[int, ...]] | None = None
     solves = 0
@@ -152,8 +154,9 @@ def choose_mesh(
                     candidates.append(MeshCandidate(tp, dp, mb, accum, too_big[z][1], False, None, None, None,
                                                     f"does not fit: {e.message}", z))
                     continue
-                local = _local_numels(G, sol.choice, tp)
-                buckets = tuple(gradient_buckets(local, grad_elem, bucket_bytes)) if grad_elem else ()
+                local, units = _local_numels(G, sol.choice, tp, layer_units)
+                buckets = tuple(gradient_buckets(local, grad_elem, bucket_bytes, units if z == 3 else None)
+                                ) if grad_elem else ()
                 state = model_state_memory(sum(local), state_per_param, zero_stage=z, dp=dp)
                 memory = MemoryBreakdown(state.params, state.grads, state.optimizer, round(sol.activation_bytes),
                                          cluster.usable_memory)
@@ -161,7 +164,7 @@ def choose_mesh(
                     micro_batch_s={"compute": sol.compute_s, "tp_forward": sol.tp_forward_s,
                                    "tp_backward": sol.tp_backward_s, "tp_internal": sol.tp_internal_s},
                     grad_accum=accum, dp=dp, tp=tp, grad_buckets=list(buckets), state=state, cluster=cluster,
-                    zero_stage=z, local_params=sum(local), state_bytes=state_per_param)
+                    zero_stage=z, local_params=sum(local), state_bytes=state_per_param, overlap=z == 3)
                 if request.inference:
                     cost = StepCost(cost.compute_s, {k: v for k, v in cost.comm_s.items() if k.startswith("tp_")}, 0.0)
                 cand = MeshCandidate(tp, dp, mb, accum, memory.total, True, cost, memory, sol.report, "", z)
@@ -217,15 +220,17 @@ def _graph_param_numel(G) -> int:
     return sum(seen.values())
 
 
-def _local_numels(G, choice: Mapping[str, Strategy], tp: int) -> list[int]:
-    """Elements of each distinct parameter's local shard, in graph (registration) order."""
+def _local_numels(G, choice: Mapping[str, Strategy], tp: int,
+                  layer_units: Sequence[str] = ()) -> tuple[list[int], list[str]]:
+    """Elements of each distinct parameter's local shard, in graph (registration) order, and each
+    one's ZeRO-3 unit (core/buckets.py ``unit_of`` over ``layer_units``)."""
     out: dict[str, int] = {}
     for n, a in G.nodes(data=True):
         if a["kind"] == "param" and a["param_name"] not in out:
             st = choice[n]
             sharded = bool(st.out) and shard_dim(st.out[0]) is not None
             out[a["param_name"]] = _numel(a["shapes"][0]) // (tp if sharded else 1)
-    return list(out.values())
+    return list(out.values()), [unit_of(name, layer_units) for name in out]
 
 
 def _numel(shape: Sequence[int]) -> int:

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from partita.core.buckets import DEFAULT_BUCKET_BYTES, pack_buckets
+from partita.core.buckets import DEFAULT_BUCKET_BYTES, WHOLE_UNITS, pack_buckets
 from partita.runtime.collectives import CollectiveCounter
 
 
@@ -39,10 +39,15 @@ def grad_params(params: Iterable[nn.Parameter]) -> list[nn.Parameter]:
     return out
 
 
-def bucket_members(params: list[nn.Parameter], bucket_bytes: int) -> list[list[nn.Parameter]]:
+def bucket_members(params: list[nn.Parameter], bucket_bytes: int,
+                   units: list[str] | None = None) -> list[list[nn.Parameter]]:
     """``params`` (``grad_params``' list) cut into buckets by core/buckets.py's ``pack_buckets``
-    (the planner's rule too), a dtype change closing a bucket."""
+    (the planner's rule too), a dtype change closing a bucket; with ``units`` (ZeRO-3's unit of
+    each parameter, core/buckets.py ``unit_of``) one bucket per run of a unit, whatever its size."""
     sizes = [p.numel() * p.element_size() for p in params]
+    if units is not None:
+        return [[params[i] for i in b]
+                for b in pack_buckets(sizes, WHOLE_UNITS, [(p.dtype, u) for p, u in zip(params, units)])]
     return [[params[i] for i in b] for b in pack_buckets(sizes, bucket_bytes, [p.dtype for p in params])]
 
 

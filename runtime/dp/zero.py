@@ -49,6 +49,7 @@ class _FlatBucket(GradBucket):
         self.shard: nn.Parameter | None = None  # (S,) what the optimizer updates
         self.pending: set[int] = set()  # stage 3 forward: members gathered and not yet released
         self.seen = False  # stage 3: gathered at least once in this forward
+        self.gathering: dist.Work | None = None  # stage 3: a prefetch in flight into ``params_flat``
 
 
 def _is_freed(t: torch.Tensor) -> bool:
@@ -79,6 +80,7 @@ class ZeroProgram:
         axis: str = "dp",
         precision: PrecisionPolicy = FP32,
         extra_params: Sequence[nn.Parameter] = (),
+        units: Sequence[str] | None = None,
     ) -> None:
         if stage not in (1, 2, 3):
             raise ValueError(f"zero stage={stage} must be 1, 2 or 3 (stage 0 is GradientAverager)")
@@ -87,8 +89,14 @@ class ZeroProgram:
         self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
         self.counter = counter if counter is not None else CollectiveCounter()
         self._by_name = {n: p for n, p in named}
-        self.buckets = [_FlatBucket(m, self.rank, self.size)
-                        for m in bucket_members(grad_params(p for _, p in named), bucket_bytes)]
+        params = grad_params(p for _, p in named)
+        # stage 3 by units (the plan's repeated layers): a layer a bucket, gathered ahead of its use
+        unit = {id(p): u for (_, p), u in zip(named, units)} if stage == 3 and units is not None else None
+        self.prefetch = unit is not None
+        self.buckets = [_FlatBucket(m, self.rank, self.size) for m in bucket_members(
+            params, bucket_bytes, [unit[id(p)] for p in params] if unit is not None else None)]
+        self._order: list[_FlatBucket] = []  # stage 3: the buckets in the order a forward gathers them
+        self._ordered = False  # that order is known (after the first forward)
         self._bucket_of: dict[int, _FlatBucket] = {id(p): b for b in self.buckets for p in b.members}
         self.shards: list[nn.Parameter] = []
         self._pinned = False  # inside gathered(): nothing is freed
@@ -135,8 +143,10 @@ class ZeroProgram:
         self.begin_backward(is_last)
 
     def begin_forward(self) -> None:
-        """Before each micro-batch's forward (stage 3 tracks which buckets it has gathered)."""
+        """Before each micro-batch's forward (stage 3 tracks which buckets it has gathered, and
+        learns from the first forward the order it gathers them in, which prefetching follows)."""
         if self.stage == 3:
+            self._ordered = self._ordered or bool(self._order)
             for b in self.buckets:
                 b.seen = False
 
@@ -198,6 +208,13 @@ class ZeroProgram:
     # -- stage 3: parameters gathered around their use -------------------------------------
 
     def _materialize(self, b: _FlatBucket) -> None:
+        """``b``'s parameters whole: its prefetch waited for, or gathered now if freed."""
+        if b.gathering is not None:
+            with self.counter.blocking("all_gather", self.axis):
+                b.gathering.wait()
+            b.gathering = None
+            b.view_params_into(b.params_flat)
+            return
         if not _is_freed(b.params_flat):
             return
         b.params_flat.untyped_storage().resize_(b.nbytes)
@@ -206,6 +223,22 @@ class ZeroProgram:
         self.counter.record("all_gather", self.axis, b.nbytes)
         b.view_params_into(b.params_flat)
 
+    def _prefetch(self, b: _FlatBucket | None) -> None:
+        """Start gathering ``b`` (if freed) without waiting: it arrives while the unit before it computes."""
+        if b is None or b.gathering is not None or not _is_freed(b.params_flat):
+            return
+        b.params_flat.untyped_storage().resize_(b.nbytes)
+        with torch.no_grad():
+            b.gathering = dist.all_gather_single(b.params_flat, b.shard.detach(), group=self.group, async_op=True)
+        self.counter.record("all_gather", self.axis, b.nbytes)
+
+    def _neighbour(self, b: _FlatBucket, step: int) -> _FlatBucket | None:
+        """The bucket after ``b`` in forward order (``step`` 1) or before it (-1, backward's next)."""
+        if not (self.prefetch and self._ordered) or b not in self._order:
+            return None
+        i = self._order.index(b) + step
+        return self._order[i] if 0 <= i < len(self._order) else None
+
     def _free_params(self, b: _FlatBucket, *, park: bool) -> None:
         """Free a gathered bucket. The storage is released but kept (resized to 0), so the views
         autograd saved in forward see the bucket again once backward gathers it; ``park`` (when no
@@ -213,6 +246,9 @@ class ZeroProgram:
         fails with a shape error instead of reading freed memory."""
         if self._pinned:
             return
+        if b.gathering is not None:  # a prefetch not used (it was not needed after all)
+            b.gathering.wait()
+            b.gathering = None
         b.params_flat.untyped_storage().resize_(0)
         if park:
             for p in b.members:
@@ -220,10 +256,14 @@ class ZeroProgram:
 
     def _gather_ids(self, ids: Iterable[int]) -> None:
         for b in self._buckets_of(ids):
-            if _is_freed(b.params_flat):
+            if _is_freed(b.params_flat) or b.gathering is not None:
                 self._materialize(b)
                 b.pending = set(b.ids) if not b.seen else set(ids) & b.ids
+                if not b.seen and not self._ordered and b not in self._order:
+                    self._order.append(b)
                 b.seen = True
+                if torch.is_grad_enabled() or not self._ordered:
+                    self._prefetch(self._neighbour(b, 1))
 
     def _release_ids(self, ids: Iterable[int], outputs: object) -> None:
         buckets = self._buckets_of(ids)
@@ -237,7 +277,12 @@ class ZeroProgram:
         if torch.is_grad_enabled():
             tensors = [t for t in _tensors(outputs) if t.requires_grad]
             if tensors:  # the first gradient into these outputs precedes the backward that needs the parameters
-                register_multi_grad_hook(tensors, lambda _: [self._materialize(b) for b in buckets], mode="any")
+                register_multi_grad_hook(tensors, lambda _: self._backward_needs(buckets), mode="any")
+
+    def _backward_needs(self, buckets: list[_FlatBucket]) -> None:
+        for b in buckets:
+            self._materialize(b)
+            self._prefetch(self._neighbour(b, -1))  # backward runs the units in reverse
 
     def _buckets_of(self, ids: Iterable[int]) -> list[_FlatBucket]:
         if self.stage != 3:
@@ -363,13 +408,15 @@ def apply_zero(
     axis: str = "dp",
     precision: PrecisionPolicy = FP32,
     extra_params: Sequence[nn.Parameter] = (),
+    units: Sequence[str] | None = None,
 ) -> ZeroProgram:
     """Shard these local parameters' model state over ``dp_group`` as ZeRO ``stage`` says.
 
     ``named_params`` is e.g. ``module.named_parameters()`` after tensor parallelism
     (the names are what ``gather``/``release`` take). The optimizer is built here
-    by ``optimizer_factory`` on the flat shards; use ``program.optimizer``.
+    by ``optimizer_factory`` on the flat shards; use ``program.optimizer``. ``units``: stage 3's
+    unit of each parameter (core/buckets.py ``unit_of``), one bucket each, gathered ahead of use.
     """
     return ZeroProgram(named_params, stage, dp_group, optimizer_factory=optimizer_factory,
                        bucket_bytes=bucket_bytes, counter=counter, axis=axis, precision=precision,
-                       extra_params=extra_params)
+                       extra_params=extra_params, units=units)

@@ -1,0 +1,84 @@
+"""ZeRO-3 by units: a repeated layer's parameters are one bucket (gathered, freed and reduce-scattered
+together, as FSDP2 wraps a block), the plan records the units, the runtime gathers the next unit while
+the current one computes, and the cost model prices that overlap (hand-worked below)."""
+
+from __future__ import annotations
+
+import pytest
+
+from examples.models import gpt_tiny
+from partita.compiler.compile import compile_model
+from partita.core.buckets import unit_of
+from partita.core.cluster import Link
+from partita.core.options import Options
+from partita.passes.cost_model import zero_step_comm
+from partita.passes.dp.buckets import gradient_buckets
+from tests import zero_units_worker
+from tests.harness import beyond, launch, numbers_beyond
+
+
+def test_a_parameter_belongs_to_the_longest_unit_it_lies_in():
+    units = ("h.1", "h.10", "h.1.mlp")
+    assert unit_of("h.1.attn.weight", units) == "h.1"
+    assert unit_of("h.10.attn.weight", units) == "h.10"  # not h.1: a path component, not a prefix
+    assert unit_of("h.1.mlp.fc.weight", units) == "h.1.mlp"
+    assert unit_of("wte.weight", units) == ""  # the root
+
+
+def test_units_make_one_bucket_each_whatever_the_cap():
+    # registration order: embedding, layer 0 (two params), layer 1 (two), head; buckets in reverse
+    numels = [100, 10, 20, 30, 40, 50]
+    units = ["", "h.0", "h.0", "h.1", "h.1", ""]
+    assert gradient_buckets(numels, 2, cap_bytes=8, units=units) == [100, 140, 60, 200]
+    assert gradient_buckets(numels, 2, cap_bytes=8) == [100, 80, 60, 40, 20, 200]  # the cap's buckets
+
+
+def test_the_overlap_of_zero3_units_is_priced_by_hand():
+    link = Link(bandwidth=1e9, latency=1e-5, name="test")
+    dp, m = 2, 1
+    buckets = [4000.0, 8000.0, 2000.0]  # backward order: the head's, a layer's, the embedding's
+
+    def ag(b: float) -> float:  # one all-gather (or reduce-scatter) of a bucket over 2 ranks
+        return (dp - 1) * 1e-5 + b * (dp - 1) / dp / 1e9
+
+    exposed = zero_step_comm(3, buckets, dp, m, link, elem_bytes=2)
+    total = sum(2 * ag(b) + ag(b) for b in buckets)  # 2 gathers (forward, backward) + 1 reduce-scatter each
+    assert sum(exposed.seconds.values()) == pytest.approx(total)
+    # forward starts with the embedding's unit, backward with the head's; the last reduce-scatter is
+    # the embedding's: those three show, the rest hides behind the compute
+    first = ag(2000.0) + ag(4000.0) + ag(2000.0)
+    hidden = zero_step_comm(3, buckets, dp, m, link, elem_bytes=2, overlap_s=1.0)
+    assert sum(hidden.seconds.values()) == pytest.approx(first)
+    short = 0.25 * (total - first)  # compute that hides only a quarter of the rest
+    partly = zero_step_comm(3, buckets, dp, m, link, elem_bytes=2, overlap_s=short)
+    assert sum(partly.seconds.values()) == pytest.approx(first + (total - first - short))
+    assert partly.traffic_bytes == exposed.traffic_bytes  # the bytes sent do not change
+
+
+def test_the_plan_records_the_units_and_lists_a_gather_per_unit():
+    plan = compile_model(gpt_tiny, Options(inputs=["idx=int64[8,16]"], cluster="local", devices=2, world_size=2,
+                                           dp=2, zero=3)).plan
+    assert plan.training.zero_units == ("transformer.h.0", "transformer.h.1")
+    gathers = [c for c in plan.collectives if c.kind == "all_gather"]
+    reduces = [c for c in plan.collectives if c.kind == "reduce_scatter"]
+    # the two layers share one bucket size (two calls each: forward and backward), and the root's
+    # parameters form the runs before and after them (the embeddings, the final norm and head)
+    assert sorted(c.count for c in gathers) == [2, 2, 4]
+    assert sum(c.count for c in reduces) == 4
+    zero1 = compile_model(gpt_tiny, Options(inputs=["idx=int64[8,16]"], cluster="local", devices=2, world_size=2,
+                                            dp=2, zero=1)).plan
+    assert zero1.training.zero_units == ()  # units are ZeRO-3's
+
+
+@pytest.mark.slow
+def test_zero3_prefetches_the_next_unit_and_trains_as_one_process():
+    for rank, r in enumerate(launch(2, zero_units_worker.run)):
+        what = f"rank {rank}"
+        assert r["units"] == ["transformer.h.0", "transformer.h.1"], what
+        assert r["buckets"] == 4, what  # embeddings, two layers, final norm and head
+        # after the first forward learned the order, each forward and backward prefetches the
+        # units after its first: 3 each, so 6 a step; the calls are the plan's, prefetched or not
+        assert r["prefetched"] == [0, 6, 6], (what, r["prefetched"])
+        assert r["calls"] == r["planned_calls"], what
+        assert not numbers_beyond(r["losses"], r["ref_losses"], rtol=1e-5, atol=1e-6), what
+        assert not beyond(r["params"], rtol=1e-5, atol=1e-6), what
