@@ -150,6 +150,7 @@ class Run:
     iteration_s: float  # published, or derived from TFLOP/s per GPU (then ``derived``)
     derived: bool = False
     recompute: str = "full"  # "full" | "selective"
+    schedule: str | None = None  # a pinned pipeline schedule (None: the planner's)
 
     @property
     def dp(self) -> int:
@@ -181,6 +182,19 @@ RUNS = [
     _from_tflops(159, source=SC21, **M530, gpus=2240, batch=2240, tp=8, pp=35, micro_batch=1, zero_stage=0),
     _from_tflops(48, source=SC21, **M530, gpus=2240, batch=2240, tp=1, pp=1, micro_batch=1, zero_stage=3),
 ]
+# Narayanan et al., SC'21, Table 1 ("weak-scaling throughput"): GPT, sequence 2048, vocabulary 51200,
+# A100 80GB, full recomputation; (params B, heads, hidden, layers, t, p, GPUs, batch, TFLOP/s per GPU).
+# The micro-batch size is not given: partita chooses it (micro_batch 0). Their schedule, 1F1B
+# (PipeDream-Flush), is pinned where there is a pipeline; the interleaved one is not modelled.
+SC21_T1 = "Narayanan'21 T1"
+TABLE_1_ROWS = [(1.7, 24, 2304, 24, 1, 1, 32, 512, 137), (3.6, 32, 3072, 30, 2, 1, 64, 512, 138),
+                (7.5, 32, 4096, 36, 4, 1, 128, 512, 142), (18.4, 48, 6144, 40, 8, 1, 256, 1024, 135),
+                (39.1, 64, 8192, 48, 8, 2, 512, 1536, 138), (76.1, 80, 10240, 60, 8, 4, 1024, 1792, 140),
+                (145.6, 96, 12288, 80, 8, 8, 1536, 2304, 148), (310.1, 128, 16384, 96, 8, 16, 1920, 2160, 155),
+                (529.6, 128, 20480, 105, 8, 35, 2520, 2520, 163), (1008.0, 160, 25600, 128, 8, 64, 3072, 3072, 163)]
+TABLE_1 = [_from_tflops(tflops, source=SC21_T1, model=f"GPT {b:g}B", layers=depth, hidden=h, heads=a, gpus=n, batch=B,
+                        tp=t, pp=p, micro_batch=0, zero_stage=0, schedule="1f1b")
+           for b, a, h, depth, t, p, n, B, tflops in TABLE_1_ROWS]
 MLSYS23 = "Korthikanti'23 T5"
 KORTHIKANTI = [
     Run(MLSYS23, "GPT 22B", 48, 6144, 64, 8, 4, 8, 1, 1, 0, "1.10 s", 1.10, recompute="selective"),
@@ -227,14 +241,15 @@ def price(r: Run, pins: Pins | None = None) -> Priced:
     # ZeRO-3, so those rows are priced without it. Selective recomputation (Korthikanti) is not
     # modelled: those are priced as partita plans them, recomputing only where memory binds.
     full = r.recompute == "full" and r.zero_stage < 3
-    pins = pins or Pins(dp=r.dp if r.pp == 1 else None, tp=r.tp, pp=r.pp, micro_batch_size=r.micro_batch,
-                        zero_stage=r.zero_stage, recompute=True if full else None)
+    pins = pins or Pins(dp=r.dp if r.pp == 1 else None, tp=r.tp, pp=r.pp, micro_batch_size=r.micro_batch or None,
+                        zero_stage=r.zero_stage, recompute=True if full else None,
+                        schedule=r.schedule if r.pp > 1 else None)
     cluster = cluster_for(r)
     try:
         d = plan_search(prof, numels, cluster, request, pins)
         return Priced(r, d, True, d.memory.total / 1e9)
     except InfeasibleError:
-        roomy = dataclasses.replace(cluster, memory_bytes=10**15)
+        roomy = dataclasses.replace(cluster, memory_bytes=10**14)
         d = plan_search(prof, numels, roomy, request, pins)
         return Priced(r, d, False, d.memory.total / 1e9)
 
@@ -255,11 +270,32 @@ def _recomputed(d: Decision) -> str:
     return "" if not n else f", recompute {n}/{len(d.stages)} stages"
 
 
+def print_table_1(runs: list[Run]) -> None:
+    """Megatron-LM's Table 1 rows priced as published (t and p pinned, full recomputation, 1F1B)."""
+    print("Narayanan et al. SC'21 Table 1 (weak scaling), partita's prediction at the published configuration "
+          "(dgx-a100 preset)")
+    print("| model | t x p x d | GPUs | B | published TFLOP/s/GPU | published iter (derived) | partita iter | "
+          "partita TFLOP/s/GPU | partita / published time | partita's micro-batch | memory |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in runs:
+        p = price(r)
+        step = p.decision.step_s
+        mem = f"{p.memory_gb:.0f} GB" + ("" if p.fits else " (does not fit)")
+        print(f"| {r.model} | {r.tp}x{r.pp}x{r.dp} | {r.gpus} | {r.batch} | {r.published.split()[0]} | "
+              f"{r.iteration_s:.2f} s | {step:.2f} s | {tflops_per_gpu(r, step):.0f} | {step / r.iteration_s:.2f} | "
+              f"{p.decision.micro_batch_size} | {mem} |", flush=True)
+    print()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="the ZeRO table and the 22B run only")
     ap.add_argument("--no-own", action="store_true", help="skip partita's own unpinned choice (slow at 1,000+ GPUs)")
+    ap.add_argument("--table-1", action="store_true", help="Megatron-LM's Table 1 only")
     args = ap.parse_args()
+    print_table_1(TABLE_1[:4] if args.quick else TABLE_1)
+    if args.table_1:
+        return
     print("ZeRO (Rajbhandari et al. 2020) Table 1: model-state GB per device, paper / partita")
     print("| params | Nd | Pos | Pos+g | Pos+g+p |")
     print("|---|---|---|---|---|")

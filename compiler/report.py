@@ -9,6 +9,8 @@ from rich.console import Group, RenderableType
 from rich.markup import escape
 from rich.table import Table
 
+from partita.core.cluster import UNCALIBRATED
+from partita.core.errors import printable
 from partita.core.placement import REPLICATE, Placement
 from partita.core.plan import MemoryBreakdown, Plan
 from partita.core.schedule import bubble_fraction
@@ -16,11 +18,9 @@ from partita.core.schedule import bubble_fraction
 
 def plain(value: object) -> str:
     """``value`` as text for a Rich console: markup escaped (a ``[/]`` in a plan string or a path is
-    text, not a tag) and control characters written as escapes (no terminal sequences)."""
-    text = str(value)
-    if not text.isprintable():
-        text = "".join(c if c.isprintable() or c == "\n" else repr(c)[1:-1] for c in text)
-    return escape(text)
+    text, not a tag) and control characters written as escapes (no terminal sequences). Every
+    name that reaches the terminal (a model's, a cluster's, a module's, a path) goes through it."""
+    return escape(printable(value))
 
 
 def fmt_bytes(n: float) -> str:
@@ -58,6 +58,42 @@ def _kv(title: str, rows: Iterable[tuple[str, str]]) -> Table:
     for k, v in rows:
         t.add_row(k, plain(v))
     return t
+
+
+CALIBRATE_HINT = ("these predictions use the `local` preset's rough defaults, not this machine's "
+                  "figures; run `partita calibrate -o local.toml` and plan with `--cluster local.toml`")
+
+
+def uncalibrated(plan: Plan) -> bool:
+    """Whether ``plan`` was made for the `local` preset as shipped (its figures guessed, not measured)."""
+    return plan.cluster.get("source") == UNCALIBRATED
+
+
+def sources_of(plan: Plan) -> dict[str, str]:
+    """Where each predicted figure comes from (``Prediction.sources``; a plan written before they were
+    recorded names its cluster's source for all of them)."""
+    if plan.predicted.sources:
+        return dict(plan.predicted.sources)
+    source = f"{plan.cluster.get('name', '?')}: {plan.cluster.get('source') or 'its cluster file'}"
+    return {figure: source for figure in ("compute", "communication", "optimizer", "memory")}
+
+
+def memory_terms(m: MemoryBreakdown) -> str:
+    """The peak's terms in words: the state, then the backward's side or the optimizer step's, then
+    the allocator's (core/plan.py ``MemoryBreakdown``)."""
+    grads = f"grads {fmt_bytes(m.grads)}" + (f" ({fmt_bytes(m.grads_at_peak)} made by the backward's peak)"
+                                            if m.grads_at_peak < m.grads else "")
+    parts = [f"params {fmt_bytes(m.params)}", grads, f"optimizer {fmt_bytes(m.optimizer)}"]
+    if m.at_step:
+        parts.append(f"at the optimizer step: fp32 gradients and buffers {fmt_bytes(m.step)}")
+    else:
+        parts.append(f"activations {fmt_bytes(m.activations)}"
+                     + (f" (autocast's fp32 copies {fmt_bytes(m.autocast)})" if m.autocast else ""))
+        terms = (("transient", m.transient), ("communication buffers", m.collectives))
+        parts += [f"{name} {fmt_bytes(v)}" for name, v in terms if v]
+    if m.allocator:
+        parts.append(f"allocator {fmt_bytes(m.allocator)}")
+    return ", ".join(parts)
 
 
 def memory_row(m: MemoryBreakdown) -> list[str]:
@@ -118,9 +154,8 @@ def plan_summary(plan: Plan) -> RenderableType:
         ("throughput", f"{p.samples_per_s:,.1f} samples/s"
                        + (f", {p.tokens_per_s:,.0f} tokens/s" if p.tokens_per_s else "")
                        + f", {p.model_tflops_per_device:.3g} model TFLOP/s per device, MFU {p.mfu:.1%}"),
-        ("memory/device", f"{fmt_bytes(p.memory.total)} of {fmt_bytes(p.memory.capacity)} usable "
-                          f"(params {fmt_bytes(p.memory.params)}, grads {fmt_bytes(p.memory.grads)}, "
-                          f"optimizer {fmt_bytes(p.memory.optimizer)}, activations {fmt_bytes(p.memory.activations)})"),
+        ("memory/device", f"{fmt_bytes(p.memory.total)} of {fmt_bytes(p.memory.capacity)} usable at the step's peak "
+                          f"({memory_terms(p.memory)})"),
         ("traffic/device", ", ".join(f"{k} {fmt_bytes(v)}/step" for k, v in p.traffic_bytes.items()) or "none"),
         ("solver", f"{plan.solver.method}: {plan.solver.status}, {plan.solver.candidates} candidates, "
                    f"{fmt_time(plan.solver.seconds)}"),
@@ -131,8 +166,12 @@ def plan_summary(plan: Plan) -> RenderableType:
         rows[3] = ("mesh", f"{plan.mesh} = {plan.world_size} device(s): {honest['mesh']}")
         rows[5] = ("training", f"{t.precision}, {t.optimizer}, {honest['zero']}"
                    + (", inference" if t.inference else "") + _recompute_note(plan))
+    # every predicted figure names where it comes from, before the fingerprint
+    rows[-1:-1] = [(f"source: {figure}", text) for figure, text in sources_of(plan).items()]
     if m.repeated_layers:
         rows.insert(1, ("repeated", "; ".join(m.repeated_layers)))
+    if uncalibrated(plan):
+        rows.insert(0, ("[bold yellow]uncalibrated[/]", CALIBRATE_HINT))
     return _kv("partita plan", rows)
 
 
@@ -154,8 +193,8 @@ def collectives_table(plan: Plan) -> Table:
         t.add_column(col)
     for c in plan.collectives:
         head = ("all" if c.stage is None else str(c.stage),) * staged
-        t.add_row(*head, c.kind, c.axis, str(c.group_size), fmt_bytes(c.bytes), str(c.count), fmt_time(c.seconds),
-                  c.purpose)
+        t.add_row(*head, plain(c.kind), plain(c.axis), str(c.group_size), fmt_bytes(c.bytes), str(c.count),
+                  fmt_time(c.seconds), plain(c.purpose))
     return t
 
 

@@ -22,7 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from partita.core.errors import PlanError
-from partita.core.plan import Plan
+from partita.core.files import read_user_text
+from partita.core.plan import MAX_PLAN_BYTES, Plan
 from partita.core.schedule import BACKWARD, FORWARD, stage_order
 
 
@@ -113,12 +114,11 @@ def load_trace(path: str | Path) -> dict[str, Any]:
     and ignored.
     """
     path = Path(path)
+    text = read_user_text(path, what="trace file", limit=MAX_PLAN_BYTES, error=PlanError,
+                          hint="pass the path of a trace written by `partita run --trace`")
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except OSError as e:
-        raise PlanError(f"cannot read trace file {path}: {e.strerror or e}",
-                        hint="pass the path of a trace written by `partita run --trace`") from e
-    except (UnicodeDecodeError, RecursionError) as e:
+        data = json.loads(text)
+    except RecursionError as e:
         raise PlanError(f"{path} is not a trace file: not UTF-8 JSON of a sane depth",
                         hint="pass the trace JSON the pipeline runtime wrote") from e
     except json.JSONDecodeError as e:

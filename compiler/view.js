@@ -127,9 +127,13 @@ function header(D) {
     if (key in was) tip(item, [`${label} changed`, `baseline: ${was[key]}`, `this plan: ${value}`]);
     grid.append(item);
   }
+  // where every predicted figure comes from: a preset (a data sheet, a fit with its date) or `partita calibrate`
+  const sources = el("dl", {class: "sources"}, ...Object.entries(D.sources || {}).map(([figure, text]) =>
+    el("div", {class: "source", "data-figure": figure}, el("dt", {text: `source: ${figure}`}), el("dd", {text}))));
+  const banner = D.uncalibrated ? el("p", {class: "warning", id: "uncalibrated", text: `uncalibrated: ${D.uncalibrated}`}) : "";
   return el("header", {id: "header"},
     el("h1", {}, "partita plan ", el("span", {class: "muted", text: `${p.model.name} · ${p.model.fingerprint}`})),
-    grid);
+    banner, grid, sources);
 }
 function fmtCount(n) {
   for (const [u, s] of [["T", 1e12], ["B", 1e9], ["M", 1e6], ["K", 1e3]]) if (Math.abs(n) >= s) return g3(n / s) + u;
@@ -491,7 +495,9 @@ function graphSection(D) {
 }
 
 // -- memory ---------------------------------------------------------------------------------------------------
-const MEM_KINDS = [["params", "#4e79a7"], ["grads", "#59a14f"], ["optimizer", "#f28e2b"], ["activations", "#b07aa1"]];
+const MEM_KINDS = [["params", "#4e79a7"], ["grads", "#59a14f"], ["optimizer", "#f28e2b"], ["activations", "#b07aa1"],
+  ["extra", "#e15759"], ["allocator", "#bab0ac"]];
+const MEM_LABELS = {extra: "transient and buffers", allocator: "allocator"};
 function memorySection(D) {
   const rows = D.memory, cap = Math.max(...rows.map(r => r.capacity));
   // far below capacity, the bars use the space and capacity is marked off scale
@@ -511,7 +517,7 @@ function memorySection(D) {
       const w = sx(r[kind]) - L;
       const seg = svg("rect", {x, y, width: Math.max(0, w), height: RH, fill: colour, class: "mem-seg", "data-kind": kind,
         "data-bytes": r[kind]});
-      tip(seg, [`stage ${r.stage}: ${kind} ${fmtBytes(r[kind])} per device`,
+      tip(seg, [`stage ${r.stage}: ${MEM_LABELS[kind] || kind} ${fmtBytes(r[kind])} per device`,
         r.exact ? "from the plan's breakdown of its most loaded device" :
           "estimated: state scaled by the stage's parameters, activations the rest of its total"]);
       g.append(seg);
@@ -531,7 +537,7 @@ function memorySection(D) {
     root.append(svg("text", {x: xc, y: 10, class: "capacity-text", "text-anchor": "middle", text: `capacity ${fmtBytes(cap)}`}));
   }
   const table = el("table", {class: "mem-table"},
-    el("thead", {}, el("tr", {}, ...["stage", "ranks", ...MEM_KINDS.map(k => k[0]), "total", "capacity", "fits"].map(
+    el("thead", {}, el("tr", {}, ...["stage", "ranks", ...MEM_KINDS.map(k => MEM_LABELS[k[0]] || k[0]), "total", "capacity", "fits"].map(
       t => el("th", {text: t})))),
     el("tbody", {}, ...rows.map(r => el("tr", {"data-stage": r.stage, class: r.exact ? "" : "estimated"},
       el("td", {text: String(r.stage)}), el("td", {text: rankRange(r.ranks)}),
@@ -539,11 +545,12 @@ function memorySection(D) {
       el("td", {"data-kind": "total", text: fmtBytes(r.total)}), el("td", {text: fmtBytes(r.capacity)}),
       el("td", {class: r.total <= r.capacity ? "ok" : "bad", text: r.total <= r.capacity ? "yes" : "no"})))));
   const legend = el("div", {class: "legend"}, ...MEM_KINDS.map(([k, c]) =>
-    el("span", {class: "key"}, el("i", {style: `background:${c}`}), k)));
+    el("span", {class: "key"}, el("i", {style: `background:${c}`}), MEM_LABELS[k] || k)));
   return section("memory", "Memory per device", legend, root, table, el("p", {class: "note", text:
+    `At the step's peak, the most loaded device: ${D.memory_terms}. ` +
     "Every device of a stage holds the same. The most loaded stage has the plan's exact breakdown; " +
     "for the others (≈) params, grads and optimizer state are scaled by the stage's parameter count and " +
-    "activations are the rest of the stage's total."}));
+    "activations are the rest of the stage's total. " + (D.sources && D.sources.memory ? `Source: ${D.sources.memory}.` : "")}));
 }
 function rankRange(ranks) {
   if (!ranks.length) return "-";

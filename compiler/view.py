@@ -26,9 +26,10 @@ from typing import Any
 import click
 
 from partita.compiler.diff import diff_plans
-from partita.compiler.report import tp_split
+from partita.compiler.report import CALIBRATE_HINT, memory_terms, sources_of, tp_split, uncalibrated
 from partita.compiler.timeline import load_trace, measured_timeline, predicted_timeline
-from partita.core.errors import writable_path, write_text
+from partita.core.errors import printable
+from partita.core.files import writable_path, write_text, writes
 from partita.core.plan import MemoryBreakdown, Plan
 from partita.core.verify import load_plan
 
@@ -68,8 +69,14 @@ def stage_memory(plan: Plan) -> list[dict[str, Any]]:
 
 
 def _memory_row(stage: int, ranks: tuple[int, ...], m: MemoryBreakdown, *, exact: bool) -> dict[str, Any]:
-    return {"stage": stage, "ranks": list(ranks), "params": m.params, "grads": m.grads, "optimizer": m.optimizer,
-            "activations": m.activations, "total": m.total, "capacity": m.capacity, "exact": exact}
+    """One stage's bar: the state, the saved activations, what the step's peak holds beyond them (the
+    costliest op's transient and ZeRO's buffers, or the optimizer step's fp32 gradients where that
+    side is larger) and the allocator's share (core/plan.py ``MemoryBreakdown``)."""
+    act = 0 if m.at_step else m.activations
+    extra = m.step if m.at_step else m.transient + m.collectives
+    return {"stage": stage, "ranks": list(ranks), "params": m.params, "grads": m.grads_at_peak,
+            "optimizer": m.optimizer, "activations": act, "extra": extra, "allocator": m.allocator, "total": m.total,
+            "capacity": m.capacity, "exact": exact}
 
 
 def page_data(plan: Plan, *, against: Plan | None = None, trace: dict | None = None) -> dict[str, Any]:
@@ -79,6 +86,9 @@ def page_data(plan: Plan, *, against: Plan | None = None, trace: dict | None = N
         "timeline": predicted_timeline(plan).to_dict(),
         "measured": measured_timeline(trace, plan).to_dict() if trace is not None else None,
         "memory": stage_memory(plan),
+        "memory_terms": memory_terms(plan.predicted.memory),
+        "sources": sources_of(plan),
+        "uncalibrated": CALIBRATE_HINT if uncalibrated(plan) else None,
         "tp_split": tp_split(plan),
         "diff": diff_plans(against, plan).to_dict() if against is not None else None,
         "against": None if against is None else {
@@ -133,15 +143,17 @@ style-src 'unsafe-inline'; img-src data:; connect-src data: blob:">
               help="a baseline plan: highlight what PLAN changes from it")
 @click.option("--trace", "trace_path", metavar="TRACE.json", default=None,
               help="a measured pipeline trace to draw beside the predicted schedule")
+@writes("output")
 def view_command(plan_path: str, output: str | None, open_browser: bool, against_path: str | None,
                  trace_path: str | None) -> None:
     """Write a self-contained HTML page that shows PLAN.json: mesh, model graph, memory, schedule, alternatives."""
-    out = writable_path(output if output else _default_output(Path(plan_path)))
+    out = writable_path(output if output else _default_output(Path(plan_path)),
+                        inputs=(plan_path, against_path, trace_path))
     plan = load_plan(plan_path)
     against = load_plan(against_path) if against_path else None
     trace = load_trace(trace_path) if trace_path else None
     write_text(out, render_html(plan, against=against, trace=trace))
-    click.echo(f"plan view written to {out} ({out.stat().st_size / 1e3:,.0f} KB)")
+    click.echo(f"plan view written to {printable(out)} ({out.stat().st_size / 1e3:,.0f} KB)")
     if open_browser:
         webbrowser.open(out.resolve().as_uri())
 

@@ -21,13 +21,15 @@ Preset figures (vendor, dense, no sparsity; docs/references.md):
 - ``local``: this machine's CPU processes; rough defaults, replaced by
   ``partita calibrate``.
 
-Achieved matmul throughput is below peak: each preset carries an efficiency
-factor (0.7 for large GEMMs on A100/H100, the 70-80% range of docs/references.md).
+Achieved throughput is below peak: each GPU preset carries the time model's per-op figures, fitted
+to one H200's steps and checked against Megatron-LM's Table 1; ``sources`` says where each figure
+comes from and when (docs/references.md, "Fitted figures").
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import sys
 from collections.abc import Iterable, Mapping
@@ -36,7 +38,9 @@ from pathlib import Path
 from typing import Any
 
 from partita.core.errors import POSITIVE_HINT, ClusterError
+from partita.core.files import read_user_text
 from partita.core.mesh import Mesh, axis_crosses_nodes, crosses_nodes, stage_pair_crosses_nodes
+from partita.core.precision import DTYPES
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -48,6 +52,31 @@ TFLOPS = 1e12
 # the collective kinds the cost model prices (passes/cost_model.py) and a cluster file may give call costs for
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send_recv")
 DEVICES = ("cuda", "cpu")  # the torch device types the runtime runs on
+# The figures a device or link partita plans for can have, in SI units: a value outside is a slip of
+# units (memory_gb = 1e-9 is one byte) or a size the search is not built for (it weighs every mesh
+# of the devices: 65,536 of them plan in about 30 s on a 2-core machine).
+MAX_DEVICES = 65_536
+MAX_DEVICES_PER_NODE = 1_024
+RANGES = {
+    "memory_bytes": (1e7, 1e14),  # 10 MB to 100 TB per device
+    "hbm_bandwidth": (1e6, 1e16),  # bytes/s
+    "intra_node_bandwidth": (1e6, 1e16),
+    "inter_node_bandwidth": (1e3, 1e16),
+    "intra_node_latency": (0.0, 10.0),  # seconds per hop
+    "inter_node_latency": (0.0, 10.0),
+    "step_overhead_s": (0.0, 100.0),
+    "flops": (1e6, 1e18),  # FLOP/s per device, per dtype
+    "call_latency": (0.0, 10.0),  # seconds per call
+    "attention_efficiency": (0.0, 1.0),  # fractions of the device's peak (0: as ``efficiency``)
+    "memory_efficiency": (1e-3, 1.0),
+    "kernel_s": (0.0, 1.0),  # seconds per kernel
+    "launch_s": (0.0, 1.0),  # seconds per op issued
+    "alloc_granularity": (1, 1 << 30),  # bytes
+    "fragmentation": (0.0, 0.9),  # a fraction of the step's peak
+}
+MAX_CLUSTER_FILE_BYTES = 1 << 20  # a cluster file is a few lines of TOML
+# the `local` preset's source: its figures are guesses until `partita calibrate` measures this machine
+UNCALIBRATED = "rough defaults for CPU processes on gloo; run `partita calibrate` to measure"
 _CLUSTER_HINT = "fix the cluster file (`partita calibrate -o local.toml` writes a valid one) or use a preset"
 
 
@@ -92,13 +121,22 @@ class ClusterSpec:
     nvlink: bool
     memory_reserve: float = 0.1  # fraction of memory kept back (allocator, NCCL buffers, workspace)
     step_overhead_s: float = 0.0  # fixed cost per micro-batch (launch, Python)
-    # an op takes the longer of its FLOPs' time and its bytes' time at hbm_bandwidth (a roofline).
-    # Off on the GPU presets, whose efficiency was set against published runs by FLOPs alone;
-    # ``partita calibrate`` turns it on with the bandwidth it measured.
+    # an op takes the longer of its FLOPs' time and its bytes' time at hbm_bandwidth (a roofline):
+    # on for the GPU presets (fitted with it) and where ``partita calibrate`` measured the bandwidth
     roofline: bool = False
     source: str = ""
     # seconds per call by collective kind, beyond alpha-beta (``partita calibrate`` measures it)
     call_latency: Mapping[str, float] = field(default_factory=dict)
+    # The time model's per-op terms (passes/cost_model.py ``op_time``; docs/cost-model.md, "Compute time"):
+    attention_efficiency: float = 0.0  # achieved / peak of the attention kernels (0: ``efficiency``)
+    memory_efficiency: float = 1.0  # achieved / peak ``hbm_bandwidth`` of memory-bound ops and the optimizer
+    kernel_s: float = 0.0  # device time a kernel costs beyond its work (launch latency, ramp-up, last wave)
+    launch_s: float = 0.0  # host time to issue one op (dispatch, autograd, launch): no op takes less
+    # The memory model's allocator terms (passes/peak_memory.py ``peak_memory``):
+    alloc_granularity: int = 1  # the allocator rounds every block up to this many bytes (CUDA's caching: 512)
+    fragmentation: float = 0.0  # stated headroom for the allocator's fragmentation, a fraction of the peak
+    # where each figure comes from, by field: a data sheet, a fit with its data and date, or a calibration
+    sources: Mapping[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         """Every field checked where a cluster is made (a preset, a TOML file, a plan's copy):
@@ -106,8 +144,12 @@ class ClusterSpec:
         def bad(what: str) -> ClusterError:
             return ClusterError(f"cluster {self.name!r}: {what}", hint=_CLUSTER_HINT)
 
-        if not isinstance(self.name, str):
-            raise bad(f"name = {self.name!r} must be text")
+        for name in ("name", "device_name"):
+            v = getattr(self, name)
+            if not isinstance(v, str):
+                raise bad(f"{name} = {v!r} must be text")
+            if not v.isprintable():  # a terminal would act on an escape sequence in it
+                raise bad(f"{name} = {v!r} holds control characters")
         for name in ("nodes", "gpus_per_node"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -117,6 +159,15 @@ class ClusterSpec:
                 raise bad(f"{name}={getattr(self, name)!r} must be a positive number")
         if self.efficiency > 1:
             raise bad(f"efficiency={self.efficiency} must be in (0, 1]")
+        for name in ("attention_efficiency", "memory_efficiency", "kernel_s", "launch_s", "fragmentation"):
+            if not _number(getattr(self, name), low=0):
+                raise bad(f"{name}={getattr(self, name)!r} must be a finite number >= 0")
+        if isinstance(self.alloc_granularity, bool) or not isinstance(self.alloc_granularity, int):
+            raise bad(f"alloc_granularity={self.alloc_granularity!r} must be a whole number of bytes")
+        if not isinstance(self.sources, Mapping) or any(
+                not isinstance(k, str) or not isinstance(v, str) or not v.isprintable()
+                for k, v in self.sources.items()):
+            raise bad(f"sources must map a figure's name to text, got {self.sources!r}")
         if not _number(self.memory_reserve, low=0) or self.memory_reserve >= 1:
             raise bad(f"memory_reserve={self.memory_reserve!r} must be in [0, 1)")
         for name in ("intra_node_latency", "inter_node_latency", "step_overhead_s"):
@@ -136,6 +187,23 @@ class ClusterSpec:
                 k not in COLLECTIVES or not _number(v, low=0) for k, v in self.call_latency.items()):
             raise bad(f"call latency takes seconds >= 0 per collective kind ({', '.join(COLLECTIVES)}), "
                       f"got {self.call_latency!r}")
+        if self.world_size > MAX_DEVICES or self.gpus_per_node > MAX_DEVICES_PER_NODE:
+            raise ClusterError(f"cluster {self.name!r}: {self.nodes:,} node(s) x {self.gpus_per_node:,} devices = "
+                               f"{self.world_size:,} devices; partita plans for up to {MAX_DEVICES:,} devices, "
+                               f"{MAX_DEVICES_PER_NODE:,} per node", hint="plan for fewer nodes (--nodes) or devices "
+                               "per node (--devices); the plan for a part of the cluster is the same per replica")
+        unknown = sorted(set(self.flops) - set(DTYPES))
+        if unknown:
+            raise bad(f"flops for {', '.join(map(repr, unknown))}: the rates are given per dtype, "
+                      f"{', '.join(DTYPES)}")
+        figures = [(name, getattr(self, name)) for name in RANGES if name not in ("flops", "call_latency")]
+        figures += [(f"flops[{k}]", v) for k, v in self.flops.items()]
+        figures += [(f"call_latency[{k}]", v) for k, v in self.call_latency.items()]
+        for name, v in figures:
+            low, high = RANGES[name.split("[")[0]]
+            if not low <= v <= high:
+                raise bad(f"{name}={v:g} is outside the range partita plans for, {low:g} to {high:g} "
+                          "(SI units: bytes, seconds, FLOP/s; a cluster file gives GB, GB/s, us, ms and TFLOP/s)")
 
     @property
     def world_size(self) -> int:
@@ -218,6 +286,7 @@ class ClusterSpec:
         lines = [
             f"# partita cluster file{(': ' + self.source) if self.source else ''}",
             f'name = "{self.name}"',
+            f"source = {json.dumps(self.source)}",
             f"nodes = {self.nodes}",
             f"gpus_per_node = {self.gpus_per_node}",
             f'device = "{self.device}"',
@@ -233,12 +302,20 @@ class ClusterSpec:
             f"memory_reserve = {self.memory_reserve:.6g}",
             f"step_overhead_ms = {self.step_overhead_s * 1e3:.6g}",
             f"roofline = {'true' if self.roofline else 'false'}",
+            f"attention_efficiency = {self.attention_efficiency:.6g}",
+            f"memory_efficiency = {self.memory_efficiency:.6g}",
+            f"kernel_us = {self.kernel_s * 1e6:.6g}",
+            f"launch_us = {self.launch_s * 1e6:.6g}",
+            f"alloc_granularity = {self.alloc_granularity}",
+            f"fragmentation = {self.fragmentation:.6g}",
             "",
             "[tflops]",
         ]
         lines += [f"{k} = {v / TFLOPS:.6g}" for k, v in self.flops.items()]
         if self.call_latency:
             lines += ["", "[call_latency_us]"] + [f"{k} = {v * 1e6:.6g}" for k, v in self.call_latency.items()]
+        if self.sources:
+            lines += ["", "[sources]"] + [f"{k} = {json.dumps(v)}" for k, v in self.sources.items()]
         return "\n".join(lines) + "\n"
 
 
@@ -260,8 +337,38 @@ _TOML_KEYS = {
     "step_overhead_ms": ("step_overhead_s", float, 1e-3),
     "roofline": ("roofline", bool, 1),
     "source": ("source", str, 1),
+    "attention_efficiency": ("attention_efficiency", float, 1),
+    "memory_efficiency": ("memory_efficiency", float, 1),
+    "kernel_us": ("kernel_s", float, 1e-6),
+    "launch_us": ("launch_s", float, 1e-6),
+    "alloc_granularity": ("alloc_granularity", int, 1),
+    "fragmentation": ("fragmentation", float, 1),
 }
-_REQUIRED_TOML = ("nodes", "gpus_per_node", "memory_gb", "intra_node_gb_per_s", "inter_node_gb_per_s")
+_TOML_TABLES = ("tflops", "call_latency_us", "sources")
+_REQUIRED_TOML = ("nodes", "gpus_per_node", "device", "memory_gb", "intra_node_gb_per_s", "inter_node_gb_per_s")
+
+
+# When the GPU presets' per-op figures were fitted, and to what: one H200's step times, partita and eager
+# autocast, three GPTs (tests/data; docs/references.md, "Fitted figures")
+FITTED, H200_DATA = "2026-12-04", "tests/data/h200_2026-12-04.json"
+_VENDOR = "vendor data sheet (docs/references.md, Hardware figures)"
+_H200_FIT = f"fitted {FITTED} to one H200's step times ({H200_DATA}; docs/references.md, Fitted figures)"
+_GPU_SOURCES = {
+    "flops": _VENDOR, "hbm_bandwidth": _VENDOR, "memory_bytes": _VENDOR, "intra_node_bandwidth": _VENDOR,
+    "inter_node_bandwidth": _VENDOR,
+    "intra_node_latency": "assumption: NCCL's small-message all-reduce on NVSwitch (5 us)",
+    "inter_node_latency": "assumption: a hop over InfiniBand (10 us)",
+    "attention_efficiency": _H200_FIT, "memory_efficiency": _H200_FIT, "kernel_s": _H200_FIT, "launch_s": _H200_FIT,
+    "call_latency": "the fitted launch_s: a collective is an op the host issues",
+    "alloc_granularity": "PyTorch's CUDA caching allocator rounds every block up to 512 bytes",
+    "fragmentation": "assumption: 5% of the peak kept free for the caching allocator's fragmentation",
+    "memory_reserve": "assumption: 10% for the CUDA context, NCCL's buffers and cuBLAS's workspace",
+}
+# the per-op figures fitted to the H200 data (passes/cost_model.py op_time); a collective is an op the host
+# issues too, so each call costs the same launch (``call_latency``)
+_LAUNCH_S = 40e-6
+_GPU_TIME = dict(roofline=True, attention_efficiency=0.45, memory_efficiency=0.4, kernel_s=12e-6, launch_s=_LAUNCH_S,
+                 call_latency={kind: _LAUNCH_S for kind in COLLECTIVES}, alloc_granularity=512, fragmentation=0.05)
 
 
 def _a100_like(name: str, **kw: Any) -> ClusterSpec:
@@ -271,15 +378,21 @@ def _a100_like(name: str, **kw: Any) -> ClusterSpec:
         efficiency=0.7, hbm_bandwidth=2.0e12, intra_node_bandwidth=300 * GB, inter_node_bandwidth=25 * GB,
         intra_node_latency=5e-6, inter_node_latency=10e-6, nvlink=True,
         source="DGX A100: NVLink 600 GB/s bidirectional, 8x HDR 200 Gb/s (docs/references.md)",
+        sources={**_GPU_SOURCES, "efficiency": (
+            "0.7: large GEMMs reach 70-80% of the peak (docs/references.md); checked " + FITTED + " against "
+            "Megatron-LM's Table 1 (Narayanan et al., SC'21), the per-op figures the H200 fit's")},
+        **_GPU_TIME,
     )
     base.update(kw)
     return ClusterSpec(**base)
 
 
 def _presets() -> dict[str, ClusterSpec]:
+    hopper = {**_GPU_SOURCES, "efficiency": _H200_FIT}
     h100 = dict(
         device_name="H100 SXM 80GB", flops={"bf16": 989 * TFLOPS, "fp16": 989 * TFLOPS, "fp32": 67 * TFLOPS},
-        hbm_bandwidth=3.35e12, intra_node_bandwidth=450 * GB, inter_node_bandwidth=50 * GB,
+        hbm_bandwidth=3.35e12, intra_node_bandwidth=450 * GB, inter_node_bandwidth=50 * GB, efficiency=0.8,
+        sources=hopper,
     )
     return {
         "dgx-a100": _a100_like("dgx-a100"),
@@ -300,7 +413,8 @@ def _presets() -> dict[str, ClusterSpec]:
             memory_bytes=int(4 * GB), flops={"fp32": 20e9, "bf16": 5e9}, efficiency=1.0, hbm_bandwidth=5 * GB,
             intra_node_bandwidth=1.0 * GB, inter_node_bandwidth=1.0 * GB, intra_node_latency=100e-6,
             inter_node_latency=100e-6, nvlink=False, memory_reserve=0.25, step_overhead_s=2e-3,
-            source="rough defaults for CPU processes on gloo; run `partita calibrate` to measure",
+            source=UNCALIBRATED,
+            sources={"all": "rough defaults for CPU processes, not measured on this machine: run `partita calibrate`"},
         ),
     }
 
@@ -333,29 +447,22 @@ def _load_toml(path: Path) -> ClusterSpec:
     def bad(what: str) -> ClusterError:
         return ClusterError(f"cluster file {path}: {what}", hint=_CLUSTER_HINT)
 
+    text = read_user_text(path, what="cluster file", limit=MAX_CLUSTER_FILE_BYTES, error=ClusterError,
+                          hint="pass the path of a .toml cluster file, or a preset name")
     try:
-        raw = tomllib.loads(path.read_text(encoding="utf-8"))
-    except OSError as e:
-        raise ClusterError(f"cannot read cluster file {path}: {e.strerror or e}",
-                           hint="pass the path of a .toml cluster file, or a preset name") from e
-    except UnicodeDecodeError as e:
-        raise ClusterError(f"{path} is not a cluster file: byte {e.start} is not UTF-8 text",
-                           hint=_CLUSTER_HINT) from e
+        raw = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
         raise ClusterError(f"cluster file {path} is not valid TOML: {e}", hint=_CLUSTER_HINT) from e
-    missing = [k for k in _REQUIRED_TOML if k not in raw]
-    if missing:
-        raise ClusterError(f"cluster file {path} lacks {', '.join(missing)}", hint=_CLUSTER_HINT)
-    unknown = set(raw) - set(_TOML_KEYS) - {"tflops", "call_latency_us"}
+    unknown = set(raw) - set(_TOML_KEYS) - set(_TOML_TABLES)
     if unknown:
         raise ClusterError(f"cluster file {path}: unknown key(s) {', '.join(sorted(unknown))}",
-                           hint=f"the keys are {', '.join(_TOML_KEYS)}, [tflops] and [call_latency_us]")
+                           hint=f"the keys are {', '.join(_TOML_KEYS)}, [tflops], [call_latency_us] and [sources]")
     kw: dict[str, Any] = dict(
-        name=path.stem, device="cuda", device_name="GPU", efficiency=1.0, hbm_bandwidth=2e12,
+        name=path.stem, device_name="GPU", efficiency=1.0, hbm_bandwidth=2e12,
         intra_node_latency=5e-6, inter_node_latency=10e-6, nvlink=False, source=str(path),
     )
     for key, value in raw.items():
-        if key in ("tflops", "call_latency_us"):
+        if key in _TOML_TABLES:
             continue
         field_name, typ, scale = _TOML_KEYS[key]
         if typ is str and not isinstance(value, str):
@@ -370,6 +477,9 @@ def _load_toml(path: Path) -> ClusterSpec:
             if typ is int and not isinstance(value, int):
                 raise bad(f"{key} = {value!r} must be an integer")
         kw[field_name] = value * scale if typ is float else value
+    missing = [k for k in _REQUIRED_TOML if k not in raw]
+    if missing:  # after the types: a key of the wrong type is named first
+        raise ClusterError(f"cluster file {path} lacks {', '.join(missing)}", hint=_CLUSTER_HINT)
     kw["memory_bytes"] = int(kw["memory_bytes"])
     tflops = raw.get("tflops")
     if not isinstance(tflops, dict) or not tflops:
@@ -383,4 +493,8 @@ def _load_toml(path: Path) -> ClusterSpec:
         raise bad(f"[call_latency_us] takes microseconds >= 0 per collective kind ({', '.join(COLLECTIVES)}), "
                   f"got {calls!r}")
     kw["call_latency"] = {k: float(v) * 1e-6 for k, v in calls.items()}
+    sources = raw.get("sources", {})
+    if not isinstance(sources, dict) or any(not isinstance(v, str) for v in sources.values()):
+        raise bad(f"[sources] takes text per figure, got {sources!r}")
+    kw["sources"] = dict(sources)
     return ClusterSpec(**kw)

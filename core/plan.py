@@ -28,6 +28,7 @@ from typing import Any
 
 from partita.core.buckets import DEFAULT_BUCKET_BYTES
 from partita.core.errors import PlanError
+from partita.core.files import read_user_text, write_text
 from partita.core.mesh import MESH_ORDER, Mesh, MeshAxis  # noqa: F401 (the plan's mesh; re-exported)
 
 SCHEMA_VERSION = 1
@@ -188,17 +189,43 @@ class Stage:
 
 @dataclass(frozen=True)
 class MemoryBreakdown:
-    """Bytes per device."""
+    """Bytes per device at the step's peak, by term (passes/peak_memory.py; docs/cost-model.md, "Memory
+    at the step's peak"): the state, then the larger of the backward's side and the optimizer step's
+    (activations are freed by then), then the allocator's rounding and fragmentation."""
 
     params: int
     grads: int
     optimizer: int
-    activations: int
+    activations: int  # saved for backward by the micro-batches in flight (``autocast`` of it kept in fp32)
     capacity: int
+    transient: int = 0  # beyond the saved activations while the costliest op runs (a loss's fp32 gradients)
+    collectives: int = 0  # communication buffers in backward: ZeRO's units and buckets, a pipeline's sends
+    step: int = 0  # at the optimizer step: fp32 gradients (master chunk or reduced means), optimizer buffers
+    allocator: int = 0  # the caching allocator's rounding and a stated fragmentation headroom (GPU presets)
+    autocast: int = 0  # of ``activations``: what autocast keeps in fp32 beyond the precision's element size
+    # the gradients alive at the backward's peak where a step frees them between steps; None: all of them
+    backward_grads: int | None = None
+
+    @property
+    def state(self) -> int:
+        return self.params + self.grads + self.optimizer
+
+    @property
+    def backward_peak(self) -> int:  # beyond the parameters and the optimizer's state
+        grads = self.grads if self.backward_grads is None else self.backward_grads
+        return grads + self.activations + self.transient + self.collectives
+
+    @property
+    def at_step(self) -> bool:  # the optimizer step, not the backward, sets the peak
+        return self.grads + self.step > self.backward_peak
+
+    @property
+    def grads_at_peak(self) -> int:
+        return self.grads if self.at_step or self.backward_grads is None else self.backward_grads
 
     @property
     def total(self) -> int:
-        return self.params + self.grads + self.optimizer + self.activations
+        return self.params + self.optimizer + max(self.backward_peak, self.grads + self.step) + self.allocator
 
     @property
     def fits(self) -> bool:
@@ -217,6 +244,7 @@ class Prediction:
     tokens_per_s: float | None
     model_tflops_per_device: float
     mfu: float
+    sources: Mapping[str, str] = field(default_factory=dict)  # figure -> its source (passes/calibrated.py)
 
 
 @dataclass(frozen=True)
@@ -289,8 +317,6 @@ class Plan:
         return json.dumps(self.to_dict(), indent=2, sort_keys=False) + "\n"
 
     def save(self, path: str | Path) -> Path:
-        from partita.core.errors import write_text
-
         return write_text(path, self.to_json())
 
     @classmethod
@@ -336,15 +362,8 @@ def read_plan_data(path: str | Path) -> Any:
     """A plan file's parsed JSON, or ``PlanError`` saying why it cannot be read."""
     path = Path(path)
     broken = "the file may be truncated or edited by hand; recompile it with `partita compile`"
-    try:
-        if path.stat().st_size > MAX_PLAN_BYTES:
-            raise PlanError(f"{path} is {path.stat().st_size:,} bytes: not a plan file partita wrote", hint=broken)
-        text = path.read_text(encoding="utf-8")
-    except OSError as e:
-        raise PlanError(f"cannot read plan file {path}: {e.strerror or e}",
-                        hint="pass the path of a plan file `partita compile` wrote") from e
-    except UnicodeDecodeError as e:
-        raise PlanError(f"{path} is not a plan file: byte {e.start} is not UTF-8 text", hint=broken) from e
+    text = read_user_text(path, what="plan file", limit=MAX_PLAN_BYTES, error=PlanError,
+                          hint="pass the path of a plan file `partita compile` wrote")
     try:
         return json.loads(text)
     except json.JSONDecodeError as e:
@@ -371,9 +390,8 @@ def plan_from_data(data: Any, *, source: str = "plan", sealed: bool = True,
         )
     import jsonschema
 
-    schema = json.loads(SCHEMA_PATH.read_text())
     try:
-        jsonschema.validate(data, schema)
+        _plan_validator().validate(data)
     except jsonschema.ValidationError as e:
         where = "/".join(str(p) for p in e.absolute_path) or "(top level)"
         raise PlanError(
@@ -403,6 +421,18 @@ def plan_from_data(data: Any, *, source: str = "plan", sealed: bool = True,
         raise PlanError(f"{source} {what}: a plan is run only as `partita compile` or `partita verify` wrote it",
                         hint=f"check the edit, then run `partita verify {source}` to verify it and seal it again")
     return plan
+
+
+@functools.lru_cache(maxsize=1)
+def _plan_validator() -> Any:
+    """The schema's validator, with "integer" meaning a JSON integer (jsonschema also takes 8.0:
+    a count written as a float is no count partita wrote)."""
+    import jsonschema
+
+    schema = json.loads(SCHEMA_PATH.read_text())
+    base = jsonschema.validators.validator_for(schema)
+    checker = base.TYPE_CHECKER.redefine("integer", lambda _, v: isinstance(v, int) and not isinstance(v, bool))
+    return jsonschema.validators.extend(base, type_checker=checker)(schema)
 
 
 def describe_problems(problems: list[str], limit: int = 5) -> str:

@@ -1,69 +1,161 @@
-"""Bytes that autograd saves for backward, per node, measured by running the graph.
+"""Bytes a training step holds, per node, measured by running the graph forward and backward.
 
 ``annotate_saved_activations`` replays ``captured.graph_module`` under a fresh
-``FakeTensorMode`` (no real memory) with every parameter requiring grad, and
-records each tensor autograd saves through
-``torch.autograd.graph.saved_tensors_hooks``. What is saved is whatever the
-ATen kernels' autograd formulas save, not a hand-written rule.
+``FakeTensorMode`` (no real memory) with every parameter requiring grad, records each
+tensor autograd saves through ``torch.autograd.graph.saved_tensors_hooks``, then runs the
+backward of its output (the captured loss) and follows every tensor the two passes
+allocate, as the allocator would see them: each storage from the op that makes it until
+its last reference dies. What is saved and what is allocated is whatever the ATen kernels
+and their autograd formulas do, not a hand-written rule.
 
-Reads: ``kind`` and ``depends_on_input`` on the DiGraph's nodes (from
-``to_networkx``) and the placeholders' ``meta["val"]`` (shapes, dtypes, strides).
-Writes: ``saved_bytes`` on every node (bytes of tensors first saved while that
-node ran), ``G.graph["saved_bytes_batch"]`` (saved tensors produced by nodes
-that depend on a model input: they scale with the batch) and
-``G.graph["saved_bytes_fixed"]`` (the rest, e.g. a causal mask built from
-``arange``). A storage saved twice (a tensor and its view, or by two nodes)
-counts once, for the first node. Parameters and buffers are left out: they are
-model state, counted elsewhere.
+Reads: ``kind`` and ``depends_on_input`` on the DiGraph's nodes (from ``to_networkx``) and
+the placeholders' ``meta["val"]`` (shapes, dtypes, strides).
+Writes, per node: ``saved_bytes`` (bytes of tensors first saved while that node ran),
+``transient_bytes`` (the most bytes alive while its forward or its backward runs beyond the
+saved tensors then alive and the parameters' gradients: the gradients in flight, the op's
+temporaries, outputs not yet consumed; for a cross-entropy loss its fp32 log-softmax
+gradient and input gradient) and ``grad_bytes`` (the parameters' gradients backward has
+made by its last op: what a step that frees them between steps holds then). Per graph:
+``saved_bytes_batch`` (saved tensors produced by nodes that depend on a model input: they
+scale with the batch), ``saved_bytes_fixed`` (the rest, e.g. a causal mask built from
+``arange``), ``transient_node`` (the node with the largest transient), ``step_peak_bytes``
+(the most bytes the step held at once beyond the parameters, their gradients and the
+optimizer's state) and ``step_peak_tensors`` (how many storages were alive then). A storage
+saved twice (a tensor and its view, or by two nodes) counts once, for the first node.
+Parameters and buffers are left out: they are model state, counted elsewhere. The cost
+model's account of these terms: docs/cost-model.md, "Memory at the step's peak".
 
 ``annotate_live_bytes`` is the forward-only counterpart: the activations alive while each
 node runs (``live_batch`` / ``live_fixed``), whose peak is an inference step's memory.
+How a node's bytes change under a 16-bit policy (autocast keeps some ops in fp32) is the cost
+model's ``precision_factor``.
 """
 
 from __future__ import annotations
 
+import weakref
+from collections.abc import Callable
 from typing import Any
 
 import networkx as nx
 import torch
 import torch.fx
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from partita.core.capture import CapturedModel
 from partita.core.ops import tensor_values
 
 
-class _SavedTensorRecorder(torch.fx.Interpreter):
-    """Runs the graph and attributes each tensor saved for backward to the node running."""
+class _Allocations(TorchDispatchMode):
+    """Every storage the ops below it allocate, alive from the op that makes it until the last
+    tensor on it dies (the allocator's view), with the node running as each op completes."""
 
-    def __init__(self, gm: torch.fx.GraphModule, G: nx.DiGraph) -> None:
-        # Every value stays alive until the end, so no storage address is reused while keys are held.
-        super().__init__(gm, garbage_collect_values=False)
+    def __init__(self, excluded: set[int]) -> None:
+        super().__init__()
+        self.excluded = excluded  # storages of parameters, buffers and inputs: model state, data
+        self.refs: dict[int, int] = {}  # storage -> live tensors on it
+        self.size: dict[int, int] = {}
+        self.born: dict[int, int] = {}  # storage -> the event it was allocated at
+        self.live = 0
+        self.saved: set[int] = set()
+        self.saved_live = 0
+        self.node: str | None = None
+        self.events: list[tuple[str | None, int, int, int]] = []  # (node, live bytes, saved alive, storages)
+        self.freed: list[Callable[[int], None]] = []  # told of each storage freed (its key may be reused)
+
+    def _release(self, key: int) -> None:
+        self.refs[key] -= 1
+        if self.refs[key] == 0:
+            del self.refs[key]
+            self.live -= self.size[key]
+            if key in self.saved:
+                self.saved.discard(key)
+                self.saved_live -= self.size[key]
+            for tell in self.freed:
+                tell(key)
+
+    def follow(self, t: torch.Tensor) -> None:
+        key = _storage_key(t)
+        if key in self.excluded:
+            return
+        if key not in self.refs:
+            self.size[key] = t.untyped_storage().nbytes()
+            self.born[key] = len(self.events)
+            self.live += self.size[key]
+            self.refs[key] = 0
+        self.refs[key] += 1
+        weakref.finalize(t, self._release, key)
+
+    def mark_saved(self, t: torch.Tensor) -> None:
+        key = _storage_key(t)
+        if key not in self.saved and self.refs.get(key):
+            self.saved.add(key)
+            self.saved_live += self.size[key]
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                self.follow(t)
+        self.events.append((self.node, self.live, self.saved_live, len(self.refs)))
+        return out
+
+
+class _SavedTensorRecorder(torch.fx.Interpreter):
+    """Runs the graph and attributes each tensor saved for backward to the node running, and each
+    backward op to the node whose forward made its autograd node."""
+
+    def __init__(self, gm: torch.fx.GraphModule, G: nx.DiGraph, allocations: _Allocations) -> None:
+        # Values die after their last use, as the runtime's program frees them: a storage's key is
+        # forgotten when it is freed (the allocator may hand its address out again).
+        super().__init__(gm, garbage_collect_values=True)
         self.G = G
+        self.allocations = allocations
         self.current: str | None = None
         self.excluded: set[int] = set()  # storages of parameters and buffers
         self.producer: dict[int, str] = {}  # storage -> first node whose output holds it
-        self.seen: set[int] = set()
-        self.kept: list[torch.Tensor] = []
+        self.seen: set[int] = set()  # saved storages (alive until backward is done with them)
         self.saved: dict[str, int] = {}
+        allocations.freed.append(self._forget)
         self.batch_bytes = 0
         self.fixed_bytes = 0
+        self.grad_fns: set[Any] = set()  # autograd nodes already attributed
 
     def run_node(self, n: torch.fx.Node) -> Any:
-        self.current = n.name
+        self.current = self.allocations.node = n.name
         out = super().run_node(n)
         for t in tensor_values(out):
             self.producer.setdefault(_storage_key(t), n.name)
-        if self.G.nodes[n.name]["kind"] in ("param", "buffer"):
-            self.excluded.update(_storage_key(t) for t in tensor_values(out))
+        kind = self.G.nodes[n.name]["kind"]
+        if kind in ("param", "buffer", "input"):  # held before the step: not the step's allocations
+            self.allocations.excluded.update(_storage_key(t) for t in tensor_values(out))
+            if kind != "input":  # a saved input is an activation (the batch), a parameter is state
+                self.excluded.update(_storage_key(t) for t in tensor_values(out))
+        self._hook_backward(n.name, tensor_values(out))
         return out
+
+    def _forget(self, key: int) -> None:
+        self.producer.pop(key, None)
+
+    def _hook_backward(self, name: str, outputs: list[torch.Tensor]) -> None:
+        """Name ``name`` the running node while the autograd nodes its forward made run backward."""
+        todo = [t.grad_fn for t in outputs if t.grad_fn is not None]
+        while todo:
+            fn = todo.pop()
+            if fn is None or fn in self.grad_fns:
+                continue
+            self.grad_fns.add(fn)
+            fn.register_prehook(_naming(self.allocations, name))
+            todo.extend(f for f, _ in fn.next_functions)
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
         key = _storage_key(t)
         if key in self.excluded or key in self.seen or self.current is None:
             return t
         self.seen.add(key)
-        self.kept.append(t)
+        self.allocations.mark_saved(t)
         nbytes = t.untyped_storage().nbytes()
         self.saved[self.current] = self.saved.get(self.current, 0) + nbytes
         # A tensor created inside this node (an op's internal mean/rstd, a mask) belongs to it.
@@ -75,20 +167,68 @@ class _SavedTensorRecorder(torch.fx.Interpreter):
         return t
 
 
+def _naming(allocations: _Allocations, name: str) -> Callable[..., None]:
+    def prehook(*_: Any) -> None:
+        allocations.node = name
+    return prehook
+
+
 def annotate_saved_activations(G: nx.DiGraph, captured: CapturedModel) -> nx.DiGraph:
-    """Write ``saved_bytes`` per node and the batch/fixed totals (see the module docstring)."""
+    """Write ``saved_bytes`` and ``transient_bytes`` per node and the graph's totals (see the
+    module docstring)."""
     gm = captured.graph_module
-    recorder = _SavedTensorRecorder(gm, G)
+    allocations = _Allocations(set())
+    recorder = _SavedTensorRecorder(gm, G, allocations)
+    params: list[torch.Tensor] = []
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     with mode, torch.autograd.graph.saved_tensors_hooks(recorder.pack, lambda t: t):
-        args = [_fake_like(node, G.nodes[node.name]["kind"]) for node in gm.graph.nodes if node.op == "placeholder"]
-        with torch.enable_grad():
-            recorder.run(*args)
+        args = []
+        for node in gm.graph.nodes:
+            if node.op == "placeholder":
+                t = _fake_like(node, G.nodes[node.name]["kind"])
+                args.append(t)
+                if t.requires_grad:
+                    params.append(t)
+        with torch.enable_grad(), allocations:
+            out = recorder.run(*args)
+            outputs = [t for t in tensor_values(out) if t.requires_grad]
+            allocations.node = None
+            if outputs:  # the step's backward, from the loss (a non-scalar output: a gradient of ones)
+                torch.autograd.backward(outputs, [torch.ones_like(t) if t.numel() > 1 else None for t in outputs])
+        grads = {_storage_key(p.grad) for p in params if p.grad is not None}
+    transient, grads_by, peak, tensors = _transients(allocations, grads)
     for name, attrs in G.nodes(data=True):
         attrs["saved_bytes"] = recorder.saved.get(name, 0)
+        attrs["transient_bytes"] = transient.get(name, 0)
+        attrs["grad_bytes"] = grads_by.get(name, 0)
     G.graph["saved_bytes_batch"] = recorder.batch_bytes
     G.graph["saved_bytes_fixed"] = recorder.fixed_bytes
+    G.graph["transient_node"] = max(transient, key=transient.get, default="")
+    G.graph["step_peak_bytes"] = peak
+    G.graph["step_peak_tensors"] = tensors
     return G
+
+
+def _transients(allocations: _Allocations, grads: set[int]) -> tuple[dict[str, int], dict[str, int], int, int]:
+    """Per node, the most bytes alive during its ops beyond the saved tensors then alive and the
+    parameters' gradients, and the parameters' gradients alive by its last op; the most bytes alive
+    at any point, the gradients excluded, and how many storages were alive then (each a block the
+    allocator rounds)."""
+    sizes = sorted((allocations.born[k], allocations.size[k]) for k in grads if k in allocations.born)
+    transient: dict[str, int] = {}
+    grads_by: dict[str, int] = {}
+    peak = grads_held = i = tensors = 0
+    for at, (node, live, saved, count) in enumerate(allocations.events):
+        while i < len(sizes) and sizes[i][0] <= at:  # a parameter's gradient lives to the step's end
+            grads_held += sizes[i][1]
+            i += 1
+        held = live - grads_held
+        if held > peak:
+            peak, tensors = held, count
+        if node is not None:
+            transient[node] = max(transient.get(node, 0), held - saved)
+            grads_by[node] = grads_held
+    return transient, grads_by, peak, tensors
 
 
 def _fake_like(node: torch.fx.Node, kind: str) -> torch.Tensor:
@@ -120,7 +260,7 @@ def annotate_live_bytes(G: nx.DiGraph) -> nx.DiGraph:
     for n in order:
         a = G.nodes[n]
         srcs = a.get("inputs", [])
-        root[n] = root[srcs[0]] if srcs and _aliases(a["op"]) else n
+        root[n] = root[srcs[0]] if srcs and returns_view(a["op"]) else n
     death = {n: at[n] for n in order}
     for n in order:
         for src in G.nodes[n].get("inputs", []):
@@ -150,7 +290,7 @@ def peak_live_bytes(G: nx.DiGraph, nodes: Any, micro_batch: int, batch: int, sca
                       for n in nodes), default=0) * scale)
 
 
-def _aliases(op: str) -> bool:
+def returns_view(op: str) -> bool:
     """Whether ``op``'s output is a view of its first input (its ATen schema's alias annotation)."""
     if op.endswith("getitem"):
         return True
@@ -190,7 +330,7 @@ def annotate_kv_cache(G: nx.DiGraph) -> int:
                 b = G.nodes[src]
                 tensors = b.get("inputs", [])
                 rearranges = b["op"].split(".")[1:2] and b["op"].split(".")[1] in _REARRANGE
-                if len(tensors) != 1 or not (_aliases(b["op"]) or rearranges):
+                if len(tensors) != 1 or not (returns_view(b["op"]) or rearranges):
                     break
                 src = tensors[0]
                 smallest = min(smallest, _tensor_bytes(G, src))

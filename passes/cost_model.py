@@ -3,14 +3,16 @@
 Every solver and every prediction in a plan calls these functions; no solver
 carries its own copy of a formula. The formulas, their assumptions and how the solvers
 use them: docs/cost-model.md ("Model-state memory", "Compute time", "Collectives",
-"ZeRO's collectives", "The pipeline step"); their published sources: docs/references.md.
+"ZeRO's collectives", "The pipeline step"); their published sources and the fits: docs/references.md.
 
 - memory: ``state_bytes_per_param`` (bytes per parameter of weights, gradients and
   optimizer state, fp32 masters counted with the optimizer as ZeRO's K), and
-  ``sharded_state`` / ``model_state_memory`` under ZeRO 0-3 over dp ranks;
-- time: ``compute_time`` (FLOPs at the achieved rate; on a roofline cluster at least the
-  bytes' time), ``collective_time`` (the alpha-beta ring model on the group's slowest
-  link) and ``reshard_time``;
+  ``sharded_state`` / ``model_state_memory`` under ZeRO 0-3 over dp ranks; what a step
+  allocates beyond the state is passes/peak_memory.py's ("Memory at the step's peak");
+- time: ``op_time`` / ``node_compute_time`` (an op's FLOPs at the achieved rate or its bytes at
+  the achieved bandwidth, plus a per-kernel cost, never less than the host's launch;
+  ``precision_factor``: what autocast keeps in fp32), ``collective_time`` (the alpha-beta ring
+  model on the group's slowest link, plus a cost per call) and ``reshard_time``;
 - ZeRO: ``zero_collectives`` (the one list of runtime/dp/zero.py's calls per step, which
   traffic and time both read), ``zero_step_comm``, ``zero_optimizer_time``,
   ``param_step_time``;
@@ -29,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from partita.core.cluster import COLLECTIVES, ClusterSpec, Link
+from partita.core.ops import ATTENTION, base_op
 from partita.core.plan import OPTIMIZERS
 from partita.core.precision import PRECISIONS, compute_dtype, element_bytes
 
@@ -102,28 +105,85 @@ def model_state_memory(num_params: int, state: StateBytes, *, zero_stage: int = 
 
 def compute_time(flops: float, cluster: ClusterSpec, precision: str, nbytes: float = 0.0) -> float:
     """Seconds to run ``flops`` on one device at the cluster's achieved rate; on a roofline cluster
-    (``ClusterSpec.roofline``) an op that moves ``nbytes`` takes at least their time at the memory
-    bandwidth (an elementwise op, a softmax, a norm: bound by bytes, not FLOPs)."""
+    (``ClusterSpec.roofline``) an op that moves ``nbytes`` takes at least their time at the achieved
+    memory bandwidth (an elementwise op, a softmax, a norm: bound by bytes, not FLOPs)."""
     t = flops / (cluster.peak_flops(compute_dtype(precision)) * cluster.efficiency)
-    return max(t, nbytes / cluster.hbm_bandwidth) if cluster.roofline else t
+    return max(t, nbytes / memory_rate(cluster)) if cluster.roofline else t
 
 
-NODE_TIME_ATTRS = ("flops_fwd", "flops_bwd", "bytes_fwd", "bytes_bwd")  # what node_compute_time reads of a node
+def memory_rate(cluster: ClusterSpec) -> float:
+    """Bytes/s a memory-bound op or the optimizer achieves: the HBM's peak times ``memory_efficiency``."""
+    return cluster.hbm_bandwidth * cluster.memory_efficiency
+
+
+def op_time(flops: float, nbytes: float, kernels: int, cluster: ClusterSpec, precision: str, *,
+            attention: bool = False) -> float:
+    """Seconds one pass of one op takes on one device (docs/cost-model.md, "Compute time"): its
+    FLOPs at the achieved rate (``attention_efficiency`` for attention kernels) or, on a roofline
+    cluster, its bytes at the achieved bandwidth, whichever is longer, plus ``kernel_s`` per kernel
+    (the latency and last-wave tail that make a small GEMM reach less of the peak than a large one:
+    a GEMM of F FLOPs runs at efficiency x F / (F + F_half), F_half = the rate x ``kernel_s``);
+    and never less than the host's ``launch_s`` per kernel (a step of many small ops waits on the
+    host that issues them)."""
+    if not (flops or nbytes or kernels):
+        return 0.0
+    efficiency = cluster.attention_efficiency if attention and cluster.attention_efficiency else cluster.efficiency
+    t = flops / (cluster.peak_flops(compute_dtype(precision)) * efficiency)
+    if cluster.roofline:
+        t = max(t, nbytes / memory_rate(cluster))
+    return max(t + kernels * cluster.kernel_s, kernels * cluster.launch_s)
+
+
+# The per-node attributes node_compute_time reads (passes/flops.py writes them)
+NODE_TIME_ATTRS = ("flops_fwd", "flops_bwd", "bytes_fwd", "bytes_bwd", "kernels_fwd", "kernels_bwd", "op")
 
 
 def node_compute_time(a: Mapping[str, Any], cluster: ClusterSpec, precision: str, *, scale: float,
                       byte_scale: float, inference: bool = False) -> tuple[float, float]:
     """(forward, backward) seconds of one graph node (its ``NODE_TIME_ATTRS``: ``flops_fwd`` /
-    ``flops_bwd`` and ``bytes_fwd`` / ``bytes_bwd``, passes/flops.py) on one device: FLOPs times
-    ``scale`` (the micro-batch over the captured batch, a strategy's share), bytes times
-    ``byte_scale`` (the same, at the precision's element size); no backward for inference.
-    The one per-node compute rule of the TP costs, the pipeline costs and the plan's record."""
-    flops_fwd, flops_bwd, bytes_fwd, bytes_bwd = (a.get(k, 0) for k in NODE_TIME_ATTRS)
-    fwd = compute_time(flops_fwd * scale, cluster, precision, bytes_fwd * byte_scale)
-    bwd = 0.0 if inference else compute_time(flops_bwd * scale, cluster, precision, bytes_bwd * byte_scale)
+    ``flops_bwd``, ``bytes_fwd`` / ``bytes_bwd`` and ``kernels_fwd`` / ``kernels_bwd``,
+    passes/flops.py) on one device (``op_time``): FLOPs times ``scale`` (the micro-batch over the
+    captured batch, a strategy's share), bytes times ``byte_scale`` (the same, at the precision's
+    element size; fp32's where autocast keeps the op in fp32, ``precision_factor``); no backward
+    for inference. The one per-node compute rule of the TP costs, the pipeline costs and the
+    plan's record."""
+    op = a.get("op", "")
+    attention = base_op(op) in ATTENTION
+    byte_scale *= precision_factor(op, precision, cluster.device)
+    fwd = op_time(a.get("flops_fwd", 0) * scale, a.get("bytes_fwd", 0) * byte_scale, a.get("kernels_fwd", 0),
+                  cluster, precision, attention=attention)
+    bwd = 0.0 if inference else op_time(a.get("flops_bwd", 0) * scale, a.get("bytes_bwd", 0) * byte_scale,
+                                        a.get("kernels_bwd", 0), cluster, precision, attention=attention)
     return fwd, bwd
 
 
+# Ops autocast runs in fp32 under a 16-bit policy, as a captured graph names them: their saved tensors,
+# temporaries and traffic stay fp32 (4 bytes an element) where the rest take the precision's size.
+# From torch's autocast op reference, "CUDA Ops that can autocast to float32" and "CPU Ops that can
+# autocast to float32" (docs/references.md); the runtime's forward runs under the policy's autocast.
+AUTOCAST_FP32 = {
+    "cuda": frozenset({
+        "layer_norm", "native_layer_norm", "group_norm", "native_group_norm", "softmax", "_softmax",
+        "log_softmax", "_log_softmax", "cross_entropy_loss", "nll_loss", "nll_loss_forward", "nll_loss2d",
+        "mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss", "kl_div", "binary_cross_entropy_with_logits",
+        "exp", "expm1", "log", "log10", "log1p", "log2", "pow", "rsqrt", "reciprocal", "softplus", "cumsum",
+        "cumprod", "prod", "sum", "norm", "cosine_similarity", "logsumexp", "erfinv", "acos", "asin", "cosh",
+        "sinh", "tan", "renorm", "dist", "cdist", "pdist",
+    }),
+    "cpu": frozenset({
+        "cross_entropy_loss", "nll_loss", "nll_loss_forward", "nll_loss2d", "mse_loss", "smooth_l1_loss",
+        "huber_loss", "kl_div", "binary_cross_entropy", "binary_cross_entropy_with_logits", "prod", "cdist",
+        "margin_ranking_loss", "soft_margin_loss", "multi_margin_loss", "poisson_nll_loss",
+    }),
+}
+
+
+def precision_factor(op: str, precision: str, device: str) -> float:
+    """How much more a node's floating tensors weigh than the precision's element size says: 4 /
+    that size for an op autocast on ``device`` runs in fp32 under a 16-bit ``precision`` (a layer
+    norm saves its fp32 input copy, a cross-entropy its fp32 log-softmax), 1 otherwise."""
+    size = element_bytes(precision)
+    return 4 / size if size < 4 and base_op(op) in AUTOCAST_FP32.get(device, frozenset()) else 1.0
 
 
 def collective_time(kind: str, nbytes: float, n: int, link: Link) -> float:
@@ -139,30 +199,6 @@ def collective_time(kind: str, nbytes: float, n: int, link: Link) -> float:
     if kind == "all_reduce":
         return link.call_s(kind) + 2 * (n - 1) * link.latency + 2 * nbytes * frac / link.bandwidth
     return link.call_s(kind) + (n - 1) * link.latency + nbytes * frac / link.bandwidth
-
-
-def calibrated_local(*, nproc: int, cpu_name: str, memory_bytes: int, matmul_flops: float, beta: float,
-                     alpha: float, call_seconds: Mapping[str, float], call_bytes: int, seconds: float,
-                     memory_bandwidth: float = 0.0) -> ClusterSpec:
-    """The `local` preset with this machine's measured figures (runtime/calibrate.py): each
-    collective kind's fixed cost per call is its measured time at ``call_bytes`` less what the
-    fitted alpha and beta already explain of it (``collective_time`` without call costs). With a
-    measured ``memory_bandwidth`` the cluster is a roofline one: an op takes at least its bytes'
-    time (``compute_time``)."""
-    import dataclasses
-
-    from partita.core.cluster import PRESETS
-
-    plain = Link(beta, alpha, "measured")
-    return dataclasses.replace(
-        PRESETS["local"], name="local-calibrated", gpus_per_node=nproc, device_name=cpu_name,
-        memory_bytes=int(memory_bytes), flops={"fp32": matmul_flops, "bf16": matmul_flops / 4},
-        intra_node_bandwidth=beta, inter_node_bandwidth=beta, intra_node_latency=alpha, inter_node_latency=alpha,
-        call_latency={k: max(0.0, t - collective_time(k, call_bytes, nproc if k not in ("send_recv",) else 2, plain))
-                      for k, t in call_seconds.items()},
-        source=f"partita calibrate: {nproc} processes on {cpu_name}, {seconds:.0f} s",
-        **({"hbm_bandwidth": memory_bandwidth, "roofline": True} if memory_bandwidth > 0 else {}),
-    )
 
 
 def reshard_time(kind: str, nbytes: float, n: int, link: Link) -> float:
@@ -239,18 +275,12 @@ class ZeroComm:
 
 
 def zero_step_comm(zero_stage: int, buckets: Sequence[float], dp: int, micro_batches: int, link: Link, *,
-                   elem_bytes: int = 2, overlap_s: float = 0.0) -> ZeroComm:
+                   elem_bytes: int = 2) -> ZeroComm:
     """Time and bytes sent per step by one rank for its buckets (bytes of its LOCAL parameters'
     gradients, one flat bucket each, as passes/dp/buckets.gradient_buckets packs them) over ``dp``
-    ranks on ``link``: ``zero_collectives`` calls per bucket, each exposed, unless ``overlap_s``.
-    ZeRO buckets are padded to a multiple of dp elements; stage 0's all-reduce is not.
-
-    ``overlap_s`` (ZeRO-3 by units, runtime/dp/zero.py prefetching): the compute the calls hide
-    behind, the step's forwards and backwards. A unit's gather is issued while the unit before it
-    computes and its reduce-scatter runs during the backward of the units after it, so what shows
-    is, per micro-batch, the first unit's gather in forward and in backward and the last unit's
-    reduce-scatter, plus whatever the other calls take beyond the compute:
-    ``exposed = first + max(0, rest - overlap_s)`` (docs/cost-model.md, "ZeRO's collectives")."""
+    ranks on ``link``: ``zero_collectives`` calls per bucket, each exposed (docs/cost-model.md,
+    "ZeRO's collectives": the runtime prefetches ZeRO-3's units, the model does not count it hidden).
+    ZeRO buckets are padded to a multiple of dp elements; stage 0's all-reduce is not."""
     if dp <= 1 or not buckets:
         return ZeroComm({}, {})
     seconds: dict[str, float] = {}
@@ -265,13 +295,6 @@ def zero_step_comm(zero_stage: int, buckets: Sequence[float], dp: int, micro_bat
             size = b if zero_stage == 0 else padded_bucket(b, dp, elem_bytes)
             seconds[key] = seconds.get(key, 0.0) + calls * one(kind, b)
             traffic[key] = traffic.get(key, 0.0) + calls * collective_traffic(kind, size, dp)
-    if overlap_s > 0 and zero_stage == 3:
-        # buckets are listed in backward order (core/buckets.py): forward starts at the last
-        first = micro_batches * (one("all_gather", buckets[-1]) + one("all_gather", buckets[0])
-                                 + one("reduce_scatter", buckets[-1]))
-        total = sum(seconds.values())
-        exposed = min(total, first + max(0.0, total - first - overlap_s))
-        seconds = {k: v * exposed / total for k, v in seconds.items()}
     return ZeroComm(seconds, {k: round(v) for k, v in traffic.items()})
 
 
@@ -328,7 +351,6 @@ def mesh_step(
     zero_stage: int = 0,
     local_params: float | None = None,
     state_bytes: StateBytes | None = None,
-    overlap: bool = False,
 ) -> StepCost:
     """One step on a (dp, tp) mesh: ``grad_accum`` micro-batches, then the data-parallel
     collectives of the device's LOCAL parameter shards over the dp group, bucketed (one
@@ -341,7 +363,6 @@ def mesh_step(
     ranks lie ``tp`` apart (TP innermost, core/plan.MESH_ORDER), so its link is
     ``link_for_group(dp, stride=tp)``. ``state`` is the device's model state; under ZeRO >= 1
     the optimizer pass is over ``local_params / dp`` parameters of ``state_bytes`` each.
-    ``overlap``: ZeRO-3's buckets are units whose calls hide behind the compute (``zero_step_comm``).
     """
     per_micro = dict(micro_batch_s)
     compute = grad_accum * (per_micro.pop("compute", 0.0) + cluster.step_overhead_s)
@@ -350,7 +371,7 @@ def mesh_step(
     if dp > 1 and grad_buckets:
         elem = int(state_bytes.grads) if state_bytes is not None and state_bytes.grads else 2
         z = zero_step_comm(zero_stage, grad_buckets, dp, grad_accum, cluster.link_for_group(dp, stride=tp),
-                           elem_bytes=elem, overlap_s=compute if overlap else 0.0)
+                           elem_bytes=elem)
         comm.update(z.seconds)
         traffic.update(z.traffic_bytes)
     if zero_stage >= 1:

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from partita.core.cluster import Link
+from partita.core.plan import MemoryBreakdown
 
 CHOSEN = "chosen: fastest predicted step that fits"
 ZERO_NAMES = {0: "DP", 1: "ZeRO-1", 2: "ZeRO-2", 3: "ZeRO-3"}
@@ -38,3 +39,18 @@ def traffic_reason(zero_stage: int, traffic_bytes: float, link: Link, seconds: f
     sent per device per step, the dp group's bandwidth, and the time the cost model gives them."""
     return (f"{ZERO_NAMES[zero_stage]}: {traffic_bytes / 1e9:.3g} GB/step over "
             f"{link.bandwidth / 1e9:.3g} GB/s ({link.name}) = {seconds:.3g} s of traffic")
+
+
+def peak_terms(m: MemoryBreakdown) -> str:
+    """What a device holds at the step's peak beyond its model state and saved activations, as
+    ``" + transient 1.2 GB + ZeRO buffers 3 GB + allocator 0.5 GB"`` (core/plan.py ``MemoryBreakdown``),
+    less the gradients backward has not made by then where the step frees them between steps; when
+    the optimizer step's side is the larger, what it holds instead of the activations."""
+    if m.at_step:
+        text = f"; at the optimizer step, fp32 gradients and buffers {gb(m.step)} instead of the activations"
+    else:
+        terms = (("transient", m.transient), ("communication buffers", m.collectives))
+        text = "".join(f" + {name} {gb(v)}" for name, v in terms if v)
+        if m.grads_at_peak < m.grads:
+            text += f" - grads backward has not made by then {gb(m.grads - m.grads_at_peak)}"
+    return text + (f" + allocator {gb(m.allocator)}" if m.allocator else "")

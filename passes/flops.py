@@ -1,9 +1,17 @@
-"""Forward and backward FLOPs per node.
+"""Forward and backward FLOPs, bytes and kernels per node.
 
 ``annotate_flops`` reads ``op``, ``kind``, ``shapes``, ``dtypes``, ``inputs`` and ``in_shapes``
 (written by ``to_networkx``) and writes ``flops_fwd`` and ``flops_bwd`` (ints) on
-every node, plus ``requires_grad`` (whether the node's output carries a gradient).
+every node, ``bytes_fwd`` / ``bytes_bwd`` (the memory traffic a roofline prices) and
+``kernels_fwd`` / ``kernels_bwd`` (the kernels each pass launches, which a GPU's per-kernel
+costs price), plus ``requires_grad`` (whether the node's output carries a gradient).
 Totals go to ``G.graph["flops_fwd"]`` and ``G.graph["flops_bwd"]``.
+
+Bytes and kernels: an op reads its inputs and writes its outputs, its backward about
+twice that; a view (an op whose output aliases its input: ``transpose``, ``view``,
+``flatten``, ``getitem``) moves nothing and launches nothing. One kernel a pass, and in
+backward two for a matmul-like (the input's gradient and the weight's) and one more for a
+bias (its gradient's reduction).
 
 Forward rules (one multiply-add = 2 FLOPs):
 - matmul-likes (mm, addmm, bmm, matmul, linear, baddbmm): 2 m n k, i.e.
@@ -37,6 +45,7 @@ from partita.core.ops import ATTENTION as _ATTENTION
 from partita.core.ops import CONV as _CONV
 from partita.core.ops import MATMUL as _MATMUL
 from partita.core.ops import base_op
+from partita.passes.activations import returns_view
 
 _FREE = {
     "view", "_unsafe_view", "reshape", "transpose", "t", "permute", "expand", "expand_as", "split",
@@ -61,12 +70,33 @@ def annotate_flops(G: nx.DiGraph) -> nx.DiGraph:
         a["flops_bwd"] = _backward(G, name, op) if a["requires_grad"] else 0
         # bytes an op moves: reads its inputs, writes its outputs; backward reads the output's
         # gradient and the saved inputs and writes the inputs' gradients (about twice)
-        a["bytes_fwd"] = (a["out_bytes"] + sum(G.nodes[u]["out_bytes"] for u in a.get("inputs", ()))
-                          if a["kind"] == "call" else 0)
+        runs = a["kind"] == "call" and not is_view(a["op"])
+        a["bytes_fwd"] = a["out_bytes"] + sum(G.nodes[u]["out_bytes"] for u in a.get("inputs", ())) if runs else 0
         a["bytes_bwd"] = 2 * a["bytes_fwd"] if a["requires_grad"] else 0
+        a["kernels_fwd"] = int(runs)
+        a["kernels_bwd"] = _backward_kernels(a, op) if runs and a["requires_grad"] else 0
     G.graph["flops_fwd"] = sum(a["flops_fwd"] for _, a in G.nodes(data=True))
     G.graph["flops_bwd"] = sum(a["flops_bwd"] for _, a in G.nodes(data=True))
     return G
+
+
+# ops that return a view of their input (no data moved, no kernel), beside those whose ATen schema says so
+_VIEWS = {"view", "_unsafe_view", "flatten", "unflatten", "view_as", "expand_as", "getitem", "alias", "detach",
+          "t", "transpose", "permute", "expand", "unsqueeze", "squeeze", "select", "slice", "split",
+          "split_with_sizes", "chunk", "unbind", "sym_size", "sym_numel", "sym_stride"}
+
+
+def is_view(op: str) -> bool:
+    """Whether a call of ``op`` (a node's target) only makes a view of its input."""
+    return base_op(op) in _VIEWS or returns_view(op)
+
+
+def _backward_kernels(a: dict, op: str) -> int:
+    if op in _MATMUL or op in _CONV:
+        bias = op in ("addmm", "baddbmm") or (op in ("linear", "convolution", "conv1d", "conv2d", "conv3d")
+                                             and len(a.get("inputs", ())) >= 3)
+        return 2 + int(bias)
+    return 1
 
 
 def _forward(a: dict, op: str) -> int:

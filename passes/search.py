@@ -34,15 +34,11 @@ from partita.core.errors import InfeasibleError, PartitaError
 from partita.core.options import Pins, TrainingRequest
 from partita.core.plan import Alternative, MemoryBreakdown, Mesh, Stage
 from partita.core.tp.strategies import Strategy, input_index, is_shard, node_strategies
-from partita.passes.cost_model import (
-    model_state_memory,
-    state_bytes_per_param,
-    zero_optimizer_time,
-    zero_step_comm,
-)
+from partita.passes.cost_model import model_state_memory, state_bytes_per_param, zero_optimizer_time, zero_step_comm
 from partita.passes.dp.buckets import gradient_buckets
 from partita.passes.dp.zero import STRATEGY_NAMES
 from partita.passes.explain import traffic_reason
+from partita.passes.peak_memory import peak_memory, step_buffers
 from partita.passes.pipeline.bounds import AllPruned, PrunedCandidate
 from partita.passes.pipeline.costs import NodeCosts, kv_ratio, node_costs
 from partita.passes.pipeline.decision import PipelineCandidate, PipelineDecision
@@ -83,6 +79,7 @@ class Decision:
     seconds: float
     notes: tuple[str, ...] = field(default_factory=tuple)
     pruned: int = 0  # pipeline (p, micro-batch) groups not cut: they could not win (plan_search)
+    unit_buckets: tuple[int, ...] = ()  # ZeRO-3's buckets (one per unit) at this layout, bytes, where known
 
 
 def plan_search(
@@ -229,13 +226,20 @@ def _pruned_zero(best: Decision, cluster: ClusterSpec, request: TrainingRequest,
     dp_bytes = zero_step_comm(z0, buckets, dp, best.grad_accum_steps, link, elem_bytes=elem).total_bytes
     out = []
     for z in range(z0 + 1, 4):
-        comm = zero_step_comm(z, buckets, dp, best.grad_accum_steps, link, elem_bytes=elem)
+        # ZeRO-3 by units (core/buckets.py) where the layout's units are known, else the chosen buckets
+        of_z = list(best.unit_buckets) if z == 3 and best.unit_buckets else buckets
+        comm = zero_step_comm(z, of_z, dp, best.grad_accum_steps, link, elem_bytes=elem)
         opt = zero_optimizer_time(numel, state, z, dp, cluster)
         step = best.step_s - dp_s - best.optimizer_s + comm.total_s + opt
         out.append(Alternative(
             mesh=best.mesh, micro_batch_size=best.micro_batch_size, grad_accum_steps=best.grad_accum_steps,
             zero_stage=z, step_time_s=step, fits=True, chosen=False,
-            memory_bytes=model_state_memory(round(numel), state, zero_stage=z, dp=dp).total + best.memory.activations,
+            memory_bytes=peak_memory(
+                model_state_memory(round(numel), state, zero_stage=z, dp=dp), activations=best.memory.activations,
+                capacity=best.memory.capacity, cluster=cluster, transient=best.memory.transient,
+                buffers=step_buffers(precision=request.precision, reduce_dtype=request.reduce_dtype, zero_stage=z,
+                                     dp=dp, numel=round(numel), unit_numel=round(max(of_z) / elem),
+                                     bucket_bytes=best.bucket_bytes)).total,
             reason=f"not weighed: {STRATEGY_NAMES[z0]} already fits this mesh and micro-batch; "
                    f"{traffic_reason(z, comm.total_bytes, link, comm.total_s)}, "
                    f"{comm.total_bytes / max(dp_bytes, 1):.3g}x the traffic; optimizer {opt * 1e3:.3g} ms vs "
@@ -252,7 +256,7 @@ def _from_mesh(d: MeshDecision, profile: ModelProfile, cluster: ClusterSpec) -> 
         zero_stage=d.zero_stage, choice=d.choice, node_stage={n: 0 for n in profile.graph.nodes}, stages=(),
         step_s=d.step_s, compute_s=d.cost.compute_s, comm_s={k: v for k, v in d.cost.comm_s.items() if v > 0},
         optimizer_s=d.cost.optimizer_s, traffic_bytes=dict(d.cost.traffic_bytes), memory=d.memory,
-        buckets=d.buckets, bucket_bytes=d.bucket_bytes, alternatives=plan_alternatives(d),
+        buckets=d.buckets, bucket_bytes=d.bucket_bytes, alternatives=plan_alternatives(d), unit_buckets=d.unit_buckets,
         method=f"(tp, micro-batch) enumeration with a tensor-parallel ILP each ({d.solver.solver}, "
                f"{d.solver.classes} node classes, repeated layers tied)",
         status=d.solver.status, gap=d.solver.gap, candidates=len(d.alternatives), seconds=d.seconds,
@@ -295,6 +299,7 @@ def tp_node_costs(profile: ModelProfile, cluster: ClusterSpec, request: Training
     costs = TPCosts(G, cluster, tp, micro_batch, profile.batch_size, request.precision, request.inference,
                     kv_ratio(profile, request), profile.param_dtype)
     fwd, bwd, saved = list(base.forward_s), list(base.backward_s), list(base.saved_bytes)
+    live = list(base.live_bytes)
     params = [0] * len(base.order)
     at = {n: i for i, n in enumerate(base.order)}
     for n in base.order:
@@ -309,6 +314,8 @@ def tp_node_costs(profile: ModelProfile, cluster: ClusterSpec, request: Training
             f, b = f + reshard[0], b + reshard[1]
         fwd[i], bwd[i] = f, b
         saved[i] = round(costs.saved_bytes(n, s))
+        if not request.inference:
+            live[i] = round(costs.transient_bytes(n, s))
     # local parameter elements, each counted once where node_costs put it (its first user's position)
     local: dict[str, float] = {}
     for n, a in G.nodes(data=True):
@@ -332,7 +339,7 @@ def tp_node_costs(profile: ModelProfile, cluster: ClusterSpec, request: Training
         choice[n].out and is_shard(choice[n].out[0]) for n, a in G.nodes(data=True)
         if a["kind"] == "param" and a.get("param_name") == p.name) else p.numel) for p in base.shared)
     return replace(base, forward_s=tuple(fwd), backward_s=tuple(bwd), saved_bytes=tuple(saved),
-                   param_numel=tuple(params), shared=shared_local)
+                   param_numel=tuple(params), shared=shared_local, live_bytes=tuple(live))
 
 
 def _from_pipeline(d: PipelineDecision, profile: ModelProfile, cluster: ClusterSpec, request: TrainingRequest,

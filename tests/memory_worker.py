@@ -15,10 +15,14 @@ each beside the cost model's model state for the parameters the plan places
 on this rank (``model_state_memory`` of their local elements, which the plan's
 ``predicted.memory`` states for its most loaded device); and the tensors a
 collection (``DEBUG_SAVEALL``) finds in reference cycles after each step.
+
+``step_peaks``: the most bytes a step holds, five model shapes under dp, tp, pp and ZeRO-3 plans,
+beside the plan's predicted peak (the section at the end).
 """
 
 from __future__ import annotations
 
+import functools
 import gc
 import math
 import time
@@ -211,3 +215,79 @@ def mixed_zero(ctx: DistContext, out: str) -> list[dict]:
 
 
 LAUNCHES: dict[str, tuple[int, Callable[[DistContext, str, int], list[dict]]]] = {"tp2+pp2": (2, tp2_then_pp2)}
+
+
+# -- the step's peak, as the CPU allocator sees it (test_runtime_memory.py, issue 26) -------------------------
+#
+# Each case is a model shape and a plan on 2 gloo ranks: the bytes the rank holds after its warm-up
+# steps (model state, made since before the model was built) plus the most the CPU allocator held at
+# once above that during one more step (torch.profiler's allocation events, summed in time order),
+# beside the plan's predicted peak for the rank's stage.
+
+PEAK_CASES = {  # name -> (model, input spec, pins)
+    "logits-heavy gpt, dp2": (dict(n_layer=2, vocab_size=8192, n_embd=256, n_head=4, block_size=128),
+                              "idx=int64[8,128]", dict(dp=2)),
+    "layer-heavy gpt, pp2": (dict(n_layer=8, vocab_size=256, n_embd=256, n_head=4, block_size=64),
+                             "idx=int64[8,64]", dict(pp=2)),
+    "gpt, tp2": (dict(n_layer=4, vocab_size=2048, n_embd=256, n_head=4, block_size=64), "idx=int64[8,64]",
+                 dict(tp=2)),
+    "wide gpt, zero3 dp2": (dict(n_layer=3, vocab_size=1024, n_embd=384, n_head=6, block_size=96),
+                            "idx=int64[8,96]", dict(dp=2, zero=3)),
+    "deep narrow gpt, dp2": (dict(n_layer=12, vocab_size=512, n_embd=128, n_head=4, block_size=32),
+                             "idx=int64[16,32]", dict(dp=2)),
+}
+
+
+def _gpt_of(cfg: dict) -> GPT:
+    return GPT(GPTConfig(**cfg))
+
+
+def _case_plan(ctx: DistContext, name: str, outdir: str) -> tuple[Plan, Callable[[], GPT]]:
+    cfg, spec, pins = PEAK_CASES[name]
+    factory = functools.partial(_gpt_of, cfg)
+    path = f"{outdir}/peak-{''.join(c if c.isalnum() else '-' for c in name)}.plan.json"
+    if ctx.rank == 0:
+        from partita.compiler.compile import compile_model
+        from partita.core.cluster import load_cluster
+
+        compile_model(factory, Options(inputs=[spec], cluster=load_cluster("local", devices=ctx.world_size),
+                                       optimizer="adamw", world_size=ctx.world_size, **pins)).plan.save(path)
+    dist.barrier()
+    return load_plan(path, world_size=ctx.world_size), factory
+
+
+def step_peak(ctx: DistContext, outdir: str, name: str) -> dict:
+    """One case's measured peak on this rank and the plan's prediction for the rank's stage."""
+    from torch.profiler import ProfilerActivity, profile
+
+    plan, factory = _case_plan(ctx, name, outdir)
+    cfg, spec, _ = PEAK_CASES[name]
+    batch, seq = (int(d) for d in spec.split("[")[1].rstrip("]").split(","))
+    idx = torch.randint(0, cfg["vocab_size"], (batch, seq + 1), generator=torch.Generator().manual_seed(1))
+    x, y = idx[:, :-1], idx[:, 1:]
+    gc.collect()
+    before = live_storages()
+    torch.manual_seed(0)
+    model = ParallelModel(factory(), plan, Options(loss=default_loss, optimizer="adamw"), ctx=ctx)
+    for _ in range(2):  # the optimizer's state exists from the first step on
+        model.train_step(x, targets=y)
+    gc.collect()
+    held = sum(b for ptr, b in live_storages().items() if ptr not in before)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        model.train_step(x, targets=y)
+    live = peak = 0
+    for e in sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+                    key=lambda e: e.start_ns()):
+        live += e.nbytes()
+        peak = max(peak, live)
+    stage = model._program.pipeline.index if model._program.pipeline is not None else 0
+    predicted = plan.stages[stage].memory_bytes if plan.mesh.pp > 1 else plan.predicted.memory.total
+    m = plan.predicted.memory
+    return {"case": name, "stage": stage, "mesh": str(plan.mesh), "zero": plan.training.zero_stage,
+            "held": held, "transient": peak, "measured": held + peak, "predicted": predicted,
+            "terms": {"state": m.state, "activations": m.activations, "transient": m.transient,
+                      "collectives": m.collectives, "step": m.step}}
+
+
+def step_peaks(ctx: DistContext, outdir: str) -> list[dict]:
+    return [step_peak(ctx, outdir, name) for name in PEAK_CASES]

@@ -11,7 +11,8 @@ import torch
 from partita.core.cluster import COLLECTIVES, PRESETS, Link, load_cluster
 from partita.core.errors import ClusterError
 from partita.core.options import Options
-from partita.passes.cost_model import calibrated_local, collective_time
+from partita.passes.calibrated import calibrated_local
+from partita.passes.cost_model import collective_time
 
 
 def test_a_call_costs_its_kind_fixed_cost_on_top_of_alpha_beta():
@@ -78,8 +79,8 @@ def test_when_calls_cost_the_tp_search_prefers_megatron_to_per_layer_gathers():
 
 def test_a_roofline_cluster_prices_an_op_by_the_longer_of_its_flops_and_its_bytes(tmp_path):
     """An elementwise op moves bytes, not FLOPs. On a roofline cluster (``partita calibrate`` measures
-    the copy bandwidth and turns it on) it takes its bytes' time; a matmul keeps its FLOPs' time.
-    The GPU presets stay priced by FLOPs (their efficiency was fitted to published runs that way)."""
+    the copy bandwidth and turns it on; the GPU presets are fitted with it on) it takes its bytes' time;
+    a matmul keeps its FLOPs' time."""
     from partita.passes.cost_model import compute_time
 
     local = dataclasses.replace(PRESETS["local"], flops={"fp32": 100e9}, efficiency=1.0, hbm_bandwidth=20e9)
@@ -89,7 +90,7 @@ def test_a_roofline_cluster_prices_an_op_by_the_longer_of_its_flops_and_its_byte
     assert compute_time(1e6, roof, "fp32", 4e6) == pytest.approx(200e-6)
     # a matmul: 1e10 FLOPs = 100 ms beats its 4 MB
     assert compute_time(1e10, roof, "fp32", 4e6) == pytest.approx(0.1)
-    assert not PRESETS["dgx-a100"].roofline and not PRESETS["dgx-h100"].roofline
+    assert PRESETS["dgx-a100"].roofline and PRESETS["dgx-h100"].roofline and not PRESETS["local"].roofline
     c = calibrated_local(nproc=2, cpu_name="cpu", memory_bytes=2**32, matmul_flops=5e10, beta=1e9, alpha=1e-4,
                          call_seconds={}, call_bytes=4096, seconds=1.0, memory_bandwidth=25e9)
     assert c.roofline and c.hbm_bandwidth == 25e9

@@ -61,13 +61,15 @@ def test_seed_zero3_traffic_65b_on_10gbe():
 
 
 def test_collective_formulas_hand_worked():
-    link = PRESETS["dgx-a100"].intra_link  # 300 GB/s, 5 us
+    link = PRESETS["dgx-a100"].intra_link  # 300 GB/s, 5 us, and a call costs the 40 us of launching an op
+    call = 40e-6
+    assert all(link.call_s(kind) == call for kind in ("all_reduce", "all_gather", "reduce_scatter", "send_recv"))
     s = 1e9
     # ring all-reduce on 8: 2*7*5us + 2 * 1e9 * 7/8 / 300e9
-    assert collective_time("all_reduce", s, 8, link) == pytest.approx(14 * 5e-6 + 1.75e9 / 300e9)
-    assert collective_time("all_gather", s, 8, link) == pytest.approx(7 * 5e-6 + 0.875e9 / 300e9)
+    assert collective_time("all_reduce", s, 8, link) == pytest.approx(call + 14 * 5e-6 + 1.75e9 / 300e9)
+    assert collective_time("all_gather", s, 8, link) == pytest.approx(call + 7 * 5e-6 + 0.875e9 / 300e9)
     assert collective_time("reduce_scatter", s, 8, link) == collective_time("all_gather", s, 8, link)
-    assert collective_time("send_recv", s, 2, link) == pytest.approx(5e-6 + s / 300e9)
+    assert collective_time("send_recv", s, 2, link) == pytest.approx(call + 5e-6 + s / 300e9)
     assert collective_time("all_reduce", s, 1, link) == 0.0
     assert collective_traffic("all_reduce", s, 4) == pytest.approx(1.5e9)
     with pytest.raises(ValueError):
@@ -114,9 +116,13 @@ def test_toml_round_trip(tmp_path):
     back = load_cluster(str(path))
     for f in ("nodes", "gpus_per_node", "memory_bytes", "nvlink"):
         assert getattr(back, f) == getattr(c, f)
-    for f in ("intra_node_bandwidth", "inter_node_bandwidth", "intra_node_latency", "efficiency"):
+    for f in ("intra_node_bandwidth", "inter_node_bandwidth", "intra_node_latency", "efficiency",
+              "attention_efficiency", "memory_efficiency", "kernel_s", "launch_s", "fragmentation"):
         assert math.isclose(getattr(back, f), getattr(c, f), rel_tol=1e-5)
     assert back.flops["bf16"] == pytest.approx(989e12)
+    # where each figure comes from travels with the file
+    assert (back.source, back.sources, back.alloc_granularity, back.roofline) == (c.source, c.sources, 512, True)
+    assert back.call_latency == pytest.approx(c.call_latency)
 
 
 def test_zero_paper_table_1_model_state_per_device():

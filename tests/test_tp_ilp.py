@@ -108,17 +108,18 @@ def test_megatron_mlp_and_attention_by_heads():
         assert linears[f"{h}.attn.c_proj"] == "row"
     assert set(_by_module(prof, sol.choice, "scaled_dot_product_attention.default").values()) == {"heads"}
 
-    # one forward and one backward all-reduce of activations per MLP block
+    # one forward and one backward all-reduce of activations per MLP block (and one forward per attention block)
     decisions = layout_decisions(prof.graph, 8, sol.choice, elem_bytes=2)
     act = 2 * 2048 * 4096  # (1, 2048, 4096) bf16
     module = {d.name: d.module for d in decisions}
     for i in range(2):
-        mlp = f"transformer.h.{i}.mlp"
-        fwd = [lay for d in decisions for lay in d.ins  # the block's output, reduced where it joins the residual
-               if lay.fwd == "all_reduce" and lay.bytes == act and module[lay.src].startswith(mlp)]
-        bwd = [lay for d in decisions for lay in d.ins  # the block input's gradient
+        layer, mlp = f"transformer.h.{i}", f"transformer.h.{i}.mlp"
+        # the attention's and the MLP's outputs, each reduced once: in the block or where it joins the residual
+        fwd = [lay for d in decisions for lay in d.ins
+               if lay.fwd == "all_reduce" and lay.bytes == act and module[lay.src].startswith(layer)]
+        bwd = [lay for d in decisions for lay in d.ins  # the MLP input's gradient
                if lay.bwd == "all_reduce" and lay.bytes == act and d.module.startswith(mlp)]
-        assert len(fwd) == 1 and len(bwd) == 1
+        assert len(fwd) == 2 and len(bwd) == 1
 
 
 def test_vocabulary_parallel_head_and_cross_entropy_and_tied_embedding():

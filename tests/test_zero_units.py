@@ -1,6 +1,6 @@
 """ZeRO-3 by units: a repeated layer's parameters are one bucket (gathered, freed and reduce-scattered
 together, as FSDP2 wraps a block), the plan records the units, the runtime gathers the next unit while
-the current one computes, and the cost model prices that overlap (hand-worked below)."""
+the current one computes; the cost model prices the calls exposed, an upper bound (hand-worked below)."""
 
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ def test_units_make_one_bucket_each_whatever_the_cap():
     assert gradient_buckets(numels, 2, cap_bytes=8) == [100, 80, 60, 40, 20, 200]  # the cap's buckets
 
 
-def test_the_overlap_of_zero3_units_is_priced_by_hand():
+def test_zero3_units_are_priced_exposed_by_hand():
     link = Link(bandwidth=1e9, latency=1e-5, name="test")
     dp, m = 2, 1
     buckets = [4000.0, 8000.0, 2000.0]  # backward order: the head's, a layer's, the embedding's
@@ -44,15 +44,9 @@ def test_the_overlap_of_zero3_units_is_priced_by_hand():
     exposed = zero_step_comm(3, buckets, dp, m, link, elem_bytes=2)
     total = sum(2 * ag(b) + ag(b) for b in buckets)  # 2 gathers (forward, backward) + 1 reduce-scatter each
     assert sum(exposed.seconds.values()) == pytest.approx(total)
-    # forward starts with the embedding's unit, backward with the head's; the last reduce-scatter is
-    # the embedding's: those three show, the rest hides behind the compute
-    first = ag(2000.0) + ag(4000.0) + ag(2000.0)
-    hidden = zero_step_comm(3, buckets, dp, m, link, elem_bytes=2, overlap_s=1.0)
-    assert sum(hidden.seconds.values()) == pytest.approx(first)
-    short = 0.25 * (total - first)  # compute that hides only a quarter of the rest
-    partly = zero_step_comm(3, buckets, dp, m, link, elem_bytes=2, overlap_s=short)
-    assert sum(partly.seconds.values()) == pytest.approx(first + (total - first - short))
-    assert partly.traffic_bytes == exposed.traffic_bytes  # the bytes sent do not change
+    assert exposed.seconds["zero_all_gather"] == pytest.approx(2 * sum(ag(b) for b in buckets))
+    # the bytes: (n - 1) / n of each bucket per call, 3 calls per unit
+    assert sum(exposed.traffic_bytes.values()) == pytest.approx(3 * sum(buckets) / 2, abs=3)
 
 
 def test_the_plan_records_the_units_and_lists_a_gather_per_unit():

@@ -17,8 +17,8 @@ Why, with the numbers: docs/cost-model.md, "Choosing the ZeRO stage".
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from partita.core.cluster import ClusterSpec
@@ -33,6 +33,7 @@ from partita.passes.cost_model import (
     zero_traffic_elements,
 )
 from partita.passes.explain import ZERO_NAMES
+from partita.passes.peak_memory import NO_BUFFERS, peak_memory, step_buffers
 
 STRATEGY_NAMES = ZERO_NAMES
 
@@ -61,13 +62,33 @@ class StrategyEstimate:
     name: str
     zero_stage: int
     dp: int
-    memory: MemoryBreakdown
+    memory: MemoryBreakdown  # at the step's peak (peak_memory.peak_memory)
     traffic_bytes: float  # sent per device per step for model state
     comm_s: float  # alpha-beta time of that traffic on the dp group's link
+    terms: Mapping[str, int] = field(default_factory=dict)  # the runtime's buffers counted (peak_memory.step_buffers)
+    deepspeed: int | None = None  # DeepSpeed's estimate of the GPU bytes, where it has one (ZeRO-2, ZeRO-3)
+    # what DeepSpeed counts and this does not, by size (None: nothing given to size it by)
+    left_out: Mapping[str, int | None] = field(default_factory=dict)
 
     @property
     def fits(self) -> bool:
         return self.memory.fits
+
+
+def deepspeed_estimate(zero_stage: int, num_params: int, devices: int, largest_layer: int) -> dict[str, int]:
+    """DeepSpeed's estimate of a device's model-state bytes, term by term, as its estimators count
+    them without offload (``estimate_zero2_model_states_mem_needs``: 4 Psi + 16 Psi / N;
+    ``estimate_zero3_model_states_mem_needs``: 4 L + 18 Psi / N, L the largest module's own
+    parameters; docs/references.md); {} for the stages it has no estimator for."""
+    psi, n = num_params, devices
+    if zero_stage == 2:
+        return {"fp16 parameters and gradients": 4 * psi, "fp32 master parameters, Adam's moments": 12 * psi // n,
+                "fp32 gradient copy": 4 * psi // n}
+    if zero_stage == 3:
+        return {"largest layer's fp16 parameters and gradients": 4 * largest_layer,
+                "fp16 parameters": 2 * psi // n, "fp32 master parameters, Adam's moments": 12 * psi // n,
+                "fp32 gradient copy": 4 * psi // n}
+    return {}
 
 
 def estimate_strategies(
@@ -79,14 +100,24 @@ def estimate_strategies(
     precision: str,
     optimizer: str,
     inference: bool = False,
+    reduce_dtype: str = "fp32",
+    transient_bytes: int = 0,
+    largest_param: int = 0,
+    largest_layer: int = 0,
+    unit_numel: int = 0,
+    tensors: int = 0,
 ) -> list[StrategyEstimate]:
-    """Per-device memory and per-step traffic of DP and ZeRO-1/2/3 over ``dp`` ranks.
+    """Per-device memory at the step's peak and per-step traffic of DP and ZeRO-1/2/3 over ``dp`` ranks.
 
-    ``activation_bytes`` is one device's activations at its micro-batch, in
-    the training precision. Traffic counts ``element_bytes(precision)`` per
-    element (16-bit under mixed precision). ``inference``: one row, the weights
-    replicated and no traffic (``activation_bytes`` is then the forward's live set).
-    """
+    ``activation_bytes`` is one device's activations at its micro-batch, in the training precision,
+    ``transient_bytes`` its costliest op's transient beyond them (peak_memory.graph_transient);
+    ``largest_param``, ``largest_layer`` (the largest module's own parameters, DeepSpeed's L) and
+    ``unit_numel`` (ZeRO-3's largest unit) size the runtime's buffers (peak_memory.step_buffers); 0
+    where no model was given, and then the terms they size are listed as left out. Traffic counts
+    ``element_bytes(precision)`` per element (16-bit under mixed precision). ``inference``: one row,
+    the weights replicated and no traffic (``activation_bytes`` is then the forward's live set).
+    Beside each its DeepSpeed estimate (``deepspeed_estimate``) and each of DeepSpeed's terms this
+    one does not count, with its size."""
     state = state_bytes_per_param(precision, optimizer, inference=inference)
     link = cluster.link_for_group(dp)
     out = []
@@ -98,8 +129,20 @@ def estimate_strategies(
             comm, traffic = 0.0, 0
         else:  # the runtime's collectives of one step of one micro-batch (cost_model.zero_collectives)
             comm = sum(calls * collective_time(kind, full, dp, link) for kind, calls, _ in zero_collectives(stage))
-        mem = MemoryBreakdown(m.params, m.grads, m.optimizer, activation_bytes, cluster.usable_memory)
-        out.append(StrategyEstimate(STRATEGY_NAMES[stage], stage, dp, mem, traffic, comm))
+        buffers = NO_BUFFERS if inference else step_buffers(
+            precision=precision, reduce_dtype=reduce_dtype, zero_stage=stage if dp > 1 else 0, dp=dp,
+            numel=num_params, largest=largest_param, unit_numel=unit_numel, tensors=tensors)
+        mem = peak_memory(m, activations=activation_bytes, capacity=cluster.usable_memory, cluster=cluster,
+                          transient=transient_bytes, buffers=buffers)
+        ds = deepspeed_estimate(stage, num_params, dp, largest_layer) if state.optimizer and dp > 1 else {}
+        left_out: dict[str, int | None] = {}
+        beyond = ds.get("fp32 gradient copy", 0) - buffers.terms.get("fp32 master gradients, one chunk", 0)
+        if beyond > 0:  # the fp32 gradients: DeepSpeed holds the shard's, partita's runtime one chunk of them
+            left_out["fp32 gradient copy beyond the one chunk partita's runtime holds"] = beyond
+        if stage == 3 and dp > 1 and not (largest_layer and unit_numel):  # no model: nothing sizes them
+            left_out["the largest layer gathered (give a model: its layers size it)"] = None
+        out.append(StrategyEstimate(STRATEGY_NAMES[stage], stage, dp, mem, traffic, comm, dict(buffers.terms),
+                                    sum(ds.values()) if ds else None, left_out))
     return out
 
 

@@ -35,7 +35,8 @@ from partita.core.graph import per_graph
 from partita.core.options import TrainingRequest
 from partita.core.precision import activation_scale as precision_activation_scale
 from partita.core.precision import is_floating
-from partita.passes.cost_model import node_compute_time
+from partita.passes.cost_model import node_compute_time, precision_factor
+from partita.passes.peak_memory import node_transient
 from partita.passes.profile import ModelProfile
 
 _PLACEHOLDERS = ("param", "buffer", "input")
@@ -125,7 +126,9 @@ class NodeCosts:
     shared: tuple[SharedParam, ...] = ()
     modules: tuple[str, ...] = ()  # per position: its layer ("transformer.h.3"), a parameter's module, or ""
     layers: frozenset[str] = frozenset()  # the repeated layers' names
-    live_bytes: tuple[int, ...] = ()  # inference: activations alive while each position runs (activations.py)
+    # inference: the activations alive while each position runs (activations.annotate_live_bytes); training:
+    # what each position holds beyond the saved activations while it runs (peak_memory.node_transient)
+    live_bytes: tuple[int, ...] = ()
 
     @functools.cached_property
     def _live_table(self) -> list[list[int]]:
@@ -137,7 +140,8 @@ class NodeCosts:
         return table
 
     def live_peak(self, j: int, k: int) -> int:
-        """The largest live set over positions [j, k): an inference stage's activations (0 in training)."""
+        """The largest ``live_bytes`` over positions [j, k): an inference stage's activations, a training
+        stage's costliest transient."""
         if not self.live_bytes or k <= j:
             return 0
         r = (k - j).bit_length() - 1
@@ -257,9 +261,12 @@ def node_costs(profile: ModelProfile, cluster: ClusterSpec, request: TrainingReq
         fwd.append(f)
         bwd.append(b)
         saved.append(round(a.get("kv_bytes", 0) * scale(a) * act * kv / tp) if request.inference
-                     else round(a["saved_bytes"] * scale(a) * act / tp))
-    live = [round((a["live_batch"] * batch + a["live_fixed"]) * act / tp) for a in map(G.nodes.__getitem__, order)] \
-        if request.inference else []
+                     else round(a["saved_bytes"] * scale(a) * act / tp
+                                * precision_factor(a["op"], request.precision, cluster.device)))
+    nodes = list(map(G.nodes.__getitem__, order))
+    live = [round((a["live_batch"] * batch + a["live_fixed"]) * act / tp) for a in nodes] if request.inference else \
+        [round(node_transient(a, beta=batch, act_scale=act, precision=request.precision, device=cluster.device) / tp)
+         for a in nodes]
     send = [0.0] * (len(order) + 2)
     grad = [0.0] * (len(order) + 2)
     users_by_param: dict[str, list[int]] = {}

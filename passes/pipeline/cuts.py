@@ -18,18 +18,13 @@ from __future__ import annotations
 import bisect
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from partita.core.cluster import ClusterSpec, Link
 from partita.core.plan import MemoryBreakdown
 from partita.core.schedule import in_flight
-from partita.passes.cost_model import (
-    StateBytes,
-    model_state_memory,
-    p2p_time,
-    sharded_state,
-    stage_slot_time,
-)
+from partita.passes.cost_model import StateBytes, model_state_memory, p2p_time, sharded_state, stage_slot_time
+from partita.passes.peak_memory import NO_BUFFERS, StepBuffers, peak_memory, peak_total
 from partita.passes.pipeline.costs import NodeCosts, Recompute, SharedParam
 
 INF = math.inf
@@ -50,6 +45,9 @@ class StageSetup:
     state: StateBytes
     zero_stage: int = 0  # ZeRO over each stage's dp group
     dp: int = 1
+    # training: the runtime's buffers of a stage holding this many parameter elements
+    # (peak_memory.step_buffers); None for inference, whose ``live_bytes`` are its activations
+    buffers: Callable[[int], StepBuffers] | None = None
 
     @property
     def held(self) -> StateBytes:
@@ -105,12 +103,14 @@ class Partition:
         stage's recomputation is decided. Forced, it always recomputes; otherwise exactly when
         it does not fit without and does with. Whether the total fits never turns from no to
         yes as a segment grows: each of the two totals grows with the segment."""
-        state = self._state_total(j, k) + self.costs.live_peak(j, k)
-        plain = state + self.held[s] * (self.saved[k] - self.saved[j])
+        state, live = self._state_total(j, k), self.costs.live_peak(j, k)
+        buffers = self._buffers(j, k, s)
+        plain = peak_total(state, self.held[s] * (self.saved[k] - self.saved[j]) + live, buffers, self.cluster)
         rc, cap = self.rc, self.setup.capacity
         if rc is None or (not rc.forced and plain <= cap):
             return plain, False
-        total = state + self.held[s] * (self._rc_saved[k] - self._rc_saved[j]) + rc.transient_bytes
+        total = peak_total(state, self.held[s] * (self._rc_saved[k] - self._rc_saved[j]) + rc.transient_bytes + live,
+                           buffers, self.cluster)
         if rc.forced or total <= cap:
             return total, True
         return plain, False
@@ -131,13 +131,32 @@ class Partition:
         return stage_slot_time(self.compute_s(j, k, s), self.p2p(j, k, s), self.cluster)
 
     def memory(self, j: int, k: int, s: int) -> MemoryBreakdown:
-        st = model_state_memory(self.param_numel(j, k), self.setup.held)
+        numel = self.param_numel(j, k)
+        st = model_state_memory(numel, self.setup.held)
         held = in_flight(self.setup.schedule, s, self.setup.stages, self.setup.micro_batches)
         if self.recomputes(j, k, s):
             act = held * (self._rc_saved[k] - self._rc_saved[j]) + self.rc.transient_bytes
         else:
-            act = held * (self.saved[k] - self.saved[j]) + self.costs.live_peak(j, k)
-        return MemoryBreakdown(st.params, st.grads, st.optimizer, act, self.setup.capacity)
+            act = held * (self.saved[k] - self.saved[j])
+        live = self.costs.live_peak(j, k)
+        if self.setup.buffers is None:  # inference: the forward's live set is its activations
+            return peak_memory(st, activations=act + live, capacity=self.setup.capacity, cluster=self.cluster)
+        return peak_memory(st, activations=act, capacity=self.setup.capacity, cluster=self.cluster, transient=live,
+                           buffers=self._buffers(j, k, s))
+
+    def _buffers(self, j: int, k: int, s: int) -> StepBuffers:
+        """Stage s's buffers in a training step (peak_memory.step_buffers), and the activations it
+        sends forward and the gradients it sends back, every micro-batch's: the pipeline runtime
+        keeps each send until the step's end (runtime/pipeline/stage.py ``wait_sends``)."""
+        if self.setup.buffers is None:
+            return NO_BUFFERS
+        buffers = self.setup.buffers(self.param_numel(j, k))
+        p, m = self.setup.stages, self.setup.micro_batches
+        sends = m * ((self.costs.send_bytes[k] if s < p - 1 else 0) + (self.costs.grad_bytes[j] if s > 0 else 0))
+        if not sends:
+            return buffers
+        return replace(buffers, collectives=buffers.collectives + sends,
+                       terms={**buffers.terms, "pipeline sends held until the step ends": sends})
 
     def _state_total(self, j: int, k: int) -> int:
         numel = self.param_numel(j, k)

@@ -11,7 +11,7 @@ from partita.core.errors import InfeasibleError
 from partita.core.plan import MemoryBreakdown, Stage
 from partita.passes.cost_model import PipelineStepCost
 from partita.passes.dp.zero import STRATEGY_NAMES
-from partita.passes.explain import CHOSEN, gb, slower, slower_parts, traffic_reason
+from partita.passes.explain import CHOSEN, gb, peak_terms, slower, slower_parts, traffic_reason
 from partita.passes.pipeline.bounds import PrunedCandidate
 from partita.passes.pipeline.costs import SharedParam
 
@@ -113,7 +113,7 @@ def _binding(c: PipelineCandidate) -> str:
     m = st.memory
     return (f"stage {st.index} needs {gb(m.total)} (params {gb(m.params)} + grads {gb(m.grads)} + "
             f"optimizer {gb(m.optimizer)} + activations of {st.in_flight} micro-batch(es) "
-            f"{gb(m.activations)}), budget {gb(m.capacity)}")
+            f"{gb(m.activations)}{peak_terms(m)}), budget {gb(m.capacity)}")
 
 
 def loss_reason(c: PipelineCandidate, best: PipelineCandidate, cluster: ClusterSpec) -> str:

@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 
-from partita.core.buckets import unit_of
+from partita.core.buckets import DEFAULT_BUCKET_BYTES, unit_of
 from partita.core.cluster import ClusterSpec, Link
 from partita.core.errors import PartitaError
 from partita.core.options import Pins, TrainingRequest
@@ -41,6 +41,7 @@ from partita.passes.cost_model import (
 from partita.passes.dp.buckets import gradient_buckets
 from partita.passes.dp.zero import STRATEGY_NAMES, zero_stages
 from partita.passes.explain import gb
+from partita.passes.peak_memory import StepBuffers, step_buffers
 from partita.passes.pipeline.bounds import AllPruned, PipelineBound, PrunedCandidate, cached_costs
 from partita.passes.pipeline.costs import NodeCosts, Recompute, node_costs, pipeline_order, recompute_costs
 from partita.passes.pipeline.cuts import Partition, StageSetup, any_cuts_fit, solve_cuts
@@ -143,6 +144,7 @@ class _CutSearch:
         # a pinned schedule: only pipelines (p > 1) that run it
         self.schedules = (pins.schedule,) if pins.schedule is not None else tuple(schedules)
         self.state = state_bytes_per_param(request.precision, request.optimizer, inference=request.inference)
+        self.step_buffers = _step_buffers(profile, request, tp)
         self.build = costs or (lambda mb: node_costs(profile, cluster, request, mb, tp=tp))
         if floor_costs is None and costs is None:
             floor_costs = self.build
@@ -188,8 +190,8 @@ class _CutSearch:
             self.recompute_cache[mb] = self.with_recompute(c)
         for schedule in (("none",) if p == 1 else self.schedules):
             for policy, forbid in _shared_policies(c, p):
-                setups = [StageSetup(p, m, schedule, links, self.cluster.usable_memory, self.state, z, dp)
-                          for z in zero_options]
+                setups = [StageSetup(p, m, schedule, links, self.cluster.usable_memory, self.state, z, dp,
+                                     self.step_buffers(z, dp, m)) for z in zero_options]
                 self._weigh_zero_stages(index, c, setups, mb, policy, forbid)
 
     def _pruned(self, p: int, dp: int, mb: int, m: int, zero_options: tuple[int, ...], links: tuple[Link, ...]) -> bool:
@@ -208,7 +210,8 @@ class _CutSearch:
         for schedule in (("none",) if p == 1 else self.schedules):
             for _, forbid in _shared_policies(floor, p):
                 for z in zero_options:
-                    setup = StageSetup(p, m, schedule, links, self.cluster.usable_memory, self.state, z, dp)
+                    setup = StageSetup(p, m, schedule, links, self.cluster.usable_memory, self.state, z, dp,
+                                       self.step_buffers(z, dp, m))
                     if any_cuts_fit(self.bounder.partition(mb, setup, forbid, self.with_recompute)):
                         return False
         self.pruned.append(PrunedCandidate(
@@ -286,6 +289,34 @@ class _CutSearch:
                                 any_costs.shared, self.solves, time.perf_counter() - self.t0, tuple(self.pruned))
 
 
+def _step_buffers(profile: ModelProfile, request: TrainingRequest,
+                  tp: int) -> Callable[[int, int, int], Callable[[int], StepBuffers] | None]:
+    """(ZeRO stage, dp, micro-batches) -> the runtime's buffers of a stage by its parameter elements
+    (peak_memory.step_buffers): its largest parameter and ZeRO-3 unit taken as the model's, split over
+    tp; None for inference."""
+    G = profile.graph
+    whole: dict[str, int] = {}
+    for _, a in G.nodes(data=True):
+        if a["kind"] == "param":
+            whole[a["param_name"]] = math.prod(a["shapes"][0]) if a["shapes"] else 0
+    layers = [layer for r in profile.repeated for layer in r.layers]
+    units: dict[str, int] = {}
+    for name, n in whole.items():
+        units[unit_of(name, layers)] = units.get(unit_of(name, layers), 0) + n
+    largest = math.ceil(max(whole.values(), default=0) / tp)
+    unit = math.ceil(max(units.values(), default=0) / tp)
+    tensors = G.graph.get("step_peak_tensors", 0)
+
+    def of(z: int, dp: int, m: int) -> Callable[[int], StepBuffers] | None:
+        if request.inference:
+            return None
+        return lambda numel: step_buffers(precision=request.precision, reduce_dtype=request.reduce_dtype,
+                                          zero_stage=z, dp=dp, numel=numel, largest=min(largest, numel),
+                                          unit_numel=unit, bucket_bytes=DEFAULT_BUCKET_BYTES, tensors=tensors,
+                                          accumulates=dp > 1 or m > 1)
+    return of
+
+
 def _unfit_record(part: Partition, dp: int, tp: int, mb: int, cluster: ClusterSpec) -> PrunedCandidate:
     st = part.setup
     return PrunedCandidate(st.stages, dp, tp, mb, st.micro_batches, st.zero_stage, INF, True,
@@ -317,9 +348,7 @@ def _candidate(part: Partition, bounds: tuple[int, ...], dp: int, tp: int, mb: i
             if setup.zero_stage == 3 and c.modules else None
         buckets = gradient_buckets(numels, grad_elem, units=units) if grad_elem and dp > 1 else []
         link = cluster.link_for_group(dp, stride=tp)
-        compute = setup.micro_batches * part.compute_s(j, k, s)
-        zc = zero_step_comm(setup.zero_stage, buckets, dp, setup.micro_batches, link, elem_bytes=grad_elem or 2,
-                            overlap_s=compute if units else 0.0)
+        zc = zero_step_comm(setup.zero_stage, buckets, dp, setup.micro_batches, link, elem_bytes=grad_elem or 2)
         dp_s.append(zc.total_s)
         dp_bytes.append(zc.total_bytes)
         opt_s.append(0.0 if request.inference else

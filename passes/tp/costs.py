@@ -34,7 +34,14 @@ from partita.core.cluster import ClusterSpec, Link
 from partita.core.precision import activation_scale, element_bytes
 from partita.core.tp.layout import tensor_bytes
 from partita.core.tp.vocabulary import NONE, Strategy, grad_convention, reshard_kind
-from partita.passes.cost_model import NODE_TIME_ATTRS, collective_time, node_compute_time, reshard_time
+from partita.passes.cost_model import (
+    NODE_TIME_ATTRS,
+    collective_time,
+    node_compute_time,
+    precision_factor,
+    reshard_time,
+)
+from partita.passes.peak_memory import node_transient
 
 
 @dataclass(frozen=True)
@@ -66,7 +73,7 @@ class TPCosts:
         one position), so a caller may price one and reuse it."""
         a = self.G.nodes[n]
         return (*(a.get(k, 0) for k in NODE_TIME_ATTRS), bool(a.get("depends_on_input")),
-                a.get("saved_bytes", 0), a.get("kv_bytes", 0))
+                a.get("saved_bytes", 0), a.get("kv_bytes", 0), a.get("transient_bytes", 0))
 
     def beta(self, n: str) -> float:
         """How node ``n``'s work and tensors scale from the captured batch to the micro-batch."""
@@ -96,10 +103,18 @@ class TPCosts:
         return reshard_time(kf, nbytes, self.t, self.link), reshard_time(kb, nbytes, self.t, self.link)
 
     def saved_bytes(self, n: str, st: Strategy) -> float:
-        """Bytes node ``n`` keeps for backward under ``st`` on one device (its KV cache when generating)."""
+        """Bytes node ``n`` keeps for backward under ``st`` on one device (its KV cache when generating);
+        fp32 where autocast keeps the op in fp32 (cost_model.precision_factor)."""
         a = self.G.nodes[n]
         held = a.get("kv_bytes", 0) * self.kv_ratio if self.inference else a.get("saved_bytes", 0)
-        return held * st.memory_fraction * self.beta(n) * self.act_scale
+        return held * st.memory_fraction * self.beta(n) * self.act_scale \
+            * precision_factor(a.get("op", ""), self.precision, self.cluster.device)
+
+    def transient_bytes(self, n: str, st: Strategy) -> float:
+        """Bytes node ``n`` holds beyond the saved activations while it runs, under ``st`` on one
+        device (peak_memory.node_transient: a loss's fp32 gradients, at the strategy's share)."""
+        return node_transient(self.G.nodes[n], beta=self.micro_batch / self.captured_batch, act_scale=self.act_scale,
+                              precision=self.precision, device=self.cluster.device, fraction=st.memory_fraction)
 
 
 def captured_float_dtype(G: nx.DiGraph) -> str:

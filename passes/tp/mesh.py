@@ -30,11 +30,20 @@ from partita.core.cluster import ClusterSpec
 from partita.core.errors import InfeasibleError
 from partita.core.options import Pins, TrainingRequest
 from partita.core.plan import Alternative, MemoryBreakdown, Mesh
+from partita.core.precision import dtype_bytes, element_bytes
 from partita.core.tp.strategies import Strategy, node_strategies, shard_dim
 from partita.passes.cost_model import StepCost, mesh_step, model_state_memory, state_bytes_per_param
 from partita.passes.dp.buckets import DEFAULT_BUCKET_BYTES, gradient_buckets
 from partita.passes.dp.zero import STRATEGY_NAMES, zero_stages, zero_units
-from partita.passes.explain import CHOSEN, slower, slower_parts, traffic_reason
+from partita.passes.explain import CHOSEN, gb, peak_terms, slower, slower_parts, traffic_reason
+from partita.passes.peak_memory import (
+    NO_BUFFERS,
+    StepBuffers,
+    graph_autocast,
+    graph_transient,
+    peak_memory,
+    step_buffers,
+)
 from partita.passes.pipeline.costs import kv_ratio
 from partita.passes.profile import ModelProfile
 from partita.passes.space import micro_batches, tp_degrees, world_size
@@ -81,6 +90,7 @@ class MeshDecision:
     solves: int  # ILPs solved
     seconds: float
     zero_stage: int = 0
+    unit_buckets: tuple[int, ...] = ()  # ZeRO-3's buckets (one per unit) at the chosen layout, bytes
 
     @property
     def step_s(self) -> float:
@@ -138,9 +148,16 @@ def choose_mesh(
                                                     f"does not fit: {_zero(z)}micro-batch {mb0} already needs "
                                                     f"{need / 1e9:.1f} GB > {cluster.usable_memory / 1e9:.1f} GB", z))
                     continue
+                # the ILP bounds the state and the saved activations; the backward's other terms are
+                # held back from its budget (each node whole, ZeRO's buffers at 1/tp of each parameter),
+                # and the whole peak is priced at the chosen layout below
+                worst = _step_extras(profile, cluster, request, mb, dp, z, [-(-n // tp) for n in param_numels],
+                                     [-(-n // tp) for n in _unit_numels(G, None, 1, layer_units)] if z == 3 else [],
+                                     bucket_bytes, None)
                 setting = TPSetting(tp, mb, profile.batch_size, request.precision, request.optimizer,
-                                    request.inference, cluster.usable_memory, dp=dp, grad_accum=accum, zero_stage=z,
-                                    kv_ratio=kv_ratio(profile, request), captured_dtype=profile.param_dtype)
+                                    request.inference, _ilp_budget(cluster, worst), dp=dp, grad_accum=accum,
+                                    zero_stage=z, kv_ratio=kv_ratio(profile, request),
+                                    captured_dtype=profile.param_dtype)
                 problem = build_problem(G, setting, cluster,
                                         strategies=None if cached is None else lambda _G, n, t: cached(n, t),
                                         repeated=profile.repeated)
@@ -150,7 +167,8 @@ def choose_mesh(
                 except InfeasibleError as e:
                     if getattr(e, "constraint", None) != "memory":
                         raise
-                    too_big[z] = (mb, round(e.needed_bytes))
+                    # what the layout needs at the step's peak: its state and activations, and what was held back
+                    too_big[z] = (mb, round(e.needed_bytes + cluster.usable_memory - setting.memory_budget))
                     candidates.append(MeshCandidate(tp, dp, mb, accum, too_big[z][1], False, None, None, None,
                                                     f"does not fit: {e.message}", z))
                     continue
@@ -158,23 +176,33 @@ def choose_mesh(
                 buckets = tuple(gradient_buckets(local, grad_elem, bucket_bytes, units if z == 3 else None)
                                 ) if grad_elem else ()
                 state = model_state_memory(sum(local), state_per_param, zero_stage=z, dp=dp)
-                memory = MemoryBreakdown(state.params, state.grads, state.optimizer, round(sol.activation_bytes),
-                                         cluster.usable_memory)
+                transient, buffers, autocast, backward_grads = _step_extras(
+                    profile, cluster, request, mb, dp, z, local, _unit_numels(G, sol.choice, tp, layer_units)
+                    if z == 3 else [], bucket_bytes, sol.choice, accum)
+                memory = peak_memory(state, activations=sol.activation_bytes, capacity=cluster.usable_memory,
+                                     cluster=cluster, transient=transient, buffers=buffers, autocast=autocast,
+                                     backward_grads=backward_grads)
+                if not memory.fits:  # at the optimizer step (its fp32 gradients), or ZeRO's buffers at this layout
+                    too_big[z] = (mb, memory.total)
+                    candidates.append(MeshCandidate(tp, dp, mb, accum, memory.total, False, None, memory, None,
+                                                    f"does not fit: {_peak_reason(memory)}", z))
+                    continue
                 cost = mesh_step(
                     micro_batch_s={"compute": sol.compute_s, "tp_forward": sol.tp_forward_s,
                                    "tp_backward": sol.tp_backward_s, "tp_internal": sol.tp_internal_s},
                     grad_accum=accum, dp=dp, tp=tp, grad_buckets=list(buckets), state=state, cluster=cluster,
-                    zero_stage=z, local_params=sum(local), state_bytes=state_per_param, overlap=z == 3)
+                    zero_stage=z, local_params=sum(local), state_bytes=state_per_param)
                 if request.inference:
                     cost = StepCost(cost.compute_s, {k: v for k, v in cost.comm_s.items() if k.startswith("tp_")}, 0.0)
                 cand = MeshCandidate(tp, dp, mb, accum, memory.total, True, cost, memory, sol.report, "", z)
                 candidates.append(cand)
                 if best is None or _key(cand) < _key(best[0]):
-                    best = (cand, sol, buckets)
+                    unit_buckets = tuple(gradient_buckets(local, grad_elem, bucket_bytes, units)) if grad_elem else ()
+                    best = (cand, sol, buckets, unit_buckets)
                 break  # the first ZeRO stage that fits: larger ones only add traffic (passes/dp/zero.py)
     if best is None:
         raise _infeasible(candidates, cluster, world)
-    chosen, sol, buckets = best
+    chosen, sol, buckets, unit_buckets = best
     ordered = _ordered(candidates, chosen, cluster)
     return MeshDecision(
         tp=chosen.tp, dp=chosen.dp, micro_batch_size=chosen.micro_batch_size,
@@ -182,7 +210,7 @@ def choose_mesh(
         solver=sol.report, alternatives=ordered, buckets=buckets, bucket_bytes=bucket_bytes,
         tp_link=cluster.link_for_group(chosen.tp).name,
         dp_link=cluster.link_for_group(chosen.dp, stride=chosen.tp).name,
-        solves=solves, seconds=time.perf_counter() - t0, zero_stage=chosen.zero_stage,
+        solves=solves, seconds=time.perf_counter() - t0, zero_stage=chosen.zero_stage, unit_buckets=unit_buckets,
     )
 
 
@@ -207,6 +235,68 @@ def plan_alternatives(decision: MeshDecision, limit: int = 12) -> tuple[Alternat
                     memory_bytes=c.memory_bytes, fits=c.fits, chosen=c is chosen, reason=c.reason)
         for c in picked[:limit]
     )
+
+
+# -- memory at the step's peak ------------------------------------------------------
+
+
+def _step_extras(profile: ModelProfile, cluster: ClusterSpec, request: TrainingRequest, mb: int, dp: int, z: int,
+                 numels: Sequence[int], unit_numels: Sequence[int], bucket_bytes: int,
+                 choice: Mapping[str, Strategy] | None,
+                 accum: int = 1) -> tuple[float, StepBuffers, float, float | None]:
+    """What a step holds beyond the state and the saved activations at (micro-batch, dp, ZeRO z), for
+    the layout ``choice`` (None: every node whole): the costliest op's transient, the runtime's
+    buffers and autocast's fp32 copies (cost_model: graph_transient, step_buffers, graph_autocast);
+    and where the step frees its gradients between steps (one micro-batch, no data parallelism:
+    runtime/engine.py), the gradients alive at the backward's peak (else None: all of them)."""
+    if request.inference:
+        return 0.0, NO_BUFFERS, 0.0, None
+    G = profile.graph
+    share = None if choice is None else (lambda n: choice[n].memory_fraction)
+    args = dict(micro_batch=mb, batch=profile.batch_size, precision=request.precision, device=cluster.device,
+                captured=profile.param_dtype, fraction=share)
+    # the runtime frees gradients between steps (one micro-batch, no data parallelism): backward makes them as it
+    # goes (measured on CPU, fp32). Under mixed precision the H200 record's peak lies above that account by about
+    # a gradient's bytes (docs/cost-model.md, "Memory at the step's peak"), so there every gradient is counted.
+    frees = z == 0 and dp == 1 and accum == 1 and not request.precision.endswith("-mixed")
+    whole = _graph_param_numel(G)
+    grads_share = (element_bytes(request.precision) / dtype_bytes(profile.param_dtype or "float32")
+                   * sum(numels) / whole) if frees and whole else None
+    transient, _, grads = graph_transient(G, **args, grads_share=grads_share)
+    buffers = step_buffers(precision=request.precision, reduce_dtype=request.reduce_dtype, zero_stage=z, dp=dp,
+                           numel=sum(numels), largest=max(numels, default=0),
+                           unit_numel=max(unit_numels, default=0), bucket_bytes=bucket_bytes,
+                           tensors=G.graph.get("step_peak_tensors", 0), accumulates=not frees)
+    return transient, buffers, graph_autocast(G, **args), grads if frees else None
+
+
+def _ilp_budget(cluster: ClusterSpec, extras: tuple[float, StepBuffers, float, float | None]) -> float:
+    """The ILP's budget for the state and the saved activations (autocast's copies among them): the
+    device's usable memory less the allocator's share and the backward's other terms
+    (peak_memory.peak_total: (state + max(activations + transient + collectives, step) + rounding)
+    x (1 + fragmentation)); the step's side is checked once the layout is known."""
+    transient, buffers, _, _ = extras
+    rounding = buffers.tensors * cluster.alloc_granularity if cluster.alloc_granularity > 1 else 0
+    return cluster.usable_memory / (1 + cluster.fragmentation) - rounding - transient - buffers.collectives
+
+
+def _peak_reason(m: MemoryBreakdown) -> str:
+    """Why a layout the ILP fitted does not fit at the step's peak, in GB by term."""
+    return (f"{gb(m.total)} at the step's peak > {gb(m.capacity)}: model state {gb(m.state)} + activations "
+            f"{gb(m.activations)}{peak_terms(m)}")
+
+
+def _unit_numels(G, choice: Mapping[str, Strategy] | None, tp: int, layer_units: Sequence[str]) -> list[int]:
+    """Elements of each ZeRO-3 unit on one device (its parameters' local shards under ``choice``)."""
+    if choice is None:
+        whole = {a["param_name"]: _numel(a["shapes"][0]) for _, a in G.nodes(data=True) if a["kind"] == "param"}
+        numels, units = list(whole.values()), [unit_of(name, layer_units) for name in whole]
+    else:
+        numels, units = _local_numels(G, choice, tp, layer_units)
+    per: dict[str, int] = {}
+    for n, u in zip(numels, units):
+        per[u] = per.get(u, 0) + n
+    return list(per.values())
 
 
 # -- the space -----------------------------------------------------------------------
