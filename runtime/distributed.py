@@ -9,8 +9,10 @@ starts nothing, so a script written for partita also runs as a plain script.
 from __future__ import annotations
 
 import atexit
+import hashlib
 import os
 import sys
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -20,10 +22,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from partita.core.errors import PartitaError
+from partita.core.errors import PartitaError, printable
 from partita.core.plan import Mesh
+from partita.runtime.watchdog import FLIGHT, timeout_from_env
 from partita.runtime.watchdog import stop as stop_watchdog
-from partita.runtime.watchdog import timeout_from_env
 
 
 @dataclass(frozen=True)
@@ -63,6 +65,9 @@ def init_distributed(timeout_s: float | None = None, *, watchdog_s: float | None
     runtime/watchdog.py) plus a minute, so the watchdog, which names the stuck
     collective on every rank, always speaks first; 2 minutes with the watchdog off.
     """
+    under_torchrun = "WORLD_SIZE" in os.environ and "RANK" in os.environ
+    if under_torchrun and not (dist.is_available() and dist.is_initialized()):
+        _one_line_before_the_group(int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0")))
     if timeout_s is None:
         limit = timeout_from_env() if watchdog_s is None else watchdog_s
         timeout_s = limit + 60 if limit > 0 else 120
@@ -74,7 +79,7 @@ def init_distributed(timeout_s: float | None = None, *, watchdog_s: float | None
         if device.type == "cuda":
             torch.cuda.set_device(device)
         return DistContext(rank, world, local_rank, str(dist.get_backend()), device, False)
-    if "WORLD_SIZE" not in os.environ or "RANK" not in os.environ:
+    if not under_torchrun:
         return DistContext(0, 1, 0, "none", _device(0), False)
     backend = _backend()
     device = _device(local_rank)
@@ -88,29 +93,153 @@ def init_distributed(timeout_s: float | None = None, *, watchdog_s: float | None
     # A user's script seldom tears the group down; collectives still in flight at interpreter
     # exit (ZeRO-3's parameter gathers) then abort the process. Tear it down at exit instead.
     atexit.register(_destroy_at_exit)
-    _one_message_for_user_errors(dist.get_rank())
+    _one_message_for_user_errors(dist.get_rank())  # after init_process_group, which wraps the hook it finds
     return DistContext(dist.get_rank(), dist.get_world_size(), local_rank, backend, device, True)
 
 
-def _one_message_for_user_errors(rank: int) -> None:
-    """A ``PartitaError`` no code caught ends this rank with exit code 2 and no traceback: under
-    ``partita run`` its message goes to the run's error folder, and the launcher prints each
-    distinct message once (runtime/launch.py); under a plain torchrun rank 0 prints it."""
+def _one_line_before_the_group(rank: int, local_rank: int) -> None:
+    """A ``PartitaError`` raised before the process group exists (an option refused while it is set
+    up, the same on every rank of a node) is said once per node, by local rank 0 (or, under
+    ``partita run``, left in the run's error folder), and ends the rank with exit code 2."""
     previous = sys.excepthook
 
     def hook(kind: type[BaseException], value: BaseException, tb: Any) -> None:
         if not isinstance(value, PartitaError):
             previous(kind, value, tb)
             return
-        folder = os.environ.get("PARTITA_ERROR_DIR")
-        if folder and Path(folder).is_dir():
-            Path(folder, f"rank{rank}.txt").write_text(str(value))
-        elif rank == 0:
-            print(f"error: {value}", file=sys.stderr, flush=True)
-        sys.stdout.flush()
-        os._exit(value.exit_code)  # without atexit's teardown: peers may be gone already
+        if local_rank == 0 or os.environ.get("PARTITA_ERROR_DIR"):
+            _say(rank, value)
+        os._exit(value.exit_code)
 
     sys.excepthook = hook
+
+
+def _one_message_for_user_errors(rank: int) -> None:
+    """One message per failure, from the rank that failed, and no collateral tracebacks.
+
+    A ``PartitaError`` no code caught ends this rank with exit code 2 and no traceback: under
+    ``partita run`` its message goes to the run's error folder, and the launcher prints each
+    distinct message once (runtime/launch.py); under a plain torchrun this rank prints it as one
+    ``error (rank R):`` line and a hint (a message several ranks raise alike is printed once).
+    Every rank also leaves in the rendezvous store why it ended (``_ENDED``: an error, another
+    failure, or its script ended); a rank whose collective then fails because a peer is gone
+    says nothing more when that peer's own message says it, or one line naming the peer whose
+    script ended while this one was still in a step. Anything else keeps its traceback."""
+    previous = sys.excepthook
+
+    def hook(kind: type[BaseException], value: BaseException, tb: Any) -> None:
+        if isinstance(value, PartitaError):
+            _post_end(rank, "error")
+            _say(rank, value)
+            os._exit(value.exit_code)  # without atexit's teardown: peers may be gone already
+        gone = _peer_gone(rank) if _lost_a_peer(value) else None
+        if gone is None:
+            _post_end(rank, "failed")  # its traceback (below) says why; peers stay quiet
+            if _lost_a_peer(value) and _leave_traceback(rank, kind, value, tb):
+                return  # a peer vanished without a word: `partita run` names the node it lost, or prints this
+            previous(kind, value, tb)
+            return
+        peer, why = gone
+        if why == "exited":  # the one rank that can say it: the peer ended without an error
+            _say(rank, PartitaError(f"rank {peer}'s script ended while rank {rank} was still {_waiting(rank)}",
+                                    hint="every rank must run the same steps (the same number of train_step calls "
+                                    "over data of the same length)"))
+        os._exit(1 if why == "failed" else 2)
+
+    sys.excepthook = hook
+    atexit.register(_post_end, rank, "exited")  # runs before _destroy_at_exit (registered earlier)
+
+
+_ENDED = "partita/ended/"  # + restart count / rank -> "error" | "failed" | "exited"
+
+
+def _store() -> Any:
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except (RuntimeError, ValueError, AttributeError):
+        return None
+
+
+def _ended_key(name: int | str) -> str:
+    return f"{_ENDED}{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{name}"
+
+
+def _post_end(rank: int, why: str) -> None:
+    """Leave in the store why this rank ends (the first reason only)."""
+    store = _store()
+    try:
+        if store is not None and not store.check([_ended_key(rank)]):
+            store.set(_ended_key(rank), why)
+    except Exception:  # the store is gone with the job: nobody is left to read it
+        pass
+
+
+def _peer_gone(rank: int, wait_s: float = 2.0) -> tuple[int, str] | None:
+    """The first other rank that left word of ending, and why (waiting ``wait_s`` for one)."""
+    store = _store()
+    if store is None or not dist.is_initialized():
+        return None
+    others = [r for r in range(dist.get_world_size()) if r != rank]
+    deadline = time.monotonic() + wait_s
+    try:
+        while True:
+            for r in others:
+                if store.check([_ended_key(r)]):
+                    return r, store.get(_ended_key(r)).decode()
+            if time.monotonic() > deadline:
+                return None
+            time.sleep(0.1)
+    except Exception:
+        return None
+
+
+def _say(rank: int, e: PartitaError) -> None:
+    """The message of ``e``: to the run's error folder under ``partita run`` (its launcher prints
+    each distinct message once), else on stderr as one line and its hint, by the first rank to say it."""
+    folder = os.environ.get("PARTITA_ERROR_DIR")
+    if folder and Path(folder).is_dir():
+        Path(folder, f"rank{rank}.txt").write_text(str(e))
+    elif _first_to_say(str(e)):
+        print(f"error (rank {rank}): {printable(e.message)}" + (f"\n  hint: {printable(e.hint)}" if e.hint else ""),
+              file=sys.stderr, flush=True)
+    sys.stdout.flush()
+
+
+def _leave_traceback(rank: int, kind: type[BaseException], value: BaseException, tb: Any) -> bool:
+    """Under ``partita run``: this rank's traceback into the run's error folder instead of stderr
+    (runtime/launch.py ``failure_report`` prints it unless a lost node explains it)."""
+    import traceback
+
+    folder = os.environ.get("PARTITA_ERROR_DIR")
+    if not (folder and Path(folder).is_dir()):
+        return False
+    Path(folder, f"rank{rank}.traceback").write_text("".join(traceback.format_exception(kind, value, tb)))
+    return True
+
+
+def _first_to_say(message: str) -> bool:
+    """Whether this rank is the first to print ``message`` (several ranks raising one error print it once)."""
+    store = _store()
+    try:
+        key = _ended_key("said/" + hashlib.sha256(message.encode()).hexdigest()[:16])
+        return store is None or store.add(key, 1) == 1
+    except Exception:
+        return True
+
+
+_PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "gloo", "NCCL")
+
+
+def _lost_a_peer(e: BaseException) -> bool:
+    """Whether ``e`` is a collective failing because a peer process went away."""
+    return isinstance(e, getattr(dist, "DistError", ())) or (
+        isinstance(e, RuntimeError) and any(w in str(e) for w in _PEER_LOST))
+
+
+def _waiting(rank: int) -> str:
+    """What this rank was waiting in when its peer went: the last collective it entered (runtime/watchdog.py)."""
+    last = FLIGHT.recent[-1] if FLIGHT.recent else None
+    return f"in {last.what(FLIGHT.mesh, rank)}" if last is not None else "in a collective"
 
 
 def _destroy_at_exit() -> None:

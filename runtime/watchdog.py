@@ -22,18 +22,23 @@ failed job instead of a hang. The process-group timeout is set above the limit
 (runtime/distributed.py), so gloo's or NCCL's own timeout never fires first.
 
 Progress is per micro-batch, so the limit also bounds one micro-batch's forward
-or backward that runs no collective: keep it well above that.
+or backward that runs no collective: keep it well above that. A checkpoint's save
+and load are watched as a step is (``FLIGHT.waiting``), except the writing of a
+rank's own files (``FLIGHT.alone``): the limit bounds how long a rank waits there
+for its peers. An asynchronous save writes in the background; a rank that stops
+then is found by the next step's collectives.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import os
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, TextIO
@@ -43,24 +48,18 @@ from partita.core.plan import Mesh
 DEFAULT_TIMEOUT_S = 300.0
 ENV = "PARTITA_WATCHDOG_S"
 EXIT_HUNG = 3  # a rank hung: not a user error (2), and torchrun restarts on any non-zero exit
+EXIT_NODE_LOST = 4  # `partita run`: another node's launcher or host went away, or this rank's launcher did
+LAUNCHER_ENV = "PARTITA_LAUNCHER_PID"  # set by `partita run` for its workers: the process they must not outlive
 GRACE_S = 30.0  # how long rank 0 waits for every rank's report once the alarm is up
 
 
 def timeout_from_env(default: float = DEFAULT_TIMEOUT_S) -> float:
-    """The limit the user set in ``PARTITA_WATCHDOG_S`` (seconds; 0: off), else ``default``."""
-    raw = os.environ.get(ENV)
-    if raw is None or raw == "":
-        return default
-    try:
-        value = float(raw)
-    except ValueError:
-        value = -1.0
-    if not value >= 0 or value == float("inf"):
-        from partita.core.errors import PartitaError
+    """The limit the user set in ``PARTITA_WATCHDOG_S`` (seconds; 0: off), else ``default``; the
+    variable is read and checked as the ``watchdog_s`` keyword is (core/options.py)."""
+    from partita.core.options import environment_option
 
-        raise PartitaError(f"{ENV}={raw!r} must be a number of seconds >= 0 (0 turns the watchdog off)",
-                           hint="set PARTITA_WATCHDOG_S to seconds (e.g. 600), 0 to turn it off, or unset it")
-    return value
+    value = environment_option("watchdog_s")
+    return default if value is None else float(value)
 
 
 @dataclass(frozen=True)
@@ -78,15 +77,18 @@ class Entry:
     t: float
 
     def what(self, mesh: Mesh | None, rank: int) -> str:
-        group = self.ranks or (mesh.group_ranks(rank, self.axis) if mesh is not None else None)
-        where = f" over {self.axis}" + (f" ranks {list(group)}" if group else "")
+        group = self._group(mesh, rank)
+        where = (f" over {self.axis}" if self.axis else "") + (f" ranks {list(group)}" if group else "")
+        size = f" ({self.nbytes:,} B)" if self.nbytes else ""
         mb = f", micro-batch {self.micro_batch} {self.phase}" if self.micro_batch is not None else ""
-        return f"{self.kind}{where} ({self.nbytes:,} B), step {self.step}{mb}"
+        return f"{self.kind}{where}{size}, step {self.step}{mb}"
 
     def key(self, mesh: Mesh | None, rank: int) -> tuple:
         """What must agree between the members of a group waiting in the same collective."""
-        group = self.ranks or (mesh.group_ranks(rank, self.axis) if mesh is not None else None)
-        return (self.kind, self.axis, tuple(group or ()), self.nbytes)
+        return (self.kind, self.axis, tuple(self._group(mesh, rank) or ()), self.nbytes)
+
+    def _group(self, mesh: Mesh | None, rank: int) -> tuple[int, ...] | None:
+        return self.ranks or (mesh.group_ranks(rank, self.axis) if mesh is not None and self.axis else None)
 
 
 class FlightRecorder:
@@ -119,6 +121,26 @@ class FlightRecorder:
     def running(self) -> _Busy:
         """``with FLIGHT.running():`` around a step: the watchdog watches only inside."""
         return _Busy(self)
+
+    @contextlib.contextmanager
+    def waiting(self, what: str) -> Iterator[None]:
+        """A collective wait outside a step (a checkpoint's save or load, every rank taking part),
+        watched as a step is: ``what`` names it in the report."""
+        self.micro_batch, self.phase = None, ""  # outside any micro-batch
+        self.entered(what, "", 0)
+        with self.running():
+            yield
+
+    @contextlib.contextmanager
+    def alone(self) -> Iterator[None]:
+        """Inside ``waiting``: work this rank does alone (writing its checkpoint files), which no
+        peer holds up, so the watchdog does not count it as waiting."""
+        busy, self.busy = self.busy, 0
+        try:
+            yield
+        finally:
+            self.busy = busy
+            self.progress = time.monotonic()
 
     def report(self) -> dict[str, Any]:
         now = time.monotonic()
@@ -290,8 +312,10 @@ _WATCHDOG: Watchdog | None = None
 
 
 def watch(*, rank: int, world_size: int, mesh: Mesh, timeout_s: float | None = None) -> Watchdog | None:
-    """Start this process's watchdog (once; a later call may lower its limit). None when off or alone."""
+    """Start this process's watchdog (once; a later call may lower its limit). None when off or alone.
+    Under `partita run` the process is also tied to its launcher: it never outlives it."""
     global _WATCHDOG
+    die_with_launcher()
     FLIGHT.mesh, FLIGHT.rank = mesh, rank
     limit = timeout_from_env() if timeout_s is None else timeout_s
     if world_size <= 1 or limit <= 0:
@@ -302,6 +326,29 @@ def watch(*, rank: int, world_size: int, mesh: Mesh, timeout_s: float | None = N
     elif limit < _WATCHDOG.timeout_s:
         _WATCHDOG.timeout_s = limit
     return _WATCHDOG
+
+
+def die_with_launcher() -> None:
+    """In a worker of `partita run`: be killed when the launcher dies (a SIGKILL of it included),
+    and end at once if it is gone already, so that no rank trains on as an orphan (Linux's
+    PR_SET_PDEATHSIG; elsewhere the peers' collectives and the watchdog end it). A SIGINT ends
+    the worker quietly (the launcher says it once)."""
+    pid = os.environ.get(LAUNCHER_ENV)
+    if not pid or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import signal
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # 1: PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != int(pid):
+        os._exit(EXIT_NODE_LOST)
+    if threading.current_thread() is threading.main_thread() and \
+            signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        # Ctrl-C reaches every process of the terminal's group: the launcher says it once
+        signal.signal(signal.SIGINT, lambda *_: os._exit(128 + int(signal.SIGINT)))
 
 
 def stop() -> None:

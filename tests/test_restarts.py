@@ -12,7 +12,8 @@ from partita.compiler.compile import compile_model
 from partita.core.cluster import load_cluster
 from partita.core.inputs import parse_input_spec
 from partita.core.options import Options
-from partita.runtime.state.sharded import COMPLETE, latest, step_dir
+from partita.runtime.state.marker import COMPLETE
+from partita.runtime.state.periodic import latest, step_dir
 from tests import tied_script as script
 from tests.harness import TESTS, partita_cli
 
@@ -27,6 +28,9 @@ def run(tmp: Path, plan: Path, kill_at: int) -> tuple[dict[int, float], dict]:
     assert attempts == ({0, 1} if kill_at else {0}), attempts
     if kill_at:
         assert "resumed from" in r.stdout and f"(step {kill_at - kill_at % 2})" in r.stdout, r.stdout[-2000:]
+        # restart latency: from the kill to the end of the first step of the restarted run
+        latency = min(x["t"] for x in lines if x["attempt"] == 1) - float((out / "killed_at").read_text())
+        assert 0 < latency < 120, latency
     last = {x["step"]: x["loss"] for x in lines}  # a step rerun after the restart overwrites its first try
     return last, torch.load(out / "final.pt", weights_only=True)
 

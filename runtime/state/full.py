@@ -29,7 +29,21 @@ def full_state_dict(program: Program, *, buffers: bool = True) -> dict[str, torc
             state = _gathered(program)
     else:
         state = _gathered(program)
+    state = _with_aliases(state, program.state_names)
     return {**state, **_buffers(program)} if buffers else state
+
+
+def _with_aliases(state: dict[str, torch.Tensor], names: dict[str, list[str]]) -> dict[str, torch.Tensor]:
+    """``state`` with every name a tied parameter has in the model's ``state_dict()`` (GPT-2's
+    ``lm_head.weight`` beside ``transformer.wte.weight``), each the same tensor, so that the plain
+    model loads it strictly, as its own ``state_dict()`` would."""
+    out = dict(state)
+    for aliases in names.values():
+        have = next((n for n in aliases if n in state), None)
+        if have is not None:
+            for n in aliases:
+                out.setdefault(n, state[have])
+    return out
 
 
 def _buffers(program: Program) -> dict[str, torch.Tensor]:
@@ -79,11 +93,20 @@ def _gather(shard: torch.Tensor, placement: str, group: dist.ProcessGroup | None
 
 
 def _from_every_stage(mine: dict[str, torch.Tensor], plan: Plan, device: torch.device) -> dict[str, torch.Tensor]:
-    """Each parameter broadcast from the first rank of the stage that holds it, in plan order."""
+    """Each parameter broadcast from the first rank of the stage that holds it, in plan order, in
+    the dtype that stage holds it in (the policy's, or its own for batch norm's: runtime/mixed_precision.py
+    ``kept_whole``; each stage says which first, in one small broadcast)."""
     out: dict[str, torch.Tensor] = {}
+    held: dict[str, torch.dtype] = {}
+    for stage in range(plan.mesh.pp):
+        src = plan.mesh.stage_ranks(stage)[0]
+        box = [{k: v.dtype for k, v in mine.items()} if dist.get_rank() == src else None]
+        dist.broadcast_object_list(box, src=src)
+        held.update(box[0])
+    policy = PrecisionPolicy.of(plan.training)
     for decision in plan.params:
         src = plan.mesh.stage_ranks(decision.stage)[0]
-        dtype = PrecisionPolicy.of(plan.training).held_dtype(getattr(torch, decision.dtype))
+        dtype = held.get(decision.name) or policy.held_dtype(getattr(torch, decision.dtype))
         t = mine.get(decision.name)
         buf = t.to(device) if t is not None and dist.get_rank() == src else torch.empty(
             decision.shape, dtype=dtype, device=device)

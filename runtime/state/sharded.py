@@ -14,16 +14,20 @@ included, so ``dcp_to_torch_save`` gives a file the plain model loads with
     optim/<name>/<key>      optimizer state of the same shape (Adam's moments, momentum)
     optim/<name>/step       optimizer step counters (equal everywhere)
     rng/<rank>              each rank's CPU (and CUDA) generator states
-    meta                    completed steps, the optimizer's hyperparameters, the user's ``extra`` (JSON)
 
-(``dcp_to_torch_save`` returns the nested dict ``{"model": {...}, "optim": ...}``.)
+(``dcp_to_torch_save`` returns the nested dict ``{"model": {...}, "optim": ...}``.) The step
+count, the optimizer's hyperparameters, the user's ``extra``, the fingerprint and every file's
+digest are in the completion marker, written last (runtime/state/marker.py). A load checks it
+all before it changes anything: a failed load leaves the model and the optimizer as they were.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
-from collections.abc import Iterator
+import warnings
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,9 +36,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from partita.core.errors import PartitaError
 from partita.core.placement import shard_dim
+from partita.runtime.distributed import _lost_a_peer  # the one rule for "a collective lost its peer"
 from partita.runtime.program import Program
+from partita.runtime.state import fingerprint
+from partita.runtime.state.marker import CheckpointError, Writer, remove_marker
+from partita.runtime.watchdog import FLIGHT
 
 Piece = tuple[tuple[int, ...], torch.Tensor]  # (offsets in the whole tensor, the local data of that block)
 
@@ -115,7 +122,7 @@ def _tensors_of(program: Program) -> Iterator[_Held]:
         yield _Held(aliases.get(name, [name]), shape, tuple(origin), tuple(local_shape), param, opt, z)
 
 
-class _Pieces(torch.Tensor):
+class Pieces(torch.Tensor):
     """The blocks of a whole tensor that this rank holds, as DCP saves and loads them.
 
     A data-less tensor of the WHOLE shape that implements DCP's checkpointable protocol (the one
@@ -124,7 +131,7 @@ class _Pieces(torch.Tensor):
     rank's; unlike a DTensor it can describe ZeRO's ranges of flat buckets."""
 
     @staticmethod
-    def __new__(cls, pieces: list[Piece], shape: tuple[int, ...]) -> _Pieces:
+    def __new__(cls, pieces: list[Piece], shape: tuple[int, ...]) -> Pieces:
         t = pieces[0][1]
         self = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=t.dtype, device=t.device)
         self.pieces = {tuple(off): data for off, data in pieces}
@@ -154,26 +161,37 @@ class _Pieces(torch.Tensor):
 
 
 class _CopyStager:
-    """``dcp.async_save``'s staging for ``_Pieces``: a CPU copy of every block, taken before
-    ``save_checkpoint`` returns, so training may change the parameters while the copy is written."""
+    """``dcp.async_save``'s staging for ``Pieces``: a CPU copy of every block, taken before
+    ``save_checkpoint`` returns, so training may change the parameters while the copy is written.
+    ``buffers`` keeps the copies for the next save to copy into (periodic saves, each of which
+    waits for the one before: no allocation, no page faults)."""
 
     _synchronize_after_execute = False
+
+    def __init__(self, buffers: dict | None = None) -> None:
+        self.buffers = buffers if buffers is not None else {}
 
     @property
     def should_synchronize_after_execute(self) -> bool:
         return False
 
     def stage(self, state: Any) -> Any:
-        def copy(v: Any) -> Any:
+        def into(key: tuple, t: torch.Tensor) -> torch.Tensor:
+            buf = self.buffers.get(key)
+            if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
+                buf = self.buffers[key] = torch.empty(t.shape, dtype=t.dtype)
+            return buf.copy_(t.detach())
+
+        def copy(key: tuple, v: Any) -> Any:
             if isinstance(v, dict):
-                return {k: copy(x) for k, x in v.items()}
-            if isinstance(v, _Pieces):
-                return _Pieces([(off, d.to("cpu", copy=True)) for off, d in v.pieces.items()], tuple(v.shape))
+                return {k: copy(key + (k,), x) for k, x in v.items()}
+            if isinstance(v, Pieces):
+                return Pieces([(off, into(key + (off,), d)) for off, d in v.pieces.items()], tuple(v.shape))
             if isinstance(v, torch.Tensor):
-                return v.detach().to("cpu", copy=True)
+                return into(key, v)
             return v
 
-        return copy(state)
+        return copy((), state)
 
     def synchronize_staging(self) -> None:
         pass
@@ -184,10 +202,10 @@ class _CopyStager:
 
 def _sharded(pieces: list[Piece], shape: tuple[int, ...]) -> torch.Tensor:
     """``pieces`` of a whole tensor of ``shape`` as DCP takes them: the tensor itself when it is
-    whole (identical replicas are then written once), else a ``_Pieces``."""
+    whole (identical replicas are then written once), else a ``Pieces``."""
     if len(pieces) == 1 and tuple(pieces[0][1].shape) == tuple(shape):
         return pieces[0][1]
-    return _Pieces(pieces, shape)
+    return Pieces(pieces, shape)
 
 
 def _pieces(h: _Held, flat: torch.Tensor | None, local: torch.Tensor) -> list[Piece]:
@@ -207,11 +225,13 @@ def _pieces(h: _Held, flat: torch.Tensor | None, local: torch.Tensor) -> list[Pi
     return out
 
 
-def training_state(program: Program) -> dict[str, Any]:
-    """This rank's state dict for DCP (module docstring): views of what it holds, so ``dcp.load``
-    writes straight into the parameters and the optimizer state."""
-    for opt in _optimizers(program):
-        _init_optimizer_state(opt)
+def training_state(program: Program, *, optimizer: bool = True) -> dict[str, Any]:
+    """This rank's state dict for DCP (module docstring): views of what it holds, so copying into
+    them is loading. ``optimizer``: with the optimizer's state (a fresh optimizer is given its
+    state tensors first: ``init_optimizer_state``)."""
+    opt = program.optimizer if optimizer else None
+    if opt is not None:
+        init_optimizer_state(opt)
     model_part: dict[str, Any] = {}
     optim_part: dict[str, Any] = {}
     updates = program.updates
@@ -220,7 +240,7 @@ def training_state(program: Program) -> dict[str, Any]:
         shard = master(h.zero[0].shard) if h.zero is not None else None
         param = master(h.param)
         pieces = _pieces(h, shard, param)
-        state = h.optimizer.state.get(shard if shard is not None else param, {}) if h.optimizer else {}
+        state = opt.state.get(shard if shard is not None else param, {}) if opt is not None else {}
         for name in h.names:
             if pieces:
                 model_part[name] = _sharded(pieces, h.shape)
@@ -235,20 +255,17 @@ def training_state(program: Program) -> dict[str, Any]:
                     optim_part[f"{name}/{key}"] = _sharded(held, h.shape)
     for name, buf in program.persistent_buffers().items():
         model_part[name] = buf
-    rank = program.ctx.rank
-    return {"model": model_part, "optim": optim_part, "rng": {str(rank): _rng_state()}}
+    return {"model": model_part, "optim": optim_part, "rng": {str(program.ctx.rank): _rng_state()}}
 
 
-def _optimizers(program: Program) -> list[torch.optim.Optimizer]:
-    return [o for o in (program.optimizer,) if o is not None]
-
-
-def _init_optimizer_state(opt: torch.optim.Optimizer) -> None:
+def init_optimizer_state(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
     """Give a fresh optimizer its state tensors (a step at lr 0 over zero gradients), so that a
-    checkpoint can be loaded into them; an optimizer that has stepped is left alone."""
+    checkpoint can be loaded into them; an optimizer that has stepped is left alone. Returns the
+    parameters given state (``drop_state`` takes it back)."""
     params = [p for g in opt.param_groups for p in g["params"]]
-    if all(p in opt.state for p in params):
-        return
+    fresh = [p for p in params if p not in opt.state]
+    if not fresh:
+        return []
     saved = [(g, g.get("lr")) for g in opt.param_groups]
     grads = {}
     for p in params:
@@ -267,6 +284,12 @@ def _init_optimizer_state(opt: torch.optim.Optimizer) -> None:
     for p, g in grads.items():
         if g is None:
             p.grad = None
+    return fresh
+
+
+def drop_state(opt: torch.optim.Optimizer, fresh: list[torch.Tensor]) -> None:
+    for p in fresh:
+        opt.state.pop(p, None)
 
 
 def _rng_state() -> torch.Tensor:
@@ -285,90 +308,108 @@ def set_rng_state(packed: torch.Tensor) -> None:
         torch.cuda.set_rng_state(packed[1 + cpu.numel():].clone())
 
 
-_HYPER = ("lr", "betas", "eps", "weight_decay", "momentum", "dampening", "nesterov", "maximize", "amsgrad")
+# -- save ---------------------------------------------------------------------------------------
 
 
-def _meta(program: Program, step: int, extra: dict | None) -> dict[str, Any]:
-    opt = _optimizers(program)
-    groups = [{k: g[k] for k in _HYPER if k in g} for g in opt[0].param_groups] if opt else []
-    return {"step": step, "param_groups": groups, "extra": dict(extra or {}),
-            "fingerprint": program.plan.model.fingerprint}
+def _record(program: Program, step: int, extra: dict | None) -> dict[str, Any]:
+    """What the completion marker says besides the model's tensors and the digests."""
+    try:
+        extra = json.loads(json.dumps(dict(extra or {}), allow_nan=False))
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"save_checkpoint's extra must hold plain values (numbers, strings, lists, dicts): {e}",
+                              hint="keep extra= to numbers, strings, lists and dicts") from e
+    return {"step": step, "world_size": program.ctx.world_size, "mesh": str(program.plan.mesh), "extra": extra,
+            "optimizer": fingerprint.optimizer_entry(program.optimizer),
+            "order": [n for names in program.state_names.values() for n in names]}
 
 
-def save(program: Program, path: Any, *, step: int, extra: dict | None = None, async_save: bool = False) -> Any:
-    """``ParallelModel.save_checkpoint``: DCP over ``training_state`` plus the run's metadata
-    (``step``: optimizer steps completed)."""
+def save(program: Program, path: Any, *, step: int, extra: dict | None = None, async_save: bool = False,
+         on_complete: Callable[[Path], None] | None = None, buffers: dict | None = None) -> Pending | None:
+    """``ParallelModel.save_checkpoint``: DCP over ``training_state``, the completion marker last
+    (runtime/state/marker.py; ``step``: optimizer steps completed). With ``async_save`` a CPU copy
+    is taken here (into ``buffers`` when given, kept for the next save) and written in the
+    background, over a process group of its own (DCP's collectives must not interleave with
+    training's): wait on the returned ``Pending``."""
     import torch.distributed.checkpoint as dcp
 
+    path = Path(path)
+    record = _record(program, step, extra)
     state = training_state(program)
-    try:
-        state["meta"] = json.dumps(_meta(program, step, extra))  # one leaf (a dict would be flattened), no pickle
-    except TypeError as e:
-        raise PartitaError(f"save_checkpoint's extra must hold plain values (numbers, strings, lists, dicts): {e}",
-                           hint="keep extra= to numbers, strings, lists and dicts") from e
+    if program.ctx.rank == 0:
+        remove_marker(path)  # a save over an older one: it stops counting until this one completes
+    what = f"the checkpoint save of {path}"
     if async_save:
-        return dcp.async_save(state, checkpoint_id=str(path), async_stager=_CopyStager())
-    dcp.save(state, checkpoint_id=str(path))
+        writer = Writer(path, record, on_complete=on_complete)
+        with FLIGHT.waiting(what), named_errors(path, "write"):
+            future = dcp.async_save(state, storage_writer=writer, async_stager=_CopyStager(buffers),
+                                    process_group=_save_group())
+        return Pending(future, path)
+    writer = Writer(path, record, local=FLIGHT.alone, on_complete=on_complete)
+    with FLIGHT.waiting(what), named_errors(path, "write"):
+        dcp.save(state, storage_writer=writer)
     return None
 
 
-def load(program: Program, path: Any) -> tuple[int, dict]:
-    """``ParallelModel.load_checkpoint``: every piece this rank holds read in place, then the
-    hyperparameters and this rank's random state restored; returns the saved step count and
-    the user's ``extra``."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import FileSystemReader
+class Pending:
+    """An asynchronous save in flight: ``result()`` waits until its marker is written, and raises
+    its failure as one ``CheckpointError`` naming the checkpoint."""
+
+    def __init__(self, future: Any, path: Path) -> None:
+        self.future, self.path = future, path
+
+    def done(self) -> bool:
+        return self.future.done()
+
+    def result(self, timeout: float | None = None) -> None:
+        with named_errors(self.path, "write"):
+            self.future.result(timeout)
+
+
+_SAVE_GROUP: list[Any] = [None, None]  # (the default group it was made beside, the group for async saves)
+
+
+def _save_group() -> Any:
+    """A gloo group beside the default one for the background saves (made once: a collective)."""
+    if not dist.is_initialized():
+        return None
+    default = dist.distributed_c10d._get_default_group()
+    if _SAVE_GROUP[0] is not default:
+        try:
+            timeout = default._get_backend(torch.device("cpu")).options._timeout
+        except (RuntimeError, AttributeError):
+            timeout = None
+        _SAVE_GROUP[:] = [default, dist.new_group(backend="gloo", timeout=timeout)]
+    return _SAVE_GROUP[1]
+
+
+@contextlib.contextmanager
+def named_errors(path: Path, doing: str) -> Iterator[None]:
+    """Every failure of DCP's (its CheckpointException is a BaseException) as one CheckpointError."""
+    from torch.distributed.checkpoint.api import CheckpointException
 
     try:
-        saved = FileSystemReader(str(path)).read_metadata()
-    except (OSError, ValueError) as e:
-        raise PartitaError(f"{path} is not a checkpoint: {e}",
-                           hint="pass a directory written by save_checkpoint (or checkpoint_dir=)") from e
-    keys = set(saved.state_dict_metadata)
-    state = training_state(program)
-    missing = sorted(f"model/{k}" for k in state["model"] if f"model.{k}" not in keys)
-    if missing:
-        raise PartitaError(f"checkpoint {path} lacks {len(missing)} tensor(s) of this model, e.g. "
-                           f"{', '.join(missing[:3])}", hint="load a checkpoint of the same model")
-    state["optim"] = {k: v for k, v in state["optim"].items() if f"optim.{k}" in keys}
-    state["rng"] = {k: v for k, v in state["rng"].items() if f"rng.{k}" in keys}
-    state["meta"] = ""
-    dcp.load(state, checkpoint_id=str(path))
-    meta = json.loads(state["meta"])
-    for opt in _optimizers(program):
-        for g, saved_g in zip(opt.param_groups, meta.get("param_groups", [])):
-            g.update(saved_g)
-    if program.updates is not None:
-        program.updates.masters_to_params()  # mixed precision: the masters cast into the parameters
-    if program.zero is not None:
-        program.zero.shards_to_params()  # ZeRO-1/2: every rank's slice back into the full parameters
-    for packed in state["rng"].values():
-        set_rng_state(packed)
-    return int(meta.get("step", 0)), dict(meta.get("extra", {}))
+        with warnings.catch_warnings():  # DCP warns that one process is one process
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            yield
+    except CheckpointError:
+        raise
+    except (CheckpointException, Exception) as e:  # (anything DCP raises becomes one message)
+        failures = getattr(e, "failures", None) or {0: (e, None)}
+        inner = failures[min(failures)][0]
+        if _lost_a_peer(inner):  # a peer vanished (a lost node, the watchdog): not this checkpoint's fault
+            raise inner from None
+        raise _as_error(e, path, doing) from None
 
 
-COMPLETE = "partita-complete.json"  # written last, by rank 0, once every rank's write has returned
-
-
-def step_dir(root: Any, step: int) -> Path:
-    return Path(root) / f"step-{step:08d}"
-
-
-def latest(root: Any) -> Path | None:
-    """The newest complete checkpoint under ``root`` (a save a kill interrupted has no marker)."""
-    root = Path(root)
-    done = sorted(p for p in root.glob("step-*") if (p / COMPLETE).is_file()) if root.is_dir() else []
-    return done[-1] if done else None
-
-
-def save_periodic(program: Program, root: Any, *, step: int, extra: dict | None = None) -> Path:
-    """Save under ``root/step-NNNNNNNN`` and mark it complete once every rank has written."""
-    path = step_dir(root, step)
-    save(program, path, step=step, extra=extra)
-    if dist.is_initialized():
-        dist.barrier()
-    if program.ctx.rank == 0:
-        tmp = path / (COMPLETE + ".tmp")
-        tmp.write_text(json.dumps({"step": step, "world_size": program.ctx.world_size}))
-        tmp.rename(path / COMPLETE)  # atomic: a reader sees the marker whole or not at all
-    return path
+def _as_error(e: BaseException, path: Path, doing: str) -> CheckpointError:
+    failures = getattr(e, "failures", None)
+    if failures:
+        rank, (inner, _) = min(failures.items(), key=lambda kv: kv[0])
+        if isinstance(inner, CheckpointError):
+            return inner
+        reason = f"{type(inner).__name__}: {inner}" + (f" (rank {rank})" if len(failures) < 2 else "")
+    else:
+        reason = f"{type(e).__name__}: {e}"
+    hint = ("free space on that file system, or keep fewer checkpoints (keep_last=)" if doing == "write"
+            else "load another checkpoint (with checkpoint_dir= the run falls back to the newest intact one)")
+    return CheckpointError(f"cannot {doing} checkpoint {path}: {reason.strip()}", hint=hint)

@@ -1,0 +1,92 @@
+"""Periodic checkpoints under one folder (``checkpoint_dir``): where each goes, which are kept,
+and which one a restart resumes from.
+
+Every ``checkpoint_every`` steps a checkpoint is written to ``step-NNNNNNNN`` (in the background
+by default: runtime/state/sharded.py ``save``). Once its marker is written, the coordinator deletes
+all but the newest ``keep_last`` complete checkpoints (``DEFAULT_KEEP_LAST``; 0 keeps every one)
+and the saves older than the newest complete one that never completed. A restart resumes from the
+newest complete checkpoint whose files match their digests; each newer one that does not is
+skipped, with one line saying why (``resume_point``).
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+from partita.runtime.program import Program
+from partita.runtime.state.marker import COMPLETE, CheckpointError, read_marker, verify
+from partita.runtime.state.sharded import Pending, save
+
+DEFAULT_KEEP_LAST = 3  # enough that a damaged newest one leaves two to fall back to
+_STEP = re.compile(r"step-(\d+)")
+
+
+def step_dir(root: Any, step: int) -> Path:
+    return Path(root) / f"step-{step:08d}"
+
+
+def _steps(root: Any) -> list[Path]:
+    """The step folders under ``root``, oldest first."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    return sorted((p for p in root.iterdir() if _STEP.fullmatch(p.name) and p.is_dir()),
+                  key=lambda p: int(p.name[5:]))
+
+
+def complete(root: Any) -> list[Path]:
+    """The checkpoints under ``root`` that have their completion marker, oldest first."""
+    return [p for p in _steps(root) if (p / COMPLETE).is_file()]
+
+
+def latest(root: Any) -> Path | None:
+    """The newest complete checkpoint under ``root`` (a save a kill interrupted has no marker)."""
+    done = complete(root)
+    return done[-1] if done else None
+
+
+def prune(root: Any, keep_last: int) -> list[Path]:
+    """Delete all but the newest ``keep_last`` complete checkpoints (0: keep all) and the
+    interrupted saves older than the newest complete one; returns what was deleted."""
+    steps = _steps(root)
+    done = [p for p in steps if (p / COMPLETE).is_file()]
+    if not done:
+        return []
+    newest = int(done[-1].name[5:])
+    doomed = [p for p in steps if p not in done and int(p.name[5:]) < newest]
+    if keep_last > 0:
+        doomed += done[:-keep_last]
+    for p in doomed:
+        shutil.rmtree(p, ignore_errors=True)
+    return doomed
+
+
+def resume_point(root: Any) -> tuple[Path | None, list[str]]:
+    """The newest complete checkpoint under ``root`` whose every file matches its digest (a
+    collective: the files are shared out over the ranks), and a line for each newer one skipped.
+    None when there is no complete checkpoint; one ``CheckpointError`` when none is intact."""
+    skipped: list[str] = []
+    for path in reversed(complete(root)):
+        try:
+            verify(path, read_marker(path))
+        except CheckpointError as e:
+            skipped.append(e.message)
+            continue
+        return path, skipped
+    if skipped:
+        raise CheckpointError(f"no intact checkpoint to resume from in {root}: {'; '.join(skipped)}",
+                              hint="move the damaged checkpoints away to start afresh, or point checkpoint_dir "
+                              "at another folder")
+    return None, []
+
+
+def save_periodic(program: Program, root: Any, *, step: int, extra: dict | None = None, async_save: bool = True,
+                  keep_last: int = DEFAULT_KEEP_LAST, buffers: dict | None = None) -> Pending | None:
+    """Save under ``root/step-NNNNNNNN`` (its marker written once every rank has written); then the
+    coordinator prunes ``root`` to ``keep_last`` (``prune``). ``buffers``: the CPU copies of the
+    previous asynchronous save, reused (the caller waited for it)."""
+    return save(program, step_dir(root, step), step=step, extra=extra, async_save=async_save,
+                on_complete=lambda _: prune(root, keep_last), buffers=buffers)
