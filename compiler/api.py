@@ -16,15 +16,15 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from partita.core.errors import PartitaError
+from partita.core.files import same_file
 from partita.core.inputs import parse_input_spec
-from partita.core.options import Options
+from partita.core.options import Options, environment_option
 from partita.core.plan import Plan
 from partita.core.verify import load_plan, verified_plan
 
@@ -95,13 +95,12 @@ def plan_for(module: torch.nn.Module, options: Options, world_size: int) -> Plan
     from partita.core.capture import capture
     from partita.core.graph import graph_fingerprint, to_networkx
 
-    launched = os.environ.get("PARTITA_PLAN")
-    if options.plan and launched and not _same_file(options.plan, launched):
-        raise PartitaError(f"the script asks for plan {options.plan}, but `partita run` was given {launched}",
-                           hint="drop plan= from parallelize(...) to run what `partita run` is given, "
-                           "or run that plan")
-    plan_path = options.plan or launched
+    plan_path = options.plan  # plan= or, left out, the one `partita run` gives (PARTITA_PLAN)
     if plan_path:
+        from partita.compiler import elastic
+
+        if elastic.elastic() and load_plan(plan_path).world_size != world_size:  # a node lost or back
+            return elastic.replan(module, load_plan(plan_path), options, world_size)
         plan = load_plan(plan_path, world_size=world_size)
         specs = tuple(parse_input_spec(s) for s in plan.model.inputs)
         targets = parse_input_spec(plan.model.targets) if plan.model.targets else None
@@ -121,19 +120,19 @@ def plan_for(module: torch.nn.Module, options: Options, world_size: int) -> Plan
                                                  world_size=world_size)).plan
 
 
-def _same_file(a: str, b: str) -> bool:
-    try:
-        return os.path.samefile(a, b)
-    except OSError:
-        return os.path.abspath(a) == os.path.abspath(b)
-
-
 def _wrap(module: torch.nn.Module, options: Options) -> Any:
     from partita.runtime.distributed import init_distributed
     from partita.runtime.engine import apply_plan
 
-    options = options.with_environment()  # what `partita run` passes the ranks, checked as keywords are
+    # first: under torchrun a refusal from here on is one message (runtime/distributed.py); the
+    # watchdog's limit is the keyword's, else PARTITA_WATCHDOG_S's
     ctx = init_distributed(watchdog_s=options.watchdog_s)
+    launched = environment_option("plan")  # the plan `partita run` was given
+    if options.plan and launched and not same_file(options.plan, launched):
+        raise PartitaError(f"the script asks for plan {options.plan}, but `partita run` was given {launched}",
+                           hint="drop plan= from parallelize(...) to run what `partita run` is given, "
+                           "or run that plan")
+    options = options.with_environment()  # what `partita run` passes the ranks, checked as keywords are
     if ctx.world_size == 1:
         plan = plan_for(module, options, 1)
     else:

@@ -18,7 +18,6 @@ import math
 import re
 import sys
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any
 
 import click
@@ -26,9 +25,12 @@ from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeEl
 from rich.table import Table
 
 from partita.compiler.console import console, err_console
+from partita.compiler.flags import FLOAT, INT, Number, verbose_flag
 from partita.compiler.report import plain
-from partita.core.errors import PartitaError, writable_path, write_text
-from partita.core.options import ALIASES, RUN, Options, flag_of, option_fields
+from partita.compiler.run import NodeCount
+from partita.core.errors import PartitaError
+from partita.core.files import writable_path, write_text, writes
+from partita.core.options import ALIASES, Options, flag_of, option_fields
 
 
 def _progress() -> Progress:
@@ -50,7 +52,7 @@ def option_flags(command: str) -> Callable[[Any], Any]:
             f = _flag(fld)(f)
             for alias, name in ALIASES.items():
                 if name == fld.name:
-                    f = click.option(f"--{alias}", alias, type=int, default=None, hidden=True)(f)
+                    f = click.option(f"--{alias}", alias, type=INT, default=None, hidden=True)(f)
         return f
 
     return decorate
@@ -62,7 +64,8 @@ def _flag(fld: Any) -> Any:
         if fld.default is None:  # three ways: on, off, or (unset) the planner's choice
             return click.option(f"{flag}/--no-{flag[2:]}", fld.name, default=None, help=m["help"])
         return click.option(flag, fld.name, is_flag=True, default=None, help=m["help"])
-    kind = click.Choice([str(c) for c in m["choices"]]) if m["choices"] else (m["kind"] or str)
+    kind = click.Choice([str(c) for c in m["choices"]]) if m["choices"] else {int: INT, float: FLOAT}.get(
+        m["kind"], m["kind"] or str)
     return click.option(flag, fld.name, type=kind, default=() if m["multiple"] else None, multiple=m["multiple"],
                         metavar=m["metavar"], help=m["help"])
 
@@ -97,7 +100,7 @@ def _flag_values(values: dict[str, Any]) -> dict[str, Any]:
 
         given["loss"] = load_function(loss)
     out = given.get("output")
-    if isinstance(out, str) and out.lstrip("-").isdigit():
+    if isinstance(out, str) and out.isascii() and out.lstrip("-").isdigit():
         given["output"] = int(out)
     return given
 
@@ -107,6 +110,8 @@ def _flag_values(values: dict[str, Any]) -> dict[str, Any]:
 @option_flags("compile")
 @click.option("-o", "--output", "plan_path", metavar="PATH", default="plan.json", show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="print the plan as JSON instead of tables")
+@verbose_flag
+@writes("plan_path")
 def compile_cmd(target: str, plan_path: str, as_json: bool, **values: Any) -> None:
     """Capture TARGET (FILE.py:NAME), analyse it, and write a plan for the cluster."""
     from partita.compiler.compile import compile_model
@@ -147,6 +152,7 @@ def show(plan_path: str, as_json: bool) -> None:
 @click.argument("plan_path", metavar="PLAN.json")
 @click.option("-o", "--output", metavar="PATH", default=None,
               help="write the sealed plan here (default: over PLAN.json)")
+@writes("output", replaces=("plan_path",))
 def verify(plan_path: str, output: str | None) -> None:
     """Run every check on a plan (edited by hand, say) and seal it again when all pass.
 
@@ -184,6 +190,7 @@ def parse_count(text: str) -> int:
 @click.option("--params", "params_text", default=None, help="a parameter count instead of a model, e.g. 65B")
 @option_flags("estimate")
 @click.option("--json", "as_json", is_flag=True)
+@verbose_flag
 def estimate(target: str | None, params_text: str | None, as_json: bool, **values: Any) -> None:
     """What fits: per-device memory of DP and ZeRO-1/2/3, and each one's traffic per step (--dp:
     the data-parallel degree, default every device)."""
@@ -220,7 +227,9 @@ def estimate(target: str | None, params_text: str | None, as_json: bool, **value
             raise PartitaError(f"{target} needs example inputs", hint="pass --input NAME=DTYPE[SHAPE]")
         with _progress() as progress:
             task = progress.add_task("capturing and analysing", total=1)
-            profile = profile_model(capture(model.factory, options.inputs, name=model.name))
+            # a training estimate captures the loss too: its transients are the step's largest
+            profile = profile_model(capture(model.factory, options.inputs, name=model.name,
+                                            loss=None if inference else options.loss, targets=options.targets))
             progress.update(task, completed=1)
         global_batch = options.batch if options.batch is not None else profile.batch_size
         if global_batch % dp:
@@ -231,11 +240,15 @@ def estimate(target: str | None, params_text: str | None, as_json: bool, **value
         held += profile.kv_cache_bytes(mb, (profile.seq_len or 0) + generate) if generate else 0
         activations = int(held * activation_scale(precision, profile.param_dtype))
         num_params, name = profile.num_params, profile.name
+        if not inference:  # what the step holds beyond the state and the saved activations, and the layers' sizes
+            extra = _estimate_extras(profile, mb, precision, cluster.device)
+            activations += extra.pop("autocast")
         note = (f"{'the forward' + chr(39) + 's largest live set' if inference else 'activations'} at micro-batch "
                 f"{mb} per device (no accumulation)"
                 + (f", plus the KV cache of {(profile.seq_len or 0) + generate} tokens" if generate else ""))
     rows = estimate_strategies(num_params, activations, cluster, dp=dp, precision=precision, optimizer=optimizer,
-                               inference=inference)
+                               inference=inference, reduce_dtype=options.reduce_dtype,
+                               **(extra if model is not None and not inference else {}))
     if as_json:
         click.echo(json.dumps({
             "model": name, "num_params": num_params, "cluster": cluster.name, "world_size": cluster.world_size,
@@ -244,25 +257,103 @@ def estimate(target: str | None, params_text: str | None, as_json: bool, **value
                 "name": r.name, "zero_stage": r.zero_stage, "params": r.memory.params, "grads": r.memory.grads,
                 "optimizer": r.memory.optimizer, "activations": r.memory.activations, "total": r.memory.total,
                 "capacity": r.memory.capacity, "fits": r.fits, "traffic_bytes": r.traffic_bytes, "comm_s": r.comm_s,
+                "transient": r.memory.transient, "collectives": r.memory.collectives, "step": r.memory.step,
+                "allocator": r.memory.allocator, "terms": dict(r.terms), "deepspeed": r.deepspeed,
+                "left_out": dict(r.left_out),
             } for r in rows],
         }, indent=2))
         return
-    t = Table(title=f"what fits: {name} ({fmt_count(num_params)} params), {precision} {optimizer}, "
-                    f"dp={dp} on {cluster.name} ({cluster.nodes}x{cluster.gpus_per_node} {cluster.device_name})",
+    t = Table(title=plain(f"what fits: {name} ({fmt_count(num_params)} params), {precision} {optimizer}, dp={dp} "
+                          f"on {cluster.name} ({cluster.nodes}x{cluster.gpus_per_node} {cluster.device_name})"),
               title_justify="left")
-    for col in ("strategy", "params", "grads", "optimizer", "activations", "total/device", "usable", "fits",
-                "traffic/step", "comm time"):
+    for col in ("strategy", "params", "grads", "optimizer", "activations", "transient + buffers", "allocator",
+                "total/device", "usable", "fits", "DeepSpeed's estimate", "traffic/step", "comm time"):
         t.add_column(col)
     for r in rows:
-        t.add_row(r.name, *memory_row(r.memory), fmt_bytes(r.traffic_bytes), fmt_time(r.comm_s))
+        m = r.memory
+        cells = memory_row(m)
+        t.add_row(r.name, *cells[:4], fmt_bytes(m.total - m.state - m.activations - m.allocator),
+                  fmt_bytes(m.allocator), *cells[4:], "-" if r.deepspeed is None else fmt_bytes(r.deepspeed),
+                  fmt_bytes(r.traffic_bytes), fmt_time(r.comm_s))
     console.print(t)
-    console.print(f"[dim]{note}; usable = {fmt_bytes(cluster.memory_bytes)} less "
-                  f"{cluster.memory_reserve:.0%} reserve; traffic in {element_bytes(precision)}-byte elements[/]")
+    console.print(f"[dim]{note}; at the step's peak: the state and the larger of the backward's side (activations, "
+                  f"the costliest op's transient, ZeRO's buffers) and the optimizer step's (fp32 gradients); usable = "
+                  f"{fmt_bytes(cluster.memory_bytes)} less {cluster.memory_reserve:.0%} reserve; traffic in "
+                  f"{element_bytes(precision)}-byte elements[/]")
+    for r in rows:
+        counted = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in r.terms.items())
+        left = ", ".join(k if v is None else f"{k} {fmt_bytes(v)}" for k, v in r.left_out.items())
+        if counted or left:
+            console.print(f"[dim]{r.name}: counted {counted or 'no runtime buffers'}"
+                          + (f"; DeepSpeed's terms not counted: {left}" if left else "") + "[/]")
+
+
+def _estimate_extras(profile: Any, micro_batch: int, precision: str, device: str) -> dict[str, Any]:
+    """What `partita estimate` counts of a captured model beyond its saved activations: the costliest
+    op's transient, autocast's fp32 copies, and the sizes the runtime's buffers and DeepSpeed's
+    estimators go by (the largest parameter, the largest module's own parameters, ZeRO-3's largest
+    unit: a repeated layer)."""
+    from partita.core.buckets import unit_of
+    from partita.passes.peak_memory import graph_autocast, graph_transient
+
+    G = profile.graph
+    args = dict(micro_batch=micro_batch, batch=profile.batch_size, precision=precision, device=device,
+                captured=profile.param_dtype)
+    params = {a["param_name"]: math.prod(a["shapes"][0]) for _, a in G.nodes(data=True) if a["kind"] == "param"}
+    modules: dict[str, int] = {}
+    units: dict[str, int] = {}
+    layers = [layer for r in profile.repeated for layer in r.layers]
+    for qual, n in params.items():
+        modules[qual.rpartition(".")[0]] = modules.get(qual.rpartition(".")[0], 0) + n
+        units[unit_of(qual, layers)] = units.get(unit_of(qual, layers), 0) + n
+    return {"transient_bytes": round(graph_transient(G, **args)[0]), "autocast": round(graph_autocast(G, **args)),
+            "largest_param": max(params.values(), default=0), "largest_layer": max(modules.values(), default=0),
+            "unit_numel": max(units.values(), default=0), "tensors": G.graph.get("step_peak_tensors", 0)}
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _calibrate_gpu(output: str) -> None:
+    """`partita calibrate --device cuda`: runtime/calibrate.py ``calibrate_gpu`` into a cluster file."""
+    import datetime
+
+    from partita.compiler.report import fmt_bytes, fmt_time
+    from partita.passes.calibrated import calibrated_gpu
+    from partita.runtime.calibrate import calibrate_gpu
+
+    writable_path(output)
+    try:
+        with _progress() as progress:
+            task = progress.add_task("measuring GEMMs, memory, launches and NCCL on this machine's GPUs", total=1)
+            r = calibrate_gpu()
+            progress.update(task, completed=1)
+    except RuntimeError as e:
+        raise PartitaError(f"cannot calibrate a GPU: {e}", hint="pass --device cpu to measure CPU processes") from e
+    spec = calibrated_gpu(r, date=datetime.date.today().isoformat())
+    write_text(output, spec.to_toml())
+    t = Table(title=f"calibration: {plain(r.device_name)} x {r.devices}", show_header=False, title_justify="left")
+    t.add_row("GEMM efficiency (bf16, large)", f"{r.efficiency:.3f} of {r.peak_flops / 1e12:.0f} TFLOP/s "
+              f"({plain(r.peak_source)})")
+    t.add_row("per-kernel cost", fmt_time(r.kernel_s))
+    for m, n, k, sec in r.gemm:
+        t.add_row(f"  GEMM {m} x {n} x {k}", f"{2 * m * n * k / sec / 1e12:.0f} TFLOP/s")
+    t.add_row("memory bandwidth (copy)", f"{fmt_bytes(r.hbm_bandwidth)}/s")
+    t.add_row("elementwise ops reach", f"{r.memory_efficiency:.2f} of it")
+    t.add_row("launching an op (host)", fmt_time(r.launch_s))
+    t.add_row("attention efficiency", f"{r.attention_efficiency:.3f}")
+    if r.allreduce_beta:
+        t.add_row("NCCL all-reduce beta / alpha", f"{fmt_bytes(r.allreduce_beta)}/s / {fmt_time(r.allreduce_alpha)}")
+    console.print(t)
+    console.print(f"cluster file written to [bold]{plain(output)}[/]; use it with --cluster {plain(output)}")
 
 
 def calibrated_cluster(r: Any) -> Any:
     """The cluster file's figures from a calibration (``runtime.calibrate.CalibrationResult``)."""
-    from partita.passes.cost_model import calibrated_local
+    from partita.passes.calibrated import calibrated_local
 
     return calibrated_local(nproc=r.nproc, cpu_name=r.cpu_name, memory_bytes=r.memory_bytes_per_process,
                             matmul_flops=r.matmul_flops, beta=r.allreduce_beta, alpha=r.allreduce_alpha,
@@ -271,13 +362,20 @@ def calibrated_cluster(r: Any) -> Any:
 
 
 @cli.command()
-@click.option("--nproc", type=int, default=4, show_default=True, help="local processes to measure between")
+@click.option("--nproc", type=INT, default=4, show_default=True, help="local processes to measure between")
 @click.option("-o", "--output", metavar="PATH", default="local.toml", show_default=True)
-def calibrate(nproc: int, output: str) -> None:
-    """Measure this machine (matmul FLOP/s, memory bandwidth, gloo all-reduce bandwidth and latency,
-    each collective's cost per call) into a cluster file."""
+@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True,
+              help="what to measure: CPU processes on gloo, or this machine's GPUs (auto: cuda where torch sees one)")
+@writes("output")
+def calibrate(nproc: int, output: str, device: str) -> None:
+    """Measure this machine into a cluster file: on CPU, matmul FLOP/s, memory bandwidth, gloo all-reduce
+    bandwidth and latency and each collective's cost per call; on a GPU, GEMM efficiency by shape, memory
+    bandwidth, the cost of launching an op, attention's efficiency and NCCL's collectives."""
     from partita.runtime.calibrate import calibrate as measure
 
+    if device == "cuda" or (device == "auto" and _cuda_available()):
+        _calibrate_gpu(output)
+        return
     if nproc < 2:
         raise PartitaError(f"--nproc {nproc}: calibration needs at least 2 processes",
                            hint="pass --nproc 2 or more (one per device it measures between)")
@@ -305,13 +403,17 @@ def calibrate(nproc: int, output: str) -> None:
 
 @cli.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
 @option_flags("run")
-@click.option("--max-restarts", type=click.IntRange(min=0), default=0, show_default=True,
+@click.option("--max-restarts", type=Number(int, low=0), default=0, show_default=True,
               help="restart every rank this many times after one dies (torchrun's elastic restarts); "
               "with --checkpoint-dir the run resumes from its newest complete checkpoint")
-@click.option("--nnodes", type=click.IntRange(min=1), default=None,
+@click.option("--nnodes", type=NodeCount(), default=None, metavar="N|MIN:MAX",
               help="nodes taking part (each runs `partita run` with the same plan); default: the plan's, or "
-              "SLURM_NNODES under SLURM")
-@click.option("--node-rank", type=click.IntRange(min=0), default=None,
+              "SLURM_NNODES under SLURM. MIN:MAX runs elastically: a lost node's survivors plan again for their "
+              "own number and resume from the newest checkpoint; a node that comes back joins at the next one")
+@click.option("--rejoin-wait", type=Number(float, low=0), default=30.0, show_default=True, metavar="SECONDS",
+              help="with --nnodes MIN:MAX: after a node is lost, how long a restart waits for it before the "
+              "survivors go on without it")
+@click.option("--node-rank", type=Number(int, low=0), default=None,
               help="this node's rank among --nnodes (node 0 hosts the rendezvous); default under SLURM: SLURM_NODEID")
 @click.option("--rdzv-endpoint", default=None, metavar="HOST:PORT",
               help="the c10d rendezvous every node joins (several nodes; default under SLURM: the first node:29500)")
@@ -319,69 +421,27 @@ def calibrate(nproc: int, output: str) -> None:
 @click.argument("plan_path", metavar="PLAN.json")
 @click.argument("script")
 @click.argument("args", nargs=-1, type=click.UNPROCESSED)
-def run(max_restarts: int, nnodes: int | None, node_rank: int | None, rdzv_endpoint: str | None,
-        standalone: bool, plan_path: str, script: str, args: tuple[str, ...], **values: Any) -> None:
+@writes("trace", "checkpoint_dir")
+def run(max_restarts: int, nnodes: tuple[int, int] | None, rejoin_wait: float, node_rank: int | None,
+        rdzv_endpoint: str | None, standalone: bool, plan_path: str, script: str, args: tuple[str, ...],
+        **values: Any) -> None:
     """Launch SCRIPT under torchrun with one process per device of PLAN.json.
 
     The script's `partita.parallelize(...)` picks the plan up from the
     PARTITA_PLAN environment variable (and the trace path from PARTITA_TRACE);
     `partita view PLAN.json --trace TRACE.json` puts the measured schedule beside the predicted one.
     """
-    import os
+    from partita.compiler.run import start
 
-    from partita.core.verify import load_plan
-    from partita.runtime.engine import refuse_unsupported
-    from partita.runtime.launch import launch, slurm_layout
-
-    plan = load_plan(plan_path)
-    refuse_unsupported(plan)  # once, here, before any process starts
-    if not Path(script).is_file():
-        raise PartitaError(f"script {script} does not exist",
-                           hint="pass the training script that calls partita.parallelize(...), then its arguments")
-    slurm = slurm_layout()
-    planned_nodes = int(plan.cluster.get("nodes", 1)) if plan.cluster.get("device") != "cpu" else 1
-    nodes = nnodes or (slurm.nnodes if slurm else 1)
-    if standalone and nnodes not in (None, 1):
-        raise PartitaError(f"--standalone starts every rank on this host, but --nnodes {nnodes} spreads them "
-                           f"over {nnodes} nodes", hint="drop one of --standalone and --nnodes")
-    if standalone:
-        nodes = 1
-    elif nnodes is None and slurm is None and planned_nodes > 1:
-        raise PartitaError(
-            f"this plan is for {planned_nodes} nodes of {plan.world_size // planned_nodes} devices; starting all "
-            f"{plan.world_size} processes on this host is not what it was planned for",
-            hint=f"run `partita run --nnodes {planned_nodes} --node-rank R --rdzv-endpoint HOST:PORT {plan_path} "
-            f"{script}` on every node (under SLURM they are filled in), or pass --standalone to start them all here")
-    if plan.world_size % nodes:
-        raise PartitaError(f"--nnodes {nodes} does not divide the plan's {plan.world_size} ranks",
-                           hint="pass a number of nodes that divides the plan's ranks, or recompile for these nodes")
-    endpoint = rdzv_endpoint or (slurm.rdzv_endpoint if slurm and nodes > 1 else None)
-    if nodes > 1 and endpoint is None:
-        raise PartitaError(f"{nodes} nodes need a rendezvous every node can reach",
-                           hint="pass --rdzv-endpoint HOST:PORT (the same on every node)")
-    # the run options reach every rank through the environment, checked here as the decorator checks them
-    options = flag_options(values)
-    env = dict(os.environ, PARTITA_PLAN=str(Path(plan_path).resolve()))
-    for fld in option_fields(RUN, command="run"):
-        value = getattr(options, fld.name)
-        if value is not None:
-            env[fld.metadata["env"]] = str(Path(value).resolve()) if fld.metadata["path"] else f"{value:g}" \
-                if isinstance(value, float) else str(value)
-    rank = node_rank if node_rank is not None else (slurm.node_rank if slurm else None)
-    if nodes > 1 and rank is None:
-        raise PartitaError(f"{nodes} nodes: which one is this?", hint="pass --node-rank R (0 on the node that "
-                           "hosts the rendezvous, 1 to N-1 on the others)")
-    if rank is not None and rank >= nodes:
-        raise PartitaError(f"--node-rank {rank} is not below --nnodes {nodes}",
-                           hint="node ranks run from 0 to --nnodes minus 1")
-    sys.exit(launch(plan.world_size // nodes, [script, *args], env=env, max_restarts=max_restarts, nnodes=nodes,
-                    rdzv_endpoint=endpoint, run_id=slurm.run_id if slurm else None, node_rank=rank))
+    sys.exit(start(plan_path, script, args, lambda: flag_options(values), max_restarts=max_restarts, nnodes=nnodes,
+                   rejoin_wait=rejoin_wait, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint, standalone=standalone))
 
 
 @cli.command()
-@click.option("--nproc", type=int, default=4, show_default=True)
-@click.option("--steps", type=int, default=5, show_default=True)
+@click.option("--nproc", type=Number(int, low=1), default=4, show_default=True)
+@click.option("--steps", type=Number(int, low=1), default=5, show_default=True)
 @click.option("-o", "--output", metavar="PATH", default="demo.plan.json", show_default=True)
+@writes("output")
 def demo(nproc: int, steps: int, output: str) -> None:
     """Plan the example GPT for `local`, train it on NPROC gloo processes, check against one process."""
     from partita.compiler.demo import run_demo
@@ -399,6 +459,7 @@ def _register_plan_readers() -> None:
 
 
 _register_plan_readers()
+
 
 
 def report_error(e: PartitaError) -> None:

@@ -35,6 +35,7 @@ from partita.core.plan import (
 )
 from partita.core.precision import activation_scale, compute_dtype, element_bytes
 from partita.core.tp.layout import layout_decisions
+from partita.passes.calibrated import prediction_sources
 from partita.passes.cost_model import node_compute_time
 from partita.passes.dp.zero import zero_units
 from partita.passes.flops import annotate_flops
@@ -292,6 +293,7 @@ def build_plan(
         tokens_per_s=B * profile.seq_len / step if profile.seq_len else None,
         model_tflops_per_device=achieved / 1e12,
         mfu=achieved / peak,
+        sources=prediction_sources(cluster),
     )
     Gm = micro_graph if micro_graph is not None else G
     missing = _strategies_not_offered(Gm, d)

@@ -95,7 +95,7 @@ def run_demo(*, nproc: int, steps: int, output: str, console: Any, progress: Any
     from rich.table import Table
 
     from partita.compiler.compile import compile_model
-    from partita.compiler.report import plan_summary
+    from partita.compiler.report import plain, plan_summary
     from partita.core.cluster import load_cluster
     from partita.core.inputs import parse_input_spec
     from partita.runtime.launch import run_torchrun
@@ -135,7 +135,7 @@ def run_demo(*, nproc: int, steps: int, output: str, console: Any, progress: Any
     ok = loss_err < 1e-4 and param_err < 1e-4
     verdict = "[bold green]match[/]" if ok else "[bold red]MISMATCH[/]"
     console.print(f"{verdict}: max loss difference {loss_err:.2e}, max parameter difference {param_err:.2e} "
-                  f"after {steps} steps; plan written to [bold]{plan_path}[/]; "
+                  f"after {steps} steps; plan written to [bold]{plain(plan_path)}[/]; "
                   f"{time.perf_counter() - t_start:.1f} s in all")
     if not ok:
         raise PartitaError("the parallel run did not match the single-process run",

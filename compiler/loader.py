@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from partita.core.errors import ModelLoadError
+from partita.core.files import check_regular_file
 
 
 @dataclass(frozen=True)
@@ -54,10 +55,8 @@ def _import(text: str) -> tuple[object, str, Path]:
     path_text, sep, name = text.rpartition(":")
     if not sep or not path_text or not name:
         raise ModelLoadError(f"{text!r} is not FILE.py:NAME", hint="e.g. examples/models.py:gpt_tiny")
-    path = Path(path_text)
-    if not path.is_file():
-        raise ModelLoadError(f"model file {path} does not exist",
-                             hint="pass FILE.py:NAME with the path of an existing Python file")
+    path = check_regular_file(path_text, what="model file", error=ModelLoadError,
+                              hint="pass FILE.py:NAME with the path of an existing Python file")
     module_name = f"_partita_user_{path.stem}"
     spec = importlib.util.spec_from_file_location(module_name, path)
     if spec is None or spec.loader is None:
@@ -71,6 +70,10 @@ def _import(text: str) -> tuple[object, str, Path]:
     except Exception as e:  # the user's file failed to import: say where
         raise ModelLoadError(f"importing {path} failed: {type(e).__name__}: {e}",
                              hint="fix the error in the model file (the chained error shows where)") from e
+    except SystemExit as e:  # a script's top level ran (sys.exit, argparse's exit): it would end partita too
+        raise ModelLoadError(f"importing {path} called sys.exit({e.code!r}): its top level runs a script",
+                             hint="put the script's code under `if __name__ == \"__main__\":`, so that importing "
+                             "the file only defines the model") from None
     finally:
         sys.path.pop(0)
     if not hasattr(mod, name):

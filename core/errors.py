@@ -8,8 +8,6 @@ its traceback.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 
 class PartitaError(Exception):
     """A user error: one clear message naming what is wrong and how to fix it."""
@@ -50,24 +48,10 @@ class ModelLoadError(PartitaError):
     """``FILE.py:NAME`` could not be loaded."""
 
 
-def writable_path(path: str | Path) -> Path:
-    """``path`` as a file to write, checked before any work is done: its folder must exist and
-    it must not be a folder itself (``-o`` of compile, view, verify, calibrate)."""
-    path = Path(path)
-    folder = path.parent
-    if not folder.is_dir():
-        raise PartitaError(f"cannot write {path}: the folder {folder} does not exist",
-                           hint=f"create it first (mkdir -p {folder}) or pass -o a path in an existing folder")
-    if path.is_dir():
-        raise PartitaError(f"cannot write {path}: it is a folder", hint="pass -o a file name")
-    return path
-
-
-def write_text(path: str | Path, text: str) -> Path:
-    """Write ``text`` to ``path`` (``writable_path``), an OS error becoming one user message."""
-    path = writable_path(path)
-    try:
-        path.write_text(text, encoding="utf-8")
-    except OSError as e:
-        raise PartitaError(f"cannot write {path}: {e.strerror or e}", hint='pass -o a path you can write to') from e
-    return path
+def printable(text: object) -> str:
+    """``text`` with its control characters written as escapes (``\x1b`` for ESC; newlines kept):
+    a name from a file or a flag cannot move the cursor, clear the screen or recolour a terminal."""
+    text = str(text)
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() or c == "\n" else repr(c)[1:-1] for c in text)

@@ -54,7 +54,12 @@ def select_output(out: Any, output: str | int | None = None) -> torch.Tensor:
         return out
     fields = _fields(out)
     if isinstance(out, (tuple, list)) and not fields:
-        index = int(output) if output is not None else 0
+        tensors = [i for i, v in enumerate(out) if isinstance(v, torch.Tensor)]
+        if output is None and len(tensors) > 1:
+            raise PartitaError(f"the model returns a {len(out)}-tuple holding {len(tensors)} tensors (elements "
+                               f"{', '.join(map(str, tensors))}): which one does the loss attach to?",
+                               hint="pass output=INDEX (or `--output-field INDEX`)")
+        index = int(output) if output is not None else (tensors[0] if tensors else 0)
         if not -len(out) <= index < len(out):
             raise PartitaError(f"the model returns a {len(out)}-tuple; output={output!r} is not in it",
                                hint="pass output= an index of the tuple the model returns")

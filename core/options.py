@@ -23,7 +23,8 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from partita.core.errors import POSITIVE_HINT, PartitaError, writable_path
+from partita.core.errors import POSITIVE_HINT, PartitaError
+from partita.core.files import check_output, writable_path
 from partita.core.plan import OPTIMIZERS
 from partita.core.precision import PRECISIONS, REDUCE_DTYPES
 from partita.core.schedule import SCHEDULES
@@ -31,6 +32,9 @@ from partita.core.schedule import SCHEDULES
 PLAN, PIN, RUN = "plan", "pin", "run"
 ZERO_STAGES = (0, 1, 2, 3)
 ALIASES = {"microbatches": "grad_accum_steps"}  # another name users know a keyword by
+NONFINITE = ("stop", "skip")  # what a step whose loss is not finite does (runtime/engine.py)
+# the options a forward-only plan has no use for: given with inference=True they are refused, not dropped
+TRAINING_ONLY = ("targets", "loss", "optimizer", "max_grad_norm")
 
 
 def option(default: Any, part: str, help: str, *, flag: str | None = "", commands: tuple[str, ...] = ("compile",),
@@ -79,7 +83,8 @@ class Options:
                              commands=("compile", "estimate"), kind=bool)
     generate: int = option(0, PLAN, "with --inference: N new tokens per sequence, whose KV cache (prompt + N) "
                            "each stage holds", commands=("compile", "estimate"), kind=int, metavar="N")
-    plan: str | None = option(None, PLAN, "a plan file to run instead of planning", flag=None)
+    plan: str | None = option(None, PLAN, "a plan file to run instead of planning", flag=None, env="PARTITA_PLAN",
+                              path=True)
 
     # -- decisions pinned (the solvers decide what is left None) ---------------------------------
     dp: int | None = option(None, PIN, "pin the data-parallel degree", commands=("compile", "estimate"), kind=int)
@@ -104,6 +109,13 @@ class Options:
                                         "complete one", commands=("run",), env="PARTITA_CHECKPOINT_DIR", path=True)
     checkpoint_every: int | None = option(None, RUN, "save a checkpoint every N steps (with --checkpoint-dir)",
                                           commands=("run",), env="PARTITA_CHECKPOINT_EVERY", kind=int, metavar="N")
+    keep_last: int | None = option(None, RUN, "keep the newest N complete checkpoints under --checkpoint-dir, "
+                                   "deleting older ones (0: keep every one) [default: 3]", commands=("run",),
+                                   env="PARTITA_KEEP_LAST", kind=int, metavar="N")
+    async_checkpoints: bool | None = option(None, RUN, "write periodic checkpoints in the background (a CPU copy "
+                                            "taken at the step; --no-async-checkpoints: the step waits for the "
+                                            "write) [default: on]", commands=("run",),
+                                            env="PARTITA_ASYNC_CHECKPOINTS", kind=bool)
     check_replicas_every: int | None = option(None, RUN, "compare replicated parameters across ranks every N "
                                               "steps (0: never)", flag=None, env="PARTITA_CHECK_REPLICAS_EVERY",
                                               kind=int)
@@ -118,10 +130,23 @@ class Options:
     compile: bool | None = option(None, RUN, "run each rank's program through torch.compile (inductor), whole "
                                   "where it can be; a graph break is reported in one line", commands=("run",),
                                   env="PARTITA_COMPILE", kind=bool)
+    seed: int | None = option(None, RUN, "the seed every rank's random ops draw from (default: rank 0's "
+                              "torch.initial_seed())", commands=("run",), env="PARTITA_SEED", kind=int, metavar="S")
+    nonfinite: str | None = option(None, RUN, "a step whose loss is NaN or infinite: stop (end the run, the parameters "
+                                   "as before it) or skip (no update; one line says so) [default: stop]",
+                                   commands=("run",), env="PARTITA_NONFINITE", choices=NONFINITE)
 
     def __post_init__(self) -> None:
         _set = object.__setattr__
         _set(self, "inputs", _input_specs(self.inputs))
+        from partita.core.cluster import ClusterSpec
+
+        if not isinstance(self.cluster, (str, os.PathLike, ClusterSpec)):
+            raise PartitaError(f"cluster={_shown(self.cluster)} is a {type(self.cluster).__name__}: cluster= takes a "
+                               "preset's name, the path of a .toml cluster file or a ClusterSpec",
+                               hint="e.g. cluster='dgx-a100' or cluster='local.toml' (`partita calibrate` writes one)")
+        if self.inference:
+            self._check_forward_only()
         if isinstance(self.targets, str):
             from partita.core.inputs import parse_input_spec
 
@@ -144,6 +169,20 @@ class Options:
                                hint="e.g. --generate 128, or leave it out")
         self._check_run()
 
+    def _check_forward_only(self) -> None:
+        """A forward-only plan has no loss, no optimizer and no backward: a training option given
+        with it is refused rather than dropped."""
+        from partita.core.losses import resolve_loss
+
+        for name in TRAINING_ONLY:
+            value = getattr(self, name)
+            if value is not None and not (name == "loss" and resolve_loss(value) == resolve_loss(None)):
+                raise PartitaError(f"{name}={_shown(value)} has no use in a forward-only plan "
+                                   "(inference)", hint=f"leave {name} out, or plan for training (without inference)")
+        if self.recompute:
+            raise PartitaError("recomputation has no use in a forward-only plan (inference): it reruns a layer's "
+                               "forward for its backward", hint="leave recompute out, or plan for training")
+
     def _check_run(self) -> None:
         if self.checkpoint_every is not None and not _whole(self.checkpoint_every, 1):
             raise PartitaError(f"checkpoint_every={self.checkpoint_every!r} must be a whole number of steps >= 1",
@@ -157,7 +196,7 @@ class Options:
             raise PartitaError(f"watchdog_s={self.watchdog_s!r} must be a number of seconds >= 0 (0 turns it off)",
                                hint="e.g. watchdog_s=600, or leave it out for the default (300 s)")
         for name, low in (("check_replicas_every", 0), ("log_every", 0), ("batch_check_every", 1),
-                          ("bucket_bytes", 1)):
+                          ("bucket_bytes", 1), ("seed", 0), ("keep_last", 0)):
             v = getattr(self, name)
             if v is not None and not _whole(v, low):
                 raise PartitaError(f"{name}={v!r} must be a whole number >= {low}",
@@ -166,8 +205,14 @@ class Options:
             v = getattr(self, name)
             if v is not None and not isinstance(v, (str, os.PathLike)):
                 raise PartitaError(f"{name}={v!r} must be a path", hint=f"pass {name}='PATH', or leave it out")
+        if self.nonfinite is not None and self.nonfinite not in NONFINITE:
+            raise PartitaError(f"nonfinite={self.nonfinite!r} is not one of {', '.join(NONFINITE)}",
+                               hint="stop ends the run at a NaN or infinite loss, skip leaves that step out")
+        read = [self.plan, self.weights]  # what the run reads: no output of it may replace one
         if self.trace is not None:
-            writable_path(self.trace)  # before the run, not after its first step
+            writable_path(self.trace, inputs=read)  # before the run, not after its first step
+        if self.checkpoint_dir is not None:
+            check_output(self.checkpoint_dir, [r for r in read if r is not None])
 
     # -- building one ------------------------------------------------------------------------------
 
@@ -197,28 +242,15 @@ class Options:
         return dataclasses.replace(self, **changes)
 
     def with_environment(self, environ: Mapping[str, str] | None = None) -> Options:
-        """The run options left unset filled in from their environment variables (`partita run`
+        """The options left unset filled in from their environment variables (`partita run`
         passes its flags that way), each checked as its keyword is; a bad value is refused naming
         the variable."""
-        environ = os.environ if environ is None else environ
         changes: dict[str, Any] = {}
         for f in dataclasses.fields(self):
-            env = f.metadata.get("env")
-            raw = environ.get(env) if env else None
-            if raw is None or raw == "" or getattr(self, f.name) is not None:
-                continue
-            kind = f.metadata.get("kind") or str
-            try:
-                value = _parse(kind, raw)
-                Options(**{f.name: value, **({"checkpoint_dir": "."} if f.name == "checkpoint_every" else {})})
-            except ValueError:
-                what = {int: "a whole number", float: "a number", bool: "1 or 0 (true or false)"}[kind]
-                raise PartitaError(f"{env}={raw!r} is not {what}",
-                                   hint=f"set {env} to {what} (see `partita run --help`), or unset it") from None
-            except PartitaError as e:
-                raise PartitaError(f"{env}={raw!r}: {e.message}",
-                                   hint=f"set {env} to a valid value, or unset it") from None
-            changes[f.name] = value
+            if getattr(self, f.name) is None:
+                value = environment_option(f.name, environ)
+                if value is not None:
+                    changes[f.name] = value
         return self.replace(**changes) if changes else self
 
     # -- what the layers below read --------------------------------------------------------------
@@ -253,6 +285,27 @@ class Options:
         if not callable(self.optimizer):
             return self.optimizer or "adamw"
         return optimizer_kind(self.optimizer)
+
+
+def environment_option(name: str, environ: Mapping[str, str] | None = None) -> Any:
+    """Option ``name``'s value from its environment variable (``PARTITA_...``; None when unset or
+    empty), parsed and checked as the keyword is: the one reader of partita's variables."""
+    f = next(f for f in dataclasses.fields(Options) if f.name == name)
+    env = f.metadata["env"]
+    raw = (os.environ if environ is None else environ).get(env) if env else None
+    if raw is None or raw == "":
+        return None
+    kind = f.metadata["kind"] or str
+    try:
+        value = _parse(kind, raw)
+        Options(**{name: value, **({"checkpoint_dir": "."} if name == "checkpoint_every" else {})})
+    except ValueError:
+        what = {int: "a whole number", float: "a number", bool: "1 or 0 (true or false)"}[kind]
+        raise PartitaError(f"{env}={raw!r} is not {what}",
+                           hint=f"set {env} to {what} (see `partita run --help`), or unset it") from None
+    except PartitaError as e:
+        raise PartitaError(f"{env}={raw!r}: {e.message}", hint=f"set {env} to a valid value, or unset it") from None
+    return value
 
 
 def option_fields(part: str | None = None, command: str | None = None) -> list[dataclasses.Field]:
@@ -329,6 +382,12 @@ def _input_specs(inputs: Any) -> tuple:
     if isinstance(inputs, (str, InputSpec)):
         inputs = [inputs]
     return tuple(s if isinstance(s, InputSpec) else parse_input_spec(s) for s in inputs)
+
+
+def _shown(value: Any) -> str:
+    """A keyword's value as a message shows it: a function by its name, a long value cut short."""
+    text = (getattr(value, "__name__", None) if callable(value) else None) or repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _whole(v: Any, low: int) -> bool:

@@ -36,7 +36,8 @@ if TYPE_CHECKING:  # torch is imported where a dtype is made: the CLI's plan rea
 
 PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed", "bf16")
 _TORCH_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}  # plan name -> torch's name
-REDUCE_DTYPES = tuple(_TORCH_NAMES)
+DTYPES = tuple(_TORCH_NAMES)  # the plan's dtype names (a cluster's FLOP rates are given per one of them)
+REDUCE_DTYPES = DTYPES
 _COMPUTE = {"fp32": "fp32", "bf16-mixed": "bf16", "fp16-mixed": "fp16", "bf16": "bf16"}
 
 

@@ -13,7 +13,9 @@ disagree, naming each disagreement, with the rules that made them (no second cop
 - parameter layouts divide the parameter's shape over tp;
 - stage indices lie within pp, stage ranks are the mesh's, nodes read only earlier stages;
 - the mesh fits the cluster, the cluster's figures are valid (``ClusterSpec``'s checks), the
-  training set-up is one partita runs, and every number is finite and not negative.
+  training set-up is one partita runs, every number is finite and not negative (and every count
+  an integer: the schema's "integer" takes no 8.0), the plan decides its graph's nodes and lists
+  the parameters it trains, and its MFU is at most 1.
 
 A seal (sha256 over the whole plan, ``plan.seal_digest``) is written at compile time and checked
 at load after these checks: a hand edit that passes them is still refused until the user runs
@@ -46,7 +48,7 @@ def verified_plan(data: Any, *, source: str = "plan", sealed: bool = True) -> Pl
 def plan_problems(plan: Plan) -> list[str]:
     """Every inconsistency of ``plan`` found without the model, in the user's words; [] if none."""
     problems: list[str] = []
-    for check in (_numbers, _model, _cluster, _training, _stages, _nodes, _params, _collectives):
+    for check in (_numbers, _contents, _model, _cluster, _training, _stages, _nodes, _params, _collectives):
         problems += check(plan)
     return problems
 
@@ -72,6 +74,19 @@ def _numbers(plan: Plan) -> list[str]:
 
     walk(plan.to_dict(seal=False), "")
     return bad[:5]  # a NaN pasted everywhere is named a few times, not thousands
+
+
+def _contents(plan: Plan) -> list[str]:
+    """What every plan `partita compile` writes holds: a decision per graph node, the parameters a
+    training plan trains, and predictions a device can reach."""
+    out = []
+    if not plan.nodes:
+        out.append("it lists no node decisions (a compiled plan has one per node of the model's graph)")
+    if not plan.params and not plan.training.inference:
+        out.append("a training plan that lists no parameters to train")
+    if plan.predicted.mfu > 1:
+        out.append(f"predicted.mfu = {plan.predicted.mfu!r}: above 1, more than the devices' peak FLOP/s")
+    return out
 
 
 def _model(plan: Plan) -> list[str]:

@@ -14,18 +14,22 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from partita.core.errors import PartitaError
 from partita.core.inputs import parse_input_spec
-from partita.runtime.collectives import CollectiveCounter
+from partita.runtime.collectives import CollectiveCounter, all_gather_flat
 from partita.runtime.program import Program
 from partita.runtime.rng import fingerprint
 
 
-def check_batch(program: Program, inputs: tuple[Any, ...], targets: Any, *, local: bool, caller: str) -> None:
+def check_batch(program: Program, inputs: tuple[Any, ...], targets: Any, *, local: bool, caller: str,
+                with_targets: bool = True) -> None:
     """Refuse a batch the plan was not made for (module docstring); ``caller`` names the call in
-    the message (``train_step``, ``evaluate``, ``the model``). ``targets`` None: not given."""
+    the message (``train_step``, ``evaluate``, ``the model``); ``with_targets``: the call takes
+    targets (a step's loss), which must then be given."""
+    if with_targets and targets is None:
+        raise PartitaError(f"{caller} got targets=None: the step's loss needs the targets",
+                           hint=f"pass them as {caller}(*inputs, targets=y)")
     plan = program.plan
     tr = plan.training
     specs = [parse_input_spec(s) for s in plan.model.inputs]
@@ -45,6 +49,9 @@ def check_batch(program: Program, inputs: tuple[Any, ...], targets: Any, *, loca
     for t, spec, what in pairs:
         if not isinstance(t, torch.Tensor):
             raise PartitaError(f"{caller} got {what} as {type(t).__name__}, not a tensor", hint="pass torch tensors")
+        if t.is_meta:
+            raise PartitaError(f"{caller} got {what} on the meta device: it has a shape but no values to compute on",
+                               hint="pass tensors with data, on the CPU or this rank's device")
         size = t.shape[0] if t.dim() > 0 else None
         if size != expected:
             raise PartitaError(
@@ -81,7 +88,7 @@ def check_same_batch(program: Program, tensors: list[torch.Tensor], counter: Col
     mine = torch.tensor([fingerprint(t) for t in tensors], dtype=torch.int64, device=ctx.device)
     every = mine.new_empty(ctx.world_size * mine.numel())
     with counter.blocking("all_gather", "world"):
-        dist.all_gather_into_tensor(every, mine)
+        all_gather_flat(every, mine)
     every = every.cpu().view(ctx.world_size, mine.numel())
     differ = [r for r in range(ctx.world_size) if not torch.equal(every[r], every[0])]
     if differ:

@@ -4,7 +4,8 @@
 in one stated order and returns this rank's ``Program`` (runtime/program.py);
 ``ParallelModel`` runs it: the micro-batch loop (or the pipeline's schedule),
 the gradient norm and clipping (runtime/grad_norm.py), the one optimizer step,
-checkpoints (runtime/state/sharded.py) and what a step reports (``StepResult``).
+checkpoints (runtime/state/: sharded.py, loading.py, periodic.py) and what a step reports
+(``StepResult``).
 
 Tracing: ``ParallelModel.write_trace(path)`` (collective: every rank calls it)
 gathers each rank's per-micro-batch forward / backward spans to rank 0, which
@@ -15,8 +16,12 @@ all steps so far when the run ends.
 
 from __future__ import annotations
 
+import atexit
 import math
+import os
+import sys
 import time
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +41,7 @@ from partita.runtime.grad_norm import clip_coefficient, global_grad_norm
 from partita.runtime.program import Program
 from partita.runtime.rng import replica_divergence
 from partita.runtime.state import full as full_state
+from partita.runtime.state import loading, periodic
 from partita.runtime.state import sharded as sharded_state
 from partita.runtime.tp.module import TensorParallel
 from partita.runtime.trace import BACKWARD, FORWARD, TraceRecorder
@@ -71,6 +77,9 @@ class ParallelModel(nn.Module):
         self.grad_norm = float("nan")  # the last step's global gradient norm (before clipping)
         self.log_every = options.log_every if options.log_every is not None else 10  # rank 0's progress line
         self.skipped_steps = 0  # fp16: steps skipped for an inf or nan gradient (the loss scale halved)
+        # a step whose loss is NaN or infinite: "stop" (raise, the parameters as before it) or "skip"
+        self.nonfinite = options.nonfinite or "stop"
+        self.nonfinite_skipped = 0  # steps left out for a loss that was not finite ("skip")
         self.batch_check_every = options.batch_check_every or 100
         # every N steps, replicated parameters compared across their groups (0: never; runtime/rng.py)
         self.check_replicas_every = options.check_replicas_every or 0
@@ -80,10 +89,16 @@ class ParallelModel(nn.Module):
         self._program = program
         self.trace = program.pipeline.trace if program.pipeline is not None else TraceRecorder(self.ctx.rank, 0)
         self._trace_path = options.trace
-        # Periodic checkpoints (runtime/state/sharded.py): every ``checkpoint_every`` steps under
-        # ``checkpoint_dir``, and a run that finds a complete one there resumes from it (a restart).
+        # Periodic checkpoints (runtime/state/periodic.py): every ``checkpoint_every`` steps under
+        # ``checkpoint_dir``, written in the background unless ``async_checkpoints=False``, the newest
+        # ``keep_last`` kept; a run that finds an intact one there resumes from it (a restart).
         self.checkpoint_dir = options.checkpoint_dir
         self.checkpoint_every = options.checkpoint_every or 0
+        self.keep_last = options.keep_last if options.keep_last is not None else periodic.DEFAULT_KEEP_LAST
+        self.async_checkpoints = options.async_checkpoints is not False
+        self._pending: sharded_state.Pending | None = None  # the periodic save being written in the background
+        self._waits_at_exit = False
+        self._staging: dict = {}  # its CPU copy, reused by the next one
         self.extra: dict = {}  # saved with every periodic checkpoint, restored on resume (e.g. the data position)
         self.resumed_from: Path | None = None
         if self.checkpoint_dir is not None:
@@ -100,7 +115,7 @@ class ParallelModel(nn.Module):
         if kwargs:
             raise PartitaError(f"a pipeline model takes its inputs positionally; got {sorted(kwargs)}",
                                hint="call model(x, ...) with the planned inputs in order")
-        check_batch(p, args, None, local=local, caller="the model")
+        check_batch(p, args, None, local=local, caller="the model", with_targets=False)
         xs = [share(p, x, local=local) for x in args]
         self.collectives.reset()
         with FLIGHT.running():
@@ -119,7 +134,10 @@ class ParallelModel(nn.Module):
         return full_state.full_state_dict(self._program, buffers=buffers)
 
     def _resume(self) -> None:
-        found = sharded_state.latest(self.checkpoint_dir)
+        found, damaged = periodic.resume_point(self.checkpoint_dir)  # the newest intact one
+        if self.ctx.rank == 0:
+            for message in damaged:
+                print(f"partita: {message}: skipped it", flush=True)
         if found is None:
             return
         self.extra = self.load_checkpoint(found)
@@ -129,7 +147,21 @@ class ParallelModel(nn.Module):
 
     def _checkpoint_if_due(self) -> None:
         if self.checkpoint_dir is not None and self.checkpoint_every and self.step % self.checkpoint_every == 0:
-            sharded_state.save_periodic(self._program, self.checkpoint_dir, step=self._step, extra=self.extra)
+            self.wait_for_checkpoint()  # one save in flight at a time
+            if self.async_checkpoints and not self._waits_at_exit:  # the last one completes before the process ends
+                atexit.register(_wait_at_exit, weakref.ref(self))
+                self._waits_at_exit = True
+            self._pending = periodic.save_periodic(self._program, self.checkpoint_dir, step=self._step,
+                                                   extra=self.extra, async_save=self.async_checkpoints,
+                                                   keep_last=self.keep_last, buffers=self._staging)
+
+    def wait_for_checkpoint(self) -> None:
+        """Wait until the periodic checkpoint being written in the background is complete (its
+        marker written); a failed write is raised here as one ``CheckpointError``."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
+
 
     def check_replicas(self) -> None:
         """Raise ``PartitaError`` naming the first parameter that the plan replicates and whose
@@ -179,10 +211,17 @@ class ParallelModel(nn.Module):
         the write goes on in the background: wait on the returned future before relying on it."""
         return sharded_state.save(self._program, path, step=self._step, extra=extra, async_save=async_save)
 
-    def load_checkpoint(self, path: str | Path) -> dict:
+    def load_checkpoint(self, path: str | Path, *, optimizer: str = "restore", partial: bool = False) -> dict:
         """Restore the state saved in ``path`` (under this plan or any other: DCP reshards), in
-        place; returns the saved ``extra``. A collective: call it on every rank."""
-        self._step, extra = sharded_state.load(self._program, path)
+        place; returns the saved ``extra``. A collective: call it on every rank.
+
+        The checkpoint must be of this model (the same tensors: names, shapes, dtypes) and this
+        optimizer (its class and hyperparameters), else nothing is loaded and one
+        ``CheckpointError`` names the first difference; so does a damaged file. Asked explicitly,
+        ``partial=True`` loads the tensors both hold and leaves the rest; ``optimizer="state"``
+        loads the optimizer's state but keeps this run's hyperparameters, ``optimizer="skip"``
+        loads no optimizer state (another optimizer's checkpoint, say)."""
+        self._step, extra = loading.load(self._program, path, optimizer=optimizer, partial=partial)
         return extra
 
     def write_trace(self, path: str | Path) -> Path | None:
@@ -273,7 +312,7 @@ class ParallelModel(nn.Module):
         tr, p = self.plan.training, self._program
         if p.pipeline is not None:
             mean = p.pipeline.train_step(xs, y, p.averager, p.dp_group, p.zero, loss_scale=self._loss_scale)
-            self._optimizer_step()
+            self._optimizer_step(skip=not self._finite(mean))
             self._step += 1
             return mean
         steps, mbs = tr.grad_accum_steps, tr.micro_batch_size
@@ -303,13 +342,32 @@ class ParallelModel(nn.Module):
         if p.averager is not None:
             p.averager.finish()
         self.trace.step += 1
-        self._optimizer_step()
-        self._step += 1
         if loss_work is not None:
             loss_work.wait()
         else:
             loss_sum.div_(steps)
-        return float(loss_sum)
+        mean = float(loss_sum)  # the same on every rank: each decides alike whether the step counts
+        self._optimizer_step(skip=not self._finite(mean))
+        self._step += 1
+        return mean
+
+    def _finite(self, loss: float) -> bool:
+        """Whether the step's mean loss is finite; if not, the ``nonfinite`` policy: "stop" raises
+        (the gradients dropped, the parameters as before the step), "skip" says so in one line and
+        the step changes nothing."""
+        if math.isfinite(loss):
+            return True
+        if self.nonfinite == "stop":
+            self._optimizer_step(skip=True)  # drops the gradients: the model stays usable
+            raise PartitaError(f"step {self._step + 1}: the loss is {loss} (not finite); the parameters are left as "
+                               "they were before this step", hint="look for NaN or inf in the batch, or lower the "
+                               "learning rate; nonfinite='skip' (PARTITA_NONFINITE=skip, `partita run --nonfinite "
+                               "skip`) leaves such steps out instead")
+        self.nonfinite_skipped += 1
+        if self.ctx.rank == 0:
+            print(f"partita: step {self._step + 1} skipped: the loss is {loss} (not finite); the parameters are "
+                  f"unchanged ({self.nonfinite_skipped} skipped so far, nonfinite='skip')", flush=True)
+        return False
 
     def _report(self, result: StepResult) -> None:
         """Rank 0: the plan once, then a progress line every ``log_every`` steps, measured next to
@@ -335,19 +393,29 @@ class ParallelModel(nn.Module):
         """What the loss is multiplied by before backward (fp16's dynamic scale, else 1)."""
         return self._program.scaler.scale if self._program.scaler is not None else 1.0
 
-    def _optimizer_step(self) -> None:
-        """The one optimizer's step on every rank, or (fp16, an inf or nan gradient on any rank) on
-        none; clipped to the plan's ``max_grad_norm`` by the global gradient norm (runtime/grad_norm.py),
-        whose all-reduce also tells every rank whether any gradient overflowed."""
+    def _optimizer_step(self, *, skip: bool = False) -> None:
+        """The one optimizer's step on every rank, or on none (``skip``: a loss that was not finite;
+        fp16: an inf or nan gradient on any rank); clipped to the plan's ``max_grad_norm`` by the
+        global gradient norm (runtime/grad_norm.py), whose all-reduce also tells every rank whether
+        any gradient overflowed. The gradients are dropped either way."""
         p = self._program
         inv_scale = 1.0 / self._loss_scale
         reduced = p.averager.reduced_grads() if p.averager is not None else {}
-        self.grad_norm = global_grad_norm(p, self.plan.mesh.tp, self.ctx.device, inv_scale, reduced)
-        skip = p.scaler is not None and not math.isfinite(self.grad_norm)
+        reducers = [r for r in (p.averager, p.zero.reducer if p.zero is not None else None) if r is not None]
+        norm = global_grad_norm(p, self.plan.mesh.tp, self.ctx.device, inv_scale, reduced,
+                                unreached_here=any(r.unreached_here() for r in reducers))
+        self.grad_norm = norm.norm
+        # a parameter no rank's backward reached keeps no gradient, as in one process (runtime/dp/buckets.py)
+        unreached = [r.unreached() for r in reducers] if norm.unreached else [[] for _ in reducers]
+        if p.averager is not None:
+            for q in unreached[0]:
+                q.grad = None
+                reduced.pop(id(q), None)
+        skip = skip or (p.scaler is not None and not math.isfinite(self.grad_norm))
         inv_scale *= clip_coefficient(self.grad_norm, self.plan.training.max_grad_norm)
         if p.zero is not None:
-            if not skip:
-                p.zero.step(inv_scale)  # the optimizer on this rank's shards, then the parameters all-gathered
+            if not skip:  # the optimizer on this rank's shards, then the parameters all-gathered
+                p.zero.step(inv_scale, frozen=unreached[-1])
             p.zero.zero_grad()
             if p.averager is not None:
                 p.averager.zero_grad()
@@ -365,6 +433,17 @@ class ParallelModel(nn.Module):
             self.skipped_steps = p.scaler.skipped
         if self._trace_path:
             self.write_trace(self._trace_path)
+
+
+def _wait_at_exit(ref: weakref.ref) -> None:
+    """At exit: the periodic checkpoint still being written completes, or its failure is said."""
+    model = ref()
+    try:
+        if model is not None:
+            model.wait_for_checkpoint()
+    except PartitaError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        os._exit(e.exit_code)
 
 
 class StepResult(float):
@@ -399,6 +478,6 @@ def apply_plan(module: nn.Module, plan: Plan, options: Options | None = None, *,
     ``torch.save``d state dict or a .safetensors file: under tensor parallelism each rank reads
     only its slices, so ``module`` may be built on the meta device); ``checkpoint_dir`` /
     ``checkpoint_every`` (a sharded checkpoint every N steps there, and resuming from the newest
-    complete one found at construction: runtime/state/sharded.py); ``watchdog_s`` (how long a
+    intact one found at construction: runtime/state/periodic.py); ``watchdog_s`` (how long a
     step may wait: runtime/watchdog.py, default 300 s, 0 off)."""
     return ParallelModel(module, plan, options, ctx=ctx)

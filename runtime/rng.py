@@ -3,9 +3,9 @@
 Every op of the graph that draws random numbers (dropout, bernoulli, rand...: the ops torch tags
 ``nondeterministic_seeded``) runs with the generator seeded for it alone (``op_seed``), from:
 
-- the run's seed, which every rank agrees on: ``PARTITA_SEED`` if set, else rank 0's
-  ``torch.initial_seed()`` when the model is built, broadcast (``run_seed``). A user who seeds
-  each rank differently after building the model changes nothing of it;
+- the run's seed, which every rank agrees on: ``seed=`` (``PARTITA_SEED``, ``partita run --seed``)
+  if set, else rank 0's ``torch.initial_seed()`` when the model is built, broadcast (``run_seed``).
+  A user who seeds each rank differently after building the model changes nothing of it;
 - the node, the step and the micro-batch (the forward's and its recomputation in backward see the
   same, so a recomputed dropout draws the same mask: ``FLIGHT`` holds them);
 - the data-parallel rank: replicas draw different numbers for their different samples;
@@ -26,13 +26,12 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import os
 from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
 
-SEED_ENV = "PARTITA_SEED"
+from partita.runtime.collectives import all_gather_flat
 
 
 def is_random(target: object) -> bool:
@@ -41,23 +40,17 @@ def is_random(target: object) -> bool:
     return torch.Tag.nondeterministic_seeded in tags
 
 
-def run_seed(group: dist.ProcessGroup | None = None) -> int:
-    """The seed every rank of the job agrees on (module docstring)."""
-    raw = os.environ.get(SEED_ENV)
-    if raw:
-        try:
-            return int(raw) % (1 << 63)
-        except ValueError:
-            from partita.core.errors import PartitaError
-
-            raise PartitaError(f"{SEED_ENV}={raw!r} must be an integer",
-                               hint="set PARTITA_SEED to a whole number, or unset it") from None
-    seed = torch.tensor([torch.initial_seed() % (1 << 63)], dtype=torch.int64)
+def run_seed(seed: int | None = None, group: dist.ProcessGroup | None = None) -> int:
+    """The seed every rank of the job agrees on (module docstring): ``seed`` (the ``seed``
+    option, ``PARTITA_SEED``, checked in core/options.py) when given."""
+    if seed is not None:
+        return seed % (1 << 63)
+    seed_t = torch.tensor([torch.initial_seed() % (1 << 63)], dtype=torch.int64)
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else seed.device
-        seed = seed.to(device)
-        dist.broadcast(seed, src=0, group=group)
-    return int(seed.item())
+        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else seed_t.device
+        seed_t = seed_t.to(device)
+        dist.broadcast(seed_t, src=0, group=group)
+    return int(seed_t.item())
 
 
 def op_seed(base: int, node: str, step: int, micro_batch: int | None, dp_rank: int, tp_rank: int | None) -> int:
@@ -101,7 +94,7 @@ def replica_divergence(named: list[tuple[str, torch.Tensor]], group: dist.Proces
     mine = torch.tensor([fingerprint(t) for _, t in named], dtype=torch.int64, device=device)
     size = dist.get_world_size(group)
     every = mine.new_empty(size * mine.numel())
-    dist.all_gather_into_tensor(every, mine, group=group)
+    all_gather_flat(every, mine, group=group)
     every = every.cpu().view(size, mine.numel())
     ranks = dist.get_process_group_ranks(group)
     for i, (name, _) in enumerate(named):

@@ -18,7 +18,7 @@ replicated.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from partita.core.tp.vocabulary import PARTIAL, REPLICATE, Strategy, is_shard, shard
@@ -340,8 +340,9 @@ def cross_entropy(v: OpView) -> list[Strategy]:
     N, C = logits
     out: list[Strategy] = []
     if v.div(C):
-        out.append(rule_strategy(v, "vocab", REPLICATE, [shard(1), REPLICATE], [shard(1), REPLICATE],
-                             (("all_reduce", N * _elem(v)),) * 3))
+        # the loss is whole on every rank, but what it saves (the softmax) and allocates are its class shard
+        out.append(replace(rule_strategy(v, "vocab", REPLICATE, [shard(1), REPLICATE], [shard(1), REPLICATE],
+                                         (("all_reduce", N * _elem(v)),) * 3), memory_fraction=1 / v.t))
     if v.div(N):
         out.append(rule_strategy(v, shard(0), PARTIAL, [shard(0), shard(0)], [shard(0), shard(0)],
                              (("all_reduce", 8),)))
