@@ -8,7 +8,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.partita-installed
 
-.PHONY: demo test check lint bench install browser clean
+.PHONY: demo test check lint bench install browser clean test-oldest
 
 install: $(STAMP)
 
@@ -40,6 +40,23 @@ test: $(STAMP) browser lint
 # The fast tier for a developer's loop: the linter, then everything but the multi-process runs (marked slow).
 check: $(STAMP) lint
 	$(BIN)/python -m pytest -q -m "not slow" -p no:logging
+
+# The oldest supported torch and transformers (pyproject's lower bounds; the torch GPU images ship):
+# the fast tier and the multi-process runs of every axis, in a second environment kept in the user's
+# cache (torch 2.11 comes only as a CUDA build, 4.6 GB and 10-25 minutes to install, so it is reused).
+OLDEST_TORCH        := 2.11.0
+OLDEST_TRANSFORMERS := 5.15.1
+OLD_VENV            ?= $(HOME)/.cache/partita/venv-torch-$(OLDEST_TORCH)
+OLD_SLOW            := tests/test_runtime_dp.py tests/test_runtime_zero.py tests/test_runtime_tp.py \
+                       tests/test_runtime_pp.py tests/test_runtime_recompute.py tests/test_any_model.py
+
+test-oldest:
+	test -x $(OLD_VENV)/bin/python || { rm -rf $(OLD_VENV); mkdir -p $(dir $(OLD_VENV)); $(PYTHON) -m venv $(OLD_VENV); }
+	$(OLD_VENV)/bin/python -c "import torch; assert torch.__version__.startswith('$(OLDEST_TORCH)')" 2>/dev/null \
+	  || $(OLD_VENV)/bin/python -m pip install -q torch==$(OLDEST_TORCH)
+	$(OLD_VENV)/bin/python -m pip install -q -e '.[test]' transformers==$(OLDEST_TRANSFORMERS)
+	$(OLD_VENV)/bin/python -m pytest -q -p no:logging -m "not slow"
+	$(OLD_VENV)/bin/python -m pytest -q -p no:logging -m slow $(OLD_SLOW)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/dp_vs_ddp.py

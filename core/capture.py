@@ -6,10 +6,13 @@ shapes of its inputs into a ``CapturedModel``. No real memory is used for
 parameters built by a factory: they are created under ``FakeTensorMode``.
 The primary method is ``torch.export.export(strict=False)`` (training IR, with
 ``nn_module_stack``, ``stack_trace`` and fake ``val`` on every node);
-``torch.fx.symbolic_trace`` is the fallback when export refuses a model for a
-reason other than data-dependent control flow, with shapes then propagated by
-``ShapeProp`` on fake tensors. A model that cannot be captured raises
-``CaptureError`` naming the module and the source line.
+``torch.fx.symbolic_trace`` is the fallback when export refuses a forward-only
+capture for a reason other than data-dependent control flow, with shapes then
+propagated by ``ShapeProp`` on fake tensors (a training capture never falls back:
+the fallback's graph would lack the loss). A model that cannot be captured, or
+cannot train (core/capture_checks.py), raises ``CaptureError`` naming the module
+and the source line; what torch logs meanwhile goes to the ``partita.capture``
+logger at DEBUG (``partita compile --verbose``).
 """
 
 from __future__ import annotations
@@ -33,14 +36,23 @@ import torch.fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.passes.shape_prop import ShapeProp, TensorMetadata
 
+from partita.core.capture_checks import (
+    DTYPE_HINT,
+    SHAPE_HINT,
+    check_input_dtypes,
+    check_input_names,
+    check_loss_inputs,
+    check_trainable,
+)
 from partita.core.errors import CaptureError
-from partita.core.inputs import InputSpec
+from partita.core.fake_ops import buffers_kept, capturable
+from partita.core.inputs import InputSpec, dtype_name
 from partita.core.losses import select_output, training_loss
-from partita.core.ops import SAME_DTYPE
 
 EXPORT = "torch.export"
 SYMBOLIC_TRACE = "torch.fx.symbolic_trace"
 
+LOG = logging.getLogger("partita.capture")
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _DATA_DEPENDENT = ("GuardOnDataDependentSymNode", "DataDependentOutputException", "data-dependent", "data dependent")
 
@@ -133,17 +145,20 @@ def capture(
             f"cannot capture {type(model).__name__}: expected an nn.Module or a zero-argument factory",
             hint="pass an nn.Module subclass, a factory returning one, or a module instance")
 
-    _check_input_names(module, inputs)
+    check_input_names(module, inputs)
+    if loss is not None:
+        check_loss_inputs(module, loss, inputs, targets)
     with mode:
         args = tuple(_example(spec) for spec in inputs)
     if loss is not None and targets is None:
-        targets = _infer_targets(module, args, mode, loss, inputs)
+        with capturable():
+            targets = _infer_targets(module, args, mode, loss, inputs)
     if loss is not None:
         with mode:
             args = args + (_example(targets),)
     try:
-        with _quiet_tracer_logs(), _forward_with_loss(module, loss, len(inputs)), \
-                _fx_config(do_not_emit_stack_traces=not stack_traces):
+        with _held_output(name or _name_of(model)), _forward_with_loss(module, loss, len(inputs)), \
+                _fx_config(do_not_emit_stack_traces=not stack_traces), capturable():
             exported = torch.export.export(module, args, strict=False)
         gm, method = exported.graph_module, EXPORT
         signature = exported.graph_signature
@@ -161,6 +176,11 @@ def capture(
     except Exception as export_error:
         if _is_data_dependent(export_error):
             raise _data_dependent_error(export_error, module, inputs) from export_error
+        if loss is not None:  # the fallback traces the forward alone: its graph would lack the loss
+            raise _capture_error(export_error, module, inputs, "torch.export of the model with its loss failed",
+                                 hint="fix what the message names (the chained error shows the whole trace): a "
+                                 "training graph holds the loss, which the torch.fx fallback cannot capture"
+                                 ) from export_error
         constants = {}
         gm, method = _symbolic_trace(module, args, mode, export_error, inputs, stack_traces)
         attrs = {n.name: str(n.target) for n in gm.graph.nodes if n.op == "get_attr"}
@@ -168,11 +188,14 @@ def capture(
         param_targets = {k: v for k, v in attrs.items() if v in param_names}
         buffer_targets = {k: v for k, v in attrs.items() if v not in param_names}
 
-    _check_input_dtypes(gm, inputs)
+    check_input_dtypes(gm, inputs)
     params = {k: (tuple(p.shape), p.dtype) for k, p in module.named_parameters()}
     buffers = {k: (tuple(b.shape), b.dtype) for k, b in module.named_buffers()}
     canonical = {**_canonical_names(module.named_parameters(remove_duplicate=False)),
                  **_canonical_names(module.named_buffers(remove_duplicate=False))}
+    if loss is not None:
+        check_trainable(module, gm, {k: canonical.get(v, v) for k, v in param_targets.items()},
+                         name or _name_of(model))
     return CapturedModel(
         graph_module=gm,
         constants=constants,
@@ -191,9 +214,11 @@ def capture(
 
 @contextlib.contextmanager
 def _fx_config(**values: Any) -> Iterator[None]:
-    """torch.fx.config's ``values`` for the block, restored after."""
+    """torch.fx.config's ``values`` for the block, restored after; a setting this torch does not have
+    is left out (torch 2.11 has no ``do_not_emit_stack_traces``: it records them, which costs time only)."""
     import torch.fx.config as fx_config
 
+    values = {k: v for k, v in values.items() if hasattr(fx_config, k)}
     saved = {k: getattr(fx_config, k) for k in values}
     try:
         for k, v in values.items():
@@ -233,52 +258,6 @@ def _build_fake(factory: Callable[[], Any], mode: FakeTensorMode) -> Any:
     return module
 
 
-def _check_input_names(module: torch.nn.Module, inputs: Sequence[InputSpec]) -> None:
-    """The inputs are passed positionally: each name must be the forward argument at its place
-    (a misnamed input would be bound to another argument, or to none, without a word)."""
-    try:
-        params = list(inspect.signature(module.forward).parameters.values())
-    except (TypeError, ValueError):
-        return
-    if any(p.kind is p.VAR_POSITIONAL for p in params):
-        return
-    positional = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    # torch.nn's own modules (Sequential, a bare Linear) name their argument generically (``input``):
-    # any name is taken for it, but never the name of another of its arguments
-    generic = getattr(type(module).forward, "__module__", "").startswith("torch.")
-    takes = f"{type(module).__name__}.forward({', '.join(positional)})"
-    for i, spec in enumerate(inputs):
-        if i >= len(positional):
-            raise CaptureError(f"input {spec.name!r} is input {i + 1}, but {takes} takes {len(positional)}",
-                               hint="pass one --input per argument of forward, in its order")
-        if spec.name != positional[i] and (spec.name in positional or not generic):
-            where = (f"its argument {i + 1} is {positional[i]!r}" if spec.name in positional
-                     else f"{spec.name!r} is none of its arguments")
-            raise CaptureError(f"input {spec.name!r} is passed as argument {i + 1} of {takes}, but {where}",
-                               hint=f"name the inputs after forward's arguments, in order: --input "
-                               f"{positional[i]}=DTYPE[SHAPE]")
-
-
-_DTYPE_HINT = "give each --input the dtype the model computes in (float32 features, int64 token ids)"
-
-
-def _check_input_dtypes(gm: torch.fx.GraphModule, inputs: Sequence[InputSpec]) -> None:
-    """Refuse an input dtype the model cannot take: one that meets another dtype in a matmul."""
-    for node in gm.graph.nodes:
-        if node.op != "call_function" or getattr(node.target, "__name__", "").split(".")[0] not in SAME_DTYPE:
-            continue
-        vals = [a.meta.get("val") for a in node.all_input_nodes]
-        # a bool operand is a mask (attention's), not a value multiplied
-        dtypes = {v.dtype for v in vals if isinstance(v, torch.Tensor) and v.dtype is not torch.bool}
-        if len(dtypes) > 1:
-            names = ", ".join(sorted(str(d).removeprefix("torch.") for d in dtypes))
-            given = ", ".join(str(s) for s in inputs)
-            stack = list((node.meta.get("nn_module_stack") or {}).values())
-            where = f" in module {stack[-1][0]!r}" if stack else ""
-            raise CaptureError(f"the model cannot take these inputs ({given}): {node.name}{where} multiplies "
-                               f"tensors of {names}", hint=_DTYPE_HINT)
-
-
 def _canonical_names(named: Iterator[tuple[str, torch.Tensor]]) -> dict[str, str]:
     """Every qualified name -> the first name of the same tensor (tied weights share one)."""
     first: dict[int, str] = {}
@@ -287,31 +266,47 @@ def _canonical_names(named: Iterator[tuple[str, torch.Tensor]]) -> dict[str, str
 
 
 @contextlib.contextmanager
-def _quiet_tracer_logs() -> Iterator[None]:
-    """Hold back what export writes to stderr while it runs; replay it only on success.
+def _held_output(what: str) -> Iterator[None]:
+    """Hold back what torch logs and what is written to stderr while ``what`` is captured.
 
-    On a failed guard export logs a multi-line warning and prints the partial
-    graph to stderr; the CaptureError raised from that failure says it in one
-    message and the partial graph stays on the chained exception.
+    A failed capture makes torch log a traceback (a fake tensor's failed meta kernel) and print a
+    partial graph: the ``CaptureError`` raised from it says it in one message, and all of it goes
+    to the ``partita.capture`` logger at DEBUG (``partita compile --verbose`` shows it). On
+    success what the model itself wrote to stderr is written out as it was; torch's log still
+    goes to DEBUG only.
     """
-    logger = logging.getLogger("torch.fx.experimental.symbolic_shapes")
-    level = logger.level
-    logger.setLevel(logging.ERROR)
-    held = io.StringIO()
+    logs, err = io.StringIO(), io.StringIO()
+    handler = logging.StreamHandler(logs)
+    handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    swapped = {logger: logger.handlers for name, logger in list(logging.Logger.manager.loggerDict.items())
+               if isinstance(logger, logging.Logger) and logger.handlers and name.split(".")[0] == "torch"}
+    shapes = logging.getLogger("torch.fx.experimental.symbolic_shapes")
+    level = shapes.level
+    shapes.setLevel(logging.ERROR)
+    succeeded = False
     try:
-        with contextlib.redirect_stderr(held):
+        for logger in swapped:
+            logger.handlers = [handler]
+        with contextlib.redirect_stderr(err):
             yield
+        succeeded = True
     finally:
-        logger.setLevel(level)
-    sys.stderr.write(held.getvalue())
+        for logger, handlers in swapped.items():
+            logger.handlers = handlers
+        shapes.setLevel(level)
+        if succeeded:
+            sys.stderr.write(err.getvalue())
+        held = logs.getvalue() + ("" if succeeded else err.getvalue())
+        if held:
+            LOG.debug("what torch logged while capturing %s:\n%s", what, held.rstrip())
 
 
 def _infer_targets(module: torch.nn.Module, args: tuple[torch.Tensor, ...], mode: FakeTensorMode,
                    loss: Any, inputs: tuple[InputSpec, ...]) -> InputSpec:
     """Class-index targets for the model's output: int64 of ``output.shape[:-1]``, of the tensor the
     loss attaches to (core/losses.py); with the model's own loss, labels of the first input's shape."""
-    try:
-        with mode, torch.no_grad(), _quiet_tracer_logs():
+    try:  # buffers the forward updates in place (batch norm's count) are put back: planning changes nothing
+        with buffers_kept(module), mode, torch.no_grad(), _held_output(type(module).__name__):
             out = module(*args)
     except Exception as e:
         if _is_data_dependent(e):
@@ -319,6 +314,10 @@ def _infer_targets(module: torch.nn.Module, args: tuple[torch.Tensor, ...], mode
         raise _capture_error(e, module, None, "running the model on fake inputs to find its output shape failed") from e
     select = getattr(loss, "select", select_output)
     out = select(out)
+    if not (out.is_floating_point() or out.is_complex()) and not getattr(loss, "uses_labels", False):
+        raise CaptureError(f"the output of {type(module).__name__} the loss attaches to is {dtype_name(out.dtype)}: "
+                           "a loss of it has no gradient", hint="return the floating-point scores (logits), not "
+                           "their argmax or another integer; the loss takes them")
     if out.dim() < 1:
         raise CaptureError(
             "cannot infer the loss targets: the model's output is a scalar, not a tensor of logits",
@@ -333,25 +332,31 @@ def _forward_with_loss(module: torch.nn.Module, loss: Callable[[Any, torch.Tenso
                        n_inputs: int) -> Iterator[None]:
     """Make ``module.forward(*inputs, targets)`` return the training loss of ``inputs`` (the first
     ``n_inputs`` arguments; the rest keep their defaults) while exporting, so parameter names and
-    module paths stay the model's own; restored afterwards."""
-    if loss is None:
-        yield
-        return
+    module paths stay the model's own; restored afterwards. Without a loss, a forward that takes
+    ``use_cache`` (a Hugging Face causal LM) is called with ``use_cache=False``: its KV cache object
+    is no tensor a graph can return, and an inference plan prices the cache itself."""
     inner = module.forward
-
-    def forward_and_loss(*args: Any) -> torch.Tensor:
-        *inputs, targets = args
-        return training_loss(loss, inner, inputs, targets)
-
-    # Keep the model's argument names (placeholders are named after them), plus ``targets``.
     params = [p.replace(kind=inspect.Parameter.POSITIONAL_OR_KEYWORD, default=inspect.Parameter.empty)
               for p in inspect.signature(inner).parameters.values()
               if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)][:n_inputs]
-    names = {p.name for p in params}
-    target_name = "targets" if "targets" not in names else "loss_targets"
-    params.append(inspect.Parameter(target_name, inspect.Parameter.POSITIONAL_OR_KEYWORD))
-    forward_and_loss.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
-    module.forward = forward_and_loss  # an instance attribute shadows the class's forward
+    if loss is None:
+        if "use_cache" not in inspect.signature(inner).parameters:
+            yield
+            return
+
+        def forward(*args: Any) -> Any:
+            return inner(*args, use_cache=False)
+    else:
+        def forward(*args: Any) -> Any:
+            *inputs, targets = args
+            return training_loss(loss, inner, inputs, targets)
+
+        # Keep the model's argument names (placeholders are named after them), plus ``targets``.
+        names = {p.name for p in params}
+        params.append(inspect.Parameter("targets" if "targets" not in names else "loss_targets",
+                                        inspect.Parameter.POSITIONAL_OR_KEYWORD))
+    forward.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
+    module.forward = forward  # an instance attribute shadows the class's forward
     try:
         yield
     finally:
@@ -387,7 +392,7 @@ def _symbolic_trace(
         tracer = _InlineAllModules(stack_traces)
         graph = tracer.trace(module)
         gm = torch.fx.GraphModule(tracer.root, graph, type(module).__name__)
-        with mode:
+        with mode, _held_output(type(module).__name__):
             ShapeProp(gm, fake_mode=mode).propagate(*args)
     except Exception as trace_error:
         # The export error is the one that names the cause best; the fallback's is chained under it.
@@ -443,7 +448,8 @@ def _capture_error(
     shapes = f" with inputs {', '.join(map(str, inputs))}" if inputs else ""
     return CaptureError(
         f"cannot capture {_name_of(model)}{shapes}: {what} {where}: {type(e).__name__}: {_first_line(e)}",
-        hint=hint or (_DTYPE_HINT if "scalar type" in str(e) or "dtype" in str(e) else
+        hint=hint or (DTYPE_HINT if "scalar type" in str(e) or "dtype" in str(e) else SHAPE_HINT
+                      if any(w in str(e) for w in ("shape", "size", "reduction dim", "dimension")) else
                       "make the forward traceable by torch.export (see the chained error) or mark the module as "
                       "a leaf"),
     )

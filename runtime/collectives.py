@@ -12,6 +12,10 @@ import time
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
 
 from partita.runtime.watchdog import FLIGHT
 
@@ -43,3 +47,19 @@ class CollectiveCounter:
     def as_tuples(self) -> list[tuple[str, str, int, int]]:
         """Sorted (kind, axis, bytes, calls), comparable with a plan's ``collectives``."""
         return sorted((k, a, b, n) for (k, a, b), n in self.calls.items())
+
+
+# The flat all-gather and reduce-scatter under the names this torch has: 2.13 renamed them
+# (``all_gather_single``, ``reduce_scatter_single``) and warns on the old ones, 2.11 has only the old.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def all_gather_flat(out: torch.Tensor, inp: torch.Tensor, group: Any = None, async_op: bool = False) -> Any:
+    """Every rank's ``inp`` into ``out``, concatenated along dim 0 (one call, any supported torch)."""
+    return _all_gather(out, inp, group=group, async_op=async_op)
+
+
+def reduce_scatter_flat(out: torch.Tensor, inp: torch.Tensor, group: Any = None, async_op: bool = False) -> Any:
+    """This rank's dim-0 slice of the sum of every rank's ``inp`` into ``out`` (one call, any supported torch)."""
+    return _reduce_scatter(out, inp, group=group, async_op=async_op)

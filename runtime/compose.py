@@ -11,7 +11,7 @@ names the plans this runtime cannot run, before anything is built. The order, an
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -36,7 +36,7 @@ from partita.runtime.dp.averaging import (
     running_statistics,
 )
 from partita.runtime.dp.zero import ZeroProgram, apply_zero
-from partita.runtime.mixed_precision import MasterWeights, OptimizerFactory, apply_mixed_precision
+from partita.runtime.mixed_precision import MasterWeights, OptimizerFactory, apply_mixed_precision, kept_whole
 from partita.runtime.pipeline.stage import SCHEDULES, PipelineStage, apply_pipeline
 from partita.runtime.program import MicroBatchLoss, Program, tp_module_of
 from partita.runtime.rng import run_seed
@@ -108,12 +108,13 @@ def compose(module: nn.Module, plan: Plan, ctx: DistContext, options: Options, c
     policy = PrecisionPolicy.of(plan.training)
     training = not plan.training.inference
     names = state_names(module)  # read before the plan's parts take the module apart
+    keep = kept_whole(module)  # batch norm's parameters stay in their dtype, beside its statistics
     persistent = {k for k, _ in module.named_buffers() if k in module.state_dict(keep_vars=True)}
     dp_mesh = mesh[DP] if mesh is not None and plan.mesh.dp > 1 else None
     dp_group, dp_rank = (dp_mesh.get_group(), dp_mesh.get_local_rank()) if dp_mesh is not None else (None, 0)
     interpreted = plan.mesh.pp > 1 or plan.mesh.tp > 1 or any(s.recompute for s in plan.stages)
     # random ops drawn alike over "tp", apart over "dp" (runtime/rng.py)
-    rng = (run_seed(), dp_rank) if interpreted and ctx.world_size > 1 else None
+    rng = (run_seed(options.seed), dp_rank) if interpreted and ctx.world_size > 1 else None
     graph_loss = loss_fn if training else None  # an inference plan's graph has no loss
     # 1. tensor parallelism and 2. the pipeline split
     pipeline = None
@@ -133,7 +134,10 @@ def compose(module: nn.Module, plan: Plan, ctx: DistContext, options: Options, c
         local = module.to(ctx.device)
         loss = _eager_loss(local, loss_fn, policy, ctx.device, compile=bool(options.compile))
     # 3. mixed precision
-    scaler = apply_mixed_precision(local, policy, training=training)
+    tp_program = tp_module_of(local, pipeline)
+    params = ([(n, q) for n, (q, _) in tp_program.local_parameters().items()] if tp_program is not None
+              else list(local.named_parameters()))  # by the model's names: what ``keep`` names
+    scaler = apply_mixed_precision(params, policy, training=training, keep=keep)
     # 4. ZeRO / data parallelism, and the optimizer
     if dp_group is not None:
         broadcast_replicas(local, dp_group)
@@ -142,7 +146,7 @@ def compose(module: nn.Module, plan: Plan, ctx: DistContext, options: Options, c
     if training and dp_group is not None and plan.training.zero_stage > 0:
         zero, averager = _apply_zero(local, pipeline, plan.training.zero_stage, dp_group, optimizer=optimizer,
                                      bucket_bytes=buckets, counter=counter, policy=policy,
-                                     zero_units=plan.training.zero_units)
+                                     zero_units=plan.training.zero_units, order=[p.name for p in plan.params])
         opt = zero.optimizer
     elif training:
         if dp_group is not None:
@@ -172,12 +176,13 @@ def _local_buffers(local: nn.Module, pipeline: PipelineStage | None) -> list[tor
 
 def _apply_zero(local: nn.Module, pipeline: PipelineStage | None, stage: int, dp_group: dist.ProcessGroup, *,
                 optimizer: OptimizerFactory, bucket_bytes: int, counter: CollectiveCounter,
-                policy: PrecisionPolicy, zero_units: tuple[str, ...] = ()
+                policy: PrecisionPolicy, zero_units: tuple[str, ...] = (), order: Sequence[str] = ()
                 ) -> tuple[ZeroProgram, GradientAverager | None]:
     """ZeRO ``stage`` over ``local``'s parameters, with the one optimizer; and the averager of the
     parameters tied across pipeline stages, which stay whole on each (their copies' gradients are
     summed between the stages, which lay out their ZeRO buckets differently; the optimizer's
-    elementwise update is the same). ``zero_units``: the plan's ZeRO-3 units (core/buckets.py)."""
+    elementwise update is the same). ``zero_units``: the plan's ZeRO-3 units (core/buckets.py),
+    whose buckets follow the parameters in the plan's ``order`` (its ``params``), as it priced them."""
     tied = pipeline.tied_parameters if pipeline is not None else []
     named = [(n, q) for n, q in local.named_parameters() if not any(q is t for t in tied)]
     units = None
@@ -185,6 +190,8 @@ def _apply_zero(local: nn.Module, pipeline: PipelineStage | None, stage: int, dp
         program = tp_module_of(local, pipeline)
         qualified = ({id(q): n for n, (q, _) in program.local_parameters().items()} if program is not None
                      else {id(q): n for n, q in named})  # the model's names, as the plan's units are
+        rank = {n: i for i, n in enumerate(order)}
+        named.sort(key=lambda nq: rank.get(qualified[id(nq[1])], len(rank)))
         units = [unit_of(qualified[id(q)], zero_units) for _, q in named]
     zero = apply_zero(named, stage, dp_group, optimizer_factory=optimizer, bucket_bytes=bucket_bytes,
                       counter=counter, axis=DP, precision=policy, extra_params=tied, units=units)

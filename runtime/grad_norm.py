@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -73,9 +74,15 @@ class NormTerms:
                         self.slices.append((i, lo - b.own.start, hi - b.own.start, w))
 
 
+class GradNorm(NamedTuple):
+    norm: float  # the whole model's gradient norm
+    unreached: bool  # a rank had a parameter no backward of the step reached (BucketReducer.unreached)
+
+
 def global_grad_norm(program: Program, tp_size: int, device: torch.device, inv_scale: float = 1.0,
-                     reduced: Mapping[int, torch.Tensor] | None = None) -> float:
-    """The L2 norm of the whole model's (unscaled) gradient; a collective over the world.
+                     reduced: Mapping[int, torch.Tensor] | None = None, unreached_here: bool = False) -> GradNorm:
+    """The L2 norm of the whole model's (unscaled) gradient; a collective over the world, whose
+    all-reduce also says whether any rank had a parameter without a gradient (``unreached_here``).
     ``reduced``: a parameter's mean gradient by ``id`` where the reducer kept it (not in ``.grad``).
     The squares are summed by one foreach norm per copy weight, not one kernel per parameter."""
     reduced = reduced or {}
@@ -93,12 +100,14 @@ def global_grad_norm(program: Program, tp_size: int, device: torch.device, inv_s
             g = shards[i].grad
             if g is not None:
                 by_weight.setdefault(w, []).append(g[lo:hi])
-    total = torch.zeros((), dtype=torch.float32, device=device)
+    total = torch.zeros(2, dtype=torch.float32, device=device)  # (sum of squares, ranks with unreached)
     for w, grads in by_weight.items():
-        total += _square_sum(grads) * w
+        total[0] += _square_sum(grads) * w
+    total[1] = float(unreached_here)
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(total)
-    return math.sqrt(float(total)) * inv_scale
+    squares, unreached = total.tolist()
+    return GradNorm(math.sqrt(squares) * inv_scale, unreached > 0)
 
 
 def _square_sum(grads: list[torch.Tensor]) -> torch.Tensor:

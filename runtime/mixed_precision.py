@@ -42,19 +42,34 @@ from partita.core.precision import PrecisionPolicy
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], Optimizer]
 
 
-def cast_parameters(module: nn.Module, policy: PrecisionPolicy) -> None:
-    """The module's floating parameters in the policy's ``param_dtype``, in place (the same
-    Parameter objects, so hooks and tied names stay). Buffers keep their dtype, as FSDP2's."""
+def kept_whole(module: nn.Module) -> set[str]:
+    """The parameters a low-precision policy leaves in their own dtype: those of modules that hold
+    floating buffers (batch norm's weight and bias beside its running statistics, which keep their
+    dtype: batch norm then runs in mixed type, a low-precision input against full-precision
+    statistics and affine parameters, as apex's ``keep_batchnorm_fp32`` does)."""
+    out = set()
+    for prefix, m in module.named_modules():
+        if any(b is not None and b.is_floating_point() for b in m.buffers(recurse=False)):
+            out |= {f"{prefix}.{n}" if prefix else n for n, _ in m.named_parameters(recurse=False)}
+    return out
+
+
+def cast_parameters(params: Iterable[tuple[str, nn.Parameter]], policy: PrecisionPolicy,
+                    keep: set[str] = frozenset()) -> None:
+    """The floating parameters in the policy's ``param_dtype``, in place (the same Parameter
+    objects, so hooks and tied names stay), but those named in ``keep`` (``kept_whole``). Buffers
+    keep their dtype, as FSDP2's."""
     with torch.no_grad():
-        for p in module.parameters():
-            if p.is_floating_point() and p.dtype != policy.param_dtype:
+        for name, p in params:
+            if p.is_floating_point() and p.dtype != policy.param_dtype and name not in keep:
                 p.data = p.data.to(policy.param_dtype)
 
 
-def apply_mixed_precision(module: nn.Module, policy: PrecisionPolicy, *, training: bool) -> LossScaler | None:
-    """Compose's precision step: ``module``'s parameters in the policy's dtype; the loss scaler a
-    training step under fp16 needs (None otherwise)."""
-    cast_parameters(module, policy)
+def apply_mixed_precision(params: Iterable[tuple[str, nn.Parameter]], policy: PrecisionPolicy, *, training: bool,
+                          keep: set[str] = frozenset()) -> LossScaler | None:
+    """Compose's precision step: the parameters (by their names in the model) in the policy's dtype
+    (``cast_parameters``); the loss scaler a training step under fp16 needs (None otherwise)."""
+    cast_parameters(params, policy, keep)
     return LossScaler(policy) if policy.loss_scaling and training else None
 
 

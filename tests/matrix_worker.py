@@ -152,11 +152,11 @@ def run_case(ctx: DistContext, case: Case, outdir: str) -> dict:
     except Exception as e:
         raise RuntimeError(f"{case.name} ({plan.mesh}, {plan.training.schedule}, ZeRO-{plan.training.zero_stage}): "
                            f"the plan failed to run: {e}") from e
-    start = {n: p.detach().clone() for n, p in reference.named_parameters()}
+    start = {n: p.detach().clone() for n, p in reference.named_parameters(remove_duplicate=False)}
     ref_evaluated = _eval_loss(reference, x, y, plan.training.micro_batch_size)
     ref_loss = reference_step(reference, OPTIMIZERS["sgd"](reference.parameters()), default_loss, x, y,
                               micro_batch=plan.training.micro_batch_size)
-    ref_final = {n: p.detach() for n, p in reference.named_parameters()}
+    ref_final = {n: p.detach() for n, p in reference.named_parameters(remove_duplicate=False)}  # tied names too
     del model
     gc.collect()
     return {"case": case.name, "mesh": str(plan.mesh), "micro_batch": plan.training.micro_batch_size,

@@ -119,7 +119,7 @@ def run_case(ctx: DistContext, case: tuple, outdir: str) -> dict:
         raise RuntimeError(f"{name(case)} ({plan.mesh}): the plan failed to run: {e}") from e
     start = {n: p.detach().clone() for n, p in reference.named_parameters()}
     ref_losses = reference_mixed(reference, policy, x, y, plan.training.micro_batch_size, STEPS)
-    ref_final = {n: p.detach() for n, p in reference.named_parameters()}
+    ref_final = {n: p.detach() for n, p in reference.named_parameters(remove_duplicate=False)}  # tied names too
     params = gaps({n: t.float() for n, t in final.items() if n in ref_final},
                   {n: t.float() for n, t in ref_final.items()})
     moved = max_abs_diff({n: ref_final[n] for n in final if n in ref_final}, start)

@@ -83,7 +83,8 @@ def compare(ctx: DistContext, name: str, *, pp: int, cuts_at: list[int], schedul
         p2p.append(sum(n for (kind, axis, _), n in calls.items() if kind == "send_recv" and axis == "pp"))
     full_grads = gather_tp(model.tensor_parallel, grads)
     full_params = gather_tp(model.tensor_parallel, {n: p.detach() for n, (p, _) in local.items()})
-    ref_final = {n: p.detach() for n, p in reference.named_parameters()}
+    ref_final = {n: p.detach() for n, p in reference.named_parameters(remove_duplicate=False)}  # tied names too
+    owned = {n for n, _ in reference.named_parameters()}  # a tied parameter is held under its first name
     unknown = sorted(set(full_params) - set(ref_final))
     held = [None] * dist.get_world_size()
     dist.all_gather_object(held, sorted(full_params))
@@ -94,8 +95,8 @@ def compare(ctx: DistContext, name: str, *, pp: int, cuts_at: list[int], schedul
         "params": gaps({n: full_params[n] for n in full_params if n in ref_final}, ref_final),
         # the parameters this rank holds, those that are not the model's, and those no rank holds
         "held": len(full_params), "not_the_models": unknown,
-        "held_by_none": sorted(set(ref_final) - set().union(*map(set, held))),
-        "held_by_some": sorted(set().union(*map(set, held)) - set(ref_final)),
+        "held_by_none": sorted(owned - set().union(*map(set, held))),
+        "held_by_some": sorted(set().union(*map(set, held)) - owned),
         "p2p_sends": p2p, "expected_sends": sends,
     }
     if trace_dir is not None:

@@ -138,7 +138,7 @@ def compare(ctx: DistContext, name: str, *, tp: int = 1, dp: int = 1, pp: int = 
     full_grads = gather_tp(model.tensor_parallel, grads)
     final = model.full_state_dict(buffers=False)
     plain.full_state_dict()  # a collective: every rank takes part
-    ref_final = {n: p.detach() for n, p in reference.named_parameters()}
+    ref_final = {n: p.detach() for n, p in reference.named_parameters(remove_duplicate=False)}  # tied names too
     return {
         "case": f"{name}/dp={dp}/tp={tp}/pp={pp}/{schedule if pp > 1 else 'none'}/zero{zero}/m={accum}"
                 f"/recompute{list(recompute)}",

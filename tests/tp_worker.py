@@ -141,7 +141,7 @@ def compare(ctx: DistContext, name: str, *, tp: int, dp: int = 1, replicated: bo
         calls.append(model.collectives.as_tuples())
     full_grads = gather_tp(model.tensor_parallel, grads)
     full_params = gather_tp(model.tensor_parallel, {n: p.detach() for n, (p, _) in local.items()})
-    ref_final = {n: p.detach() for n, p in reference.named_parameters()}
+    ref_final = {n: p.detach() for n, p in reference.named_parameters(remove_duplicate=False)}  # tied names too
     return {
         **result, "losses": losses, "ref_losses": ref_losses,
         "grads": gaps(full_grads, ref_grads), "params": gaps(full_params, ref_final),

@@ -99,7 +99,7 @@ def compare(ctx: DistContext, name: str, *, zero: int, dp: int, pp: int = 1, tp:
 
     full_grads = gather_tp(tp_program, {q: grads[q] for q in local})
     final = model.full_state_dict(buffers=False)
-    ref_final = {n: p.detach() for n, p in reference.named_parameters()}
+    ref_final = {n: p.detach() for n, p in reference.named_parameters(remove_duplicate=False)}  # tied names too
 
     # Model state held: the cost model's figure for this rank's (stage's, TP-local) parameters.
     bucket_of = {id(p): b for b in zp.buckets for p in b.members}

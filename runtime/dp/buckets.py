@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from partita.core.buckets import DEFAULT_BUCKET_BYTES, WHOLE_UNITS, pack_buckets
-from partita.runtime.collectives import CollectiveCounter
+from partita.runtime.collectives import CollectiveCounter, reduce_scatter_flat
 
 
 def grad_params(params: Iterable[nn.Parameter]) -> list[nn.Parameter]:
@@ -141,6 +141,7 @@ class BucketReducer:
             for p in b.members:
                 p.register_post_accumulate_grad_hook(self._on_grad_ready)
         self.sync = False
+        self.touched: set[int] = set()  # members a backward of this step gave a gradient, on this rank
         self._next = 0  # buckets launch strictly in index order, the same on every rank
         self.launched_in_backward = 0  # buckets of the last synchronising backward launched by a hook
 
@@ -155,6 +156,7 @@ class BucketReducer:
             b.wire = None
 
     def _on_grad_ready(self, p: nn.Parameter) -> None:
+        self.touched.add(id(p))
         if not self.sync:
             return
         b = self._bucket_of[id(p)]
@@ -192,7 +194,7 @@ class BucketReducer:
         if self.collective == "all_reduce":
             b.work = dist.all_reduce(flat, group=self.group, async_op=True)
         else:
-            b.work = dist.reduce_scatter_single(flat[b.own], flat, group=self.group, async_op=True)
+            b.work = reduce_scatter_flat(flat[b.own], flat, group=self.group, async_op=True)
         self.counter.record(self.collective, self.axis, flat.numel() * flat.element_size())
         if self.on_launch is not None:
             self.on_launch(b)
@@ -226,8 +228,10 @@ class BucketReducer:
             if b.wire is not None:
                 b.grad_flat[result].copy_(b.wire[result])
         else:
+            # the mean stays in the reduce dtype (fp32 beside bf16 gradients): the shard's fp32 gradient
+            # adds it unrounded, as FSDP2's fp32 reduce leaves its sharded gradients
             source = b.wire if b.wire is not None else b.grad_flat
-            b.reduced = source[result].to(b.dtype, copy=True)
+            b.reduced = source[result].clone()
             b.grad_flat = None
         b.wire = None
 
@@ -245,7 +249,24 @@ class BucketReducer:
 
     def zero_grad(self) -> None:
         """Persistent: the flat gradients zeroed, the members' ``.grad`` views of them again."""
+        self.touched.clear()
         for b in self.buckets:
             b.wire = None
             b.grad_flat.zero_()
             b.attach_grads()
+
+    def unreached(self) -> list[nn.Parameter]:
+        """The members no backward of this step gave a gradient on ANY rank of the group (a
+        collective over it: one all-reduce of a flag per member). A bucket's reduce hands every
+        member a gradient, zeros where none came; the optimizer must skip these instead (one
+        process would: their ``.grad`` stays None, so no weight decay or momentum moves them)."""
+        members = [p for b in self.buckets for p in b.members]
+        flags = torch.tensor([id(p) in self.touched for p in members], dtype=torch.float32,
+                             device=members[0].device if members else "cpu")
+        self.counter.record("all_reduce", self.axis, flags.numel() * flags.element_size())
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
+        return [p for p, f in zip(members, flags.tolist()) if not f]
+
+    def unreached_here(self) -> bool:
+        """Whether a member got no gradient on this rank in this step (``unreached`` then asks all)."""
+        return any(id(p) not in self.touched for b in self.buckets for p in b.members)

@@ -34,7 +34,7 @@ from torch import nn
 from torch.autograd.graph import register_multi_grad_hook
 
 from partita.core.precision import FP32, PrecisionPolicy
-from partita.runtime.collectives import CollectiveCounter
+from partita.runtime.collectives import CollectiveCounter, all_gather_flat
 from partita.runtime.dp.buckets import DEFAULT_BUCKET_BYTES, BucketReducer, GradBucket, bucket_members, grad_params
 from partita.runtime.mixed_precision import MasterWeights, OptimizerFactory
 
@@ -179,11 +179,41 @@ class ZeroProgram:
 
     # -- the step --------------------------------------------------------------------------
 
-    def step(self, inv_scale: float = 1.0) -> None:
+    def step(self, inv_scale: float = 1.0, frozen: Sequence[nn.Parameter] = ()) -> None:
         """The optimizer on this rank's shards (their masters); stages 1-2 then all-gather the full
-        parameters."""
+        parameters. ``frozen``: members no rank gave a gradient this step (``BucketReducer.unreached``),
+        whose slices of the shards, and of the optimizer's state, are left as they were, as one
+        process's optimizer skips a parameter without a gradient (the flat shard cannot)."""
+        kept = self._snapshot(frozen)
         self.master.step(inv_scale)
+        with torch.no_grad():
+            for shard, master, part, values in kept:
+                for t, v in zip([master, *self.optimizer.state.get(master, {}).values()], values):
+                    if isinstance(t, torch.Tensor) and t.shape == master.shape:
+                        t[part] = v
+                if shard is not master:
+                    shard[part] = master[part].to(shard.dtype)
         self.shards_to_params()
+
+    def _snapshot(self, frozen: Sequence[nn.Parameter]) -> list[tuple]:
+        """(shard, master, slice, copies of the master's and its state's slices) of each ``frozen``
+        member's part of this rank's shard."""
+        out = []
+        for p in frozen:
+            b = self._bucket_of.get(id(p))
+            if b is None:
+                continue
+            offset = b.offsets[b.index[id(p)]]
+            numel = int(torch.Size(b.shapes[b.index[id(p)]]).numel())
+            lo, hi = max(offset, b.own.start), min(offset + numel, b.own.stop)
+            if lo >= hi:
+                continue
+            part = slice(lo - b.own.start, hi - b.own.start)
+            master = self.master.master_of(b.shard)
+            tensors = [master, *self.optimizer.state.get(master, {}).values()]
+            out.append((b.shard, master, part, [t[part].clone() if isinstance(t, torch.Tensor)
+                                               and t.shape == master.shape else None for t in tensors]))
+        return out
 
     def shards_to_params(self) -> None:
         """Stages 1-2: every rank's shard all-gathered into the full parameters (stage 3 holds
@@ -192,7 +222,7 @@ class ZeroProgram:
             return
         works = []
         for b, shard in zip(self.buckets, self.shards):
-            works.append(dist.all_gather_single(b.params_flat, shard.detach(), group=self.group, async_op=True))
+            works.append(all_gather_flat(b.params_flat, shard.detach(), group=self.group, async_op=True))
             self.counter.record("all_gather", self.axis, b.nbytes)
         with self.counter.blocking("all_gather", self.axis):
             for w in works:
@@ -202,6 +232,7 @@ class ZeroProgram:
         if self.stage == 1:
             self.reducer.zero_grad()
             return
+        self.reducer.touched.clear()
         for shard in self.shards:
             shard.grad.zero_()
 
@@ -219,7 +250,7 @@ class ZeroProgram:
             return
         b.params_flat.untyped_storage().resize_(b.nbytes)
         with torch.no_grad(), self.counter.blocking("all_gather", self.axis):
-            dist.all_gather_single(b.params_flat, b.shard.detach(), group=self.group)
+            all_gather_flat(b.params_flat, b.shard.detach(), group=self.group)
         self.counter.record("all_gather", self.axis, b.nbytes)
         b.view_params_into(b.params_flat)
 
@@ -229,7 +260,7 @@ class ZeroProgram:
             return
         b.params_flat.untyped_storage().resize_(b.nbytes)
         with torch.no_grad():
-            b.gathering = dist.all_gather_single(b.params_flat, b.shard.detach(), group=self.group, async_op=True)
+            b.gathering = all_gather_flat(b.params_flat, b.shard.detach(), group=self.group, async_op=True)
         self.counter.record("all_gather", self.axis, b.nbytes)
 
     def _neighbour(self, b: _FlatBucket, step: int) -> _FlatBucket | None:
@@ -356,7 +387,7 @@ class ZeroProgram:
         out = {}
         for b, shard in zip(self.buckets, self.shards):
             flat = b.new_flat()
-            dist.all_gather_single(flat, shard.grad.detach(), group=self.group)
+            all_gather_flat(flat, shard.grad.detach(), group=self.group)
             self.counter.record("all_gather", self.axis, b.nbytes)
             out.update({names[id(p)]: g.clone() for p, g in zip(b.members, b.unflatten(flat))})
         return out

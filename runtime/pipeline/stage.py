@@ -31,7 +31,7 @@ from partita.core.ops import gradient_nodes, tensor_values
 from partita.core.plan import MeshAxis, Plan, tied_stages
 from partita.core.precision import PrecisionPolicy
 from partita.core.schedule import SCHEDULES, stage_order
-from partita.runtime.collectives import CollectiveCounter
+from partita.runtime.collectives import CollectiveCounter, all_gather_flat
 from partita.runtime.dp.averaging import GradientAverager
 from partita.runtime.tp.collectives import local_shape
 from partita.runtime.tp.module import TensorParallel
@@ -404,7 +404,7 @@ class PipelineStage(nn.Module):
         if dp_group is not None:
             whole = result.new_empty((result.shape[0] * dist.get_world_size(dp_group), *result.shape[1:]))
             self.counter.record("all_gather", MeshAxis.DP.value, whole.numel() * whole.element_size())
-            dist.all_gather_into_tensor(whole, result.contiguous(), group=dp_group)
+            all_gather_flat(whole, result.contiguous(), group=dp_group)
             result = whole
         return result
 

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from partita.core.placement import shard_dim
 from partita.core.plan import InputLayout, MeshAxis
-from partita.runtime.collectives import CollectiveCounter
+from partita.runtime.collectives import CollectiveCounter, all_gather_flat, reduce_scatter_flat
 
 TP = MeshAxis.TP.value
 
@@ -58,7 +58,7 @@ class TPGroup:
         out = local.new_empty((local.shape[0] * self.size, *local.shape[1:]))
         self._record("all_gather", out)
         with self.counter.blocking("all_gather", TP):
-            dist.all_gather_into_tensor(out, local, group=self.group)
+            all_gather_flat(out, local, group=self.group)
         return out.movedim(0, dim)
 
     def reduce_scatter(self, x: torch.Tensor, dim: int) -> torch.Tensor:
@@ -66,7 +66,7 @@ class TPGroup:
         out = whole.new_empty((whole.shape[0] // self.size, *whole.shape[1:]))
         self._record("reduce_scatter", whole)
         with self.counter.blocking("reduce_scatter", TP):
-            dist.reduce_scatter_tensor(out, whole, group=self.group)
+            reduce_scatter_flat(out, whole, group=self.group)
         return out.movedim(0, dim)
 
     def all_to_all(self, x: torch.Tensor, src: int, dst: int) -> torch.Tensor:

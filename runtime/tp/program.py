@@ -49,6 +49,52 @@ _SIZE_ARG = frozenset({"view", "reshape", "_unsafe_view", "expand"})
 # False, so dropout passes its input through and batch norm normalises by its running statistics.
 _TRAIN_ARG = {"dropout": 2, "feature_dropout": 2, "alpha_dropout": 2, "feature_alpha_dropout": 2, "batch_norm": 5}
 _CHECK = "partita_check"  # node.meta key: (original node, decision) of a node whose local shapes are checked
+# norms and the index of their weight: under a low-precision policy the activation is brought to the
+# weight's dtype, as an eager forward in that dtype would have it (autocast leaves norms alone)
+_NORMS = {"layer_norm": 2, "group_norm": 2, "rms_norm": 2}
+
+
+class _Recast:
+    """A graph captured in ``captured`` (the model's floating dtype, fp32) run under a policy that
+    computes in ``compute`` (bf16, fp16): its constants follow the compute dtype as an eager forward
+    in it would make them. A cast that was a no-op at capture (``x.to(w.dtype)``, a device move
+    ``x.to(y.device)``, both recorded with the captured dtype) casts to the compute dtype; the
+    captured dtype's limits (``finfo(fp32).min``, the masks' fill) become the compute dtype's,
+    which a bf16 tensor can hold. An explicit ``x.float()`` of an fp32 value at capture is such a
+    no-op too, and computes in the compute dtype (autocast still runs losses and softmaxes in fp32)."""
+
+    def __init__(self, captured: torch.dtype, compute: torch.dtype) -> None:
+        self.captured, self.compute = captured, compute
+        lo, hi = torch.finfo(captured), torch.finfo(compute)
+        self.limits = {lo.min: hi.min, lo.max: hi.max}
+
+    @classmethod
+    def of(cls, p: LocalProgram) -> _Recast | None:
+        if not p.precision.low:
+            return None
+        dtypes = [n.meta["val"].dtype for n in p.graph_module.graph.nodes
+                  if n.op == "placeholder" and isinstance(n.meta.get("val"), torch.Tensor)
+                  and n.meta["val"].is_floating_point()]
+        captured = max(set(dtypes), key=dtypes.count) if dtypes else torch.float32
+        return cls(captured, p.precision.param_dtype) if captured != p.precision.param_dtype else None
+
+    def args(self, n: torch.fx.Node, name: str, args: list, kwargs: dict) -> tuple[list, dict]:
+        if name in ("to", "_to_copy") and self._follows(n):
+            # a cast that changed nothing at capture (``x.to(w.dtype)``, ``x.to(y.device)``): it follows
+            # the compute dtype now, as the eager forward in it would
+            if kwargs.get("dtype") == self.captured:
+                kwargs = {**kwargs, "dtype": self.compute}
+            args = [self.compute if a == self.captured else a for a in args]
+        args = [self.limits.get(a, a) if isinstance(a, float) else a for a in args]
+        kwargs = {k: self.limits.get(v, v) if isinstance(v, float) else v for k, v in kwargs.items()}
+        return args, kwargs
+
+    def _follows(self, n: torch.fx.Node) -> bool:
+        """Whether ``n`` casts a tensor of the captured dtype to the captured dtype (a no-op there)."""
+        source = n.args[0].meta.get("val") if n.args and isinstance(n.args[0], torch.fx.Node) else None
+        out = n.meta.get("val")
+        return (isinstance(source, torch.Tensor) and isinstance(out, torch.Tensor)
+                and source.dtype == out.dtype == self.captured)
 
 
 class ParamAccess(Protocol):
@@ -106,6 +152,24 @@ def used(access: ParamAccess, params: list[nn.Parameter], out: Any, done: list[n
     access.used_params(params, out)
     if done:
         access.release_params(done, out)
+
+
+def as_dtype_of(x: torch.Tensor, like: torch.Tensor | None) -> torch.Tensor:
+    """``x`` in ``like``'s floating dtype: a norm's activation in its weight's (``_NORMS``)."""
+    if like is None or not x.is_floating_point() or x.dtype == like.dtype:
+        return x
+    return x.to(like.dtype)
+
+
+class AsCaptured:
+    """A higher-order op (a wrapped subgraph) run with autocast off, as it was captured."""
+
+    def __init__(self, op: Any, device: torch.device) -> None:
+        self.op, self.device = op, device
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        with torch.autocast(self.device.type, enabled=False):
+            return self.op(*args, **kwargs)
 
 
 def view_or_reshape(x: torch.Tensor, shape: list[int]) -> torch.Tensor:
@@ -173,6 +237,8 @@ class _Builder:
         self.graph = torch.fx.Graph()
         self.attrs: dict[str, Any] = {}
         self.env: dict[torch.fx.Node, Any] = {}
+        self.recast = _Recast.of(p)  # the captured dtype's constants in the compute dtype's (low precision)
+        self.order: dict[torch.fx.Node, int] | None = None  # the captured graph's order, when asked
 
     def attr(self, prefix: str, obj: Any) -> torch.fx.Node:
         """A get_attr node for ``obj``, which the program holds as an attribute."""
@@ -243,8 +309,9 @@ class _Builder:
         if j != len(d.ins):
             raise PlanError(f"node {n.name}: the plan lists {len(d.ins)} tensor inputs, the graph has {j}",
                             hint="recompile the plan for this model with `partita compile`")
-        if getitem:
-            args = [self._edge(self.graph.call_function(operator.getitem, (args[0], args[1])), d.ins[0])]
+        if getitem:  # of a tuple of tensors: the edge applies to the item; of anything else (a shape), none
+            item = self.graph.call_function(operator.getitem, (args[0], args[1]))
+            args = [self._edge(item, d.ins[0]) if d.ins else item]
         return args, kwargs
 
     def _edge(self, v: Any, lay: Any) -> Any:
@@ -259,6 +326,20 @@ class _Builder:
         local = LOCAL_OPS.get((name, d.strategy))
         if local is not None:
             return self.graph.call_function(call, (self.attr("local", LocalOp(local, g, n)), *args), kwargs)
+        if self.recast is not None:
+            args, kwargs = self.recast.args(n, name, args, kwargs)
+            if name in _NORMS and len(args) > _NORMS[name] and isinstance(args[_NORMS[name]], torch.fx.Node):
+                args[0] = self.graph.call_function(as_dtype_of, (args[0], args[_NORMS[name]]))
+            if isinstance(n.target, torch._ops.HigherOrderOperator):
+                # a region export wrapped (torch 2.11's ``wrap_with_set_grad_enabled``: a rotary
+                # embedding under no_grad) runs its captured subgraph, which is not recast and checks
+                # its dtypes: it runs as captured, its tensors in their captured dtypes, without autocast
+                # (the eager model computes such regions in fp32 with autocast off)
+                args = [self.graph.call_function(torch.Tensor.to, (a, o.meta["val"].dtype))
+                        if isinstance(o, torch.fx.Node) and isinstance(o.meta.get("val"), torch.Tensor)
+                        and o.meta["val"].is_floating_point() else a for a, o in zip(args, n.args)]
+                return self.graph.call_function(call, (self.attr("as_captured", AsCaptured(n.target, self.p.device)),
+                                                       *args), kwargs)
         if not self.training:
             if name in _TRAIN_ARG and len(args) > _TRAIN_ARG[name]:
                 args[_TRAIN_ARG[name]] = False
@@ -276,14 +357,40 @@ class _Builder:
             sharded = shard_dim(d.out[0]) is not None if d.out else False
             op = RandomOp(n.target, n.name, self.p.rng, g.rank if sharded else None, self.p.device)
             return self.graph.call_function(call, (self.attr("random", op), *args), kwargs)
+        target = n.target
+        if name.endswith("_") and args and self._resharded(args[0]) and not self._read_after(n.args[0], n):
+            # an in-place op on a reshard's output (Falcon's ``add_``, DeBERTa's ``+=``): the reshard
+            # made this input for this op alone and nothing reads the original after it, so the
+            # op's out-of-place form computes the same (autograd refuses in-place on a Function's view)
+            target = _out_of_place(n.target) or target
         if name == "view":
             out = self.graph.call_function(view_or_reshape, (args[0], args[1]))
         else:
-            out = self.graph.call_function(n.target, tuple(args), kwargs)
+            out = self.graph.call_function(target, tuple(args), kwargs)
         if name == "mean" and d.out[0] == "partial" and shard_dim(d.ins[0].need) is not None:
             out.meta[_CHECK] = None
             out = self.graph.call_function(operator.truediv, (out, g.size))  # as by the global count
         return out
+
+
+    @staticmethod
+    def _resharded(v: Any) -> bool:
+        return isinstance(v, torch.fx.Node) and v.target is reshard_edge
+
+    def _read_after(self, value: Any, n: torch.fx.Node) -> bool:
+        """Whether a node after ``n`` in the captured graph reads ``value`` (a node)."""
+        if not isinstance(value, torch.fx.Node):
+            return False
+        if self.order is None:
+            self.order = {m: i for i, m in enumerate(self.p.graph_module.graph.nodes)}
+        return any(self.order[u] > self.order[n] for u in value.users if u is not n)
+
+
+def _out_of_place(op: Any) -> Any:
+    """``aten.add_.Tensor`` -> ``aten.add.Tensor``; None when there is none."""
+    packet = getattr(op, "overloadpacket", None)
+    base = getattr(torch.ops.aten, packet.__name__.rstrip("_"), None) if packet is not None else None
+    return getattr(base, op._overloadname, None) if base is not None else None
 
 
 def _fetch_attr(module: torch.fx.GraphModule, target: str) -> Any:
