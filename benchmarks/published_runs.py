@@ -313,10 +313,14 @@ def main() -> None:
         own = "-" if args.no_own else None
         own_s = "-"
         if own is None:
-            d = own_choice(r)
-            own = f"t={d.mesh.tp} p={d.mesh.pp} d={d.mesh.dp} mb={d.micro_batch_size} ZeRO-{d.zero_stage}"
-            own += _recomputed(d)
-            own_s = f"{d.step_s:.2f} s"
+            try:
+                d = own_choice(r)
+            except InfeasibleError as e:  # the memory model finds no plan at this size: say so in the row
+                own = f"none fits ({e.message.split(': ')[-1][:60]})"
+            else:
+                own = f"t={d.mesh.tp} p={d.mesh.pp} d={d.mesh.dp} mb={d.micro_batch_size} ZeRO-{d.zero_stage}"
+                own += _recomputed(d)
+                own_s = f"{d.step_s:.2f} s"
         step = p.decision.step_s
         mem = f"{p.memory_gb:.0f} GB" + ("" if p.fits else " (does not fit 72 GB)") + _recomputed(p.decision)
         print(f"| {r.source} | {r.model} | {r.gpus} | {r.batch} | {r.tp}x{r.pp}x{r.dp}, {r.micro_batch}, "
