@@ -15,6 +15,8 @@ micro-batch at a time, gradients accumulated.
 
 from __future__ import annotations
 
+import functools
+
 GPIPE = "gpipe"
 ONE_F_ONE_B = "1f1b"
 NONE = "none"
@@ -77,3 +79,38 @@ def bubble_fraction(stages: int, micro_batches: int) -> float:
     if stages < 1 or micro_batches < 1:
         raise ValueError(f"stages={stages} and micro_batches={micro_batches} must be at least 1")
     return (stages - 1) / micro_batches
+
+
+def backwards_done_before(schedule: str, stage: int, stages: int, micro_batches: int) -> dict[int, int]:
+    """Micro-batch k -> how many backwards stage ``stage`` has run before its forward of k: once
+    the next stage receives k's activations, the gradients it sent back for the micro-batches
+    below that count have been received (runtime/pipeline/stage.py lets them go then)."""
+    out, done = {}, 0
+    for action, k in stage_order(schedule, stage, stages, micro_batches):
+        if action == FORWARD:
+            out[k] = done
+        else:
+            done += 1
+    return out
+
+
+@functools.cache
+def sends_held(schedule: str, stage: int, stages: int, micro_batches: int) -> tuple[int, int]:
+    """The most micro-batches' sends stage ``stage`` holds at once: (activations sent forward,
+    let go at that micro-batch's backward; gradients sent back, let go when the previous stage's
+    activations show it has run those backwards: ``backwards_done_before``), by walking
+    ``stage_order``: (min(p - i, m), at most 2) under 1F1B, (m, m) under GPipe."""
+    p, m = stages, micro_batches
+    released = backwards_done_before(schedule, stage - 1, p, m) if stage > 0 else {}
+    forward = backward = most_forward = most_backward = 0
+    gone = 0  # gradients sent back and let go (in micro-batch order, as backwards run)
+    for action, k in stage_order(schedule, stage, p, m):
+        if action == FORWARD:
+            gone = max(gone, released.get(k, 0))
+            forward += stage < p - 1
+        else:
+            forward -= stage < p - 1
+            backward += stage > 0
+        most_forward = max(most_forward, forward)
+        most_backward = max(most_backward, backward - gone if stage > 0 else 0)
+    return most_forward, most_backward

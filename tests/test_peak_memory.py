@@ -10,6 +10,7 @@ tests/test_runtime_memory.py checks the sum against the CPU allocator on five mo
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import pytest
@@ -138,9 +139,11 @@ def test_the_peak_is_the_state_and_the_larger_side_then_the_allocators_share():
     assert peak_memory(state, activations=1000, capacity=10**6, cluster=PRESETS["local"]).allocator == 0
 
 
-def test_a_pipeline_stage_holds_every_micro_batchs_sends_until_the_step_ends():
-    """runtime/pipeline/stage.py keeps each send until the step's end: stage 0 of 2 its m activations
-    sent forward, stage 1 its m input gradients sent back."""
+def test_a_pipeline_stage_holds_the_sends_its_peer_has_not_had():
+    """runtime/pipeline/stage.py lets a micro-batch's activations sent forward go when its gradients
+    come back, and the gradients it sent back when the previous stage's activations show that stage
+    ran those backwards (core/schedule.py ``sends_held``): under 1F1B stage 0 of 2 holds its 2
+    micro-batches in flight, stage 1 two gradients (stage 0 runs one forward ahead); GPipe all m."""
     n, m = 4, 4
     costs = NodeCosts(order=tuple("abcd"), forward_s=(1.0,) * n, backward_s=(1.0,) * n, saved_bytes=(100,) * n,
                       param_numel=(0,) * n, send_bytes=(0, 10, 20, 30, 0), grad_bytes=(0, 1, 2, 3, 0),
@@ -148,9 +151,11 @@ def test_a_pipeline_stage_holds_every_micro_batchs_sends_until_the_step_ends():
     setup = StageSetup(2, m, "1f1b", (PRESETS["local"].intra_link,), 10**9, StateBytes(4, 4, 8),
                        buffers=lambda numel: NO_BUFFERS)
     part = Partition(costs, setup, PRESETS["local"])
-    assert part.memory(0, 2, 0).collectives == m * 20
-    assert part.memory(2, 4, 1).collectives == m * 2
+    assert part.memory(0, 2, 0).collectives == 2 * 20
+    assert part.memory(2, 4, 1).collectives == 2 * 2
     assert part.memory(0, 2, 0).activations == 2 * 200  # 1F1B: stage 0 of 2 holds 2 micro-batches
+    gpipe = Partition(costs, dataclasses.replace(setup, schedule="gpipe"), PRESETS["local"])
+    assert gpipe.memory(0, 2, 0).collectives == m * 20 and gpipe.memory(2, 4, 1).collectives == m * 2
 
 
 @pytest.mark.parametrize("dp, frees", [(1, True), (2, False)])

@@ -22,7 +22,7 @@ from dataclasses import dataclass, replace
 
 from partita.core.cluster import ClusterSpec, Link
 from partita.core.plan import MemoryBreakdown
-from partita.core.schedule import in_flight
+from partita.core.schedule import in_flight, sends_held
 from partita.passes.cost_model import StateBytes, model_state_memory, p2p_time, sharded_state, stage_slot_time
 from partita.passes.peak_memory import NO_BUFFERS, StepBuffers, peak_memory, peak_total
 from partita.passes.pipeline.costs import NodeCosts, Recompute, SharedParam
@@ -146,17 +146,18 @@ class Partition:
 
     def _buffers(self, j: int, k: int, s: int) -> StepBuffers:
         """Stage s's buffers in a training step (peak_memory.step_buffers), and the activations it
-        sends forward and the gradients it sends back, every micro-batch's: the pipeline runtime
-        keeps each send until the step's end (runtime/pipeline/stage.py ``wait_sends``)."""
+        sends forward and the gradients it sends back, of as many micro-batches as the runtime holds
+        sends of at once (core/schedule.py ``sends_held``: each is let go once its peer had it)."""
         if self.setup.buffers is None:
             return NO_BUFFERS
         buffers = self.setup.buffers(self.param_numel(j, k))
-        p, m = self.setup.stages, self.setup.micro_batches
-        sends = m * ((self.costs.send_bytes[k] if s < p - 1 else 0) + (self.costs.grad_bytes[j] if s > 0 else 0))
+        p = self.setup.stages
+        forward, backward = sends_held(self.setup.schedule, s, p, self.setup.micro_batches)
+        sends = forward * self.costs.send_bytes[k] + backward * self.costs.grad_bytes[j]
         if not sends:
             return buffers
         return replace(buffers, collectives=buffers.collectives + sends,
-                       terms={**buffers.terms, "pipeline sends held until the step ends": sends})
+                       terms={**buffers.terms, "pipeline sends in flight": sends})
 
     def _state_total(self, j: int, k: int) -> int:
         numel = self.param_numel(j, k)

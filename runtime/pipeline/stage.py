@@ -30,7 +30,7 @@ from partita.core.errors import PlanError
 from partita.core.ops import gradient_nodes, tensor_values
 from partita.core.plan import MeshAxis, Plan, tied_stages
 from partita.core.precision import PrecisionPolicy
-from partita.core.schedule import SCHEDULES, stage_order
+from partita.core.schedule import SCHEDULES, backwards_done_before, stage_order
 from partita.runtime.collectives import CollectiveCounter, all_gather_flat
 from partita.runtime.dp.averaging import GradientAverager
 from partita.runtime.tp.collectives import local_shape
@@ -187,7 +187,10 @@ class PipelineStage(nn.Module):
         self.trace = TraceRecorder(self.rank, self.index)
         self.ties = self._tie_groups(mesh, stage_of)
         self._inflight: dict[int, _InFlight] = {}
-        self._sends: list[tuple[dist.Work, torch.Tensor]] = []
+        self._sends: list[tuple[dist.Work, torch.Tensor]] = []  # sent without gradients (evaluation, inference)
+        self._forward_sends: dict[int, list[tuple[dist.Work, torch.Tensor]]] = {}  # micro-batch -> its activations
+        self._backward_sends: dict[int, list[tuple[dist.Work, torch.Tensor]]] = {}  # micro-batch -> its gradients
+        self._received_by_prev: dict[int, int] = {}  # micro-batch -> gradients the previous stage has had by then
 
     @property
     def is_last(self) -> bool:
@@ -246,11 +249,14 @@ class PipelineStage(nn.Module):
                     out.append((n, v, placement))
         return out
 
-    def _send(self, values: list[torch.Tensor], dst: int) -> None:
+    def _send(self, values: list[torch.Tensor], dst: int, held: list[tuple[dist.Work, torch.Tensor]] | None = None
+              ) -> None:
+        """Send ``values`` to ``dst``, holding each tensor in ``held`` until it is let go (``_release_sent``)."""
+        held = self._sends if held is None else held
         for t in values:
             t = t.detach().contiguous()
             self.counter.record("send_recv", PP, t.numel() * t.element_size())
-            self._sends.append((dist.isend(t, dst=dst, group=self.pp_group), t))
+            held.append((dist.isend(t, dst=dst, group=self.pp_group), t))
 
     def _recv(self, wire: list[tuple[torch.fx.Node, Any, str]], src: int) -> list[torch.Tensor]:
         dtype = self.tp.precision.held_dtype  # floating activations cross in the compute dtype (``_send``'s)
@@ -263,7 +269,20 @@ class PipelineStage(nn.Module):
                 w.wait()
         return bufs
 
+    @staticmethod
+    def _release_sent(sends: dict[int, list[tuple[dist.Work, torch.Tensor]]], below: int) -> None:
+        """Let go of the sends of the micro-batches below ``below``, which the peer has received:
+        a forward's activations once its gradients came back, a backward's gradients once the
+        previous stage's activations show it ran those backwards (core/schedule.py
+        ``backwards_done_before``). The waits return at once (gloo's works say they are complete
+        only once waited on); a sent tensor is held while on the wire, not to the step's end."""
+        for k in [k for k in sends if k < below]:
+            for work, _ in sends.pop(k):
+                work.wait()
+
     def wait_sends(self) -> None:
+        self._release_sent(self._forward_sends, 1 << 62)
+        self._release_sent(self._backward_sends, 1 << 62)
         for work, _ in self._sends:
             work.wait()
         self._sends.clear()
@@ -285,6 +304,7 @@ class PipelineStage(nn.Module):
                     received.append(t)
             it = iter(got)
             values += [_rebuild(n.meta.get("val"), it) for n in g.recv]
+            self._release_sent(self._backward_sends, self._received_by_prev.get(k, 0))
         with self.trace.span(FORWARD, k), torch.set_grad_enabled(grad):
             results = self.tp.run("stage", g.nodes, self._inputs, self._outputs, values)
         if self.is_last:
@@ -295,7 +315,7 @@ class PipelineStage(nn.Module):
             return out
         # in the compute dtype (what the plan prices), a differentiable cast: the gradient comes back in it
         outs = [self.tp.precision.wire(t) for value in results for t in tensor_values(value)]
-        self._send(outs, self.next)
+        self._send(outs, self.next, self._forward_sends.setdefault(k, []) if grad else None)
         if grad:
             sent = [t for (n, v, _), t in zip(self._wire(g.send, grads_only=False), outs)
                     if n.name in self.grad_nodes and v.dtype.is_floating_point]
@@ -311,12 +331,14 @@ class PipelineStage(nn.Module):
                 (f.loss * scale).backward()
         else:
             grads = self._recv(self._wire(self.graph.send, grads_only=True), self.next)
+            self._release_sent(self._forward_sends, k + 1)  # the next stage had k's activations: sent
             pairs = [(t, g) for t, g in zip(f.sent, grads) if t.requires_grad]
             with self.trace.span(BACKWARD, k):
                 if pairs:
                     torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
         if self.prev is not None:
-            self._send([t.grad if t.grad is not None else torch.zeros_like(t) for t in f.received], self.prev)
+            self._send([t.grad if t.grad is not None else torch.zeros_like(t) for t in f.received], self.prev,
+                       self._backward_sends.setdefault(k, []))
 
     # -- a step ----------------------------------------------------------------------
 
@@ -330,6 +352,8 @@ class PipelineStage(nn.Module):
         m, mbs = tr.grad_accum_steps, tr.micro_batch_size
         users = [*xs, y]
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
+        self._received_by_prev = backwards_done_before(tr.schedule, self.index - 1, self.num_stages, m) \
+            if self.index > 0 else {}
         for action, k in schedule_order(tr.schedule, self.num_stages, self.index, m):
             if action == "F":
                 if zero is not None:
