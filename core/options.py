@@ -34,7 +34,7 @@ ZERO_STAGES = (0, 1, 2, 3)
 ALIASES = {"microbatches": "grad_accum_steps"}  # another name users know a keyword by
 NONFINITE = ("stop", "skip")  # what a step whose loss is not finite does (runtime/engine.py)
 # the options a forward-only plan has no use for: given with inference=True they are refused, not dropped
-TRAINING_ONLY = ("targets", "loss", "optimizer", "max_grad_norm")
+TRAINING_ONLY = ("targets", "loss", "optimizer", "max_grad_norm", "scheduler")
 
 
 def option(default: Any, part: str, help: str, *, flag: str | None = "", commands: tuple[str, ...] = ("compile",),
@@ -135,6 +135,9 @@ class Options:
     nonfinite: str | None = option(None, RUN, "a step whose loss is NaN or infinite: stop (end the run, the parameters "
                                    "as before it) or skip (no update; one line says so) [default: stop]",
                                    commands=("run",), env="PARTITA_NONFINITE", choices=NONFINITE)
+    scheduler: Any = option(None, RUN, "optimizer -> LR scheduler, stepped after each optimizer step", flag=None)
+    log_dir: str | None = option(None, RUN, "rank 0 writes each step's metrics here as TensorBoard event files "
+                                 "(needs tensorboard)", commands=("run",), env="PARTITA_LOG_DIR", path=True)
 
     def __post_init__(self) -> None:
         _set = object.__setattr__
@@ -201,10 +204,13 @@ class Options:
             if v is not None and not _whole(v, low):
                 raise PartitaError(f"{name}={v!r} must be a whole number >= {low}",
                                    hint=f"e.g. {name}=10, or leave it out for the default")
-        for name in ("checkpoint_dir", "trace", "weights", "plan"):
+        for name in ("checkpoint_dir", "trace", "weights", "plan", "log_dir"):
             v = getattr(self, name)
             if v is not None and not isinstance(v, (str, os.PathLike)):
                 raise PartitaError(f"{name}={v!r} must be a path", hint=f"pass {name}='PATH', or leave it out")
+        if self.scheduler is not None and not callable(self.scheduler):
+            raise PartitaError(f"scheduler={_shown(self.scheduler)} is not a factory of the optimizer",
+                               hint="e.g. scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, 100, 0.5)")
         if self.nonfinite is not None and self.nonfinite not in NONFINITE:
             raise PartitaError(f"nonfinite={self.nonfinite!r} is not one of {', '.join(NONFINITE)}",
                                hint="stop ends the run at a NaN or infinite loss, skip leaves that step out")
@@ -275,16 +281,13 @@ class Options:
     @property
     def optimizer_factory(self) -> Callable:
         """What builds the optimizer over the parameters a rank updates."""
-        if callable(self.optimizer):
-            return self.optimizer
-        return functools.partial(default_optimizer, kind=self.optimizer or "adamw")
+        return self.optimizer if callable(self.optimizer) else functools.partial(default_optimizer,
+                                                                                 kind=self.optimizer or "adamw")
 
     @property
     def optimizer_kind(self) -> str:
         """The cost model's name for the optimizer (a factory is probed on a one-element parameter)."""
-        if not callable(self.optimizer):
-            return self.optimizer or "adamw"
-        return optimizer_kind(self.optimizer)
+        return optimizer_kind(self.optimizer) if callable(self.optimizer) else self.optimizer or "adamw"
 
 
 def environment_option(name: str, environ: Mapping[str, str] | None = None) -> Any:

@@ -3,9 +3,9 @@
 ``compose`` (runtime/compose.py) applies the plan's parts to the user's module
 in one stated order and returns this rank's ``Program`` (runtime/program.py);
 ``ParallelModel`` runs it: the micro-batch loop (or the pipeline's schedule),
-the gradient norm and clipping (runtime/grad_norm.py), the one optimizer step,
-checkpoints (runtime/state/: sharded.py, loading.py, periodic.py) and what a step reports
-(``StepResult``).
+the gradient norm and clipping (runtime/grad_norm.py), the one optimizer step and the LR
+scheduler's, checkpoints (runtime/state/: sharded.py, loading.py, periodic.py) and what a step
+reports (``StepResult``, and with ``log_dir`` TensorBoard: runtime/metrics.py).
 
 Tracing: ``ParallelModel.write_trace(path)`` (collective: every rank calls it)
 gathers each rank's per-micro-batch forward / backward spans to rank 0, which
@@ -38,6 +38,7 @@ from partita.runtime.collectives import CollectiveCounter
 from partita.runtime.compose import compose, refuse_unsupported
 from partita.runtime.distributed import DistContext, init_distributed
 from partita.runtime.grad_norm import clip_coefficient, global_grad_norm
+from partita.runtime.metrics import MetricsLog, StepResult
 from partita.runtime.program import Program
 from partita.runtime.rng import replica_divergence
 from partita.runtime.state import full as full_state
@@ -87,6 +88,12 @@ class ParallelModel(nn.Module):
         self.module = program.module
         self.optimizer = program.optimizer
         self._program = program
+        # the user's LR scheduler over the one optimizer (ZeRO's is over shards: it scales their lr alike)
+        self.scheduler = None if options.scheduler is None or self.optimizer is None else options.scheduler(
+            self.optimizer)
+        self._lr = float("nan")  # the learning rate the last step's update used
+        self.metrics_log = MetricsLog(options.log_dir, plan, self.ctx.device) \
+            if options.log_dir is not None and self.ctx.rank == 0 else None  # rank 0's TensorBoard files
         self.trace = program.pipeline.trace if program.pipeline is not None else TraceRecorder(self.ctx.rank, 0)
         self._trace_path = options.trace
         # Periodic checkpoints (runtime/state/periodic.py): every ``checkpoint_every`` steps under
@@ -153,7 +160,8 @@ class ParallelModel(nn.Module):
                 self._waits_at_exit = True
             self._pending = periodic.save_periodic(self._program, self.checkpoint_dir, step=self._step,
                                                    extra=self.extra, async_save=self.async_checkpoints,
-                                                   keep_last=self.keep_last, buffers=self._staging)
+                                                   keep_last=self.keep_last, buffers=self._staging,
+                                                   scheduler=self.scheduler)
 
     def wait_for_checkpoint(self) -> None:
         """Wait until the periodic checkpoint being written in the background is complete (its
@@ -209,7 +217,8 @@ class ParallelModel(nn.Module):
         writing only what it holds (a collective: call it on every rank). ``extra`` (plain Python
         values, e.g. the data position) comes back from ``load_checkpoint``. With ``async_save``
         the write goes on in the background: wait on the returned future before relying on it."""
-        return sharded_state.save(self._program, path, step=self._step, extra=extra, async_save=async_save)
+        return sharded_state.save(self._program, path, step=self._step, extra=extra, async_save=async_save,
+                                  scheduler=self.scheduler)
 
     def load_checkpoint(self, path: str | Path, *, optimizer: str = "restore", partial: bool = False) -> dict:
         """Restore the state saved in ``path`` (under this plan or any other: DCP reshards), in
@@ -220,8 +229,10 @@ class ParallelModel(nn.Module):
         ``CheckpointError`` names the first difference; so does a damaged file. Asked explicitly,
         ``partial=True`` loads the tensors both hold and leaves the rest; ``optimizer="state"``
         loads the optimizer's state but keeps this run's hyperparameters, ``optimizer="skip"``
-        loads no optimizer state (another optimizer's checkpoint, say)."""
-        self._step, extra = loading.load(self._program, path, optimizer=optimizer, partial=partial)
+        loads no optimizer state (another optimizer's checkpoint, say). The LR scheduler's state is
+        restored with the hyperparameters (``optimizer="restore"``)."""
+        self._step, extra = loading.load(self._program, path, optimizer=optimizer, partial=partial,
+                                         scheduler=self.scheduler)
         return extra
 
     def write_trace(self, path: str | Path) -> Path | None:
@@ -266,8 +277,10 @@ class ParallelModel(nn.Module):
         first = inputs[0] if inputs else targets
         per_sample = math.prod(first.shape[1:]) if not first.is_floating_point() and first.dim() > 1 else None
         result = StepResult(loss, step=self._step, grad_norm=self.grad_norm, seconds=seconds,
-                            samples=self.plan.training.global_batch, tokens_per_sample=per_sample)
+                            samples=self.plan.training.global_batch, tokens_per_sample=per_sample, lr=self._lr)
         self._report(result)
+        if self.metrics_log is not None:
+            self.metrics_log.write(result)
         self._checkpoint_if_due()  # outside: writing a large checkpoint may take longer than the limit
         return result
 
@@ -412,6 +425,7 @@ class ParallelModel(nn.Module):
                 q.grad = None
                 reduced.pop(id(q), None)
         skip = skip or (p.scaler is not None and not math.isfinite(self.grad_norm))
+        self._lr = float(self.optimizer.param_groups[0]["lr"])
         inv_scale *= clip_coefficient(self.grad_norm, self.plan.training.max_grad_norm)
         if p.zero is not None:
             if not skip:  # the optimizer on this rank's shards, then the parameters all-gathered
@@ -428,6 +442,8 @@ class ParallelModel(nn.Module):
                 self.optimizer.zero_grad(set_to_none=True)
                 for q in p.master.params:
                     q.grad = None
+        if self.scheduler is not None and not skip:  # a step left out leaves the schedule where it was
+            self.scheduler.step()
         if p.scaler is not None:
             p.scaler.update(skip)
             self.skipped_steps = p.scaler.skipped
@@ -444,31 +460,6 @@ def _wait_at_exit(ref: weakref.ref) -> None:
     except PartitaError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         os._exit(e.exit_code)
-
-
-class StepResult(float):
-    """``train_step``'s mean loss (a float, as before), with what else the step measured:
-    ``grad_norm`` (the global gradient norm, before clipping), ``seconds`` (wall time of the step
-    on this rank), ``samples_per_s`` and, for token inputs, ``tokens_per_s``; ``step`` is
-    ``model.step`` after it."""
-
-    step: int
-    grad_norm: float
-    seconds: float
-    samples_per_s: float
-    tokens_per_s: float | None
-
-    def __new__(cls, loss: float, *, step: int, grad_norm: float, seconds: float, samples: int,
-                tokens_per_sample: int | None) -> StepResult:
-        self = super().__new__(cls, loss)
-        self.step, self.grad_norm, self.seconds = step, grad_norm, seconds
-        self.samples_per_s = samples / seconds if seconds > 0 else float("inf")
-        self.tokens_per_s = self.samples_per_s * tokens_per_sample if tokens_per_sample else None
-        return self
-
-    @property
-    def loss(self) -> float:
-        return float(self)
 
 
 def apply_plan(module: nn.Module, plan: Plan, options: Options | None = None, *,

@@ -17,7 +17,8 @@ its report and exits 3; a lost node is one line naming it and its ranks (exit
 naming it and its exit code (runtime/agent.py ``failure_report``). SIGTERM and SIGINT stop every
 rank of the node and end with one line and 143 or 130. The workers die with
 their launcher, a SIGKILL of it included (runtime/watchdog.py
-``die_with_launcher``): no rank trains on as an orphan.
+``die_with_launcher``): no rank trains on as an orphan. Each worker gets this node's cores
+shared out as ``OMP_NUM_THREADS`` unless the user set it (``omp_threads``).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import signal
 import sys
 import tempfile
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -116,6 +117,18 @@ def launch(nproc_per_node: int, argv: list[str], *, env: Mapping[str, str] | Non
         os.environ.update(saved)
 
 
+def omp_threads(environ: MutableMapping[str, str], nproc_per_node: int, cpu_count: int | None = None) -> str | None:
+    """Unless ``environ`` sets OMP_NUM_THREADS, set it to this node's cores per worker (each rank's
+    ops would otherwise start a thread per core: on CPU a step ran about 10x slower so) and return
+    the one line that says so; None when the user's setting stands."""
+    if environ.get("OMP_NUM_THREADS"):
+        return None
+    threads = max(1, (cpu_count if cpu_count is not None else os.cpu_count() or 1) // nproc_per_node)
+    environ["OMP_NUM_THREADS"] = str(threads)
+    return (f"partita: OMP_NUM_THREADS={threads} for each of {nproc_per_node} rank(s) on this node (its cores "
+            "per rank); set OMP_NUM_THREADS to override")
+
+
 def _stop(signum: int, frame: Any) -> None:
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
@@ -132,6 +145,9 @@ def _launch(nproc_per_node: int, argv: list[str], *, env: Mapping[str, str] | No
             rejoin_s: float | None, checkpoint_dir: str | None) -> int:
     os.environ.update(env or {})
     os.environ[LAUNCHER_ENV] = str(os.getpid())
+    threads = omp_threads(os.environ, nproc_per_node)
+    if threads is not None:
+        print(threads, file=sys.stderr, flush=True)
     # c10d's C++ warnings (a peer's store gone: a stack trace per call) would bury the one line
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     if max_restarts > 0 or str(nnodes) != "1":

@@ -9,7 +9,9 @@ silently. Loading a subset (``partial=True``) or into another optimizer (``optim
 ``"state"``) happens only when asked.
 
 A learning rate a scheduler changed is compared by its ``initial_lr`` (the lr the optimizer was
-built with), so a run resumed with its scheduler is the same run.
+built with), so a run resumed with its scheduler is the same run. The LR scheduler's class and
+state_dict are recorded too; restoring refuses a checkpoint whose schedule this run lacks or
+runs with another class.
 """
 
 from __future__ import annotations
@@ -61,6 +63,23 @@ def optimizer_entry(optimizer: torch.optim.Optimizer | None) -> dict[str, Any] |
         return None
     return {"kind": type(optimizer).__name__,
             "param_groups": [{k: _plain(g[k]) for k in HYPER if k in g} for g in optimizer.param_groups]}
+
+
+def scheduler_entry(scheduler: Any) -> dict[str, Any] | None:
+    """The LR scheduler's class and its state_dict (None without one)."""
+    return None if scheduler is None else {"kind": type(scheduler).__name__, "state": scheduler.state_dict()}
+
+
+def scheduler_difference(saved: Mapping[str, Any] | None, scheduler: Any, mode: str) -> Difference | None:
+    """With ``mode`` "restore": a checkpoint's schedule that this run lacks, or runs with another
+    class (a checkpoint without one loads into a run with one, which then starts its schedule)."""
+    here = type(scheduler).__name__ if scheduler is not None else None
+    if mode != "restore" or saved is None or saved["kind"] == here:
+        return None
+    this = f"this run's is {here}" if here else "this run has none"
+    return Difference(f"it was saved with a {saved['kind']} LR scheduler, and {this}",
+                      f"pass scheduler= building a {saved['kind']} as it was saved, or load_checkpoint(..., "
+                      "optimizer='state') to keep this run's hyperparameters and schedule")
 
 
 def _plain(value: Any) -> Any:

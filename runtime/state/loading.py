@@ -31,11 +31,13 @@ from partita.runtime.state.sharded import (
 from partita.runtime.watchdog import FLIGHT
 
 
-def load(program: Program, path: Any, *, optimizer: str = "restore", partial: bool = False) -> tuple[int, dict]:
+def load(program: Program, path: Any, *, optimizer: str = "restore", partial: bool = False,
+         scheduler: Any = None) -> tuple[int, dict]:
     """``ParallelModel.load_checkpoint``: the marker and every file's digest checked, the fingerprint
     compared (runtime/state/fingerprint.py), every piece this rank holds read into a copy; only
-    when all of that succeeded is it copied in, with the hyperparameters (``optimizer="restore"``)
-    and this rank's random state. Returns the saved step count and the user's ``extra``."""
+    when all of that succeeded is it copied in, with the hyperparameters and the LR ``scheduler``'s
+    state (both with ``optimizer="restore"``) and this rank's random state. Returns the saved
+    step count and the user's ``extra``."""
     if optimizer not in fingerprint.OPTIMIZER_MODES:
         raise PartitaError(f"optimizer={optimizer!r} is not one of {', '.join(fingerprint.OPTIMIZER_MODES)}",
                            hint="restore: the same optimizer and hyperparameters; state: the same optimizer, this "
@@ -44,7 +46,7 @@ def load(program: Program, path: Any, *, optimizer: str = "restore", partial: bo
     with FLIGHT.waiting(f"the checkpoint load of {path}"):
         marker = read_marker(path)
         verify(path, marker)
-        _check_fingerprint(program, path, marker, optimizer, partial)
+        _check_fingerprint(program, path, marker, optimizer, partial, scheduler)
         reader = Reader(path)
         with named_errors(path, "read"):
             metadata = reader.read_metadata()
@@ -65,6 +67,8 @@ def load(program: Program, path: Any, *, optimizer: str = "restore", partial: bo
     if optimizer == "restore" and opt is not None:
         for g, saved_g in zip(opt.param_groups, (marker.get("optimizer") or {}).get("param_groups", [])):
             g.update({k: tuple(v) if k == "betas" else v for k, v in saved_g.items()})
+        if scheduler is not None and marker.get("scheduler") is not None:
+            scheduler.load_state_dict(marker["scheduler"]["state"])  # the schedule goes on where it was
     if program.updates is not None:
         program.updates.masters_to_params()  # mixed precision: the masters cast into the parameters
     if program.zero is not None:
@@ -74,7 +78,8 @@ def load(program: Program, path: Any, *, optimizer: str = "restore", partial: bo
     return int(marker.get("step", 0)), dict(marker.get("extra", {}))
 
 
-def _check_fingerprint(program: Program, path: Path, marker: dict, optimizer: str, partial: bool) -> None:
+def _check_fingerprint(program: Program, path: Path, marker: dict, optimizer: str, partial: bool,
+                       scheduler: Any = None) -> None:
     """Refuse a checkpoint of another model or optimizer (the same verdict on every rank)."""
     mine = fingerprint.model_entries(training_state(program, optimizer=False)["model"])
     parts: list[Any] = [mine]
@@ -84,7 +89,8 @@ def _check_fingerprint(program: Program, path: Path, marker: dict, optimizer: st
     here = fingerprint.merged(parts, [n for names in program.state_names.values() for n in names])
     diff = (fingerprint.model_difference(marker.get("model", {}), here, partial=partial)
             or fingerprint.optimizer_difference(marker.get("optimizer"),
-                                                fingerprint.optimizer_entry(program.optimizer), optimizer))
+                                                fingerprint.optimizer_entry(program.optimizer), optimizer)
+            or fingerprint.scheduler_difference(marker.get("scheduler"), scheduler, optimizer))
     if diff is not None:
         raise CheckpointError(f"cannot load checkpoint {path}: {diff.message}", hint=diff.hint)
 

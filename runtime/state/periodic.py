@@ -84,9 +84,10 @@ def resume_point(root: Any) -> tuple[Path | None, list[str]]:
 
 
 def save_periodic(program: Program, root: Any, *, step: int, extra: dict | None = None, async_save: bool = True,
-                  keep_last: int = DEFAULT_KEEP_LAST, buffers: dict | None = None) -> Pending | None:
+                  keep_last: int = DEFAULT_KEEP_LAST, buffers: dict | None = None,
+                  scheduler: Any = None) -> Pending | None:
     """Save under ``root/step-NNNNNNNN`` (its marker written once every rank has written); then the
     coordinator prunes ``root`` to ``keep_last`` (``prune``). ``buffers``: the CPU copies of the
     previous asynchronous save, reused (the caller waited for it)."""
     return save(program, step_dir(root, step), step=step, extra=extra, async_save=async_save,
-                on_complete=lambda _: prune(root, keep_last), buffers=buffers)
+                on_complete=lambda _: prune(root, keep_last), buffers=buffers, scheduler=scheduler)

@@ -16,9 +16,10 @@ included, so ``dcp_to_torch_save`` gives a file the plain model loads with
     rng/<rank>              each rank's CPU (and CUDA) generator states
 
 (``dcp_to_torch_save`` returns the nested dict ``{"model": {...}, "optim": ...}``.) The step
-count, the optimizer's hyperparameters, the user's ``extra``, the fingerprint and every file's
-digest are in the completion marker, written last (runtime/state/marker.py). A load checks it
-all before it changes anything: a failed load leaves the model and the optimizer as they were.
+count, the optimizer's hyperparameters, the LR scheduler's state, the user's ``extra``, the
+fingerprint and every file's digest are in the completion marker, written last
+(runtime/state/marker.py). A load checks it all before it changes anything: a failed load
+leaves the model and the optimizer as they were.
 """
 
 from __future__ import annotations
@@ -311,29 +312,37 @@ def set_rng_state(packed: torch.Tensor) -> None:
 # -- save ---------------------------------------------------------------------------------------
 
 
-def _record(program: Program, step: int, extra: dict | None) -> dict[str, Any]:
+def _record(program: Program, step: int, extra: dict | None, scheduler: Any = None) -> dict[str, Any]:
     """What the completion marker says besides the model's tensors and the digests."""
     try:
         extra = json.loads(json.dumps(dict(extra or {}), allow_nan=False))
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"save_checkpoint's extra must hold plain values (numbers, strings, lists, dicts): {e}",
                               hint="keep extra= to numbers, strings, lists and dicts") from e
+    try:
+        schedule = json.loads(json.dumps(fingerprint.scheduler_entry(scheduler)))
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"the LR scheduler's state_dict must hold plain values to be saved: {e}",
+                              hint="use a scheduler of torch.optim.lr_scheduler, or save it yourself in extra=") from e
     return {"step": step, "world_size": program.ctx.world_size, "mesh": str(program.plan.mesh), "extra": extra,
             "optimizer": fingerprint.optimizer_entry(program.optimizer),
+            "scheduler": schedule,
             "order": [n for names in program.state_names.values() for n in names]}
 
 
 def save(program: Program, path: Any, *, step: int, extra: dict | None = None, async_save: bool = False,
-         on_complete: Callable[[Path], None] | None = None, buffers: dict | None = None) -> Pending | None:
+         on_complete: Callable[[Path], None] | None = None, buffers: dict | None = None,
+         scheduler: Any = None) -> Pending | None:
     """``ParallelModel.save_checkpoint``: DCP over ``training_state``, the completion marker last
-    (runtime/state/marker.py; ``step``: optimizer steps completed). With ``async_save`` a CPU copy
+    (runtime/state/marker.py; ``step``: optimizer steps completed; ``scheduler``: the LR
+    scheduler, whose state_dict the marker holds). With ``async_save`` a CPU copy
     is taken here (into ``buffers`` when given, kept for the next save) and written in the
     background, over a process group of its own (DCP's collectives must not interleave with
     training's): wait on the returned ``Pending``."""
     import torch.distributed.checkpoint as dcp
 
     path = Path(path)
-    record = _record(program, step, extra)
+    record = _record(program, step, extra, scheduler)
     state = training_state(program)
     if program.ctx.rank == 0:
         remove_marker(path)  # a save over an older one: it stops counting until this one completes

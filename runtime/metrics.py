@@ -1,0 +1,96 @@
+"""What a training step reports (``StepResult``), and where it is written (``MetricsLog``).
+
+``ParallelModel.train_step`` returns a ``StepResult``; with ``log_dir=`` rank 0 also writes
+each step's figures as TensorBoard scalars (``torch.utils.tensorboard``, which needs the
+``tensorboard`` package, imported only then). The figures are those the step already has: no
+extra synchronisation, no device-to-host copy beyond the loss the step reads anyway.
+"""
+
+from __future__ import annotations
+
+import atexit
+import weakref
+from pathlib import Path
+
+import torch
+
+from partita.core.errors import PartitaError
+from partita.core.plan import Plan
+
+
+class StepResult(float):
+    """``train_step``'s mean loss (a float, as before), with what else the step measured:
+    ``grad_norm`` (the global gradient norm, before clipping), ``seconds`` (wall time of the step
+    on this rank), ``samples_per_s``, for token inputs ``tokens_per_s``, and ``lr`` (the learning
+    rate this step's update used, before the scheduler stepped); ``step`` is ``model.step``
+    after it."""
+
+    step: int
+    grad_norm: float
+    seconds: float
+    samples_per_s: float
+    tokens_per_s: float | None
+    lr: float
+
+    def __new__(cls, loss: float, *, step: int, grad_norm: float, seconds: float, samples: int,
+                tokens_per_sample: int | None, lr: float = float("nan")) -> StepResult:
+        self = super().__new__(cls, loss)
+        self.step, self.grad_norm, self.seconds, self.lr = step, grad_norm, seconds, lr
+        self.samples_per_s = samples / seconds if seconds > 0 else float("inf")
+        self.tokens_per_s = self.samples_per_s * tokens_per_sample if tokens_per_sample else None
+        return self
+
+    @property
+    def loss(self) -> float:
+        return float(self)
+
+
+class MetricsLog:
+    """Rank 0's TensorBoard event files under ``log_dir``: per step ``loss``, ``grad_norm``,
+    ``lr``, ``tokens_per_s`` (``samples_per_s`` for other inputs), ``mfu`` (the plan's predicted
+    MFU scaled by predicted over measured step time: the model's FLOPs against the planned
+    cluster's peak) and, on CUDA, ``peak_memory_bytes`` (the allocator's high-water mark).
+
+    Each step is logged at its index counted from 0, as a user's ``for step in range(n)`` loop
+    counts: ``model.step`` before the step (``StepResult.step - 1``), so a resumed run goes on
+    at the index it stopped at. Events are flushed every 10 seconds and at exit (``close``)."""
+
+    def __init__(self, log_dir: str | Path, plan: Plan, device: torch.device) -> None:
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError as e:  # torch's writer imports the tensorboard package
+            raise PartitaError(f"log_dir={str(log_dir)!r} writes TensorBoard event files, and the tensorboard "
+                               f"package is not installed ({e})", hint="pip install tensorboard "
+                               "(or partita[metrics]), or leave log_dir out") from e
+        self.writer = SummaryWriter(log_dir=str(log_dir), flush_secs=10)
+        self.plan, self.device = plan, device
+        atexit.register(_close_at_exit, weakref.ref(self))
+
+    def write(self, result: StepResult) -> None:
+        """``result``'s figures as scalars at the step's index (the class docstring)."""
+        index = result.step - 1
+        pred = self.plan.predicted
+        scalars = {"loss": result.loss, "grad_norm": result.grad_norm, "lr": result.lr,
+                   "mfu": pred.mfu * pred.step_time_s / result.seconds if result.seconds > 0 else None}
+        if result.tokens_per_s is not None:
+            scalars["tokens_per_s"] = result.tokens_per_s
+        else:
+            scalars["samples_per_s"] = result.samples_per_s
+        if self.device.type == "cuda":
+            scalars["peak_memory_bytes"] = torch.cuda.max_memory_allocated(self.device)
+        for name, value in scalars.items():
+            if value is not None:
+                self.writer.add_scalar(name, value, index)
+
+    def flush(self) -> None:
+        """Write the events queued so far to the event file."""
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+def _close_at_exit(ref: weakref.ref) -> None:
+    log = ref()
+    if log is not None:
+        log.close()
