@@ -598,7 +598,7 @@ function timelineSvg(T, span, label, cls) {
 function scheduleSection(D) {
   const p = D.plan, T = D.timeline, M = D.measured;
   const span = Math.max(T.makespan, M ? M.makespan : 0) || 1;
-  const name = {none: "no pipeline schedule", gpipe: "GPipe", "1f1b": "1F1B", "interleaved-1f1b": "interleaved 1F1B"}[T.schedule] || T.schedule;
+  const name = {none: "no pipeline schedule", gpipe: "GPipe", "1f1b": "1F1B"}[T.schedule] || T.schedule;
   const parts = [el("p", {class: "note", id: "schedule-summary", text:
     `${name}, ${T.microbatches} micro-batch(es) of ${p.training.micro_batch_size} over ${T.stages} stage(s): ` +
     `predicted compute span ${fmtTime(T.makespan)} per step (the plan's step time ${fmtTime(p.predicted.step_time_s)} ` +
