@@ -38,3 +38,19 @@ def tp2_plan_path(tmp_path_factory) -> Path:
     except SystemExit as e:
         assert not e.code, f"compiling the tp2 plan failed ({e.code})"
     return path
+
+
+@pytest.fixture(scope="session")
+def dp2_plan(tmp_path_factory) -> Path:
+    """tests/tied_script.py's tied GPT planned for dp=2 on 2 local processes, saved: the plan the
+    launcher tests run under `partita run`."""
+    from partita.compiler.compile import compile_model
+    from partita.core.cluster import load_cluster
+    from partita.core.inputs import parse_input_spec
+    from partita.core.options import Options
+    from tests import tied_script as script
+
+    plan = compile_model(script.build("tied-gpt"),
+                         Options(inputs=[parse_input_spec(f"idx=int64[4,{script.SEQ}]")],
+                                 cluster=load_cluster("local", devices=2), world_size=2, dp=2)).plan
+    return plan.save(tmp_path_factory.mktemp("plan") / "plan.json")

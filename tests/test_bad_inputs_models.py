@@ -245,18 +245,6 @@ def test_a_decorator_keyword_is_checked_where_it_is_written(kwargs, expected):
 # -- one rank's error under `partita run`: one message, no collateral tracebacks --------------------------
 
 
-@pytest.fixture(scope="module")
-def dp2_plan(tmp_path_factory):
-    from partita.compiler.compile import compile_model
-    from partita.core.cluster import load_cluster
-    from partita.core.inputs import parse_input_spec
-    from partita.core.options import Options
-    from tests import tied_script as script
-
-    plan = compile_model(script.build("tied-gpt"),
-                         Options(inputs=[parse_input_spec(f"idx=int64[4,{script.SEQ}]")],
-                                 cluster=load_cluster("local", devices=2), world_size=2, dp=2)).plan
-    return plan.save(tmp_path_factory.mktemp("plan") / "plan.json")
 
 
 @pytest.mark.slow

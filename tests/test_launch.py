@@ -16,14 +16,6 @@ from tests import tied_script as script
 from tests.harness import ENV, PARTITA, TESTS, free_port, partita_cli
 
 
-@pytest.fixture(scope="module")
-def dp2_plan(tmp_path_factory):
-    plan = compile_model(script.build("tied-gpt"),
-                         Options(inputs=[parse_input_spec(f"idx=int64[4,{script.SEQ}]")],
-                                 cluster=load_cluster("local", devices=2), world_size=2, dp=2)).plan
-    return plan.save(tmp_path_factory.mktemp("plan") / "plan.json")
-
-
 def partita_run(*args):
     return partita_cli("run", *args, check=False)
 
