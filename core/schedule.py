@@ -15,8 +15,6 @@ micro-batch at a time, gradients accumulated.
 
 from __future__ import annotations
 
-import functools
-
 GPIPE = "gpipe"
 ONE_F_ONE_B = "1f1b"
 NONE = "none"
@@ -94,23 +92,19 @@ def backwards_done_before(schedule: str, stage: int, stages: int, micro_batches:
     return out
 
 
-@functools.cache
 def sends_held(schedule: str, stage: int, stages: int, micro_batches: int) -> tuple[int, int]:
     """The most micro-batches' sends stage ``stage`` holds at once: (activations sent forward,
     let go at that micro-batch's backward; gradients sent back, let go when the previous stage's
-    activations show it has run those backwards: ``backwards_done_before``), by walking
-    ``stage_order``: (min(p - i, m), at most 2) under 1F1B, (m, m) under GPipe."""
+    activations show it has run those backwards: ``backwards_done_before``). What walking
+    ``stage_order`` gives, in closed form (the planner's inner loops call it, with m up to the
+    batch): under 1F1B min(p - i, m) and min(p - i + 1, m) (the previous stage runs one forward
+    ahead of the backward the release waits for), under GPipe m and m; none past the ends."""
+    check_schedule(schedule)
     p, m = stages, micro_batches
-    released = backwards_done_before(schedule, stage - 1, p, m) if stage > 0 else {}
-    forward = backward = most_forward = most_backward = 0
-    gone = 0  # gradients sent back and let go (in micro-batch order, as backwards run)
-    for action, k in stage_order(schedule, stage, p, m):
-        if action == FORWARD:
-            gone = max(gone, released.get(k, 0))
-            forward += stage < p - 1
-        else:
-            forward -= stage < p - 1
-            backward += stage > 0
-        most_forward = max(most_forward, forward)
-        most_backward = max(most_backward, backward - gone if stage > 0 else 0)
-    return most_forward, most_backward
+    if not 0 <= stage < p:
+        raise ValueError(f"stage {stage} is not in 0..{p - 1}")
+    if schedule == NONE or p == 1:
+        return 0, 0
+    forward = 0 if stage == p - 1 else (m if schedule == GPIPE else min(p - stage, m))
+    backward = 0 if stage == 0 else (m if schedule == GPIPE else min(p - stage + 1, m))
+    return forward, backward

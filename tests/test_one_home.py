@@ -26,7 +26,15 @@ from partita.core.options import (
 )
 from partita.core.placement import Placement, is_shard, shard_dim
 from partita.core.precision import activation_scale, dtype_bytes
-from partita.core.schedule import BACKWARD, FORWARD, SCHEDULES, in_flight, stage_order
+from partita.core.schedule import (
+    BACKWARD,
+    FORWARD,
+    SCHEDULES,
+    backwards_done_before,
+    in_flight,
+    sends_held,
+    stage_order,
+)
 from partita.passes.cost_model import collective_time
 from partita.passes.profile import profile_model
 
@@ -259,3 +267,27 @@ def test_the_runtime_and_the_planner_agree_where_gradients_flow_in_a_real_model(
     flows = gradient_flows(profile_model(captured).graph)
     got = gradient_nodes(captured.graph_module.graph, captured.param_nodes)
     assert got == {n for n, f in flows.items() if f} and len(got) > 50
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_sends_held_is_what_the_runtime_holds_walking_the_order(schedule):
+    """The sends the cost model charges a pipeline stage (core/schedule.py ``sends_held``, closed
+    form) are the most the runtime holds walking the order: a forward's activations until its
+    micro-batch's backward, a backward's gradients until the previous stage's activations show it
+    ran that backward (``backwards_done_before``, as runtime/pipeline/stage.py releases them)."""
+    for p in (2, 3, 4, 6):
+        for m in (1, 2, 3, 5, 8, 13):
+            for s in range(p):
+                done_before = backwards_done_before(schedule, s - 1, p, m) if s > 0 else {}
+                forward = backward = gone = most_forward = most_backward = 0
+                for kind, k in stage_order(schedule, s, p, m):
+                    if kind == FORWARD:
+                        gone = max(gone, done_before.get(k, 0))
+                        forward += s < p - 1
+                    else:
+                        forward -= s < p - 1
+                        backward += s > 0
+                    most_forward = max(most_forward, forward)
+                    most_backward = max(most_backward, backward - gone)
+                assert sends_held(schedule, s, p, m) == (most_forward, most_backward), (schedule, p, m, s)
+    assert sends_held(schedule, 3, 8, 10**14)[0] <= 10**14  # closed form: no walk over the micro-batches
