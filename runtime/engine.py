@@ -36,6 +36,7 @@ from partita.core.plan import MeshAxis, Plan
 from partita.runtime.batches import check_batch, check_same_batch, share
 from partita.runtime.collectives import CollectiveCounter
 from partita.runtime.compose import compose, refuse_unsupported
+from partita.runtime.data import share_loader
 from partita.runtime.distributed import DistContext, init_distributed
 from partita.runtime.grad_norm import clip_coefficient, global_grad_norm
 from partita.runtime.metrics import MetricsLog, StepResult
@@ -127,6 +128,12 @@ class ParallelModel(nn.Module):
         self.collectives.reset()
         with FLIGHT.running():
             return p.pipeline.infer(xs, p.dp_group)
+
+    def loader(self, dataset: torch.utils.data.Dataset, **dataloader_kwargs: Any) -> torch.utils.data.DataLoader:
+        """A ``DataLoader`` of this rank's share of each global batch, for ``train_step(...,
+        local=True)``: ``for x, y in model.loader(ds): model.train_step(x, targets=y, local=True)``.
+        ``shuffle=True`` / ``seed=`` draw the order alike on every rank (runtime/data.py)."""
+        return share_loader(self._program, dataset, **dataloader_kwargs)
 
     @property
     def tensor_parallel(self) -> TensorParallel | None:

@@ -1,0 +1,106 @@
+"""Each rank loads only its share of the global batch: ``ParallelModel.loader``.
+
+The loader's batches are exactly this rank's ``share`` (runtime/batches.py) of the global batches
+that ``DataLoader(dataset, batch_size=global_batch, drop_last=True)`` would give, for
+``train_step(..., local=True)``. A map-style dataset is read through ``ShareSampler``: each rank
+fetches only its 1/dp of the samples. An ``IterableDataset`` is walked whole by every rank, which
+keeps only its slice of each global batch (``ShareOfStream``): a stream that can shard itself
+should. The ranks of one replica (its tp and pp ranks) load the same share. docs/guide.md says how.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.utils.data import (
+    BatchSampler,
+    DataLoader,
+    Dataset,
+    IterableDataset,
+    RandomSampler,
+    Sampler,
+    SequentialSampler,
+)
+
+from partita.core.errors import PartitaError
+from partita.runtime.program import Program
+
+# set by the loader from the plan: a DataLoader option that would change them is refused
+_SET_HERE = ("batch_size", "sampler", "batch_sampler", "drop_last", "generator")
+
+
+class ShareSampler(Sampler[list[int]]):
+    """Rank ``dp_rank`` of ``dp_size``'s contiguous slice of each global batch of indices.
+
+    The global batches are torch's own: ``BatchSampler`` over the dataset's ``n`` indices in order,
+    or with ``shuffle`` over a ``RandomSampler`` drawing from one generator seeded with ``seed`` on
+    every rank (a new permutation each pass), ``global_batch`` at a time, the incomplete last one
+    dropped. Of each, this rank gets rows ``[dp_rank * b, (dp_rank + 1) * b)``, ``b = global_batch
+    / dp_size``: what ``share`` (runtime/batches.py) would take of it."""
+
+    def __init__(self, n: int, global_batch: int, dp_rank: int, dp_size: int, *, shuffle: bool = False,
+                 seed: int = 0) -> None:
+        if global_batch % dp_size:
+            raise PartitaError(f"global batch {global_batch} is not divisible by dp={dp_size}")
+        self.generator = torch.Generator().manual_seed(seed)  # the same draws on every rank, pass after pass
+        order = RandomSampler(range(n), generator=self.generator) if shuffle else SequentialSampler(range(n))
+        self.global_batches = BatchSampler(order, global_batch, drop_last=True)
+        self.per_rank = global_batch // dp_size
+        self.first = dp_rank * self.per_rank
+
+    def __len__(self) -> int:
+        return len(self.global_batches)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        for batch in self.global_batches:
+            yield batch[self.first:self.first + self.per_rank]
+
+
+class ShareOfStream(IterableDataset):
+    """This rank's samples of a stream: of each run of ``global_batch`` samples, the
+    ``per_rank`` from ``first`` on (an incomplete last run is dropped, as ``drop_last``)."""
+
+    def __init__(self, stream: IterableDataset, global_batch: int, dp_rank: int, dp_size: int) -> None:
+        self.stream, self.global_batch = stream, global_batch
+        self.per_rank = global_batch // dp_size
+        self.first = dp_rank * self.per_rank
+
+    def __iter__(self) -> Iterator[Any]:
+        run: list[Any] = []
+        for i, sample in enumerate(self.stream):
+            if self.first <= i % self.global_batch < self.first + self.per_rank:
+                run.append(sample)
+            if i % self.global_batch == self.global_batch - 1:  # a whole global batch: its share counts
+                yield from run
+                run = []
+
+
+def share_loader(program: Program, dataset: Dataset, *, shuffle: bool = False, seed: int = 0,
+                 **dataloader_kwargs: Any) -> DataLoader:
+    """A ``DataLoader`` of this rank's share of each global batch of ``dataset`` (module
+    docstring); ``dataloader_kwargs`` (``collate_fn``, ``num_workers``, ``pin_memory``, ...) go to
+    it. The batch size and the order are the plan's and ``shuffle``'s / ``seed``'s: the global
+    batches of ``DataLoader(dataset, batch_size=global_batch, shuffle=shuffle, drop_last=True,
+    generator=torch.Generator().manual_seed(seed))``, pass after pass."""
+    given = sorted(set(_SET_HERE) & set(dataloader_kwargs))
+    global_batch, dp_rank, dp_size = program.plan.training.global_batch, program.dp_rank, program.dp_size
+    if given:
+        raise PartitaError(f"loader() sets {', '.join(given)} itself: each batch is this rank's "
+                           f"{global_batch // dp_size} of the plan's global batch of {global_batch}",
+                           hint="leave them out; shuffle=True (and seed=) draws the order alike on every rank")
+    if isinstance(dataset, IterableDataset):
+        if shuffle:
+            raise PartitaError("loader() cannot shuffle an IterableDataset: it is read in its own order",
+                               hint="shuffle inside the stream, with the same seed on every rank")
+        if dataloader_kwargs.get("num_workers", 0):
+            raise PartitaError("loader() reads an IterableDataset in this process (num_workers=0): each "
+                               "worker would read the whole stream again",
+                               hint="leave num_workers out, or use a map-style dataset")
+        return DataLoader(ShareOfStream(dataset, global_batch, dp_rank, dp_size),
+                          batch_size=global_batch // dp_size, **dataloader_kwargs)
+    sampler = ShareSampler(len(dataset), global_batch, dp_rank, dp_size, shuffle=shuffle, seed=seed)
+    # the DataLoader draws its workers' base seed from the sampler's generator before each pass, as
+    # DataLoader(shuffle=True, generator=torch.Generator().manual_seed(seed)) does: the same draws
+    return DataLoader(dataset, batch_sampler=sampler, generator=sampler.generator, **dataloader_kwargs)

@@ -1,0 +1,123 @@
+"""Each rank loads only its share (``ParallelModel.loader``, runtime/data.py; issue 32).
+
+On two gloo ranks, per mesh (dp2, tp2 on a fast-link cluster, pp2, ZeRO-3), training through the
+per-rank loader with ``local=True`` gives the global-batch mode's losses and final parameters bit
+for bit, while each rank's dataset hands out 1/dp of the bytes the global-batch mode read (every
+rank of one dp replica the same share). In one process: the sampler's index lists and the
+IterableDataset path, against the global batches a plain ``DataLoader`` gives.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler
+
+from partita.core.errors import PartitaError
+from partita.runtime.data import ShareSampler, share_loader
+from tests import per_rank_data_worker as worker
+from tests.harness import fast_cluster, launch
+
+
+@pytest.mark.slow
+def test_per_rank_loading_matches_the_global_batch_bit_for_bit_and_reads_one_dp_th(tmp_path):
+    ranks = launch(2, worker.run, fast_cluster(tmp_path), timeout_s=300)
+    for rank, results in enumerate(ranks):
+        assert [r["mesh"] for r in results] == list(worker.MESHES)
+        for r in results:
+            what = f"rank {rank} {r['mesh']}"
+            g, mine = r["global"], r["local"]
+            assert len(g["losses"]) == worker.STEPS and g["losses"] == mine["losses"], (what, g["losses"],
+                                                                                         mine["losses"])
+            assert g["state"].keys() == mine["state"].keys(), what
+            differ = [n for n in g["state"] if not torch.equal(torch.tensor(g["state"][n]),
+                                                                torch.tensor(mine["state"][n]))]
+            assert not differ, (what, "parameters differ", differ)
+            assert r["dp"] == (2 if r["mesh"] in ("dp2", "zero3") else 1), what
+            everything = worker.STEPS * worker.BATCH
+            assert g["read"] == list(range(everything)), what  # the global mode: every sample on every rank
+            assert mine["bytes"] * r["dp"] == g["bytes"], (what, mine["bytes"], g["bytes"])
+            if r["mesh"] == "tp2":
+                assert any(pl.startswith("shard") for pl in r["sharded"]), (what, "nothing sharded", r["sharded"])
+    for i, mesh in enumerate(worker.MESHES):
+        reads = [ranks[rank][i]["local"]["read"] for rank in range(2)]
+        if ranks[0][i]["dp"] == 2:  # two replicas: disjoint halves of the samples
+            assert sorted(reads[0] + reads[1]) == list(range(worker.STEPS * worker.BATCH)), mesh
+        else:  # one replica (tp, pp ranks): the same share
+            assert reads[0] == reads[1], mesh
+
+
+def _program(global_batch: int, dp_rank: int, dp_size: int) -> SimpleNamespace:
+    """What ``share_loader`` reads of a rank's program: the plan's global batch, its dp rank and size."""
+    return SimpleNamespace(plan=SimpleNamespace(training=SimpleNamespace(global_batch=global_batch)),
+                           dp_rank=dp_rank, dp_size=dp_size)
+
+
+def _joined(per_rank: list[list]) -> list[list]:
+    """Each global batch, as the ranks' shares of it put back together in rank order."""
+    return [sum((list(b) for b in batches), []) for batches in zip(*per_rank)]
+
+
+def test_the_sampler_gives_each_rank_its_contiguous_slice_of_each_global_batch():
+    assert [list(ShareSampler(10, 4, r, 2)) for r in (0, 1)] == [[[0, 1], [4, 5]], [[2, 3], [6, 7]]]
+    assert len(ShareSampler(10, 4, 0, 2)) == 2  # the incomplete last global batch is dropped
+    # shuffled: one permutation per pass from the seed, the same on both ranks
+    samplers = [ShareSampler(10, 4, r, 2, shuffle=True, seed=3) for r in (0, 1)]
+    draws = torch.Generator().manual_seed(3)
+    for _ in range(2):
+        want = list(BatchSampler(RandomSampler(range(10), generator=draws), 4, drop_last=True))
+        assert _joined([list(s) for s in samplers]) == want
+    assert want != [[0, 1, 2, 3], [4, 5, 6, 7]]  # it did shuffle
+
+
+def test_a_shuffled_loader_gives_the_global_batches_of_a_seeded_shuffling_data_loader():
+    loaders = [share_loader(_program(4, r, 2), range(10), shuffle=True, seed=3) for r in (0, 1)]
+    plain = DataLoader(range(10), batch_size=4, shuffle=True, drop_last=True,
+                       generator=torch.Generator().manual_seed(3))
+    passes = []
+    for _ in range(2):  # pass after pass
+        passes.append([b.tolist() for b in plain])
+        assert _joined([[b.tolist() for b in loader] for loader in loaders]) == passes[-1]
+    assert passes[0] != passes[1]
+
+
+class _Counting(torch.utils.data.Dataset):
+    def __init__(self, n: int) -> None:
+        self.n, self.read = n, []
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        self.read.append(i)
+        return torch.tensor([i, i]), torch.tensor(i)
+
+
+def test_a_map_style_loader_fetches_only_this_rank_s_samples():
+    datasets = [_Counting(10) for _ in range(2)]
+    batches = [list(share_loader(_program(4, r, 2), ds)) for r, ds in enumerate(datasets)]
+    assert [ds.read for ds in datasets] == [[0, 1, 4, 5], [2, 3, 6, 7]]
+    x, y = batches[1][0]  # the dataset's collate: a tuple of batched tensors
+    assert torch.equal(x, torch.tensor([[2, 2], [3, 3]])) and torch.equal(y, torch.tensor([2, 3]))
+
+
+class _Stream(IterableDataset):
+    def __iter__(self):
+        return iter(torch.arange(10).view(10, 1) * torch.tensor([1, 10]))  # sample i: [i, 10 i]
+
+
+def test_an_iterable_dataset_gives_each_rank_its_slice_of_each_global_batch():
+    per_rank = [[b.tolist() for b in share_loader(_program(4, r, 2), _Stream())] for r in (0, 1)]
+    assert per_rank[0] == [[[0, 0], [1, 10]], [[4, 40], [5, 50]]]
+    assert _joined(per_rank) == [b.tolist() for b in DataLoader(_Stream(), batch_size=4, drop_last=True)]
+    assert [b.tolist() for b in share_loader(_program(4, 0, 1), _Stream())] == [
+        b.tolist() for b in DataLoader(_Stream(), batch_size=4, drop_last=True)]
+
+
+def test_options_the_plan_decides_are_refused():
+    with pytest.raises(PartitaError, match="batch_size"):
+        share_loader(_program(4, 0, 2), _Counting(8), batch_size=2)
+    with pytest.raises(PartitaError, match="IterableDataset"):
+        share_loader(_program(4, 0, 2), _Stream(), shuffle=True)
