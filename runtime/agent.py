@@ -136,7 +136,9 @@ class _Heartbeat:
     def lost(self) -> list[dict[str, Any]]:
         if not self.others:
             return []
-        time.sleep(STALE_S)  # long enough for a living node's beat to have moved
+        # long enough for a living node's beat to have moved; and a dead node's last beat may have
+        # been read here up to a heartbeat (and a late wake) after it died, so wait that out too
+        time.sleep(STALE_S + 2 * HEARTBEAT_S)
         if self.store_lost:  # the store lived on node 0 (it hosts the rendezvous): that node is gone
             return [next((i for i in self.known.values() if i.get("node") == 0), {"node": 0})]
         now = time.monotonic()

@@ -43,7 +43,8 @@ class ShareSampler(Sampler[list[int]]):
     def __init__(self, n: int, global_batch: int, dp_rank: int, dp_size: int, *, shuffle: bool = False,
                  seed: int = 0) -> None:
         if global_batch % dp_size:
-            raise PartitaError(f"global batch {global_batch} is not divisible by dp={dp_size}")
+            raise PartitaError(f"global batch {global_batch} is not divisible by dp={dp_size}",
+                               hint="give a global batch that is a multiple of the plan's dp degree")
         self.generator = torch.Generator().manual_seed(seed)  # the same draws on every rank, pass after pass
         order = RandomSampler(range(n), generator=self.generator) if shuffle else SequentialSampler(range(n))
         self.global_batches = BatchSampler(order, global_batch, drop_last=True)
