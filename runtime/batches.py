@@ -6,11 +6,14 @@ share of it. ``check_batch`` refuses anything the plan was not made for before
 any of it runs (the number of inputs, then per tensor its batch size, the other
 dims and the dtype, against the captured inputs and targets); ``share`` takes
 this rank's rows over "dp"; ``check_same_batch`` all-gathers a fingerprint per
-rank to catch a rank whose data loader drifted.
+rank to catch a rank whose data loader drifted. With ``local=True`` a pipeline
+rank may pass None for an input (or the targets) its stage does not read
+(``stage_reads``): the first stage reads the inputs, the last the targets.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -22,12 +25,25 @@ from partita.runtime.program import Program
 from partita.runtime.rng import fingerprint
 
 
+def stage_reads(program: Program) -> frozenset[int] | None:
+    """Which of the step's fields (the planned inputs in order, then the targets) this rank's
+    pipeline stage reads; None off a pipeline (every rank reads them all)."""
+    return program.pipeline.reads if program.pipeline is not None else None
+
+
+def field_names(program: Program) -> list[str]:
+    """The step's fields by name: the planned inputs in order, then "targets" (a training plan's)."""
+    model = program.plan.model
+    return [*(parse_input_spec(s).name for s in model.inputs), *(["targets"] if model.targets else [])]
+
+
 def check_batch(program: Program, inputs: tuple[Any, ...], targets: Any, *, local: bool, caller: str,
                 with_targets: bool = True) -> None:
     """Refuse a batch the plan was not made for (module docstring); ``caller`` names the call in
     the message (``train_step``, ``evaluate``, ``the model``); ``with_targets``: the call takes
     targets (a step's loss), which must then be given."""
-    if with_targets and targets is None:
+    reads = stage_reads(program) if local else None
+    if with_targets and targets is None and (reads is None or len(inputs) in reads):
         raise PartitaError(f"{caller} got targets=None: the step's loss needs the targets",
                            hint=f"pass them as {caller}(*inputs, targets=y)")
     plan = program.plan
@@ -43,10 +59,16 @@ def check_batch(program: Program, inputs: tuple[Any, ...], targets: Any, *, loca
     scope = (f"this rank's share (global_batch={tr.global_batch} / dp={program.dp_size})" if local
              else "the plan's global_batch")
     target_spec = parse_input_spec(plan.model.targets) if plan.model.targets else None
-    pairs = [(x, spec, f"input {i} ({spec.name})") for i, (x, spec) in enumerate(zip(inputs, specs))]
+    pairs = [(i, x, spec, f"input {i} ({spec.name})") for i, (x, spec) in enumerate(zip(inputs, specs))]
     if targets is not None:
-        pairs.append((targets, target_spec, "targets"))
-    for t, spec, what in pairs:
+        pairs.append((len(inputs), targets, target_spec, "targets"))
+    for j, t, spec, what in pairs:
+        if t is None and reads is not None:
+            if j not in reads:
+                continue  # a field this pipeline stage does not read
+            raise PartitaError(f"{caller} got {what} as None, but this rank's pipeline stage reads it",
+                               hint=f"pass this rank's share of {what}; model.reads names what each rank "
+                               "needs")
         if not isinstance(t, torch.Tensor):
             raise PartitaError(f"{caller} got {what} as {type(t).__name__}, not a tensor", hint="pass torch tensors")
         if t.is_meta:
@@ -72,8 +94,27 @@ def check_batch(program: Program, inputs: tuple[Any, ...], targets: Any, *, loca
                                hint=f"convert it (.to(torch.{name})) or recompile for this dtype")
 
 
-def share(program: Program, t: torch.Tensor, *, local: bool) -> torch.Tensor:
-    """This rank's rows of ``t`` (checked by ``check_batch``), on its device."""
+def tokens_per_sample(program: Program, inputs: tuple[Any, ...], targets: Any) -> int | None:
+    """Tokens in one sample: the first input's non-batch elements when it holds integers (token
+    ids), else None. From the plan's spec, which ``check_batch`` held the tensors to, so a
+    pipeline rank that was passed None for it counts alike."""
+    specs = program.plan.model.inputs
+    if specs:
+        spec = parse_input_spec(specs[0])
+        shape, floating = spec.shape, spec.dtype.is_floating_point
+    else:
+        first = next((t for t in (*inputs, targets) if t is not None), None)
+        if first is None:
+            return None
+        shape, floating = first.shape, first.is_floating_point()
+    return math.prod(shape[1:]) if not floating and len(shape) > 1 else None
+
+
+def share(program: Program, t: torch.Tensor | None, *, local: bool) -> torch.Tensor | None:
+    """This rank's rows of ``t`` (checked by ``check_batch``), on its device; None (a field
+    this pipeline stage does not read) stays None."""
+    if t is None:
+        return None
     if not local and program.dp_size > 1:
         rows = t.shape[0] // program.dp_size
         t = t.narrow(0, program.dp_rank * rows, rows)

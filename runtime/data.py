@@ -5,12 +5,14 @@ that ``DataLoader(dataset, batch_size=global_batch, drop_last=True)`` would give
 ``train_step(..., local=True)``. A map-style dataset is read through ``ShareSampler``: each rank
 fetches only its 1/dp of the samples. An ``IterableDataset`` is walked whole by every rank, which
 keeps only its slice of each global batch (``ShareOfStream``): a stream that can shard itself
-should. The ranks of one replica (its tp and pp ranks) load the same share. docs/guide.md says how.
+should. The ranks of one replica (its tp and pp ranks) load the same share of samples, of which
+a pipeline stage fetches only the fields it reads (``share_loader``'s ``reads``). docs/guide.md
+says how.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -22,6 +24,7 @@ from torch.utils.data import (
     RandomSampler,
     Sampler,
     SequentialSampler,
+    default_collate,
 )
 
 from partita.core.errors import PartitaError
@@ -63,8 +66,9 @@ class ShareOfStream(IterableDataset):
     """This rank's samples of a stream: of each run of ``global_batch`` samples, the
     ``per_rank`` from ``first`` on (an incomplete last run is dropped, as ``drop_last``)."""
 
-    def __init__(self, stream: IterableDataset, global_batch: int, dp_rank: int, dp_size: int) -> None:
-        self.stream, self.global_batch = stream, global_batch
+    def __init__(self, stream: IterableDataset, global_batch: int, dp_rank: int, dp_size: int, *,
+                 keep: bool = True) -> None:
+        self.stream, self.global_batch, self.keep = stream, global_batch, keep
         self.per_rank = global_batch // dp_size
         self.first = dp_rank * self.per_rank
 
@@ -72,25 +76,86 @@ class ShareOfStream(IterableDataset):
         run: list[Any] = []
         for i, sample in enumerate(self.stream):
             if self.first <= i % self.global_batch < self.first + self.per_rank:
-                run.append(sample)
+                run.append(sample if self.keep else None)
             if i % self.global_batch == self.global_batch - 1:  # a whole global batch: its share counts
                 yield from run
                 run = []
 
 
-def share_loader(program: Program, dataset: Dataset, *, shuffle: bool = False, seed: int = 0,
-                 **dataloader_kwargs: Any) -> DataLoader:
+class Columns(Dataset):
+    """Per-field datasets side by side (the inputs in order, the targets last): sample ``i`` is
+    ``(columns[0][i], ..., columns[-1][i])``, each field ``reads`` leaves out None and not fetched."""
+
+    def __init__(self, columns: Sequence[Dataset], reads: frozenset[int] | None) -> None:
+        lengths = {len(c) for c in columns}
+        if len(lengths) != 1:
+            raise PartitaError(f"loader() got columns of {sorted(lengths)} samples: each field's dataset must "
+                               "have one sample per row", hint="pass datasets of the same length")
+        self.columns, self.reads = list(columns), reads
+
+    def __len__(self) -> int:
+        return len(self.columns[0])
+
+    def __getitem__(self, i: int) -> tuple[Any, ...]:
+        return tuple(c[i] if self.reads is None or j in self.reads else None for j, c in enumerate(self.columns))
+
+
+class _ReadFields:
+    """A collate of the fields a stage reads: ``collate`` over each read field's samples (in the
+    columns form) or over whole samples, the other fields of the batch set to None."""
+
+    def __init__(self, collate: Callable[[list[Any]], Any], reads: frozenset[int], per_field: bool) -> None:
+        self.collate, self.reads, self.per_field = collate, reads, per_field
+
+    def __call__(self, samples: list[Any]) -> Any:
+        if self.per_field:
+            return tuple(self.collate([s[j] for s in samples]) if j in self.reads else None
+                         for j in range(len(samples[0])))
+        batch = self.collate(samples)
+        if isinstance(batch, (tuple, list)):
+            return type(batch)(b if j in self.reads else None for j, b in enumerate(batch))
+        return batch
+
+
+def _nothing(fields: int) -> Callable[[list[Any]], tuple[None, ...]]:
+    return lambda _: (None,) * fields
+
+
+def share_loader(program: Program, dataset: Dataset | Sequence[Dataset], *, reads: frozenset[int] | None = None,
+                 fields: int = 2, shuffle: bool = False, seed: int = 0, **dataloader_kwargs: Any) -> DataLoader:
     """A ``DataLoader`` of this rank's share of each global batch of ``dataset`` (module
     docstring); ``dataloader_kwargs`` (``collate_fn``, ``num_workers``, ``pin_memory``, ...) go to
     it. The batch size and the order are the plan's and ``shuffle``'s / ``seed``'s: the global
     batches of ``DataLoader(dataset, batch_size=global_batch, shuffle=shuffle, drop_last=True,
-    generator=torch.Generator().manual_seed(seed))``, pass after pass."""
+    generator=torch.Generator().manual_seed(seed))``, pass after pass.
+
+    ``reads``: the positions of the ``fields`` of a sample (inputs, targets last) this rank's
+    pipeline stage reads (None: all). The others come as None in each batch: not fetched at all
+    when the stage reads none of them, or ``dataset`` is a tuple of one dataset per field."""
     given = sorted(set(_SET_HERE) & set(dataloader_kwargs))
     global_batch, dp_rank, dp_size = program.plan.training.global_batch, program.dp_rank, program.dp_size
     if given:
         raise PartitaError(f"loader() sets {', '.join(given)} itself: each batch is this rank's "
                            f"{global_batch // dp_size} of the plan's global batch of {global_batch}",
-                           hint="leave them out; shuffle=True (and seed=) draws the order alike on every rank")
+                           hint="leave them out; shuffle=True (and seed=) draw the order alike on every rank")
+    if reads is not None and set(range(fields)) <= reads:
+        reads = None  # every field
+    per_field = isinstance(dataset, tuple)  # (a list is a dataset of its own)
+    if per_field:
+        if len(dataset) != fields:
+            raise PartitaError(f"loader() got {len(dataset)} datasets, one per field, but a step takes {fields} "
+                               "(the inputs in order, then the targets)",
+                               hint="pass one dataset per input and one for the targets, or one dataset of "
+                               "(inputs..., targets) samples")
+        if any(isinstance(c, IterableDataset) for c in dataset):
+            raise PartitaError("loader() reads per-field datasets by index: an IterableDataset cannot be one",
+                               hint="pass map-style datasets, or one IterableDataset of whole samples")
+        dataset = Columns(dataset, reads)
+    collate = dataloader_kwargs.pop("collate_fn", None) or default_collate
+    if reads is not None:
+        collate = _ReadFields(collate, reads, per_field)
+    elif per_field:
+        collate = _ReadFields(collate, frozenset(range(fields)), True)
     if isinstance(dataset, IterableDataset):
         if shuffle:
             raise PartitaError("loader() cannot shuffle an IterableDataset: it is read in its own order",
@@ -99,9 +164,16 @@ def share_loader(program: Program, dataset: Dataset, *, shuffle: bool = False, s
             raise PartitaError("loader() reads an IterableDataset in this process (num_workers=0): each "
                                "worker would read the whole stream again",
                                hint="leave num_workers out, or use a map-style dataset")
+        if reads is not None and not reads:  # a middle stage: only the stream's end matters
+            return DataLoader(ShareOfStream(dataset, global_batch, dp_rank, dp_size, keep=False),
+                              batch_size=global_batch // dp_size, collate_fn=_nothing(fields))
         return DataLoader(ShareOfStream(dataset, global_batch, dp_rank, dp_size),
-                          batch_size=global_batch // dp_size, **dataloader_kwargs)
+                          batch_size=global_batch // dp_size, collate_fn=collate, **dataloader_kwargs)
     sampler = ShareSampler(len(dataset), global_batch, dp_rank, dp_size, shuffle=shuffle, seed=seed)
+    if reads is not None and not reads:  # a middle stage reads nothing: the batches are Nones, nothing fetched
+        return DataLoader(range(len(dataset)), batch_sampler=sampler, generator=sampler.generator,
+                          collate_fn=_nothing(fields))
     # the DataLoader draws its workers' base seed from the sampler's generator before each pass, as
     # DataLoader(shuffle=True, generator=torch.Generator().manual_seed(seed)) does: the same draws
-    return DataLoader(dataset, batch_sampler=sampler, generator=sampler.generator, **dataloader_kwargs)
+    return DataLoader(dataset, batch_sampler=sampler, generator=sampler.generator, collate_fn=collate,
+                      **dataloader_kwargs)

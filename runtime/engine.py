@@ -33,7 +33,7 @@ from partita.core.errors import PartitaError, PlanError
 from partita.core.options import Options
 from partita.core.placement import is_shard
 from partita.core.plan import MeshAxis, Plan
-from partita.runtime.batches import check_batch, check_same_batch, share
+from partita.runtime.batches import check_batch, check_same_batch, field_names, share, stage_reads, tokens_per_sample
 from partita.runtime.collectives import CollectiveCounter
 from partita.runtime.compose import compose, refuse_unsupported
 from partita.runtime.data import share_loader
@@ -129,11 +129,23 @@ class ParallelModel(nn.Module):
         with FLIGHT.running():
             return p.pipeline.infer(xs, p.dp_group)
 
-    def loader(self, dataset: torch.utils.data.Dataset, **dataloader_kwargs: Any) -> torch.utils.data.DataLoader:
+    def loader(self, dataset: Any, **dataloader_kwargs: Any) -> torch.utils.data.DataLoader:
         """A ``DataLoader`` of this rank's share of each global batch, for ``train_step(...,
         local=True)``: ``for x, y in model.loader(ds): model.train_step(x, targets=y, local=True)``.
-        ``shuffle=True`` / ``seed=`` draw the order alike on every rank (runtime/data.py)."""
-        return share_loader(self._program, dataset, **dataloader_kwargs)
+        ``shuffle=True`` / ``seed=`` draw the order alike on every rank. On a pipeline, a field
+        this rank's stage does not read (``reads``) comes as None, unfetched where it can be:
+        ``dataset`` may be one dataset of (inputs..., targets) samples or a tuple of one dataset
+        per field (runtime/data.py)."""
+        p = self._program
+        return share_loader(p, dataset, reads=stage_reads(p), fields=len(field_names(p)), **dataloader_kwargs)
+
+    @property
+    def reads(self) -> tuple[str, ...]:
+        """The step's fields this rank reads: the planned inputs' names and "targets", all of
+        them but on a pipeline, where the first stage reads the inputs and the last the targets
+        (as the plan places them); with ``local=True`` the others may be passed as None."""
+        names, reads = field_names(self._program), stage_reads(self._program)
+        return tuple(n for i, n in enumerate(names) if reads is None or i in reads)
 
     @property
     def tensor_parallel(self) -> TensorParallel | None:
@@ -281,8 +293,7 @@ class ParallelModel(nn.Module):
             seconds = time.perf_counter() - t0
             if self.check_replicas_every and self._step % self.check_replicas_every == 0:
                 self.check_replicas()
-        first = inputs[0] if inputs else targets
-        per_sample = math.prod(first.shape[1:]) if not first.is_floating_point() and first.dim() > 1 else None
+        per_sample = tokens_per_sample(p, inputs, targets)
         result = StepResult(loss, step=self._step, grad_norm=self.grad_norm, seconds=seconds,
                             samples=self.plan.training.global_batch, tokens_per_sample=per_sample, lr=self._lr)
         self._report(result)

@@ -5,7 +5,9 @@ pp2; dp2 with ZeRO-3), trains ``STEPS`` steps twice from the same initial weight
 global-batch mode (every rank loads each whole global batch and ``train_step`` takes its share)
 and through ``model.loader(...)`` with ``local=True``. Each run returns its losses, its final
 ``full_state_dict()`` (as a list of numbers, compared exactly by the test) and how many bytes
-and which samples its dataset's ``__getitem__`` handed out on this rank.
+and which samples its dataset's ``__getitem__`` handed out on this rank. On pp2 a third run loads
+one dataset per field (inputs, targets): each stage fetches only the one it reads, passing None
+for the other.
 """
 
 from __future__ import annotations
@@ -45,6 +47,22 @@ class Tokens(Dataset):
         return x, y
 
 
+class Field(Dataset):
+    """One field of ``Tokens`` as a dataset of its own (0: the inputs, 1: the targets), for the
+    loader's per-field form; counts the bytes it handed out."""
+
+    def __init__(self, tokens: Tokens, field: int) -> None:
+        self.tokens, self.field, self.bytes = tokens.tokens, field, 0
+
+    def __len__(self) -> int:
+        return self.tokens.shape[0]
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        t = self.tokens[i, :-1] if self.field == 0 else self.tokens[i, 1:]
+        self.bytes += t.nbytes
+        return t.clone()
+
+
 def _gpt() -> GPT:
     return GPT(GPTConfig(vocab_size=VOCAB, block_size=SEQ, n_layer=2, n_head=2, n_embd=16))
 
@@ -71,7 +89,13 @@ def case(ctx: DistContext, mesh: str, fast_cluster: str) -> dict:
     mine = Tokens()
     model = ParallelModel(copy.deepcopy(built), plan, options, ctx=ctx)
     shares = _train(model, model.loader(mine, shuffle=True, seed=SEED), local=True)
-    return {"mesh": mesh, "dp": plan.mesh.dp, "dp_rank": model._program.dp_rank,
+    out = {}
+    if plan.mesh.pp > 1:  # one dataset per field: each stage fetches only the field it reads
+        fields = Field(Tokens(), 0), Field(Tokens(), 1)
+        model = ParallelModel(copy.deepcopy(built), plan, options, ctx=ctx)
+        got = _train(model, model.loader(fields, shuffle=True, seed=SEED), local=True)
+        out["fields"] = {**got, "reads": list(model.reads), "bytes": [f.bytes for f in fields]}
+    return {**out, "mesh": mesh, "dp": plan.mesh.dp, "dp_rank": model._program.dp_rank,
             "sharded": sorted({pl for _, (_, pl) in model._program.local_parameters().items()}),
             "global": {**everything, "bytes": whole.bytes, "read": sorted(whole.read)},
             "local": {**shares, "bytes": mine.bytes, "read": sorted(mine.read)}}

@@ -3,7 +3,8 @@
 On two gloo ranks, per mesh (dp2, tp2 on a fast-link cluster, pp2, ZeRO-3), training through the
 per-rank loader with ``local=True`` gives the global-batch mode's losses and final parameters bit
 for bit, while each rank's dataset hands out 1/dp of the bytes the global-batch mode read (every
-rank of one dp replica the same share). In one process: the sampler's index lists and the
+rank of one dp replica the same share); on pp2, given one dataset per field, the first stage fetches
+only the inputs and the last only the targets, with the same result. In one process: the sampler's index lists and the
 IterableDataset path, against the global batches a plain ``DataLoader`` gives.
 """
 
@@ -39,6 +40,13 @@ def test_per_rank_loading_matches_the_global_batch_bit_for_bit_and_reads_one_dp_
             everything = worker.STEPS * worker.BATCH
             assert g["read"] == list(range(everything)), what  # the global mode: every sample on every rank
             assert mine["bytes"] * r["dp"] == g["bytes"], (what, mine["bytes"], g["bytes"])
+            if r["mesh"] == "pp2":  # per field: stage 0 fetches only the inputs, stage 1 only the targets
+                f = r["fields"]
+                assert f["losses"] == g["losses"], (what, f["losses"], g["losses"])
+                assert all(torch.equal(torch.tensor(g["state"][n]), torch.tensor(f["state"][n])) for n in g["state"])
+                assert f["reads"] == [["idx"], ["targets"]][rank], (what, f["reads"])
+                half = g["bytes"] // 2  # x and y: the same number of int64 tokens each
+                assert f["bytes"] == [[half, 0], [0, half]][rank], (what, f["bytes"], g["bytes"])
             if r["mesh"] == "tp2":
                 assert any(pl.startswith("shard") for pl in r["sharded"]), (what, "nothing sharded", r["sharded"])
     for i, mesh in enumerate(worker.MESHES):
@@ -121,3 +129,44 @@ def test_options_the_plan_decides_are_refused():
         share_loader(_program(4, 0, 2), _Counting(8), batch_size=2)
     with pytest.raises(PartitaError, match="IterableDataset"):
         share_loader(_program(4, 0, 2), _Stream(), shuffle=True)
+
+
+def test_a_middle_pipeline_stage_fetches_nothing_and_gets_as_many_batches():
+    ds = _Counting(10)
+    nothing = list(share_loader(_program(4, 0, 2), ds, reads=frozenset(), fields=2, shuffle=True))
+    assert nothing == [(None, None)] * 2 and ds.read == []
+    stream = list(share_loader(_program(4, 1, 2), _Stream(), reads=frozenset(), fields=2))
+    assert stream == [(None, None)] * 2  # the stream is walked for its end; nothing is kept
+
+
+def test_one_dataset_per_field_fetches_only_the_fields_the_stage_reads():
+    xs, ys = _Counting(10), _Counting(10)
+    first = list(share_loader(_program(4, 0, 1), (xs, ys), reads=frozenset({0}), fields=2))
+    assert ys.read == [] and xs.read == list(range(8))
+    assert [y for _, y in first] == [None, None] and torch.equal(first[1][0][1], torch.tensor([4, 5, 6, 7]))
+    # one dataset of (x, y) samples: the last stage fetches whole samples and gets the inputs as None
+    (x, y), _ = list(share_loader(_program(4, 0, 1), _Counting(10), reads=frozenset({1}), fields=2))
+    assert x is None and torch.equal(y, torch.tensor([0, 1, 2, 3]))
+    # every field read: the per-field form batches each field as the one-dataset form does
+    both = list(share_loader(_program(4, 1, 2), (torch.arange(10), torch.arange(10) * 10), reads=None, fields=2))
+    one = list(share_loader(_program(4, 1, 2), [(torch.tensor(i), torch.tensor(10 * i)) for i in range(10)]))
+    assert len(both) == len(one) == 2 and torch.equal(both[1][1], torch.tensor([60, 70]))
+    assert all(torch.equal(a, b) for pa, pb in zip(both, one) for a, b in zip(pa, pb))
+    with pytest.raises(PartitaError, match="one per field"):
+        share_loader(_program(4, 0, 1), (xs,), fields=2)
+    with pytest.raises(PartitaError, match="same length"):
+        share_loader(_program(4, 0, 1), (xs, _Counting(9)), fields=2)
+
+
+def test_a_pipeline_rank_may_leave_out_only_what_its_stage_does_not_read():
+    from partita.runtime.batches import check_batch
+
+    plan = SimpleNamespace(model=SimpleNamespace(inputs=["idx=int64[4,8]"], targets="targets=int64[4,8]"),
+                           training=SimpleNamespace(global_batch=4))
+    first = SimpleNamespace(plan=plan, dp_size=1, pipeline=SimpleNamespace(reads=frozenset({0})))
+    x = torch.zeros(4, 8, dtype=torch.int64)
+    check_batch(first, (x,), None, local=True, caller="train_step")  # the first stage: no targets needed
+    with pytest.raises(PartitaError, match="this rank's pipeline stage reads it"):
+        check_batch(first, (None,), x, local=True, caller="train_step")
+    with pytest.raises(PartitaError, match="targets=None"):  # the global-batch mode takes every field
+        check_batch(first, (x,), None, local=False, caller="train_step")

@@ -196,6 +196,12 @@ class PipelineStage(nn.Module):
     def is_last(self) -> bool:
         return self.index == self.num_stages - 1
 
+    @property
+    def reads(self) -> frozenset[int]:
+        """The user inputs this stage's nodes read (positions among the inputs, the targets last):
+        the others never reach it, or come from the previous stage as activations."""
+        return frozenset(i for i, _ in self.graph.inputs)
+
     def local_parameters(self) -> dict[str, tuple[nn.Parameter, str]]:
         return self.tp.local_parameters()
 
@@ -358,7 +364,7 @@ class PipelineStage(nn.Module):
             if action == "F":
                 if zero is not None:
                     zero.begin_forward()
-                loss = self.forward_micro(k, [u[k * mbs:(k + 1) * mbs] for u in users])
+                loss = self.forward_micro(k, _micro(users, k, mbs))
                 if loss is not None:
                     loss_sum += loss.detach().float()
             else:
@@ -386,7 +392,7 @@ class PipelineStage(nn.Module):
         for k in range(m):
             if zero is not None:
                 zero.begin_forward()
-            loss = self.forward_micro(k, [u[k * mbs:(k + 1) * mbs] for u in (*xs, y)], grad=False)
+            loss = self.forward_micro(k, _micro([*xs, y], k, mbs), grad=False)
             if loss is not None:
                 loss_sum += loss.float()
         self.wait_sends()
@@ -411,10 +417,10 @@ class PipelineStage(nn.Module):
         "dp" and broadcast over "pp", so every rank returns the output for the whole batch."""
         tr = self.plan.training
         mbs = tr.micro_batch_size
-        m = xs[0].shape[0] // mbs
+        m = tr.global_batch // (dist.get_world_size(dp_group) if dp_group is not None else 1) // mbs
         outs = []
         for k in range(m):
-            out = self.forward_micro(k, [x[k * mbs:(k + 1) * mbs] for x in xs], grad=False)
+            out = self.forward_micro(k, _micro(xs, k, mbs), grad=False)
             if out is not None:
                 outs.append(out)
         last = self.stages[-1].nodes[-1]  # the output node: its input's placement, at the micro-batch shape
@@ -431,6 +437,11 @@ class PipelineStage(nn.Module):
             all_gather_flat(whole, result.contiguous(), group=dp_group)
             result = whole
         return result
+
+
+def _micro(users: list[torch.Tensor | None], k: int, mbs: int) -> list[torch.Tensor | None]:
+    """Micro-batch ``k``'s rows of each user input (None for one this stage does not read)."""
+    return [None if u is None else u[k * mbs:(k + 1) * mbs] for u in users]
 
 
 def apply_pipeline(module: nn.Module, plan: Plan, mesh: Any, *, loss_fn: Callable | None,
