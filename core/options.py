@@ -5,9 +5,8 @@ and ``Options(tp=2, zero=1)`` read alike. Each field's metadata (``option``) say
 the work reads it (``PLAN``: what to plan for; ``PIN``: a decision fixed for the solvers; ``RUN``:
 how the runtime runs), its CLI flag and help, the commands that offer the flag, its choices (taken
 from the constants that own them) and, for run options, the environment variable through which
-`partita run` hands it to the ranks. A new option is a field here and its use; the decorator,
-the CLI flags and the environment follow from the field (docs/architecture.md, "The one options
-object").
+`partita run` hands it to the ranks. A new option is a field here and its use; the rest follows
+(docs/architecture.md, "The one options object").
 
 ``Pins`` and ``TrainingRequest`` are the solvers' named inputs, made from an ``Options``.
 """
@@ -83,8 +82,7 @@ class Options:
                              commands=("compile", "estimate"), kind=bool)
     generate: int = option(0, PLAN, "with --inference: N new tokens per sequence, whose KV cache (prompt + N) "
                            "each stage holds", commands=("compile", "estimate"), kind=int, metavar="N")
-    plan: str | None = option(None, PLAN, "a plan file to run instead of planning", flag=None, env="PARTITA_PLAN",
-                              path=True)
+    plan: str | None = option(None, PLAN, "a plan file to run, not planning", flag=None, env="PARTITA_PLAN", path=True)
 
     # -- decisions pinned (the solvers decide what is left None) ---------------------------------
     dp: int | None = option(None, PIN, "pin the data-parallel degree", commands=("compile", "estimate"), kind=int)
@@ -138,6 +136,8 @@ class Options:
     scheduler: Any = option(None, RUN, "optimizer -> LR scheduler, stepped after each optimizer step", flag=None)
     log_dir: str | None = option(None, RUN, "rank 0 writes each step's metrics here as TensorBoard event files "
                                  "(needs tensorboard)", commands=("run",), env="PARTITA_LOG_DIR", path=True)
+    wandb_project: str | None = option(None, RUN, "rank 0 logs each step's metrics to this wandb project (needs "
+                                       "wandb)", commands=("run",), env="PARTITA_WANDB_PROJECT", metavar="PROJECT")
 
     def __post_init__(self) -> None:
         _set = object.__setattr__

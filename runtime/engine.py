@@ -93,8 +93,9 @@ class ParallelModel(nn.Module):
         self.scheduler = None if options.scheduler is None or self.optimizer is None else options.scheduler(
             self.optimizer)
         self._lr = float("nan")  # the learning rate the last step's update used
-        self.metrics_log = MetricsLog(options.log_dir, plan, self.ctx.device) \
-            if options.log_dir is not None and self.ctx.rank == 0 else None  # rank 0's TensorBoard files
+        self.metrics_log = MetricsLog(plan, self.ctx.device, log_dir=options.log_dir,
+                                      wandb_project=options.wandb_project) \
+            if (options.log_dir is not None or options.wandb_project) and self.ctx.rank == 0 else None  # rank 0's
         self.trace = program.pipeline.trace if program.pipeline is not None else TraceRecorder(self.ctx.rank, 0)
         self._trace_path = options.trace
         # Periodic checkpoints (runtime/state/periodic.py): every ``checkpoint_every`` steps under

@@ -2,8 +2,10 @@
 
 ``ParallelModel.train_step`` returns a ``StepResult``; with ``log_dir=`` rank 0 also writes
 each step's figures as TensorBoard scalars (``torch.utils.tensorboard``, which needs the
-``tensorboard`` package, imported only then). The figures are those the step already has: no
-extra synchronisation, no device-to-host copy beyond the loss the step reads anyway.
+``tensorboard`` package, imported only then), and with ``wandb_project=`` logs them to that
+Weights & Biases project (``wandb``, imported only then). The figures are those the step
+already has: no extra synchronisation, no device-to-host copy beyond the loss the step reads
+anyway.
 """
 
 from __future__ import annotations
@@ -46,28 +48,43 @@ class StepResult(float):
 
 
 class MetricsLog:
-    """Rank 0's TensorBoard event files under ``log_dir``: per step ``loss``, ``grad_norm``,
-    ``lr``, ``tokens_per_s`` (``samples_per_s`` for other inputs), ``mfu`` (the plan's predicted
-    MFU scaled by predicted over measured step time: the model's FLOPs against the planned
-    cluster's peak) and, on CUDA, ``peak_memory_bytes`` (the allocator's high-water mark).
+    """Rank 0's metrics: TensorBoard event files under ``log_dir`` and / or a Weights & Biases
+    run in ``wandb_project``. Per step ``loss``, ``grad_norm``, ``lr``, ``tokens_per_s``
+    (``samples_per_s`` for other inputs), ``mfu`` (the plan's predicted MFU scaled by predicted
+    over measured step time: the model's FLOPs against the planned cluster's peak) and, on CUDA,
+    ``peak_memory_bytes`` (the allocator's high-water mark). The wandb run's config is the plan's
+    mesh, schedule and predictions.
 
     Each step is logged at its index counted from 0, as a user's ``for step in range(n)`` loop
     counts: ``model.step`` before the step (``StepResult.step - 1``), so a resumed run goes on
     at the index it stopped at. Events are flushed every 10 seconds and at exit (``close``)."""
 
-    def __init__(self, log_dir: str | Path, plan: Plan, device: torch.device) -> None:
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-        except ImportError as e:  # torch's writer imports the tensorboard package
-            raise PartitaError(f"log_dir={str(log_dir)!r} writes TensorBoard event files, and the tensorboard "
-                               f"package is not installed ({e})", hint="pip install tensorboard "
-                               "(or partita[metrics]), or leave log_dir out") from e
-        self.writer = SummaryWriter(log_dir=str(log_dir), flush_secs=10)
+    def __init__(self, plan: Plan, device: torch.device, *, log_dir: str | Path | None = None,
+                 wandb_project: str | None = None) -> None:
         self.plan, self.device = plan, device
+        self.writer = self.run = None
+        if log_dir is not None:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError as e:  # torch's writer imports the tensorboard package
+                raise PartitaError(f"log_dir={str(log_dir)!r} writes TensorBoard event files, and the tensorboard "
+                                   f"package is not installed ({e})", hint="pip install tensorboard "
+                                   "(or partita[metrics]), or leave log_dir out") from e
+        if wandb_project:
+            try:
+                import wandb
+            except ImportError as e:
+                raise PartitaError(f"wandb_project={wandb_project!r} logs to Weights & Biases, and the wandb "
+                                   f"package is not installed ({e})",
+                                   hint="pip install wandb, or leave wandb_project out") from e
+            self.run = wandb.init(project=wandb_project, name=plan.model.name or None, config=run_config(plan),
+                                  dir=str(log_dir) if log_dir is not None else None)
+        if log_dir is not None:
+            self.writer = SummaryWriter(log_dir=str(log_dir), flush_secs=10)
         atexit.register(_close_at_exit, weakref.ref(self))
 
     def write(self, result: StepResult) -> None:
-        """``result``'s figures as scalars at the step's index (the class docstring)."""
+        """``result``'s figures at the step's index (the class docstring)."""
         index = result.step - 1
         pred = self.plan.predicted
         scalars = {"loss": result.loss, "grad_norm": result.grad_norm, "lr": result.lr,
@@ -78,16 +95,34 @@ class MetricsLog:
             scalars["samples_per_s"] = result.samples_per_s
         if self.device.type == "cuda":
             scalars["peak_memory_bytes"] = torch.cuda.max_memory_allocated(self.device)
-        for name, value in scalars.items():
-            if value is not None:
+        scalars = {name: value for name, value in scalars.items() if value is not None}
+        if self.writer is not None:
+            for name, value in scalars.items():
                 self.writer.add_scalar(name, value, index)
+        if self.run is not None:
+            self.run.log(scalars, step=index)
 
     def flush(self) -> None:
         """Write the events queued so far to the event file."""
-        self.writer.flush()
+        if self.writer is not None:
+            self.writer.flush()
 
     def close(self) -> None:
-        self.writer.close()
+        if self.writer is not None:
+            self.writer.close()
+        if self.run is not None:
+            self.run.finish()
+            self.run = None
+
+
+def run_config(plan: Plan) -> dict:
+    """What a wandb run records of the plan: its mesh, ZeRO stage, batch and schedule, and the
+    predictions its figures are measured against."""
+    m, tr, pred = plan.mesh, plan.training, plan.predicted
+    return {"dp": m.dp, "tp": m.tp, "pp": m.pp, "zero": tr.zero_stage, "precision": tr.precision,
+            "global_batch": tr.global_batch, "micro_batch_size": tr.micro_batch_size,
+            "grad_accum_steps": tr.grad_accum_steps,
+            "schedule": tr.schedule, "predicted_step_time_s": pred.step_time_s, "predicted_mfu": pred.mfu}
 
 
 def _close_at_exit(ref: weakref.ref) -> None:

@@ -170,3 +170,44 @@ def test_the_launcher_shares_the_cores_out_unless_omp_num_threads_is_set():
     assert env == {"OMP_NUM_THREADS": "1"}  # never 0
     env = {"OMP_NUM_THREADS": "3"}
     assert omp_threads(env, nproc_per_node=2, cpu_count=16) is None and env == {"OMP_NUM_THREADS": "3"}
+
+
+class _FakeWandb:
+    """What partita calls of ``wandb`` (wandb.init, run.log(data, step=), run.finish), recorded."""
+
+    def __init__(self) -> None:
+        self.inits, self.logged, self.finished = [], [], 0
+
+    def init(self, **kwargs):
+        self.inits.append(kwargs)
+        return self
+
+    def log(self, data: dict, step: int) -> None:
+        self.logged.append((step, dict(data)))
+
+    def finish(self) -> None:
+        self.finished += 1
+
+
+def test_each_steps_metrics_go_to_wandb_when_asked_for(plan, monkeypatch):
+    fake = _FakeWandb()
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    m = model(plan, scheduler=halving, wandb_project="partita-tests")
+    results = train(m, batches(2))
+    m.metrics_log.close()
+    (init,) = fake.inits
+    assert init["project"] == "partita-tests" and init["dir"] is None  # no log_dir: wandb's own
+    assert init["config"]["dp"] == plan.mesh.dp and init["config"]["predicted_mfu"] == plan.predicted.mfu
+    assert [s for s, _ in fake.logged] == [0, 1] and fake.finished == 1
+    for (_, got), r, lr in zip(fake.logged, results, (LR, LR / 2)):
+        assert got["loss"] == float(r) and got["grad_norm"] == r.grad_norm and got["lr"] == lr
+        assert got["tokens_per_s"] == r.tokens_per_s and "peak_memory_bytes" not in got  # CPU
+
+
+def test_wandb_without_the_package_is_one_error_naming_the_install(plan, monkeypatch):
+    monkeypatch.setitem(sys.modules, "wandb", None)  # as if wandb were not installed
+    with pytest.raises(PartitaError) as e:
+        model(plan, wandb_project="p")
+    assert "pip install wandb" in e.value.hint
+    monkeypatch.setenv("PARTITA_WANDB_PROJECT", "q")
+    assert Options().with_environment().wandb_project == "q"
