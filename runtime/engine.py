@@ -391,19 +391,20 @@ class ParallelModel(nn.Module):
             return True
         if self.nonfinite == "stop":
             self._optimizer_step(skip=True)  # drops the gradients: the model stays usable
-            raise PartitaError(f"step {self._step + 1}: the loss is {loss} (not finite); the parameters are left as "
+            raise PartitaError(f"step {self._step}: the loss is {loss} (not finite); the parameters are left as "
                                "they were before this step", hint="look for NaN or inf in the batch, or lower the "
                                "learning rate; nonfinite='skip' (PARTITA_NONFINITE=skip, `partita run --nonfinite "
                                "skip`) leaves such steps out instead")
         self.nonfinite_skipped += 1
         if self.ctx.rank == 0:
-            print(f"partita: step {self._step + 1} skipped: the loss is {loss} (not finite); the parameters are "
+            print(f"partita: step {self._step} skipped: the loss is {loss} (not finite); the parameters are "
                   f"unchanged ({self.nonfinite_skipped} skipped so far, nonfinite='skip')", flush=True)
         return False
 
     def _report(self, result: StepResult) -> None:
         """Rank 0: the plan once, then a progress line every ``log_every`` steps, measured next to
-        predicted (``log_every=0`` / ``PARTITA_LOG_EVERY=0``: silent)."""
+        predicted (``log_every=0`` / ``PARTITA_LOG_EVERY=0``: silent). A step is named by its index
+        from 0, as a user's loop and the metrics log (runtime/metrics.py) count it."""
         if self.ctx.rank != 0 or not self.log_every:
             return
         pred = self.plan.predicted
@@ -416,7 +417,7 @@ class ParallelModel(nn.Module):
         if result.step % self.log_every == 0:
             rate = (f", {result.tokens_per_s:,.0f} tokens/s" if result.tokens_per_s is not None
                     else f", {result.samples_per_s:,.1f} samples/s")
-            print(f"partita: step {result.step} loss {float(result):.4f} grad norm {result.grad_norm:.3g} "
+            print(f"partita: step {result.step - 1} loss {float(result):.4f} grad norm {result.grad_norm:.3g} "
                   f"{result.seconds * 1e3:.0f} ms/step (predicted {pred.step_time_s * 1e3:.0f}){rate}"
                   + (f", {self.skipped_steps} skipped (fp16 overflow)" if self.skipped_steps else ""), flush=True)
 

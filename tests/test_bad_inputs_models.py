@@ -222,7 +222,7 @@ def test_a_step_whose_loss_is_not_finite_is_skipped_when_asked(capsys):
     assert loss != loss and model.nonfinite_skipped == 1 and model.step == 1
     assert all(torch.equal(before[k], v) for k, v in parameters(model).items())
     assert [line for line in out.splitlines() if "skipped" in line] == [
-        "partita: step 1 skipped: the loss is nan (not finite); the parameters are unchanged "
+        "partita: step 0 skipped: the loss is nan (not finite); the parameters are unchanged "
         "(1 skipped so far, nonfinite='skip')"]
 
 
