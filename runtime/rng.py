@@ -33,11 +33,25 @@ import torch.distributed as dist
 
 from partita.runtime.collectives import all_gather_flat
 
+# ops that draw only for their dropout: (the dropout probability's position, its keyword)
+_DROPOUT_ARG = {"scaled_dot_product_attention": (4, "dropout_p"), "dropout": (1, "p"),
+                "feature_dropout": (1, "p"), "alpha_dropout": (1, "p"), "feature_alpha_dropout": (1, "p"),
+                "native_dropout": (1, "p")}
 
-def is_random(target: object) -> bool:
-    """Whether ``target`` (an fx node's target) draws random numbers."""
-    tags = getattr(target, "tags", ())
-    return torch.Tag.nondeterministic_seeded in tags
+
+def is_random(target: object, args: tuple | list = (), kwargs: dict | None = None) -> bool:
+    """Whether ``target`` (an fx node's target) draws random numbers, called with ``args`` /
+    ``kwargs`` when given: an op whose randomness is its dropout draws nothing at p = 0 (attention
+    without dropout, a dropout of 0), so it needs no seed of its own."""
+    if torch.Tag.nondeterministic_seeded not in getattr(target, "tags", ()):
+        return False
+    packet = getattr(target, "overloadpacket", None)
+    at = _DROPOUT_ARG.get(getattr(packet, "__name__", ""))
+    if at is None or not (args or kwargs):
+        return True
+    i, key = at
+    p = args[i] if len(args) > i else (kwargs or {}).get(key, 0.0 if key == "dropout_p" else 0.5)
+    return not (isinstance(p, (int, float)) and p == 0)
 
 
 def run_seed(seed: int | None = None, group: dist.ProcessGroup | None = None) -> int:

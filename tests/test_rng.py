@@ -44,6 +44,11 @@ def test_which_ops_draw_and_how_their_seeds_differ():
 
     assert is_random(torch.ops.aten.native_dropout.default) and is_random(torch.ops.aten.randn_like.default)
     assert not is_random(torch.ops.aten.linear.default)
+    # attention draws only for its dropout: at p = 0 it needs no seed (nor does a dropout of 0)
+    sdpa = torch.ops.aten.scaled_dot_product_attention.default
+    assert is_random(sdpa) and is_random(sdpa, [1, 2, 3, None, 0.1]) and is_random(sdpa, [1, 2, 3], {"dropout_p": 0.1})
+    assert not is_random(sdpa, [1, 2, 3, None, 0.0, True]) and not is_random(sdpa, [1, 2, 3], {"is_causal": True})
+    assert not is_random(torch.ops.aten.native_dropout.default, [1, 0.0, True])
     base = op_seed(7, "dropout_3", 2, 1, 0, None)
     assert base == op_seed(7, "dropout_3", 2, 1, 0, None)  # reproducible: recomputation draws it again
     others = [op_seed(8, "dropout_3", 2, 1, 0, None), op_seed(7, "dropout_4", 2, 1, 0, None),

@@ -353,7 +353,7 @@ class _Builder:
             args[2] = list(local_shape(val.shape, d.out[0], g.size))[dim:dim + len(args[2])]
         if name in ("dropout", "feature_dropout", "alpha_dropout") and args[1] == 0:
             return args[0]  # p = 0 draws nothing and changes nothing
-        if self.p.rng is not None and is_random(n.target):
+        if self.p.rng is not None and is_random(n.target, args, kwargs):
             sharded = shard_dim(d.out[0]) is not None if d.out else False
             op = RandomOp(n.target, n.name, self.p.rng, g.rank if sharded else None, self.p.device)
             return self.graph.call_function(call, (self.attr("random", op), *args), kwargs)
