@@ -13,6 +13,7 @@ their runs make.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Hashable, Sequence
 
@@ -20,14 +21,23 @@ DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024  # DDP's default bucket_cap_mb
 WHOLE_UNITS = math.inf  # the cap of ZeRO-3's unit buckets: a unit is one bucket, whatever its size
 
 
-def unit_of(name: str, units: Sequence[str]) -> str:
+def unit_of(name: str, units: Sequence[str] | frozenset[str]) -> str:
     """The ZeRO-3 unit of parameter (or module) ``name``: the longest of ``units`` (module paths,
     one repeated layer each) it lies in, or "" (the root: what lies outside every layer)."""
-    best = ""
-    for u in units:
-        if (name == u or name.startswith(u + ".")) and len(u) > len(best):
-            best = u
+    layers = units if isinstance(units, frozenset) else _as_set(tuple(units))
+    if name in layers:
+        return name
+    best, i = "", name.find(".")
+    while i != -1:  # the module paths that hold ``name``, shortest first: the last found is the longest
+        if name[:i] in layers:
+            best = name[:i]
+        i = name.find(".", i + 1)
     return best
+
+
+@functools.lru_cache(maxsize=64)
+def _as_set(units: tuple[str, ...]) -> frozenset[str]:
+    return frozenset(units)
 
 
 def pack_buckets(sizes: Sequence[int], cap_bytes: float = DEFAULT_BUCKET_BYTES,

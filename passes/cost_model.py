@@ -25,6 +25,7 @@ predicted step times are upper bounds on those terms.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -178,6 +179,7 @@ AUTOCAST_FP32 = {
 }
 
 
+@functools.lru_cache(maxsize=4096)  # a pure function of three names, asked per node in the cut search's loop
 def precision_factor(op: str, precision: str, device: str) -> float:
     """How much more a node's floating tensors weigh than the precision's element size says: 4 /
     that size for an op autocast on ``device`` runs in fp32 under a 16-bit ``precision`` (a layer

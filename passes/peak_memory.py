@@ -137,9 +137,14 @@ def peak_total(state: float, backward: float, buffers: StepBuffers, cluster: Clu
     alive at the backward's peak instead."""
     if backward_grads is not None:
         backward += backward_grads - grads
-    base = state + max(backward + buffers.collectives, buffers.step)
-    rounding = buffers.tensors * cluster.alloc_granularity if cluster.alloc_granularity > 1 else 0
-    return round((base + rounding) * (1 + cluster.fragmentation))
+    return peak_of(state, backward + buffers.collectives, buffers.step, buffers.tensors, cluster)
+
+
+def peak_of(state: float, backward: float, step: float, tensors: int, cluster: ClusterSpec) -> int:
+    """The peak from its sums: the state, the larger of the backward's side (ZeRO's buffers in it)
+    and the step's, each tensor alive rounded up to the allocator's granularity, the fragmentation."""
+    rounding = tensors * cluster.alloc_granularity if cluster.alloc_granularity > 1 else 0
+    return round((state + max(backward, step) + rounding) * (1 + cluster.fragmentation))
 
 
 def peak_memory(state: ModelStateMemory, *, activations: float, capacity: int, cluster: ClusterSpec,

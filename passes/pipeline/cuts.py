@@ -24,7 +24,7 @@ from partita.core.cluster import ClusterSpec, Link
 from partita.core.plan import MemoryBreakdown
 from partita.core.schedule import in_flight, sends_held
 from partita.passes.cost_model import StateBytes, model_state_memory, p2p_time, sharded_state, stage_slot_time
-from partita.passes.peak_memory import NO_BUFFERS, StepBuffers, peak_memory, peak_total
+from partita.passes.peak_memory import NO_BUFFERS, StepBuffers, peak_memory, peak_of
 from partita.passes.pipeline.costs import NodeCosts, Recompute, SharedParam
 
 INF = math.inf
@@ -76,6 +76,12 @@ class Partition:
                      for s in range(setup.stages)]
         held = setup.held  # bytes per parameter, read once: memory_total is the DP's inner loop
         self._state_bytes = (held.params, held.grads, held.optimizer)
+        # the DP asks for a segment's memory and then its time: each (j, k, s) is decided once, and
+        # the buffers of a parameter count and the sends a stage holds are computed once
+        self._sends_held = [sends_held(setup.schedule, s, setup.stages, setup.micro_batches)
+                            for s in range(setup.stages)]
+        self._choices: dict[tuple[int, int, int], tuple[int, bool]] = {}
+        self._buffers_of: dict[int, StepBuffers] = {}
 
     def shared_in(self, j: int, k: int) -> list[SharedParam]:
         out = []
@@ -103,14 +109,21 @@ class Partition:
         stage's recomputation is decided. Forced, it always recomputes; otherwise exactly when
         it does not fit without and does with. Whether the total fits never turns from no to
         yes as a segment grows: each of the two totals grows with the segment."""
+        got = self._choices.get((j, k, s))
+        if got is None:
+            got = self._choices[j, k, s] = self._decide(j, k, s)
+        return got
+
+    def _decide(self, j: int, k: int, s: int) -> tuple[int, bool]:
         state, live = self._state_total(j, k), self.costs.live_peak(j, k)
-        buffers = self._buffers(j, k, s)
-        plain = peak_total(state, self.held[s] * (self.saved[k] - self.saved[j]) + live, buffers, self.cluster)
+        collectives, step, tensors = self._buffer_sums(j, k, s)
+        plain = peak_of(state, self.held[s] * (self.saved[k] - self.saved[j]) + live + collectives, step, tensors,
+                        self.cluster)
         rc, cap = self.rc, self.setup.capacity
         if rc is None or (not rc.forced and plain <= cap):
             return plain, False
-        total = peak_total(state, self.held[s] * (self._rc_saved[k] - self._rc_saved[j]) + rc.transient_bytes + live,
-                           buffers, self.cluster)
+        total = peak_of(state, self.held[s] * (self._rc_saved[k] - self._rc_saved[j]) + rc.transient_bytes + live
+                        + collectives, step, tensors, self.cluster)
         if rc.forced or total <= cap:
             return total, True
         return plain, False
@@ -144,15 +157,29 @@ class Partition:
         return peak_memory(st, activations=act, capacity=self.setup.capacity, cluster=self.cluster, transient=live,
                            buffers=self._buffers(j, k, s))
 
+    def _buffer_sums(self, j: int, k: int, s: int) -> tuple[int, int, int]:
+        """``_buffers(j, k, s)``'s collectives, step and tensors, without building the record."""
+        if self.setup.buffers is None:
+            return 0, 0, 0
+        buffers = self._base_buffers(self.param_numel(j, k))
+        forward, backward = self._sends_held[s]
+        sends = forward * self.costs.send_bytes[k] + backward * self.costs.grad_bytes[j]
+        return buffers.collectives + sends, buffers.step, buffers.tensors
+
+    def _base_buffers(self, numel: int) -> StepBuffers:
+        buffers = self._buffers_of.get(numel)
+        if buffers is None:
+            buffers = self._buffers_of[numel] = self.setup.buffers(numel)
+        return buffers
+
     def _buffers(self, j: int, k: int, s: int) -> StepBuffers:
         """Stage s's buffers in a training step (peak_memory.step_buffers), and the activations it
         sends forward and the gradients it sends back, of as many micro-batches as the runtime holds
         sends of at once (core/schedule.py ``sends_held``: each is let go once its peer had it)."""
         if self.setup.buffers is None:
             return NO_BUFFERS
-        buffers = self.setup.buffers(self.param_numel(j, k))
-        p = self.setup.stages
-        forward, backward = sends_held(self.setup.schedule, s, p, self.setup.micro_batches)
+        buffers = self._base_buffers(self.param_numel(j, k))
+        forward, backward = self._sends_held[s]
         sends = forward * self.costs.send_bytes[k] + backward * self.costs.grad_bytes[j]
         if not sends:
             return buffers
