@@ -162,9 +162,13 @@ class Partition:
         if self.setup.buffers is None:
             return 0, 0, 0
         buffers = self._base_buffers(self.param_numel(j, k))
+        return buffers.collectives + self._sends(j, k, s), buffers.step, buffers.tensors
+
+    def _sends(self, j: int, k: int, s: int) -> int:
+        """Bytes of the activations stage s holds sent forward and of the gradients it holds sent
+        back, of as many micro-batches as the runtime keeps sends of at once."""
         forward, backward = self._sends_held[s]
-        sends = forward * self.costs.send_bytes[k] + backward * self.costs.grad_bytes[j]
-        return buffers.collectives + sends, buffers.step, buffers.tensors
+        return forward * self.costs.send_bytes[k] + backward * self.costs.grad_bytes[j]
 
     def _base_buffers(self, numel: int) -> StepBuffers:
         buffers = self._buffers_of.get(numel)
@@ -179,8 +183,7 @@ class Partition:
         if self.setup.buffers is None:
             return NO_BUFFERS
         buffers = self._base_buffers(self.param_numel(j, k))
-        forward, backward = self._sends_held[s]
-        sends = forward * self.costs.send_bytes[k] + backward * self.costs.grad_bytes[j]
+        sends = self._sends(j, k, s)
         if not sends:
             return buffers
         return replace(buffers, collectives=buffers.collectives + sends,
