@@ -331,6 +331,7 @@ def build_plan(
         optimizer=request.optimizer,
         zero_stage=d.zero_stage,
         schedule=d.schedule,
+        chunks=d.chunks,
         inference=request.inference,
         grad_bucket_bytes=d.bucket_bytes,
         reduce_dtype=request.reduce_dtype,
@@ -420,4 +421,4 @@ def _top_modules(captured: CapturedModel) -> tuple[str, ...]:
 def _tied(captured: CapturedModel, G: Any, d: Decision) -> dict[str, tuple[int, ...]]:
     """Parameters read on several pipeline stages -> those stages (``tied_stages``, the runtime's rule)."""
     readers = {n: list(G.successors(n)) for n in captured.param_nodes if n in G}
-    return tied_stages(captured.param_nodes, readers, d.node_stage)
+    return tied_stages(captured.param_nodes, readers, d.node_stage, pp=d.mesh.pp)

@@ -81,7 +81,7 @@ def _dp_collectives(params: Sequence[ParamDecision], tied: Mapping[str, tuple[in
     reduce = dtype_bytes(request.reduce_dtype)  # and sent in the reduce dtype (core/precision.py)
     out: list[Collective] = []
     for s in range(d.mesh.pp):
-        mine = [p for p in params if s in tied.get(p.name, (p.stage,))]
+        mine = [p for p in params if s in tied.get(p.name, (p.stage % d.mesh.pp,))]  # by rank
         # under ZeRO a parameter tied across stages stays whole and is averaged as in plain DP
         # (runtime/engine.py): its copies' stages lay their ZeRO buckets out differently
         whole = [p for p in mine if p.name in tied] if d.zero_stage else []
@@ -147,7 +147,7 @@ def _tp_plan_collectives(nodes: Sequence[Any], d: Decision, cluster: ClusterSpec
     link = cluster.link_for_group(tp)
     out: list[Collective] = []
     recomputed = {st.index for st in d.stages if st.recompute}
-    for s in range(d.mesh.pp):
+    for s in range(d.mesh.pp * d.chunks):  # (virtual) stages
         mine = [n for n in nodes if n.stage == s]
         listed = forward_collectives(mine) if inference else tp_collectives(mine)
         if s in recomputed:  # the layers' forward runs again in backward, its collectives with it
@@ -196,7 +196,7 @@ def _pp_collectives(captured: CapturedModel, nodes: Sequence[Any], d: Decision, 
                           purpose="the step's loss from the last stage to every stage",
                           seconds=collective_time("broadcast", 4, d.mesh.pp,
                                                   cluster.link_for_axis(d.mesh, MeshAxis.PP.value)))]
-    links = cluster.stage_links(d.mesh)  # the planner's: its cuts were priced on them
+    links = cluster.stage_links(d.mesh, d.chunks)  # the planner's: its cuts were priced on them
     for (s, direction, nbytes), count in sorted(sends.items()):
         link = links[s if direction == "forward" else s - 1]
         calls = count * d.grad_accum_steps

@@ -24,27 +24,29 @@ from typing import Any
 from partita.core.errors import PlanError
 from partita.core.files import read_user_text
 from partita.core.plan import MAX_PLAN_BYTES, Plan
-from partita.core.schedule import BACKWARD, FORWARD, stage_order
+from partita.core.schedule import BACKWARD, FORWARD, rank_order
 
 
 @dataclass(frozen=True)
 class Slot:
     """One micro-batch's forward or backward on one stage, in seconds from the step's start."""
 
-    stage: int
+    stage: int  # the row: the pipeline rank (the stage, with one chunk per rank)
     kind: str  # "forward" | "backward"
     microbatch: int
     start: float
     end: float
+    chunk: int = -1  # the virtual stage it runs, under a chunked schedule (-1: the row's stage)
 
 
 @dataclass(frozen=True)
 class Timeline:
     schedule: str
-    stages: int
+    stages: int  # rows: pipeline ranks
     microbatches: int
     slots: tuple[Slot, ...]
     source: str = "predicted"  # or "measured (rank R)" per stage
+    chunks: int = 1  # virtual stages per row (interleaved 1F1B)
 
     @property
     def makespan(self) -> float:
@@ -60,46 +62,51 @@ class Timeline:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "schedule": self.schedule, "stages": self.stages, "microbatches": self.microbatches,
+            "schedule": self.schedule, "stages": self.stages, "microbatches": self.microbatches, "chunks": self.chunks,
             "source": self.source, "makespan": self.makespan,
             "busy": [self.busy(s) for s in range(self.stages)],
             "bubble": [self.bubble_fraction(s) for s in range(self.stages)],
-            # compact rows: stage, 0 forward / 1 backward, micro-batch, start, end
-            "slots": [[s.stage, 0 if s.kind == FORWARD else 1, s.microbatch, s.start, s.end] for s in self.slots],
+            # compact rows: stage (rank), 0 forward / 1 backward, micro-batch, start, end, virtual stage
+            "slots": [[s.stage, 0 if s.kind == FORWARD else 1, s.microbatch, s.start, s.end,
+                       s.stage if s.chunk < 0 else s.chunk] for s in self.slots],
         }
 
 
 def predicted_timeline(plan: Plan) -> Timeline:
-    """Play the plan's schedule over its stages' forward and backward times."""
+    """Play the plan's schedule over its stages' forward and backward times: one row per pipeline
+    rank, each (virtual) stage's forward after the previous stage's, its backward after the next's."""
     t = plan.training
     stages = plan.stages or ()
-    S, M = max(1, len(stages)), t.grad_accum_steps
+    V, M = max(1, len(stages)), t.grad_accum_steps
+    v = t.chunks if V == plan.mesh.pp * t.chunks else 1
+    S = V // v
     fwd = [s.forward_s for s in stages] or [0.0]
     bwd = [0.0 if t.inference else s.backward_s for s in stages] or [0.0]
-    orders = [stage_order(t.schedule, s, S, M, t.inference) for s in range(S)]
-    done: dict[tuple[str, int, int], float] = {}  # (kind, stage, micro-batch) -> end
+    orders = [rank_order(t.schedule, r, S, M, v, t.inference) for r in range(S)]
+    done: dict[tuple[str, int, int], float] = {}  # (kind, virtual stage, micro-batch) -> end
     slots: list[Slot] = []
     pos, free = [0] * S, [0.0] * S
-    while any(pos[s] < len(orders[s]) for s in range(S)):
+    while any(pos[r] < len(orders[r]) for r in range(S)):
         progressed = False
-        for s in range(S):
-            while pos[s] < len(orders[s]):
-                kind, mb = orders[s][pos[s]]
-                deps = [(FORWARD, s, mb)] if kind == BACKWARD else []
-                if kind == FORWARD and s > 0:
-                    deps.append((FORWARD, s - 1, mb))
-                if kind == BACKWARD and s < S - 1:
-                    deps.append((BACKWARD, s + 1, mb))
+        for r in range(S):
+            while pos[r] < len(orders[r]):
+                kind, mb, c = orders[r][pos[r]]
+                deps = [(FORWARD, c, mb)] if kind == BACKWARD else []
+                if kind == FORWARD and c > 0:
+                    deps.append((FORWARD, c - 1, mb))
+                if kind == BACKWARD and c < V - 1:
+                    deps.append((BACKWARD, c + 1, mb))
                 if any(d not in done for d in deps):
                     break
-                start = max([free[s], *(done[d] for d in deps)])
-                end = start + (fwd[s] if kind == FORWARD else bwd[s])
-                done[(kind, s, mb)] = free[s] = end
-                slots.append(Slot(s, kind, mb, start, end))
-                pos[s] += 1
+                start = max([free[r], *(done[d] for d in deps)])
+                end = start + (fwd[c] if kind == FORWARD else bwd[c])
+                done[(kind, c, mb)] = free[r] = end
+                slots.append(Slot(r, kind, mb, start, end, c if v > 1 else -1))
+                pos[r] += 1
                 progressed = True
-        assert progressed, f"schedule {t.schedule} deadlocks with {S} stages and {M} micro-batches"
-    return Timeline(t.schedule, S, M, tuple(sorted(slots, key=lambda x: (x.stage, x.start))))
+        if not progressed:
+            raise ValueError(f"schedule {t.schedule} deadlocks with {S} stages and {M} micro-batches")
+    return Timeline(t.schedule, S, M, tuple(sorted(slots, key=lambda x: (x.stage, x.start))), chunks=v)
 
 
 # -- measured traces ------------------------------------------------------------
@@ -194,11 +201,13 @@ def measured_timeline(trace: Mapping[str, Any], plan: Plan) -> Timeline:
         s = ev["args"]["stage"]
         rank_of_stage[s] = min(rank_of_stage.get(s, trace_rank(ev)), trace_rank(ev))
     t0 = min(ev["ts"] for ev in spans)
+    v = plan.training.chunks if S == plan.mesh.pp * plan.training.chunks else 1
+    rows = S // v  # one per pipeline rank: virtual stage c on row c mod rows
     slots = tuple(sorted(
-        (Slot(ev["args"]["stage"], ev["cat"], ev["args"]["microbatch"], (ev["ts"] - t0) / 1e6,
-              (ev["ts"] + ev["dur"] - t0) / 1e6)
+        (Slot(ev["args"]["stage"] % rows, ev["cat"], ev["args"]["microbatch"], (ev["ts"] - t0) / 1e6,
+              (ev["ts"] + ev["dur"] - t0) / 1e6, ev["args"]["stage"] if v > 1 else -1)
          for ev in spans if trace_rank(ev) == rank_of_stage[ev["args"]["stage"]]),
         key=lambda x: (x.stage, x.start)))
     ranks = ", ".join(f"stage {s}: rank {r}" for s, r in sorted(rank_of_stage.items()))
     M = 1 + max(s.microbatch for s in slots)
-    return Timeline(plan.training.schedule, S, M, slots, source=f"measured ({ranks})")
+    return Timeline(plan.training.schedule, rows, M, slots, source=f"measured ({ranks})", chunks=v)

@@ -569,21 +569,24 @@ function timelineSvg(T, span, label, cls) {
   const root = svg("svg", {width: L + TW + 140, height: H, class: "timeline " + cls, "data-source": T.source});
   const sx = t => L + TW * t / span;
   root.append(svg("text", {x: 4, y: 14, class: "tl-title", text: label}));
+  const chunked = (T.chunks || 1) > 1;  // rows are pipeline ranks running several virtual stages
   for (let s = 0; s < T.stages; s++) {
     const y = top + s * (RH + 6);
-    root.append(svg("text", {x: 4, y: y + 14, class: "axis", text: `stage ${s}`}));
+    root.append(svg("text", {x: 4, y: y + 14, class: "axis", text: chunked ? `rank ${s}` : `stage ${s}`}));
     root.append(tip(svg("rect", {x: L, y, width: sx(T.makespan) - L, height: RH, class: "idle"}),
       [`stage ${s}: idle (bubble) ${fmtPct(T.bubble[s])} of the step`]));
     root.append(svg("text", {x: L + TW + 8, y: y + 14, class: "bubble-text", "data-stage": s,
       text: `bubble ${fmtPct(T.bubble[s])}`}));
   }
   const slots = svg("g", {class: "slots"});
-  for (const [s, k, mb, t0, t1] of T.slots) {
-    const y = top + s * (RH + 6), x = sx(t0), w = Math.max(0.5, sx(t1) - x);
-    const g = svg("g", {class: "slot " + (k ? "bwd" : "fwd"), "data-stage": s, "data-mb": mb});
-    g.append(svg("rect", {x, y, width: w, height: RH, fill: stageColour(s), "fill-opacity": k ? 1 : 0.55}));
-    if (w > 14) g.append(svg("text", {x: x + w / 2, y: y + 14, class: "slot-text", text: (k ? "B" : "F") + mb}));
-    tip(g, [`stage ${s} ${k ? "backward" : "forward"} of micro-batch ${mb}`,
+  for (const [s, k, mb, t0, t1, c] of T.slots) {
+    const y = top + s * (RH + 6), x = sx(t0), w = Math.max(0.5, sx(t1) - x), vs = c === undefined ? s : c;
+    const g = svg("g", {class: "slot " + (k ? "bwd" : "fwd"), "data-stage": s, "data-mb": mb, "data-chunk": vs});
+    g.append(svg("rect", {x, y, width: w, height: RH, fill: stageColour(vs), "fill-opacity": k ? 1 : 0.55}));
+    if (w > 14) g.append(svg("text", {x: x + w / 2, y: y + 14, class: "slot-text",
+      text: (k ? "B" : "F") + mb + (chunked ? `.${vs}` : "")}));
+    tip(g, [(chunked ? `rank ${s}, virtual stage ${vs}` : `stage ${s}`) +
+      ` ${k ? "backward" : "forward"} of micro-batch ${mb}`,
       `${fmtTime(t0)} – ${fmtTime(t1)} (${fmtTime(t1 - t0)})`]);
     slots.append(g);
   }
@@ -598,9 +601,13 @@ function timelineSvg(T, span, label, cls) {
 function scheduleSection(D) {
   const p = D.plan, T = D.timeline, M = D.measured;
   const span = Math.max(T.makespan, M ? M.makespan : 0) || 1;
-  const name = {none: "no pipeline schedule", gpipe: "GPipe", "1f1b": "1F1B"}[T.schedule] || T.schedule;
+  const name = {none: "no pipeline schedule", gpipe: "GPipe", "1f1b": "1F1B",
+    "interleaved-1f1b": "interleaved 1F1B"}[T.schedule] || T.schedule;
+  const over = (T.chunks || 1) > 1
+    ? `${T.stages} ranks of ${T.chunks} virtual stages each (stage c on rank c mod ${T.stages}; a slot reads F<micro-batch>.<stage>)`
+    : `${T.stages} stage(s)`;
   const parts = [el("p", {class: "note", id: "schedule-summary", text:
-    `${name}, ${T.microbatches} micro-batch(es) of ${p.training.micro_batch_size} over ${T.stages} stage(s): ` +
+    `${name}, ${T.microbatches} micro-batch(es) of ${p.training.micro_batch_size} over ${over}: ` +
     `predicted compute span ${fmtTime(T.makespan)} per step (the plan's step time ${fmtTime(p.predicted.step_time_s)} ` +
     `adds exposed communication and the optimizer). Forward light, backward dark, grey is idle.`}),
     el("div", {class: "scroll"}, timelineSvg(T, span, `predicted · ${fmtTime(T.makespan)}`, "predicted"))];

@@ -247,11 +247,17 @@ class ClusterSpec:
             return self.intra_link
         return self.inter_link if axis_crosses_nodes(mesh, axis, self.gpus_per_node) else self.intra_link
 
-    def stage_links(self, mesh: Mesh) -> tuple[Link, ...]:
+    def stage_links(self, mesh: Mesh, chunks: int = 1) -> tuple[Link, ...]:
         """``links[s]``: the link between pipeline stage s and s + 1 (each rank sends to its peer
-        with the same dp and tp coordinates; inter-node when any such pair spans nodes)."""
-        return tuple(self.inter_link if stage_pair_crosses_nodes(mesh, s, self.gpus_per_node) else self.intra_link
-                     for s in range(mesh.pp - 1))
+        with the same dp and tp coordinates; inter-node when any such pair spans nodes). With
+        ``chunks`` virtual stages per rank (stage s on rank s mod pp), between virtual stages: the
+        last rank sends on to the first, inter-node when the pipeline spans nodes at all."""
+        ranks = tuple(self.inter_link if stage_pair_crosses_nodes(mesh, s, self.gpus_per_node) else self.intra_link
+                      for s in range(mesh.pp - 1))
+        if chunks == 1:
+            return ranks
+        wrap = self.inter_link if self.inter_link in ranks else self.intra_link
+        return tuple(ranks[s % mesh.pp] if s % mesh.pp < mesh.pp - 1 else wrap for s in range(mesh.pp * chunks - 1))
 
     def peak_flops(self, dtype: str) -> float:
         if dtype in self.flops:

@@ -62,9 +62,10 @@ class ModelInfo:
 
 
 def tied_stages(param_of: Mapping[str, str], readers: Mapping[str, Iterable[str]],
-                stage_of: Mapping[str, int]) -> dict[str, tuple[int, ...]]:
+                stage_of: Mapping[str, int], pp: int | None = None) -> dict[str, tuple[int, ...]]:
     """Each parameter read on several pipeline stages -> those stages, sorted (the one rule the
-    planner lists the tied-gradient all-reduce by and the runtime runs it by).
+    planner lists the tied-gradient all-reduce by and the runtime runs it by). With ``pp``, by
+    pipeline rank (virtual stage mod pp): a rank's chunks share its one copy.
 
     ``param_of`` maps a graph placeholder to its parameter's name (a tied parameter may have
     several placeholders), ``readers`` a placeholder to the nodes reading it, ``stage_of`` a node
@@ -72,7 +73,7 @@ def tied_stages(param_of: Mapping[str, str], readers: Mapping[str, Iterable[str]
     reads (a tied parameter's unused duplicate) puts it on no stage."""
     stages: dict[str, set[int]] = {}
     for node, name in param_of.items():
-        stages.setdefault(name, set()).update(stage_of[r] for r in readers.get(node, ()))
+        stages.setdefault(name, set()).update(stage_of[r] % pp if pp else stage_of[r] for r in readers.get(node, ()))
     return {name: tuple(sorted(s)) for name, s in sorted(stages.items()) if len(s) > 1}
 
 
@@ -87,7 +88,10 @@ class Training:
     reduce_dtype: str = "fp32"  # gradients are reduced over dp in this dtype: "fp32" | "bf16" | "fp16"
     optimizer: str = "adamw"  # one of OPTIMIZERS
     zero_stage: int = 0
-    schedule: str = "none"  # pipeline schedule: "none" | "gpipe" | "1f1b"
+    schedule: str = "none"  # pipeline schedule: "none" | "gpipe" | "1f1b" | "interleaved-1f1b" (core/schedule.py)
+    # model chunks per pipeline rank (interleaved 1F1B's v): the plan's stages are pp x chunks virtual
+    # stages, stage c on pipeline rank c mod pp
+    chunks: int = 1
     inference: bool = False
     grad_bucket_bytes: int = DEFAULT_BUCKET_BYTES  # gradients are all-reduced in buckets of this size
     max_grad_norm: float | None = None  # clip the global gradient norm to this (None: no clipping)
@@ -98,7 +102,7 @@ class Training:
     def __post_init__(self) -> None:
         if self.zero_stage not in (0, 1, 2, 3):
             raise ValueError(f"zero_stage={self.zero_stage} must be 0, 1, 2 or 3")
-        for name in ("global_batch", "micro_batch_size", "grad_accum_steps"):
+        for name in ("global_batch", "micro_batch_size", "grad_accum_steps", "chunks"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be at least 1")
 
@@ -302,6 +306,12 @@ class Plan:
     @property
     def world_size(self) -> int:
         return self.mesh.world_size
+
+    @property
+    def virtual_stages(self) -> int:
+        """Pipeline stages the plan cuts the model into: pp, times the chunks per rank of a chunked
+        schedule (virtual stage c runs on pipeline rank c mod pp)."""
+        return self.mesh.pp * self.training.chunks
 
     # -- serialisation -------------------------------------------------------
 

@@ -122,7 +122,7 @@ def _cluster(plan: Plan) -> list[str]:
 def _training(plan: Plan) -> list[str]:
     from partita.core.plan import OPTIMIZERS
     from partita.core.precision import PRECISIONS
-    from partita.core.schedule import SCHEDULES
+    from partita.core.schedule import SCHEDULES, chunk_problem
 
     t, out = plan.training, []
     if t.precision not in PRECISIONS:
@@ -134,6 +134,9 @@ def _training(plan: Plan) -> list[str]:
                    "an inference plan none")
     if plan.mesh.pp > 1 and not t.inference and t.schedule not in SCHEDULES:
         out.append(f"pp={plan.mesh.pp} needs a pipeline schedule ({', '.join(SCHEDULES)}), not {t.schedule!r}")
+    problem = chunk_problem(t.schedule, plan.mesh.pp, t.chunks, t.grad_accum_steps)
+    if problem and not t.inference:
+        out.append(problem)
     if plan.mesh.pp == 1 and t.schedule != "none":
         out.append(f"schedule {t.schedule!r} without pipeline stages (pp=1)")
     if t.zero_stage > 0 and plan.mesh.dp == 1:
@@ -144,18 +147,19 @@ def _training(plan: Plan) -> list[str]:
 
 
 def _stages(plan: Plan) -> list[str]:
-    pp, out = plan.mesh.pp, []
+    pp, v, out = plan.mesh.pp, plan.virtual_stages, []
+    needs = f"pp={pp}" if v == pp else f"pp={pp} x {plan.training.chunks} chunks"
     indices = [s.index for s in plan.stages]
-    if plan.stages and indices != list(range(pp)):
-        out.append(f"the stages are numbered {indices}, but pp={pp} needs {list(range(pp))}")
+    if plan.stages and indices != list(range(v)):
+        out.append(f"the stages are numbered {indices}, but {needs} needs {list(range(v))}")
     for s in plan.stages:
-        if s.index < pp and s.ranks and tuple(s.ranks) != plan.mesh.stage_ranks(s.index):
+        if s.index < v and s.ranks and tuple(s.ranks) != plan.mesh.stage_ranks(s.index % pp):
             out.append(f"stage {s.index} lists ranks {list(s.ranks)}, but mesh {plan.mesh} puts "
-                       f"{list(plan.mesh.stage_ranks(s.index))} on it")
+                       f"{list(plan.mesh.stage_ranks(s.index % pp))} on it")
     for what, items in (("node", plan.nodes), ("parameter", plan.params)):
         for item in items:
-            if item.stage >= pp:
-                out.append(f"{what} {item.name} is on stage {item.stage}, but pp={pp} has stages 0-{pp - 1}")
+            if item.stage >= v:
+                out.append(f"{what} {item.name} is on stage {item.stage}, but {needs} has stages 0-{v - 1}")
     return out
 
 
@@ -231,8 +235,8 @@ def _collectives(plan: Plan) -> list[str]:
         # pp's collectives join some of the stages (a send to the next, a tied weight's readers)
         if c.group_size > size or (c.axis != MeshAxis.PP.value and c.group_size != size):
             out.append(f"a {c.kind} ({c.purpose}) over {c.axis} lists a group of {c.group_size}, but {c.axis}={size}")
-        if c.stage is not None and c.stage >= plan.mesh.pp:
-            out.append(f"a {c.kind} ({c.purpose}) on stage {c.stage}, but pp={plan.mesh.pp}")
+        if c.stage is not None and c.stage >= plan.virtual_stages:
+            out.append(f"a {c.kind} ({c.purpose}) on stage {c.stage}, but the plan has {plan.virtual_stages} stages")
     return out
 
 

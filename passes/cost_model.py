@@ -446,22 +446,32 @@ def pipeline_step(
     optimizer_s: Sequence[float],
     tied_all_reduce_s: float,
     cluster: ClusterSpec,
+    chunks: int = 1,
 ) -> PipelineStepCost:
     """One step of a p-stage pipeline with ``micro_batches`` micro-batches (formula above).
 
     Each sequence holds one value per stage: ``compute_s`` one micro-batch's forward +
     backward, ``p2p_s`` its sends, ``dp_all_reduce_s`` and ``optimizer_s`` once per step.
+    With ``chunks`` virtual stages per rank (interleaved 1F1B; the sequences hold p x chunks
+    values, stage s on rank s mod p) each rank's are summed, a micro-batch's overhead counted
+    once per chunk, and the bubble is (p - 1) / chunks of the slowest rank's slot
+    (core/schedule.py ``bubble_fraction``).
     """
-    p = len(compute_s)
-    if not (p == len(p2p_s) == len(dp_all_reduce_s) == len(optimizer_s)) or p == 0:
+    n = len(compute_s)
+    if not (n == len(p2p_s) == len(dp_all_reduce_s) == len(optimizer_s)) or n == 0 or n % chunks:
         raise ValueError("pipeline_step needs one compute, p2p, all-reduce and optimizer time per stage")
-    slots = [stage_slot_time(c, x, cluster) for c, x in zip(compute_s, p2p_s)]
+    p = n // chunks
+    if chunks > 1:
+        compute_s, p2p_s, dp_all_reduce_s, optimizer_s = (
+            [sum(xs[r::p]) for r in range(p)] for xs in (compute_s, p2p_s, dp_all_reduce_s, optimizer_s))
+    overhead = chunks * cluster.step_overhead_s
+    slots = [c + overhead + x for c, x in zip(compute_s, p2p_s)]
     slow = max(range(p), key=lambda s: slots[s])
     tail = max(range(p), key=lambda s: dp_all_reduce_s[s] + optimizer_s[s])
     return PipelineStepCost(
-        compute_s=micro_batches * (compute_s[slow] + cluster.step_overhead_s),
+        compute_s=micro_batches * (compute_s[slow] + overhead),
         p2p_s=micro_batches * p2p_s[slow],
-        bubble_s=(p - 1) * slots[slow],
+        bubble_s=(p - 1) / chunks * slots[slow],  # bubble_fraction(p, m, chunks) x m slots
         dp_all_reduce_s=dp_all_reduce_s[tail],
         tied_all_reduce_s=tied_all_reduce_s,
         optimizer_s=optimizer_s[tail],

@@ -58,7 +58,7 @@ class Decision:
     mesh: Mesh
     micro_batch_size: int
     grad_accum_steps: int  # micro-batches per data-parallel rank per step
-    schedule: str  # "none" | "gpipe" | "1f1b"
+    schedule: str  # "none", or one of core/schedule.py SCHEDULES
     zero_stage: int
     choice: Mapping[str, Strategy]  # node -> tensor-parallel strategy
     node_stage: Mapping[str, int]  # node -> pipeline stage
@@ -80,6 +80,7 @@ class Decision:
     notes: tuple[str, ...] = field(default_factory=tuple)
     pruned: int = 0  # pipeline (p, micro-batch) groups not cut: they could not win (plan_search)
     unit_buckets: tuple[int, ...] = ()  # ZeRO-3's buckets (one per unit) at this layout, bytes, where known
+    chunks: int = 1  # virtual stages per pipeline rank (interleaved 1F1B): ``stages`` holds pp x chunks
 
 
 def plan_search(
@@ -363,6 +364,7 @@ def _from_pipeline(d: PipelineDecision, profile: ModelProfile, cluster: ClusterS
         method=f"exact cut DP over layer boundaries x (p, m, schedule) enumeration; TP ILP per (tp={tp}, micro-batch)",
         status="OPTIMAL", gap=0.0, candidates=len(d.candidates), seconds=d.seconds,
         notes=(f"{d.solves} cut programs solved", f"bubble {c.bubble_s / best.step_s:.1%} of the step"),
+        chunks=best.chunks,
     )
 
 

@@ -61,6 +61,11 @@ def refuse_unsupported(plan: Plan) -> None:
     if plan.mesh.pp > 1 and not t.inference and t.schedule not in SCHEDULES:
         raise PlanError(f"the plan has pp={plan.mesh.pp} but schedule {t.schedule!r}; this runtime runs "
                         f"{' and '.join(SCHEDULES)}", hint="recompile the plan with `partita compile`")
+    if t.chunks > 1 and t.zero_stage > 0:
+        # ZeRO's buckets and its reduce-scatter at the last micro-batch follow one chunk per rank
+        raise PlanError(f"the plan runs {t.schedule} ({t.chunks} chunks per rank) with ZeRO-{t.zero_stage}: this "
+                        f"runtime shards model state under one chunk per rank only",
+                        hint="recompile with `partita compile --zero 0`, or with `--schedule 1f1b`")
     recomputing = [s.index for s in plan.stages if s.recompute]
     if recomputing and not plan.nodes:
         raise PlanError(f"the plan recomputes activations on stage(s) {recomputing} but has no node "

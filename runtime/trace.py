@@ -43,7 +43,8 @@ class TraceRecorder:
         self.events: list[dict[str, Any]] = []
 
     @contextlib.contextmanager
-    def span(self, cat: str, microbatch: int) -> Iterator[None]:
+    def span(self, cat: str, microbatch: int, chunk: int | None = None) -> Iterator[None]:
+        """Time one forward or backward; ``chunk``: its virtual stage, where the rank runs several."""
         FLIGHT.at(self.step, cat, microbatch)  # progress, for the watchdog
         t0 = time.time_ns()
         yield
@@ -51,7 +52,8 @@ class TraceRecorder:
         self.events.append({
             "name": f"{'F' if cat == FORWARD else 'B'}{microbatch}", "cat": cat, "ph": "X",
             "ts": t0 / 1e3, "dur": (t1 - t0) / 1e3, "pid": self.rank, "tid": self.stage,
-            "args": {"stage": self.stage, "microbatch": microbatch, "rank": self.rank, "step": self.step},
+            "args": {"stage": self.stage if chunk is None else chunk, "microbatch": microbatch, "rank": self.rank,
+                     "step": self.step},
         })
 
     def write(self, path: str | Path, plan: Plan) -> Path | None:

@@ -29,7 +29,8 @@ def boundary_cuts(G, layers_before: list[int]) -> list[str]:
 
 def pp_plan(module, inputs: list, loss, targets, *, pp: int, cuts_at: list[int], schedule: str, tp: int = 1,
             dp: int = 1, mbs: int = 2, accum: int = 4, pins: Mapping[tuple[str, str], str] | None = MEGATRON,
-            inference: bool = False):
+            inference: bool = False, chunks: int = 1):
+    """A plan of pp x ``chunks`` (virtual) stages cut at ``cuts_at``, stage s on pipeline rank s mod pp."""
     from partita.core.capture import capture
     from partita.core.inputs import InputSpec
     from partita.core.plan import Mesh, Stage
@@ -41,33 +42,35 @@ def pp_plan(module, inputs: list, loss, targets, *, pp: int, cuts_at: list[int],
     captured = capture(module, micro, loss=None if inference else loss, targets=mt)
     profile = profile_model(captured)
     cuts = boundary_cuts(profile.graph, cuts_at)
-    assert len(cuts) == pp - 1
+    virtual = pp * chunks
+    assert len(cuts) == virtual - 1
     stage = stage_of_nodes(profile, cuts)
     base = tp_plan(module, inputs, loss, targets, tp=tp, dp=dp, mbs=mbs, accum=accum, pins=pins,
                    captured=captured)
     nodes = tuple(dataclasses.replace(d, stage=stage[d.name]) for d in base.nodes)
     first_user: dict[str, int] = {}
     for n, q in captured.param_nodes.items():
-        first_user[q] = min(first_user.get(q, pp), stage[n])
+        first_user[q] = min(first_user.get(q, virtual), stage[n])
     params = tuple(dataclasses.replace(p, stage=first_user[p.name]) for p in base.params)
-    by_stage = [[d for d in nodes if d.stage == s] for s in range(pp)]
+    by_stage = [[d for d in nodes if d.stage == s] for s in range(virtual)]
     stages = tuple(
         Stage(index=s, nodes=len(ds), first_node=ds[0].name, last_node=ds[-1].name,
               params=sum(1 for p in params if p.stage == s), predicted_time_s=0.0, memory_bytes=0,
-              ranks=tuple((s * dp + d) * tp + t for d in range(dp) for t in range(tp)))
+              ranks=tuple(((s % pp) * dp + d) * tp + t for d in range(dp) for t in range(tp)))
         for s, ds in enumerate(by_stage))
-    training = dataclasses.replace(base.training, schedule=schedule, inference=inference,
+    training = dataclasses.replace(base.training, schedule=schedule, inference=inference, chunks=chunks,
                                    optimizer="none" if inference else base.training.optimizer)
     plan = dataclasses.replace(base, mesh=Mesh(dp=dp, tp=tp, pp=pp), nodes=nodes, params=params, stages=stages,
                                training=training, collectives=())
     return plan, profile, stage
 
 
-def expected_sends(profile, stage: Mapping[str, int], pp: int, micro_batches: int) -> list[int]:
-    """Tensors each stage sends per step: m x (values live across its outgoing cut, forward,
-    + those of its incoming cut that carry a gradient, backward); from the planner's graph."""
+def expected_sends(profile, stage: Mapping[str, int], pp: int, micro_batches: int, chunks: int = 1) -> list[int]:
+    """Tensors each pipeline rank sends per step: m x (values live across its chunks' outgoing cuts,
+    forward, + those of their incoming cuts that carry a gradient, backward); from the planner's graph."""
     G = profile.graph
-    fwd, bwd = [0] * pp, [0] * pp
+    virtual = pp * chunks
+    fwd, bwd = [0] * virtual, [0] * virtual
     for n, a in G.nodes(data=True):
         if a["kind"] in ("param", "buffer"):
             continue
@@ -76,4 +79,5 @@ def expected_sends(profile, stage: Mapping[str, int], pp: int, micro_batches: in
             fwd[cut] += len(a["shapes"]) if a.get("shapes") else 1
             if a.get("requires_grad"):
                 bwd[cut + 1] += 1
-    return [micro_batches * (f + b) for f, b in zip(fwd, bwd)]
+    per_stage = [micro_batches * (f + b) for f, b in zip(fwd, bwd)]
+    return [sum(per_stage[r::pp]) for r in range(pp)]

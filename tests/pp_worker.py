@@ -50,13 +50,13 @@ MODELS: dict[str, tuple[Callable, InputSpec]] = {
 
 
 def compare(ctx: DistContext, name: str, *, pp: int, cuts_at: list[int], schedule: str, tp: int = 1,
-            dp: int = 1, accum: int = 4, trace_dir: str | None = None) -> dict:
+            dp: int = 1, accum: int = 4, trace_dir: str | None = None, chunks: int = 1) -> dict:
     factory, spec = MODELS[name]
     torch.manual_seed(100)
     reference = factory()
     plan, profile, stage = pp_plan(copy.deepcopy(reference), [spec], gpt_loss, None, pp=pp, cuts_at=cuts_at,
                                    schedule=schedule, tp=tp, dp=dp, mbs=MBS, accum=accum,
-                                   pins=None if tp == 1 else MEGATRON)
+                                   pins=None if tp == 1 else MEGATRON, chunks=chunks)
     model = ParallelModel(copy.deepcopy(reference), plan, Options(loss=gpt_loss, optimizer=OPTIMIZERS["adamw"]),
                           ctx=ctx)
     st = model.module
@@ -70,7 +70,7 @@ def compare(ctx: DistContext, name: str, *, pp: int, cuts_at: list[int], schedul
     model.optimizer.register_step_pre_hook(grab)
     ref_opt = OPTIMIZERS["adamw"](reference.parameters())
     x, y = gpt_batch(plan.training.global_batch)
-    sends = expected_sends(profile, stage, pp, accum)[st.index]
+    sends = expected_sends(profile, stage, pp, accum, chunks)[st.index]
     losses, ref_losses, p2p, ref_grads = [], [], [], {}
     for step in range(STEPS):
         losses.append(model.train_step(x, targets=y))
@@ -100,7 +100,7 @@ def compare(ctx: DistContext, name: str, *, pp: int, cuts_at: list[int], schedul
         "p2p_sends": p2p, "expected_sends": sends,
     }
     if trace_dir is not None:
-        result["trace"] = trace_of(model, plan, Path(trace_dir, f"{name}-{schedule}.json"))
+        result["trace"] = trace_of(model, plan, Path(trace_dir, f"{name}-{schedule}-dp{dp}.json"))
     return result
 
 
@@ -111,17 +111,17 @@ def trace_of(model: ParallelModel, plan, path: Path) -> dict:
     model.write_trace(path)
     dist.barrier()
     trace = load_trace(path)
-    m, p = plan.training.grad_accum_steps, plan.mesh.pp
+    m, p, v = plan.training.grad_accum_steps, plan.mesh.pp, plan.training.chunks
     spans = [ev for ev in trace["traceEvents"] if ev["ph"] == "X"]
     orders = []
     for s in range(p):
         rank = plan.stages[s].ranks[0]
         orders.append({"stage": s,
-                       "order": [[ev["name"][0], ev["args"]["microbatch"]] for ev in spans
+                       "order": [[ev["name"][0], ev["args"]["microbatch"], ev["args"]["stage"]] for ev in spans
                                  if ev["pid"] == rank and ev["args"]["step"] == 0],
-                       "schedule": [list(a) for a in schedule_order(plan.training.schedule, p, s, m)]})
+                       "schedule": [list(a) for a in schedule_order(plan.training.schedule, p, s, m, v)]})
     measured_timeline(trace, plan)
-    return {"spans": len(spans), "expected_spans": STEPS * 2 * m * plan.mesh.world_size,
+    return {"spans": len(spans), "expected_spans": STEPS * 2 * m * v * plan.mesh.world_size,
             "fingerprint": trace["metadata"]["fingerprint"], "plan_fingerprint": plan.model.fingerprint,
             "orders": orders}
 
@@ -165,3 +165,7 @@ def dp2xtp2xpp2(ctx: DistContext, out: str) -> list[dict]:
 LAUNCHES: dict[str, tuple[int, Callable[[DistContext, str], list[dict]]]] = {
     "pp2": (2, pp2), "pp4-dp2xpp2-tp2xpp2": (4, pp4_dp2xpp2_tp2xpp2), "dp2xtp2xpp2": (8, dp2xtp2xpp2),
 }
+
+
+def interleaved(ctx: DistContext, out: str) -> list[dict]:
+    return [compare(ctx, "gpt", pp=2, cuts_at=[0, 1, 2], schedule="interleaved-1f1b", chunks=2, trace_dir=out)]

@@ -30,10 +30,11 @@ from partita.core.schedule import (
     BACKWARD,
     FORWARD,
     SCHEDULES,
-    backwards_done_before,
+    chunks_of,
+    gradients_received,
     in_flight,
+    rank_order,
     sends_held,
-    stage_order,
 )
 from partita.passes.cost_model import collective_time
 from partita.passes.profile import profile_model
@@ -174,27 +175,31 @@ def test_one_parser_of_placements():
 def test_in_flight_is_what_the_order_holds(schedule):
     """The memory the cost model charges (micro-batches in flight) is the most forwards the order
     the runtime runs keeps ahead of their backwards, on every stage."""
-    for p in (1, 2, 4):
-        for m in (1, 2, 3, 8):
+    v = chunks_of(schedule)
+    for p in (1, 2, 4) if v == 1 else (2, 3, 4):
+        for m in (1, 2, 3, 8) if v == 1 else (p, 2 * p, 3 * p):
             for s in range(p):
                 ahead = peak = 0
-                for kind, _ in stage_order(schedule, s, p, m):
+                order = rank_order(schedule, s, p, m, v)
+                for kind, _, _ in order:
                     ahead += 1 if kind == FORWARD else -1
                     peak = max(peak, ahead)
-                assert peak == in_flight(schedule, s, p, m), (schedule, p, m, s)
-                order = stage_order(schedule, s, p, m)
-                assert sorted(k for kind, k in order if kind == BACKWARD) == list(range(m))
+                # summed over the rank's chunks (each its share of the rank's peak)
+                assert peak == sum(in_flight(schedule, c, p * v, m, v) for c in range(s, p * v, p)), (schedule, p, m, s)
+                assert sorted((k, c) for kind, k, c in order if kind == BACKWARD) == sorted(
+                    (k, c) for k in range(m) for c in range(s, p * v, p))
 
 
 def test_the_runtime_and_the_viewer_run_the_core_order():
-    from partita.compiler.timeline import stage_order as drawn
+    from partita.compiler.timeline import rank_order as drawn
     from partita.runtime.pipeline.stage import schedule_order
 
     for schedule in SCHEDULES:
+        v = chunks_of(schedule)
         for s in range(4):
-            core = stage_order(schedule, s, 4, 6)
-            assert [("F" if k == FORWARD else "B", i) for k, i in core] == schedule_order(schedule, 4, s, 6)
-            assert drawn(schedule, s, 4, 6) == core
+            core = rank_order(schedule, s, 4, 8, v)
+            assert [("F" if k == FORWARD else "B", i, c) for k, i, c in core] == schedule_order(schedule, 4, s, 8, v)
+            assert drawn(schedule, s, 4, 8, v) == core
 
 
 def test_bucket_rule_is_shared():
@@ -274,20 +279,29 @@ def test_sends_held_is_what_the_runtime_holds_walking_the_order(schedule):
     """The sends the cost model charges a pipeline stage (core/schedule.py ``sends_held``, closed
     form) are the most the runtime holds walking the order: a forward's activations until its
     micro-batch's backward, a backward's gradients until the previous stage's activations show it
-    ran that backward (``backwards_done_before``, as runtime/pipeline/stage.py releases them)."""
+    ran that backward (``gradients_received``, as runtime/pipeline/stage.py releases them). Under a
+    chunked schedule, per virtual stage: the most of that chunk's sends held at once."""
+    v = chunks_of(schedule)
     for p in (2, 3, 4, 6):
-        for m in (1, 2, 3, 5, 8, 13):
+        for m in (1, 2, 3, 5, 8, 13) if v == 1 else (p, 2 * p, 3 * p):
+            V = p * v
             for s in range(p):
-                done_before = backwards_done_before(schedule, s - 1, p, m) if s > 0 else {}
-                forward = backward = gone = most_forward = most_backward = 0
-                for kind, k in stage_order(schedule, s, p, m):
+                received = gradients_received(schedule, s, p, m, v)
+                forward, gradients, gone = {}, [], 0
+                most_f, most_b = dict.fromkeys(range(s, V, p), 0), dict.fromkeys(range(s, V, p), 0)
+                for kind, k, c in rank_order(schedule, s, p, m, v):
                     if kind == FORWARD:
-                        gone = max(gone, done_before.get(k, 0))
-                        forward += s < p - 1
+                        gone = max(gone, received.get((c, k), 0))
+                        if c < V - 1:
+                            forward[c, k] = True
                     else:
-                        forward -= s < p - 1
-                        backward += s > 0
-                    most_forward = max(most_forward, forward)
-                    most_backward = max(most_backward, backward - gone)
-                assert sends_held(schedule, s, p, m) == (most_forward, most_backward), (schedule, p, m, s)
-    assert sends_held(schedule, 3, 8, 10**14)[0] <= 10**14  # closed form: no walk over the micro-batches
+                        forward.pop((c, k), None)
+                        if c > 0:
+                            gradients.append(c)
+                    for c2 in most_f:
+                        most_f[c2] = max(most_f[c2], sum(1 for (cc, _) in forward if cc == c2))
+                        most_b[c2] = max(most_b[c2], gradients[gone:].count(c2))
+                for c in most_f:
+                    assert sends_held(schedule, c, V, m, v) == (most_f[c], most_b[c]), (schedule, p, m, c)
+    if v == 1:
+        assert sends_held(schedule, 3, 8, 10**14)[0] <= 10**14  # closed form: no walk over the micro-batches

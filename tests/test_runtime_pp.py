@@ -60,7 +60,7 @@ def test_pipeline_parallel_matches_single_process(name, tmp_path):
 
 def _in_flight(order):
     live = peak = 0
-    for action, _ in order:
+    for action, _, _ in order:
         live += 1 if action == "F" else -1
         peak = max(peak, live)
     return peak
@@ -70,16 +70,75 @@ def test_schedules_run_every_micro_batch_once_and_1f1b_bounds_activations():
     from partita.runtime.pipeline.stage import schedule_order
 
     p, m = 4, 8
-    assert schedule_order("1f1b", p, 0, 4) == [("F", 0), ("F", 1), ("F", 2), ("F", 3), ("B", 0), ("B", 1),
-                                               ("B", 2), ("B", 3)]
-    assert schedule_order("1f1b", p, 3, 4)[:4] == [("F", 0), ("B", 0), ("F", 1), ("B", 1)]
+    assert schedule_order("1f1b", p, 0, 4) == [("F", 0, 0), ("F", 1, 0), ("F", 2, 0), ("F", 3, 0), ("B", 0, 0),
+                                               ("B", 1, 0), ("B", 2, 0), ("B", 3, 0)]
+    assert schedule_order("1f1b", p, 3, 4)[:4] == [("F", 0, 3), ("B", 0, 3), ("F", 1, 3), ("B", 1, 3)]
     for s in range(p):
         for kind in ("gpipe", "1f1b"):
             order = schedule_order(kind, p, s, m)
-            assert sorted(order) == sorted([("F", k) for k in range(m)] + [("B", k) for k in range(m)])
-            assert all(order.index(("F", k)) < order.index(("B", k)) for k in range(m))
+            assert sorted(order) == sorted([("F", k, s) for k in range(m)] + [("B", k, s) for k in range(m)])
+            assert all(order.index(("F", k, s)) < order.index(("B", k, s)) for k in range(m))
         assert _in_flight(schedule_order("1f1b", p, s, m)) == p - s  # stage i holds p - i micro-batches
         assert _in_flight(schedule_order("gpipe", p, s, m)) == m
+
+
+def _run_blocking(orders, p, v):
+    """Play every rank's order as the runtime runs it: sends never block, a receive waits for the
+    next message on its channel (sender, receiver, activations or gradients), messages on a channel
+    arrive in the order sent. Returns the ranks' positions when nothing moves (all done: the ends)."""
+    V, sent, got, pos = p * v, {}, {}, [0] * p
+    moved = True
+    while moved:
+        moved = False
+        for r in range(p):
+            while pos[r] < len(orders[r]):
+                a, k, c = orders[r][pos[r]]
+                wants = (("act", (c - 1) % p, r), (c - 1, k)) if a == "F" and c > 0 else \
+                    (("grad", (c + 1) % p, r), (c + 1, k)) if a == "B" and c < V - 1 else None
+                if wants is not None:
+                    channel, message = wants
+                    queue, i = sent.get(channel, []), got.get(channel, 0)
+                    if i >= len(queue):
+                        break  # blocked: nothing arrived yet
+                    assert queue[i] == message, (channel, queue[i], message)  # FIFO: the one expected
+                    got[channel] = i + 1
+                if a == "F" and c < V - 1:
+                    sent.setdefault(("act", r, (c + 1) % p), []).append((c, k))
+                if a == "B" and c > 0:
+                    sent.setdefault(("grad", r, (c - 1) % p), []).append((c, k))
+                pos[r] += 1
+                moved = True
+    return pos
+
+
+def test_interleaved_order_runs_without_deadlock_and_messages_arrive_in_order():
+    """Interleaved 1F1B on p ranks of v chunks: each rank runs every chunk's forward and backward of
+    every micro-batch once, its forward before its backward; played with non-blocking sends and
+    blocking receives (the runtime's), every rank finishes, and each channel's messages arrive in
+    the order its receiver takes them. It holds more micro-batches than 1F1B (Narayanan et al.:
+    rank 0 holds p (1 + (p - 1) / (p v)) micro-batches of its chunks)."""
+    from partita.runtime.pipeline.stage import schedule_order
+
+    for p in (2, 3, 4):
+        for v in (2, 3, 4):
+            for m in (p, 2 * p, 4 * p):
+                orders = [schedule_order("interleaved-1f1b", p, r, m, v) for r in range(p)]
+                for r, order in enumerate(orders):
+                    chunks = range(r, p * v, p)
+                    assert sorted(order) == sorted((a, k, c) for a in "FB" for k in range(m) for c in chunks)
+                    assert all(order.index(("F", k, c)) < order.index(("B", k, c)) for k in range(m) for c in chunks)
+                assert _run_blocking(orders, p, v) == [len(o) for o in orders], (p, v, m)
+    assert _in_flight(schedule_order("interleaved-1f1b", 4, 0, 8, 2)) == 11  # 4 (1 + 3 / 8) x 2 chunks
+
+
+def test_a_chunked_plan_that_cannot_run_is_refused():
+    from partita.core.errors import PlanError
+    from partita.runtime.pipeline.stage import schedule_order
+
+    with pytest.raises(PlanError, match="groups of pp=4: 6 is not a multiple"):
+        schedule_order("interleaved-1f1b", 4, 0, 6, 2)
+    with pytest.raises(PlanError, match="at least 2 chunks"):
+        schedule_order("interleaved-1f1b", 4, 0, 8, 1)
 
 
 def test_split_refuses_a_stage_map_against_the_graph_order():

@@ -21,6 +21,7 @@ from partita.core.errors import InfeasibleError
 from partita.core.inputs import parse_input_spec
 from partita.core.losses import default_loss
 from partita.core.options import Pins, TrainingRequest
+from partita.core.plan import Mesh
 from partita.passes.cost_model import state_bytes_per_param, zero_traffic_elements
 from partita.passes.search import plan_search
 
@@ -132,7 +133,12 @@ def test_a_pinned_schedule_gives_a_pipeline_with_that_schedule():
     assert _search(model, PRESETS["dgx-a100"].with_nodes(2), 64, Pins(schedule="1f1b", pp=2)).schedule == "1f1b"
     with pytest.raises(PartitaError, match="--schedule 1f1b schedules pipeline stages, but --pp 1 has none"):
         Pins(pp=1, schedule="1f1b")
-    with pytest.raises(PartitaError, match="--schedule 'zb' is not one of 1f1b, gpipe"):
+    # interleaved 1F1B: 2 chunks per rank, the plan's stages virtual (stage s on rank s mod pp)
+    d = _search(model, PRESETS["dgx-a100"].with_nodes(2), 64, Pins(schedule="interleaved-1f1b"))
+    assert (d.schedule, d.chunks, len(d.stages)) == ("interleaved-1f1b", 2, 2 * d.mesh.pp) and d.mesh.pp > 1
+    assert [s.ranks for s in d.stages] == [Mesh(dp=d.mesh.dp, tp=d.mesh.tp, pp=d.mesh.pp).stage_ranks(s % d.mesh.pp)
+                                           for s in range(2 * d.mesh.pp)]
+    with pytest.raises(PartitaError, match="--schedule 'zb' is not one of 1f1b, interleaved-1f1b, gpipe"):
         Pins(schedule="zb")
 
 
@@ -156,7 +162,8 @@ def test_recomputation_only_on_the_stages_where_memory_binds():
     assert all(s.recompute for s in forced.stages) and forced.step_s > d.step_s
     # a recomputing stage's backward runs its layers' forward again
     for s in forced.stages:
-        assert s.backward_s > 2 * s.forward_s
+        if any(m.startswith("transformer.h.") for m in s.modules):  # a stage of the head alone has no layer
+            assert s.backward_s > 2 * s.forward_s
 
 
 def test_weighing_recomputation_never_makes_the_chosen_plan_slower():

@@ -14,7 +14,8 @@ import pytest
 from click.testing import CliRunner
 
 from partita.compiler.report import fmt_bytes, fmt_time
-from partita.compiler.timeline import measured_timeline, predicted_timeline, stage_order
+from partita.compiler.timeline import measured_timeline, predicted_timeline
+from partita.core.schedule import stage_order
 from partita.compiler.view import load_trace, render_html, stage_memory, view_command
 from partita.core.errors import PlanError
 from partita.core.options import Options
@@ -48,7 +49,7 @@ def tp_pp_plan():
 def trace_of(plan, *, slowdown=1.25, fingerprint=None):
     """A measured trace as the pipeline runtime writes it: the predicted slots, slower, on every rank."""
     events = []
-    for s, kind, mb, t0, t1 in predicted_timeline(plan).to_dict()["slots"]:
+    for s, kind, mb, t0, t1, _ in predicted_timeline(plan).to_dict()["slots"]:
         for rank in plan.stages[s].ranks:
             events.append({"name": f"{'FB'[kind]}{mb}", "cat": ("forward", "backward")[kind], "ph": "X",
                            "ts": 1000 + t0 * slowdown * 1e6, "dur": (t1 - t0) * slowdown * 1e6, "pid": rank, "tid": s,

@@ -49,7 +49,8 @@ class AllPruned(PartitaError):
 class PipelineBound:
     """A lower bound on the step of every candidate of a (p, dp, micro-batch, m) group.
 
-    From ``pipeline_step``: step = (m + p - 1) max_s slot_s + max_s tail_s + tied.
+    From ``pipeline_step``: step = (m + (p - 1) / v) max_s slot_s + max_s tail_s + tied, v the
+    most chunks per rank of the schedules weighed (1 but for interleaved 1F1B).
     The slowest slot is at least the mean, sum(forward + backward) / p + overhead
     (sends >= 0), and the sum is at least the floor costs' (per-node compute at 1/tp
     of the FLOPs, no TP collectives: every strategy's compute fraction is 1/tp or
@@ -64,8 +65,9 @@ class PipelineBound:
     _SLACK = 1 - 1e-6  # float sums in another order, and the linear read-off of ``compute``
 
     def __init__(self, cluster: ClusterSpec, request: TrainingRequest, state: StateBytes, tp: int,
-                 floor_costs: Callable[[int], NodeCosts]):
+                 floor_costs: Callable[[int], NodeCosts], chunks: int = 1):
         self.cluster, self.request, self.state, self.tp = cluster, request, state, tp
+        self.chunks = chunks  # the most chunks per rank a schedule weighed runs: its bubble is the least
         self._build = floor_costs
         self._floors: dict[int, NodeCosts] = {}
         self._recomputed: dict[tuple, Recompute | None] = {}
@@ -99,7 +101,7 @@ class PipelineBound:
         f = self.floor(1)  # parameters do not depend on the micro-batch
         compute = self.compute(mb) * self._SLACK
         numel = (f.prefix_sums[3][-1] + sum(sp.numel for sp in f.shared)) / p
-        slots = (m + p - 1) * (compute / p + self.cluster.step_overhead_s)
+        slots = (m + (p - 1) / self.chunks) * (compute / p + self.cluster.step_overhead_s)
         if self.request.inference or numel <= 0:
             return slots, 0.0, 0.0
         comm = 0.0

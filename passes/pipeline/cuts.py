@@ -24,7 +24,7 @@ from partita.core.cluster import ClusterSpec, Link
 from partita.core.plan import MemoryBreakdown
 from partita.core.schedule import in_flight, sends_held
 from partita.passes.cost_model import StateBytes, model_state_memory, p2p_time, sharded_state, stage_slot_time
-from partita.passes.peak_memory import NO_BUFFERS, StepBuffers, peak_memory, peak_of
+from partita.passes.peak_memory import StepBuffers, peak_memory, peak_of
 from partita.passes.pipeline.costs import NodeCosts, Recompute, SharedParam
 
 INF = math.inf
@@ -48,6 +48,9 @@ class StageSetup:
     # training: the runtime's buffers of a stage holding this many parameter elements
     # (peak_memory.step_buffers); None for inference, whose ``live_bytes`` are its activations
     buffers: Callable[[int], StepBuffers] | None = None
+    # virtual stages per rank (interleaved 1F1B): ``stages`` counts them all, ``links`` joins
+    # them (ClusterSpec.stage_links), and ``capacity`` is each one's share of a device's bytes
+    chunks: int = 1
 
     @property
     def held(self) -> StateBytes:
@@ -72,13 +75,13 @@ class Partition:
             self._rc_compute, _, self._rc_saved, _ = self.rc.costs.prefix_sums
         blocked = set(forbid)
         self.boundaries = tuple(k for k in costs.boundaries if k not in blocked)
-        self.held = [in_flight(setup.schedule, s, setup.stages, setup.micro_batches)
+        self.held = [in_flight(setup.schedule, s, setup.stages, setup.micro_batches, setup.chunks)
                      for s in range(setup.stages)]
         held = setup.held  # bytes per parameter, read once: memory_total is the DP's inner loop
         self._state_bytes = (held.params, held.grads, held.optimizer)
         # the DP asks for a segment's memory and then its time: each (j, k, s) is decided once, and
         # the buffers of a parameter count and the sends a stage holds are computed once
-        self._sends_held = [sends_held(setup.schedule, s, setup.stages, setup.micro_batches)
+        self._sends_held = [sends_held(setup.schedule, s, setup.stages, setup.micro_batches, setup.chunks)
                             for s in range(setup.stages)]
         self._choices: dict[tuple[int, int, int], tuple[int, bool]] = {}
         self._buffers_of: dict[int, StepBuffers] = {}
@@ -143,22 +146,36 @@ class Partition:
     def slot(self, j: int, k: int, s: int) -> float:
         return stage_slot_time(self.compute_s(j, k, s), self.p2p(j, k, s), self.cluster)
 
-    def memory(self, j: int, k: int, s: int) -> MemoryBreakdown:
-        numel = self.param_numel(j, k)
-        st = model_state_memory(numel, self.setup.held)
-        held = in_flight(self.setup.schedule, s, self.setup.stages, self.setup.micro_batches)
+    def _activations(self, j: int, k: int, s: int) -> int:
+        """Bytes stage s over [j, k) holds saved for backward at its peak (recomputation's too)."""
+        held = self.held[s]
         if self.recomputes(j, k, s):
-            act = held * (self._rc_saved[k] - self._rc_saved[j]) + self.rc.transient_bytes
-        else:
-            act = held * (self.saved[k] - self.saved[j])
-        live = self.costs.live_peak(j, k)
+            return held * (self._rc_saved[k] - self._rc_saved[j]) + self.rc.transient_bytes
+        return held * (self.saved[k] - self.saved[j])
+
+    def memory(self, j: int, k: int, s: int) -> MemoryBreakdown:
+        return self.rank_memory([(j, k, s)], self.setup.capacity)
+
+    def rank_memory(self, segments: Sequence[tuple[int, int, int]], capacity: int) -> MemoryBreakdown:
+        """One device's memory holding the stages ``segments`` ((j, k, s) each: one, or a rank's
+        virtual stages): their state, activations and sends summed, the costliest op's live set."""
+        numel = sum(self.param_numel(j, k) for j, k, _ in segments)
+        st = model_state_memory(numel, self.setup.held)
+        act = sum(self._activations(j, k, s) for j, k, s in segments)
+        live = max(self.costs.live_peak(j, k) for j, k, _ in segments)
         if self.setup.buffers is None:  # inference: the forward's live set is its activations
-            return peak_memory(st, activations=act + live, capacity=self.setup.capacity, cluster=self.cluster)
-        return peak_memory(st, activations=act, capacity=self.setup.capacity, cluster=self.cluster, transient=live,
-                           buffers=self._buffers(j, k, s))
+            return peak_memory(st, activations=act + live, capacity=capacity, cluster=self.cluster)
+        buffers = self._base_buffers(numel)
+        sends = sum(self._sends(j, k, s) for j, k, s in segments)
+        if sends:
+            buffers = replace(buffers, collectives=buffers.collectives + sends,
+                              terms={**buffers.terms, "pipeline sends in flight": sends})
+        return peak_memory(st, activations=act, capacity=capacity, cluster=self.cluster, transient=live,
+                           buffers=buffers)
 
     def _buffer_sums(self, j: int, k: int, s: int) -> tuple[int, int, int]:
-        """``_buffers(j, k, s)``'s collectives, step and tensors, without building the record."""
+        """``rank_memory``'s buffers of stage s: collectives (its sends too), step and tensors, without
+        building the record."""
         if self.setup.buffers is None:
             return 0, 0, 0
         buffers = self._base_buffers(self.param_numel(j, k))
@@ -175,19 +192,6 @@ class Partition:
         if buffers is None:
             buffers = self._buffers_of[numel] = self.setup.buffers(numel)
         return buffers
-
-    def _buffers(self, j: int, k: int, s: int) -> StepBuffers:
-        """Stage s's buffers in a training step (peak_memory.step_buffers), and the activations it
-        sends forward and the gradients it sends back, of as many micro-batches as the runtime holds
-        sends of at once (core/schedule.py ``sends_held``: each is let go once its peer had it)."""
-        if self.setup.buffers is None:
-            return NO_BUFFERS
-        buffers = self._base_buffers(self.param_numel(j, k))
-        sends = self._sends(j, k, s)
-        if not sends:
-            return buffers
-        return replace(buffers, collectives=buffers.collectives + sends,
-                       terms={**buffers.terms, "pipeline sends in flight": sends})
 
     def _state_total(self, j: int, k: int) -> int:
         numel = self.param_numel(j, k)

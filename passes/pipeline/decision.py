@@ -55,7 +55,7 @@ class PipelineCandidate:
     tp: int
     micro_batch_size: int
     micro_batches: int  # per data-parallel rank per step
-    schedule: str  # "none" (p = 1), "1f1b" or "gpipe"
+    schedule: str  # "none" (p = 1), or one of core/schedule.py SCHEDULES
     shared_policy: str  # "" (no shared parameter), "kept together" or "split"
     cuts: tuple[str, ...]  # the last node of every stage but the last
     stages: tuple[PipelineStage, ...]
@@ -64,6 +64,7 @@ class PipelineCandidate:
     zero_stage: int = 0
     dp_traffic_bytes: int = 0  # the slowest tail's data-parallel bytes sent per step
     cut_for: int | None = None  # not fitting: None when cut for least memory, else the ZeRO stage whose cuts it shows
+    chunks: int = 1  # virtual stages per rank (interleaved 1F1B): ``stages`` holds pp x chunks
 
     @property
     def fits(self) -> bool:

@@ -30,7 +30,7 @@ from partita.core.cluster import ClusterSpec, Link
 from partita.core.errors import PartitaError
 from partita.core.options import Pins, TrainingRequest
 from partita.core.plan import Mesh
-from partita.core.schedule import SCHEDULES, in_flight
+from partita.core.schedule import SCHEDULES, chunk_problem, chunks_of, in_flight
 from partita.passes.cost_model import (
     collective_time,
     pipeline_step,
@@ -58,9 +58,9 @@ from partita.passes.space import pipeline_groups
 INF = math.inf
 
 
-def stage_links(cluster: ClusterSpec, pp: int, dp: int, tp: int) -> tuple[Link, ...]:
-    """The link between stage s and s + 1 of a (pp, dp, tp) mesh (``ClusterSpec.stage_links``)."""
-    return cluster.stage_links(Mesh(dp=dp, tp=tp, pp=pp))
+def stage_links(cluster: ClusterSpec, pp: int, dp: int, tp: int, chunks: int = 1) -> tuple[Link, ...]:
+    """The link between (virtual) stage s and s + 1 of a (pp, dp, tp) mesh (``ClusterSpec.stage_links``)."""
+    return cluster.stage_links(Mesh(dp=dp, tp=tp, pp=pp), chunks)
 
 
 def stage_of_nodes(profile: ModelProfile, cuts: Sequence[str]) -> dict[str, int]:
@@ -152,7 +152,8 @@ class _CutSearch:
         self.groups = pipeline_groups(self.devices, tp, request.global_batch, pins)  # (p, dp, mb size, mbs)
         self.weigh_recompute = not request.inference and pins.recompute is not False
         self.recompute_cache: dict[int, Recompute | None] = {}
-        self.bounder = PipelineBound(cluster, request, self.state, tp, floor_costs) if prune and floor_costs else None
+        self.bounder = PipelineBound(cluster, request, self.state, tp, floor_costs,
+                                     chunks=max(map(chunks_of, self.schedules))) if prune and floor_costs else None
         self.found: list[tuple[int, PipelineCandidate]] = []  # (group index, candidate)
         self.pruned: list[PrunedCandidate] = []
         self.unfit: list[tuple[Partition, int, int]] = []  # (least-memory partition, dp, mb): the DP deferred
@@ -180,21 +181,39 @@ class _CutSearch:
         zero_options = self.zero_options(p, dp)
         if not zero_options:
             return
-        links = stage_links(self.cluster, p, dp, self.tp)
-        if self.bounder is not None and self._pruned(p, dp, mb, m, zero_options, links):
+        if self.bounder is not None and self._pruned(p, dp, mb, m, zero_options):
             return
         c = cached_costs(self.cache, self.build, mb)
         if p > len(c.boundaries) + 1:
             return
         if mb not in self.recompute_cache:
             self.recompute_cache[mb] = self.with_recompute(c)
-        for schedule in (("none",) if p == 1 else self.schedules):
-            for policy, forbid in _shared_policies(c, p):
-                setups = [StageSetup(p, m, schedule, links, self.cluster.usable_memory, self.state, z, dp,
-                                     self.step_buffers(z, dp, m)) for z in zero_options]
+        for schedule, v, zs in self._schedules(p, m, zero_options, c):
+            for policy, forbid in _shared_policies(c, p * v):
+                setups = [self._setup(p, m, schedule, v, dp, z) for z in zs]
                 self._weigh_zero_stages(index, c, setups, mb, policy, forbid)
 
-    def _pruned(self, p: int, dp: int, mb: int, m: int, zero_options: tuple[int, ...], links: tuple[Link, ...]) -> bool:
+    def _schedules(self, p: int, m: int, zero_options: tuple[int, ...], c: NodeCosts
+                   ) -> list[tuple[str, int, tuple[int, ...]]]:
+        """(schedule, chunks per rank, ZeRO stages) weighed at p stages of m micro-batches: a chunked
+        schedule where its chunks run (core/schedule.py ``chunk_problem``), there are boundaries for
+        p v stages, and ZeRO is off (runtime/compose.py runs it with one chunk per rank only)."""
+        out = []
+        for schedule in (("none",) if p == 1 else self.schedules):
+            v = chunks_of(schedule)
+            if v > 1 and (chunk_problem(schedule, p, v, m) or p * v > len(c.boundaries) + 1):
+                continue
+            zs = zero_options if v == 1 else tuple(z for z in zero_options if z == 0)
+            if zs:
+                out.append((schedule, v, zs))
+        return out
+
+    def _setup(self, p: int, m: int, schedule: str, v: int, dp: int, z: int) -> StageSetup:
+        """The cut problem of p ranks x v chunks: p v virtual stages, each with 1/v of a device."""
+        return StageSetup(p * v, m, schedule, stage_links(self.cluster, p, dp, self.tp, v),
+                          self.cluster.usable_memory // v, self.state, z, dp, self.step_buffers(z, dp, m), chunks=v)
+
+    def _pruned(self, p: int, dp: int, mb: int, m: int, zero_options: tuple[int, ...]) -> bool:
         """Record and skip a group whose lower bound loses to the best step so far, or that no cuts
         fit even at the floor costs."""
         lower = self.bounder.step(p, dp, mb, m, zero_options)
@@ -207,11 +226,10 @@ class _CutSearch:
         floor = self.bounder.floor(mb)
         if p > len(floor.boundaries) + 1:
             return True
-        for schedule in (("none",) if p == 1 else self.schedules):
-            for _, forbid in _shared_policies(floor, p):
-                for z in zero_options:
-                    setup = StageSetup(p, m, schedule, links, self.cluster.usable_memory, self.state, z, dp,
-                                       self.step_buffers(z, dp, m))
+        for schedule, v, zs in self._schedules(p, m, zero_options, floor):
+            for _, forbid in _shared_policies(floor, p * v):
+                for z in zs:
+                    setup = self._setup(p, m, schedule, v, dp, z)
                     if any_cuts_fit(self.bounder.partition(mb, setup, forbid, self.with_recompute)):
                         return False
         self.pruned.append(PrunedCandidate(
@@ -335,7 +353,8 @@ def _shared_policies(c: NodeCosts, p: int) -> list[tuple[str, tuple[int, ...]]]:
 def _candidate(part: Partition, bounds: tuple[int, ...], dp: int, tp: int, mb: int, policy: str, fits: bool,
                request: TrainingRequest) -> PipelineCandidate:
     c, setup, cluster = part.costs, part.setup, part.cluster
-    p = setup.stages
+    p, v = setup.stages, setup.chunks  # p counts virtual stages: p // v ranks, stage s on rank s mod (p // v)
+    ranks = p // v
     grad_elem = 0 if request.inference else max(1, int(setup.state.grads))
     stages, dp_s, opt_s, dp_bytes = [], [], [], []
     for s, (j, k) in enumerate(zip(bounds, bounds[1:])):
@@ -357,24 +376,29 @@ def _candidate(part: Partition, bounds: tuple[int, ...], dp: int, tp: int, mb: i
             index=s, start=j, stop=k, first_node=c.order[j], last_node=c.order[k - 1], params=sum(numels),
             forward_s=part.fwd[k] - part.fwd[j], backward_s=part.compute_s(j, k, s) - (part.fwd[k] - part.fwd[j]),
             p2p_s=part.p2p(j, k, s), slot_s=part.slot(j, k, s), memory=mem,
-            in_flight=in_flight(setup.schedule, s, p, setup.micro_batches),
-            send_bytes=c.send_bytes[k] if s < p - 1 else 0, ranks=Mesh(dp=dp, tp=tp, pp=p).stage_ranks(s),
+            in_flight=in_flight(setup.schedule, s, p, setup.micro_batches, v),
+            send_bytes=c.send_bytes[k] if s < p - 1 else 0, ranks=Mesh(dp=dp, tp=tp, pp=ranks).stage_ranks(s % ranks),
             modules=_modules(part, j, k), recompute=part.recomputes(j, k, s),
         ))
+    if v > 1:  # a device holds its rank's chunks: their memory together, against the whole device
+        segments = list(zip(bounds, bounds[1:], range(p)))
+        memory = [part.rank_memory(segments[r::ranks], cluster.usable_memory) for r in range(ranks)]
+        stages = [replace(st, memory=memory[st.index % ranks]) for st in stages]
     tied = 0.0
     for sp in c.shared:
-        holders = sorted({bisect.bisect_right(bounds[1:-1], u) for u in sp.users})
+        holders = sorted({bisect.bisect_right(bounds[1:-1], u) % ranks for u in sp.users})  # by rank
         if len(holders) > 1 and grad_elem:
-            span = setup.links[holders[0]:holders[-1]]
+            span = stage_links(cluster, ranks, dp, tp)[holders[0]:holders[-1]]
             link = min(span, key=lambda ln: ln.bandwidth)
             tied += collective_time("all_reduce", sp.numel * grad_elem, len(holders), link)
     cost = pipeline_step(
         compute_s=[st.forward_s + st.backward_s for st in stages], p2p_s=[st.p2p_s for st in stages],
         micro_batches=setup.micro_batches, dp_all_reduce_s=dp_s, optimizer_s=opt_s, tied_all_reduce_s=tied,
-        cluster=cluster,
+        cluster=cluster, chunks=v,
     ) if fits else None
     return PipelineCandidate(
-        pp=p, dp=dp, tp=tp, micro_batch_size=mb, micro_batches=setup.micro_batches, schedule=setup.schedule,
+        pp=ranks, chunks=v, dp=dp, tp=tp, micro_batch_size=mb, micro_batches=setup.micro_batches,
+        schedule=setup.schedule,
         shared_policy=policy, cuts=tuple(c.order[k - 1] for k in bounds[1:-1]), stages=tuple(stages), cost=cost,
         memory=max((st.memory for st in stages), key=lambda mm: mm.total), zero_stage=setup.zero_stage,
         dp_traffic_bytes=max(dp_bytes, default=0),

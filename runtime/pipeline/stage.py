@@ -6,9 +6,12 @@ user inputs it reads and the values that cross each cut (relayed by the stages i
 between). ``PipelineStage`` runs a stage as the tensor-parallel program restricted to its
 nodes (``TensorParallel`` with ``keep``), sending what crosses a cut over the "pp" group
 (``isend``; receives block) and the gradients back, and sums the gradients of parameters
-tied across stages. ``schedule_order`` gives a stage's GPipe or 1F1B order
-(core/schedule.py); ``infer`` streams the micro-batches forward only. ``apply_pipeline``
-is compose's step (runtime/compose.py).
+tied across stages. Under a chunked schedule (interleaved 1F1B) the plan's stages are
+virtual: a rank runs the chunks c = rank, rank + p, ..., one program each, over its one
+TP program, and gradients travel on a second group beside "pp" (with p = 2 both
+directions join the same two ranks). ``schedule_order`` gives a rank's order
+(core/schedule.py ``rank_order``); ``infer`` streams the micro-batches forward only.
+``apply_pipeline`` is compose's step (runtime/compose.py).
 
 What crosses a cut, tied parameters, the schedules and why they are partita's own, the
 loss and inference: docs/runtime.md, "Pipeline stages and schedules".
@@ -30,7 +33,7 @@ from partita.core.errors import PlanError
 from partita.core.ops import gradient_nodes, tensor_values
 from partita.core.plan import MeshAxis, Plan, tied_stages
 from partita.core.precision import PrecisionPolicy
-from partita.core.schedule import SCHEDULES, backwards_done_before, stage_order
+from partita.core.schedule import SCHEDULES, chunk_problem, gradients_received, rank_order
 from partita.runtime.collectives import CollectiveCounter, all_gather_flat
 from partita.runtime.dp.averaging import GradientAverager
 from partita.runtime.tp.collectives import local_shape
@@ -101,13 +104,19 @@ def split_stages(graph: torch.fx.Graph, stage_of: Mapping[str, int], stages: int
     return out
 
 
-def schedule_order(schedule: str, stages: int, stage: int, micro_batches: int) -> list[tuple[str, int]]:
-    """This stage's actions in order: ("F", k) forward / ("B", k) backward of micro-batch k
-    (core/schedule.py ``stage_order``, the order the planner and the viewer use too)."""
+def schedule_order(schedule: str, stages: int, stage: int, micro_batches: int, chunks: int = 1,
+                   inference: bool = False) -> list[tuple[str, int, int]]:
+    """Rank ``stage``'s actions in order: ("F", k, c) forward / ("B", k, c) backward of micro-batch k
+    on virtual stage c (core/schedule.py ``rank_order``, the order the planner and the viewer use too)."""
     if schedule not in SCHEDULES:
         raise PlanError(f"unknown pipeline schedule {schedule!r}; this runtime runs {', '.join(SCHEDULES)}",
                         hint="recompile the plan for this model with `partita compile`")
-    return [("F" if a == FORWARD else "B", k) for a, k in stage_order(schedule, stage, stages, micro_batches)]
+    problem = chunk_problem(schedule, stages, chunks, micro_batches)
+    if problem:
+        raise PlanError(f"the plan's pipeline cannot run: {problem}",
+                        hint="recompile the plan for this model with `partita compile`")
+    return [("F" if a == FORWARD else "B", k, c)
+            for a, k, c in rank_order(schedule, stage, stages, micro_batches, chunks, inference)]
 
 
 def _rebuild(meta: Any, values: Iterable[torch.Tensor]) -> Any:
@@ -155,52 +164,78 @@ class PipelineStage(nn.Module):
         super().__init__()
         self.plan, self.counter, self.device = plan, counter, device
         p = plan.mesh.pp
+        self.chunks = plan.training.chunks
+        virtual = p * self.chunks
         self.pp_group = mesh[PP].get_group()
         self.index = dist.get_rank(self.pp_group)
         self.num_stages = p
         self.rank = dist.get_rank()
         stage_of = {d.name: d.stage for d in plan.nodes}
-        if plan.stages and len(plan.stages) == p and plan.stages[self.index].ranks \
-                and self.rank not in plan.stages[self.index].ranks:
-            raise PlanError(f"rank {self.rank} is on pipeline stage {self.index} by the mesh order "
-                            f"(pp outermost), but the plan lists stage {self.index}'s ranks as "
-                            f"{list(plan.stages[self.index].ranks)}",
-                            hint="recompile the plan for this model with `partita compile`")
+        self.mine = list(range(self.index, virtual, p))  # this rank's virtual stages (chunks)
+        for c in self.mine:
+            if plan.stages and len(plan.stages) == virtual and plan.stages[c].ranks \
+                    and self.rank not in plan.stages[c].ranks:
+                raise PlanError(f"rank {self.rank} is on pipeline stage {c} by the mesh order "
+                                f"(pp outermost), but the plan lists stage {c}'s ranks as "
+                                f"{list(plan.stages[c].ranks)}",
+                                hint="recompile the plan for this model with `partita compile`")
         tp_group = mesh[MeshAxis.TP.value].get_group() if plan.mesh.tp > 1 else None
         self.tp = TensorParallel(module, plan, tp_group, loss_fn=loss_fn, counter=counter, device=device,
-                                 weights=weights, keep=lambda n: stage_of.get(n.name) == self.index,
+                                 weights=weights, keep=lambda n: stage_of.get(n.name, -1) % p == self.index,
                                  precision=precision, rng=rng, compile=compile)
         graph = self.tp.graph_module.graph
         held = lambda n: n.name in self.tp.param_nodes or n.name in self.tp.buffer_nodes
-        self.stages = split_stages(graph, stage_of, p, held)
-        self.graph = self.stages[self.index]
+        self.stages = split_stages(graph, stage_of, virtual, held)
+        self.graph = self.stages[self.index]  # the first chunk's
         self.grad_nodes = gradient_nodes(graph, self.tp.param_nodes)  # the planner's rule (core/ops.py)
-        self.prev = dist.get_global_rank(self.pp_group, self.index - 1) if self.index > 0 else None
-        self.next = dist.get_global_rank(self.pp_group, self.index + 1) if self.index < p - 1 else None
+        # gradients go back on a group of their own when chunks wrap around the ranks: with p = 2 a
+        # rank's neighbours are one rank, to which activations and gradients both go
+        self.grad_group = self._grad_group(mesh) if self.chunks > 1 else self.pp_group
         self.held = [n for n in graph.nodes if n.op == "placeholder" and self.tp.holds(n)]
         self._held_values = [self.tp.placeholder_value(n, None) for n in self.held]
-        # the stage's program: its parameters and buffers, its user inputs, what it receives -> what it
-        # sends (the last stage: the graph's output)
-        g = self.graph
-        self._inputs = [*self.held, *(n for _, n in g.inputs), *g.recv]
-        self._outputs = [g.nodes[-1]] if self.index == p - 1 else list(g.send)
+        # each chunk's program: the parameters and buffers, its user inputs, what it receives -> what it
+        # sends (the last virtual stage: the graph's output)
+        self._io = {c: ([*self.held, *(n for _, n in self.stages[c].inputs), *self.stages[c].recv],
+                        [self.stages[c].nodes[-1]] if c == virtual - 1 else list(self.stages[c].send))
+                    for c in self.mine}
         self.trace = TraceRecorder(self.rank, self.index)
         self.ties = self._tie_groups(mesh, stage_of)
-        self._inflight: dict[int, _InFlight] = {}
+        self._inflight: dict[tuple[int, int], _InFlight] = {}  # (chunk, micro-batch) -> its state
         self._sends: list[tuple[dist.Work, torch.Tensor]] = []  # sent without gradients (evaluation, inference)
-        self._forward_sends: dict[int, list[tuple[dist.Work, torch.Tensor]]] = {}  # micro-batch -> its activations
-        self._backward_sends: dict[int, list[tuple[dist.Work, torch.Tensor]]] = {}  # micro-batch -> its gradients
-        self._received_by_prev: dict[int, int] = {}  # micro-batch -> gradients the previous stage has had by then
+        # (chunk, micro-batch) -> its activations sent; its gradients sent, in the order sent
+        self._forward_sends: dict[tuple[int, int], list[tuple[dist.Work, torch.Tensor]]] = {}
+        self._backward_sends: list[list[tuple[dist.Work, torch.Tensor]]] = []
+        self._backward_released = 0  # how many of ``_backward_sends`` are let go
+        # (chunk, micro-batch) -> gradients the previous rank has had by that forward's receive
+        self._received_by_prev: dict[tuple[int, int], int] = {}
 
     @property
     def is_last(self) -> bool:
+        """Whether this rank runs the last (virtual) stage, which computes the loss."""
         return self.index == self.num_stages - 1
 
     @property
     def reads(self) -> frozenset[int]:
-        """The user inputs this stage's nodes read (positions among the inputs, the targets last):
+        """The user inputs this rank's chunks read (positions among the inputs, the targets last):
         the others never reach it, or come from the previous stage as activations."""
-        return frozenset(i for i, _ in self.graph.inputs)
+        return frozenset(i for c in self.mine for i, _ in self.stages[c].inputs)
+
+    def _peer(self, chunk: int) -> int:
+        """The global rank running virtual stage ``chunk`` (pp rank chunk mod p, in this rank's pp group)."""
+        return dist.get_global_rank(self.pp_group, chunk % self.num_stages)
+
+    def _grad_group(self, mesh: Any) -> dist.ProcessGroup:
+        """A second group over this rank's pp ranks, for gradients (every rank creates every such
+        group, in one order: ``new_group`` is collective)."""
+        m, out = self.plan.mesh, None
+        for dp in range(m.dp):
+            for tp in range(m.tp):
+                ranks = [m.rank(pp=s, dp=dp, tp=tp) for s in range(m.pp)]
+                group = dist.new_group(ranks)
+                if self.rank in ranks:
+                    out = group
+        assert out is not None  # the mesh puts every rank in one pp group
+        return out
 
     def local_parameters(self) -> dict[str, tuple[nn.Parameter, str]]:
         return self.tp.local_parameters()
@@ -215,11 +250,11 @@ class PipelineStage(nn.Module):
         param_nodes = self.tp.param_nodes
         readers = {n.name: [u.name for u in n.users] for n in graph.nodes if n.name in param_nodes}
         m, local = self.plan.mesh, self.local_parameters()
-        out = []
-        for q, stages in tied_stages(param_nodes, readers, stage_of).items():
+        out, p = [], m.pp
+        for q, holders in tied_stages(param_nodes, readers, stage_of, pp=p).items():
             for dp in range(m.dp):
                 for tp in range(m.tp):
-                    ranks = [m.rank(pp=s, dp=dp, tp=tp) for s in stages]
+                    ranks = [m.rank(pp=s, dp=dp, tp=tp) for s in holders]
                     group = dist.new_group(ranks)
                     if self.rank in ranks:
                         out.append(Tie(q, local[q][0], group, tuple(ranks)))
@@ -255,96 +290,113 @@ class PipelineStage(nn.Module):
                     out.append((n, v, placement))
         return out
 
-    def _send(self, values: list[torch.Tensor], dst: int, held: list[tuple[dist.Work, torch.Tensor]] | None = None
-              ) -> None:
+    def _send(self, values: list[torch.Tensor], dst: int, held: list[tuple[dist.Work, torch.Tensor]] | None = None,
+              group: dist.ProcessGroup | None = None) -> None:
         """Send ``values`` to ``dst``, holding each tensor in ``held`` until it is let go (``_release_sent``)."""
         held = self._sends if held is None else held
         for t in values:
             t = t.detach().contiguous()
             self.counter.record("send_recv", PP, t.numel() * t.element_size())
-            held.append((dist.isend(t, dst=dst, group=self.pp_group), t))
+            held.append((dist.isend(t, dst=dst, group=group or self.pp_group), t))
 
-    def _recv(self, wire: list[tuple[torch.fx.Node, Any, str]], src: int) -> list[torch.Tensor]:
+    def _recv(self, wire: list[tuple[torch.fx.Node, Any, str]], src: int,
+              group: dist.ProcessGroup | None = None) -> list[torch.Tensor]:
         dtype = self.tp.precision.held_dtype  # floating activations cross in the compute dtype (``_send``'s)
         bufs = [torch.empty(local_shape(v.shape, placement, self.tp.tp.size), dtype=dtype(v.dtype), device=self.device)
                 for _, v, placement in wire]
         FLIGHT.entered("recv", PP, sum(b.numel() * b.element_size() for b in bufs), tuple(sorted((src, self.rank))))
-        works = [dist.irecv(b, src=src, group=self.pp_group) for b in bufs]
+        works = [dist.irecv(b, src=src, group=group or self.pp_group) for b in bufs]
         with self.counter.blocking("send_recv", PP):
             for w in works:
                 w.wait()
         return bufs
 
     @staticmethod
-    def _release_sent(sends: dict[int, list[tuple[dist.Work, torch.Tensor]]], below: int) -> None:
-        """Let go of the sends of the micro-batches below ``below``, which the peer has received:
-        a forward's activations once its gradients came back, a backward's gradients once the
-        previous stage's activations show it ran those backwards (core/schedule.py
-        ``backwards_done_before``). The waits return at once (gloo's works say they are complete
-        only once waited on); a sent tensor is held while on the wire, not to the step's end."""
-        for k in [k for k in sends if k < below]:
-            for work, _ in sends.pop(k):
-                work.wait()
+    def _let_go(sends: list[tuple[dist.Work, torch.Tensor]]) -> None:
+        """Let go of sends the peer has received: a forward's activations once its gradients came
+        back, a backward's gradients once the previous rank's activations show it ran those
+        backwards (core/schedule.py ``gradients_received``). The waits return at once (gloo's works
+        say they are complete only once waited on); a sent tensor is held while on the wire, not to
+        the step's end."""
+        for work, _ in sends:
+            work.wait()
+        sends.clear()
+
+    def _release_gradients(self, count: int) -> None:
+        """Let go of the first ``count`` gradient sends (the previous rank has received them)."""
+        while self._backward_released < min(count, len(self._backward_sends)):
+            self._let_go(self._backward_sends[self._backward_released])
+            self._backward_released += 1
 
     def wait_sends(self) -> None:
-        self._release_sent(self._forward_sends, 1 << 62)
-        self._release_sent(self._backward_sends, 1 << 62)
-        for work, _ in self._sends:
-            work.wait()
-        self._sends.clear()
+        for sends in self._forward_sends.values():
+            self._let_go(sends)
+        self._forward_sends.clear()
+        self._release_gradients(len(self._backward_sends))
+        self._backward_sends.clear()
+        self._backward_released = 0
+        self._let_go(self._sends)
 
     # -- one micro-batch -------------------------------------------------------------
 
-    def forward_micro(self, k: int, inputs: list[torch.Tensor], *, grad: bool = True) -> Any:
-        """Forward of micro-batch ``k`` (``inputs``: its user inputs, targets last); returns the last
-        stage's output (the loss in training), None elsewhere."""
-        g = self.graph
+    def forward_micro(self, k: int, inputs: list[torch.Tensor], *, grad: bool = True, chunk: int | None = None
+                      ) -> Any:
+        """Forward of micro-batch ``k`` on virtual stage ``chunk`` (default: this rank's first;
+        ``inputs``: its user inputs, targets last); returns the last stage's output (the loss in
+        training), None elsewhere."""
+        c = self.index if chunk is None else chunk
+        g, last = self.stages[c], c == len(self.stages) - 1
         values = [*self._held_values, *(self.tp.placeholder_value(n, inputs[i]) for i, n in g.inputs)]
         received: list[torch.Tensor] = []
         if g.recv:
             wire = self._wire(g.recv, grads_only=False)
-            got = self._recv(wire, self.prev)
+            got = self._recv(wire, self._peer(c - 1))
             for (n, v, _), t in zip(wire, got):
                 if grad and n.name in self.grad_nodes and v.dtype.is_floating_point:
                     t.requires_grad_(True)
                     received.append(t)
             it = iter(got)
             values += [_rebuild(n.meta.get("val"), it) for n in g.recv]
-            self._release_sent(self._backward_sends, self._received_by_prev.get(k, 0))
-        with self.trace.span(FORWARD, k), torch.set_grad_enabled(grad):
-            results = self.tp.run("stage", g.nodes, self._inputs, self._outputs, values)
-        if self.is_last:
+            self._release_gradients(self._received_by_prev.get((c, k), 0))
+        inputs_, outputs = self._io[c]
+        with self.trace.span(FORWARD, k, c), torch.set_grad_enabled(grad):
+            results = self.tp.run(f"stage {c}", g.nodes, inputs_, outputs, values)
+        if last:
             out = results[0]
             out = out[-1] if isinstance(out, (tuple, list)) and len(out) == 1 else out
             if grad:
-                self._inflight[k] = _InFlight([], received, out)
+                self._inflight[c, k] = _InFlight([], received, out)
             return out
         # in the compute dtype (what the plan prices), a differentiable cast: the gradient comes back in it
         outs = [self.tp.precision.wire(t) for value in results for t in tensor_values(value)]
-        self._send(outs, self.next, self._forward_sends.setdefault(k, []) if grad else None)
+        self._send(outs, self._peer(c + 1), self._forward_sends.setdefault((c, k), []) if grad else None)
         if grad:
             sent = [t for (n, v, _), t in zip(self._wire(g.send, grads_only=False), outs)
                     if n.name in self.grad_nodes and v.dtype.is_floating_point]
-            self._inflight[k] = _InFlight(sent, received)
+            self._inflight[c, k] = _InFlight(sent, received)
         return None
 
-    def backward_micro(self, k: int, scale: float) -> None:
-        """Backward of micro-batch ``k``: from ``loss * scale`` on the last stage, else from the
-        gradients the next stage sends back; then the inputs' gradients go to the previous stage."""
-        f = self._inflight.pop(k)
-        if self.is_last:
-            with self.trace.span(BACKWARD, k):
+    def backward_micro(self, k: int, scale: float, chunk: int | None = None) -> None:
+        """Backward of micro-batch ``k`` on virtual stage ``chunk`` (default: this rank's first):
+        from ``loss * scale`` on the last stage, else from the gradients the next stage sends back;
+        then the inputs' gradients go to the previous stage."""
+        c = self.index if chunk is None else chunk
+        f = self._inflight.pop((c, k))
+        if c == len(self.stages) - 1:
+            with self.trace.span(BACKWARD, k, c):
                 (f.loss * scale).backward()
         else:
-            grads = self._recv(self._wire(self.graph.send, grads_only=True), self.next)
-            self._release_sent(self._forward_sends, k + 1)  # the next stage had k's activations: sent
+            grads = self._recv(self._wire(self.stages[c].send, grads_only=True), self._peer(c + 1), self.grad_group)
+            self._let_go(self._forward_sends.pop((c, k), []))  # the next stage had k's activations: sent
             pairs = [(t, g) for t, g in zip(f.sent, grads) if t.requires_grad]
-            with self.trace.span(BACKWARD, k):
+            with self.trace.span(BACKWARD, k, c):
                 if pairs:
                     torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
-        if self.prev is not None:
-            self._send([t.grad if t.grad is not None else torch.zeros_like(t) for t in f.received], self.prev,
-                       self._backward_sends.setdefault(k, []))
+        if c > 0:
+            sends: list[tuple[dist.Work, torch.Tensor]] = []
+            self._send([t.grad if t.grad is not None else torch.zeros_like(t) for t in f.received], self._peer(c - 1),
+                       sends, self.grad_group)
+            self._backward_sends.append(sends)
 
     # -- a step ----------------------------------------------------------------------
 
@@ -358,21 +410,23 @@ class PipelineStage(nn.Module):
         m, mbs = tr.grad_accum_steps, tr.micro_batch_size
         users = [*xs, y]
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
-        self._received_by_prev = backwards_done_before(tr.schedule, self.index - 1, self.num_stages, m) \
-            if self.index > 0 else {}
-        for action, k in schedule_order(tr.schedule, self.num_stages, self.index, m):
+        order = schedule_order(tr.schedule, self.num_stages, self.index, m, self.chunks)
+        self._received_by_prev = gradients_received(tr.schedule, self.index, self.num_stages, m, self.chunks)
+        backwards = sum(a == "B" for a, _, _ in order)
+        for action, k, c in order:
             if action == "F":
                 if zero is not None:
                     zero.begin_forward()
-                loss = self.forward_micro(k, _micro(users, k, mbs))
+                loss = self.forward_micro(k, _micro(users, k, mbs), chunk=c)
                 if loss is not None:
                     loss_sum += loss.detach().float()
             else:
+                backwards -= 1  # the rank's last backward synchronises (the buckets it missed: ``finish``)
                 if averager is not None:
-                    averager.begin(sync=k == m - 1)
+                    averager.begin(sync=backwards == 0)
                 if zero is not None:
-                    zero.begin_backward(k == m - 1)
-                self.backward_micro(k, loss_scale / m)
+                    zero.begin_backward(backwards == 0)
+                self.backward_micro(k, loss_scale / m, chunk=c)
                 if zero is not None:
                     zero.after_backward()
         if averager is not None:
@@ -389,10 +443,10 @@ class PipelineStage(nn.Module):
         tr = self.plan.training
         m, mbs = tr.grad_accum_steps, tr.micro_batch_size
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
-        for k in range(m):
+        for _, k, c in schedule_order(tr.schedule, self.num_stages, self.index, m, self.chunks, inference=True):
             if zero is not None:
                 zero.begin_forward()
-            loss = self.forward_micro(k, _micro([*xs, y], k, mbs), grad=False)
+            loss = self.forward_micro(k, _micro([*xs, y], k, mbs), grad=False, chunk=c)
             if loss is not None:
                 loss_sum += loss.float()
         self.wait_sends()
@@ -419,8 +473,8 @@ class PipelineStage(nn.Module):
         mbs = tr.micro_batch_size
         m = tr.global_batch // (dist.get_world_size(dp_group) if dp_group is not None else 1) // mbs
         outs = []
-        for k in range(m):
-            out = self.forward_micro(k, _micro(xs, k, mbs), grad=False)
+        for _, k, c in schedule_order(tr.schedule, self.num_stages, self.index, m, self.chunks, inference=True):
+            out = self.forward_micro(k, _micro(xs, k, mbs), grad=False, chunk=c)
             if out is not None:
                 outs.append(out)
         last = self.stages[-1].nodes[-1]  # the output node: its input's placement, at the micro-batch shape
