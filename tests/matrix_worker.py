@@ -67,6 +67,7 @@ PINS_2: dict[str, dict] = {
     "tp2": dict(tp=2),
     "pp2-gpipe": dict(pp=2, schedule="gpipe"),
     "pp2-1f1b": dict(pp=2, schedule="1f1b"),
+    "pp2-interleaved": dict(pp=2, schedule="interleaved-1f1b"),
     "dp2-zero1": dict(dp=2, zero=1),
     "dp2-zero2": dict(dp=2, zero=2),
     "dp2-zero3": dict(dp=2, zero=3),
@@ -77,6 +78,7 @@ PINS_4: dict[str, dict] = {
     "dp2xtp2-zero2": dict(dp=2, tp=2, zero=2),
     "tp2xpp2-1f1b-recompute": dict(tp=2, pp=2, schedule="1f1b", recompute=True),
     "dp2xpp2-gpipe-zero1": dict(dp=2, pp=2, schedule="gpipe", zero=1),
+    "dp2xpp2-interleaved": dict(dp=2, pp=2, schedule="interleaved-1f1b"),
 }
 MODELS_4 = ("mlp", "gpt", "hf-llama")
 

@@ -39,6 +39,7 @@ PINS_2 = {
     "dp2": dict(dp=2), "dp2-zero1": dict(dp=2, zero=1), "dp2-zero2": dict(dp=2, zero=2),
     "dp2-zero3": dict(dp=2, zero=3), "tp2": dict(tp=2), "tp2-recompute": dict(tp=2, recompute=True),
     "pp2-gpipe": dict(pp=2, schedule="gpipe"), "pp2-1f1b": dict(pp=2, schedule="1f1b"),
+    "pp2-interleaved": dict(pp=2, schedule="interleaved-1f1b"),
 }
 PINS_4 = {"dp2xtp2-zero2": dict(dp=2, tp=2, zero=2), "tp2xpp2-1f1b": dict(tp=2, pp=2, schedule="1f1b"),
           "dp2xpp2-zero3": dict(dp=2, pp=2, schedule="gpipe", zero=3)}

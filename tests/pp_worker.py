@@ -145,7 +145,10 @@ def pp2(ctx: DistContext, out: str) -> list[dict]:
     return [compare(ctx, "gpt", pp=2, cuts_at=[1], schedule="gpipe"),
             compare(ctx, "gpt", pp=2, cuts_at=[1], schedule="1f1b"),
             compare(ctx, "tied-gpt", pp=2, cuts_at=[1], schedule="1f1b"),
-            compare_inference(ctx, "gpt", pp=2, cuts_at=[1])]
+            compare_inference(ctx, "gpt", pp=2, cuts_at=[1]),
+            # interleaved 1F1B, 2 chunks per rank: the tied embedding's copies on rank 0 (chunk 0) and rank 1
+            compare(ctx, "gpt", pp=2, cuts_at=[0, 1, 2], schedule="interleaved-1f1b", chunks=2, trace_dir=out),
+            compare(ctx, "tied-gpt", pp=2, cuts_at=[0, 1, 2], schedule="interleaved-1f1b", chunks=2, accum=6)]
 
 
 def pp4_dp2xpp2_tp2xpp2(ctx: DistContext, out: str) -> list[dict]:
@@ -154,7 +157,9 @@ def pp4_dp2xpp2_tp2xpp2(ctx: DistContext, out: str) -> list[dict]:
             compare(ctx, "hf-llama", pp=4, cuts_at=[0, 1, 2], schedule="1f1b"),
             compare(ctx, "gpt", pp=2, dp=2, cuts_at=[1], schedule="1f1b"),
             compare(ctx, "gpt", pp=2, tp=2, cuts_at=[1], schedule="gpipe"),
-            compare_inference(ctx, "gpt", pp=2, dp=2, cuts_at=[1])]
+            compare_inference(ctx, "gpt", pp=2, dp=2, cuts_at=[1]),
+            compare(ctx, "hf-llama", pp=2, dp=2, cuts_at=[0, 1, 2], schedule="interleaved-1f1b", chunks=2),
+            compare(ctx, "gpt", pp=2, tp=2, cuts_at=[0, 1, 2], schedule="interleaved-1f1b", chunks=2, accum=2)]
 
 
 def dp2xtp2xpp2(ctx: DistContext, out: str) -> list[dict]:
@@ -166,6 +171,3 @@ LAUNCHES: dict[str, tuple[int, Callable[[DistContext, str], list[dict]]]] = {
     "pp2": (2, pp2), "pp4-dp2xpp2-tp2xpp2": (4, pp4_dp2xpp2_tp2xpp2), "dp2xtp2xpp2": (8, dp2xtp2xpp2),
 }
 
-
-def interleaved(ctx: DistContext, out: str) -> list[dict]:
-    return [compare(ctx, "gpt", pp=2, cuts_at=[0, 1, 2], schedule="interleaved-1f1b", chunks=2, trace_dir=out)]

@@ -22,10 +22,13 @@ RTOL, ATOL = 1e-4, 2e-5
 
 CASES = {
     "pp2": ["gpt/dp=1/tp=1/pp=2/gpipe/m=4", "gpt/dp=1/tp=1/pp=2/1f1b/m=4", "tied-gpt/dp=1/tp=1/pp=2/1f1b/m=4",
-            "gpt/inference/dp=1/pp=2"],
+            "gpt/inference/dp=1/pp=2", "gpt/dp=1/tp=1/pp=2/interleaved-1f1b/m=4",
+            "tied-gpt/dp=1/tp=1/pp=2/interleaved-1f1b/m=6"],
     "pp4-dp2xpp2-tp2xpp2": ["gpt/dp=1/tp=1/pp=4/1f1b/m=4", "gpt/dp=1/tp=1/pp=4/gpipe/m=4",
                             "hf-llama/dp=1/tp=1/pp=4/1f1b/m=4", "gpt/dp=2/tp=1/pp=2/1f1b/m=4",
-                            "gpt/dp=1/tp=2/pp=2/gpipe/m=4", "gpt/inference/dp=2/pp=2"],
+                            "gpt/dp=1/tp=2/pp=2/gpipe/m=4", "gpt/inference/dp=2/pp=2",
+                            "hf-llama/dp=2/tp=1/pp=2/interleaved-1f1b/m=4",
+                            "gpt/dp=1/tp=2/pp=2/interleaved-1f1b/m=2"],
     "dp2xtp2xpp2": ["gpt/dp=2/tp=2/pp=2/1f1b/m=2"],
 }
 
@@ -55,7 +58,7 @@ def test_pipeline_parallel_matches_single_process(name, tmp_path):
                 assert trace["fingerprint"] == trace["plan_fingerprint"], what
                 for stage in trace["orders"]:
                     assert stage["order"] == stage["schedule"], (what, stage)
-        assert sum("trace" in r for r in results) == (2 if name == "pp4-dp2xpp2-tp2xpp2" else 0)
+        assert sum("trace" in r for r in results) == {"pp4-dp2xpp2-tp2xpp2": 2, "pp2": 1}.get(name, 0)
 
 
 def _in_flight(order):

@@ -15,10 +15,10 @@ from click.testing import CliRunner
 
 from partita.compiler.report import fmt_bytes, fmt_time
 from partita.compiler.timeline import measured_timeline, predicted_timeline
-from partita.core.schedule import stage_order
 from partita.compiler.view import load_trace, render_html, stage_memory, view_command
 from partita.core.errors import PlanError
 from partita.core.options import Options
+from partita.core.schedule import stage_order
 from tests.synthetic_plans import gpt3_175b_plan, llama70b_plan, small_plan
 
 CHROMIUM = "/usr/bin/chromium"

@@ -33,7 +33,7 @@ from partita.core.errors import PlanError
 from partita.core.ops import gradient_nodes, tensor_values
 from partita.core.plan import MeshAxis, Plan, tied_stages
 from partita.core.precision import PrecisionPolicy
-from partita.core.schedule import SCHEDULES, chunk_problem, gradients_received, rank_order
+from partita.core.schedule import NONE, SCHEDULES, chunk_problem, gradients_received, rank_order
 from partita.runtime.collectives import CollectiveCounter, all_gather_flat
 from partita.runtime.dp.averaging import GradientAverager
 from partita.runtime.tp.collectives import local_shape
@@ -108,7 +108,7 @@ def schedule_order(schedule: str, stages: int, stage: int, micro_batches: int, c
                    inference: bool = False) -> list[tuple[str, int, int]]:
     """Rank ``stage``'s actions in order: ("F", k, c) forward / ("B", k, c) backward of micro-batch k
     on virtual stage c (core/schedule.py ``rank_order``, the order the planner and the viewer use too)."""
-    if schedule not in SCHEDULES:
+    if schedule not in SCHEDULES and not (inference and schedule == NONE):  # inference streams forwards alone
         raise PlanError(f"unknown pipeline schedule {schedule!r}; this runtime runs {', '.join(SCHEDULES)}",
                         hint="recompile the plan for this model with `partita compile`")
     problem = chunk_problem(schedule, stages, chunks, micro_batches)
