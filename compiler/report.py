@@ -201,8 +201,11 @@ def collectives_table(plan: Plan) -> Table:
 def stages_table(plan: Plan) -> Table:
     """The pipeline stages and the predicted schedule."""
     t = plan.training
-    title = (f"pipeline: {len(plan.stages)} stages, {t.schedule}, {t.grad_accum_steps} micro-batches of "
-             f"{t.micro_batch_size}; bubble (p-1)/m = {bubble_fraction(len(plan.stages), t.grad_accum_steps):.1%}")
+    p, v = plan.mesh.pp, t.chunks
+    shape = f"{len(plan.stages)} stages" if v == 1 else f"{len(plan.stages)} virtual stages ({v} per rank)"
+    formula = "(p-1)/m" if v == 1 else "(p-1)/(v m)"
+    title = (f"pipeline: {shape}, {t.schedule}, {t.grad_accum_steps} micro-batches of "
+             f"{t.micro_batch_size}; bubble {formula} = {bubble_fraction(p, t.grad_accum_steps, v):.1%}")
     table = Table(title=title, title_justify="left", title_style="bold")
     for col in ("stage", "ranks", "holds", "params", "forward", "backward", "busy/step", "memory/device",
                 "sends/micro-batch"):

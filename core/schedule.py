@@ -128,6 +128,13 @@ def rank_order(schedule: str, rank: int, ranks: int, micro_batches: int, chunks:
     return order + [(BACKWARD, *op(i, True)) for i in range(total - w, total)]
 
 
+def steady(ranks: int, micro_batches: int, chunks: int) -> int:
+    """The micro-batches to walk a chunked order over to count what it holds: the counts stop
+    changing once m reaches 2 p (a test walks up to 40 p), so m is capped at 2 (v + 1) p; the
+    planner asks with m up to the global batch, which may be 10^14."""
+    return min(micro_batches, 2 * (chunks + 1) * ranks)
+
+
 @functools.lru_cache(maxsize=4096)
 def _chunk_peaks(schedule: str, rank: int, ranks: int, micro_batches: int, chunks: int) -> tuple[int, ...]:
     """Each chunk's micro-batches in flight when the rank's total first peaks (walking ``rank_order``)."""
@@ -151,7 +158,7 @@ def in_flight(schedule: str, stage: int, stages: int, micro_batches: int, chunks
         raise ValueError(f"stage {stage} is not in 0..{stages - 1}")
     if schedule in CHUNKED:
         p = stages // chunks
-        return _chunk_peaks(schedule, stage % p, p, micro_batches, chunks)[stage // p]
+        return _chunk_peaks(schedule, stage % p, p, steady(p, micro_batches, chunks), chunks)[stage // p]
     if schedule == NONE:
         return 1
     if schedule == GPIPE:
@@ -224,7 +231,7 @@ def sends_held(schedule: str, stage: int, stages: int, micro_batches: int, chunk
         raise ValueError(f"stage {stage} is not in 0..{p - 1}")
     if schedule in CHUNKED:
         ranks = stages // chunks
-        return _walk_sends(schedule, stage % ranks, ranks, m, chunks)[stage // ranks]
+        return _walk_sends(schedule, stage % ranks, ranks, steady(ranks, m, chunks), chunks)[stage // ranks]
     if schedule == NONE or p == 1:
         return 0, 0
     forward = 0 if stage == p - 1 else (m if schedule == GPIPE else min(p - stage, m))

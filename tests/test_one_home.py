@@ -190,6 +190,22 @@ def test_in_flight_is_what_the_order_holds(schedule):
                     (k, c) for k in range(m) for c in range(s, p * v, p))
 
 
+def test_a_chunked_order_holds_the_same_past_its_steady_state():
+    """What a chunked schedule holds is walked over at most ``steady`` micro-batches: the counts
+    do not change past it (walked in full up to 40 p)."""
+    from partita.core import schedule as sched
+
+    for p in (2, 3, 4, 8):
+        for v in (2, 3, 4):
+            for m in (sched.steady(p, 10**14, v), 10 * p, 40 * p):
+                for r in range(p):
+                    assert sched._chunk_peaks(sched.INTERLEAVED, r, p, m, v) == sched._chunk_peaks(
+                        sched.INTERLEAVED, r, p, 2 * p, v), (p, v, m, r)
+                    assert sched._walk_sends(sched.INTERLEAVED, r, p, m, v) == sched._walk_sends(
+                        sched.INTERLEAVED, r, p, 2 * p, v), (p, v, m, r)
+    assert sched.in_flight(sched.INTERLEAVED, 0, 16, 8 * 10**13, 2) > 0  # no walk over 10^14 micro-batches
+
+
 def test_the_runtime_and_the_viewer_run_the_core_order():
     from partita.compiler.timeline import rank_order as drawn
     from partita.runtime.pipeline.stage import schedule_order

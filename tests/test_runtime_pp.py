@@ -4,7 +4,9 @@ Each launch runs many cases (pp_worker.py measures, the test asserts): pp=2 (exa
 GPT with GPipe and 1F1B, a tied-embedding GPT whose copies' gradients are
 summed, forward-only inference), pp=4 (GPT with both schedules and their
 traces, HF Llama whose rotary embeddings are relayed through the middle
-stages), dp=2 x pp=2, tp=2 x pp=2, and dp=2 x tp=2 x pp=2 on 8 processes:
+stages), dp=2 x pp=2, tp=2 x pp=2, and dp=2 x tp=2 x pp=2 on 8 processes; interleaved 1F1B
+with 2 chunks per rank on pp=2 (GPT with its trace, the tied GPT), dp=2 x pp=2 (HF Llama) and
+tp=2 x pp=2:
 losses each step, first-step gradients and parameters after 3 steps per
 stage, and the p2p sends per step equal to the tensors crossing the cuts; forward-only
 inference's output; the traces' spans, in each schedule's order.

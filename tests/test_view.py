@@ -322,3 +322,41 @@ def test_a_recomputing_stage_is_marked(open_page, tp_pp_plan):
     assert [("recomputes" in t) for t in labels] == [s.recompute for s in stages], labels
     page = open_page(render_html(tp_pp_plan))
     assert page.text_content('[data-field="recompute"]') == "none"
+
+
+def _interleaved(plan):
+    """``plan``'s two stages cut in two chunks each: virtual stage c on pipeline rank c mod 2, each
+    half its stage's work, run by interleaved 1F1B."""
+    import dataclasses
+
+    base = plan.stages
+    stages = tuple(dataclasses.replace(base[c // 2], index=c, forward_s=base[c // 2].forward_s / 2,
+                                       backward_s=base[c // 2].backward_s / 2, ranks=base[c % 2].ranks)
+                   for c in range(4))
+    training = dataclasses.replace(plan.training, schedule="interleaved-1f1b", chunks=2)
+    return dataclasses.replace(plan, stages=stages, training=training)
+
+
+def test_interleaved_timeline_draws_ranks_running_their_virtual_stages(tp_pp_plan):
+    """One row per pipeline rank, each running its two chunks; with the same work per rank the
+    bubble shrinks from (p - 1) slots to (p - 1) / v."""
+    plan, M = _interleaved(tp_pp_plan), tp_pp_plan.training.grad_accum_steps
+    one, two = predicted_timeline(tp_pp_plan), predicted_timeline(plan)
+    assert (two.stages, two.chunks) == (2, 2)
+    assert {(s.stage, s.chunk) for s in two.slots} == {(0, 0), (0, 2), (1, 1), (1, 3)}
+    assert len(two.slots) == 2 * M * 4
+    slot = max(s.forward_s + s.backward_s for s in tp_pp_plan.stages)
+    assert M * slot < two.makespan < one.makespan, (M * slot, two.makespan, one.makespan)
+    assert two.to_dict()["chunks"] == 2 and {row[5] for row in two.to_dict()["slots"]} == {0, 1, 2, 3}
+
+
+def test_interleaved_schedule_page(open_page, tp_pp_plan):
+    plan = _interleaved(tp_pp_plan)
+    page = open_page(render_html(plan))
+    M = plan.training.grad_accum_steps
+    assert page.text_content('[data-field="schedule"]') == "interleaved-1f1b"
+    assert "2 ranks of 2 virtual stages each" in page.text_content("#schedule-summary")
+    assert texts(page, "svg.predicted text.axis")[:2] == ["rank 0", "rank 1"]
+    assert page.locator("svg.predicted g.slot").count() == 2 * M * 4
+    assert sorted({int(c) for c in page.locator("svg.predicted g.slot").evaluate_all(
+        "gs => gs.map(g => g.getAttribute('data-chunk'))")}) == [0, 1, 2, 3]

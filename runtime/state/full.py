@@ -105,7 +105,7 @@ def _from_every_stage(mine: dict[str, torch.Tensor], plan: Plan, device: torch.d
         held.update(box[0])
     policy = PrecisionPolicy.of(plan.training)
     for decision in plan.params:
-        src = plan.mesh.stage_ranks(decision.stage)[0]
+        src = plan.mesh.stage_ranks(decision.stage % plan.mesh.pp)[0]  # virtual stage c: on pp rank c mod pp
         dtype = held.get(decision.name) or policy.held_dtype(getattr(torch, decision.dtype))
         t = mine.get(decision.name)
         buf = t.to(device) if t is not None and dist.get_rank() == src else torch.empty(
