@@ -219,7 +219,8 @@ def _strategies_not_offered(G: Any, d: Decision) -> list[str]:
 
 def _stages_by_layer(G: Any, captured_graph: Any, node_stage: Mapping[str, int]) -> dict[str, int]:
     """node -> stage on ``G`` from the captured graph's: each repeated layer keeps its stage, the nodes
-    between layers go with the layer before them (the embedding with the first), and each
+    between layers keep the captured graph's stage where it has them, else go with the layer before
+    them (the embedding with the first), and each
     placeholder with its first user."""
     from partita.passes.pipeline.costs import pipeline_order
 
@@ -234,6 +235,8 @@ def _stages_by_layer(G: Any, captured_graph: Any, node_stage: Mapping[str, int])
         layer = G.nodes[n].get("layer")
         if layer in layer_stage:
             stage = layer_stage[layer]
+        elif n in node_stage:  # a node outside the layers the captured graph has too (a head a stage holds alone)
+            stage = max(stage, node_stage[n])
         out[n] = stage
     for n in order:
         users = [out[u] for u in G.successors(n)]

@@ -12,18 +12,14 @@ Preset figures (vendor, dense, no sparsity; docs/references.md):
 - H100 SXM 80GB: 989 TFLOP/s bf16, 67 fp32, 3.35 TB/s, NVLink 900 GB/s
   bidirectional = 450 per direction; 8 x 400 Gb/s NDR = 50 GB/s per GPU.
 - H200 SXM 141GB: as H100, with 141 GB at 4.8 TB/s.
-- ``ethernet-10g``: 8 A100 PCIe 80GB per node, no NVLink (PCIe 4.0 x16,
-  32 GB/s per direction nominal), one 10 GbE port per node (1.25 GB/s)
-  shared by its 8 GPUs = 0.156 GB/s per GPU between nodes.
-- Latencies are assumptions, not vendor figures: 5 us inside a node (NCCL's
-  small-message all-reduce on NVSwitch), 10 us between nodes over
-  InfiniBand, 50 us over Ethernet/TCP.
+- ``ethernet-10g``: 8 A100 PCIe 80GB per node, no NVLink (PCIe 4.0 x16, 32 GB/s per
+  direction), one 10 GbE port per node shared by 8 GPUs = 0.156 GB/s per GPU between nodes.
+- Latencies are assumptions: 5 us inside a node, 10 us over InfiniBand, 50 us over TCP.
 - ``local``: this machine's CPU processes; rough defaults, replaced by
   ``partita calibrate``.
 
-Achieved throughput is below peak: each GPU preset carries the time model's per-op figures, fitted
-to one H200's steps and checked against Megatron-LM's Table 1; ``sources`` says where each figure
-comes from and when (docs/references.md, "Fitted figures").
+Each GPU preset carries per-op figures fitted to one H200's steps and checked against Megatron-LM's
+Table 1; ``sources`` says where each comes from (docs/references.md, "Fitted figures").
 """
 
 from __future__ import annotations
@@ -248,16 +244,14 @@ class ClusterSpec:
         return self.inter_link if axis_crosses_nodes(mesh, axis, self.gpus_per_node) else self.intra_link
 
     def stage_links(self, mesh: Mesh, chunks: int = 1) -> tuple[Link, ...]:
-        """``links[s]``: the link between pipeline stage s and s + 1 (each rank sends to its peer
-        with the same dp and tp coordinates; inter-node when any such pair spans nodes). With
-        ``chunks`` virtual stages per rank (stage s on rank s mod pp), between virtual stages: the
-        last rank sends on to the first, inter-node when the pipeline spans nodes at all."""
+        """``links[s]``: the link between pipeline stage s and s + 1 (peers share dp and tp coordinates;
+        inter-node when any pair spans nodes); with ``chunks`` per rank, between virtual stages, the
+        last rank's link to the first inter-node when the pipeline spans nodes."""
         ranks = tuple(self.inter_link if stage_pair_crosses_nodes(mesh, s, self.gpus_per_node) else self.intra_link
                       for s in range(mesh.pp - 1))
-        if chunks == 1:
-            return ranks
         wrap = self.inter_link if self.inter_link in ranks else self.intra_link
-        return tuple(ranks[s % mesh.pp] if s % mesh.pp < mesh.pp - 1 else wrap for s in range(mesh.pp * chunks - 1))
+        return ranks if chunks == 1 else tuple(ranks[s % mesh.pp] if s % mesh.pp < mesh.pp - 1 else wrap
+                                               for s in range(mesh.pp * chunks - 1))
 
     def peak_flops(self, dtype: str) -> float:
         if dtype in self.flops:

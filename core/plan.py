@@ -1,15 +1,8 @@
 """The plan file: the only contract between planning and running.
 
-A ``Plan`` is a frozen, typed structure written as versioned JSON (never
-pickle: a plan from elsewhere must never run code) and checked against the
-JSON Schema in ``plan_schema.json`` on load. It is designed for all four
-axes (data, tensor, pipeline parallel and ZeRO) even where a version of the
-planner decides only some of them.
-
-Loading refuses, with a message that says what differs:
-- another schema ``version``;
-- a plan made for another model (graph fingerprint);
-- a plan made for another world size (``dp * tp * pp``).
+A ``Plan`` is a frozen, typed structure written as versioned JSON (never pickle: a plan from
+elsewhere must never run code), checked against ``plan_schema.json`` on load. Loading refuses,
+saying what differs, another schema ``version``, model (graph fingerprint) or world size.
 """
 
 from __future__ import annotations
@@ -64,8 +57,7 @@ class ModelInfo:
 def tied_stages(param_of: Mapping[str, str], readers: Mapping[str, Iterable[str]],
                 stage_of: Mapping[str, int], pp: int | None = None) -> dict[str, tuple[int, ...]]:
     """Each parameter read on several pipeline stages -> those stages, sorted (the one rule the
-    planner lists the tied-gradient all-reduce by and the runtime runs it by). With ``pp``, by
-    pipeline rank (virtual stage mod pp): a rank's chunks share its one copy.
+    planner lists the tied-gradient all-reduce by and the runtime runs it by); with ``pp``, by rank.
 
     ``param_of`` maps a graph placeholder to its parameter's name (a tied parameter may have
     several placeholders), ``readers`` a placeholder to the nodes reading it, ``stage_of`` a node
@@ -89,9 +81,7 @@ class Training:
     optimizer: str = "adamw"  # one of OPTIMIZERS
     zero_stage: int = 0
     schedule: str = "none"  # pipeline schedule: "none" | "gpipe" | "1f1b" | "interleaved-1f1b" (core/schedule.py)
-    # model chunks per pipeline rank (interleaved 1F1B's v): the plan's stages are pp x chunks virtual
-    # stages, stage c on pipeline rank c mod pp
-    chunks: int = 1
+    chunks: int = 1  # chunks per pipeline rank (interleaved 1F1B): pp x chunks stages, c on rank c mod pp
     inference: bool = False
     grad_bucket_bytes: int = DEFAULT_BUCKET_BYTES  # gradients are all-reduced in buckets of this size
     max_grad_norm: float | None = None  # clip the global gradient norm to this (None: no clipping)
@@ -309,8 +299,7 @@ class Plan:
 
     @property
     def virtual_stages(self) -> int:
-        """Pipeline stages the plan cuts the model into: pp, times the chunks per rank of a chunked
-        schedule (virtual stage c runs on pipeline rank c mod pp)."""
+        """Pipeline stages the model is cut into: pp x chunks per rank (stage c on rank c mod pp)."""
         return self.mesh.pp * self.training.chunks
 
     # -- serialisation -------------------------------------------------------

@@ -6,15 +6,10 @@ user inputs it reads and the values that cross each cut (relayed by the stages i
 between). ``PipelineStage`` runs a stage as the tensor-parallel program restricted to its
 nodes (``TensorParallel`` with ``keep``), sending what crosses a cut over the "pp" group
 (``isend``; receives block) and the gradients back, and sums the gradients of parameters
-tied across stages. Under a chunked schedule (interleaved 1F1B) the plan's stages are
-virtual: a rank runs the chunks c = rank, rank + p, ..., one program each, over its one
-TP program, and gradients travel on a second group beside "pp" (with p = 2 both
-directions join the same two ranks). ``schedule_order`` gives a rank's order
-(core/schedule.py ``rank_order``); ``infer`` streams the micro-batches forward only.
-``apply_pipeline`` is compose's step (runtime/compose.py).
-
-What crosses a cut, tied parameters, the schedules and why they are partita's own, the
-loss and inference: docs/runtime.md, "Pipeline stages and schedules".
+tied across stages. Under interleaved 1F1B a rank runs virtual stages rank, rank + p, ...
+(gradients on a second group). ``schedule_order`` is a rank's order (core/schedule.py);
+``infer`` streams forwards. ``apply_pipeline`` is compose's step (runtime/compose.py). The
+details: docs/runtime.md, "Pipeline stages and schedules".
 """
 
 from __future__ import annotations
@@ -210,8 +205,7 @@ class PipelineStage(nn.Module):
         self._received_by_prev: dict[tuple[int, int], int] = {}
 
     @property
-    def is_last(self) -> bool:
-        """Whether this rank runs the last (virtual) stage, which computes the loss."""
+    def is_last(self) -> bool:  # this rank runs the last (virtual) stage, which computes the loss
         return self.index == self.num_stages - 1
 
     @property
@@ -220,13 +214,11 @@ class PipelineStage(nn.Module):
         the others never reach it, or come from the previous stage as activations."""
         return frozenset(i for c in self.mine for i, _ in self.stages[c].inputs)
 
-    def _peer(self, chunk: int) -> int:
-        """The global rank running virtual stage ``chunk`` (pp rank chunk mod p, in this rank's pp group)."""
+    def _peer(self, chunk: int) -> int:  # the global rank running virtual stage ``chunk`` (pp rank chunk mod p)
         return dist.get_global_rank(self.pp_group, chunk % self.num_stages)
 
     def _grad_group(self, mesh: Any) -> dist.ProcessGroup:
-        """A second group over this rank's pp ranks, for gradients (every rank creates every such
-        group, in one order: ``new_group`` is collective)."""
+        """A second group over this rank's pp ranks, for gradients (``new_group`` is collective)."""
         m, out = self.plan.mesh, None
         for dp in range(m.dp):
             for tp in range(m.tp):
