@@ -72,13 +72,17 @@ class Timeline:
         }
 
 
+def _chunks(plan: Plan) -> int:
+    """Virtual stages per row: the plan's chunks per rank where its stages are virtual, else 1."""
+    return plan.training.chunks if len(plan.stages) == plan.virtual_stages else 1
+
+
 def predicted_timeline(plan: Plan) -> Timeline:
     """Play the plan's schedule over its stages' forward and backward times: one row per pipeline
     rank, each (virtual) stage's forward after the previous stage's, its backward after the next's."""
     t = plan.training
     stages = plan.stages or ()
-    V, M = max(1, len(stages)), t.grad_accum_steps
-    v = t.chunks if V == plan.mesh.pp * t.chunks else 1
+    V, M, v = max(1, len(stages)), t.grad_accum_steps, _chunks(plan)
     S = V // v
     fwd = [s.forward_s for s in stages] or [0.0]
     bwd = [0.0 if t.inference else s.backward_s for s in stages] or [0.0]
@@ -201,7 +205,7 @@ def measured_timeline(trace: Mapping[str, Any], plan: Plan) -> Timeline:
         s = ev["args"]["stage"]
         rank_of_stage[s] = min(rank_of_stage.get(s, trace_rank(ev)), trace_rank(ev))
     t0 = min(ev["ts"] for ev in spans)
-    v = plan.training.chunks if S == plan.mesh.pp * plan.training.chunks else 1
+    v = _chunks(plan)
     rows = S // v  # one per pipeline rank: virtual stage c on row c mod rows
     slots = tuple(sorted(
         (Slot(ev["args"]["stage"] % rows, ev["cat"], ev["args"]["microbatch"], (ev["ts"] - t0) / 1e6,

@@ -159,8 +159,7 @@ class PipelineStage(nn.Module):
         super().__init__()
         self.plan, self.counter, self.device = plan, counter, device
         p = plan.mesh.pp
-        self.chunks = plan.training.chunks
-        virtual = p * self.chunks
+        self.chunks, virtual = plan.training.chunks, plan.virtual_stages
         self.pp_group = mesh[PP].get_group()
         self.index = dist.get_rank(self.pp_group)
         self.num_stages = p
@@ -181,11 +180,10 @@ class PipelineStage(nn.Module):
         graph = self.tp.graph_module.graph
         held = lambda n: n.name in self.tp.param_nodes or n.name in self.tp.buffer_nodes
         self.stages = split_stages(graph, stage_of, virtual, held)
-        self.graph = self.stages[self.index]  # the first chunk's
         self.grad_nodes = gradient_nodes(graph, self.tp.param_nodes)  # the planner's rule (core/ops.py)
         # gradients go back on a group of their own when chunks wrap around the ranks: with p = 2 a
         # rank's neighbours are one rank, to which activations and gradients both go
-        self.grad_group = self._grad_group(mesh) if self.chunks > 1 else self.pp_group
+        self.grad_group = self._line_group(range(p))[0] if self.chunks > 1 else self.pp_group
         self.held = [n for n in graph.nodes if n.op == "placeholder" and self.tp.holds(n)]
         self._held_values = [self.tp.placeholder_value(n, None) for n in self.held]
         # each chunk's program: the parameters and buffers, its user inputs, what it receives -> what it
@@ -194,7 +192,7 @@ class PipelineStage(nn.Module):
                         [self.stages[c].nodes[-1]] if c == virtual - 1 else list(self.stages[c].send))
                     for c in self.mine}
         self.trace = TraceRecorder(self.rank, self.index)
-        self.ties = self._tie_groups(mesh, stage_of)
+        self.ties = self._tie_groups(stage_of)
         self._inflight: dict[tuple[int, int], _InFlight] = {}  # (chunk, micro-batch) -> its state
         self._sends: list[tuple[dist.Work, torch.Tensor]] = []  # sent without gradients (evaluation, inference)
         # (chunk, micro-batch) -> its activations sent; its gradients sent, in the order sent
@@ -217,16 +215,17 @@ class PipelineStage(nn.Module):
     def _peer(self, chunk: int) -> int:  # the global rank running virtual stage ``chunk`` (pp rank chunk mod p)
         return dist.get_global_rank(self.pp_group, chunk % self.num_stages)
 
-    def _grad_group(self, mesh: Any) -> dist.ProcessGroup:
-        """A second group over this rank's pp ranks, for gradients (``new_group`` is collective)."""
-        m, out = self.plan.mesh, None
+    def _line_group(self, stages: Iterable[int]) -> tuple[dist.ProcessGroup | None, tuple[int, ...]]:
+        """A new group over pipeline ranks ``stages`` of every (dp, tp) line of the mesh (every rank
+        creates every one, in one order: ``new_group`` is collective): this rank's line's group and
+        its ranks, or None and () if this rank is on none of ``stages``."""
+        m, stages, out = self.plan.mesh, list(stages), (None, ())
         for dp in range(m.dp):
             for tp in range(m.tp):
-                ranks = [m.rank(pp=s, dp=dp, tp=tp) for s in range(m.pp)]
-                group = dist.new_group(ranks)
+                ranks = tuple(m.rank(pp=s, dp=dp, tp=tp) for s in stages)
+                group = dist.new_group(list(ranks))
                 if self.rank in ranks:
-                    out = group
-        assert out is not None  # the mesh puts every rank in one pp group
+                    out = (group, ranks)
         return out
 
     def local_parameters(self) -> dict[str, tuple[nn.Parameter, str]]:
@@ -234,22 +233,18 @@ class PipelineStage(nn.Module):
 
     # -- tied parameters ---------------------------------------------------------
 
-    def _tie_groups(self, mesh: Any, stage_of: Mapping[str, int]) -> list[Tie]:
+    def _tie_groups(self, stage_of: Mapping[str, int]) -> list[Tie]:
         """A ``Tie`` for each parameter held on several stages, by name: the plan's stage map and
         the graph decide it (``tied_stages``), so every stage derives the same list in the same
         order. Every rank creates every group, in that order (``new_group`` is collective)."""
         graph = self.tp.graph_module.graph
         param_nodes = self.tp.param_nodes
         readers = {n.name: [u.name for u in n.users] for n in graph.nodes if n.name in param_nodes}
-        m, local = self.plan.mesh, self.local_parameters()
-        out, p = [], m.pp
-        for q, holders in tied_stages(param_nodes, readers, stage_of, pp=p).items():
-            for dp in range(m.dp):
-                for tp in range(m.tp):
-                    ranks = [m.rank(pp=s, dp=dp, tp=tp) for s in holders]
-                    group = dist.new_group(ranks)
-                    if self.rank in ranks:
-                        out.append(Tie(q, local[q][0], group, tuple(ranks)))
+        local, out = self.local_parameters(), []
+        for q, holders in tied_stages(param_nodes, readers, stage_of, pp=self.plan.mesh.pp).items():
+            group, ranks = self._line_group(holders)
+            if group is not None:
+                out.append(Tie(q, local[q][0], group, ranks))
         return out
 
     @property
