@@ -71,10 +71,11 @@ most, 2-3% faster). Partita's preference for t=4 over Megatron's t=8 at
 deeper pipeline's bubble at m = 32-64.
 
 What partita does not model, and which way each pushes its predictions:
-- recomputation: whole repeated layers, per stage (passes/
-  pipeline_parallel.recompute_costs): each keeps its inputs and reruns its
-  forward in backward. Selective recomputation is not modelled (its few
-  percent of extra time, and the memory it saves, are not distinguished).
+- recomputation (passes/pipeline/costs.py recompute_costs): whole repeated
+  layers or (Korthikanti's selective) each layer's attention core, pinned as
+  the runs did. The profile's GPT uses fused attention (scaled_dot_product_
+  attention), which saves no (s, s) scores, so Korthikanti's 5 a s / h term is
+  absent with or without selective recomputation.
 - sequence parallelism: not modelled (the layer norms and dropouts stay
   replicated over TP), a memory effect more than a time one.
 - interleaved schedules (v chunks per device), overlap of communication with
@@ -237,12 +238,11 @@ def price(r: Run, pins: Pins | None = None) -> Priced:
     """The published configuration (or ``pins``) through ``plan_search``; relax memory if it does not fit."""
     prof, numels = profile_of(r)
     request = TrainingRequest(global_batch=r.batch, precision="bf16-mixed")
-    # Full recomputation, as the runs did, pinned on every stage; partita does not recompute under
-    # ZeRO-3, so those rows are priced without it. Selective recomputation (Korthikanti) is not
-    # modelled: those are priced as partita plans them, recomputing only where memory binds.
-    full = r.recompute == "full" and r.zero_stage < 3
+    # The runs' recomputation (full, or Korthikanti's selective), pinned on every stage; partita does
+    # not recompute under ZeRO-3, so those rows are priced without it.
+    pinned = r.recompute if r.recompute in ("full", "selective") and r.zero_stage < 3 else None
     pins = pins or Pins(dp=r.dp if r.pp == 1 else None, tp=r.tp, pp=r.pp, micro_batch_size=r.micro_batch or None,
-                        zero_stage=r.zero_stage, recompute=True if full else None,
+                        zero_stage=r.zero_stage, recompute=pinned,
                         schedule=r.schedule if r.pp > 1 else None)
     cluster = cluster_for(r)
     try:
@@ -266,8 +266,8 @@ def tflops_per_gpu(r: Run, step_s: float) -> float:
 
 
 def _recomputed(d: Decision) -> str:
-    n = sum(s.recompute for s in d.stages)
-    return "" if not n else f", recompute {n}/{len(d.stages)} stages"
+    modes = [s.recompute for s in d.stages if s.recompute != "none"]
+    return "".join(f", recompute {m} {modes.count(m)}/{len(d.stages)} stages" for m in sorted(set(modes)))
 
 
 def print_table_1(runs: list[Run]) -> None:

@@ -23,6 +23,7 @@ from partita.core.options import TrainingRequest
 from partita.core.placement import is_shard
 from partita.core.plan import Collective, MeshAxis, ParamDecision
 from partita.core.precision import dtype_bytes, element_bytes
+from partita.core.recompute import rerun_regions
 from partita.core.tp.layout import forward_collectives, recompute_collectives, tp_collectives
 from partita.passes.cost_model import collective_time, padded_bucket, zero_collectives
 from partita.passes.dp.buckets import gradient_buckets
@@ -35,7 +36,7 @@ def plan_collectives(captured: CapturedModel, params: Sequence[ParamDecision], n
     """Every collective of the plan: data parallel, tensor parallel, pipeline, tied parameters.
     ``zero_units``: ZeRO-3's units (core/buckets.py), the plan's ``Training.zero_units``."""
     return (_dp_collectives(params, tied, d, cluster, request, zero_units)
-            + _tp_plan_collectives(nodes, d, cluster, inference=request.inference)
+            + _tp_plan_collectives(nodes, d, cluster, inference=request.inference, captured=captured)
             + _pp_collectives(captured, nodes, d, cluster, request)
             + _tied_collectives(params, tied, d, cluster, request)
             + _buffer_collectives(captured, nodes, d, cluster, request))
@@ -138,7 +139,7 @@ def _buffer_collectives(captured: CapturedModel, nodes: Sequence[Any], d: Decisi
 
 
 def _tp_plan_collectives(nodes: Sequence[Any], d: Decision, cluster: ClusterSpec, *,
-                         inference: bool = False) -> tuple[Collective, ...]:
+                         inference: bool = False, captured: CapturedModel) -> tuple[Collective, ...]:
     """Each stage's TP collectives of one micro-batch (tp_collectives; the forward's alone for an
     inference plan), times the micro-batches."""
     tp = d.mesh.tp
@@ -146,12 +147,14 @@ def _tp_plan_collectives(nodes: Sequence[Any], d: Decision, cluster: ClusterSpec
         return ()
     link = cluster.link_for_group(tp)
     out: list[Collective] = []
-    recomputed = {st.index for st in d.stages if st.recompute}
+    # the nodes that rerun in backward (core/recompute.py): their forward collectives run again
+    rerun = rerun_regions(d.stages, nodes, captured.graph_module.graph.nodes,
+                          {*captured.param_nodes, *captured.buffer_nodes})
     for s in range(d.mesh.pp * d.chunks):  # (virtual) stages
         mine = [n for n in nodes if n.stage == s]
         listed = forward_collectives(mine) if inference else tp_collectives(mine)
-        if s in recomputed:  # the layers' forward runs again in backward, its collectives with it
-            listed += recompute_collectives([n for n in mine if n.layer])
+        if any(n.name in rerun for n in mine):
+            listed += recompute_collectives([n for n in mine if n.name in rerun])
         out += [Collective(kind=kind, axis=MeshAxis.TP.value, bytes=nbytes, count=calls * d.grad_accum_steps,
                            group_size=tp, purpose=purpose,
                            seconds=calls * d.grad_accum_steps * collective_time(kind, nbytes, tp, link),

@@ -13,6 +13,7 @@ from partita.core.cluster import UNCALIBRATED
 from partita.core.errors import printable
 from partita.core.placement import REPLICATE, Placement
 from partita.core.plan import MemoryBreakdown, Plan
+from partita.core.recompute import FULL, NONE, RECOMPUTED, SELECTIVE
 from partita.core.schedule import bubble_fraction
 
 
@@ -102,11 +103,13 @@ def memory_row(m: MemoryBreakdown) -> list[str]:
 
 
 def _recompute_note(plan: Plan) -> str:
-    on = [s.index for s in plan.stages if s.recompute]
-    if not on:
-        return ""
-    where = "every stage" if len(on) == len(plan.stages) else f"stage(s) {', '.join(map(str, on))}"
-    return f", activations recomputed on {where}"
+    notes = []
+    for mode in (FULL, SELECTIVE):
+        on = [s.index for s in plan.stages if s.recompute == mode]
+        if on:
+            where = "every stage" if len(on) == len(plan.stages) else f"stage(s) {', '.join(map(str, on))}"
+            notes.append(f", {RECOMPUTED[mode]} recomputed on {where}")
+    return "".join(notes)
 
 
 BATCH = Placement("shard", 0)  # the batch dim
@@ -212,7 +215,7 @@ def stages_table(plan: Plan) -> Table:
         table.add_column(col)
     for s in plan.stages:
         ranks = f"{s.ranks[0]}-{s.ranks[-1]}" if len(s.ranks) > 1 else ",".join(map(str, s.ranks))
-        backward = fmt_time(s.backward_s) + (" (recomputes)" if s.recompute else "")
+        backward = fmt_time(s.backward_s) + (f" (recomputes {s.recompute})" if s.recompute != NONE else "")
         table.add_row(str(s.index), ranks, plain(", ".join(s.modules) or f"{s.first_node} .. {s.last_node}"),
                       fmt_count(s.params), fmt_time(s.forward_s), backward,
                       fmt_time(s.predicted_time_s), fmt_bytes(s.memory_bytes), fmt_bytes(s.send_bytes))

@@ -98,9 +98,12 @@ function changedFields(diff) {
 }
 
 function recomputeText(p) {
-  const on = p.stages.filter(st => st.recompute).map(st => st.index);
-  if (!on.length) return "none";
-  return on.length === p.stages.length ? "every stage" : `stage(s) ${on.join(", ")}`;
+  const parts = [["full", "whole layers"], ["selective", "attention cores"]].flatMap(([mode, what]) => {
+    const on = p.stages.filter(st => st.recompute === mode).map(st => st.index);
+    if (!on.length) return [];
+    return [`${what} on ${on.length === p.stages.length ? "every stage" : `stage(s) ${on.join(", ")}`}`];
+  });
+  return parts.length ? parts.join("; ") : "none";
 }
 
 function header(D) {
@@ -509,7 +512,8 @@ function memorySection(D) {
   rows.forEach((r, i) => {
     const y = 20 + i * (RH + 8);
     const g = svg("g", {class: "mem-bar", "data-stage": r.stage});
-    const rc = (D.plan.stages[r.stage] || {}).recompute ? " · recomputes" : "";
+    const mode = (D.plan.stages[r.stage] || {}).recompute || "none";
+    const rc = mode !== "none" ? ` · recomputes ${mode}` : "";
     g.append(svg("text", {x: 4, y: y + 17, class: "axis", text: `stage ${r.stage} · ${rankRange(r.ranks)}${rc}`}));
     g.append(svg("rect", {x: L, y, width: BW, height: RH, class: "mem-bg"}));
     let x = L;

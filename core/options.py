@@ -18,14 +18,16 @@ import difflib
 import functools
 import math
 import os
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from partita.core.errors import POSITIVE_HINT, PartitaError
 from partita.core.files import check_output, writable_path
+from partita.core.optimizers import default_optimizer, optimizer_kind
 from partita.core.plan import OPTIMIZERS
 from partita.core.precision import PRECISIONS, REDUCE_DTYPES
+from partita.core.recompute import FULL, NONE, RECOMPUTE, SELECTIVE, recompute_mode
 from partita.core.schedule import SCHEDULES
 
 PLAN, PIN, RUN = "plan", "pin", "run"
@@ -94,8 +96,9 @@ class Options:
                                           kind=int)
     schedule: str | None = option(None, PIN, "pin the pipeline schedule (the plan then has pipeline stages)",
                                   choices=SCHEDULES)
-    recompute: bool | None = option(None, PIN, "activation recomputation on every stage / on none (default: on "
-                                    "the stages where memory binds)", kind=bool)
+    recompute: str | None = option(None, PIN, "activation recomputation on every stage: selective (each layer's "
+                                   "attention core), full (whole layers) or none [default: per stage, where memory "
+                                   "binds]", choices=RECOMPUTE)
     world_size: int | None = option(None, PIN, "the processes the plan runs on (torchrun's)", flag=None)
 
     # -- how the runtime runs --------------------------------------------------------------------
@@ -142,6 +145,7 @@ class Options:
     def __post_init__(self) -> None:
         _set = object.__setattr__
         _set(self, "inputs", _input_specs(self.inputs))
+        _set(self, "recompute", recompute_mode(self.recompute))
         from partita.core.cluster import ClusterSpec
 
         if not isinstance(self.cluster, (str, os.PathLike, ClusterSpec)):
@@ -182,7 +186,7 @@ class Options:
             if value is not None and not (name == "loss" and resolve_loss(value) == resolve_loss(None)):
                 raise PartitaError(f"{name}={_shown(value)} has no use in a forward-only plan "
                                    "(inference)", hint=f"leave {name} out, or plan for training (without inference)")
-        if self.recompute:
+        if self.recompute not in (None, NONE):
             raise PartitaError("recomputation has no use in a forward-only plan (inference): it reruns a layer's "
                                "forward for its backward", hint="leave recompute out, or plan for training")
 
@@ -323,42 +327,6 @@ def flag_of(f: dataclasses.Field) -> str:
     return f.metadata["flag"] or "--" + f.name.replace("_", "-")
 
 
-def default_optimizer(params: Iterable[Any], kind: str = "adamw") -> Any:
-    """The optimizer ``kind`` at lr 1e-3 (SGD with momentum 0.9): AdamW fused where torch has a
-    fused kernel for the parameters' device (CPU and CUDA do), one pass over the optimizer
-    state as the cost model prices the step (passes/cost_model.py ``optimizer_time``), where the
-    foreach step makes several (on this machine 2.6 ms against 17.8 ms for 3.7M fp32 parameters)."""
-    import torch
-
-    params = list(params)
-    if kind in ("sgd", "sgd-momentum"):
-        return torch.optim.SGD(params, lr=1e-3, momentum=0.9 if kind == "sgd-momentum" else 0.0)
-    cls = torch.optim.AdamW if kind == "adamw" else torch.optim.Adam
-    try:
-        return cls(params, lr=1e-3, fused=True)
-    except RuntimeError:  # a device or dtype torch has no fused kernel for
-        return cls(params, lr=1e-3)
-
-
-def optimizer_kind(factory: Callable) -> str:
-    """The cost model's name for what ``factory`` builds (probed on a one-element parameter)."""
-    import torch
-
-    try:
-        probe = factory([torch.nn.Parameter(torch.zeros(1))])
-    except Exception as e:  # the user's factory failed: say so, naming it
-        raise PartitaError(f"the optimizer factory failed on a test parameter: {type(e).__name__}: {e}",
-                           hint="pass optimizer=lambda params: torch.optim.AdamW(params, lr=...)") from e
-    if isinstance(probe, torch.optim.AdamW):
-        return "adamw"
-    if isinstance(probe, torch.optim.Adam):
-        return "adam"
-    if isinstance(probe, torch.optim.SGD):
-        return "sgd-momentum" if probe.defaults.get("momentum", 0) else "sgd"
-    raise PartitaError(f"optimizer {type(probe).__name__} has no memory model yet",
-                       hint="use torch.optim.AdamW, Adam or SGD")
-
-
 def _parse(kind: type, raw: str) -> Any:
     """An environment variable's text as ``kind``; ASCII only (full-width digits are no number)."""
     text = raw.strip()
@@ -418,21 +386,19 @@ class Pins:
     grad_accum_steps: int | None = None
     world_size: int | None = None  # e.g. the processes torchrun launched
     schedule: str | None = None  # the pipeline schedule (core/schedule.py SCHEDULES; implies pp > 1)
-    recompute: bool | None = None  # activation recomputation: on every stage, never, or (None) where memory binds
+    recompute: str | None = None  # core/recompute.py's mode on every stage, or (None) per stage where memory binds
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "recompute", recompute_mode(self.recompute))
         for name in ("dp", "tp", "pp", "micro_batch_size", "grad_accum_steps", "world_size"):
             _positive(name, getattr(self, name))
         if self.zero_stage is not None and (isinstance(self.zero_stage, bool) or self.zero_stage not in ZERO_STAGES):
             raise PartitaError(f"--zero {self.zero_stage!r} must be 0, 1, 2 or 3",
                                hint="ZeRO shards optimizer state (1), gradients (2) and parameters (3) over dp; "
                                "leave --zero out to let partita choose")
-        if self.recompute not in (None, True, False):
-            raise PartitaError(f"recompute={self.recompute!r} must be True, False or None",
-                               hint="True recomputes every stage, False never, None where memory binds")
-        if self.recompute and self.zero_stage == 3:
-            raise PartitaError("--recompute with --zero 3: recomputation reruns a layer's forward in backward, "
-                               "where ZeRO-3 would free the parameters it gathers under it",
+        if self.recomputes and self.zero_stage == 3:
+            raise PartitaError(f"--recompute {self.recompute} with --zero 3: recomputation reruns a layer's forward "
+                               "in backward, where ZeRO-3 would free the parameters it gathers under it",
                                hint="pin --zero 2 or lower, or drop --recompute")
         if self.schedule is not None:
             if self.schedule not in SCHEDULES:
@@ -454,8 +420,13 @@ class Pins:
             if v is not None:
                 parts.append(f"--{flags.get(name, name).replace('_', '-')} {v}")
         if self.recompute is not None:
-            parts.append("--recompute" if self.recompute else "--no-recompute")
+            parts.append(f"--recompute {self.recompute}")
         return " ".join(parts) or "no pins"
+
+    @property
+    def recomputes(self) -> bool:
+        """Whether recomputation is pinned on every stage (selective or full)."""
+        return self.recompute in (SELECTIVE, FULL)
 
     def check_cluster(self, devices: int) -> None:
         """A degree pinned beyond the cluster's devices is refused in the same words everywhere

@@ -23,8 +23,9 @@ from partita.core.buckets import DEFAULT_BUCKET_BYTES
 from partita.core.errors import PlanError
 from partita.core.files import read_user_text, write_text
 from partita.core.mesh import MESH_ORDER, Mesh, MeshAxis  # noqa: F401 (the plan's mesh; re-exported)
+from partita.core.recompute import NONE
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: Stage.recompute names a mode (core/recompute.py), not a flag
 SCHEMA_PATH = Path(__file__).with_name("plan_schema.json")
 SEAL = "sha256"  # the plan file's field holding ``seal_digest``
 MAX_PLAN_BYTES = 1 << 30  # a plan file larger than this is not one partita wrote
@@ -176,9 +177,9 @@ class Stage:
     ranks: tuple[int, ...] = ()  # global ranks holding this stage
     modules: tuple[str, ...] = ()  # top-level module paths it holds, e.g. "transformer.h.0-11"
     send_bytes: int = 0  # activation bytes sent to the next stage per micro-batch
-    # activation recomputation: each repeated layer of the stage (its nodes' ``layer``) keeps only
-    # its inputs in forward and recomputes its activations in backward
-    recompute: bool = False
+    # activation recomputation (core/recompute.py): "full", each repeated layer of the stage keeps
+    # only its inputs and reruns in backward; "selective", only each layer's attention core does
+    recompute: str = NONE
 
 
 @dataclass(frozen=True)

@@ -60,6 +60,7 @@ class GPTConfig:
     n_embd: int = 768
     dropout: float = 0.0
     bias: bool = True
+    flash: bool = True  # fused scaled_dot_product_attention; False: the matmul-softmax-matmul it fuses
 
 
 class CausalSelfAttention(nn.Module):
@@ -82,6 +83,8 @@ class CausalSelfAttention(nn.Module):
         self.v_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.resid_dropout = nn.Dropout(cfg.dropout)
+        self.flash = cfg.flash
+        self.attn_dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, C = x.shape
@@ -89,9 +92,15 @@ class CausalSelfAttention(nn.Module):
         q = self.q_proj(x).view(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
         k = self.k_proj(x).view(B, T, self.n_head, hs).transpose(1, 2)
         v = self.v_proj(x).view(B, T, self.n_head, hs).transpose(1, 2)
-        y = F.scaled_dot_product_attention(
-            q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
-        )
+        if self.flash:
+            y = F.scaled_dot_product_attention(
+                q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
+            )
+        else:  # what a fused kernel saves memory on: the (T, T) scores, probabilities and mask
+            att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(hs))
+            causal = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
+            att = self.attn_dropout(F.softmax(att.masked_fill(~causal, float("-inf")), dim=-1))
+            y = att @ v
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C)
         return self.resid_dropout(self.c_proj(y))
 
@@ -203,8 +212,10 @@ def hf_gpt2(n_layer: int = 2, n_embd: int = 768, n_head: int = 12, vocab_size: i
 
 def hf_llama(num_hidden_layers: int = 2, hidden_size: int = 256, num_attention_heads: int = 8,
              num_key_value_heads: int | None = None, intermediate_size: int = 688,
-             vocab_size: int = 32000, max_position_embeddings: int = 4096) -> LogitsOnly:
-    """transformers' LlamaForCausalLM from a config (random init, no download)."""
+             vocab_size: int = 32000, max_position_embeddings: int = 4096,
+             attn_implementation: str = "sdpa") -> LogitsOnly:
+    """transformers' LlamaForCausalLM from a config (random init, no download); "eager" attention
+    writes out the matmul-softmax-matmul that "sdpa" fuses."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(
@@ -212,7 +223,7 @@ def hf_llama(num_hidden_layers: int = 2, hidden_size: int = 256, num_attention_h
         num_attention_heads=num_attention_heads,
         num_key_value_heads=num_key_value_heads or num_attention_heads,
         intermediate_size=intermediate_size, vocab_size=vocab_size,
-        max_position_embeddings=max_position_embeddings, attn_implementation="sdpa",
+        max_position_embeddings=max_position_embeddings, attn_implementation=attn_implementation,
     )
     return LogitsOnly(LlamaForCausalLM(cfg))
 

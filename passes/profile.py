@@ -2,7 +2,8 @@
 
 ``profile_model`` builds the DiGraph (``to_networkx``), then annotates FLOPs
 (``annotate_flops``), saved activations (``annotate_saved_activations``) and
-repeated layers (``find_repeated_layers``), and fingerprints the graph. The
+repeated layers (``find_repeated_layers``) and their attention cores (``attention_core``, what
+selective recomputation reruns: core/recompute.py), and fingerprints the graph. The
 order matters only in that every pass reads the attributes ``to_networkx``
 writes; the annotated graph stays on the profile for the solvers.
 """
@@ -18,6 +19,7 @@ import networkx as nx
 from partita.core.capture import CapturedModel
 from partita.core.graph import graph_fingerprint, to_networkx
 from partita.core.inputs import dtype_name
+from partita.core.recompute import attention_cores
 from partita.passes.activations import (
     annotate_kv_cache,
     annotate_live_bytes,
@@ -96,6 +98,10 @@ def profile_model(captured: CapturedModel) -> ModelProfile:
     annotate_live_bytes(G)
     annotate_kv_cache(G)
     repeated = find_repeated_layers(G)
+    layer_of = {n: a["layer"] for n, a in G.nodes(data=True) if a.get("layer")}
+    for n, core in attention_cores(captured.graph_module.graph.nodes, layer_of,
+                                   {*captured.param_nodes, *captured.buffer_nodes}).items():
+        G.nodes[n]["attention_core"] = core  # what selective recomputation reruns (core/recompute.py)
 
     numels = {k: _numel(shape) for k, (shape, _) in captured.params.items()}
     bytes_by_dtype: dict[str, int] = {}

@@ -33,6 +33,7 @@ from partita.core.cluster import ClusterSpec
 from partita.core.errors import InfeasibleError, PartitaError
 from partita.core.options import Pins, TrainingRequest
 from partita.core.plan import Alternative, MemoryBreakdown, Mesh, Stage
+from partita.core.recompute import SELECTIVE
 from partita.core.tp.strategies import Strategy, input_index, is_shard, node_strategies
 from partita.passes.cost_model import model_state_memory, state_bytes_per_param, zero_optimizer_time, zero_step_comm
 from partita.passes.dp.buckets import gradient_buckets
@@ -107,14 +108,19 @@ def plan_search(
     tried_pipeline = False
     # A pinned schedule asks for a pipeline; pinned recomputation is weighed by the pipeline search
     # alone (at p = 1 too), which decides it per stage.
-    if pins.pp in (None, 1) and pins.schedule is None and not pins.recompute:
+    if pins.recompute == SELECTIVE and not any(a.get("attention_core") for _, a in profile.graph.nodes(data=True)):
+        raise PartitaError(f"--recompute selective: {profile.name} has no attention core in its repeated layers to "
+                           "recompute (core/recompute.py: Q K^T through softmax to the product with V, or a fused "
+                           "attention op)", hint="pin --recompute full to rerun whole layers, or leave it out")
+    if pins.pp in (None, 1) and pins.schedule is None and not pins.recomputes:
         try:
             options.append(_from_mesh(choose_mesh(profile, param_numels, cluster, request, replace(pins, pp=None)),
                                       profile, cluster))
         except InfeasibleError as e:
             errors.append(e)
-    if (pins.pp != 1 and world > 1) or pins.recompute:
-        tried_pipeline = True
+    # where the plain mesh does not fit, the pipeline search weighs recomputation at p = 1 too
+    if (pins.pp != 1 and world > 1) or pins.recomputes or (not options and pins.recompute is None):
+        tried_pipeline = (pins.pp != 1 and world > 1) or pins.recomputes  # not only as the fallback
         # With a pp = 1 plan in hand that needs no ZeRO, pipelines are weighed at tp = 1 only (cheap:
         # no ILP), so the plan can say what a pipeline would cost; otherwise at every tp (a pipeline
         # divides the state ZeRO would otherwise move every step).
@@ -340,7 +346,20 @@ def tp_node_costs(profile: ModelProfile, cluster: ClusterSpec, request: Training
         choice[n].out and is_shard(choice[n].out[0]) for n, a in G.nodes(data=True)
         if a["kind"] == "param" and a.get("param_name") == p.name) else p.numel) for p in base.shared)
     return replace(base, forward_s=tuple(fwd), backward_s=tuple(bwd), saved_bytes=tuple(saved),
-                   param_numel=tuple(params), shared=shared_local, live_bytes=tuple(live))
+                   param_numel=tuple(params), shared=shared_local, live_bytes=tuple(live),
+                   core_inputs=_local_core_inputs(base, saved))
+
+
+def _local_core_inputs(base: NodeCosts, saved: Sequence[int]) -> tuple[int, ...]:
+    """What each attention core keeps under selective recomputation on one TP rank: its whole inputs
+    scaled as the layout scales the core's own saved bytes (by heads: 1 / tp)."""
+    ratio: dict[str, tuple[int, int]] = {}
+    for core, whole, local in zip(base.cores, base.saved_bytes, saved):
+        if core:
+            w, lo = ratio.get(core, (0, 0))
+            ratio[core] = (w + whole, lo + local)
+    return tuple(round(held * ratio[core][1] / ratio[core][0]) if held and ratio[core][0] else held
+                 for core, held in zip(base.cores, base.core_inputs))
 
 
 def _from_pipeline(d: PipelineDecision, profile: ModelProfile, cluster: ClusterSpec, request: TrainingRequest,

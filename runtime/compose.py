@@ -26,6 +26,7 @@ from partita.core.ops import running_buffers
 from partita.core.options import Options
 from partita.core.plan import MeshAxis, Plan
 from partita.core.precision import PrecisionPolicy
+from partita.core.recompute import NONE
 from partita.runtime.collectives import CollectiveCounter
 from partita.runtime.distributed import DistContext, build_mesh
 from partita.runtime.dp.averaging import (
@@ -66,7 +67,7 @@ def refuse_unsupported(plan: Plan) -> None:
         raise PlanError(f"the plan runs {t.schedule} ({t.chunks} chunks per rank) with ZeRO-{t.zero_stage}: this "
                         f"runtime shards model state under one chunk per rank only",
                         hint="recompile with `partita compile --zero 0`, or with `--schedule 1f1b`")
-    recomputing = [s.index for s in plan.stages if s.recompute]
+    recomputing = [s.index for s in plan.stages if s.recompute != NONE]
     if recomputing and not plan.nodes:
         raise PlanError(f"the plan recomputes activations on stage(s) {recomputing} but has no node "
                         f"decisions to find the repeated layers by", hint="recompile the plan with `partita compile`")
@@ -77,7 +78,7 @@ def refuse_unsupported(plan: Plan) -> None:
         raise PlanError(f"the plan recomputes activations on stage(s) {recomputing} with ZeRO-3: this runtime "
                         f"cannot rerun a layer's forward while ZeRO-3 gathers and frees its parameters per node",
                         hint="recompile with ZeRO <= 2 (`partita compile --zero 2`) or without "
-                        "recomputation (`--no-recompute`)")
+                        "recomputation (`--recompute none`)")
 
 
 def compose(module: nn.Module, plan: Plan, ctx: DistContext, options: Options, counter: CollectiveCounter) -> Program:
@@ -117,7 +118,7 @@ def compose(module: nn.Module, plan: Plan, ctx: DistContext, options: Options, c
     persistent = {k for k, _ in module.named_buffers() if k in module.state_dict(keep_vars=True)}
     dp_mesh = mesh[DP] if mesh is not None and plan.mesh.dp > 1 else None
     dp_group, dp_rank = (dp_mesh.get_group(), dp_mesh.get_local_rank()) if dp_mesh is not None else (None, 0)
-    interpreted = plan.mesh.pp > 1 or plan.mesh.tp > 1 or any(s.recompute for s in plan.stages)
+    interpreted = plan.mesh.pp > 1 or plan.mesh.tp > 1 or any(s.recompute != NONE for s in plan.stages)
     # random ops drawn alike over "tp", apart over "dp" (runtime/rng.py)
     rng = (run_seed(options.seed), dp_rank) if interpreted and ctx.world_size > 1 else None
     graph_loss = loss_fn if training else None  # an inference plan's graph has no loss

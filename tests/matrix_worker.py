@@ -73,6 +73,7 @@ PINS_2: dict[str, dict] = {
     "dp2-zero3": dict(dp=2, zero=3),
     "tp2-recompute": dict(tp=2, recompute=True),
     "pp2-recompute": dict(pp=2, recompute=True),
+    "pp2-selective": dict(pp=2, recompute="selective"),  # the MLP and the CNN have no attention: refused
 }
 PINS_4: dict[str, dict] = {
     "dp2xtp2-zero2": dict(dp=2, tp=2, zero=2),
@@ -163,7 +164,7 @@ def run_case(ctx: DistContext, case: Case, outdir: str) -> dict:
     gc.collect()
     return {"case": case.name, "mesh": str(plan.mesh), "micro_batch": plan.training.micro_batch_size,
             "micro_batches": plan.training.grad_accum_steps, "schedule": plan.training.schedule,
-            "zero": plan.training.zero_stage, "recompute": [s.index for s in plan.stages if s.recompute],
+            "zero": plan.training.zero_stage, "recompute": [s.index for s in plan.stages if s.recompute != "none"],
             "split": sorted({d.strategy for d in plan.nodes} - {"replicate"}),
             "loss": loss, "ref_loss": ref_loss, "evaluated": evaluated, "ref_evaluated": ref_evaluated,
             "params": gaps({k: v for k, v in final.items() if k in ref_final}, ref_final),

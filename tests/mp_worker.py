@@ -38,6 +38,7 @@ SGD = OPTIMIZERS["sgd"]
 PINS_2 = {
     "dp2": dict(dp=2), "dp2-zero1": dict(dp=2, zero=1), "dp2-zero2": dict(dp=2, zero=2),
     "dp2-zero3": dict(dp=2, zero=3), "tp2": dict(tp=2), "tp2-recompute": dict(tp=2, recompute=True),
+    "tp2-selective": dict(tp=2, recompute="selective"),
     "pp2-gpipe": dict(pp=2, schedule="gpipe"), "pp2-1f1b": dict(pp=2, schedule="1f1b"),
     "pp2-interleaved": dict(pp=2, schedule="interleaved-1f1b"),
 }

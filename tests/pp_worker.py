@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from examples.models import GPTConfig, gpt_tiny
+from examples.models import GPT, GPTConfig, gpt_tiny
 from partita.compiler.timeline import load_trace, measured_timeline
 from partita.core.inputs import InputSpec
 from partita.core.options import Options
@@ -42,10 +42,16 @@ def tied_gpt() -> TiedGPT:
     return TiedGPT(GPTConfig(vocab_size=256, block_size=64, n_layer=2, n_head=4, n_embd=64))
 
 
+def gpt_manual() -> GPT:
+    """gpt_tiny with its attention written out (matmul, softmax, matmul): selective recomputation's case."""
+    return GPT(GPTConfig(vocab_size=256, block_size=64, n_layer=2, n_head=4, n_embd=64, flash=False))
+
+
 MODELS: dict[str, tuple[Callable, InputSpec]] = {
     "gpt": (gpt_tiny, InputSpec("idx", torch.int64, (1, SEQ))),
     "tied-gpt": (tied_gpt, InputSpec("idx", torch.int64, (1, SEQ))),
     "hf-llama": (hf_llama_tiny, InputSpec("input_ids", torch.int64, (1, SEQ))),
+    "gpt-manual": (gpt_manual, InputSpec("idx", torch.int64, (1, SEQ))),
 }
 
 

@@ -27,6 +27,7 @@ import torch
 from torch.autograd.graph import saved_tensors_hooks
 
 from partita.core.options import Options
+from partita.core.recompute import FULL, NONE, SELECTIVE, rerun_regions
 from partita.runtime.distributed import DistContext
 from partita.runtime.engine import ParallelModel
 from tests.dp_worker import OPTIMIZERS, gpt_batch, gpt_loss
@@ -77,9 +78,10 @@ def _recomputed_forward_calls(plan, model: ParallelModel) -> Counter:
     ``layout.recompute_collectives`` (the function compile.py lists them with)."""
     from partita.core.tp.layout import recompute_collectives
 
-    stages = {s.index for s in plan.stages if s.recompute}
-    runs = {n.name for n in model.tensor_parallel.nodes}
-    mine = [d for d in plan.nodes if d.layer and d.stage in stages and d.name in runs]
+    tp = model.tensor_parallel
+    rerun = rerun_regions(plan.stages, plan.nodes, tp.graph_module.graph.nodes, {*tp.param_nodes, *tp.buffer_nodes})
+    runs = {n.name for n in tp.nodes}
+    mine = [d for d in plan.nodes if d.name in rerun and d.name in runs]
     calls: Counter = Counter()
     for kind, nbytes, n, _ in recompute_collectives(mine):
         calls[(kind, "tp", nbytes)] += n * plan.training.grad_accum_steps
@@ -102,12 +104,13 @@ def _grab_grads(model: ParallelModel, store: dict[str, torch.Tensor]) -> None:
 
 
 def compare(ctx: DistContext, name: str, *, tp: int = 1, dp: int = 1, pp: int = 1, cuts_at: tuple[int, ...] = (),
-            schedule: str = "1f1b", zero: int = 0, recompute: tuple[int, ...] = (0,), accum: int = 2) -> dict:
+            schedule: str = "1f1b", zero: int = 0, recompute: tuple[int, ...] = (0,), accum: int = 2,
+            mode: str = FULL) -> dict:
     reference, plan, profile = mesh_case(name, pp=pp, tp=tp, dp=dp, cuts_at=cuts_at, schedule=schedule, accum=accum)
     plan = _with_layers(plan, profile)
     plan = dataclasses.replace(plan, training=dataclasses.replace(plan.training, zero_stage=zero))
-    rc_plan = dataclasses.replace(plan, stages=tuple(dataclasses.replace(s, recompute=s.index in recompute)
-                                                     for s in plan.stages))
+    rc_plan = dataclasses.replace(plan, stages=tuple(dataclasses.replace(s, recompute=mode if s.index in recompute
+                                                                         else NONE) for s in plan.stages))
     options = Options(loss=gpt_loss, optimizer=OPTIMIZERS["adamw"])
     plain = ParallelModel(copy.deepcopy(reference), plan, options, ctx=ctx)
     model = ParallelModel(copy.deepcopy(reference), rc_plan, options, ctx=ctx)
@@ -141,8 +144,8 @@ def compare(ctx: DistContext, name: str, *, tp: int = 1, dp: int = 1, pp: int = 
     ref_final = {n: p.detach() for n, p in reference.named_parameters(remove_duplicate=False)}  # tied names too
     return {
         "case": f"{name}/dp={dp}/tp={tp}/pp={pp}/{schedule if pp > 1 else 'none'}/zero{zero}/m={accum}"
-                f"/recompute{list(recompute)}",
-        "stage": stage, "tp": tp, "recomputes": recomputes,
+                f"/{mode}{list(recompute)}",
+        "stage": stage, "tp": tp, "recomputes": recomputes, "mode": mode,
         "losses": losses, "ref_losses": ref_losses, "plain_losses": plain_losses,
         "grads": gaps(full_grads, ref_grads),
         "params": gaps({k: v for k, v in final.items() if k in ref_final}, ref_final),
@@ -161,4 +164,13 @@ def two_ranks(ctx: DistContext, out: str) -> list[dict]:
             compare(ctx, "hf-llama", tp=2)]
 
 
-LAUNCHES: dict[str, tuple[int, Callable[[DistContext, str], list[dict]]]] = {"2ranks": (2, two_ranks)}
+def selective(ctx: DistContext, out: str) -> list[dict]:
+    """Selective recomputation: the attention cores of a GPT whose attention is written out (its
+    (T, T) scores and probabilities are what selective recomputation drops), and of the fused op."""
+    return [compare(ctx, "gpt-manual", dp=2, zero=1, mode=SELECTIVE), compare(ctx, "gpt-manual", tp=2, mode=SELECTIVE),
+            compare(ctx, "gpt-manual", pp=2, cuts_at=(1,), recompute=(0,), accum=4, mode=SELECTIVE),
+            compare(ctx, "gpt", tp=2, mode=SELECTIVE)]
+
+
+LAUNCHES: dict[str, tuple[int, Callable[[DistContext, str], list[dict]]]] = {
+    "2ranks": (2, two_ranks), "selective": (2, selective)}

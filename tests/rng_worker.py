@@ -92,7 +92,7 @@ def replicas(ctx: DistContext, out: str, **pins) -> dict:
               "losses": losses, "drift": drift, "injected_into": name, "injected": injected,
               "drift_without": drift_without, "again": again, "drift_again": drift_again}
     if plan.mesh.pp == 1:
-        rc = dataclasses.replace(plan, stages=tuple(dataclasses.replace(s, recompute=True) for s in plan.stages))
+        rc = dataclasses.replace(plan, stages=tuple(dataclasses.replace(s, recompute="full") for s in plan.stages))
         _, result["recompute_losses"], result["drift_recompute"] = _train(ctx, model, rc)
     return result
 

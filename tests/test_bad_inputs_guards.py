@@ -274,7 +274,7 @@ INFERENCE = COMPILE + ["--inference", "-o", "{u}/p.json"]
 
 
 @pytest.mark.parametrize("args, expected", [
-    (INFERENCE + ["--recompute"], "recomputation has no use in a forward-only plan"),
+    (INFERENCE + ["--recompute", "full"], "recomputation has no use in a forward-only plan"),
     (INFERENCE + ["--max-grad-norm", "1"], "--max-grad-norm 1.0 has no use in a forward-only plan"),
     (INFERENCE + ["--loss", "mse"], "--loss 'mse' has no use in a forward-only plan"),
     (INFERENCE + ["--target", "y=float32[8,10]"], "--target"),

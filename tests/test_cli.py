@@ -128,7 +128,8 @@ class LayerDrop(nn.Module):
         (["estimate", "--params", "lots"], "not a parameter count"),
         (["compile", GPT, "--input", "idx=int64[16,64]", "--pp", "1", "--schedule", "gpipe"],
          "--schedule gpipe schedules pipeline stages, but --pp 1 has none"),
-        (["compile", GPT, "--input", "idx=int64[16,64]", "--recompute", "--zero", "3"], "--recompute with --zero 3"),
+        (["compile", GPT, "--input", "idx=int64[16,64]", "--recompute", "full", "--zero", "3"],
+         "--recompute full with --zero 3"),
     ],
 )
 def test_bad_input_gets_one_clear_message_and_exit_2(cli, tmp_path, plan_path, args, message):

@@ -162,15 +162,16 @@ def test_planned_zero3_with_tensor_parallelism(tmp_path, cli, ref):
 
 @pytest.mark.slow
 def test_planned_a_recomputing_tensor_parallel_plan(tmp_path, cli, ref):
-    """`--recompute` on the planner's dp=2 x tp=2 plan: every layer reruns its forward in backward.
+    """`--recompute full` on the planner's dp=2 x tp=2 plan: every layer reruns its forward in backward.
     Same training as one process, and the TP collectives the recompute repeats are in the plan's
     list (check compares every collective, call for call)."""
-    plan, out = compile_and_launch(tmp_path, cli, "--cluster", fast_cluster(tmp_path), "--tp", "2", "--recompute")
+    plan, out = compile_and_launch(tmp_path, cli, "--cluster", fast_cluster(tmp_path), "--tp", "2",
+                                   "--recompute", "full")
     check(out, ref, 4, mesh=(2, 2, 1))
     from partita.core.verify import load_plan
 
     p = load_plan(plan)
-    assert all(s.recompute for s in p.stages)
+    assert all(s.recompute == "full" for s in p.stages)
     assert any("again when the layer is recomputed" in c.purpose for c in p.collectives)
 
 
@@ -205,7 +206,7 @@ def test_the_default_optimizer_is_fused_adamw_and_steps_as_torchs_default_does(m
     """One pass over the state (what the cost model prices), the same update as torch's foreach
     AdamW within float rounding (the fused kernel evaluates the same formula in another order),
     and the foreach step where torch has no fused kernel for the parameters."""
-    from partita.core.options import default_optimizer
+    from partita.core.optimizers import default_optimizer
 
     def params():
         torch.manual_seed(0)

@@ -79,7 +79,7 @@ def test_a_plan_the_runtime_cannot_run_is_refused_before_any_process_starts(tmp_
 
     bad = dataclasses.replace(plan, training=dataclasses.replace(plan.training, zero_stage=3, inference=False),
                               mesh=dataclasses.replace(plan.mesh, dp=2))
-    bad = dataclasses.replace(bad, stages=tuple(dataclasses.replace(s, recompute=True) for s in bad.stages))
+    bad = dataclasses.replace(bad, stages=tuple(dataclasses.replace(s, recompute="full") for s in bad.stages))
     path = bad.save(tmp_path / "bad.json")
     r = partita_run(path, TESTS / "launch_script.py", "fine")
     assert r.returncode == 2 and "with ZeRO-3" in r.stderr and r.stderr.count("error") == 1, r.stderr

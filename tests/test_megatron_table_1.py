@@ -22,5 +22,5 @@ def test_table_1_iteration_time_within_15_percent(run):
     assert p.fits, (run.model, p.memory_gb)
     d = p.decision
     assert (d.mesh.tp, d.mesh.pp, d.mesh.dp) == (run.tp, run.pp, run.dp)
-    assert all(s.recompute for s in d.stages)
+    assert all(s.recompute == "full" for s in d.stages)
     assert 0.85 <= d.step_s / run.iteration_s <= 1.15, (run.model, d.step_s, run.iteration_s)

@@ -118,7 +118,7 @@ def test_master_weights_stepped_a_bucket_at_a_time_update_as_one_step(precision)
     masters bit for bit where one step over all of them does, a loss scale undone alike."""
     import torch
 
-    from partita.core.options import default_optimizer
+    from partita.core.optimizers import default_optimizer
     from partita.core.precision import PrecisionPolicy
     from partita.runtime.mixed_precision import MasterWeights
 

@@ -299,10 +299,10 @@ def test_recompute_costs_keep_each_layers_inputs_and_rerun_its_forward():
         send_bytes=(0, 8, 30, 8, 8, 30, 0), grad_bytes=(0, 8, 30, 8, 8, 30, 0), boundaries=(1, 3),
         modules=("", "h.0", "h.0", "h.1.attn", "h.1", "h.1"), layers=frozenset({"h.0", "h.1"}),
     )
-    rc = recompute_costs(c)
+    rc = recompute_costs(c, pin="full").options[0]
     # each layer keeps the bytes crossing the boundary before its first node (8 each)
     assert rc.costs.saved_bytes == (10, 8, 0, 0, 8, 0)
     assert rc.costs.backward_s == (2.0, 6.0, 9.0, 0.0, 6.0, 9.0)
     assert rc.costs.forward_s == c.forward_s
     assert rc.transient_bytes == 350  # h.1: 100 + 250
-    assert recompute_costs(dataclasses.replace(c, layers=frozenset())) is None
+    assert recompute_costs(dataclasses.replace(c, layers=frozenset())) is None  # no layers, no attention cores

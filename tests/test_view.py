@@ -315,11 +315,11 @@ def test_a_recomputing_stage_is_marked(open_page, tp_pp_plan):
     """The header says which stages recompute their activations, and so does their memory bar."""
     import dataclasses
 
-    stages = tuple(dataclasses.replace(s, recompute=s.index == 0) for s in tp_pp_plan.stages)
+    stages = tuple(dataclasses.replace(s, recompute="full" if s.index == 0 else "none") for s in tp_pp_plan.stages)
     page = open_page(render_html(dataclasses.replace(tp_pp_plan, stages=stages)))
-    assert page.text_content('[data-field="recompute"]') == "stage(s) 0"
+    assert page.text_content('[data-field="recompute"]') == "whole layers on stage(s) 0"
     labels = texts(page, "g.mem-bar text.axis")
-    assert [("recomputes" in t) for t in labels] == [s.recompute for s in stages], labels
+    assert [("recomputes full" in t) for t in labels] == [s.recompute == "full" for s in stages], labels
     page = open_page(render_html(tp_pp_plan))
     assert page.text_content('[data-field="recompute"]') == "none"
 

@@ -15,8 +15,9 @@ fall between two layers or between a layer and the code before or after them
 sends every tensor live across it forward per micro-batch, and the gradients of
 those that carry one back (``NodeCosts.send_bytes`` / ``grad_bytes``).
 
-Recomputation (``recompute_costs``): a layer keeps only its inputs and runs its
-forward again in backward.
+Recomputation (``recompute_costs``, core/recompute.py's modes): under ``full`` a layer keeps only
+its inputs and runs its forward again in backward; under ``selective`` only each layer's attention
+core does.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import bisect
 import functools
 import math
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 import networkx as nx
@@ -35,6 +36,7 @@ from partita.core.graph import per_graph
 from partita.core.options import TrainingRequest
 from partita.core.precision import activation_scale as precision_activation_scale
 from partita.core.precision import is_floating
+from partita.core.recompute import FULL, NONE, SELECTIVE
 from partita.passes.cost_model import node_compute_time, precision_factor
 from partita.passes.peak_memory import node_transient
 from partita.passes.profile import ModelProfile
@@ -129,6 +131,10 @@ class NodeCosts:
     # inference: the activations alive while each position runs (activations.annotate_live_bytes); training:
     # what each position holds beyond the saved activations while it runs (peak_memory.node_transient)
     live_bytes: tuple[int, ...] = ()
+    cores: tuple[str, ...] = ()  # per position: its attention core (core/recompute.py), or ""
+    # per position: at a core's first position, the bytes of the activations its nodes read from
+    # outside it (what the core keeps when it is recomputed); 0 elsewhere
+    core_inputs: tuple[int, ...] = ()
 
     @functools.cached_property
     def _live_table(self) -> list[list[int]]:
@@ -183,15 +189,48 @@ class NodeCosts:
 
 
 @dataclass(frozen=True)
+class Rerun:
+    """A stage's costs under one recomputation mode (core/recompute.py)."""
+
+    mode: str  # SELECTIVE or FULL
+    costs: NodeCosts  # saved bytes: only what each rerun region reads; backward: + the region's forward
+    transient_bytes: int  # the largest region's activations, rebuilt while its backward runs
+
+
+@dataclass(frozen=True)
 class Recompute:
-    """A stage's costs when its repeated layers recompute their activations (``recompute_costs``)."""
+    """The recomputation modes a stage may take (``recompute_costs``), in the order they are tried:
+    the least time added first."""
 
-    costs: NodeCosts  # saved bytes: only each layer's inputs; backward: + the layer's forward
-    transient_bytes: int  # one layer's full activations, rebuilt while its backward runs
-    forced: bool = False  # every stage recomputes (``Pins.recompute``), not only where memory binds
+    options: tuple[Rerun, ...]
+    forced: bool = False  # pinned (``Pins.recompute``): every stage takes ``options[0]``
 
 
-def recompute_costs(c: NodeCosts, *, forced: bool = False) -> Recompute | None:
+def recompute_costs(c: NodeCosts, *, pin: str | None = None) -> Recompute | None:
+    """The modes weighed for ``c``: ``pin``'s alone, or (None) selective then full where the model has
+    them; None when there is none (``pin`` none, no repeated layers)."""
+    modes = {SELECTIVE: _selective, FULL: _full}
+    chosen = [pin] if pin in modes else [] if pin == NONE else [SELECTIVE, FULL]
+    options = tuple(r for r in (modes[m](c) for m in chosen) if r is not None)
+    return Recompute(options, forced=pin is not None) if options else None
+
+
+def _selective(c: NodeCosts) -> Rerun | None:
+    """``c`` with every attention core checkpointed: a core keeps the activations it reads from outside
+    (``core_inputs``, at its first position) and nothing else; its backward runs its forward again."""
+    if not any(c.cores):
+        return None
+    bwd, saved = list(c.backward_s), list(c.saved_bytes)
+    per_core: dict[str, int] = {}
+    for i, core in enumerate(c.cores):
+        if core:
+            per_core[core] = per_core.get(core, 0) + saved[i]
+            bwd[i] += c.forward_s[i]
+            saved[i] = c.core_inputs[i]
+    return Rerun(SELECTIVE, replace(c, backward_s=tuple(bwd), saved_bytes=tuple(saved)), max(per_core.values()))
+
+
+def _full(c: NodeCosts) -> Rerun | None:
     """``c`` with every repeated layer checkpointed at its boundaries; None without layers.
 
     A layer keeps ``send_bytes`` at its first position (every tensor live across
@@ -214,7 +253,7 @@ def recompute_costs(c: NodeCosts, *, forced: bool = False) -> Recompute | None:
         bwd[i] += fwd[i]
         saved[i] = c.send_bytes[i] if layer != current else 0
         current = layer
-    return Recompute(replace(c, backward_s=tuple(bwd), saved_bytes=tuple(saved)), max(per_layer.values()), forced)
+    return Rerun(FULL, replace(c, backward_s=tuple(bwd), saved_bytes=tuple(saved)), max(per_layer.values()))
 
 
 def activation_scale(profile: ModelProfile, request: TrainingRequest) -> float:
@@ -297,6 +336,7 @@ def node_costs(profile: ModelProfile, cluster: ClusterSpec, request: TrainingReq
             shared.append(SharedParam(pname, numel_by_param[pname], tuple(users)))
         else:
             params[lo] += numel_by_param[pname]
+    cores, core_inputs = _core_costs(G, order, nbytes, tp)
     return NodeCosts(
         order=tuple(order), forward_s=tuple(fwd), backward_s=tuple(bwd), saved_bytes=tuple(saved),
         param_numel=tuple(params), send_bytes=_running(send), grad_bytes=_running(grad),
@@ -304,8 +344,27 @@ def node_costs(profile: ModelProfile, cluster: ClusterSpec, request: TrainingReq
         modules=tuple(G.nodes[n].get("layer") or (G.nodes[n]["module"] if G.nodes[n]["kind"] == "param" else "")
                       for n in order),
         layers=frozenset(a["layer"] for _, a in G.nodes(data=True) if a.get("layer")),
-        live_bytes=tuple(live),
+        live_bytes=tuple(live), cores=cores, core_inputs=core_inputs,
     )
+
+
+def _core_costs(G: nx.DiGraph, order: Sequence[str], nbytes: Callable[[dict], float], tp: int
+                ) -> tuple[tuple[str, ...], tuple[int, ...]]:
+    """``NodeCosts.cores`` and ``core_inputs``: each position's attention core, and at a core's first
+    position the bytes of the activations (not parameters or buffers) its nodes read from outside it."""
+    cores = tuple(G.nodes[n].get("attention_core", "") for n in order)
+    inputs: dict[str, set[str]] = {}
+    first: dict[str, int] = {}
+    for i, (n, core) in enumerate(zip(order, cores)):
+        if core:
+            first.setdefault(core, i)
+            inputs.setdefault(core, set()).update(
+                u for u in G.predecessors(n) if G.nodes[u].get("attention_core") != core
+                and G.nodes[u]["kind"] not in ("param", "buffer"))
+    held = [0] * len(order)
+    for core, i in first.items():
+        held[i] = round(sum(nbytes(G.nodes[u]) for u in inputs[core]) / tp)
+    return cores, tuple(held)
 
 
 def _running(diff: list[float]) -> tuple[int, ...]:

@@ -8,7 +8,7 @@ where slot is a stage's forward + backward + overhead + sends per micro-batch
 (cost_model.stage_slot_time) and mem its model state plus the activations in
 flight under the schedule (core/schedule.py ``in_flight``). ``Partition`` gives
 every segment's time and memory in O(1) from prefix sums (plus one bisect per
-shared parameter) and decides per segment whether the stage recomputes;
+shared parameter) and decides per segment how the stage recomputes (core/recompute.py);
 ``solve_cuts`` runs the dynamic program; ``any_cuts_fit`` says by one greedy pass
 whether any cuts fit memory at all.
 """
@@ -22,6 +22,7 @@ from dataclasses import dataclass, replace
 
 from partita.core.cluster import ClusterSpec, Link
 from partita.core.plan import MemoryBreakdown
+from partita.core.recompute import NONE
 from partita.core.schedule import in_flight, sends_held
 from partita.passes.cost_model import StateBytes, model_state_memory, p2p_time, sharded_state, stage_slot_time
 from partita.passes.peak_memory import StepBuffers, peak_memory, peak_of
@@ -71,8 +72,11 @@ class Partition:
         # the prefix sums depend on the costs only: shared by every setup cut over them
         self.compute, self.fwd, self.saved, self.params = costs.prefix_sums
         self.rc = recompute if setup.zero_stage < 3 else None
-        if self.rc is not None:
-            self._rc_compute, _, self._rc_saved, _ = self.rc.costs.prefix_sums
+        # per mode: (forward + backward, saved bytes) prefix sums, and the bytes its rerun rebuilds
+        self._modes: dict[str, tuple[list[float], list[float], int]] = {NONE: (self.compute, self.saved, 0)}
+        for r in self.rc.options if self.rc is not None else ():
+            compute, _, saved, _ = r.costs.prefix_sums
+            self._modes[r.mode] = (compute, saved, r.transient_bytes)
         blocked = set(forbid)
         self.boundaries = tuple(k for k in costs.boundaries if k not in blocked)
         self.held = [in_flight(setup.schedule, s, setup.stages, setup.micro_batches, setup.chunks)
@@ -83,7 +87,7 @@ class Partition:
         # the buffers of a parameter count and the sends a stage holds are computed once
         self._sends_held = [sends_held(setup.schedule, s, setup.stages, setup.micro_batches, setup.chunks)
                             for s in range(setup.stages)]
-        self._choices: dict[tuple[int, int, int], tuple[int, bool]] = {}
+        self._choices: dict[tuple[int, int, int], tuple[int, str]] = {}
         self._buffers_of: dict[int, StepBuffers] = {}
 
     def shared_in(self, j: int, k: int) -> list[SharedParam]:
@@ -107,36 +111,41 @@ class Partition:
         back = p2p_time(c.grad_bytes[j], self.setup.links[s - 1]) if s > 0 else 0.0
         return out + back
 
-    def _choice(self, j: int, k: int, s: int) -> tuple[int, bool]:
-        """(bytes per device, whether it recomputes) of stage s over [j, k): the one place the
-        stage's recomputation is decided. Forced, it always recomputes; otherwise exactly when
-        it does not fit without and does with. Whether the total fits never turns from no to
-        yes as a segment grows: each of the two totals grows with the segment."""
+    def _choice(self, j: int, k: int, s: int) -> tuple[int, str]:
+        """(bytes per device, recomputation mode) of stage s over [j, k): the one place the
+        stage's recomputation is decided. Pinned, it takes the pinned mode; otherwise none where
+        it fits, else the first mode (selective, then full) with which it fits. Whether a total
+        fits never turns from no to yes as a segment grows: each total grows with the segment."""
         got = self._choices.get((j, k, s))
         if got is None:
             got = self._choices[j, k, s] = self._decide(j, k, s)
         return got
 
-    def _decide(self, j: int, k: int, s: int) -> tuple[int, bool]:
+    def _decide(self, j: int, k: int, s: int) -> tuple[int, str]:
         state, live = self._state_total(j, k), self.costs.live_peak(j, k)
         collectives, step, tensors = self._buffer_sums(j, k, s)
-        plain = peak_of(state, self.held[s] * (self.saved[k] - self.saved[j]) + live + collectives, step, tensors,
-                        self.cluster)
+
+        def total(mode: str) -> int:
+            _, saved, rebuilt = self._modes[mode]
+            return peak_of(state, self.held[s] * (saved[k] - saved[j]) + rebuilt + live + collectives, step,
+                           tensors, self.cluster)
+
+        plain = total(NONE)
         rc, cap = self.rc, self.setup.capacity
         if rc is None or (not rc.forced and plain <= cap):
-            return plain, False
-        total = peak_of(state, self.held[s] * (self._rc_saved[k] - self._rc_saved[j]) + rc.transient_bytes + live
-                        + collectives, step, tensors, self.cluster)
-        if rc.forced or total <= cap:
-            return total, True
-        return plain, False
+            return plain, NONE
+        for r in rc.options:
+            bytes_ = total(r.mode)
+            if rc.forced or bytes_ <= cap:
+                return bytes_, r.mode
+        return plain, NONE
 
-    def recomputes(self, j: int, k: int, s: int) -> bool:
-        """Whether stage s over [j, k) recomputes its layers (``_choice``)."""
+    def recomputes(self, j: int, k: int, s: int) -> str:
+        """Stage s over [j, k)'s recomputation mode (``_choice``)."""
         return self._choice(j, k, s)[1]
 
-    def _compute(self, j: int, k: int, recompute: bool) -> float:
-        compute = self._rc_compute if recompute else self.compute
+    def _compute(self, j: int, k: int, mode: str) -> float:
+        compute = self._modes[mode][0]
         return compute[k] - compute[j]
 
     def compute_s(self, j: int, k: int, s: int) -> float:
@@ -148,10 +157,8 @@ class Partition:
 
     def _activations(self, j: int, k: int, s: int) -> int:
         """Bytes stage s over [j, k) holds saved for backward at its peak (recomputation's too)."""
-        held = self.held[s]
-        if self.recomputes(j, k, s):
-            return held * (self._rc_saved[k] - self._rc_saved[j]) + self.rc.transient_bytes
-        return held * (self.saved[k] - self.saved[j])
+        _, saved, rebuilt = self._modes[self.recomputes(j, k, s)]
+        return self.held[s] * (saved[k] - saved[j]) + rebuilt
 
     def memory(self, j: int, k: int, s: int) -> MemoryBreakdown:
         return self.rank_memory([(j, k, s)], self.setup.capacity)
@@ -214,8 +221,8 @@ class Partition:
         the compute without recomputation, which only adds time."""
         if self.memory_total(j, k, s) > self.setup.capacity:
             return INF
-        forced = self.rc is not None and self.rc.forced
-        return self._compute(j, k, forced) + self.cluster.step_overhead_s
+        mode = self.rc.options[0].mode if self.rc is not None and self.rc.forced else NONE
+        return self._compute(j, k, mode) + self.cluster.step_overhead_s
 
     def memory_cost(self, j: int, k: int, s: int) -> float:
         return float(self.memory_total(j, k, s))

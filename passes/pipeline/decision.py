@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from partita.core.cluster import ClusterSpec
 from partita.core.errors import InfeasibleError
 from partita.core.plan import MemoryBreakdown, Stage
+from partita.core.recompute import NONE
 from partita.passes.cost_model import PipelineStepCost
 from partita.passes.dp.zero import STRATEGY_NAMES
 from partita.passes.explain import CHOSEN, gb, peak_terms, slower, slower_parts, traffic_reason
@@ -37,7 +38,7 @@ class PipelineStage:
     send_bytes: int  # activations sent to the next stage per micro-batch
     ranks: tuple[int, ...]
     modules: tuple[str, ...]
-    recompute: bool = False  # its repeated layers recompute their activations in backward
+    recompute: str = NONE  # what reruns in backward (core/recompute.py): none, attention cores, whole layers
 
     def to_plan(self, micro_batches: int) -> Stage:
         return Stage(

@@ -30,6 +30,7 @@ from partita.core.cluster import ClusterSpec, Link
 from partita.core.errors import PartitaError
 from partita.core.options import Pins, TrainingRequest
 from partita.core.plan import Mesh
+from partita.core.recompute import NONE
 from partita.core.schedule import SCHEDULES, chunk_problem, chunks_of, in_flight
 from partita.passes.cost_model import (
     collective_time,
@@ -150,7 +151,7 @@ class _CutSearch:
             floor_costs = self.build
         self.cache: dict[int, NodeCosts] = {}
         self.groups = pipeline_groups(self.devices, tp, request.global_batch, pins)  # (p, dp, mb size, mbs)
-        self.weigh_recompute = not request.inference and pins.recompute is not False
+        self.weigh_recompute = not request.inference and pins.recompute != NONE
         self.recompute_cache: dict[int, Recompute | None] = {}
         self.bounder = PipelineBound(cluster, request, self.state, tp, floor_costs,
                                      chunks=max(map(chunks_of, self.schedules))) if prune and floor_costs else None
@@ -163,7 +164,7 @@ class _CutSearch:
         """The ZeRO stages weighed at (p, dp): not ZeRO-3 under pinned recomputation (docs/cost-model.md,
         "Activation recomputation")."""
         stages = zero_stages(self.pins.zero_stage, dp, self.request.inference, tp=self.tp, pp=p)
-        return tuple(z for z in stages if z < 3) if self.pins.recompute else stages
+        return tuple(z for z in stages if z < 3) if self.pins.recomputes else stages
 
     def visit_order(self) -> list[tuple[int, tuple[int, int, int, int]]]:
         """The (p, dp, micro-batch size, micro-batches) groups by index; with branch and bound the most
@@ -174,7 +175,7 @@ class _CutSearch:
         return order
 
     def with_recompute(self, c: NodeCosts) -> Recompute | None:
-        return recompute_costs(c, forced=bool(self.pins.recompute)) if self.weigh_recompute else None
+        return recompute_costs(c, pin=self.pins.recompute) if self.weigh_recompute else None
 
     def weigh_group(self, index: int, p: int, dp: int, mb: int, m: int) -> None:
         """Every schedule, shared-parameter policy and ZeRO stage of one group, unless its bound prunes it."""
@@ -268,7 +269,7 @@ class _CutSearch:
             candidate = _candidate(part, bounds, dp, tp, mb, policy, True, request)
             self.found.append((index, candidate))
             best_here = min(best_here, candidate.step_s)
-            if part.rc is None or part.rc.forced or not any(st.recompute for st in candidate.stages):
+            if part.rc is None or part.rc.forced or all(st.recompute == NONE for st in candidate.stages):
                 return
         if best_here < INF or not missed:  # fitted, or no ZeRO stage the runtime executes at this (tp, p)
             return

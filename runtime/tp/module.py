@@ -100,7 +100,8 @@ class TensorParallel(nn.Module):
             self._buffers_by_node[node] = getattr(self, qualified.replace(".", "__"))
         self._param_access: ParamAccess | None = None  # who holds the parameters between uses (ZeRO-3)
         self.param_reads, self.param_last_reads = self._param_readers()
-        self.regions = RegionCache(plan)  # a node list with its recomputed layers grouped
+        # a node list with its rerun regions (recomputed layers or attention cores) grouped
+        self.regions = RegionCache(plan, graph.nodes, {*self.param_nodes, *self.buffer_nodes})
         self._programs: dict[tuple[str, bool], Program] = {}  # (name, training) -> the built program
         placeholders = [n for n in graph.nodes if n.op == "placeholder"]
         self._inputs = placeholders  # the whole program's arguments: the placeholders in graph order

@@ -1,7 +1,8 @@
 """Activation recomputation (``Stage.recompute``): which nodes rerun in backward, and how.
 
-On a stage that recomputes, each maximal run of consecutive nodes (program
-order) of one repeated layer (``NodeDecision.layer``, e.g. "transformer.h.3")
+On a stage that recomputes, each maximal run of consecutive nodes (program order) of one
+rerun region (core/recompute.py ``rerun_regions``: under "full" a repeated layer,
+``NodeDecision.layer``, e.g. "transformer.h.3"; under "selective" a layer's attention core)
 is a ``Region``, run by ``run_recomputed``: forward runs it without autograd
 and keeps only the region's inputs (the values it reads from outside,
 parameters included) and its outputs (the values read outside it: by later
@@ -26,7 +27,7 @@ decides the regions and wraps their forward.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,12 +36,7 @@ import torch.fx
 import torch.utils._pytree as pytree
 
 from partita.core.plan import Plan
-
-
-def recomputed_layers(plan: Plan) -> dict[str, str]:
-    """Node name -> its repeated layer, for the layer nodes of the stages that recompute."""
-    stages = {s.index for s in plan.stages if s.recompute}
-    return {d.name: d.layer for d in plan.nodes if d.layer and d.stage in stages}
+from partita.core.recompute import rerun_regions
 
 
 @dataclass(frozen=True)
@@ -61,8 +57,8 @@ def _region(run: list[torch.fx.Node]) -> Region:
 
 def recompute_regions(nodes: Sequence[torch.fx.Node], layer_of: Mapping[str, str]
                       ) -> list[torch.fx.Node | Region]:
-    """``nodes`` in order, each maximal run of consecutive call nodes of one layer in
-    ``layer_of`` (``recomputed_layers``) grouped into a ``Region``."""
+    """``nodes`` in order, each maximal run of consecutive call nodes of one region in
+    ``layer_of`` (core/recompute.py ``rerun_regions``) grouped into a ``Region``."""
     out: list[torch.fx.Node | Region] = []
     run: list[torch.fx.Node] = []
     for n in nodes:
@@ -139,8 +135,9 @@ class _Recompute(torch.autograd.Function):
 class RegionCache:
     """A node list with its recomputed layers grouped, computed once per list."""
 
-    def __init__(self, plan: Plan) -> None:
-        self.layers = recomputed_layers(plan)  # node -> layer, on the stages that recompute
+    def __init__(self, plan: Plan, nodes: Iterable[torch.fx.Node], state: Collection[str]) -> None:
+        # node -> the region it reruns in (its layer or attention core), on the stages that recompute
+        self.layers = rerun_regions(plan.stages, plan.nodes, nodes, state)
         self._regions: dict[tuple[str, ...], list[torch.fx.Node | Region]] = {}
 
     def __call__(self, nodes: list[torch.fx.Node]) -> list[torch.fx.Node | Region]:
