@@ -315,11 +315,13 @@ def test_a_recomputing_stage_is_marked(open_page, tp_pp_plan):
     """The header says which stages recompute their activations, and so does their memory bar."""
     import dataclasses
 
-    stages = tuple(dataclasses.replace(s, recompute="full" if s.index == 0 else "none") for s in tp_pp_plan.stages)
+    modes = {0: "full", 1: "selective"}
+    stages = tuple(dataclasses.replace(s, recompute=modes.get(s.index, "none")) for s in tp_pp_plan.stages)
+    assert len(stages) == 2
     page = open_page(render_html(dataclasses.replace(tp_pp_plan, stages=stages)))
-    assert page.text_content('[data-field="recompute"]') == "whole layers on stage(s) 0"
+    assert page.text_content('[data-field="recompute"]') == "whole layers on stage(s) 0; attention cores on stage(s) 1"
     labels = texts(page, "g.mem-bar text.axis")
-    assert [("recomputes full" in t) for t in labels] == [s.recompute == "full" for s in stages], labels
+    assert [t.partition(" · recomputes ")[2] or "none" for t in labels] == [s.recompute for s in stages], labels
     page = open_page(render_html(tp_pp_plan))
     assert page.text_content('[data-field="recompute"]') == "none"
 
