@@ -335,6 +335,7 @@ def build_plan(
         zero_stage=d.zero_stage,
         schedule=d.schedule,
         chunks=d.chunks,
+        offload=d.offload,
         inference=request.inference,
         grad_bucket_bytes=d.bucket_bytes,
         reduce_dtype=request.reduce_dtype,

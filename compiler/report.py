@@ -11,6 +11,7 @@ from rich.table import Table
 
 from partita.core.cluster import UNCALIBRATED
 from partita.core.errors import printable
+from partita.core.optimizers import NO_OFFLOAD
 from partita.core.placement import REPLICATE, Placement
 from partita.core.plan import MemoryBreakdown, Plan
 from partita.core.recompute import FULL, NONE, RECOMPUTED, SELECTIVE
@@ -94,6 +95,8 @@ def memory_terms(m: MemoryBreakdown) -> str:
         parts += [f"{name} {fmt_bytes(v)}" for name, v in terms if v]
     if m.allocator:
         parts.append(f"allocator {fmt_bytes(m.allocator)}")
+    if m.host:
+        parts.append(f"and in host memory (offload) the optimizer's state and masters {fmt_bytes(m.host)}")
     return ", ".join(parts)
 
 
@@ -103,7 +106,8 @@ def memory_row(m: MemoryBreakdown) -> list[str]:
 
 
 def _recompute_note(plan: Plan) -> str:
-    notes = []
+    """The training row's tail: offload, and each recomputation mode's stages."""
+    notes = [", optimizer state in host memory"] if plan.training.offload != NO_OFFLOAD else []
     for mode in (FULL, SELECTIVE):
         on = [s.index for s in plan.stages if s.recompute == mode]
         if on:

@@ -116,6 +116,8 @@ function header(D) {
     ["zero", "ZeRO", D.tp_split ? D.tp_split.zero : `stage ${t.zero_stage}`],
     ["schedule", "schedule", t.schedule],
     ["recompute", "recomputation", recomputeText(p)],
+    ["offload", "optimizer state", t.offload === "optimizer" ?
+      `in host memory, stepped by the host: ${fmtBytes(pr.memory.host || 0)} per device` : "on the device"],
     ["microbatches", "micro-batches", `${t.grad_accum_steps} of ${t.micro_batch_size} sample(s) per dp rank`],
     ["step", "step time", fmtTime(pr.step_time_s)],
     ["tokens", "tokens/s", pr.tokens_per_s === null ? "-" : fmtNum(pr.tokens_per_s, 0)],
@@ -513,7 +515,8 @@ function memorySection(D) {
     const y = 20 + i * (RH + 8);
     const g = svg("g", {class: "mem-bar", "data-stage": r.stage});
     const mode = (D.plan.stages[r.stage] || {}).recompute || "none";
-    const rc = mode !== "none" ? ` · recomputes ${mode}` : "";
+    const rc = (mode !== "none" ? ` · recomputes ${mode}` : "") +
+      (D.plan.training.offload === "optimizer" ? " · state on host" : "");
     g.append(svg("text", {x: 4, y: y + 17, class: "axis", text: `stage ${r.stage} · ${rankRange(r.ranks)}${rc}`}));
     g.append(svg("rect", {x: L, y, width: BW, height: RH, class: "mem-bg"}));
     let x = L;

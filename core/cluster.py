@@ -25,7 +25,6 @@ Table 1; ``sources`` says where each comes from (docs/references.md, "Fitted fig
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import sys
 from collections.abc import Iterable, Mapping
@@ -34,14 +33,13 @@ from pathlib import Path
 from typing import Any
 
 from partita.core.errors import POSITIVE_HINT, ClusterError
-from partita.core.files import read_user_text
 from partita.core.mesh import Mesh, axis_crosses_nodes, crosses_nodes, stage_pair_crosses_nodes
 from partita.core.precision import DTYPES
 
 if sys.version_info >= (3, 11):
-    import tomllib
+    pass
 else:  # pragma: no cover
-    import tomli as tomllib
+    pass
 
 GB = 1e9
 TFLOPS = 1e12
@@ -69,6 +67,8 @@ RANGES = {
     "launch_s": (0.0, 1.0),  # seconds per op issued
     "alloc_granularity": (1, 1 << 30),  # bytes
     "fragmentation": (0.0, 0.9),  # a fraction of the step's peak
+    "host_bandwidth": (0.0, 1e16),  # bytes/s (0: no offload)
+    "host_memory_bandwidth": (0.0, 1e16),
 }
 MAX_CLUSTER_FILE_BYTES = 1 << 20  # a cluster file is a few lines of TOML
 # the `local` preset's source: its figures are guesses until `partita calibrate` measures this machine
@@ -133,6 +133,9 @@ class ClusterSpec:
     fragmentation: float = 0.0  # stated headroom for the allocator's fragmentation, a fraction of the peak
     # where each figure comes from, by field: a data sheet, a fit with its data and date, or a calibration
     sources: Mapping[str, str] = field(default_factory=dict)
+    # The host, for optimizer offload (passes/cost_model.py ``offload_step_time``); 0: not known, no offload
+    host_bandwidth: float = 0.0  # bytes/s per device, one direction, between the device and host memory (PCIe)
+    host_memory_bandwidth: float = 0.0  # bytes/s of host memory per device (its share): the host's optimizer step
 
     def __post_init__(self) -> None:
         """Every field checked where a cluster is made (a preset, a TOML file, a plan's copy):
@@ -155,7 +158,8 @@ class ClusterSpec:
                 raise bad(f"{name}={getattr(self, name)!r} must be a positive number")
         if self.efficiency > 1:
             raise bad(f"efficiency={self.efficiency} must be in (0, 1]")
-        for name in ("attention_efficiency", "memory_efficiency", "kernel_s", "launch_s", "fragmentation"):
+        for name in ("attention_efficiency", "memory_efficiency", "kernel_s", "launch_s", "fragmentation",
+                     "host_bandwidth", "host_memory_bandwidth"):
             if not _number(getattr(self, name), low=0):
                 raise bad(f"{name}={getattr(self, name)!r} must be a finite number >= 0")
         if isinstance(self.alloc_granularity, bool) or not isinstance(self.alloc_granularity, int):
@@ -282,70 +286,10 @@ class ClusterSpec:
         return cls(**{k: v for k, v in d.items() if k in names})
 
     def to_toml(self) -> str:
-        """The human-unit TOML form read by ``load_cluster``."""
-        lines = [
-            f"# partita cluster file{(': ' + self.source) if self.source else ''}",
-            f'name = "{self.name}"',
-            f"source = {json.dumps(self.source)}",
-            f"nodes = {self.nodes}",
-            f"gpus_per_node = {self.gpus_per_node}",
-            f'device = "{self.device}"',
-            f'device_name = "{self.device_name}"',
-            f"memory_gb = {self.memory_bytes / GB:.6g}",
-            f"efficiency = {self.efficiency:.6g}",
-            f"hbm_gb_per_s = {self.hbm_bandwidth / GB:.6g}",
-            f"intra_node_gb_per_s = {self.intra_node_bandwidth / GB:.6g}",
-            f"inter_node_gb_per_s = {self.inter_node_bandwidth / GB:.6g}",
-            f"intra_node_latency_us = {self.intra_node_latency * 1e6:.6g}",
-            f"inter_node_latency_us = {self.inter_node_latency * 1e6:.6g}",
-            f"nvlink = {'true' if self.nvlink else 'false'}",
-            f"memory_reserve = {self.memory_reserve:.6g}",
-            f"step_overhead_ms = {self.step_overhead_s * 1e3:.6g}",
-            f"roofline = {'true' if self.roofline else 'false'}",
-            f"attention_efficiency = {self.attention_efficiency:.6g}",
-            f"memory_efficiency = {self.memory_efficiency:.6g}",
-            f"kernel_us = {self.kernel_s * 1e6:.6g}",
-            f"launch_us = {self.launch_s * 1e6:.6g}",
-            f"alloc_granularity = {self.alloc_granularity}",
-            f"fragmentation = {self.fragmentation:.6g}",
-            "",
-            "[tflops]",
-        ]
-        lines += [f"{k} = {v / TFLOPS:.6g}" for k, v in self.flops.items()]
-        if self.call_latency:
-            lines += ["", "[call_latency_us]"] + [f"{k} = {v * 1e6:.6g}" for k, v in self.call_latency.items()]
-        if self.sources:
-            lines += ["", "[sources]"] + [f"{k} = {json.dumps(v)}" for k, v in self.sources.items()]
-        return "\n".join(lines) + "\n"
+        """The human-unit TOML form read by ``load_cluster`` (core/cluster_file.py)."""
+        from partita.core.cluster_file import cluster_toml
 
-
-_TOML_KEYS = {
-    "name": ("name", str, 1),
-    "nodes": ("nodes", int, 1),
-    "gpus_per_node": ("gpus_per_node", int, 1),
-    "device": ("device", str, 1),
-    "device_name": ("device_name", str, 1),
-    "memory_gb": ("memory_bytes", float, GB),
-    "efficiency": ("efficiency", float, 1),
-    "hbm_gb_per_s": ("hbm_bandwidth", float, GB),
-    "intra_node_gb_per_s": ("intra_node_bandwidth", float, GB),
-    "inter_node_gb_per_s": ("inter_node_bandwidth", float, GB),
-    "intra_node_latency_us": ("intra_node_latency", float, 1e-6),
-    "inter_node_latency_us": ("inter_node_latency", float, 1e-6),
-    "nvlink": ("nvlink", bool, 1),
-    "memory_reserve": ("memory_reserve", float, 1),
-    "step_overhead_ms": ("step_overhead_s", float, 1e-3),
-    "roofline": ("roofline", bool, 1),
-    "source": ("source", str, 1),
-    "attention_efficiency": ("attention_efficiency", float, 1),
-    "memory_efficiency": ("memory_efficiency", float, 1),
-    "kernel_us": ("kernel_s", float, 1e-6),
-    "launch_us": ("launch_s", float, 1e-6),
-    "alloc_granularity": ("alloc_granularity", int, 1),
-    "fragmentation": ("fragmentation", float, 1),
-}
-_TOML_TABLES = ("tflops", "call_latency_us", "sources")
-_REQUIRED_TOML = ("nodes", "gpus_per_node", "device", "memory_gb", "intra_node_gb_per_s", "inter_node_gb_per_s")
+        return cluster_toml(self)
 
 
 # When the GPU presets' per-op figures were fitted, and to what: one H200's step times, partita and eager
@@ -360,6 +304,8 @@ _GPU_SOURCES = {
     "inter_node_latency": "assumption: a hop over InfiniBand (10 us)",
     "attention_efficiency": _H200_FIT, "memory_efficiency": _H200_FIT, "kernel_s": _H200_FIT, "launch_s": _H200_FIT,
     "call_latency": "the fitted launch_s: a collective is an op the host issues",
+    "host_bandwidth": "PCIe x16 per direction, 0.8 of the data sheet's (docs/references.md, Hardware figures)",
+    "host_memory_bandwidth": "the host's DRAM channels shared by 8 GPUs (docs/references.md, Hardware figures)",
     "alloc_granularity": "PyTorch's CUDA caching allocator rounds every block up to 512 bytes",
     "fragmentation": "assumption: 5% of the peak kept free for the caching allocator's fragmentation",
     "memory_reserve": "assumption: 10% for the CUDA context, NCCL's buffers and cuBLAS's workspace",
@@ -376,7 +322,8 @@ def _a100_like(name: str, **kw: Any) -> ClusterSpec:
         name=name, nodes=1, gpus_per_node=8, device="cuda", device_name="A100 SXM 80GB",
         memory_bytes=int(80 * GB), flops={"bf16": 312 * TFLOPS, "fp16": 312 * TFLOPS, "fp32": 19.5 * TFLOPS},
         efficiency=0.7, hbm_bandwidth=2.0e12, intra_node_bandwidth=300 * GB, inter_node_bandwidth=25 * GB,
-        intra_node_latency=5e-6, inter_node_latency=10e-6, nvlink=True,
+        intra_node_latency=5e-6, inter_node_latency=10e-6, nvlink=True, host_bandwidth=25 * GB,
+        host_memory_bandwidth=51.2 * GB,
         source="DGX A100: NVLink 600 GB/s bidirectional, 8x HDR 200 Gb/s (docs/references.md)",
         sources={**_GPU_SOURCES, "efficiency": (
             "0.7: large GEMMs reach 70-80% of the peak (docs/references.md); checked " + FITTED + " against "
@@ -392,7 +339,7 @@ def _presets() -> dict[str, ClusterSpec]:
     h100 = dict(
         device_name="H100 SXM 80GB", flops={"bf16": 989 * TFLOPS, "fp16": 989 * TFLOPS, "fp32": 67 * TFLOPS},
         hbm_bandwidth=3.35e12, intra_node_bandwidth=450 * GB, inter_node_bandwidth=50 * GB, efficiency=0.8,
-        sources=hopper,
+        host_bandwidth=50 * GB, host_memory_bandwidth=76.8 * GB, sources=hopper,
     )
     return {
         "dgx-a100": _a100_like("dgx-a100"),
@@ -413,6 +360,7 @@ def _presets() -> dict[str, ClusterSpec]:
             memory_bytes=int(4 * GB), flops={"fp32": 20e9, "bf16": 5e9}, efficiency=1.0, hbm_bandwidth=5 * GB,
             intra_node_bandwidth=1.0 * GB, inter_node_bandwidth=1.0 * GB, intra_node_latency=100e-6,
             inter_node_latency=100e-6, nvlink=False, memory_reserve=0.25, step_overhead_s=2e-3,
+            host_bandwidth=5 * GB, host_memory_bandwidth=5 * GB,  # the device is the host: a copy in memory
             source=UNCALIBRATED,
             sources={"all": "rough defaults for CPU processes, not measured on this machine: run `partita calibrate`"},
         ),
@@ -427,7 +375,9 @@ def load_cluster(name_or_path: str, *, nodes: int | None = None, devices: int | 
     if name_or_path in PRESETS:
         spec = PRESETS[name_or_path]
     elif name_or_path.endswith(".toml") or Path(name_or_path).exists():
-        spec = _load_toml(Path(name_or_path))
+        from partita.core.cluster_file import load_toml
+
+        spec = load_toml(Path(name_or_path))
     else:
         raise ClusterError(
             f"unknown cluster {name_or_path!r}",
@@ -439,62 +389,3 @@ def load_cluster(name_or_path: str, *, nodes: int | None = None, devices: int | 
     if nodes is not None:
         spec = spec.with_nodes(nodes)
     return spec
-
-
-def _load_toml(path: Path) -> ClusterSpec:
-    """A cluster from a TOML file in human units; every value checked for its type here and for its
-    range by ``ClusterSpec``: a mistake is one ``ClusterError`` naming the key."""
-    def bad(what: str) -> ClusterError:
-        return ClusterError(f"cluster file {path}: {what}", hint=_CLUSTER_HINT)
-
-    text = read_user_text(path, what="cluster file", limit=MAX_CLUSTER_FILE_BYTES, error=ClusterError,
-                          hint="pass the path of a .toml cluster file, or a preset name")
-    try:
-        raw = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as e:
-        raise ClusterError(f"cluster file {path} is not valid TOML: {e}", hint=_CLUSTER_HINT) from e
-    unknown = set(raw) - set(_TOML_KEYS) - set(_TOML_TABLES)
-    if unknown:
-        raise ClusterError(f"cluster file {path}: unknown key(s) {', '.join(sorted(unknown))}",
-                           hint=f"the keys are {', '.join(_TOML_KEYS)}, [tflops], [call_latency_us] and [sources]")
-    kw: dict[str, Any] = dict(
-        name=path.stem, device_name="GPU", efficiency=1.0, hbm_bandwidth=2e12,
-        intra_node_latency=5e-6, inter_node_latency=10e-6, nvlink=False, source=str(path),
-    )
-    for key, value in raw.items():
-        if key in _TOML_TABLES:
-            continue
-        field_name, typ, scale = _TOML_KEYS[key]
-        if typ is str and not isinstance(value, str):
-            raise bad(f"{key} = {value!r} must be text")
-        if typ is bool and not isinstance(value, bool):
-            raise bad(f"{key} = {value!r} must be true or false")
-        if typ in (int, float):
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise bad(f"{key} = {value!r} must be a number")
-            if not math.isfinite(value):
-                raise bad(f"{key} = {value!r} must be a finite number")
-            if typ is int and not isinstance(value, int):
-                raise bad(f"{key} = {value!r} must be an integer")
-        kw[field_name] = value * scale if typ is float else value
-    missing = [k for k in _REQUIRED_TOML if k not in raw]
-    if missing:  # after the types: a key of the wrong type is named first
-        raise ClusterError(f"cluster file {path} lacks {', '.join(missing)}", hint=_CLUSTER_HINT)
-    kw["memory_bytes"] = int(kw["memory_bytes"])
-    tflops = raw.get("tflops")
-    if not isinstance(tflops, dict) or not tflops:
-        raise bad("needs a [tflops] table, e.g. fp32 = 19.5, bf16 = 312")
-    for k, v in tflops.items():
-        if not _number(v, low=0, low_open=True):
-            raise bad(f"[tflops] {k} = {v!r} must be a positive finite number")
-    kw["flops"] = {k: float(v) * TFLOPS for k, v in tflops.items()}
-    calls = raw.get("call_latency_us", {})
-    if not isinstance(calls, dict) or any(k not in COLLECTIVES or not _number(v, low=0) for k, v in calls.items()):
-        raise bad(f"[call_latency_us] takes microseconds >= 0 per collective kind ({', '.join(COLLECTIVES)}), "
-                  f"got {calls!r}")
-    kw["call_latency"] = {k: float(v) * 1e-6 for k, v in calls.items()}
-    sources = raw.get("sources", {})
-    if not isinstance(sources, dict) or any(not isinstance(v, str) for v in sources.values()):
-        raise bad(f"[sources] takes text per figure, got {sources!r}")
-    kw["sources"] = dict(sources)
-    return ClusterSpec(**kw)

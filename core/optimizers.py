@@ -1,5 +1,5 @@
-"""The optimizers partita models (core/plan.py ``OPTIMIZERS``): the default one a rank builds, and the
-cost model's name for what a user's factory builds."""
+"""The optimizers partita models (core/plan.py ``OPTIMIZERS``): the default one a rank builds, the
+cost model's name for what a user's factory builds, and where the optimizer's state may live."""
 
 from __future__ import annotations
 
@@ -7,6 +7,12 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from partita.core.errors import PartitaError
+
+# Where the optimizer's state lives: "none", on the device; "optimizer", on the host, with the
+# masters it updates (ZeRO-Offload's split: the step runs on the host CPU, gradients go down to
+# it and updated parameters come back up each step; passes/cost_model.py ``offload_step_time``)
+NO_OFFLOAD, OFFLOAD_OPTIMIZER = "none", "optimizer"
+OFFLOAD = (NO_OFFLOAD, OFFLOAD_OPTIMIZER)
 
 
 def default_optimizer(params: Iterable[Any], kind: str = "adamw") -> Any:

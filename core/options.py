@@ -24,7 +24,7 @@ from typing import Any
 
 from partita.core.errors import POSITIVE_HINT, PartitaError
 from partita.core.files import check_output, writable_path
-from partita.core.optimizers import default_optimizer, optimizer_kind
+from partita.core.optimizers import NO_OFFLOAD, OFFLOAD, default_optimizer, optimizer_kind
 from partita.core.plan import OPTIMIZERS
 from partita.core.precision import PRECISIONS, REDUCE_DTYPES
 from partita.core.recompute import FULL, NONE, RECOMPUTE, SELECTIVE, recompute_mode
@@ -99,6 +99,9 @@ class Options:
     recompute: str | None = option(None, PIN, "activation recomputation on every stage: selective (each layer's "
                                    "attention core), full (whole layers) or none [default: per stage, where memory "
                                    "binds]", choices=RECOMPUTE)
+    offload: str | None = option(None, PIN, "keep the optimizer's state and the masters it updates in host memory, "
+                                 "stepped by the host CPU (ZeRO-Offload) [default: where nothing else fits]",
+                                 choices=OFFLOAD)
     world_size: int | None = option(None, PIN, "the processes the plan runs on (torchrun's)", flag=None)
 
     # -- how the runtime runs --------------------------------------------------------------------
@@ -186,6 +189,9 @@ class Options:
             if value is not None and not (name == "loss" and resolve_loss(value) == resolve_loss(None)):
                 raise PartitaError(f"{name}={_shown(value)} has no use in a forward-only plan "
                                    "(inference)", hint=f"leave {name} out, or plan for training (without inference)")
+        if self.offload not in (None, NO_OFFLOAD):
+            raise PartitaError("offload has no use in a forward-only plan (inference): there is no optimizer "
+                               "state", hint="leave offload out, or plan for training")
         if self.recompute not in (None, NONE):
             raise PartitaError("recomputation has no use in a forward-only plan (inference): it reruns a layer's "
                                "forward for its backward", hint="leave recompute out, or plan for training")
@@ -269,7 +275,7 @@ class Options:
         """The pinned decisions, for the solvers."""
         return Pins(dp=self.dp, tp=self.tp, pp=self.pp, zero_stage=self.zero, micro_batch_size=self.micro_batch_size,
                     grad_accum_steps=self.grad_accum_steps, world_size=world_size or self.world_size,
-                    schedule=self.schedule, recompute=self.recompute)
+                    schedule=self.schedule, recompute=self.recompute, offload=self.offload)
 
     def cluster_spec(self) -> Any:
         """The cluster to plan for: a preset or cluster file by name, scaled by ``nodes`` / ``devices``."""
@@ -387,6 +393,7 @@ class Pins:
     world_size: int | None = None  # e.g. the processes torchrun launched
     schedule: str | None = None  # the pipeline schedule (core/schedule.py SCHEDULES; implies pp > 1)
     recompute: str | None = None  # core/recompute.py's mode on every stage, or (None) per stage where memory binds
+    offload: str | None = None  # core/optimizers.py's OFFLOAD, or (None) the planner's choice
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "recompute", recompute_mode(self.recompute))
@@ -396,6 +403,9 @@ class Pins:
             raise PartitaError(f"--zero {self.zero_stage!r} must be 0, 1, 2 or 3",
                                hint="ZeRO shards optimizer state (1), gradients (2) and parameters (3) over dp; "
                                "leave --zero out to let partita choose")
+        if self.offload is not None and self.offload not in OFFLOAD:
+            raise PartitaError(f"--offload {self.offload!r} is not one of {', '.join(OFFLOAD)}",
+                               hint="optimizer keeps the optimizer's state and masters in host memory")
         if self.recomputes and self.zero_stage == 3:
             raise PartitaError(f"--recompute {self.recompute} with --zero 3: recomputation reruns a layer's forward "
                                "in backward, where ZeRO-3 would free the parameters it gathers under it",
@@ -421,6 +431,8 @@ class Pins:
                 parts.append(f"--{flags.get(name, name).replace('_', '-')} {v}")
         if self.recompute is not None:
             parts.append(f"--recompute {self.recompute}")
+        if self.offload is not None:
+            parts.append(f"--offload {self.offload}")
         return " ".join(parts) or "no pins"
 
     @property

@@ -23,6 +23,7 @@ from partita.core.buckets import DEFAULT_BUCKET_BYTES
 from partita.core.errors import PlanError
 from partita.core.files import read_user_text, write_text
 from partita.core.mesh import MESH_ORDER, Mesh, MeshAxis  # noqa: F401 (the plan's mesh; re-exported)
+from partita.core.optimizers import NO_OFFLOAD
 from partita.core.recompute import NONE
 
 SCHEMA_VERSION = 2  # 2: Stage.recompute names a mode (core/recompute.py), not a flag
@@ -89,6 +90,7 @@ class Training:
     # ZeRO-3 gathers and frees parameters by these units: one module path per repeated layer
     # (core/buckets.py ``unit_of``); empty: by buckets of ``grad_bucket_bytes``
     zero_units: tuple[str, ...] = ()
+    offload: str = NO_OFFLOAD  # the optimizer's state and masters on the host (core/optimizers.py OFFLOAD)
 
     def __post_init__(self) -> None:
         if self.zero_stage not in (0, 1, 2, 3):
@@ -177,9 +179,7 @@ class Stage:
     ranks: tuple[int, ...] = ()  # global ranks holding this stage
     modules: tuple[str, ...] = ()  # top-level module paths it holds, e.g. "transformer.h.0-11"
     send_bytes: int = 0  # activation bytes sent to the next stage per micro-batch
-    # activation recomputation (core/recompute.py): "full", each repeated layer of the stage keeps
-    # only its inputs and reruns in backward; "selective", only each layer's attention core does
-    recompute: str = NONE
+    recompute: str = NONE  # what reruns in backward (core/recompute.py): none, attention cores or whole layers
 
 
 @dataclass(frozen=True)
@@ -200,6 +200,7 @@ class MemoryBreakdown:
     autocast: int = 0  # of ``activations``: what autocast keeps in fp32 beyond the precision's element size
     # the gradients alive at the backward's peak where a step frees them between steps; None: all of them
     backward_grads: int | None = None
+    host: int = 0  # held in host memory, not the device's: the optimizer's state and masters under offload
 
     @property
     def state(self) -> int:

@@ -68,6 +68,11 @@ def is_floating(name: str) -> bool:
     return torch_dtype(name).is_floating_point
 
 
+def keeps_masters(precision: str) -> bool:
+    """Whether ``precision`` keeps fp32 master weights apart from the parameters (the mixed ones)."""
+    return precision.endswith("-mixed")
+
+
 def element_bytes(precision: str) -> int:
     """Bytes of one activation / weight / gradient element under ``precision``."""
     return dtype_bytes(compute_dtype(precision))
@@ -116,7 +121,7 @@ class PrecisionPolicy:
 
     @property
     def mixed(self) -> bool:
-        return self.precision.endswith("-mixed")
+        return keeps_masters(self.precision)
 
     @property
     def low(self) -> bool:

@@ -30,6 +30,7 @@ import math
 from collections.abc import Iterable
 from typing import Any
 
+from partita.core.optimizers import NO_OFFLOAD
 from partita.core.plan import MeshAxis, NodeDecision, Plan, describe_problems, plan_from_data, read_plan
 
 
@@ -139,6 +140,8 @@ def _training(plan: Plan) -> list[str]:
         out.append(problem)
     if plan.mesh.pp == 1 and t.schedule != "none":
         out.append(f"schedule {t.schedule!r} without pipeline stages (pp=1)")
+    if t.offload != NO_OFFLOAD and t.inference:
+        out.append(f"offload {t.offload!r} in an inference plan: there is no optimizer state to offload")
     if t.zero_stage > 0 and plan.mesh.dp == 1:
         out.append(f"ZeRO-{t.zero_stage} with dp=1: no data-parallel group to shard over")
     if t.grad_bucket_bytes < 1:

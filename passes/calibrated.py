@@ -58,7 +58,9 @@ def calibrated_local(*, nproc: int, cpu_name: str, memory_bytes: int, matmul_flo
                       for k, t in call_seconds.items()},
         source=f"partita calibrate: {nproc} processes on {cpu_name}, {seconds:.0f} s",
         sources={"all": f"partita calibrate: measured on {nproc} processes on {cpu_name}"},
-        **({"hbm_bandwidth": memory_bandwidth, "roofline": True} if memory_bandwidth > 0 else {}),
+        # the device is the host: offload's copies and the host's optimizer step run at memory speed
+        **({"hbm_bandwidth": memory_bandwidth, "roofline": True, "host_bandwidth": memory_bandwidth,
+            "host_memory_bandwidth": memory_bandwidth} if memory_bandwidth > 0 else {}),
     )
 
 

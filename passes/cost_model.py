@@ -33,8 +33,9 @@ from typing import Any
 
 from partita.core.cluster import COLLECTIVES, ClusterSpec, Link
 from partita.core.ops import ATTENTION, base_op
+from partita.core.optimizers import NO_OFFLOAD
 from partita.core.plan import OPTIMIZERS
-from partita.core.precision import PRECISIONS, compute_dtype, element_bytes
+from partita.core.precision import PRECISIONS, compute_dtype, element_bytes, keeps_masters
 
 
 @dataclass(frozen=True)
@@ -63,7 +64,7 @@ def state_bytes_per_param(precision: str, optimizer: str, *, inference: bool = F
     w = element_bytes(precision)
     if inference:
         return StateBytes(w, 0, 0)
-    master = 4 if precision in ("bf16-mixed", "fp16-mixed") else 0
+    master = 4 if keeps_masters(precision) else 0
     moments = {"adamw": 8, "adam": 8, "sgd": 0, "sgd-momentum": 4, "none": 0}[optimizer]
     return StateBytes(w, w, master + moments)
 
@@ -305,6 +306,26 @@ def zero_optimizer_time(num_params: float, state: StateBytes, zero_stage: int, d
     rank's 1/dp slice (of every part of the state) under ZeRO >= 1."""
     share = num_params / dp if zero_stage >= 1 else num_params
     return 2 * share * state.total / cluster.hbm_bandwidth
+
+
+def offloaded_state(state: StateBytes, offload: str, precision: str) -> tuple[StateBytes, float]:
+    """(bytes per parameter on the device, in host memory) under ``offload`` (core/optimizers.py): the
+    optimizer's state and masters move to the host, which keeps a copy of parameters that are their
+    own masters (fp32, pure bf16) as the masters."""
+    if offload == NO_OFFLOAD:
+        return state, 0.0
+    host = state.optimizer + (0.0 if keeps_masters(precision) else state.params)
+    return StateBytes(state.params, state.grads, 0.0), host
+
+
+def offload_step_time(numel: float, state: StateBytes, host_bytes: float, cluster: ClusterSpec) -> float:
+    """One optimizer step over ``numel`` parameters with the state on the host (``offloaded_state``):
+    gradients down and parameters back up at ``host_bandwidth``, the host's pass (masters and state
+    read and written, gradients read) at ``host_memory_bandwidth``; none of it overlaps backward."""
+    if cluster.host_bandwidth <= 0 or cluster.host_memory_bandwidth <= 0:
+        return math.inf
+    link = numel * (state.grads + state.params) / cluster.host_bandwidth
+    return link + numel * (2 * host_bytes + state.grads) / cluster.host_memory_bandwidth
 
 
 def optimizer_time(state: ModelStateMemory, cluster: ClusterSpec) -> float:

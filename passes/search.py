@@ -31,6 +31,7 @@ from typing import Any
 from partita.core.buckets import DEFAULT_BUCKET_BYTES
 from partita.core.cluster import ClusterSpec
 from partita.core.errors import InfeasibleError, PartitaError
+from partita.core.optimizers import NO_OFFLOAD, OFFLOAD_OPTIMIZER
 from partita.core.options import Pins, TrainingRequest
 from partita.core.plan import Alternative, MemoryBreakdown, Mesh, Stage
 from partita.core.recompute import SELECTIVE
@@ -82,6 +83,7 @@ class Decision:
     pruned: int = 0  # pipeline (p, micro-batch) groups not cut: they could not win (plan_search)
     unit_buckets: tuple[int, ...] = ()  # ZeRO-3's buckets (one per unit) at this layout, bytes, where known
     chunks: int = 1  # virtual stages per pipeline rank (interleaved 1F1B): ``stages`` holds pp x chunks
+    offload: str = NO_OFFLOAD  # the optimizer's state and masters in host memory (core/optimizers.py)
 
 
 def plan_search(
@@ -112,15 +114,20 @@ def plan_search(
         raise PartitaError(f"--recompute selective: {profile.name} has no attention core in its repeated layers to "
                            "recompute (core/recompute.py: Q K^T through softmax to the product with V, or a fused "
                            "attention op)", hint="pin --recompute full to rerun whole layers, or leave it out")
-    if pins.pp in (None, 1) and pins.schedule is None and not pins.recomputes:
+    if pins.offload == OFFLOAD_OPTIMIZER and (cluster.host_bandwidth <= 0 or cluster.host_memory_bandwidth <= 0):
+        raise PartitaError(f"--offload optimizer: cluster {cluster.name!r} gives no host bandwidth to price it by",
+                           hint="set host_gb_per_s and host_memory_gb_per_s in the cluster file, or use a preset")
+    # the pipeline search alone weighs these (at p = 1 too), per stage
+    pinned_pipeline = pins.recomputes or pins.offload == OFFLOAD_OPTIMIZER
+    if pins.pp in (None, 1) and pins.schedule is None and not pinned_pipeline:
         try:
             options.append(_from_mesh(choose_mesh(profile, param_numels, cluster, request, replace(pins, pp=None)),
                                       profile, cluster))
         except InfeasibleError as e:
             errors.append(e)
-    # where the plain mesh does not fit, the pipeline search weighs recomputation at p = 1 too
-    if (pins.pp != 1 and world > 1) or pins.recomputes or (not options and pins.recompute is None):
-        tried_pipeline = (pins.pp != 1 and world > 1) or pins.recomputes  # not only as the fallback
+    # where the plain mesh does not fit, the pipeline search weighs recomputation and offload at p = 1 too
+    if (pins.pp != 1 and world > 1) or pinned_pipeline or (not options and pins.recompute is None):
+        tried_pipeline = (pins.pp != 1 and world > 1) or pinned_pipeline  # not only as the fallback
         # With a pp = 1 plan in hand that needs no ZeRO, pipelines are weighed at tp = 1 only (cheap:
         # no ILP), so the plan can say what a pipeline would cost; otherwise at every tp (a pipeline
         # divides the state ZeRO would otherwise move every step).
@@ -383,7 +390,7 @@ def _from_pipeline(d: PipelineDecision, profile: ModelProfile, cluster: ClusterS
         method=f"exact cut DP over layer boundaries x (p, m, schedule) enumeration; TP ILP per (tp={tp}, micro-batch)",
         status="OPTIMAL", gap=0.0, candidates=len(d.candidates), seconds=d.seconds,
         notes=(f"{d.solves} cut programs solved", f"bubble {c.bubble_s / best.step_s:.1%} of the step"),
-        chunks=best.chunks,
+        chunks=best.chunks, offload=best.offload,
     )
 
 

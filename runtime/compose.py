@@ -23,6 +23,7 @@ from partita.core.capture import uncompiled
 from partita.core.errors import PlanError
 from partita.core.losses import training_loss
 from partita.core.ops import running_buffers
+from partita.core.optimizers import NO_OFFLOAD
 from partita.core.options import Options
 from partita.core.plan import MeshAxis, Plan
 from partita.core.precision import PrecisionPolicy
@@ -149,10 +150,12 @@ def compose(module: nn.Module, plan: Plan, ctx: DistContext, options: Options, c
         broadcast_replicas(local, dp_group)
     buckets = options.bucket_bytes or plan.training.grad_bucket_bytes
     zero = averager = master = opt = None
+    offload = plan.training.offload != NO_OFFLOAD  # the optimizer's state and masters in host memory
     if training and dp_group is not None and plan.training.zero_stage > 0:
         zero, averager = _apply_zero(local, pipeline, plan.training.zero_stage, dp_group, optimizer=optimizer,
                                      bucket_bytes=buckets, counter=counter, policy=policy,
-                                     zero_units=plan.training.zero_units, order=[p.name for p in plan.params])
+                                     zero_units=plan.training.zero_units, order=[p.name for p in plan.params],
+                                     offload=offload)
         opt = zero.optimizer
     elif training:
         if dp_group is not None:
@@ -161,7 +164,7 @@ def compose(module: nn.Module, plan: Plan, ctx: DistContext, options: Options, c
             averager = apply_data_parallel(local.parameters(), dp_group, bucket_bytes=buckets, counter=counter,
                                            axis=DP, reduce_dtype=policy.reduce_dtype, keep_reduced=pipeline is None)
         master = MasterWeights([q for q in local.parameters() if q.requires_grad], optimizer, policy,
-                               chunk_bytes=buckets)
+                               chunk_bytes=buckets, offload=offload)
         opt = master.optimizer
     buffers = (BufferAverager(_local_buffers(local, pipeline), dp_group, counter=counter, axis=DP)
                if training and dp_group is not None else None)
@@ -182,8 +185,8 @@ def _local_buffers(local: nn.Module, pipeline: PipelineStage | None) -> list[tor
 
 def _apply_zero(local: nn.Module, pipeline: PipelineStage | None, stage: int, dp_group: dist.ProcessGroup, *,
                 optimizer: OptimizerFactory, bucket_bytes: int, counter: CollectiveCounter,
-                policy: PrecisionPolicy, zero_units: tuple[str, ...] = (), order: Sequence[str] = ()
-                ) -> tuple[ZeroProgram, GradientAverager | None]:
+                policy: PrecisionPolicy, zero_units: tuple[str, ...] = (), order: Sequence[str] = (),
+                offload: bool = False) -> tuple[ZeroProgram, GradientAverager | None]:
     """ZeRO ``stage`` over ``local``'s parameters, with the one optimizer; and the averager of the
     parameters tied across pipeline stages, which stay whole on each (their copies' gradients are
     summed between the stages, which lay out their ZeRO buckets differently; the optimizer's
@@ -200,7 +203,7 @@ def _apply_zero(local: nn.Module, pipeline: PipelineStage | None, stage: int, dp
         named.sort(key=lambda nq: rank.get(qualified[id(nq[1])], len(rank)))
         units = [unit_of(qualified[id(q)], zero_units) for _, q in named]
     zero = apply_zero(named, stage, dp_group, optimizer_factory=optimizer, bucket_bytes=bucket_bytes,
-                      counter=counter, axis=DP, precision=policy, extra_params=tied, units=units)
+                      counter=counter, axis=DP, precision=policy, extra_params=tied, units=units, offload=offload)
     averager = apply_data_parallel(tied, dp_group, bucket_bytes=bucket_bytes, counter=counter, axis=DP,
                                    reduce_dtype=policy.reduce_dtype) if tied else None
     if stage == 3:

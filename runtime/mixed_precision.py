@@ -18,7 +18,9 @@ upcasts each low-precision gradient into its master's ``.grad`` (unscaled
 under fp16), steps, and casts the masters back into the parameters, a bucket
 of masters at a time (no fp32 gradient of the whole model is held). Under
 ``fp32`` (and pure ``bf16``) the masters are the parameters themselves and
-``step`` is the optimizer's.
+``step`` is the optimizer's. With ``offload`` (the plan's ``training.offload``, ZeRO-Offload's
+split) the masters, and so the optimizer's state, live in host memory whatever the policy: each
+chunk's gradients go down to them, the host steps, and the parameters take the masters' values.
 
 ``LossScaler`` is fp16's dynamic loss scale: the loss is multiplied by it
 before backward; a step whose global gradient norm (runtime/grad_norm.py, one
@@ -77,13 +79,14 @@ class MasterWeights:
     """The user's optimizer on fp32 masters of ``params`` (module docstring)."""
 
     def __init__(self, params: Iterable[nn.Parameter], factory: OptimizerFactory, policy: PrecisionPolicy, *,
-                 chunk_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
+                 chunk_bytes: int = DEFAULT_BUCKET_BYTES, offload: bool = False) -> None:
         self.params = list(params)
         self.policy = policy
         self.chunk_bytes = chunk_bytes  # the most fp32 master gradient ``step`` holds at once (a gradient bucket's cap)
-        self.separate = any(p.dtype != policy.master_dtype for p in self.params)
+        self.offload = offload
+        self.separate = offload or any(p.dtype != policy.master_dtype for p in self.params)
         if self.separate:
-            self.masters = [nn.Parameter(p.detach().to(policy.master_dtype, copy=True)) for p in self.params]
+            self.masters = [nn.Parameter(_master(p, policy.master_dtype, offload)) for p in self.params]
         else:
             self.masters = self.params
         self._master_of = {id(p): m for p, m in zip(self.params, self.masters)}
@@ -126,7 +129,8 @@ class MasterWeights:
         grads = []
         for i in chunk:
             g = reduced.get(id(self.params[i]), self.params[i].grad)
-            self.masters[i].grad = None if g is None else g.to(self.masters[i].dtype)
+            m = self.masters[i]
+            self.masters[i].grad = None if g is None else g.to(device=m.device, dtype=m.dtype)  # down to the host
             if g is not None:
                 grads.append(self.masters[i].grad)
         if not grads:
@@ -136,18 +140,35 @@ class MasterWeights:
         self.optimizer.step()
         for i in chunk:
             self.masters[i].grad = None
-        # the working copies refreshed from the masters in one foreach copy, not a kernel a parameter
-        torch._foreach_copy_([self.params[i] for i in chunk], [self.masters[i] for i in chunk])
+        self._refresh([self.params[i] for i in chunk], [self.masters[i] for i in chunk])
+
+    def _refresh(self, params: list[torch.Tensor], masters: list[torch.Tensor]) -> None:
+        """The parameters take the masters' values: in one foreach copy on the device (not a kernel a
+        parameter); up from the host one by one, without waiting for each copy to land."""
+        if not self.offload:
+            torch._foreach_copy_(params, masters)
+            return
+        for p, m in zip(params, masters):
+            p.copy_(m, non_blocking=True)
 
     @torch.no_grad()
     def masters_to_params(self) -> None:
         """After loading into the masters: the parameters take their values."""
         if self.separate:
-            torch._foreach_copy_(self.params, self.masters)
+            self._refresh(self.params, self.masters)
 
     def master_bytes(self) -> int:
         """Bytes of the fp32 masters (0 when they are the parameters)."""
         return sum(m.numel() * m.element_size() for m in self.masters) if self.separate else 0
+
+
+def _master(p: torch.Tensor, dtype: torch.dtype, offload: bool) -> torch.Tensor:
+    """A master copy of ``p`` in ``dtype``: on its device, or in host memory (page-locked where the
+    device is a GPU, so the copies up run without staging)."""
+    if not offload:
+        return p.detach().to(dtype, copy=True)
+    host = p.detach().to(device="cpu", dtype=dtype, copy=True)
+    return host.pin_memory() if p.device.type == "cuda" else host
 
 
 class LossScaler:

@@ -74,6 +74,7 @@ PINS_2: dict[str, dict] = {
     "tp2-recompute": dict(tp=2, recompute=True),
     "pp2-recompute": dict(pp=2, recompute=True),
     "pp2-selective": dict(pp=2, recompute="selective"),  # the MLP and the CNN have no attention: refused
+    "dp2-zero1-offload": dict(dp=2, zero=1, offload="optimizer"),
 }
 PINS_4: dict[str, dict] = {
     "dp2xtp2-zero2": dict(dp=2, tp=2, zero=2),

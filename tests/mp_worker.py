@@ -39,6 +39,7 @@ PINS_2 = {
     "dp2": dict(dp=2), "dp2-zero1": dict(dp=2, zero=1), "dp2-zero2": dict(dp=2, zero=2),
     "dp2-zero3": dict(dp=2, zero=3), "tp2": dict(tp=2), "tp2-recompute": dict(tp=2, recompute=True),
     "tp2-selective": dict(tp=2, recompute="selective"),
+    "dp2-offload": dict(dp=2, offload="optimizer"), "dp2-zero2-offload": dict(dp=2, zero=2, offload="optimizer"),
     "pp2-gpipe": dict(pp=2, schedule="gpipe"), "pp2-1f1b": dict(pp=2, schedule="1f1b"),
     "pp2-interleaved": dict(pp=2, schedule="interleaved-1f1b"),
 }
@@ -113,6 +114,10 @@ def run_case(ctx: DistContext, case: tuple, outdir: str) -> dict:
     try:
         model = ParallelModel(copy.deepcopy(reference), plan, Options(loss=default_loss, optimizer=SGD), ctx=ctx)
         param_dtypes = sorted({str(p.dtype) for p in model.parameters() if p.is_floating_point()})
+        updates = model._program.updates
+        # where the masters live: "cpu" apart from the parameters under offload, else their device
+        offloaded = updates is not None and updates.offload and all(
+            m.device.type == "cpu" and m is not p for m, p in zip(updates.masters, updates.params))
         losses = [model.train_step(x, targets=y) for _ in range(STEPS)]
         final = model.full_state_dict(buffers=False)
     except PartitaError:
@@ -133,6 +138,7 @@ def run_case(ctx: DistContext, case: tuple, outdir: str) -> dict:
         print(f"{name(case)}: loss err {loss_err:.2e}, param err {params['max_abs']:.2e}, moved {moved:.2e}",
               flush=True)
     return {"case": name(case), "mesh": str(plan.mesh), "zero": plan.training.zero_stage,
+            "offload": plan.training.offload, "offloaded": offloaded,
             "param_dtype": str(policy.param_dtype),
             # the dtypes of the model's floating parameters as built, and of the full state after the steps
             "param_dtypes": param_dtypes, "final_dtypes": sorted({str(t.dtype) for t in final.values()}),

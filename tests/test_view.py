@@ -326,6 +326,22 @@ def test_a_recomputing_stage_is_marked(open_page, tp_pp_plan):
     assert page.text_content('[data-field="recompute"]') == "none"
 
 
+def test_offloaded_state_is_shown(open_page, tp_pp_plan):
+    """The header says where the optimizer's state lives and how much of it is in host memory; each
+    memory bar says its state is on the host."""
+    import dataclasses
+
+    assert open_page(render_html(tp_pp_plan)).text_content('[data-field="offload"]') == "on the device"
+    predicted = dataclasses.replace(tp_pp_plan.predicted,
+                                    memory=dataclasses.replace(tp_pp_plan.predicted.memory, host=3_000_000_000))
+    plan = dataclasses.replace(tp_pp_plan, training=dataclasses.replace(tp_pp_plan.training, offload="optimizer"),
+                               predicted=predicted)
+    page = open_page(render_html(plan))
+    assert page.text_content('[data-field="offload"]') == "in host memory, stepped by the host: 3.00 GB per device"
+    labels = texts(page, "g.mem-bar text.axis")
+    assert labels and all(t.endswith(" · state on host") for t in labels), labels
+
+
 def _interleaved(plan):
     """``plan``'s two stages cut in two chunks each: virtual stage c on pipeline rank c mod 2, each
     half its stage's work, run by interleaved 1F1B."""

@@ -21,6 +21,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 from partita.core.cluster import ClusterSpec, Link
+from partita.core.optimizers import NO_OFFLOAD
 from partita.core.plan import MemoryBreakdown
 from partita.core.recompute import NONE
 from partita.core.schedule import in_flight, sends_held
@@ -52,11 +53,20 @@ class StageSetup:
     # virtual stages per rank (interleaved 1F1B): ``stages`` counts them all, ``links`` joins
     # them (ClusterSpec.stage_links), and ``capacity`` is each one's share of a device's bytes
     chunks: int = 1
+    offload: str = NO_OFFLOAD  # the optimizer's state and masters in host memory (core/optimizers.py)
+    host: float = 0.0  # bytes per parameter the host then holds (cost_model.offloaded_state), unsharded
 
     @property
     def held(self) -> StateBytes:
-        """Bytes per parameter one device holds: ``state`` sharded by ZeRO over the dp group."""
-        return sharded_state(self.state, self.zero_stage, self.dp)
+        """Bytes per parameter one device holds: ``state`` sharded by ZeRO over the dp group, less
+        what offload keeps on the host."""
+        held = sharded_state(self.state, self.zero_stage, self.dp)
+        return held if self.offload == NO_OFFLOAD else replace(held, optimizer=0.0)
+
+    @property
+    def host_held(self) -> float:
+        """Bytes per parameter one device's share of the host holds (sharded as the optimizer's state)."""
+        return self.host / (self.dp if self.zero_stage >= 1 else 1)
 
 
 class Partition:
@@ -177,8 +187,8 @@ class Partition:
         if sends:
             buffers = replace(buffers, collectives=buffers.collectives + sends,
                               terms={**buffers.terms, "pipeline sends in flight": sends})
-        return peak_memory(st, activations=act, capacity=capacity, cluster=self.cluster, transient=live,
-                           buffers=buffers)
+        return replace(peak_memory(st, activations=act, capacity=capacity, cluster=self.cluster, transient=live,
+                                   buffers=buffers), host=round(numel * self.setup.host_held))
 
     def _buffer_sums(self, j: int, k: int, s: int) -> tuple[int, int, int]:
         """``rank_memory``'s buffers of stage s: collectives (its sends too), step and tensors, without

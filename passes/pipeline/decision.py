@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from partita.core.cluster import ClusterSpec
 from partita.core.errors import InfeasibleError
+from partita.core.optimizers import NO_OFFLOAD
 from partita.core.plan import MemoryBreakdown, Stage
 from partita.core.recompute import NONE
 from partita.passes.cost_model import PipelineStepCost
@@ -65,6 +66,7 @@ class PipelineCandidate:
     zero_stage: int = 0
     dp_traffic_bytes: int = 0  # the slowest tail's data-parallel bytes sent per step
     cut_for: int | None = None  # not fitting: None when cut for least memory, else the ZeRO stage whose cuts it shows
+    offload: str = NO_OFFLOAD  # the optimizer's state and masters in host memory (core/optimizers.py)
     chunks: int = 1  # virtual stages per rank (interleaved 1F1B): ``stages`` holds pp x chunks
 
     @property
@@ -76,15 +78,16 @@ class PipelineCandidate:
         return self.cost.step_s if self.cost else INF
 
     @property
-    def key(self) -> tuple[int, int, int, str, str, int]:
-        return (self.pp, self.dp, self.micro_batch_size, self.schedule, self.shared_policy, self.zero_stage)
+    def key(self) -> tuple[int, int, int, str, str, int, str]:
+        return (self.pp, self.dp, self.micro_batch_size, self.schedule, self.shared_policy, self.zero_stage,
+                self.offload)
 
 
 @dataclass(frozen=True)
 class PipelineDecision:
     best: PipelineCandidate
     candidates: tuple[PipelineCandidate, ...]  # the fitting ones fastest first, then the rest by memory
-    reasons: dict[tuple[int, int, int, str, str, int], str]  # candidate.key -> why it lost ("chosen: ..." for best)
+    reasons: dict[tuple, str]  # candidate.key -> why it lost ("chosen: ..." for best)
     order: tuple[str, ...]  # the pipeline order stages are runs of
     boundaries: tuple[int, ...]  # where cuts were allowed
     shared: tuple[SharedParam, ...]  # parameters a cut could split (tied embeddings)

@@ -28,12 +28,15 @@ from dataclasses import replace
 from partita.core.buckets import DEFAULT_BUCKET_BYTES, unit_of
 from partita.core.cluster import ClusterSpec, Link
 from partita.core.errors import PartitaError
+from partita.core.optimizers import NO_OFFLOAD, OFFLOAD_OPTIMIZER
 from partita.core.options import Pins, TrainingRequest
 from partita.core.plan import Mesh
 from partita.core.recompute import NONE
 from partita.core.schedule import SCHEDULES, chunk_problem, chunks_of, in_flight
 from partita.passes.cost_model import (
     collective_time,
+    offload_step_time,
+    offloaded_state,
     pipeline_step,
     state_bytes_per_param,
     zero_optimizer_time,
@@ -152,6 +155,9 @@ class _CutSearch:
         self.cache: dict[int, NodeCosts] = {}
         self.groups = pipeline_groups(self.devices, tp, request.global_batch, pins)  # (p, dp, mb size, mbs)
         self.weigh_recompute = not request.inference and pins.recompute != NONE
+        # where the optimizer's state may live, in the order weighed: the host only after the device
+        self.offloads = (pins.offload,) if pins.offload is not None else (NO_OFFLOAD, OFFLOAD_OPTIMIZER) \
+            if cluster.host_bandwidth > 0 and not request.inference else (NO_OFFLOAD,)
         self.recompute_cache: dict[int, Recompute | None] = {}
         self.bounder = PipelineBound(cluster, request, self.state, tp, floor_costs,
                                      chunks=max(map(chunks_of, self.schedules))) if prune and floor_costs else None
@@ -191,8 +197,7 @@ class _CutSearch:
             self.recompute_cache[mb] = self.with_recompute(c)
         for schedule, v, zs in self._schedules(p, m, zero_options, c):
             for policy, forbid in _shared_policies(c, p * v):
-                setups = [self._setup(p, m, schedule, v, dp, z) for z in zs]
-                self._weigh_zero_stages(index, c, setups, mb, policy, forbid)
+                self._weigh_zero_stages(index, c, self._setups(p, m, schedule, v, dp, zs), mb, policy, forbid)
 
     def _schedules(self, p: int, m: int, zero_options: tuple[int, ...], c: NodeCosts
                    ) -> list[tuple[str, int, tuple[int, ...]]]:
@@ -209,10 +214,15 @@ class _CutSearch:
                 out.append((schedule, v, zs))
         return out
 
-    def _setup(self, p: int, m: int, schedule: str, v: int, dp: int, z: int) -> StageSetup:
-        """The cut problem of p ranks x v chunks: p v virtual stages, each with 1/v of a device."""
-        return StageSetup(p * v, m, schedule, stage_links(self.cluster, p, dp, self.tp, v),
-                          self.cluster.usable_memory // v, self.state, z, dp, self.step_buffers(z, dp, m), chunks=v)
+    def _setups(self, p: int, m: int, schedule: str, v: int, dp: int, zs: tuple[int, ...]) -> list[StageSetup]:
+        """The cut problems of p ranks x v chunks, in the order they are weighed: each ZeRO stage of
+        ``zs`` with the optimizer's state on the device, then (where offload is weighed) on the host;
+        p v virtual stages, each with 1/v of a device."""
+        links = stage_links(self.cluster, p, dp, self.tp, v)
+        return [StageSetup(p * v, m, schedule, links, self.cluster.usable_memory // v, self.state, z, dp,
+                           self.step_buffers(z, dp, m), chunks=v, offload=offload,
+                           host=offloaded_state(self.state, offload, self.request.precision)[1])
+                for offload in self.offloads for z in zs]
 
     def _pruned(self, p: int, dp: int, mb: int, m: int, zero_options: tuple[int, ...]) -> bool:
         """Record and skip a group whose lower bound loses to the best step so far, or that no cuts
@@ -229,8 +239,7 @@ class _CutSearch:
             return True
         for schedule, v, zs in self._schedules(p, m, zero_options, floor):
             for _, forbid in _shared_policies(floor, p * v):
-                for z in zs:
-                    setup = self._setup(p, m, schedule, v, dp, z)
+                for setup in self._setups(p, m, schedule, v, dp, zs):
                     if any_cuts_fit(self.bounder.partition(mb, setup, forbid, self.with_recompute)):
                         return False
         self.pruned.append(PrunedCandidate(
@@ -372,6 +381,8 @@ def _candidate(part: Partition, bounds: tuple[int, ...], dp: int, tp: int, mb: i
         dp_s.append(zc.total_s)
         dp_bytes.append(zc.total_bytes)
         opt_s.append(0.0 if request.inference else
+                     offload_step_time(sum(numels) / (dp if setup.zero_stage >= 1 else 1), setup.state, setup.host,
+                                       cluster) if setup.offload != NO_OFFLOAD else
                      zero_optimizer_time(sum(numels), setup.state, setup.zero_stage, dp, cluster))
         stages.append(PipelineStage(
             index=s, start=j, stop=k, first_node=c.order[j], last_node=c.order[k - 1], params=sum(numels),
@@ -402,7 +413,7 @@ def _candidate(part: Partition, bounds: tuple[int, ...], dp: int, tp: int, mb: i
         schedule=setup.schedule,
         shared_policy=policy, cuts=tuple(c.order[k - 1] for k in bounds[1:-1]), stages=tuple(stages), cost=cost,
         memory=max((st.memory for st in stages), key=lambda mm: mm.total), zero_stage=setup.zero_stage,
-        dp_traffic_bytes=max(dp_bytes, default=0),
+        dp_traffic_bytes=max(dp_bytes, default=0), offload=setup.offload,
     )
 
 

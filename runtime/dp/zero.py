@@ -81,6 +81,7 @@ class ZeroProgram:
         precision: PrecisionPolicy = FP32,
         extra_params: Sequence[nn.Parameter] = (),
         units: Sequence[str] | None = None,
+        offload: bool = False,
     ) -> None:
         if stage not in (1, 2, 3):
             raise ValueError(f"zero stage={stage} must be 1, 2 or 3 (stage 0 is GradientAverager)")
@@ -113,7 +114,7 @@ class ZeroProgram:
         # ``extra_params`` (whole parameters compose averages apart, e.g. tied across stages)
         self.precision = precision
         self.master = MasterWeights([*self.shards, *extra_params], optimizer_factory, precision,
-                                     chunk_bytes=bucket_bytes)
+                                     chunk_bytes=bucket_bytes, offload=offload)
         self.optimizer = self.master.optimizer
 
     def _setup_bucket(self, b: _FlatBucket) -> nn.Parameter:
@@ -440,6 +441,7 @@ def apply_zero(
     precision: PrecisionPolicy = FP32,
     extra_params: Sequence[nn.Parameter] = (),
     units: Sequence[str] | None = None,
+    offload: bool = False,
 ) -> ZeroProgram:
     """Shard these local parameters' model state over ``dp_group`` as ZeRO ``stage`` says.
 
@@ -450,4 +452,4 @@ def apply_zero(
     """
     return ZeroProgram(named_params, stage, dp_group, optimizer_factory=optimizer_factory,
                        bucket_bytes=bucket_bytes, counter=counter, axis=axis, precision=precision,
-                       extra_params=extra_params, units=units)
+                       extra_params=extra_params, units=units, offload=offload)
