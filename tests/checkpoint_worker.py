@@ -29,10 +29,10 @@ K, MORE = 2, 2
 OPTIONS = Options(loss=gpt_loss, optimizer=OPTIMIZERS["adamw"])
 
 
-def _plan(name, *, dp=1, tp=1, pp=1, zero=0, schedule="1f1b", accum=2):
+def _plan(name, *, dp=1, tp=1, pp=1, zero=0, schedule="1f1b", accum=2, offload="none"):
     reference, plan, _ = mesh_case(name, pp=pp, tp=tp, dp=dp, cuts_at=(1,) if pp > 1 else (), schedule=schedule,
                                    accum=accum)
-    plan = dataclasses.replace(plan, training=dataclasses.replace(plan.training, zero_stage=zero))
+    plan = dataclasses.replace(plan, training=dataclasses.replace(plan.training, zero_stage=zero, offload=offload))
     return reference, plan
 
 
@@ -157,6 +157,7 @@ def resume_2(ctx: DistContext, out: str) -> list[dict]:
     return [exact_resume(ctx, out, "gpt", dp=2),
             exact_resume(ctx, out, "gpt", dp=2, zero=3, async_save=True),
             exact_resume(ctx, out, "gpt", dp=2, zero=1),
+            exact_resume(ctx, out, "gpt", dp=2, zero=1, offload="optimizer"),  # the state in host memory
             exact_resume(ctx, out, "gpt", tp=2),
             exact_resume(ctx, out, "tied-gpt", pp=2),
             to_torch_save(ctx, out, "tied-gpt", dp=2, zero=3),
