@@ -17,7 +17,8 @@ RTOL, ATOL = 1e-4, 2e-5
 
 CASES = {
     "resume-2": ["resume/gpt/{'dp': 2}", "resume/gpt/{'dp': 2, 'zero': 3}", "resume/gpt/{'dp': 2, 'zero': 1}",
-                 "resume/gpt/{'dp': 2, 'zero': 1, 'offload': 'optimizer'}", "resume/gpt/{'tp': 2}", "resume/tied-gpt/{'pp': 2}", "torch_save/tied-gpt/{'dp': 2, 'zero': 3}",
+                 "resume/gpt/{'dp': 2, 'zero': 1, 'offload': 'optimizer'}", "resume/gpt/{'tp': 2}",
+                 "resume/tied-gpt/{'pp': 2}", "torch_save/tied-gpt/{'dp': 2, 'zero': 3}",
                  "pretrained/torch/{'tp': 2}", "pretrained/safetensors/{'pp': 2}",
                  "pretrained/safetensors/{'dp': 2, 'zero': 3}"],
     "resume-reshard-4": ["resume/gpt/{'dp': 2, 'tp': 2, 'zero': 3}", "resume/hf-llama/{'pp': 2, 'tp': 2}",
