@@ -25,13 +25,21 @@ Table 1; ``sources`` says where each comes from (docs/references.md, "Fitted fig
 from __future__ import annotations
 
 import dataclasses
-import math
 import sys
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from partita.core.cluster_file import (
+    CLUSTER_HINT,
+    COLLECTIVES,
+    GB,
+    TFLOPS,
+    cluster_toml,
+    finite_number,
+    toml_values,
+)
 from partita.core.errors import POSITIVE_HINT, ClusterError
 from partita.core.mesh import Mesh, axis_crosses_nodes, crosses_nodes, stage_pair_crosses_nodes
 from partita.core.precision import DTYPES
@@ -41,10 +49,6 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     pass
 
-GB = 1e9
-TFLOPS = 1e12
-# the collective kinds the cost model prices (passes/cost_model.py) and a cluster file may give call costs for
-COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send_recv")
 DEVICES = ("cuda", "cpu")  # the torch device types the runtime runs on
 # The figures a device or link partita plans for can have, in SI units: a value outside is a slip of
 # units (memory_gb = 1e-9 is one byte) or a size the search is not built for (it weighs every mesh
@@ -70,17 +74,8 @@ RANGES = {
     "host_bandwidth": (0.0, 1e16),  # bytes/s (0: no offload)
     "host_memory_bandwidth": (0.0, 1e16),
 }
-MAX_CLUSTER_FILE_BYTES = 1 << 20  # a cluster file is a few lines of TOML
 # the `local` preset's source: its figures are guesses until `partita calibrate` measures this machine
 UNCALIBRATED = "rough defaults for CPU processes on gloo; run `partita calibrate` to measure"
-_CLUSTER_HINT = "fix the cluster file (`partita calibrate -o local.toml` writes a valid one) or use a preset"
-
-
-def _number(v: Any, *, low: float, low_open: bool = False) -> bool:
-    """``v`` is a finite real number (not a bool) above ``low`` (or at it, unless ``low_open``)."""
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-        return False
-    return v > low if low_open else v >= low
 
 
 @dataclass(frozen=True)
@@ -141,7 +136,7 @@ class ClusterSpec:
         """Every field checked where a cluster is made (a preset, a TOML file, a plan's copy):
         the first that is wrong is named with its value and what it must be."""
         def bad(what: str) -> ClusterError:
-            return ClusterError(f"cluster {self.name!r}: {what}", hint=_CLUSTER_HINT)
+            return ClusterError(f"cluster {self.name!r}: {what}", hint=CLUSTER_HINT)
 
         for name in ("name", "device_name"):
             v = getattr(self, name)
@@ -154,13 +149,13 @@ class ClusterSpec:
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise bad(f"{name}={v!r} must be a positive integer")
         for name in ("memory_bytes", "efficiency", "hbm_bandwidth", "intra_node_bandwidth", "inter_node_bandwidth"):
-            if not _number(getattr(self, name), low=0, low_open=True):
+            if not finite_number(getattr(self, name), low=0, low_open=True):
                 raise bad(f"{name}={getattr(self, name)!r} must be a positive number")
         if self.efficiency > 1:
             raise bad(f"efficiency={self.efficiency} must be in (0, 1]")
         for name in ("attention_efficiency", "memory_efficiency", "kernel_s", "launch_s", "fragmentation",
                      "host_bandwidth", "host_memory_bandwidth"):
-            if not _number(getattr(self, name), low=0):
+            if not finite_number(getattr(self, name), low=0):
                 raise bad(f"{name}={getattr(self, name)!r} must be a finite number >= 0")
         if isinstance(self.alloc_granularity, bool) or not isinstance(self.alloc_granularity, int):
             raise bad(f"alloc_granularity={self.alloc_granularity!r} must be a whole number of bytes")
@@ -168,10 +163,10 @@ class ClusterSpec:
                 not isinstance(k, str) or not isinstance(v, str) or not v.isprintable()
                 for k, v in self.sources.items()):
             raise bad(f"sources must map a figure's name to text, got {self.sources!r}")
-        if not _number(self.memory_reserve, low=0) or self.memory_reserve >= 1:
+        if not finite_number(self.memory_reserve, low=0) or self.memory_reserve >= 1:
             raise bad(f"memory_reserve={self.memory_reserve!r} must be in [0, 1)")
         for name in ("intra_node_latency", "inter_node_latency", "step_overhead_s"):
-            if not _number(getattr(self, name), low=0):
+            if not finite_number(getattr(self, name), low=0):
                 raise bad(f"{name}={getattr(self, name)!r} must be a finite number >= 0")
         if self.device not in DEVICES:
             raise bad(f"device {self.device!r} is not one of {', '.join(DEVICES)}")
@@ -180,11 +175,11 @@ class ClusterSpec:
         if not isinstance(self.roofline, bool):
             raise bad(f"roofline={self.roofline!r} must be true or false")
         if not isinstance(self.flops, Mapping) or not self.flops or any(
-                not isinstance(k, str) or not _number(v, low=0, low_open=True) for k, v in self.flops.items()):
+                not isinstance(k, str) or not finite_number(v, low=0, low_open=True) for k, v in self.flops.items()):
             got = dict(self.flops) if isinstance(self.flops, Mapping) else self.flops
             raise bad(f"flops needs a positive finite rate per dtype, got {got!r}")
         if not isinstance(self.call_latency, Mapping) or any(
-                k not in COLLECTIVES or not _number(v, low=0) for k, v in self.call_latency.items()):
+                k not in COLLECTIVES or not finite_number(v, low=0) for k, v in self.call_latency.items()):
             raise bad(f"call latency takes seconds >= 0 per collective kind ({', '.join(COLLECTIVES)}), "
                       f"got {self.call_latency!r}")
         if self.world_size > MAX_DEVICES or self.gpus_per_node > MAX_DEVICES_PER_NODE:
@@ -287,9 +282,7 @@ class ClusterSpec:
 
     def to_toml(self) -> str:
         """The human-unit TOML form read by ``load_cluster`` (core/cluster_file.py)."""
-        from partita.core.cluster_file import cluster_toml
-
-        return cluster_toml(self)
+        return cluster_toml(self.to_dict())
 
 
 # When the GPU presets' per-op figures were fitted, and to what: one H200's step times, partita and eager
@@ -375,9 +368,7 @@ def load_cluster(name_or_path: str, *, nodes: int | None = None, devices: int | 
     if name_or_path in PRESETS:
         spec = PRESETS[name_or_path]
     elif name_or_path.endswith(".toml") or Path(name_or_path).exists():
-        from partita.core.cluster_file import load_toml
-
-        spec = load_toml(Path(name_or_path))
+        spec = ClusterSpec(**toml_values(Path(name_or_path)))
     else:
         raise ClusterError(
             f"unknown cluster {name_or_path!r}",

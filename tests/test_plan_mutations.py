@@ -35,7 +35,8 @@ HARMLESS = {
     "cluster.intra_node_latency", "cluster.inter_node_latency", "cluster.nvlink", "cluster.memory_reserve",
     "cluster.step_overhead_s", "cluster.roofline", "cluster.source", "cluster.nodes", "cluster.gpus_per_node",
     "cluster.attention_efficiency", "cluster.memory_efficiency", "cluster.kernel_s", "cluster.launch_s",
-    "cluster.alloc_granularity", "cluster.fragmentation", "cluster.sources.all",
+    "cluster.alloc_granularity", "cluster.fragmentation", "cluster.sources.all", "cluster.host_bandwidth",
+    "cluster.host_memory_bandwidth",
     "training.grad_bucket_bytes",  # how gradients are grouped for the all-reduce, not what is summed
     "nodes[].module", "nodes[].layer", "nodes[].flops_fwd", "nodes[].compute_s", "nodes[].ins[].bytes",
     "nodes[].op",  # the graph's own op is run; the plan's is its label (the fingerprint covers the graph)
@@ -51,7 +52,7 @@ HARMLESS |= {f"predicted.{k}" for k in (
     "step_time_s", "compute_s", "comm_s.tp_forward", "comm_s.tp_backward", "comm_s.tp_internal", "optimizer_s",
     "memory.params", "memory.grads", "memory.optimizer", "memory.activations", "memory.capacity", "samples_per_s",
     "memory.transient", "memory.collectives", "memory.step", "memory.allocator", "memory.autocast",
-    "memory.backward_grads", "sources.compute", "sources.communication", "sources.optimizer", "sources.memory",
+    "memory.backward_grads", "memory.host", "sources.compute", "sources.communication", "sources.optimizer", "sources.memory",
     "tokens_per_s", "model_tflops_per_device", "mfu")}
 HARMLESS |= {f"solver.{k}" for k in ("method", "status", "objective", "seconds", "candidates", "gap", "notes[]")}
 HARMLESS |= {f"alternatives[].{k}" for k in ("mesh.dp", "mesh.tp", "mesh.pp", "micro_batch_size",

@@ -155,9 +155,10 @@ class _CutSearch:
         self.cache: dict[int, NodeCosts] = {}
         self.groups = pipeline_groups(self.devices, tp, request.global_batch, pins)  # (p, dp, mb size, mbs)
         self.weigh_recompute = not request.inference and pins.recompute != NONE
-        # where the optimizer's state may live, in the order weighed: the host only after the device
+        # where the optimizer's state may live, in the order weighed: the host only after the device, and
+        # only where the device is not the host (on CPU processes a pinned offload runs, frees nothing)
         self.offloads = (pins.offload,) if pins.offload is not None else (NO_OFFLOAD, OFFLOAD_OPTIMIZER) \
-            if cluster.host_bandwidth > 0 and not request.inference else (NO_OFFLOAD,)
+            if cluster.host_bandwidth > 0 and cluster.device != "cpu" and not request.inference else (NO_OFFLOAD,)
         self.recompute_cache: dict[int, Recompute | None] = {}
         self.bounder = PipelineBound(cluster, request, self.state, tp, floor_costs,
                                      chunks=max(map(chunks_of, self.schedules))) if prune and floor_costs else None
