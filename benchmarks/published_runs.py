@@ -242,7 +242,7 @@ def price(r: Run, pins: Pins | None = None) -> Priced:
     # not recompute under ZeRO-3, so those rows are priced without it.
     pinned = r.recompute if r.recompute in ("full", "selective") and r.zero_stage < 3 else None
     pins = pins or Pins(dp=r.dp if r.pp == 1 else None, tp=r.tp, pp=r.pp, micro_batch_size=r.micro_batch or None,
-                        zero_stage=r.zero_stage, recompute=pinned,
+                        zero_stage=r.zero_stage, recompute=pinned, offload="none",  # none of the runs offloaded
                         schedule=r.schedule if r.pp > 1 else None)
     cluster = cluster_for(r)
     try:

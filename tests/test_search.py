@@ -145,16 +145,16 @@ def test_a_pinned_schedule_gives_a_pipeline_with_that_schedule():
 def test_recomputation_only_on_the_stages_where_memory_binds():
     """GPT-3 175B, t=8 x p=8 on 64 A100s with micro-batches of 2: without recomputation the least
     memory cuts still need 80 GB on a stage (its state, the activations of the micro-batches 1F1B
-    holds there, what it sends, the allocator's share), over the 72 GB budget (unless the optimizer's
-    state goes to the host, weighed only after recomputation on the device).
+    holds there, what it sends, the allocator's share), over the 72 GB budget. (The optimizer's state
+    stays on the device: offloaded, 2.7B parameters a GPU step in 1.8 s more, and no stage recomputes.)
     Weighed per
     stage, recomputation goes to the first stages of 1F1B (they hold the most micro-batches in
     flight) and nowhere it is not needed; forced on every stage it is slower."""
     model = _gpt(96, 12288, 96, vocab=50257, seq=2048)
     cluster = PRESETS["dgx-a100"].with_nodes(8)
-    pins = dict(tp=8, pp=8, micro_batch_size=2)
+    pins = dict(tp=8, pp=8, micro_batch_size=2, offload="none")
     with pytest.raises(InfeasibleError, match=r"stage 5 needs 80.25 GB"):
-        _search(model, cluster, 64, Pins(**pins, recompute=False, offload="none"))
+        _search(model, cluster, 64, Pins(**pins, recompute=False))
     d = _search(model, cluster, 64, Pins(**pins))
     flags = [s.recompute != "none" for s in d.stages]
     assert flags[0] and not all(flags), flags
