@@ -52,7 +52,8 @@ HARMLESS |= {f"predicted.{k}" for k in (
     "step_time_s", "compute_s", "comm_s.tp_forward", "comm_s.tp_backward", "comm_s.tp_internal", "optimizer_s",
     "memory.params", "memory.grads", "memory.optimizer", "memory.activations", "memory.capacity", "samples_per_s",
     "memory.transient", "memory.collectives", "memory.step", "memory.allocator", "memory.autocast",
-    "memory.backward_grads", "memory.host", "sources.compute", "sources.communication", "sources.optimizer", "sources.memory",
+    "memory.backward_grads", "memory.host", "sources.compute", "sources.communication", "sources.optimizer",
+    "sources.memory",
     "tokens_per_s", "model_tflops_per_device", "mfu")}
 HARMLESS |= {f"solver.{k}" for k in ("method", "status", "objective", "seconds", "candidates", "gap", "notes[]")}
 HARMLESS |= {f"alternatives[].{k}" for k in ("mesh.dp", "mesh.tp", "mesh.pp", "micro_batch_size",
