@@ -336,6 +336,7 @@ def build_plan(
         schedule=d.schedule,
         chunks=d.chunks,
         offload=d.offload,
+        sequence_parallel=d.sequence_parallel,
         inference=request.inference,
         grad_bucket_bytes=d.bucket_bytes,
         reduce_dtype=request.reduce_dtype,

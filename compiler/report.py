@@ -106,8 +106,10 @@ def memory_row(m: MemoryBreakdown) -> list[str]:
 
 
 def _recompute_note(plan: Plan) -> str:
-    """The training row's tail: offload, and each recomputation mode's stages."""
-    notes = [", optimizer state in host memory"] if plan.training.offload != NO_OFFLOAD else []
+    """The training row's tail: sequence parallelism, offload, and each recomputation mode's stages."""
+    notes = [", sequence parallel"] if plan.training.sequence_parallel else []
+    if plan.training.offload != NO_OFFLOAD:
+        notes.append(", optimizer state in host memory")
     for mode in (FULL, SELECTIVE):
         on = [s.index for s in plan.stages if s.recompute == mode]
         if on:

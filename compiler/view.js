@@ -116,6 +116,8 @@ function header(D) {
     ["zero", "ZeRO", D.tp_split ? D.tp_split.zero : `stage ${t.zero_stage}`],
     ["schedule", "schedule", t.schedule],
     ["recompute", "recomputation", recomputeText(p)],
+    ["sequence", "sequence parallel", t.sequence_parallel ?
+      "norms, dropouts and residual adds split along the sequence over tp" : "no"],
     ["offload", "optimizer state", t.offload === "optimizer" ?
       `in host memory, stepped by the host: ${fmtBytes(pr.memory.host || 0)} per device` : "on the device"],
     ["microbatches", "micro-batches", `${t.grad_accum_steps} of ${t.micro_batch_size} sample(s) per dp rank`],

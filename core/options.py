@@ -99,6 +99,9 @@ class Options:
     recompute: str | None = option(None, PIN, "activation recomputation on every stage: selective (each layer's "
                                    "attention core), full (whole layers) or none [default: per stage, where memory "
                                    "binds]", choices=RECOMPUTE)
+    sequence_parallel: bool | None = option(None, PIN, "split the residual stream (norms, dropouts, residual adds) "
+                                            "along the sequence over the TP group [default: per node, where "
+                                            "the TP solver finds it faster]", kind=bool)
     offload: str | None = option(None, PIN, "keep the optimizer's state and the masters it updates in host memory, "
                                  "stepped by the host CPU (ZeRO-Offload) [default: where nothing else fits]",
                                  choices=OFFLOAD)
@@ -275,7 +278,8 @@ class Options:
         """The pinned decisions, for the solvers."""
         return Pins(dp=self.dp, tp=self.tp, pp=self.pp, zero_stage=self.zero, micro_batch_size=self.micro_batch_size,
                     grad_accum_steps=self.grad_accum_steps, world_size=world_size or self.world_size,
-                    schedule=self.schedule, recompute=self.recompute, offload=self.offload)
+                    schedule=self.schedule, recompute=self.recompute, offload=self.offload,
+                    sequence_parallel=self.sequence_parallel)
 
     def cluster_spec(self) -> Any:
         """The cluster to plan for: a preset or cluster file by name, scaled by ``nodes`` / ``devices``."""
@@ -394,6 +398,7 @@ class Pins:
     schedule: str | None = None  # the pipeline schedule (core/schedule.py SCHEDULES; implies pp > 1)
     recompute: str | None = None  # core/recompute.py's mode on every stage, or (None) per stage where memory binds
     offload: str | None = None  # core/optimizers.py's OFFLOAD, or (None) the planner's choice
+    sequence_parallel: bool | None = None  # the residual stream split along the sequence (tp > 1), or the planner's
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "recompute", recompute_mode(self.recompute))
@@ -403,6 +408,12 @@ class Pins:
             raise PartitaError(f"--zero {self.zero_stage!r} must be 0, 1, 2 or 3",
                                hint="ZeRO shards optimizer state (1), gradients (2) and parameters (3) over dp; "
                                "leave --zero out to let partita choose")
+        if self.sequence_parallel not in (None, True, False):
+            raise PartitaError(f"sequence_parallel={self.sequence_parallel!r} must be True, False or None",
+                               hint="True splits the residual stream along the sequence over tp, False never")
+        if self.sequence_parallel and self.tp == 1:
+            raise PartitaError("--sequence-parallel with --tp 1: there is no TP group to split the sequence over",
+                               hint="pin --tp 2 or more, or drop --sequence-parallel")
         if self.offload is not None and self.offload not in OFFLOAD:
             raise PartitaError(f"--offload {self.offload!r} is not one of {', '.join(OFFLOAD)}",
                                hint="optimizer keeps the optimizer's state and masters in host memory")
@@ -433,6 +444,8 @@ class Pins:
             parts.append(f"--recompute {self.recompute}")
         if self.offload is not None:
             parts.append(f"--offload {self.offload}")
+        if self.sequence_parallel is not None:
+            parts.append("--sequence-parallel" if self.sequence_parallel else "--no-sequence-parallel")
         return " ".join(parts) or "no pins"
 
     @property

@@ -91,6 +91,7 @@ class Training:
     # (core/buckets.py ``unit_of``); empty: by buckets of ``grad_bucket_bytes``
     zero_units: tuple[str, ...] = ()
     offload: str = NO_OFFLOAD  # the optimizer's state and masters on the host (core/optimizers.py OFFLOAD)
+    sequence_parallel: bool = False  # the nodes' layouts split the residual stream along the sequence over tp
 
     def __post_init__(self) -> None:
         if self.zero_stage not in (0, 1, 2, 3):

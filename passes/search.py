@@ -51,6 +51,7 @@ from partita.passes.tp.costs import TPCosts
 from partita.passes.tp.ilp import solve_tp
 from partita.passes.tp.mesh import MeshDecision, choose_mesh, plan_alternatives
 from partita.passes.tp.problem import TPSetting, build_problem
+from partita.passes.tp.sequence import residual_nodes, sequence_parallel_strategies
 
 
 @dataclass(frozen=True)
@@ -84,6 +85,7 @@ class Decision:
     unit_buckets: tuple[int, ...] = ()  # ZeRO-3's buckets (one per unit) at this layout, bytes, where known
     chunks: int = 1  # virtual stages per pipeline rank (interleaved 1F1B): ``stages`` holds pp x chunks
     offload: str = NO_OFFLOAD  # the optimizer's state and masters in host memory (core/optimizers.py)
+    sequence_parallel: bool = False  # the residual stream split along the sequence (passes/tp/sequence.py)
 
 
 def plan_search(
@@ -118,7 +120,10 @@ def plan_search(
         raise PartitaError(f"--offload optimizer: cluster {cluster.name!r} gives no host bandwidth to price it by",
                            hint="set host_gb_per_s and host_memory_gb_per_s in the cluster file, or use a preset")
     # the pipeline search alone weighs these (at p = 1 too), per stage
-    pinned_pipeline = pins.recomputes or pins.offload == OFFLOAD_OPTIMIZER
+    pinned_pipeline = pins.recomputes or pins.offload == OFFLOAD_OPTIMIZER or bool(pins.sequence_parallel)
+    if pins.sequence_parallel and not residual_nodes(profile.graph):
+        raise PartitaError(f"--sequence-parallel: {profile.name} has no residual stream to split (repeated layers "
+                           "handing each other batch x sequence x hidden)", hint="drop --sequence-parallel")
     if pins.pp in (None, 1) and pins.schedule is None and not pinned_pipeline:
         try:
             options.append(_from_mesh(choose_mesh(profile, param_numels, cluster, request, replace(pins, pp=None)),
@@ -133,12 +138,12 @@ def plan_search(
         # divides the state ZeRO would otherwise move every step).
         fits_plain = bool(options) and options[0].zero_stage == 0
         degrees = tp_degrees(cluster, world, pins, pp=pins.pp) if (pins.pp or not fits_plain) else [pins.tp or 1]
-        for tp in degrees:
+        for tp, sp in [(t, sp) for t in degrees for sp in _sequence_options(pins, t)]:
             best_s = min((o.step_s for o in options), default=math.inf)
             try:
                 decision = choose_pipeline(
                     profile, cluster, request, replace(pins, tp=tp), devices_per_stage=tp,
-                    costs=lambda mb, tp=tp: layouts.node_costs(mb, tp),
+                    costs=lambda mb, tp=tp, sp=sp: layouts.node_costs(mb, tp, sp),
                     floor_costs=layouts.floor(tp), prune=prune, bound=best_s,
                 )
             except AllPruned as e:
@@ -150,7 +155,7 @@ def plan_search(
             except PartitaError:
                 continue  # this tp leaves no pipeline split of the batch (e.g. dp does not divide it)
             pruned += decision.pruned
-            options.append(_from_pipeline(decision, profile, cluster, request, tp, layouts))
+            options.append(_from_pipeline(decision, profile, cluster, request, tp, layouts, sp))
     if not options:
         if errors:
             raise errors[-1] if tried_pipeline else errors[0]
@@ -198,20 +203,21 @@ class _Layouts:
 
     def __init__(self, profile: ModelProfile, cluster: ClusterSpec, request: TrainingRequest):
         self.profile, self.cluster, self.request = profile, cluster, request
-        self._choice: dict[tuple[int, int], Mapping[str, Strategy]] = {}
-        self._costs: dict[tuple[int, int], NodeCosts] = {}
+        self._choice: dict[tuple[int, int, bool], Mapping[str, Strategy]] = {}
+        self._costs: dict[tuple[int, int, bool], NodeCosts] = {}
 
-    def choice(self, micro_batch: int, tp: int) -> Mapping[str, Strategy]:
-        key = (micro_batch, tp)
+    def choice(self, micro_batch: int, tp: int, sp: bool = False) -> Mapping[str, Strategy]:
+        key = (micro_batch, tp, sp)
         if key not in self._choice:
-            self._choice[key] = tp_choice(self.profile, self.cluster, self.request, micro_batch, tp)
+            self._choice[key] = tp_choice(self.profile, self.cluster, self.request, micro_batch, tp, sp=sp)
         return self._choice[key]
 
-    def node_costs(self, micro_batch: int, tp: int) -> NodeCosts:
-        key = (micro_batch, tp)
+    def node_costs(self, micro_batch: int, tp: int, sp: bool = False) -> NodeCosts:
+        """``sp``: the layout with the residual stream split along the sequence (passes/tp/sequence.py)."""
+        key = (micro_batch, tp, sp and tp > 1)
         if key not in self._costs:
             self._costs[key] = tp_node_costs(self.profile, self.cluster, self.request, micro_batch, tp,
-                                             choice=self.choice(micro_batch, tp) if tp > 1 else None,
+                                             choice=self.choice(*key) if tp > 1 else None,
                                              base=self.node_costs(micro_batch, 1) if tp > 1 else None)
         return self._costs[key]
 
@@ -283,14 +289,16 @@ def _from_mesh(d: MeshDecision, profile: ModelProfile, cluster: ClusterSpec) -> 
 
 
 def tp_choice(profile: ModelProfile, cluster: ClusterSpec, request: TrainingRequest, micro_batch: int,
-              tp: int) -> Mapping[str, Strategy]:
-    """The TP ILP's layout at (tp, micro-batch), by time alone (each stage's memory is the cut solver's)."""
+              tp: int, *, sp: bool = False) -> Mapping[str, Strategy]:
+    """The TP ILP's layout at (tp, micro-batch), by time alone (each stage's memory is the cut solver's);
+    ``sp``: with the residual stream split along the sequence (passes/tp/sequence.py)."""
     G = profile.graph
     if tp == 1:
         return {n: node_strategies(G, n, 1)[0] for n in G.nodes}
     setting = TPSetting(tp, micro_batch, profile.batch_size, request.precision, request.optimizer,
                         request.inference, kv_ratio=kv_ratio(profile, request), captured_dtype=profile.param_dtype)
-    return solve_tp(build_problem(G, setting, cluster, repeated=profile.repeated)).choice
+    return solve_tp(build_problem(G, setting, cluster, repeated=profile.repeated,
+                                  strategies=sequence_parallel_strategies if sp else None)).choice
 
 
 def tp_node_costs(profile: ModelProfile, cluster: ClusterSpec, request: TrainingRequest, micro_batch: int,
@@ -369,12 +377,19 @@ def _local_core_inputs(base: NodeCosts, saved: Sequence[int]) -> tuple[int, ...]
                  for core, held in zip(base.cores, base.core_inputs))
 
 
+def _sequence_options(pins: Pins, tp: int) -> tuple[bool, ...]:
+    """The layouts weighed at ``tp``: the residual stream split along the sequence where pinned (and
+    there is a TP group), else the ILP's free layout, which splits each norm and dropout along the
+    sequence where that is faster (passes/tp/sequence.py)."""
+    return (bool(pins.sequence_parallel) and tp > 1,)
+
+
 def _from_pipeline(d: PipelineDecision, profile: ModelProfile, cluster: ClusterSpec, request: TrainingRequest,
-                   tp: int, layouts: _Layouts) -> Decision:
+                   tp: int, layouts: _Layouts, sp: bool = False) -> Decision:
     best = d.best
     c = best.cost
     assert c is not None
-    choice = layouts.choice(best.micro_batch_size, tp)
+    choice = layouts.choice(best.micro_batch_size, tp, sp and tp > 1)
     node_stage = stage_of_nodes(profile, best.cuts) if best.pp > 1 else {n: 0 for n in profile.graph.nodes}
     dp_key = "dp_all_reduce" if best.zero_stage == 0 else f"zero{best.zero_stage}_collectives"
     comm = {k: v for k, v in (("pp_send_recv", c.p2p_s), ("pp_bubble", c.bubble_s),
@@ -390,7 +405,7 @@ def _from_pipeline(d: PipelineDecision, profile: ModelProfile, cluster: ClusterS
         method=f"exact cut DP over layer boundaries x (p, m, schedule) enumeration; TP ILP per (tp={tp}, micro-batch)",
         status="OPTIMAL", gap=0.0, candidates=len(d.candidates), seconds=d.seconds,
         notes=(f"{d.solves} cut programs solved", f"bubble {c.bubble_s / best.step_s:.1%} of the step"),
-        chunks=best.chunks, offload=best.offload,
+        chunks=best.chunks, offload=best.offload, sequence_parallel=sp and tp > 1,
     )
 
 

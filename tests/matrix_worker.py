@@ -81,6 +81,7 @@ PINS_4: dict[str, dict] = {
     "tp2xpp2-1f1b-recompute": dict(tp=2, pp=2, schedule="1f1b", recompute=True),
     "dp2xpp2-gpipe-zero1": dict(dp=2, pp=2, schedule="gpipe", zero=1),
     "dp2xpp2-interleaved": dict(dp=2, pp=2, schedule="interleaved-1f1b"),
+    "dp2xtp2-sp": dict(dp=2, tp=2, sequence_parallel=True),  # the MLP has no residual stream: refused
 }
 MODELS_4 = ("mlp", "gpt", "hf-llama")
 

@@ -38,7 +38,7 @@ SGD = OPTIMIZERS["sgd"]
 PINS_2 = {
     "dp2": dict(dp=2), "dp2-zero1": dict(dp=2, zero=1), "dp2-zero2": dict(dp=2, zero=2),
     "dp2-zero3": dict(dp=2, zero=3), "tp2": dict(tp=2), "tp2-recompute": dict(tp=2, recompute=True),
-    "tp2-selective": dict(tp=2, recompute="selective"),
+    "tp2-selective": dict(tp=2, recompute="selective"), "tp2-sp": dict(tp=2, sequence_parallel=True),
     "dp2-offload": dict(dp=2, offload="optimizer"), "dp2-zero2-offload": dict(dp=2, zero=2, offload="optimizer"),
     "pp2-gpipe": dict(pp=2, schedule="gpipe"), "pp2-1f1b": dict(pp=2, schedule="1f1b"),
     "pp2-interleaved": dict(pp=2, schedule="interleaved-1f1b"),
@@ -139,6 +139,7 @@ def run_case(ctx: DistContext, case: tuple, outdir: str) -> dict:
               flush=True)
     return {"case": name(case), "mesh": str(plan.mesh), "zero": plan.training.zero_stage,
             "offload": plan.training.offload, "offloaded": offloaded,
+            "sequence_parallel": plan.training.sequence_parallel,
             "param_dtype": str(policy.param_dtype),
             # the dtypes of the model's floating parameters as built, and of the full state after the steps
             "param_dtypes": param_dtypes, "final_dtypes": sorted({str(t.dtype) for t in final.values()}),

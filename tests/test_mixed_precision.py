@@ -88,6 +88,7 @@ def test_mixed_precision_plans_match_one_process_running_the_same_recipe(tmp_pat
                     _assert_case(r, rank)
                     want = "optimizer" if "offload" in r["case"] else "none"
                     assert r["offload"] == want and r["offloaded"] == (want != "none"), (rank, r["case"])
+                    assert r["sequence_parallel"] == ("-sp/" in r["case"]), (rank, r["case"])
                 elif kind == "memory":
                     _assert_memory(r, rank, world)
                 elif kind == "clip":

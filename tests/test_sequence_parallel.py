@@ -1,0 +1,67 @@
+"""Sequence parallelism (passes/tp/sequence.py): which nodes are the residual stream, the layout
+``--sequence-parallel`` pins, and its refusals. The runtime runs the pinned layout against one
+process in the plan matrix (dp2xtp2-sp, fp32) and the mixed-precision test (tp2-sp, bf16)."""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import pytest
+
+from examples.models import GPT, MLP, GPTConfig
+from partita.core.capture import capture
+from partita.core.cluster import PRESETS
+from partita.core.errors import PartitaError
+from partita.core.inputs import parse_input_spec
+from partita.core.losses import default_loss
+from partita.core.options import Pins, TrainingRequest
+from partita.core.tp.vocabulary import shard
+from partita.passes.profile import profile_model
+from partita.passes.search import plan_search
+from partita.passes.tp.sequence import residual_nodes, residual_shape
+
+
+@functools.cache
+def _profile(factory, spec: str):
+    captured = capture(factory, [parse_input_spec(spec)], loss=default_loss)
+    return profile_model(captured), [math.prod(shape) for shape, _ in captured.params.values()]
+
+
+def _gpt():
+    cfg = GPTConfig(vocab_size=50304, block_size=1024, n_layer=4, n_head=16, n_embd=1024, dropout=0.1)
+    return _profile(lambda: GPT(cfg), "idx=int64[1,1024]")
+
+
+def test_the_residual_stream_is_each_layers_norms_dropouts_and_adds():
+    profile, _ = _gpt()
+    G = profile.graph
+    assert residual_shape(G) == (1, 1024, 1024)
+    ops = sorted(G.nodes[n]["op"].split(".")[1] for n in residual_nodes(G) if G.nodes[n]["layer"] == "transformer.h.1")
+    assert ops == ["add", "add", "dropout", "dropout", "layer_norm", "layer_norm"]
+    assert all(G.nodes[n].get("layer") for n in residual_nodes(G))  # the embeddings and the head keep theirs
+    assert not residual_nodes(_profile(MLP, "x=float32[4,64]")[0].graph)
+
+
+def test_pinned_sequence_parallelism_splits_the_residual_stream_and_costs_no_time():
+    """At tp = 2 on one DGX A100's NVLink: the pin puts every residual node on shard(1) (the solver
+    lays the rest out around it); the free layout is never slower (it weighs this one too), and the
+    pinned one's reduce-scatter and all-gather cost what the all-reduce they replace does."""
+    profile, numels = _gpt()
+    cluster = PRESETS["dgx-a100"].with_devices(2)
+    request = TrainingRequest(global_batch=8, precision="bf16-mixed")
+    pinned = plan_search(profile, numels, cluster, request, Pins(tp=2, sequence_parallel=True))
+    free = plan_search(profile, numels, cluster, request, Pins(tp=2, sequence_parallel=False))
+    assert pinned.sequence_parallel and not free.sequence_parallel
+    assert all(pinned.choice[n].out[0] == shard(1) for n in residual_nodes(profile.graph))
+    assert free.step_s <= pinned.step_s * (1 + 1e-9) and pinned.step_s == pytest.approx(free.step_s, rel=0.02)
+
+
+def test_sequence_parallelism_is_refused_where_there_is_nothing_to_split():
+    with pytest.raises(PartitaError, match="no TP group"):
+        Pins(tp=1, sequence_parallel=True)
+    mlp = _profile(MLP, "x=float32[4,64]")
+    with pytest.raises(PartitaError, match="no residual stream") as e:
+        plan_search(*mlp, PRESETS["dgx-a100"].with_devices(2), TrainingRequest(global_batch=4),
+                    Pins(tp=2, sequence_parallel=True))
+    assert "drop --sequence-parallel" in e.value.hint
