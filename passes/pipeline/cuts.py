@@ -25,7 +25,15 @@ from partita.core.optimizers import NO_OFFLOAD
 from partita.core.plan import MemoryBreakdown
 from partita.core.recompute import NONE
 from partita.core.schedule import in_flight, sends_held
-from partita.passes.cost_model import StateBytes, model_state_memory, p2p_time, sharded_state, stage_slot_time
+from partita.passes.cost_model import (
+    StateBytes,
+    model_state_memory,
+    offload_step_time,
+    p2p_time,
+    sharded_state,
+    stage_slot_time,
+    zero_optimizer_time,
+)
 from partita.passes.peak_memory import StepBuffers, peak_memory, peak_of
 from partita.passes.pipeline.costs import NodeCosts, Recompute, SharedParam
 
@@ -66,7 +74,15 @@ class StageSetup:
     @property
     def host_held(self) -> float:
         """Bytes per parameter one device's share of the host holds (sharded as the optimizer's state)."""
-        return self.host / (self.dp if self.zero_stage >= 1 else 1)
+        return sharded_state(StateBytes(0.0, 0.0, self.host), self.zero_stage, self.dp).optimizer
+
+    def optimizer_time(self, numel: int, cluster: ClusterSpec) -> float:
+        """One step of the optimizer over a stage's ``numel`` parameters: the device's pass over its
+        ZeRO share of the state, or the host's (offload) over that share's masters and state."""
+        if self.offload == NO_OFFLOAD:
+            return zero_optimizer_time(numel, self.state, self.zero_stage, self.dp, cluster)
+        share = numel * sharded_state(StateBytes(0.0, 0.0, 1.0), self.zero_stage, self.dp).optimizer
+        return offload_step_time(share, self.state, self.host, cluster)
 
 
 class Partition:

@@ -35,11 +35,9 @@ from partita.core.recompute import NONE
 from partita.core.schedule import SCHEDULES, chunk_problem, chunks_of, in_flight
 from partita.passes.cost_model import (
     collective_time,
-    offload_step_time,
     offloaded_state,
     pipeline_step,
     state_bytes_per_param,
-    zero_optimizer_time,
     zero_step_comm,
 )
 from partita.passes.dp.buckets import gradient_buckets
@@ -381,10 +379,7 @@ def _candidate(part: Partition, bounds: tuple[int, ...], dp: int, tp: int, mb: i
         zc = zero_step_comm(setup.zero_stage, buckets, dp, setup.micro_batches, link, elem_bytes=grad_elem or 2)
         dp_s.append(zc.total_s)
         dp_bytes.append(zc.total_bytes)
-        opt_s.append(0.0 if request.inference else
-                     offload_step_time(sum(numels) / (dp if setup.zero_stage >= 1 else 1), setup.state, setup.host,
-                                       cluster) if setup.offload != NO_OFFLOAD else
-                     zero_optimizer_time(sum(numels), setup.state, setup.zero_stage, dp, cluster))
+        opt_s.append(0.0 if request.inference else setup.optimizer_time(sum(numels), cluster))
         stages.append(PipelineStage(
             index=s, start=j, stop=k, first_node=c.order[j], last_node=c.order[k - 1], params=sum(numels),
             forward_s=part.fwd[k] - part.fwd[j], backward_s=part.compute_s(j, k, s) - (part.fwd[k] - part.fwd[j]),
