@@ -152,6 +152,7 @@ class Run:
     derived: bool = False
     recompute: str = "full"  # "full" | "selective"
     schedule: str | None = None  # a pinned pipeline schedule (None: the planner's)
+    sequence_parallel: bool = False  # Korthikanti's sequence parallelism (pinned where the run used it)
 
     @property
     def dp(self) -> int:
@@ -198,10 +199,14 @@ TABLE_1 = [_from_tflops(tflops, source=SC21_T1, model=f"GPT {b:g}B", layers=dept
            for b, a, h, depth, t, p, n, B, tflops in TABLE_1_ROWS]
 MLSYS23 = "Korthikanti'23 T5"
 KORTHIKANTI = [
-    Run(MLSYS23, "GPT 22B", 48, 6144, 64, 8, 4, 8, 1, 1, 0, "1.10 s", 1.10, recompute="selective"),
-    Run(MLSYS23, "GPT 175B", 96, 12288, 96, 64, 64, 8, 8, 1, 0, "13.75 s", 13.75, recompute="selective"),
-    Run(MLSYS23, "GPT 530B", 105, 20480, 128, 280, 280, 8, 35, 1, 0, "37.83 s", 37.83, recompute="selective"),
-    Run(MLSYS23, "GPT 1T", 128, 25600, 160, 512, 512, 8, 64, 1, 0, "71.49 s (?)", 71.49, recompute="selective"),
+    Run(MLSYS23, "GPT 22B", 48, 6144, 64, 8, 4, 8, 1, 1, 0, "1.10 s", 1.10, recompute="selective",
+        sequence_parallel=True),
+    Run(MLSYS23, "GPT 175B", 96, 12288, 96, 64, 64, 8, 8, 1, 0, "13.75 s", 13.75, recompute="selective",
+        sequence_parallel=True),
+    Run(MLSYS23, "GPT 530B", 105, 20480, 128, 280, 280, 8, 35, 1, 0, "37.83 s", 37.83, recompute="selective",
+        sequence_parallel=True),
+    Run(MLSYS23, "GPT 1T", 128, 25600, 160, 512, 512, 8, 64, 1, 0, "71.49 s (?)", 71.49, recompute="selective",
+        sequence_parallel=True),
 ]
 
 
@@ -243,7 +248,7 @@ def price(r: Run, pins: Pins | None = None) -> Priced:
     pinned = r.recompute if r.recompute in ("full", "selective") and r.zero_stage < 3 else None
     pins = pins or Pins(dp=r.dp if r.pp == 1 else None, tp=r.tp, pp=r.pp, micro_batch_size=r.micro_batch or None,
                         zero_stage=r.zero_stage, recompute=pinned, offload="none",  # none of the runs offloaded
-                        schedule=r.schedule if r.pp > 1 else None)
+                        schedule=r.schedule if r.pp > 1 else None, sequence_parallel=r.sequence_parallel or None)
     cluster = cluster_for(r)
     try:
         d = plan_search(prof, numels, cluster, request, pins)

@@ -152,7 +152,7 @@ def _tp_plan_collectives(nodes: Sequence[Any], d: Decision, cluster: ClusterSpec
                           {*captured.param_nodes, *captured.buffer_nodes})
     for s in range(d.mesh.pp * d.chunks):  # (virtual) stages
         mine = [n for n in nodes if n.stage == s]
-        listed = forward_collectives(mine) if inference else tp_collectives(mine)
+        listed = forward_collectives(mine) if inference else tp_collectives(mine, sequence_parallel=d.sequence_parallel)
         if any(n.name in rerun for n in mine):
             listed += recompute_collectives([n for n in mine if n.name in rerun])
         out += [Collective(kind=kind, axis=MeshAxis.TP.value, bytes=nbytes, count=calls * d.grad_accum_steps,

@@ -11,6 +11,8 @@ and their autograd formulas do, not a hand-written rule.
 Reads: ``kind`` and ``depends_on_input`` on the DiGraph's nodes (from ``to_networkx``) and
 the placeholders' ``meta["val"]`` (shapes, dtypes, strides).
 Writes, per node: ``saved_bytes`` (bytes of tensors first saved while that node ran),
+``saved_input_bytes`` (of those, the bytes of each tensor input's storage, in ``inputs`` order: a
+tensor-parallel strategy holds them as it places that input, the rest as it places the output),
 ``transient_bytes`` (the most bytes alive while its forward or its backward runs beyond the
 saved tensors then alive and the parameters' gradients: the gradients in flight, the op's
 temporaries, outputs not yet consumed; for a cross-entropy loss its fp32 log-softmax
@@ -118,6 +120,8 @@ class _SavedTensorRecorder(torch.fx.Interpreter):
         self.producer: dict[int, str] = {}  # storage -> first node whose output holds it
         self.seen: set[int] = set()  # saved storages (alive until backward is done with them)
         self.saved: dict[str, int] = {}
+        self.inputs: dict[int, int] = {}  # storage -> index of the running node's tensor input holding it
+        self.saved_inputs: dict[str, dict[int, int]] = {}  # node -> input index -> bytes saved of it
         allocations.freed.append(self._forget)
         self.batch_bytes = 0
         self.fixed_bytes = 0
@@ -125,7 +129,16 @@ class _SavedTensorRecorder(torch.fx.Interpreter):
 
     def run_node(self, n: torch.fx.Node) -> Any:
         self.current = self.allocations.node = n.name
+        self.inputs = {}
+        args: list[torch.fx.Node] = []
+        torch.fx.map_arg((n.args, n.kwargs), args.append)
+        # the node's tensor inputs in core/graph.py's order (``inputs``: argument order, repeats kept)
+        tensors = [tensor_values(self.env.get(a)) for a in args if tensor_values(a.meta.get("val"))]
+        for j, t in enumerate(tensors):
+            if t:
+                self.inputs.setdefault(_storage_key(t[0]), j)
         out = super().run_node(n)
+        self.inputs = {}
         for t in tensor_values(out):
             self.producer.setdefault(_storage_key(t), n.name)
         kind = self.G.nodes[n.name]["kind"]
@@ -158,6 +171,10 @@ class _SavedTensorRecorder(torch.fx.Interpreter):
         self.allocations.mark_saved(t)
         nbytes = t.untyped_storage().nbytes()
         self.saved[self.current] = self.saved.get(self.current, 0) + nbytes
+        j = self.inputs.get(key)
+        if j is not None:  # one of the node's inputs: a TP strategy holds it as that input's placement
+            held = self.saved_inputs.setdefault(self.current, {})
+            held[j] = held.get(j, 0) + nbytes
         # A tensor created inside this node (an op's internal mean/rstd, a mask) belongs to it.
         origin = self.producer.get(key, self.current)
         if self.G.nodes[origin]["depends_on_input"]:
@@ -199,6 +216,8 @@ def annotate_saved_activations(G: nx.DiGraph, captured: CapturedModel) -> nx.DiG
     transient, grads_by, peak, tensors = _transients(allocations, grads)
     for name, attrs in G.nodes(data=True):
         attrs["saved_bytes"] = recorder.saved.get(name, 0)
+        held = recorder.saved_inputs.get(name, {})
+        attrs["saved_input_bytes"] = [held.get(j, 0) for j in range(len(attrs.get("inputs", ())))]
         attrs["transient_bytes"] = transient.get(name, 0)
         attrs["grad_bytes"] = grads_by.get(name, 0)
     G.graph["saved_bytes_batch"] = recorder.batch_bytes

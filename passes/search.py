@@ -34,7 +34,7 @@ from partita.core.errors import InfeasibleError, PartitaError
 from partita.core.optimizers import NO_OFFLOAD, OFFLOAD_OPTIMIZER
 from partita.core.options import Pins, TrainingRequest
 from partita.core.plan import Alternative, MemoryBreakdown, Mesh, Stage
-from partita.core.recompute import SELECTIVE
+from partita.core.recompute import NONE, SELECTIVE
 from partita.core.tp.strategies import Strategy, input_index, is_shard, node_strategies
 from partita.passes.cost_model import model_state_memory, state_bytes_per_param, zero_optimizer_time, zero_step_comm
 from partita.passes.dp.buckets import gradient_buckets
@@ -42,7 +42,7 @@ from partita.passes.dp.zero import STRATEGY_NAMES
 from partita.passes.explain import traffic_reason
 from partita.passes.peak_memory import peak_memory, step_buffers
 from partita.passes.pipeline.bounds import AllPruned, PrunedCandidate
-from partita.passes.pipeline.costs import NodeCosts, kv_ratio, node_costs
+from partita.passes.pipeline.costs import NodeCosts, crossing_bytes, kv_ratio, node_costs, output_bytes
 from partita.passes.pipeline.decision import PipelineCandidate, PipelineDecision
 from partita.passes.pipeline.stages import choose_pipeline, stage_of_nodes
 from partita.passes.profile import ModelProfile
@@ -138,8 +138,12 @@ def plan_search(
         # divides the state ZeRO would otherwise move every step).
         fits_plain = bool(options) and options[0].zero_stage == 0
         degrees = tp_degrees(cluster, world, pins, pp=pins.pp) if (pins.pp or not fits_plain) else [pins.tp or 1]
-        for tp, sp in [(t, sp) for t in degrees for sp in _sequence_options(pins, t)]:
+        residual = bool(residual_nodes(profile.graph))
+        queue = [(t, bool(pins.sequence_parallel) and t > 1) for t in degrees]
+        while queue:
+            tp, sp = queue.pop(0)
             best_s = min((o.step_s for o in options), default=math.inf)
+            decision, unfit = None, False
             try:
                 decision = choose_pipeline(
                     profile, cluster, request, replace(pins, tp=tp), devices_per_stage=tp,
@@ -148,14 +152,18 @@ def plan_search(
                 )
             except AllPruned as e:
                 pruned += e.pruned
-                continue
+                unfit = all(x.memory for x in e.pruned)
             except InfeasibleError as e:
                 errors.append(e)
-                continue
+                unfit = True
             except PartitaError:
-                continue  # this tp leaves no pipeline split of the batch (e.g. dp does not divide it)
-            pruned += decision.pruned
-            options.append(_from_pipeline(decision, profile, cluster, request, tp, layouts, sp))
+                pass  # this tp leaves no pipeline split of the batch (e.g. dp does not divide it)
+            if decision is not None:
+                pruned += decision.pruned
+                options.append(_from_pipeline(decision, profile, cluster, request, tp, layouts, sp))
+            if (not sp and tp > 1 and residual and pins.sequence_parallel is None
+                    and (unfit or _memory_binds(decision))):
+                queue.insert(0, (tp, True))  # sequence parallelism holds less: weighed where memory binds
     if not options:
         if errors:
             raise errors[-1] if tried_pipeline else errors[0]
@@ -218,7 +226,7 @@ class _Layouts:
         if key not in self._costs:
             self._costs[key] = tp_node_costs(self.profile, self.cluster, self.request, micro_batch, tp,
                                              choice=self.choice(*key) if tp > 1 else None,
-                                             base=self.node_costs(micro_batch, 1) if tp > 1 else None)
+                                             base=self.node_costs(micro_batch, 1) if tp > 1 else None, sp=key[2])
         return self._costs[key]
 
     def floor(self, tp: int) -> Callable[[int], NodeCosts]:
@@ -296,30 +304,30 @@ def tp_choice(profile: ModelProfile, cluster: ClusterSpec, request: TrainingRequ
     if tp == 1:
         return {n: node_strategies(G, n, 1)[0] for n in G.nodes}
     setting = TPSetting(tp, micro_batch, profile.batch_size, request.precision, request.optimizer,
-                        request.inference, kv_ratio=kv_ratio(profile, request), captured_dtype=profile.param_dtype)
+                        request.inference, kv_ratio=kv_ratio(profile, request), captured_dtype=profile.param_dtype,
+                        sequence_parallel=sp)
     return solve_tp(build_problem(G, setting, cluster, repeated=profile.repeated,
                                   strategies=sequence_parallel_strategies if sp else None)).choice
 
 
 def tp_node_costs(profile: ModelProfile, cluster: ClusterSpec, request: TrainingRequest, micro_batch: int,
                   tp: int, *, choice: Mapping[str, Strategy] | None = None,
-                  base: NodeCosts | None = None) -> NodeCosts:
+                  base: NodeCosts | None = None, sp: bool = False) -> NodeCosts:
     """Per-node costs of one micro-batch under the TP layout at ``tp``, in the pipeline order.
 
     Each node's forward is its local FLOPs (the strategy's compute fraction), its
     op-internal collectives and the forward reshards of its inputs; its backward
     the local backward FLOPs and the backward reshards. Saved activations and
-    parameters are the local shares. The tensors crossing a cut keep the
-    profile's whole-tensor bytes (a shard would send less: an upper bound).
+    parameters are the local shares, and so are the tensors crossing a cut (a rank sends its piece).
     """
     if base is None:  # the profile's own costs at tp = 1 (a caller may hand in ones it already has)
         base = node_costs(profile, cluster, request, micro_batch, tp=1)
     if tp == 1:
         return base
     G = profile.graph
-    choice = tp_choice(profile, cluster, request, micro_batch, tp) if choice is None else choice
+    choice = tp_choice(profile, cluster, request, micro_batch, tp, sp=sp) if choice is None else choice
     costs = TPCosts(G, cluster, tp, micro_batch, profile.batch_size, request.precision, request.inference,
-                    kv_ratio(profile, request), profile.param_dtype)
+                    kv_ratio(profile, request), profile.param_dtype, sequence_parallel=sp)
     fwd, bwd, saved = list(base.forward_s), list(base.backward_s), list(base.saved_bytes)
     live = list(base.live_bytes)
     params = [0] * len(base.order)
@@ -328,14 +336,16 @@ def tp_node_costs(profile: ModelProfile, cluster: ClusterSpec, request: Training
         s, i = choice[n], at[n]
         f, b = costs.compute_s(n, s)
         f += costs.internal_s(n, s)
+        compute_b, haves = b, []
         for j, u in enumerate(G.nodes[n].get("inputs", [])):
             k = input_index(G, n, j)
-            reshard = costs.reshard_s(choice[u].out[k], s, j, costs.tensor_bytes(u, k))
+            haves.append(choice[u].out[k])
+            reshard = costs.reshard_s(haves[-1], s, j, costs.tensor_bytes(u, k), G.nodes[n]["op"], compute_b)
             if reshard is None:
                 raise ValueError(f"node {n}: strategy {s.name} cannot take input {j} from {u} ({choice[u].out[k]})")
             f, b = f + reshard[0], b + reshard[1]
         fwd[i], bwd[i] = f, b
-        saved[i] = round(costs.saved_bytes(n, s))
+        saved[i] = round(costs.saved_bytes(n, s, haves))
         if not request.inference:
             live[i] = round(costs.transient_bytes(n, s))
     # local parameter elements, each counted once where node_costs put it (its first user's position)
@@ -360,9 +370,13 @@ def tp_node_costs(profile: ModelProfile, cluster: ClusterSpec, request: Training
     shared_local = tuple(replace(p, numel=round(p.numel / tp) if any(
         choice[n].out and is_shard(choice[n].out[0]) for n, a in G.nodes(data=True)
         if a["kind"] == "param" and a.get("param_name") == p.name) else p.numel) for p in base.shared)
+    # what crosses a cut is each rank's piece of it: a sharded tensor is sent (and held) at 1/tp
+    whole = output_bytes(profile, request, micro_batch)
+    send, grad = crossing_bytes(G, base.order, lambda n: whole(G.nodes[n]) / (
+        tp if choice[n].out and is_shard(choice[n].out[0]) else 1), request.inference)
     return replace(base, forward_s=tuple(fwd), backward_s=tuple(bwd), saved_bytes=tuple(saved),
                    param_numel=tuple(params), shared=shared_local, live_bytes=tuple(live),
-                   core_inputs=_local_core_inputs(base, saved))
+                   core_inputs=_local_core_inputs(base, saved), send_bytes=send, grad_bytes=grad)
 
 
 def _local_core_inputs(base: NodeCosts, saved: Sequence[int]) -> tuple[int, ...]:
@@ -377,11 +391,15 @@ def _local_core_inputs(base: NodeCosts, saved: Sequence[int]) -> tuple[int, ...]
                  for core, held in zip(base.cores, base.core_inputs))
 
 
-def _sequence_options(pins: Pins, tp: int) -> tuple[bool, ...]:
-    """The layouts weighed at ``tp``: the residual stream split along the sequence where pinned (and
-    there is a TP group), else the ILP's free layout, which splits each norm and dropout along the
-    sequence where that is faster (passes/tp/sequence.py)."""
-    return (bool(pins.sequence_parallel) and tp > 1,)
+def _memory_binds(decision: PipelineDecision | None) -> bool:
+    """Whether a pipeline search's plan shows memory binding: it recomputes or offloads. There (and
+    where nothing fit) the layout with the residual stream split along the sequence
+    (passes/tp/sequence.py), which holds less, is weighed too; elsewhere it could only add its
+    backward regathers (the free layout already splits each norm and dropout where faster)."""
+    if decision is None:
+        return False
+    best = decision.best
+    return best.offload != NO_OFFLOAD or any(s.recompute != NONE for s in best.stages)
 
 
 def _from_pipeline(d: PipelineDecision, profile: ModelProfile, cluster: ClusterSpec, request: TrainingRequest,

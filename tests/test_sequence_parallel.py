@@ -1,6 +1,8 @@
 """Sequence parallelism (passes/tp/sequence.py): which nodes are the residual stream, the layout
-``--sequence-parallel`` pins, and its refusals. The runtime runs the pinned layout against one
-process in the plan matrix (dp2xtp2-sp, fp32) and the mixed-precision test (tp2-sp, bf16)."""
+``--sequence-parallel`` pins, what it holds, and its refusals. The runtime runs it against one
+process in the plan matrix (dp2xtp2-sp, fp32), the mixed-precision test (tp2-sp, bf16) and the
+tensor-parallel runtime test (Megatron's layout with the stream split, GPT and Llama, holding less);
+the planner choosing it where memory binds: tests/test_search.py."""
 
 from __future__ import annotations
 
@@ -43,18 +45,22 @@ def test_the_residual_stream_is_each_layers_norms_dropouts_and_adds():
     assert not residual_nodes(_profile(MLP, "x=float32[4,64]")[0].graph)
 
 
-def test_pinned_sequence_parallelism_splits_the_residual_stream_and_costs_no_time():
+def test_pinned_sequence_parallelism_splits_the_residual_stream_and_holds_less():
     """At tp = 2 on one DGX A100's NVLink: the pin puts every residual node on shard(1) (the solver
-    lays the rest out around it); the free layout is never slower (it weighs this one too), and the
-    pinned one's reduce-scatter and all-gather cost what the all-reduce they replace does."""
+    lays the rest out around it). Its reduce-scatters and all-gathers move what the all-reduces they
+    replace do, and the backward's (the regather, the input gradient's reduce-scatter) run beside the
+    linears' products (passes/tp/costs.py): no slower than the layout without it. It holds less: the
+    norms' and dropouts' tensors and the column-parallel linears' inputs at 1/2 (4% here, where the
+    captured attention's saved scores dominate; tests/test_search.py has a 175B GPT where it decides)."""
     profile, numels = _gpt()
     cluster = PRESETS["dgx-a100"].with_devices(2)
     request = TrainingRequest(global_batch=8, precision="bf16-mixed")
     pinned = plan_search(profile, numels, cluster, request, Pins(tp=2, sequence_parallel=True))
-    free = plan_search(profile, numels, cluster, request, Pins(tp=2, sequence_parallel=False))
-    assert pinned.sequence_parallel and not free.sequence_parallel
+    off = plan_search(profile, numels, cluster, request, Pins(tp=2, sequence_parallel=False))
+    assert pinned.sequence_parallel and not off.sequence_parallel
     assert all(pinned.choice[n].out[0] == shard(1) for n in residual_nodes(profile.graph))
-    assert free.step_s <= pinned.step_s * (1 + 1e-9) and pinned.step_s == pytest.approx(free.step_s, rel=0.02)
+    assert pinned.step_s <= off.step_s * (1 + 1e-9)
+    assert pinned.memory.activations < 0.97 * off.memory.activations
 
 
 def test_sequence_parallelism_is_refused_where_there_is_nothing_to_split():

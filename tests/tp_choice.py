@@ -33,9 +33,16 @@ def _packet(op: str) -> str:
     return op.split(".")[1] if op.startswith("aten.") else op
 
 
-def pinned_choice(G: nx.DiGraph, t: int, pins: Mapping[tuple[str, str], str] = MEGATRON,
-                  ) -> dict[str, Strategy]:
-    """Every node's strategy: pinned ones by pattern, the rest following their producers."""
+def pinned_choice(G: nx.DiGraph, t: int, pins: Mapping[tuple[str, str], str] = MEGATRON, *,
+                  sequence_parallel: bool = False) -> dict[str, Strategy]:
+    """Every node's strategy: pinned ones by pattern, the rest following their producers;
+    ``sequence_parallel``: the residual stream on shard(1) (passes/tp/sequence.py)."""
+    from partita.passes.repeats import find_repeated_layers
+    from partita.passes.tp.sequence import residual_nodes, sequence_parallel_strategies
+
+    if sequence_parallel:
+        find_repeated_layers(G)  # the residual stream is the repeated layers'
+    residual = residual_nodes(G) if sequence_parallel else frozenset()
     all_strategies = {n: node_strategies(G, n, t) for n in G.nodes}
     choice: dict[str, Strategy] = {}
     for n, a in G.nodes(data=True):
@@ -51,13 +58,17 @@ def pinned_choice(G: nx.DiGraph, t: int, pins: Mapping[tuple[str, str], str] = M
     for n, a in G.nodes(data=True):
         if n in choice:
             continue
+        if n in residual:
+            choice[n] = sequence_parallel_strategies(G, n, t)[0]
+            continue
         have = tuple(choice[src].out[input_index(G, n, j)] for j, src in enumerate(a["inputs"]))
         choice[n] = next((s for s in all_strategies[n] if s.ins == have), all_strategies[n][0])
     return choice
 
 
 def tp_plan(module, inputs: list, loss, targets, *, tp: int, dp: int = 1, mbs: int = 2, accum: int = 2,
-            pins: Mapping[tuple[str, str], str] | None = MEGATRON, dp_collectives: tuple = (), captured=None):
+            pins: Mapping[tuple[str, str], str] | None = MEGATRON, dp_collectives: tuple = (), captured=None,
+            sequence_parallel: bool = False):
     """A hand-built plan for ``module`` (captured at the micro-batch shape, unless ``captured``
     is that capture): nodes from ``pinned_choice`` (``pins=None``: everything replicated), params,
     collectives."""
@@ -82,7 +93,7 @@ def tp_plan(module, inputs: list, loss, targets, *, tp: int, dp: int = 1, mbs: i
     if captured is None:
         captured = capture(module, micro, loss=loss, targets=mt)
     G = to_networkx(captured)
-    choice = pinned_choice(G, tp, pins) if pins is not None else {}
+    choice = pinned_choice(G, tp, pins, sequence_parallel=sequence_parallel) if pins is not None else {}
     nodes = layout_decisions(G, tp, choice)
     by_name = {d.name: d for d in nodes}
     placement: dict[str, str] = {}
@@ -92,7 +103,8 @@ def tp_plan(module, inputs: list, loss, targets, *, tp: int, dp: int = 1, mbs: i
         ParamDecision(q, captured.params[q][0], str(captured.params[q][1]).removeprefix("torch."),
                       {"tp": p, "dp": "replicate"})
         for q, p in placement.items())
-    collectives = tuple(Collective(k, "tp", b, n * accum, tp, p, 0.0) for k, b, n, p in tp_collectives(nodes))
+    collectives = tuple(Collective(k, "tp", b, n * accum, tp, p, 0.0)
+                        for k, b, n, p in tp_collectives(nodes, sequence_parallel=sequence_parallel))
     mem = MemoryBreakdown(params=0, grads=0, optimizer=0, activations=0, capacity=1 << 30)
     gb = dp * mbs * accum
     return Plan(
@@ -101,7 +113,8 @@ def tp_plan(module, inputs: list, loss, targets, *, tp: int, dp: int = 1, mbs: i
                         G.number_of_nodes(),
                         targets=str(InputSpec(mt.name, mt.dtype, (gb, *mt.shape[1:]))) if mt is not None else None),
         cluster={}, mesh=Mesh(dp=dp, tp=tp),
-        training=Training(global_batch=gb, micro_batch_size=mbs, grad_accum_steps=accum),
+        training=Training(global_batch=gb, micro_batch_size=mbs, grad_accum_steps=accum,
+                          sequence_parallel=sequence_parallel),
         predicted=Prediction(0.0, 0.0, {}, 0.0, mem, {}, 0.0, None, 0.0, 0.0),
         solver=SolverReport("hand", "OPTIMAL", 0.0, 0.0, 1),
         params=params, nodes=nodes, collectives=collectives + tuple(dp_collectives),

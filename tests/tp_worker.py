@@ -11,6 +11,7 @@ counted each step beside the plan's list.
 from __future__ import annotations
 
 import copy
+import functools
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
@@ -79,13 +80,13 @@ def expected_calls(plan, model: ParallelModel, bucket_bytes: int) -> list[list]:
 
 
 def compare(ctx: DistContext, name: str, *, tp: int, dp: int = 1, replicated: bool = False,
-            checkpoint_dir: str | None = None, opt_name: str = "adamw") -> dict:
+            checkpoint_dir: str | None = None, opt_name: str = "adamw", sequence_parallel: bool = False) -> dict:
     factory, batch, loss_fn, spec, target_spec, pins = MODELS[name]
     torch.manual_seed(100)
     reference = factory()
     inputs = [InputSpec(spec.name, spec.dtype, (MBS, *spec.shape[1:]))]
     plan = tp_plan(copy.deepcopy(reference), inputs, loss_fn, target_spec, tp=tp, dp=dp, mbs=MBS,
-                   accum=ACCUM, pins=None if replicated else pins)
+                   accum=ACCUM, pins=None if replicated else pins, sequence_parallel=sequence_parallel)
     checkpoint = None
     if checkpoint_dir is not None:  # weights from a file into a module on the meta device
         checkpoint = Path(checkpoint_dir, f"{name}.pt")
@@ -102,7 +103,8 @@ def compare(ctx: DistContext, name: str, *, tp: int, dp: int = 1, replicated: bo
     local = model.module.local_parameters()
     ref_params = dict(reference.named_parameters())
     result = {
-        "case": f"{name}/dp={dp}/tp={tp}{'/replicated' if replicated else ''}{'/checkpoint' if checkpoint else ''}",
+        "case": f"{name}/dp={dp}/tp={tp}{'/replicated' if replicated else ''}{'/checkpoint' if checkpoint else ''}"
+                f"{'/sp' if sequence_parallel else ''}",
         "replicated": replicated, "checkpoint": checkpoint is not None,
         # the test's plan: node decisions, all of them replicate (or not)
         "nodes": len(plan.nodes), "all_replicate": all(d.strategy == "replicate" for d in plan.nodes),
@@ -130,8 +132,13 @@ def compare(ctx: DistContext, name: str, *, tp: int, dp: int = 1, replicated: bo
     x, y = batch(plan.training.global_batch)
     want_calls = expected_calls(plan, model, bucket_bytes)
     losses, ref_losses, calls = [], [], []
+    saved: dict[int, int] = {}
     for step in range(STEPS):
-        losses.append(model.train_step(x, targets=y))
+        if step == 0:  # the bytes autograd keeps, each storage once (held, so no address is reused)
+            with torch.autograd.graph.saved_tensors_hooks(functools.partial(_note_saved, saved), lambda t: t[1]):
+                losses.append(model.train_step(x, targets=y))
+        else:
+            losses.append(model.train_step(x, targets=y))
         # at dp=1 the same micro-batches, so that a replicated plan can match exactly
         ref_losses.append(reference_backward(reference, loss_fn, x, y, ACCUM if dp == 1 else 1))
         if step == 0:
@@ -147,11 +154,21 @@ def compare(ctx: DistContext, name: str, *, tp: int, dp: int = 1, replicated: bo
         "grads": gaps(full_grads, ref_grads), "params": gaps(full_params, ref_final),
         "calls": calls, "expected_calls": want_calls,
         "tp_calls_per_step": sum(n for k, a, b, n in want_calls if a == "tp"),
+        "saved_per_micro_batch": sum(saved.values()) / ACCUM,
     }
 
 
+def _note_saved(saved: dict[int, int], t: torch.Tensor) -> tuple[torch.UntypedStorage, torch.Tensor]:
+    """A pack hook: count ``t``'s storage once, and hold it until the step is over."""
+    storage = t.untyped_storage()
+    saved.setdefault(storage.data_ptr(), storage.nbytes())
+    return storage, t
+
+
 def tp2(ctx: DistContext, out: str) -> list[dict]:
-    return [compare(ctx, "gpt", tp=2), compare(ctx, "mlp", tp=2), compare(ctx, "gpt", tp=2, replicated=True),
+    return [compare(ctx, "gpt", tp=2), compare(ctx, "gpt", tp=2, sequence_parallel=True),
+            compare(ctx, "hf-llama", tp=2, sequence_parallel=True), compare(ctx, "mlp", tp=2),
+            compare(ctx, "gpt", tp=2, replicated=True),
             compare(ctx, "gpt", tp=2, checkpoint_dir=out), compare(ctx, "hf-gpt2", tp=2),
             compare(ctx, "hf-llama", tp=2)]
 

@@ -20,6 +20,7 @@ from collections.abc import Mapping
 
 import networkx as nx
 
+from partita.core.ops import base_op
 from partita.core.plan import InputLayout, NodeDecision
 from partita.core.precision import dtype_bytes, is_floating
 from partita.core.tp.strategies import (
@@ -33,6 +34,18 @@ from partita.core.tp.strategies import (
 
 # collectives with traffic; "none" and "slice" are local
 _LOCAL = ("none", "slice")
+# Under sequence parallelism (Korthikanti et al. 2022, section 4.2.2) a linear layer whose
+# activation input is all-gathered keeps its own slice for backward and gathers it again there,
+# instead of keeping the gathered tensor: (t-1)/t of that input's bytes not held, one all-gather
+# more per backward. The ops that do (runtime/tp/local_ops.py ``RegatheredLinear``):
+REGATHERED_OPS = frozenset({"linear"})
+REGATHER_PURPOSE = "backward regather (sequence parallel)"
+
+
+def regathers(op: str, j: int, fwd: str, sequence_parallel: bool) -> bool:
+    """Whether input ``j`` of a node calling ``op`` ("aten.linear.default" or "linear"), reached by
+    the forward reshard ``fwd``, is kept as its slice and gathered again in backward."""
+    return sequence_parallel and j == 0 and fwd == "all_gather" and base_op(op) in REGATHERED_OPS
 
 
 def _elem_size(dtype: str, elem_bytes: int | None) -> int:
@@ -105,20 +118,24 @@ def internal_purpose(op: str, strategy: str) -> str:
     return f"op-internal ({kind} {what})"
 
 
-def tp_collectives(decisions: tuple[NodeDecision, ...] | list[NodeDecision]) -> list[tuple[str, int, int, str]]:
+def tp_collectives(decisions: tuple[NodeDecision, ...] | list[NodeDecision], *,
+                   sequence_parallel: bool = False) -> list[tuple[str, int, int, str]]:
     """(kind, bytes, calls, purpose) of the collectives one rank runs per micro-batch, sorted.
 
     Forward reshards ("forward reshard"), backward reshards ("backward reshard")
-    other than none/slice, and the ops' internal collectives; ``bytes`` is the
-    whole tensor's for reshards and the reduced buffer's for internal ones.
+    other than none/slice, the ops' internal collectives, and under ``sequence_parallel`` the
+    backward all-gather of each regathered input (``regathers``); ``bytes`` is the whole
+    tensor's for reshards and the reduced buffer's for internal ones.
     """
     calls: Counter = Counter()
     for d in decisions:
-        for lay in d.ins:
+        for j, lay in enumerate(d.ins):
             if lay.fwd not in _LOCAL:
                 calls[(lay.fwd, lay.bytes, "forward reshard")] += 1
             if lay.bwd not in _LOCAL:
                 calls[(lay.bwd, lay.bytes, "backward reshard")] += 1
+            if regathers(d.op, j, lay.fwd, sequence_parallel):
+                calls[(lay.fwd, lay.bytes, REGATHER_PURPOSE)] += 1
         for entry in d.internal:
             kind, _, nbytes = entry.partition(":")
             calls[(kind, int(nbytes), internal_purpose(d.op, d.strategy))] += 1

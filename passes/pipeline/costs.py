@@ -276,7 +276,8 @@ def node_costs(profile: ModelProfile, cluster: ClusterSpec, request: TrainingReq
     tensors take the precision's element size. ``tp > 1`` divides compute, parameters
     and saved activations (an inference step's KV cache) evenly (ideal tensor + sequence parallelism, Korthikanti's
     (s b h / t)(34 + 5 a s / h), and no TP communication): pass the TP solver's per-node
-    costs instead for real numbers. What crosses a cut stays whole (b s h, not b s h / t).
+    costs instead for real numbers. What crosses a cut is divided too (each rank sends its piece of a
+    sequence-split b s h): a floor for every layout's.
     """
     G = profile.graph
     order, boundaries = _structure(G)
@@ -288,9 +289,7 @@ def node_costs(profile: ModelProfile, cluster: ClusterSpec, request: TrainingReq
     def scale(a: dict) -> float:
         return batch if a["depends_on_input"] else 1.0
 
-    def nbytes(a: dict) -> float:
-        floating = any(is_floating(d) for d in a["dtypes"])
-        return a["out_bytes"] * scale(a) * (act if floating else 1.0)
+    nbytes = output_bytes(profile, request, micro_batch)
 
     fwd, bwd, saved, params = [], [], [], [0] * len(order)
     for name in order:
@@ -306,27 +305,15 @@ def node_costs(profile: ModelProfile, cluster: ClusterSpec, request: TrainingReq
     live = [round((a["live_batch"] * batch + a["live_fixed"]) * act / tp) for a in nodes] if request.inference else \
         [round(node_transient(a, beta=batch, act_scale=act, precision=request.precision, device=cluster.device) / tp)
          for a in nodes]
-    send = [0.0] * (len(order) + 2)
-    grad = [0.0] * (len(order) + 2)
     users_by_param: dict[str, list[int]] = {}
     numel_by_param: dict[str, int] = {}
     for name in order:
         a = G.nodes[name]
-        users = sorted(at[u] for u in G.successors(name))
         if a["kind"] == "param":
             pname = a.get("param_name", name)
-            users_by_param.setdefault(pname, []).extend(users or [at[name]])
+            users_by_param.setdefault(pname, []).extend(sorted(at[u] for u in G.successors(name)) or [at[name]])
             numel_by_param[pname] = math.prod(a["shapes"][0]) // tp if a["shapes"] else 0
-            continue
-        if a["kind"] == "buffer" or not users or users[-1] <= at[name] + 1:
-            continue
-        first, last = at[name] + 1, users[-1]  # live across boundaries first..last
-        b = nbytes(a)
-        send[first] += b
-        send[last + 1] -= b
-        if a.get("requires_grad") and not request.inference:
-            grad[first] += b
-            grad[last + 1] -= b
+    send, grad = crossing_bytes(G, order, lambda n: nbytes(G.nodes[n]) / tp, request.inference)
     shared = []
     for pname, users in users_by_param.items():
         users = sorted(set(users))
@@ -339,13 +326,48 @@ def node_costs(profile: ModelProfile, cluster: ClusterSpec, request: TrainingReq
     cores, core_inputs = _core_costs(G, order, nbytes, tp)
     return NodeCosts(
         order=tuple(order), forward_s=tuple(fwd), backward_s=tuple(bwd), saved_bytes=tuple(saved),
-        param_numel=tuple(params), send_bytes=_running(send), grad_bytes=_running(grad),
+        param_numel=tuple(params), send_bytes=send, grad_bytes=grad,
         boundaries=boundaries, shared=tuple(shared),
         modules=tuple(G.nodes[n].get("layer") or (G.nodes[n]["module"] if G.nodes[n]["kind"] == "param" else "")
                       for n in order),
         layers=frozenset(a["layer"] for _, a in G.nodes(data=True) if a.get("layer")),
         live_bytes=tuple(live), cores=cores, core_inputs=core_inputs,
     )
+
+
+def output_bytes(profile: ModelProfile, request: TrainingRequest, micro_batch: int) -> Callable[[dict], float]:
+    """Bytes of a node's outputs (its DiGraph attributes) at ``micro_batch``: batch-dependent ones
+    scaled from the captured batch, floating ones at the precision's element size."""
+    batch, act = micro_batch / profile.batch_size, activation_scale(profile, request)
+
+    def nbytes(a: dict) -> float:
+        floating = any(is_floating(d) for d in a["dtypes"])
+        return a["out_bytes"] * (batch if a["depends_on_input"] else 1.0) * (act if floating else 1.0)
+
+    return nbytes
+
+
+def crossing_bytes(G: nx.DiGraph, order: Sequence[str], nbytes: Callable[[str], float], inference: bool
+                   ) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """``NodeCosts.send_bytes`` and ``grad_bytes``: per boundary of ``order``, the bytes of the tensors
+    live across it (``nbytes`` of each node: what one device holds of its output) and of those that
+    carry a gradient back. Parameters and buffers never cross: each stage reading one holds it."""
+    at = {n: i for i, n in enumerate(order)}
+    send = [0.0] * (len(order) + 2)
+    grad = [0.0] * (len(order) + 2)
+    for name in order:
+        a = G.nodes[name]
+        users = sorted(at[u] for u in G.successors(name))
+        if a["kind"] in ("param", "buffer") or not users or users[-1] <= at[name] + 1:
+            continue
+        first, last = at[name] + 1, users[-1]  # live across boundaries first..last
+        b = nbytes(name)
+        send[first] += b
+        send[last + 1] -= b
+        if a.get("requires_grad") and not inference:
+            grad[first] += b
+            grad[last + 1] -= b
+    return _running(send), _running(grad)
 
 
 def _core_costs(G: nx.DiGraph, order: Sequence[str], nbytes: Callable[[dict], float], tp: int

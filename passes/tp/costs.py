@@ -17,7 +17,11 @@ Per micro-batch on one device of a TP group of t ranks, under a ``TPCosts``:
   gradient convention, of the whole tensor's bytes (``tensor_bytes``: floating
   tensors at the precision's element size, others at their own: int64 is 8);
 - saved bytes: the node's saved activations (an inference step's KV cache) at
-  the precision, times the strategy's memory fraction.
+  the precision: what it saves of an input (``saved_input_bytes``) at that input's share under
+  the strategy (1/t sharded, whole otherwise), the rest at the strategy's memory fraction.
+  Under sequence parallelism an input the node regathers (core/tp/layout.py ``regathers``) is
+  held as its producer placed it, and its backward runs that all-gather once more, overlapped
+  with the node's backward products as Megatron-LM overlaps them (``reshard_s``).
 
 Every time formula is passes/cost_model.py's; every collective runs on the TP
 group's link.
@@ -25,14 +29,17 @@ group's link.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
 import networkx as nx
 
 from partita.core.cluster import ClusterSpec, Link
+from partita.core.ops import base_op
+from partita.core.placement import is_shard
 from partita.core.precision import activation_scale, element_bytes
-from partita.core.tp.layout import tensor_bytes
+from partita.core.tp.layout import regathers, tensor_bytes
 from partita.core.tp.vocabulary import NONE, Strategy, grad_convention, reshard_kind
 from partita.passes.cost_model import (
     NODE_TIME_ATTRS,
@@ -57,6 +64,7 @@ class TPCosts:
     inference: bool = False
     kv_ratio: float = 0.0  # inference with generation: KV cache / keys and values read
     captured_dtype: str = ""  # the dtype the graph's floating tensors were captured in ("": its parameters')
+    sequence_parallel: bool = False  # linears regather their sequence-split inputs (core/tp/layout.py)
 
     @cached_property
     def link(self) -> Link:
@@ -73,7 +81,8 @@ class TPCosts:
         one position), so a caller may price one and reuse it."""
         a = self.G.nodes[n]
         return (*(a.get(k, 0) for k in NODE_TIME_ATTRS), bool(a.get("depends_on_input")),
-                a.get("saved_bytes", 0), a.get("kv_bytes", 0), a.get("transient_bytes", 0))
+                a.get("saved_bytes", 0), tuple(a.get("saved_input_bytes", ())), a.get("kv_bytes", 0),
+                a.get("transient_bytes", 0), base_op(a.get("op", "")))
 
     def beta(self, n: str) -> float:
         """How node ``n``'s work and tensors scale from the captured batch to the micro-batch."""
@@ -93,22 +102,39 @@ class TPCosts:
         """Seconds of the collectives ``st`` runs inside the op."""
         return sum(collective_time(kind, nbytes * self.beta(n), self.t, self.link) for kind, nbytes in st.internal)
 
-    def reshard_s(self, have: str, st: Strategy, j: int, nbytes: float) -> tuple[float, float] | None:
-        """(forward, backward) seconds of input ``j`` of a node under ``st`` whose producer's output
-        is in placement ``have`` and ``nbytes`` big; None when either reshard has no collective."""
+    def reshard_s(self, have: str, st: Strategy, j: int, nbytes: float, op: str = "",
+                  backward_s: float = 0.0) -> tuple[float, float] | None:
+        """(forward, backward) seconds of input ``j`` of a node calling ``op`` under ``st`` whose
+        producer's output is in placement ``have`` and ``nbytes`` big; None when either reshard has no
+        collective. A regathered input's backward gathers it once more, beside the product for the
+        input's gradient, and reduces that gradient beside the product for the weight's (each half of
+        the node's ``backward_s``): only what outlasts them is charged (runtime/tp/local_ops.py)."""
         kf = reshard_kind(have, st.ins[j])
         kb = "none" if self.inference or st.grads[j] == NONE else reshard_kind(st.grads[j], grad_convention(have))
         if "invalid" in (kf, kb):
             return None
-        return reshard_time(kf, nbytes, self.t, self.link), reshard_time(kb, nbytes, self.t, self.link)
+        fwd, back = reshard_time(kf, nbytes, self.t, self.link), reshard_time(kb, nbytes, self.t, self.link)
+        if not self.inference and regathers(op, j, kf, self.sequence_parallel):
+            back = max(0.0, fwd - backward_s / 2) + max(0.0, back - backward_s / 2)
+        return fwd, back
 
-    def saved_bytes(self, n: str, st: Strategy) -> float:
+    def saved_bytes(self, n: str, st: Strategy, haves: Sequence[str] | None = None) -> float:
         """Bytes node ``n`` keeps for backward under ``st`` on one device (its KV cache when generating);
-        fp32 where autocast keeps the op in fp32 (cost_model.precision_factor)."""
+        fp32 where autocast keeps the op in fp32 (cost_model.precision_factor). ``haves``: its
+        producers' placements of its inputs, where known (a regathered input is held as placed)."""
         a = self.G.nodes[n]
-        held = a.get("kv_bytes", 0) * self.kv_ratio if self.inference else a.get("saved_bytes", 0)
-        return held * st.memory_fraction * self.beta(n) * self.act_scale \
-            * precision_factor(a.get("op", ""), self.precision, self.cluster.device)
+        scale = self.beta(n) * self.act_scale * precision_factor(a.get("op", ""), self.precision, self.cluster.device)
+        if self.inference:
+            return a.get("kv_bytes", 0) * self.kv_ratio * st.memory_fraction * scale
+        inputs = a.get("saved_input_bytes") or ()
+        held = (a.get("saved_bytes", 0) - sum(inputs)) * st.memory_fraction
+        for j, nbytes in enumerate(inputs):
+            if nbytes:
+                placed = st.ins[j]
+                if haves is not None and regathers(a["op"], j, reshard_kind(haves[j], placed), self.sequence_parallel):
+                    placed = haves[j]
+                held += nbytes * (1 / self.t if is_shard(placed) else 1.0)
+        return held * scale
 
     def transient_bytes(self, n: str, st: Strategy) -> float:
         """Bytes node ``n`` holds beyond the saved activations while it runs, under ``st`` on one

@@ -58,6 +58,7 @@ class TPSetting:
     zero_stage: int = 0  # ZeRO over the dp group: shards model state (memory) and sets the dp collectives
     kv_ratio: float = 0.0  # inference with generation: KV cache / keys and values read (passes/pipeline/costs.kv_ratio)
     captured_dtype: str = ""  # the dtype floating tensors were captured in ("": the graph's parameters')
+    sequence_parallel: bool = False  # linears regather their sequence-split inputs (core/tp/layout.py regathers)
 
     def __post_init__(self) -> None:
         if self.t < 1 or self.micro_batch < 1 or self.captured_batch < 1:
@@ -240,7 +241,8 @@ def _layout_costs(G: nx.DiGraph, setting: TPSetting, cluster: ClusterSpec, strat
     prices that dp, ZeRO, the micro-batch count, the optimizer and the budget do not change;
     cached per graph (a search asks for one (t, micro-batch) under many dp x ZeRO settings)."""
     key = (setting.t, setting.micro_batch, setting.captured_batch, setting.precision, setting.inference,
-           setting.kv_ratio, setting.captured_dtype, repr(cluster), strategies, G.graph.get("batch_shapes"),
+           setting.kv_ratio, setting.captured_dtype, setting.sequence_parallel, repr(cluster), strategies,
+           G.graph.get("batch_shapes"),
            tuple((b.prefix, tuple(b.indices), b.nodes_per_layer) for b in repeated))
     cache = per_graph(_LAYOUTS, G)
     if key not in cache:
@@ -254,7 +256,7 @@ def _price_layout(G: nx.DiGraph, setting: TPSetting, cluster: ClusterSpec, strat
                   repeated: Sequence[RepeatedBlock]) -> _Layout:
     t = setting.t
     price = TPCosts(G, cluster, t, setting.micro_batch, setting.captured_batch, setting.precision,
-                    setting.inference, setting.kv_ratio, setting.captured_dtype)
+                    setting.inference, setting.kv_ratio, setting.captured_dtype, setting.sequence_parallel)
     own = _own_strategies(G, t, strategies, setting.micro_batch)
     groups = _split_unlike(G, _classes(G, repeated), own)
     class_of = {n: key for key, members in groups.items() for n in members}
@@ -275,9 +277,11 @@ def _price_layout(G: nx.DiGraph, setting: TPSetting, cluster: ClusterSpec, strat
             i_out = input_index(G, v, j)
             nbytes = price.tensor_bytes(u, i_out)
             # each end's own strategies: members of a class agree on layouts, not on which inputs carry gradients
-            key = (id(own[u]), id(own[v]), i_out, j, nbytes)
+            # a regathered input's backward overlaps the consumer's (TPCosts.reshard_s)
+            op = G.nodes[v]["op"] if setting.sequence_parallel else ""
+            key = (id(own[u]), id(own[v]), i_out, j, nbytes, price.node_key(v) if op else None)
             if key not in matrix_cache:
-                matrix_cache[key] = _edge_matrix(own[u], own[v], i_out, j, nbytes, price)
+                matrix_cache[key] = _edge_matrix(own[u], own[v], i_out, j, nbytes, price, v if op else "")
             fwd, bwd = matrix_cache[key]
             if cu == cv:  # both ends run the same strategy
                 for s in range(len(strat[cu])):
@@ -373,15 +377,18 @@ def _split_unlike(G: nx.DiGraph, groups: dict[str, list[str]],
 
 
 def _edge_matrix(src: Sequence[Strategy], dst: Sequence[Strategy], i_out: int, j: int, nbytes: float,
-                 costs: TPCosts) -> tuple:
+                 costs: TPCosts, consumer: str = "") -> tuple:
     """Forward and backward reshard seconds of one edge for every (producer, consumer) strategy
-    pair (``TPCosts.reshard_s``); None where the pair has no valid reshard."""
+    pair (``TPCosts.reshard_s``); None where the pair has no valid reshard. ``consumer``: the node
+    reading it, where its op and backward change the price (a regathered input)."""
+    op = costs.G.nodes[consumer]["op"] if consumer else ""
+    back = [costs.compute_s(consumer, sv)[1] if consumer else 0.0 for sv in dst]
     fwd: list[list[float | None]] = []
     bwd: list[list[float | None]] = []
     for su in src:
         if i_out >= len(su.out):
             raise ValueError(f"strategy {su.name} has {len(su.out)} outputs; an edge reads output {i_out}")
-        pairs = [costs.reshard_s(su.out[i_out], sv, j, nbytes) for sv in dst]
+        pairs = [costs.reshard_s(su.out[i_out], sv, j, nbytes, op, b) for sv, b in zip(dst, back)]
         fwd.append([None if p is None else p[0] for p in pairs])
         bwd.append([None if p is None else p[1] for p in pairs])
     return fwd, bwd

@@ -12,6 +12,7 @@ call and the ``CollectiveCounter`` checks it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -54,20 +55,39 @@ class TPGroup:
         return out
 
     def all_gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        return self.all_gather_start(x, dim)()
+
+    def reduce_scatter(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        return self.reduce_scatter_start(x, dim)()
+
+    def all_gather_start(self, x: torch.Tensor, dim: int) -> Callable[[], torch.Tensor]:
+        """Issue the all-gather of ``x`` along ``dim``; the returned call waits for it and gives the
+        result (work in between overlaps it)."""
         local = x.movedim(dim, 0).contiguous()
         out = local.new_empty((local.shape[0] * self.size, *local.shape[1:]))
         self._record("all_gather", out)
-        with self.counter.blocking("all_gather", TP):
-            all_gather_flat(out, local, group=self.group)
-        return out.movedim(0, dim)
+        if self.group is None:  # a group of one
+            out.copy_(local)
+        work = all_gather_flat(out, local, group=self.group, async_op=True) if self.group is not None else None
+        return self._waiter("all_gather", work, lambda: out.movedim(0, dim))
 
-    def reduce_scatter(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+    def reduce_scatter_start(self, x: torch.Tensor, dim: int) -> Callable[[], torch.Tensor]:
+        """Issue the reduce-scatter of ``x`` along ``dim``; the returned call waits and gives the result."""
         whole = x.movedim(dim, 0).contiguous()
         out = whole.new_empty((whole.shape[0] // self.size, *whole.shape[1:]))
         self._record("reduce_scatter", whole)
-        with self.counter.blocking("reduce_scatter", TP):
-            reduce_scatter_flat(out, whole, group=self.group)
-        return out.movedim(0, dim)
+        if self.group is None:  # a group of one
+            out.copy_(whole)
+        work = reduce_scatter_flat(out, whole, group=self.group, async_op=True) if self.group is not None else None
+        return self._waiter("reduce_scatter", work, lambda: out.movedim(0, dim))
+
+    def _waiter(self, kind: str, work: Any, result: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
+        def wait() -> torch.Tensor:
+            if work is not None:
+                with self.counter.blocking(kind, TP):
+                    work.wait()
+            return result()
+        return wait
 
     def all_to_all(self, x: torch.Tensor, src: int, dst: int) -> torch.Tensor:
         """shard(src) -> shard(dst): send the k-th dst-slice to rank k, join the pieces along src."""

@@ -7,6 +7,8 @@ added on tp rank 0 only, a batch-sharded cross-entropy divided by the global
 count. Each implementation is registered under the (op, strategy) pairs it
 serves with ``@local_op``, next to its code; the program builder
 (runtime/tp/program.py) looks a node up with ``LOCAL_OPS.get((op, strategy))``.
+``RegatheredLinear`` is the one keyed by an edge instead: a linear under sequence parallelism
+that gathers its input itself (core/tp/layout.py ``regathers``).
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ import torch
 import torch.distributed as dist
 import torch.fx
 
-from partita.runtime.tp.collectives import TPGroup
+from partita.core.placement import shard_dim
+from partita.runtime.tp.collectives import Edge, TPGroup, reshard
 
 LocalOp = Callable[[TPGroup, torch.fx.Node, list, dict], Any]
 LOCAL_OPS: dict[tuple[str, str], LocalOp] = {}
@@ -152,3 +155,56 @@ def _ce_batch(g: TPGroup, n: torch.fx.Node, args: list, kwargs: dict) -> torch.T
     logits, targets = args[0], args[1]
     count = g.all_reduce((targets != ignore).sum())
     return torch.nn.functional.cross_entropy(logits, targets, ignore_index=ignore, reduction="sum") / count
+
+
+class _RegatheredLinear(torch.autograd.Function):
+    """``linear(gather(x), w, b)`` that keeps ``x``, this rank's slice, for backward and gathers it
+    again there (sequence parallelism's column-parallel linear, core/tp/layout.py ``regathers``):
+    the gathered input lives only while the product runs. Backward is the linear's own (in the
+    dtype forward computed in), its input gradient reduced back onto the slices by the edge's
+    backward reshard."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, e: Edge, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+        out = torch.ops.aten.linear.default(reshard(e.g, x, e.fwd, e.have, e.need), w, b)
+        ctx.e, ctx.dtype, ctx.bias = e, out.dtype, b is not None
+        ctx.save_for_backward(x, w)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, None, torch.Tensor | None,
+                                                         torch.Tensor | None]:
+        x, w = ctx.saved_tensors
+        e, g = ctx.e, ctx.e.g
+        grad = grad.to(ctx.dtype)
+        rows = grad.reshape(-1, grad.shape[-1])
+        # Megatron-LM's order: the regather runs while the input's gradient is multiplied, and that
+        # gradient's reduce-scatter while the weight's is (each wait only where the result is read)
+        regather = g.all_gather_start(x, shard_dim(e.have)) if ctx.needs_input_grad[2] else None
+        gx = gw = gb = None
+        scatter = None
+        if ctx.needs_input_grad[0]:
+            whole = grad @ w.to(ctx.dtype)
+            if e.bwd == "reduce_scatter":
+                scatter = g.reduce_scatter_start(whole, shard_dim(e.grad_need))
+            else:
+                gx = reshard(g, whole, e.bwd, e.grad, e.grad_need).to(x.dtype)
+        if regather is not None:
+            inputs = regather().to(ctx.dtype)
+            gw = (rows.t() @ inputs.reshape(-1, inputs.shape[-1])).to(w.dtype)
+        if ctx.bias and ctx.needs_input_grad[3]:
+            gb = rows.sum(0).to(w.dtype)
+        if scatter is not None:
+            gx = scatter().to(x.dtype)
+        return gx, None, gw, gb
+
+
+class RegatheredLinear:
+    """A linear node whose activation input arrives by the plan edge ``e`` (an all-gather), run by
+    ``_RegatheredLinear``: called by the rank's program with the node's local arguments."""
+
+    def __init__(self, e: Edge) -> None:
+        self.e = e
+
+    def __call__(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+        return _RegatheredLinear.apply(x, self.e, w, b)

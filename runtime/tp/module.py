@@ -67,6 +67,7 @@ class TensorParallel(nn.Module):
         self.plan = plan
         self.device = device
         self.precision = precision
+        self.sequence_parallel = plan.training.sequence_parallel  # linears regather their inputs (local_ops.py)
         self.rng = rng
         self.compile = compile  # each program through torch.compile (runtime/tp/program.py ``compiled``)
         self.decisions = {d.name: d for d in plan.nodes}

@@ -9,9 +9,9 @@ plan and the graph alone is taken while building, none while running:
   needs by one graph node (``reshard``: the plan's ``fwd`` collective in forward, ``bwd`` on the
   gradient, runtime/tp/collectives.py); an edge that needs neither is no node at all;
 - size arguments (``view``, ``reshape``, ``expand``, ``unflatten``) are the local sizes;
-- ops with a local program (runtime/tp/local_ops.py), random ops (seeded per op, runtime/rng.py),
-  the division of a mean over a sharded dim, and ZeRO-3's gather / release of a node's
-  parameters (``ParamAccess``) are graph nodes;
+- ops with a local program (runtime/tp/local_ops.py; a sequence-parallel linear too), random ops
+  (seeded per op, runtime/rng.py), the division of a mean over a sharded dim, and ZeRO-3's
+  gather / release of a node's parameters (``ParamAccess``) are graph nodes;
 - a recomputed layer (runtime/tp/recompute.py) is a sub-program run under checkpointing;
 - eval mode is a program of its own (``_TRAIN_ARG``'s ops in eval; no buffer update).
 
@@ -37,9 +37,10 @@ from partita.core.ops import tensor_values
 from partita.core.placement import shard_dim
 from partita.core.plan import NodeDecision
 from partita.core.precision import PrecisionPolicy
+from partita.core.tp.layout import regathers
 from partita.runtime.rng import is_random, op_seed, seeded
 from partita.runtime.tp.collectives import Edge, TPGroup, local_shape, reshard_edge
-from partita.runtime.tp.local_ops import LOCAL_OPS
+from partita.runtime.tp.local_ops import LOCAL_OPS, RegatheredLinear
 from partita.runtime.tp.recompute import Region, run_recomputed
 from partita.runtime.watchdog import FLIGHT
 
@@ -118,6 +119,7 @@ class LocalProgram(Protocol):
     precision: PrecisionPolicy
     rng: tuple[int, int] | None  # (run seed, dp rank), or None: random ops draw from the user's generator
     param_access: ParamAccess | None
+    sequence_parallel: bool  # the plan's: linears regather their sequence-split inputs (core/tp/layout.py)
     param_reads: Mapping[str, list[nn.Parameter]]  # node -> the parameters it reads
     param_last_reads: Mapping[str, list[nn.Parameter]]  # node -> those forward is done with after it
     buffer_nodes: Mapping[str, str]  # buffer placeholder -> its name
@@ -274,7 +276,8 @@ class _Builder:
         reads = self.p.param_reads.get(n.name) if self.p.param_access is not None else None
         if reads:  # before the inputs are resharded: they read the parameters
             self.graph.call_function(gather, (self.attr("access", self.p.param_access), self.attr("params", reads)))
-        args, kwargs = self._local_args(n, d)
+        regather = self._regathers(n, d)
+        args, kwargs = self._local_args(n, d, raw=regather)
         if n.op == "output":
             return args[0]
         if n.op != "call_function":
@@ -282,7 +285,11 @@ class _Builder:
                             hint="plan this model without tensor parallelism (--tp 1)")
         if n.target is torch.ops.aten._assert_tensor_metadata.default and self.p.precision.low:
             return None  # export's check of the captured (fp32) dtype: the policy computes in another
-        out = self._op(n, d, args, kwargs)
+        if regather:  # the gathered input kept by the op itself, as its slice (runtime/tp/local_ops.py)
+            out = self.graph.call_function(call, (self.attr("regathered", RegatheredLinear(Edge(self.p.tp, d.ins[0]))),
+                                                  *args), kwargs)
+        else:
+            out = self._op(n, d, args, kwargs)
         if isinstance(out, torch.fx.Node):
             out.meta[_CHECK] = (n, d)
         if reads:
@@ -291,7 +298,13 @@ class _Builder:
                                             out, self.attr("params", done) if done else None))
         return out
 
-    def _local_args(self, n: torch.fx.Node, d: NodeDecision) -> tuple[list, dict]:
+    def _regathers(self, n: torch.fx.Node, d: NodeDecision) -> bool:
+        """Whether ``n`` gathers its first input itself, again in backward (core/tp/layout.py)."""
+        return (self.training and n.op == "call_function" and bool(d.ins) and LOCAL_OPS.get((op_name(n), d.strategy))
+                is None and regathers(op_name(n), 0, d.ins[0].fwd, self.p.sequence_parallel))
+
+    def _local_args(self, n: torch.fx.Node, d: NodeDecision, raw: bool = False) -> tuple[list, dict]:
+        """``n``'s tensor arguments resharded by their plan edges (``raw``: the first left as placed)."""
         j = 0
         getitem = n.target is operator.getitem
 
@@ -302,7 +315,7 @@ class _Builder:
                 return v
             lay = d.ins[j]
             j += 1
-            return v if getitem else self._edge(v, lay)
+            return v if getitem or (raw and j == 1) else self._edge(v, lay)
 
         args = list(torch.fx.map_arg(n.args, fetch))
         kwargs = dict(torch.fx.map_arg(n.kwargs, fetch))
@@ -371,7 +384,6 @@ class _Builder:
             out.meta[_CHECK] = None
             out = self.graph.call_function(operator.truediv, (out, g.size))  # as by the global count
         return out
-
 
     @staticmethod
     def _resharded(v: Any) -> bool:
