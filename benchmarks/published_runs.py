@@ -58,8 +58,8 @@ as the GPUs double at a fixed batch (its 132, 78, 37), because the 3 m Psi
 of traffic per step does not shrink with the GPUs while the compute does;
 partita does not recompute under ZeRO-3, so those runs do not fit 80 GB in
 its model (79-318 GB) and are priced with the memory check relaxed.
-Korthikanti (selective recomputation and sequence parallelism, neither
-modelled): 0.89, 1.06, then 1.37 and 1.36 for 530B and 1T, which fit only
+Korthikanti (in this older run, selective recomputation and sequence parallelism not yet
+modelled; see below for today's): 0.89, 1.06, then 1.37 and 1.36 for 530B and 1T, which fit only
 by recomputing whole layers on 13 of 35 and 38 of 64 stages (a third more
 compute each) where the paper recomputed a few percent. Partita's own
 choice is at least as fast as the published configuration wherever that
@@ -76,8 +76,11 @@ What partita does not model, and which way each pushes its predictions:
   the runs did. The profile's GPT uses fused attention (scaled_dot_product_
   attention), which saves no (s, s) scores, so Korthikanti's 5 a s / h term is
   absent with or without selective recomputation.
-- sequence parallelism: not modelled (the layer norms and dropouts stay
-  replicated over TP), a memory effect more than a time one.
+- sequence parallelism: pinned on the Korthikanti runs (docs/cost-model.md,
+  "Sequence parallelism"); their rows, re-priced on 2026-12-06 with it and
+  selective recomputation: 22B 1.33 s (1.21), 175B 14.37 s (1.04), 530B
+  42.01 s (1.11), 1T 78.36 s (1.10), each fitting 80 GB. The table above
+  is older for those four rows.
 - interleaved schedules (v chunks per device), overlap of communication with
   compute, the fused kernels' efficiency: partita uses one efficiency (0.7)
   and exposes every collective.
