@@ -47,7 +47,7 @@ HARMLESS = {
     "stages[].memory_bytes", "stages[].forward_s", "stages[].backward_s", "stages[].modules[]",
     "stages[].send_bytes",
     "stages[].recompute",  # recomputation reruns the same forward: the same numbers
-    "training.sequence_parallel",  # a label: the nodes' own layouts are what runs
+    "training.sequence_parallel",  # the layouts are the nodes'; a regathered linear input computes the same
 }
 HARMLESS |= {f"predicted.{k}" for k in (
     "step_time_s", "compute_s", "comm_s.tp_forward", "comm_s.tp_backward", "comm_s.tp_internal", "optimizer_s",
