@@ -71,3 +71,34 @@ def test_sequence_parallelism_is_refused_where_there_is_nothing_to_split():
         plan_search(*mlp, PRESETS["dgx-a100"].with_devices(2), TrainingRequest(global_batch=4),
                     Pins(tp=2, sequence_parallel=True))
     assert "drop --sequence-parallel" in e.value.hint
+
+
+def test_the_plan_lists_a_regather_for_each_linear_that_gathers_its_input():
+    """Megatron's layout with the stream split (tests/tp_choice.py) on the example GPT at tp = 2: every
+    linear whose input is all-gathered from the stream (q, k, v and the first MLP linear of each
+    layer, and the head after the final norm, which takes the stream's layout) gathers it again in
+    backward, listed as its own TP collective; a frozen weight's linear does not (its backward never
+    reads the input), nor does anything without sequence parallelism."""
+    import dataclasses
+
+    from examples.models import gpt_tiny
+    from partita.core.capture import capture
+    from partita.core.graph import to_networkx
+    from partita.core.tp.layout import REGATHER_PURPOSE, layout_decisions, tp_collectives
+    from tests.tp_choice import pinned_choice
+
+    G = to_networkx(capture(gpt_tiny, [parse_input_spec("idx=int64[2,16]")], loss=default_loss))
+    nodes = layout_decisions(G, 2, pinned_choice(G, 2, sequence_parallel=True))
+    gathered = [d for d in nodes if d.op == "aten.linear.default" and d.ins[0].fwd == "all_gather"]
+    layers = {d.layer for d in gathered} - {""}
+    assert len(layers) == 2 and len(gathered) == 4 * len(layers) + 1  # q, k, v, c_fc; lm_head
+
+    def regathers(decisions, sp=True):
+        listed = tp_collectives(decisions, sequence_parallel=sp)
+        return sum(n for _, _, n, purpose in listed if purpose == REGATHER_PURPOSE)
+
+    assert regathers(nodes) == len(gathered) and regathers(nodes, sp=False) == 0
+    frozen = gathered[0]
+    weight = dataclasses.replace(frozen.ins[1], grad="none", grad_need="none")
+    edited = [dataclasses.replace(d, ins=(d.ins[0], weight, *d.ins[2:])) if d is frozen else d for d in nodes]
+    assert regathers(edited) == len(gathered) - 1

@@ -42,10 +42,12 @@ REGATHERED_OPS = frozenset({"linear"})
 REGATHER_PURPOSE = "backward regather (sequence parallel)"
 
 
-def regathers(op: str, j: int, fwd: str, sequence_parallel: bool) -> bool:
+def regathers(op: str, j: int, fwd: str, sequence_parallel: bool, weight_grad: bool = True) -> bool:
     """Whether input ``j`` of a node calling ``op`` ("aten.linear.default" or "linear"), reached by
-    the forward reshard ``fwd``, is kept as its slice and gathered again in backward."""
-    return sequence_parallel and j == 0 and fwd == "all_gather" and base_op(op) in REGATHERED_OPS
+    the forward reshard ``fwd``, is kept as its slice and gathered again in backward: only where
+    the weight gets a gradient (``weight_grad``; a frozen weight's backward never reads the input)."""
+    return (sequence_parallel and weight_grad and j == 0 and fwd == "all_gather"
+            and base_op(op) in REGATHERED_OPS)
 
 
 def _elem_size(dtype: str, elem_bytes: int | None) -> int:
@@ -134,7 +136,7 @@ def tp_collectives(decisions: tuple[NodeDecision, ...] | list[NodeDecision], *,
                 calls[(lay.fwd, lay.bytes, "forward reshard")] += 1
             if lay.bwd not in _LOCAL:
                 calls[(lay.bwd, lay.bytes, "backward reshard")] += 1
-            if regathers(d.op, j, lay.fwd, sequence_parallel):
+            if regathers(d.op, j, lay.fwd, sequence_parallel, len(d.ins) > 1 and d.ins[1].grad != NONE):
                 calls[(lay.fwd, lay.bytes, REGATHER_PURPOSE)] += 1
         for entry in d.internal:
             kind, _, nbytes = entry.partition(":")
