@@ -163,7 +163,7 @@ def plan_search(
                 options.append(_from_pipeline(decision, profile, cluster, request, tp, layouts, sp))
             if (not sp and tp > 1 and residual and pins.sequence_parallel is None
                     and (unfit or _memory_binds(decision))):
-                queue.insert(0, (tp, True))  # sequence parallelism holds less: weighed where memory binds
+                queue.append((tp, True))  # holds less: weighed where memory binds, after the rest (a tighter bound)
     if not options:
         if errors:
             raise errors[-1] if tried_pipeline else errors[0]
