@@ -117,7 +117,7 @@ function header(D) {
     ["schedule", "schedule", t.schedule],
     ["recompute", "recomputation", recomputeText(p)],
     ["sequence", "sequence parallel", t.sequence_parallel ?
-      "norms, dropouts and residual adds split along the sequence over tp" : "no"],
+      "norms, dropouts and residual adds split along the sequence over tp; linears keep their input's slice and regather it in backward" : "no"],
     ["offload", "optimizer state", t.offload === "optimizer" ?
       `in host memory, stepped by the host: ${fmtBytes(pr.memory.host || 0)} per device` : "on the device"],
     ["microbatches", "micro-batches", `${t.grad_accum_steps} of ${t.micro_batch_size} sample(s) per dp rank`],
