@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import networkx as nx
 
@@ -42,12 +42,19 @@ REGATHERED_OPS = frozenset({"linear"})
 REGATHER_PURPOSE = "backward regather (sequence parallel)"
 
 
-def regathers(op: str, j: int, fwd: str, sequence_parallel: bool, weight_grad: bool = True) -> bool:
-    """Whether input ``j`` of a node calling ``op`` ("aten.linear.default" or "linear"), reached by
-    the forward reshard ``fwd``, is kept as its slice and gathered again in backward: only where
-    the weight gets a gradient (``weight_grad``; a frozen weight's backward never reads the input)."""
-    return (sequence_parallel and weight_grad and j == 0 and fwd == "all_gather"
-            and base_op(op) in REGATHERED_OPS)
+def may_regather(op: str, j: int) -> bool:
+    """Whether input ``j`` of a node calling ``op`` ("aten.linear.default" or "linear") is one a
+    sequence-parallel plan may regather (its activation input)."""
+    return j == 0 and base_op(op) in REGATHERED_OPS
+
+
+def regathers(op: str, j: int, fwd: str, sequence_parallel: bool, grads: Sequence[str]) -> bool:
+    """Whether input ``j`` of a node calling ``op``, reached by the forward reshard ``fwd``, is kept
+    as its slice and gathered again in backward. ``grads``: the gradient placements of the node's
+    inputs (a strategy's ``grads``, a decision's ``ins[].grad``); only where the weight (input 1)
+    gets a gradient does backward read the input at all."""
+    return (sequence_parallel and fwd == "all_gather" and may_regather(op, j)
+            and len(grads) > 1 and grads[1] != NONE)
 
 
 def _elem_size(dtype: str, elem_bytes: int | None) -> int:
@@ -136,7 +143,7 @@ def tp_collectives(decisions: tuple[NodeDecision, ...] | list[NodeDecision], *,
                 calls[(lay.fwd, lay.bytes, "forward reshard")] += 1
             if lay.bwd not in _LOCAL:
                 calls[(lay.bwd, lay.bytes, "backward reshard")] += 1
-            if regathers(d.op, j, lay.fwd, sequence_parallel, len(d.ins) > 1 and d.ins[1].grad != NONE):
+            if regathers(d.op, j, lay.fwd, sequence_parallel, [x.grad for x in d.ins]):
                 calls[(lay.fwd, lay.bytes, REGATHER_PURPOSE)] += 1
         for entry in d.internal:
             kind, _, nbytes = entry.partition(":")

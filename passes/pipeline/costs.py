@@ -287,7 +287,7 @@ def node_costs(profile: ModelProfile, cluster: ClusterSpec, request: TrainingReq
     kv = kv_ratio(profile, request)
 
     def scale(a: dict) -> float:
-        return batch if a["depends_on_input"] else 1.0
+        return _batch_scale(a, batch)
 
     nbytes = output_bytes(profile, request, micro_batch)
 
@@ -342,9 +342,15 @@ def output_bytes(profile: ModelProfile, request: TrainingRequest, micro_batch: i
 
     def nbytes(a: dict) -> float:
         floating = any(is_floating(d) for d in a["dtypes"])
-        return a["out_bytes"] * (batch if a["depends_on_input"] else 1.0) * (act if floating else 1.0)
+        return a["out_bytes"] * _batch_scale(a, batch) * (act if floating else 1.0)
 
     return nbytes
+
+
+def _batch_scale(a: dict, batch: float) -> float:
+    """How a node's work and tensors scale with the batch (``batch``: micro-batch / captured): only
+    those depending on a model input do."""
+    return batch if a["depends_on_input"] else 1.0
 
 
 def crossing_bytes(G: nx.DiGraph, order: Sequence[str], nbytes: Callable[[str], float], inference: bool

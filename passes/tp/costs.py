@@ -114,12 +114,9 @@ class TPCosts:
         if "invalid" in (kf, kb):
             return None
         fwd, back = reshard_time(kf, nbytes, self.t, self.link), reshard_time(kb, nbytes, self.t, self.link)
-        if not self.inference and self._regathers(op, j, kf, st):
+        if not self.inference and regathers(op, j, kf, self.sequence_parallel, st.grads):
             back = max(0.0, fwd - backward_s / 2) + max(0.0, back - backward_s / 2)
         return fwd, back
-
-    def _regathers(self, op: str, j: int, fwd: str, st: Strategy) -> bool:
-        return regathers(op, j, fwd, self.sequence_parallel, len(st.grads) > 1 and st.grads[1] != NONE)
 
     def saved_bytes(self, n: str, st: Strategy, haves: Sequence[str] | None = None) -> float:
         """Bytes node ``n`` keeps for backward under ``st`` on one device (its KV cache when generating);
@@ -134,7 +131,8 @@ class TPCosts:
         for j, nbytes in enumerate(inputs):
             if nbytes:
                 placed = st.ins[j]
-                if haves is not None and self._regathers(a["op"], j, reshard_kind(haves[j], placed), st):
+                if haves is not None and regathers(a["op"], j, reshard_kind(haves[j], placed), self.sequence_parallel,
+                                                   st.grads):
                     placed = haves[j]
                 held += nbytes * (1 / self.t if is_shard(placed) else 1.0)
         return held * scale

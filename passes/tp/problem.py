@@ -30,6 +30,7 @@ import networkx as nx
 
 from partita.core.cluster import ClusterSpec
 from partita.core.graph import per_graph
+from partita.core.tp.layout import may_regather
 from partita.core.tp.strategies import Strategy, input_index, is_shard, valid_at
 from partita.passes.activations import peak_live_bytes
 from partita.passes.cost_model import param_step_time, sharded_state, state_bytes_per_param
@@ -278,10 +279,10 @@ def _price_layout(G: nx.DiGraph, setting: TPSetting, cluster: ClusterSpec, strat
             nbytes = price.tensor_bytes(u, i_out)
             # each end's own strategies: members of a class agree on layouts, not on which inputs carry gradients
             # a regathered input's backward overlaps the consumer's (TPCosts.reshard_s)
-            op = G.nodes[v]["op"] if setting.sequence_parallel else ""
-            key = (id(own[u]), id(own[v]), i_out, j, nbytes, price.node_key(v) if op else None)
+            consumer = v if setting.sequence_parallel and may_regather(G.nodes[v]["op"], j) else ""
+            key = (id(own[u]), id(own[v]), i_out, j, nbytes, price.node_key(v) if consumer else None)
             if key not in matrix_cache:
-                matrix_cache[key] = _edge_matrix(own[u], own[v], i_out, j, nbytes, price, v if op else "")
+                matrix_cache[key] = _edge_matrix(own[u], own[v], i_out, j, nbytes, price, consumer)
             fwd, bwd = matrix_cache[key]
             if cu == cv:  # both ends run the same strategy
                 for s in range(len(strat[cu])):

@@ -66,9 +66,11 @@ class TPGroup:
         local = x.movedim(dim, 0).contiguous()
         out = local.new_empty((local.shape[0] * self.size, *local.shape[1:]))
         self._record("all_gather", out)
+        work = None
         if self.group is None:  # a group of one
             out.copy_(local)
-        work = all_gather_flat(out, local, group=self.group, async_op=True) if self.group is not None else None
+        else:
+            work = all_gather_flat(out, local, group=self.group, async_op=True)
         return self._waiter("all_gather", work, lambda: out.movedim(0, dim))
 
     def reduce_scatter_start(self, x: torch.Tensor, dim: int) -> Callable[[], torch.Tensor]:
@@ -76,9 +78,11 @@ class TPGroup:
         whole = x.movedim(dim, 0).contiguous()
         out = whole.new_empty((whole.shape[0] // self.size, *whole.shape[1:]))
         self._record("reduce_scatter", whole)
+        work = None
         if self.group is None:  # a group of one
             out.copy_(whole)
-        work = reduce_scatter_flat(out, whole, group=self.group, async_op=True) if self.group is not None else None
+        else:
+            work = reduce_scatter_flat(out, whole, group=self.group, async_op=True)
         return self._waiter("reduce_scatter", work, lambda: out.movedim(0, dim))
 
     def _waiter(self, kind: str, work: Any, result: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:

@@ -300,8 +300,8 @@ class _Builder:
 
     def _regathers(self, n: torch.fx.Node, d: NodeDecision) -> bool:
         """Whether ``n`` gathers its first input itself, again in backward (core/tp/layout.py)."""
-        return (self.training and n.op == "call_function" and len(d.ins) > 1 and LOCAL_OPS.get((op_name(n), d.strategy))
-                is None and regathers(op_name(n), 0, d.ins[0].fwd, self.p.sequence_parallel, d.ins[1].grad != "none"))
+        return (self.training and n.op == "call_function" and bool(d.ins) and LOCAL_OPS.get((op_name(n), d.strategy))
+                is None and regathers(op_name(n), 0, d.ins[0].fwd, self.p.sequence_parallel, [x.grad for x in d.ins]))
 
     def _local_args(self, n: torch.fx.Node, d: NodeDecision, raw: bool = False) -> tuple[list, dict]:
         """``n``'s tensor arguments resharded by their plan edges (``raw``: the first left as placed)."""
