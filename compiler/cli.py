@@ -358,7 +358,7 @@ def calibrated_cluster(r: Any) -> Any:
     return calibrated_local(nproc=r.nproc, cpu_name=r.cpu_name, memory_bytes=r.memory_bytes_per_process,
                             matmul_flops=r.matmul_flops, beta=r.allreduce_beta, alpha=r.allreduce_alpha,
                             call_seconds=r.call_seconds, call_bytes=r.call_bytes, seconds=r.seconds,
-                            memory_bandwidth=r.memory_bandwidth)
+                            memory_bandwidth=r.memory_bandwidth, op_seconds=r.op_seconds)
 
 
 @cli.command()
@@ -393,6 +393,7 @@ def calibrate(nproc: int, output: str, device: str) -> None:
     t.add_row("all-reduce bandwidth (beta)", f"{fmt_bytes(r.allreduce_beta)}/s")
     t.add_row("all-reduce latency (alpha)", fmt_time(r.allreduce_alpha))
     t.add_row("memory bandwidth (copy, per process)", f"{fmt_bytes(r.memory_bandwidth)}/s")
+    t.add_row("per-kernel cost (host)", fmt_time(r.op_seconds))
     t.add_row("memory per process", fmt_bytes(r.memory_bytes_per_process))
     for kind, s in spec.call_latency.items():
         t.add_row(f"{kind} cost per call", f"{fmt_time(s)} (a {fmt_bytes(r.call_bytes)} call between matmuls "

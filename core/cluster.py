@@ -306,6 +306,12 @@ _GPU_SOURCES = {
 # the per-op figures fitted to the H200 data (passes/cost_model.py op_time); a collective is an op the host
 # issues too, so each call costs the same launch (``call_latency``)
 _LAUNCH_S = 40e-6
+# A CPU process runs each op where it issues it, so what the host spends on an op (dispatch,
+# autograd's bookkeeping, the backward engine's) adds to its work: a chain of tiny ops forward and
+# backward takes 4-5 us a kernel with torch 2.13 on this project's CI machine (one thread;
+# runtime/calibrate.py ``op_seconds`` measures it). A model of many small ops, and a micro-batch
+# of few rows, is bound by it.
+_CPU_OP_S = 5e-6
 _GPU_TIME = dict(roofline=True, attention_efficiency=0.45, memory_efficiency=0.4, kernel_s=12e-6, launch_s=_LAUNCH_S,
                  call_latency={kind: _LAUNCH_S for kind in COLLECTIVES}, alloc_granularity=512, fragmentation=0.05)
 
@@ -352,7 +358,7 @@ def _presets() -> dict[str, ClusterSpec]:
             name="local", nodes=1, gpus_per_node=4, device="cpu", device_name="CPU process (gloo)",
             memory_bytes=int(4 * GB), flops={"fp32": 20e9, "bf16": 5e9}, efficiency=1.0, hbm_bandwidth=5 * GB,
             intra_node_bandwidth=1.0 * GB, inter_node_bandwidth=1.0 * GB, intra_node_latency=100e-6,
-            inter_node_latency=100e-6, nvlink=False, memory_reserve=0.25, step_overhead_s=2e-3,
+            inter_node_latency=100e-6, nvlink=False, memory_reserve=0.25, step_overhead_s=2e-3, kernel_s=_CPU_OP_S,
             host_bandwidth=5 * GB, host_memory_bandwidth=5 * GB,  # the device is the host: a copy in memory
             source=UNCALIBRATED,
             sources={"all": "rough defaults for CPU processes, not measured on this machine: run `partita calibrate`"},

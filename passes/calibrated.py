@@ -43,12 +43,13 @@ def prediction_sources(cluster: ClusterSpec) -> dict[str, str]:
 
 def calibrated_local(*, nproc: int, cpu_name: str, memory_bytes: int, matmul_flops: float, beta: float,
                      alpha: float, call_seconds: Mapping[str, float], call_bytes: int, seconds: float,
-                     memory_bandwidth: float = 0.0) -> ClusterSpec:
+                     memory_bandwidth: float = 0.0, op_seconds: float = 0.0) -> ClusterSpec:
     """The `local` preset with this machine's measured figures (runtime/calibrate.py): each
     collective kind's fixed cost per call is its measured time at ``call_bytes`` less what the
     fitted alpha and beta already explain of it (``collective_time`` without call costs). With a
     measured ``memory_bandwidth`` the cluster is a roofline one: an op takes at least its bytes'
-    time (``compute_time``)."""
+    time (``compute_time``); a measured ``op_seconds`` is each kernel's cost beyond its work
+    (``kernel_s``: the host runs every op it issues)."""
     plain = Link(beta, alpha, "measured")
     return dataclasses.replace(
         PRESETS["local"], name="local-calibrated", gpus_per_node=nproc, device_name=cpu_name,
@@ -61,6 +62,7 @@ def calibrated_local(*, nproc: int, cpu_name: str, memory_bytes: int, matmul_flo
         # the device is the host: offload's copies and the host's optimizer step run at memory speed
         **({"hbm_bandwidth": memory_bandwidth, "roofline": True, "host_bandwidth": memory_bandwidth,
             "host_memory_bandwidth": memory_bandwidth} if memory_bandwidth > 0 else {}),
+        **({"kernel_s": op_seconds} if op_seconds > 0 else {}),
     )
 
 

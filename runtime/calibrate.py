@@ -55,6 +55,8 @@ COPY_BYTES = 64 * 2**20  # larger than the caches: memory's bandwidth, not a cac
 COPY_REPEATS = 5
 CALL_ROUNDS = 3  # a kind's per-call cost is the median of this many (with calls) - (without) loop pairs
 CALL_COMPUTE_N = 512  # the matmul between calls (~3 ms on a core here: a layer's matmul, as in a TP step)
+OP_CHAIN = 500  # tiny ops in the per-kernel cost's chain (``op_seconds``)
+OP_REPEATS = 20
 CALL_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send_recv")
 
 
@@ -71,6 +73,7 @@ class CalibrationResult:
     call_seconds: dict[str, float]  # mean seconds one CALL_BYTES call adds between compute, by kind
     call_bytes: int = CALL_BYTES
     memory_bandwidth: float = 0.0  # bytes/s one process copies while all nproc copy at once (median; 0: not measured)
+    op_seconds: float = 0.0  # host seconds per kernel of a chain of tiny ops, forward and backward (0: not measured)
 
 
 def _free_port() -> int:
@@ -102,6 +105,28 @@ def matmul_flops(n: int, seconds: float) -> float:
         torch.mm(a, b)
         calls += 1
     return 2 * n**3 * calls / elapsed
+
+
+def op_seconds(ops: int = OP_CHAIN, repeats: int = OP_REPEATS) -> float:
+    """Seconds a kernel costs this process beyond its work: a chain of ``ops`` multiplications of
+    an 8-element tensor that wants a gradient, run forward and backward (``2 * ops`` kernels, as
+    passes/flops.py counts an op's: one forward, one backward), median of ``repeats``. A CPU
+    process issues and runs each op itself, so this adds to every op's work (``kernel_s``)."""
+    x = torch.ones(8, requires_grad=True)
+
+    def chain() -> None:
+        h = x
+        for _ in range(ops):
+            h = h * 1.0001
+        h.sum().backward()
+
+    chain()  # warm-up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        chain()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) / (2 * ops)
 
 
 def _copy_bandwidth(nbytes: int, repeats: int) -> float:
@@ -208,12 +233,14 @@ def _worker(rank: int, nproc: int, port: int, sizes: tuple[int, ...], repeats: i
         dist.barrier()
         bandwidth = _copy_bandwidth(COPY_BYTES, COPY_REPEATS)
         dist.barrier()
+        per_op = op_seconds()
+        dist.barrier()
         samples = [(s, _allreduce_seconds(s, repeats)) for s in sizes]
         calls = {k: _call_seconds(k, CALL_BYTES, CALL_REPEATS) for k in CALL_KINDS}
         # Every rank waits for the slowest, so rank 0's times are the collective's (rank 1's for
         # the receive of a send / receive pair).
         Path(outdir, f"rank{rank}.json").write_text(json.dumps({"flops": flops, "samples": samples, "calls": calls,
-                                                                 "bandwidth": bandwidth}))
+                                                                 "bandwidth": bandwidth, "op": per_op}))
     finally:
         dist.destroy_process_group()
 
@@ -268,6 +295,7 @@ def calibrate(nproc: int = 4, *, sizes: tuple[int, ...] = DEFAULT_SIZES,
         seconds=time.perf_counter() - start,
         call_seconds=calls,
         memory_bandwidth=statistics.median(r["bandwidth"] for r in results),
+        op_seconds=statistics.median(r["op"] for r in results),
     )
 
 

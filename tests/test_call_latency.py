@@ -92,11 +92,12 @@ def test_a_roofline_cluster_prices_an_op_by_the_longer_of_its_flops_and_its_byte
     assert compute_time(1e10, roof, "fp32", 4e6) == pytest.approx(0.1)
     assert PRESETS["dgx-a100"].roofline and PRESETS["dgx-h100"].roofline and not PRESETS["local"].roofline
     c = calibrated_local(nproc=2, cpu_name="cpu", memory_bytes=2**32, matmul_flops=5e10, beta=1e9, alpha=1e-4,
-                         call_seconds={}, call_bytes=4096, seconds=1.0, memory_bandwidth=25e9)
-    assert c.roofline and c.hbm_bandwidth == 25e9
+                         call_seconds={}, call_bytes=4096, seconds=1.0, memory_bandwidth=25e9, op_seconds=6e-6)
+    assert c.roofline and c.hbm_bandwidth == 25e9 and c.kernel_s == 6e-6
     path = tmp_path / "c.toml"
     path.write_text(c.to_toml())
-    assert load_cluster(str(path)).roofline and load_cluster(str(path)).hbm_bandwidth == pytest.approx(25e9)
+    back = load_cluster(str(path))
+    assert back.roofline and back.hbm_bandwidth == pytest.approx(25e9) and back.kernel_s == pytest.approx(6e-6)
     path.write_text(c.to_toml().replace("roofline = true", 'roofline = "yes"'))
     with pytest.raises(ClusterError, match="roofline"):
         load_cluster(str(path))
@@ -125,7 +126,7 @@ def test_an_elementwise_node_is_priced_by_its_bytes_on_a_roofline_cluster():
     a = p.graph.nodes[mul]
     assert a["bytes_fwd"] == 256 * 1024 * 4 * 2 + 1024 * 4  # x and w read, the product written
     roof = dataclasses.replace(PRESETS["local"], flops={"fp32": 100e9}, efficiency=1.0, hbm_bandwidth=10e9,
-                               roofline=True)
+                               roofline=True, kernel_s=0.0)  # no per-kernel cost: the bytes alone
     request = TrainingRequest(global_batch=256, precision="fp32")
     costs = node_costs(p, roof, request, 256)
     i = costs.order.index(mul)

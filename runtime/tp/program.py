@@ -219,7 +219,7 @@ class Recomputed(nn.Module):
     def forward(self, *values: Any) -> tuple[Any, ...]:
         if self.compiling and torch.is_grad_enabled():
             return torch.utils.checkpoint.checkpoint(self.program, *values, use_reentrant=False)
-        return run_recomputed(self.program, values, self.autocast)
+        return run_recomputed(self.program.forward, values, self.autocast)  # its generated code: no module call
 
 
 # -- building ----------------------------------------------------------------------------------------

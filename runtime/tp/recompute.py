@@ -34,6 +34,7 @@ from typing import Any
 import torch
 import torch.fx
 import torch.utils._pytree as pytree
+from torch.autograd.variable import Variable
 
 from partita.core.plan import Plan
 from partita.core.recompute import rerun_regions
@@ -81,55 +82,93 @@ def run_recomputed(forward: Callable[..., Any], values: Sequence[Any],
     (under ``autocast()``, the context the forward runs in)."""
     if not torch.is_grad_enabled():  # nothing is saved for backward: nothing to recompute
         return forward(*values)
-    # Parameters (leaves that want a gradient) are not inputs of the autograd node: the rerun
-    # reads them as they are and its backward accumulates their gradients (and fires their
-    # hooks) once; were they inputs, the node would also hand them an empty gradient.
-    held = {i: v for i, v in enumerate(values) if isinstance(v, torch.Tensor) and v.requires_grad and v.is_leaf}
-    passed = [None if i in held else v for i, v in enumerate(values)]
-    # the outputs must want a gradient when only parameters do (a region reading token ids)
-    anchor = _ANCHOR if held and not any(isinstance(v, torch.Tensor) and v.requires_grad for v in passed) else None
-    box: dict[str, Any] = {}  # the output's structure and its non-tensor leaves, from the forward
-    tensors = iter(_Recompute.apply(forward, autocast, box, held, anchor, *passed))
-    leaves = [next(tensors) if v is _TENSOR else v for v in box["leaves"]]
-    return pytree.tree_unflatten(leaves, box["spec"])
+    # Only the activations are inputs of the autograd node. Parameters (leaves that want a
+    # gradient) are read by the rerun as they are, and its backward accumulates their gradients
+    # (and fires their hooks) once; were they inputs, the node would also hand them an empty
+    # gradient. Each call costs a pass over the values and one Function.apply of the activations
+    # alone: a layer reads a dozen parameters and one or two activations, and this runs once per
+    # layer and micro-batch, where a GPU kernel takes microseconds.
+    rerun = _Rerun(forward, autocast, list(values))
+    passed = []
+    for i, v in enumerate(values):
+        if isinstance(v, torch.Tensor) and not (v.requires_grad and v.is_leaf):
+            rerun.at.append(i)
+            rerun.values[i] = None  # held by save_for_backward, not twice
+            passed.append(v)
+    if not any(v.requires_grad for v in passed):  # the outputs must want a gradient when only
+        passed.append(_ANCHOR)  # parameters do (a region reading token ids)
+    out = _Recompute.apply(rerun, *passed)
+    if rerun.spec is None:
+        return out
+    tensors = iter(out)
+    return pytree.tree_unflatten([next(tensors) if v is _TENSOR else v for v in rerun.leaves], rerun.spec)
 
 
-_TENSOR = object()  # a tensor leaf's place in ``box["leaves"]``
+class _Rerun:
+    """What a recomputed region's autograd node needs to rerun it: the forward, its autocast, the
+    values it was called with (the activations' places ``at`` left empty: the node saves them), and
+    its output's structure where that is not a tuple of tensors (``spec``, ``leaves``)."""
+
+    __slots__ = ("forward", "autocast", "values", "at", "spec", "leaves")
+
+    def __init__(self, forward: Callable[..., Any], autocast: Callable[[], Any], values: list[Any]) -> None:
+        self.forward, self.autocast, self.values = forward, autocast, values
+        self.at: list[int] = []
+        self.spec: pytree.TreeSpec | None = None
+        self.leaves: list[Any] = []
+
+
+_TENSOR = object()  # a tensor leaf's place in ``_Rerun.leaves``
 _ANCHOR = torch.empty(0, requires_grad=True)  # makes the node's outputs want a gradient
 
 
+def _tensors_out(rerun: _Rerun, out: Any) -> tuple[torch.Tensor, ...]:
+    """``out``'s tensors; where ``out`` is not a tuple of tensors (a program's usual output), its
+    structure is kept on ``rerun`` to be rebuilt around the node's outputs."""
+    if type(out) is tuple and all(isinstance(v, torch.Tensor) for v in out):
+        return out
+    leaves, rerun.spec = pytree.tree_flatten(out)
+    rerun.leaves = [_TENSOR if isinstance(v, torch.Tensor) else v for v in leaves]
+    return tuple(v for v in leaves if isinstance(v, torch.Tensor))
+
+
 class _Recompute(torch.autograd.Function):
-    """One autograd node for a recomputed region: forward without autograd, keeping its inputs;
-    backward reruns it with autograd and back-propagates the outputs' gradients through it,
-    returning those of the inputs (detached for the rerun) and accumulating the parameters'."""
+    """One autograd node for a recomputed region: forward without autograd, keeping its
+    activation inputs; backward reruns it with autograd and back-propagates the outputs' gradients
+    through it, returning those of the activations (detached for the rerun) and accumulating the
+    parameters'."""
 
     @staticmethod
-    def forward(ctx: Any, forward: Callable[..., Any], autocast: Callable[[], Any], box: dict[str, Any],
-                held: dict[int, torch.Tensor], anchor: torch.Tensor | None, *passed: Any) -> tuple[torch.Tensor, ...]:
-        ctx.forward, ctx.autocast, ctx.held = forward, autocast, held
-        ctx.tensor_at = [i for i, v in enumerate(passed) if isinstance(v, torch.Tensor)]
-        ctx.values = [held.get(i) if v is None else (None if isinstance(v, torch.Tensor) else v)
-                      for i, v in enumerate(passed)]
-        ctx.save_for_backward(*(passed[i] for i in ctx.tensor_at))
-        values = [held.get(i, v) for i, v in enumerate(passed)]
-        leaves, box["spec"] = pytree.tree_flatten(forward(*values))
-        box["leaves"] = [_TENSOR if isinstance(v, torch.Tensor) else v for v in leaves]
-        return tuple(v for v in leaves if isinstance(v, torch.Tensor))
+    def forward(ctx: Any, rerun: _Rerun, *passed: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.rerun = rerun
+        ctx.save_for_backward(*passed)
+        values = list(rerun.values)
+        for i, v in zip(rerun.at, passed):
+            values[i] = v
+        return _tensors_out(rerun, rerun.forward(*values))
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
-        values = list(ctx.values)
-        detached: dict[int, torch.Tensor] = {}
-        for i, t in zip(ctx.tensor_at, ctx.saved_tensors):
-            values[i] = detached[i] = t.detach().requires_grad_(t.requires_grad)
-        with torch.enable_grad(), ctx.autocast():
-            out = ctx.forward(*values)
-        outs = [v for v in pytree.tree_leaves(out) if isinstance(v, torch.Tensor)]
-        pairs = [(o, g) for o, g in zip(outs, grads) if g is not None and o.requires_grad]
-        if pairs:
-            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-        return (None, None, None, None, None,
-                *(detached[i].grad if i in detached else None for i in range(len(values))))
+        rerun: _Rerun = ctx.rerun
+        values = list(rerun.values)
+        saved = ctx.saved_tensors
+        detached = [t.detach().requires_grad_(t.requires_grad) for t in saved]
+        for i, t in zip(rerun.at, detached):
+            values[i] = t
+        with torch.enable_grad(), rerun.autocast():
+            out = rerun.forward(*values)
+        outs = out if rerun.spec is None else [v for v in pytree.tree_leaves(out) if isinstance(v, torch.Tensor)]
+        roots, root_grads = [], []
+        for o, g in zip(outs, grads):
+            if g is not None and o.requires_grad:
+                roots.append(o)
+                root_grads.append(g)
+        if roots:
+            # the engine itself: torch.autograd.backward's checks of each root's gradient (its
+            # shape, dtype, device) cost more than the engine's call in a small layer, and the
+            # node's own outputs and their gradients already agree
+            Variable._execution_engine.run_backward(tuple(roots), tuple(root_grads), False, False, (), True, True)
+        return (None, *(t.grad for t in detached))
 
 
 class RegionCache:
