@@ -6,7 +6,10 @@ gloo processes (one torch thread) runs, interleaved round by round after warm-up
 
 - eager: the whole model, its loss, backward and a fused AdamW step, plainly (the reference);
 - tp2: the planner's plan pinned to tp=2 over the two processes;
-- pp2: the planner's plan pinned to pp=2 (each rank runs half the layers);
+- pp2: the planner's plan pinned to pp=2 (each rank runs half the layers; the planner takes one
+  micro-batch of 4, as every op costs the host the same whatever its rows: docs/cost-model.md);
+- pp2-m2: the same pinned to two micro-batches of 2 (each rank runs half the layers twice, as many
+  ops as the eager step: the runtime's cost per op against eager's);
 - recompute: a one-process plan that recomputes every layer (run in-process on each rank);
 
 and reports each one's median thread CPU time per step (``time.thread_time``: waiting in a
@@ -42,6 +45,7 @@ from examples.models import GPT, GPTConfig  # noqa: E402
 
 WORLD, BATCH, SEQ, WARMUP = 2, 4, 16, 3
 CASES = {"tp2": dict(tp=2, world_size=2), "pp2": dict(pp=2, world_size=2),
+         "pp2-m2": dict(pp=2, grad_accum_steps=2, world_size=2),
          "recompute": dict(recompute=True, world_size=1, devices=1)}
 
 

@@ -319,7 +319,7 @@ def test_a_cpu_process_pays_for_each_kernel_so_a_host_bound_model_takes_fewer_mi
     4x of what this machine measures (runtime/calibrate.py ``op_seconds``); and a GPT of many tiny
     ops (12 x 64 at [4 x 16], benchmarks/host_overhead.py's) pipelined over 2 ranks is planned as one
     micro-batch of 4, where two of 2 would run the stages' ops twice for little less bubble (measured
-    there: 21 ms a step against 35 ms)."""
+    there: 22.6 ms a step against 28.3 ms, docs/cost-model.md)."""
     from partita.passes.cost_model import op_time
     from partita.runtime.calibrate import op_seconds
 
