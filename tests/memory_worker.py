@@ -96,12 +96,12 @@ def _plan(ctx: DistContext, pins: dict, outdir: str, precision: str | None = Non
     return load_plan(path, world_size=ctx.world_size)
 
 
-def predicted_state(plan: Plan, stage: int):
-    """The cost model's model state of the parameters the plan places on pipeline rank ``stage``,
-    per device: under interleaved 1F1B the rank holds every virtual stage c with c mod pp = stage."""
+def predicted_state(plan: Plan, pp_rank: int):
+    """The cost model's model state of the parameters the plan places on pipeline rank ``pp_rank``,
+    per device: under interleaved 1F1B the rank holds every virtual stage c with c mod pp = pp_rank."""
     tp = plan.mesh.tp
     numel = sum(math.prod(p.shape) // (tp if p.layout.get("tp", "replicate").startswith("shard") else 1)
-                for p in plan.params if p.stage % plan.mesh.pp == stage)
+                for p in plan.params if p.stage % plan.mesh.pp == pp_rank)
     state = state_bytes_per_param(plan.training.precision, plan.training.optimizer)
     return model_state_memory(numel, state, zero_stage=plan.training.zero_stage, dp=plan.mesh.dp)
 
