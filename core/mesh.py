@@ -1,7 +1,8 @@
 """The device mesh and its rank layout: the one home of "which rank is where".
 
 Owns the mesh axes (``MeshAxis``, ``MESH_ORDER``), a rank's coordinates, the
-ranks of a group along an axis or of a pipeline stage, and whether a set of
+ranks of a group along an axis or of a pipeline stage, the expert groups carved
+out of the data-parallel group (``ep``), and whether a set of
 ranks spans more than one node. The planner prices links with these rules
 (``core/cluster.py`` ``ClusterSpec.link_for_ranks``, the pipeline's stage
 links), the plan records stage ranks with them and the runtime forms its
@@ -24,6 +25,8 @@ class MeshAxis(str, Enum):
     PP = "pp"
     DP = "dp"
     TP = "tp"
+    EP = "ep"  # expert parallelism: within "dp" (``Mesh.ep``), not an axis of the rank layout
+    EDP = "edp"  # the expert layers' data parallelism: the dp ranks holding the same experts
 
 
 # Megatron's placement: TP innermost (consecutive ranks share a node's NVLink),
@@ -33,15 +36,24 @@ MESH_ORDER: tuple[MeshAxis, ...] = (MeshAxis.PP, MeshAxis.DP, MeshAxis.TP)
 
 @dataclass(frozen=True)
 class Mesh:
+    """The device mesh: ``pp`` x ``dp`` x ``tp`` ranks (``MESH_ORDER``). ``ep`` splits each dp group
+    into expert groups of ``ep`` consecutive dp ranks: an MoE layer's experts are sharded over an
+    expert group (each rank holds ``experts / ep`` of them, core/experts.py), its tokens dispatched
+    to them by all-to-all; the dp ranks holding the same experts (``dp / ep`` of them, ``ep`` apart)
+    average those experts' gradients. Every other parameter stays replicated over all of "dp"."""
+
     dp: int = 1
     tp: int = 1
     pp: int = 1
+    ep: int = 1
 
     def __post_init__(self) -> None:
-        for axis in MeshAxis:
+        for axis in (MeshAxis.PP, MeshAxis.DP, MeshAxis.TP, MeshAxis.EP):
             size = getattr(self, axis.value)
             if not isinstance(size, int) or size < 1:
                 raise ValueError(f"mesh axis {axis.value}={size!r} must be a positive integer")
+        if self.dp % self.ep:
+            raise ValueError(f"ep={self.ep} must divide dp={self.dp}: expert groups are carved out of the dp group")
 
     @property
     def world_size(self) -> int:
@@ -57,7 +69,7 @@ class Mesh:
         return tuple(a.value for a in MESH_ORDER)
 
     def __str__(self) -> str:
-        return f"dp={self.dp} x tp={self.tp} x pp={self.pp}"
+        return f"dp={self.dp} x tp={self.tp} x pp={self.pp}" + (f" (ep={self.ep})" if self.ep > 1 else "")
 
     def rank(self, *, pp: int, dp: int, tp: int) -> int:
         """The global rank at these coordinates (``MESH_ORDER``: pp outermost, tp innermost)."""
@@ -70,9 +82,20 @@ class Mesh:
         return {MeshAxis.PP.value: pp, MeshAxis.DP.value: dp, MeshAxis.TP.value: tp}
 
     def group_ranks(self, rank: int, axis: str) -> tuple[int, ...]:
-        """The ranks of ``rank``'s group along mesh axis ``axis`` (the others' coordinates fixed)."""
+        """The ranks of ``rank``'s group along mesh axis ``axis`` (the others' coordinates fixed);
+        "ep": its expert group (``ep`` consecutive dp ranks), "edp": the dp ranks holding its experts."""
         at = self.coords(rank)
+        if axis == MeshAxis.EP.value:
+            first = at[MeshAxis.DP.value] // self.ep * self.ep
+            return tuple(self.rank(**{**at, MeshAxis.DP.value: first + i}) for i in range(self.ep))
+        if axis == MeshAxis.EDP.value:
+            own = at[MeshAxis.DP.value] % self.ep
+            return tuple(self.rank(**{**at, MeshAxis.DP.value: d}) for d in range(own, self.dp, self.ep))
         return tuple(self.rank(**{**at, axis: i}) for i in range(getattr(self, axis)))
+
+    def ep_rank(self, rank: int) -> int:
+        """``rank``'s place in its expert group: it holds experts ``[ep_rank * E/ep, (ep_rank + 1) * E/ep)``."""
+        return self.coords(rank)[MeshAxis.DP.value] % self.ep
 
     def groups(self, axis: str) -> tuple[tuple[int, ...], ...]:
         """Every group along mesh axis ``axis``, each once, in the order of its first rank."""

@@ -105,6 +105,9 @@ class Options:
     offload: str | None = option(None, PIN, "keep the optimizer's state and the masters it updates in host memory, "
                                  "stepped by the host CPU (ZeRO-Offload) [default: where nothing else fits]",
                                  choices=OFFLOAD)
+    ep: int | None = option(None, PIN, "split each MoE layer's experts over groups of EP data-parallel ranks, its "
+                            "tokens sent to them by all-to-all (expert parallelism; tp=1) [default: the planner's]",
+                            kind=int)
     world_size: int | None = option(None, PIN, "the processes the plan runs on (torchrun's)", flag=None)
 
     # -- how the runtime runs --------------------------------------------------------------------
@@ -279,7 +282,7 @@ class Options:
         return Pins(dp=self.dp, tp=self.tp, pp=self.pp, zero_stage=self.zero, micro_batch_size=self.micro_batch_size,
                     grad_accum_steps=self.grad_accum_steps, world_size=world_size or self.world_size,
                     schedule=self.schedule, recompute=self.recompute, offload=self.offload,
-                    sequence_parallel=self.sequence_parallel)
+                    sequence_parallel=self.sequence_parallel, ep=self.ep)
 
     def cluster_spec(self) -> Any:
         """The cluster to plan for: a preset or cluster file by name, scaled by ``nodes`` / ``devices``."""
@@ -399,10 +402,11 @@ class Pins:
     recompute: str | None = None  # core/recompute.py's mode on every stage, or (None) per stage where memory binds
     offload: str | None = None  # core/optimizers.py's OFFLOAD, or (None) the planner's choice
     sequence_parallel: bool | None = None  # the residual stream split along the sequence (tp > 1), or the planner's
+    ep: int | None = None  # experts split over groups of ep dp ranks (core/mesh.py Mesh.ep), or the planner's
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "recompute", recompute_mode(self.recompute))
-        for name in ("dp", "tp", "pp", "micro_batch_size", "grad_accum_steps", "world_size"):
+        for name in ("dp", "tp", "pp", "micro_batch_size", "grad_accum_steps", "world_size", "ep"):
             _positive(name, getattr(self, name))
         if self.zero_stage is not None and (isinstance(self.zero_stage, bool) or self.zero_stage not in ZERO_STAGES):
             raise PartitaError(f"--zero {self.zero_stage!r} must be 0, 1, 2 or 3",
@@ -411,6 +415,12 @@ class Pins:
         if self.sequence_parallel not in (None, True, False):
             raise PartitaError(f"sequence_parallel={self.sequence_parallel!r} must be True, False or None",
                                hint="True splits the residual stream along the sequence over tp, False never")
+        if self.ep is not None and self.ep > 1 and self.dp is not None and self.dp % self.ep:
+            raise PartitaError(f"--ep {self.ep} does not divide --dp {self.dp}: expert groups are carved out of "
+                               "the data-parallel group", hint="pin an --ep that divides --dp, or leave --ep out")
+        if self.ep is not None and self.ep > 1 and (self.tp or 1) > 1:
+            raise PartitaError(f"--ep {self.ep} with --tp {self.tp}: this version splits experts over data-parallel "
+                               "ranks of a tp=1 mesh only", hint="pin --tp 1, or drop --ep")
         if self.sequence_parallel and self.tp == 1:
             raise PartitaError("--sequence-parallel with --tp 1: there is no TP group to split the sequence over",
                                hint="pin --tp 2 or more, or drop --sequence-parallel")
@@ -436,7 +446,8 @@ class Pins:
         """The pins in the CLI's words (``--dp 2 --zero 1``), or "no pins"."""
         flags = {"zero_stage": "zero", "world_size": "devices"}
         parts = []
-        for name in ("dp", "tp", "pp", "zero_stage", "micro_batch_size", "grad_accum_steps", "schedule", "world_size"):
+        for name in ("dp", "tp", "pp", "ep", "zero_stage", "micro_batch_size", "grad_accum_steps", "schedule",
+                     "world_size"):
             v = getattr(self, name)
             if v is not None:
                 parts.append(f"--{flags.get(name, name).replace('_', '-')} {v}")

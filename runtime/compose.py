@@ -29,8 +29,9 @@ from partita.core.plan import MeshAxis, Plan
 from partita.core.precision import PrecisionPolicy
 from partita.core.recompute import NONE
 from partita.runtime.collectives import CollectiveCounter
-from partita.runtime.distributed import DistContext, build_mesh
+from partita.runtime.distributed import DistContext, build_mesh, expert_groups
 from partita.runtime.dp.averaging import (
+    Averagers,
     BufferAverager,
     GradientAverager,
     apply_data_parallel,
@@ -38,6 +39,7 @@ from partita.runtime.dp.averaging import (
     running_statistics,
 )
 from partita.runtime.dp.zero import ZeroProgram, apply_zero
+from partita.runtime.experts import ExpertGroup
 from partita.runtime.mixed_precision import MasterWeights, OptimizerFactory, apply_mixed_precision, kept_whole
 from partita.runtime.pipeline.stage import SCHEDULES, PipelineStage, apply_pipeline
 from partita.runtime.program import MicroBatchLoss, Program, tp_module_of
@@ -47,7 +49,7 @@ from partita.runtime.tp.module import TensorParallel, apply_tensor_parallel
 from partita.runtime.tp.program import compiled
 
 LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
-DP, TP = MeshAxis.DP.value, MeshAxis.TP.value
+DP, TP, EDP = MeshAxis.DP.value, MeshAxis.TP.value, MeshAxis.EDP.value
 
 
 def refuse_unsupported(plan: Plan) -> None:
@@ -68,6 +70,17 @@ def refuse_unsupported(plan: Plan) -> None:
         raise PlanError(f"the plan runs {t.schedule} ({t.chunks} chunks per rank) with ZeRO-{t.zero_stage}: this "
                         f"runtime shards model state under one chunk per rank only",
                         hint="recompile with `partita compile --zero 0`, or with `--schedule 1f1b`")
+    if plan.mesh.ep > 1:
+        others = [f"{what}" for what, on in (
+            (f"tp={plan.mesh.tp}", plan.mesh.tp > 1), (f"pp={plan.mesh.pp}", plan.mesh.pp > 1),
+            (f"ZeRO-{t.zero_stage}", t.zero_stage > 0)) if on]
+        if others:
+            raise PlanError(f"the plan splits experts over ep={plan.mesh.ep} with {' and '.join(others)}: this "
+                            f"runtime runs expert parallelism with data parallelism alone (tp=1, pp=1, ZeRO-0)",
+                            hint="recompile with `partita compile --ep 1`, or with --tp 1 --pp 1 --zero 0")
+        if not plan.nodes:
+            raise PlanError(f"the plan has ep={plan.mesh.ep} but no node decisions to find the expert layers by",
+                            hint="recompile the plan with `partita compile`")
     recomputing = [s.index for s in plan.stages if s.recompute != NONE]
     if recomputing and not plan.nodes:
         raise PlanError(f"the plan recomputes activations on stage(s) {recomputing} but has no node "
@@ -119,7 +132,10 @@ def compose(module: nn.Module, plan: Plan, ctx: DistContext, options: Options, c
     persistent = {k for k, _ in module.named_buffers() if k in module.state_dict(keep_vars=True)}
     dp_mesh = mesh[DP] if mesh is not None and plan.mesh.dp > 1 else None
     dp_group, dp_rank = (dp_mesh.get_group(), dp_mesh.get_local_rank()) if dp_mesh is not None else (None, 0)
-    interpreted = plan.mesh.pp > 1 or plan.mesh.tp > 1 or any(s.recompute != NONE for s in plan.stages)
+    # expert groups ("ep") and the dp ranks holding the same experts ("edp"), core/mesh.py
+    ep_group, edp_group = expert_groups(plan.mesh, ctx) if plan.mesh.ep > 1 else (None, None)
+    interpreted = (plan.mesh.pp > 1 or plan.mesh.tp > 1 or ep_group is not None
+                   or any(s.recompute != NONE for s in plan.stages))
     # random ops drawn alike over "tp", apart over "dp" (runtime/rng.py)
     rng = (run_seed(options.seed), dp_rank) if interpreted and ctx.world_size > 1 else None
     graph_loss = loss_fn if training else None  # an inference plan's graph has no loss
@@ -133,7 +149,8 @@ def compose(module: nn.Module, plan: Plan, ctx: DistContext, options: Options, c
     elif interpreted:
         local = apply_tensor_parallel(module, plan, mesh[TP].get_group() if plan.mesh.tp > 1 else None,
                                       loss_fn=graph_loss, counter=counter, device=ctx.device,
-                                      precision=policy, rng=rng, weights=weights, compile=bool(options.compile))
+                                      precision=policy, rng=rng, weights=weights, compile=bool(options.compile),
+                                      experts=ExpertGroup(ep_group, counter) if ep_group is not None else None)
         loss = _program_loss(local)
     else:
         if weights is not None:
@@ -146,8 +163,10 @@ def compose(module: nn.Module, plan: Plan, ctx: DistContext, options: Options, c
               else list(local.named_parameters()))  # by the model's names: what ``keep`` names
     scaler = apply_mixed_precision(params, policy, training=training, keep=keep)
     # 4. ZeRO / data parallelism, and the optimizer
+    # a rank's experts differ over "dp": they are made equal over the ranks holding the same ones
+    experts = _expert_shards(local, pipeline) if ep_group is not None else []
     if dp_group is not None:
-        broadcast_replicas(local, dp_group)
+        broadcast_replicas(local, dp_group, apart=experts, apart_group=edp_group)
     buckets = options.bucket_bytes or plan.training.grad_bucket_bytes
     zero = averager = master = opt = None
     offload = plan.training.offload != NO_OFFLOAD  # the optimizer's state and masters in host memory
@@ -161,8 +180,16 @@ def compose(module: nn.Module, plan: Plan, ctx: DistContext, options: Options, c
         if dp_group is not None:
             # without a pipeline the optimizer step reads the mean straight from the reduce (a
             # pipeline first sums tied copies' gradients between its stages, from .grad)
-            averager = apply_data_parallel(local.parameters(), dp_group, bucket_bytes=buckets, counter=counter,
+            dense = [q for q in local.parameters() if not any(q is e for e in experts)]
+            averager = apply_data_parallel(dense, dp_group, bucket_bytes=buckets, counter=counter,
                                            axis=DP, reduce_dtype=policy.reduce_dtype, keep_reduced=pipeline is None)
+            if experts:
+                # an expert's gradient already sums its expert group's tokens (runtime/experts.py):
+                # summed over the ranks holding the same experts and divided by all of dp, it is the
+                # global batch's mean, as every dense gradient is
+                averager = Averagers([averager, apply_data_parallel(
+                    experts, edp_group, bucket_bytes=buckets, counter=counter, axis=EDP,
+                    reduce_dtype=policy.reduce_dtype, keep_reduced=pipeline is None, divisor=plan.mesh.dp)])
         master = MasterWeights([q for q in local.parameters() if q.requires_grad], optimizer, policy,
                                chunk_bytes=buckets, offload=offload)
         opt = master.optimizer
@@ -171,6 +198,14 @@ def compose(module: nn.Module, plan: Plan, ctx: DistContext, options: Options, c
     return Program(plan, ctx, local, loss, opt, averager=averager, zero=zero, dp_group=dp_group, dp_rank=dp_rank,
                    dp_size=plan.mesh.dp if dp_group is not None else 1, pipeline=pipeline, master=master,
                    policy=policy, scaler=scaler, state_names=names, persistent=persistent, buffers=buffers)
+
+
+def _expert_shards(local: nn.Module, pipeline: PipelineStage | None) -> list[nn.Parameter]:
+    """This rank's slices of the parameters stacked over experts (its TP program's ``expert_params``)."""
+    program = tp_module_of(local, pipeline)
+    if program is None:
+        return []
+    return [q for name, (q, _) in program.local_parameters().items() if name in program.expert_params]
 
 
 def _local_buffers(local: nn.Module, pipeline: PipelineStage | None) -> list[torch.Tensor]:

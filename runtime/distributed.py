@@ -255,6 +255,18 @@ def build_mesh(mesh: Mesh, ctx: DistContext) -> DeviceMesh | None:
     return init_device_mesh(ctx.device.type, mesh.shape, mesh_dim_names=mesh.axis_names)
 
 
+def expert_groups(mesh: Mesh, ctx: DistContext) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+    """This rank's expert group ("ep") and the group of dp ranks holding its experts ("edp"),
+    core/mesh.py's rules; every group is created on every rank, in one order (``new_group``'s rule)."""
+    mine = {}
+    for axis in ("ep", "edp"):
+        for ranks in mesh.groups(axis):
+            group = dist.new_group(list(ranks))
+            if ctx.rank in ranks:
+                mine[axis] = group
+    return mine["ep"], mine["edp"]
+
+
 def destroy(ctx: DistContext | None = None) -> None:
     """Tear down the default process group if there is one (and, given ``ctx``, only if ours)."""
     if ctx is not None and not ctx.initialized_here:

@@ -10,7 +10,9 @@ adds the sums up; so every element of the model counts once, as in one process's
 - a parameter replicated over "tp" has the same gradient on each tp rank (1/tp), a shard is
   this rank's part (1);
 - a parameter tied across pipeline stages has the summed gradient on each stage holding it
-  (1/stages).
+  (1/stages);
+- an expert's slice under expert parallelism is on the dp ranks holding the same experts alone
+  (ep/dp).
 
 Squares are summed in fp32 whatever the gradients' dtype; under fp16 loss scaling the norm is
 of the unscaled gradients. Clipping multiplies the update by ``max_norm / (norm + 1e-6)`` when
@@ -41,11 +43,15 @@ def copy_weights(program: Program, tp_size: int) -> dict[int, float]:
     tp = program.tp_module
     placement = {id(q): pl for q, pl in tp.local_parameters().values()} if tp is not None else {}
     tied = {id(t.param): len(t.ranks) for t in program.pipeline.ties} if program.pipeline is not None else {}
+    experts = ({id(q) for n, (q, _) in tp.local_parameters().items() if n in tp.expert_params}
+               if tp is not None else set())
     shards = {id(s) for s in program.zero.shards} if program.zero is not None else set()
     for q in updates.params:
         if id(q) in shards:
             continue  # ZeRO's flat shards: weighted member by member (``NormTerms.slices``)
         w = 1.0 / program.dp_size
+        if id(q) in experts:
+            w *= program.plan.mesh.ep
         if tp_size > 1 and not is_shard(placement.get(id(q), "replicate")):
             w /= tp_size
         w /= tied.get(id(q), 1)

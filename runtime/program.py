@@ -20,7 +20,7 @@ from torch.optim import Optimizer
 from partita.core.plan import Plan
 from partita.core.precision import FP32, PrecisionPolicy
 from partita.runtime.distributed import DistContext
-from partita.runtime.dp.averaging import BufferAverager, GradientAverager
+from partita.runtime.dp.averaging import Averagers, BufferAverager, GradientAverager
 from partita.runtime.dp.zero import ZeroProgram
 from partita.runtime.mixed_precision import LossScaler, MasterWeights
 from partita.runtime.pipeline.stage import PipelineStage
@@ -47,7 +47,8 @@ class Program:
     module: nn.Module  # the eager module, the TP program, or the pipeline stage
     loss: MicroBatchLoss | None  # one micro-batch's loss (pp == 1; a pipeline's schedule runs its own)
     optimizer: Optimizer | None  # None for an inference plan: the user's, on the masters (runtime/mixed_precision.py)
-    averager: GradientAverager | None = None  # gradients averaged over "dp" (without ZeRO; the tied ones with it)
+    # gradients averaged over "dp" (without ZeRO; the tied ones with it), the experts' over "edp"
+    averager: GradientAverager | Averagers | None = None
     zero: ZeroProgram | None = None
     dp_group: dist.ProcessGroup | None = None
     dp_rank: int = 0

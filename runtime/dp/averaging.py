@@ -48,30 +48,67 @@ class GradientAverager(BucketReducer):
         axis: str = "dp",
         reduce_dtype: torch.dtype | None = None,
         keep_wire: bool = False,
+        divisor: int | None = None,
     ) -> None:
         buckets = [GradBucket(m) for m in bucket_members(grad_params(params), bucket_bytes)]
         super().__init__(buckets, group, collective="all_reduce", persistent=True,
                          counter=counter if counter is not None else CollectiveCounter(), axis=axis,
-                         reduce_dtype=reduce_dtype, keep_wire=keep_wire)
+                         reduce_dtype=reduce_dtype, keep_wire=keep_wire, divisor=divisor)
 
 
-def broadcast_replicas(module: nn.Module, group: dist.ProcessGroup) -> None:
-    """Every parameter and buffer of ``module`` as dp rank 0 of ``group`` holds it."""
-    src = dist.get_global_rank(group, 0)
+class Averagers:
+    """Several averagers run as one (``GradientAverager``'s interface): under expert parallelism the
+    dense parameters' over "dp" and the experts' over "edp" (runtime/compose.py), each rank
+    launching them in one order."""
+
+    def __init__(self, parts: list[GradientAverager]) -> None:
+        self.parts = parts
+
+    def begin(self, sync: bool) -> None:
+        for a in self.parts:
+            a.begin(sync)
+
+    def finish(self) -> bool:
+        return all([a.finish() for a in self.parts])
+
+    def reduced_grads(self) -> dict[int, torch.Tensor]:
+        return {k: v for a in self.parts for k, v in a.reduced_grads().items()}
+
+    def zero_grad(self) -> None:
+        for a in self.parts:
+            a.zero_grad()
+
+    def unreached(self) -> list[nn.Parameter]:
+        return [p for a in self.parts for p in a.unreached()]
+
+    def unreached_here(self) -> bool:
+        return any(a.unreached_here() for a in self.parts)
+
+
+def broadcast_replicas(module: nn.Module, group: dist.ProcessGroup, *,
+                       apart: Iterable[torch.Tensor] = (), apart_group: dist.ProcessGroup | None = None) -> None:
+    """Every parameter and buffer of ``module`` as dp rank 0 of ``group`` holds it; those in
+    ``apart`` (a rank's own experts, which differ over "dp") as rank 0 of ``apart_group`` does."""
+    apart = {id(t): t for t in apart}
     with torch.no_grad():
-        for t in list(module.parameters()) + list(module.buffers()):
-            dist.broadcast(t.data, src=src, group=group)
+        for tensors, g in (([t for t in [*module.parameters(), *module.buffers()] if id(t) not in apart], group),
+                           (list(apart.values()), apart_group)):
+            if g is None:
+                continue
+            src = dist.get_global_rank(g, 0)
+            for t in tensors:
+                dist.broadcast(t.data, src=src, group=g)
 
 
 def apply_data_parallel(params: Iterable[nn.Parameter], group: dist.ProcessGroup, *, bucket_bytes: int,
                         counter: CollectiveCounter, axis: str, reduce_dtype: torch.dtype,
-                        keep_reduced: bool = False) -> GradientAverager:
+                        keep_reduced: bool = False, divisor: int | None = None) -> GradientAverager:
     """Compose's data-parallel step (the replicas already broadcast): ``params``' gradients
     averaged over ``group`` in buckets of ``bucket_bytes``, reduced in ``reduce_dtype``.
     ``keep_reduced``: the mean stays as reduced for the optimizer step to read
     (``reduced_grads``), where nothing reads the gradients between the reduce and the step."""
     return GradientAverager(params, group, bucket_bytes=bucket_bytes, counter=counter, axis=axis,
-                            reduce_dtype=reduce_dtype, keep_wire=keep_reduced)
+                            reduce_dtype=reduce_dtype, keep_wire=keep_reduced, divisor=divisor)
 
 
 class BufferAverager:

@@ -122,11 +122,13 @@ class BucketReducer:
     def __init__(self, buckets: list[GradBucket], group: dist.ProcessGroup, *, collective: str,
                  persistent: bool, counter: CollectiveCounter, axis: str,
                  reduce_dtype: torch.dtype | None = None,
-                 on_launch: Callable[[GradBucket], None] | None = None, keep_wire: bool = False) -> None:
+                 on_launch: Callable[[GradBucket], None] | None = None, keep_wire: bool = False,
+                 divisor: int | None = None) -> None:
         if collective not in ("all_reduce", "reduce_scatter"):
             raise ValueError(f"collective {collective!r} must be all_reduce or reduce_scatter")
         self.buckets, self.group, self.axis = buckets, group, axis
         self.size = dist.get_world_size(group)
+        self.divisor = divisor or self.size  # what the sum is divided by: the group's size, for a mean over it
         self.collective, self.persistent = collective, persistent
         self.counter = counter
         self.reduce_dtype = reduce_dtype  # None: the gradients' own dtype
@@ -190,7 +192,7 @@ class BucketReducer:
             flat = b.wire = flat.to(self.reduce_dtype)
             if not self.persistent:
                 b.grad_flat = None  # the wire is the bucket now: the full gradient is not held twice
-        flat.div_(self.size)
+        flat.div_(self.divisor)
         if self.collective == "all_reduce":
             b.work = dist.all_reduce(flat, group=self.group, async_op=True)
         else:

@@ -2,7 +2,7 @@
 
 ``full_state_dict(model)`` returns every parameter of the model at its full
 shape, on every rank, whatever the plan: tensor-parallel shards are
-all-gathered over "tp", pipeline stages broadcast what they hold, ZeRO
+all-gathered over "tp", experts over their expert group ("ep"), pipeline stages broadcast what they hold, ZeRO
 shards are gathered; and, unless ``buffers=False``, every persistent buffer
 (batch norm's running statistics: the same on every replica, averaged over
 "dp" each step), so that ``model.load_state_dict`` of one process takes it
@@ -78,6 +78,8 @@ def _gathered(program: Program) -> dict[str, torch.Tensor]:
             continue
         shard, placement = local[decision.name]
         full[decision.name] = _gather(shard.detach(), placement, group, plan.mesh.tp)
+        if tp.experts is not None and decision.name in tp.expert_params:  # this rank's experts: dim 0
+            full[decision.name] = _gather(full[decision.name], "shard(0)", tp.experts.g.group, tp.experts.g.size)
     if plan.mesh.pp > 1:
         full = _from_every_stage(full, plan, program.ctx.device)
     return full

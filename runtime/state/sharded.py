@@ -118,6 +118,10 @@ def _tensors_of(program: Program) -> Iterator[_Held]:
         if d is not None:
             origin[d] = chunk_offset(shape[d], t_size, t_rank)
             local_shape[d] = min(shape[d], origin[d] + -(-shape[d] // t_size)) - origin[d]
+        if tp is not None and tp.experts is not None and name in tp.expert_params:
+            held = tp.experts.g.experts(local_shape[0])  # this rank's experts (runtime/experts.py)
+            origin[0] += held.start
+            local_shape[0] = held.stop - held.start
         z = in_zero.get(id(param))
         opt = program.optimizer  # the one optimizer (ZeRO's, on its shards and any whole parameters)
         yield _Held(aliases.get(name, [name]), shape, tuple(origin), tuple(local_shape), param, opt, z)

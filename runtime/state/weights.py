@@ -27,6 +27,7 @@ from partita.core.capture import CapturedModel
 from partita.core.errors import PartitaError, PlanError
 from partita.core.placement import shard_dim
 from partita.core.plan import NodeDecision, Plan
+from partita.runtime.experts import ExpertGroup
 from partita.runtime.tp.collectives import TPGroup
 
 
@@ -124,9 +125,11 @@ def _placement(decisions: Mapping[str, NodeDecision], node: str) -> str:
 
 
 def load_local(module: nn.Module, captured: CapturedModel, plan: Plan, state: Mapping[str, torch.Tensor] | None,
-               *, held: set[str], tp: TPGroup, device: torch.device) -> LocalWeights:
+               *, held: set[str], tp: TPGroup, device: torch.device,
+               experts: tuple[ExpertGroup, set[str]] | None = None) -> LocalWeights:
     """This rank's slice of each parameter placeholder in ``held`` and each held buffer, from
-    ``state`` (a weights file) when given, else from ``module``'s tensors."""
+    ``state`` (a weights file) when given, else from ``module``'s tensors. ``experts``: the expert
+    group and the parameters stacked over experts, of which this rank keeps its own experts."""
     out = LocalWeights()
     decisions = {d.name: d for d in plan.nodes}
     params = dict(module.named_parameters(remove_duplicate=False))
@@ -150,6 +153,8 @@ def load_local(module: nn.Module, captured: CapturedModel, plan: Plan, state: Ma
         full = params[qualified] if state is None else _weight(state, qualified, params)
         d = shard_dim(placement)
         piece = full.detach() if d is None else full.detach().chunk(tp.size, dim=d)[tp.rank]
+        if experts is not None and qualified in experts[1]:
+            piece = piece[experts[0].experts(piece.shape[0])]
         out.shards[key] = nn.Parameter(piece.to(device, copy=True).contiguous(),
                                        requires_grad=params[qualified].requires_grad)
         out.placements[qualified] = placement

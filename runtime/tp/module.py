@@ -26,11 +26,13 @@ from torch import nn
 
 from partita.core.capture import CapturedModel, capture
 from partita.core.errors import PlanError
+from partita.core.experts import expert_params, expert_regions
 from partita.core.inputs import InputSpec, parse_input_spec
 from partita.core.plan import Plan
 from partita.core.precision import FP32, PrecisionPolicy
 from partita.core.verify import check_layouts
 from partita.runtime.collectives import CollectiveCounter
+from partita.runtime.experts import ExpertGroup, ExpertLayers
 from partita.runtime.state.weights import load_local, open_weights
 from partita.runtime.tp.collectives import TPGroup
 from partita.runtime.tp.program import ParamAccess, Program, build_program
@@ -61,7 +63,7 @@ class TensorParallel(nn.Module):
                  device: torch.device, weights: str | Path | None = None,
                  keep: Callable[[torch.fx.Node], bool] | None = None,
                  precision: PrecisionPolicy = FP32, rng: tuple[int, int] | None = None,
-                 compile: bool = False) -> None:
+                 compile: bool = False, experts: ExpertGroup | None = None) -> None:
         super().__init__()
         self.tp = TPGroup(group, counter)
         self.plan = plan
@@ -88,8 +90,13 @@ class TensorParallel(nn.Module):
         held = {n.name for n in graph.nodes if n.op == "placeholder" and (
             keep is None or any(u.name in kept for u in n.users)
             or (not n.users and same.get(n.name, n.name) not in read and keep(n)))}
+        # the MoE layers whose experts this rank holds a slice of, over its expert group (runtime/experts.py)
+        regions = expert_regions(graph, captured.param_nodes) if experts is not None else []
+        self.experts = ExpertLayers(experts, regions) if experts is not None else None
+        self.expert_params = expert_params(regions, captured.param_nodes)  # qualified names, split over "ep"
         state = open_weights(weights) if weights is not None else None
-        local = load_local(module, captured, plan, state, held=held, tp=self.tp, device=device)
+        local = load_local(module, captured, plan, state, held=held, tp=self.tp, device=device,
+                           experts=(experts, self.expert_params) if experts is not None else None)
         if state is None:
             module.to("meta")  # drop the full tensors: this rank keeps only its slices
         self.shards = nn.ParameterDict(local.shards)
@@ -245,8 +252,10 @@ def _capture(module: nn.Module, plan: Plan, loss_fn: Callable | None) -> Capture
 def apply_tensor_parallel(module: nn.Module, plan: Plan, group: dist.ProcessGroup | None, *,
                           loss_fn: Callable | None, counter: CollectiveCounter, device: torch.device,
                           precision: PrecisionPolicy, rng: tuple[int, int] | None,
-                          weights: str | Path | None = None, compile: bool = False) -> TensorParallel:
+                          weights: str | Path | None = None, compile: bool = False,
+                          experts: ExpertGroup | None = None) -> TensorParallel:
     """Compose's tensor-parallel step: this rank's shards of ``module`` and the program over the
-    "tp" ``group`` (None: a one-rank group, for a plan that only recomputes)."""
+    "tp" ``group`` (None: a one-rank group, for a plan that only recomputes or splits experts),
+    each MoE layer's experts split over ``experts`` when given."""
     return TensorParallel(module, plan, group, loss_fn=loss_fn, counter=counter, device=device,
-                          weights=weights, precision=precision, rng=rng, compile=compile)
+                          weights=weights, precision=precision, rng=rng, compile=compile, experts=experts)

@@ -38,6 +38,7 @@ from partita.core.placement import shard_dim
 from partita.core.plan import NodeDecision
 from partita.core.precision import PrecisionPolicy
 from partita.core.tp.layout import regathers
+from partita.runtime.experts import ExpertLayers, combine, dispatch
 from partita.runtime.rng import is_random, op_seed, seeded
 from partita.runtime.tp.collectives import Edge, TPGroup, local_shape, reshard_edge
 from partita.runtime.tp.local_ops import LOCAL_OPS, RegatheredLinear
@@ -123,6 +124,7 @@ class LocalProgram(Protocol):
     param_reads: Mapping[str, list[nn.Parameter]]  # node -> the parameters it reads
     param_last_reads: Mapping[str, list[nn.Parameter]]  # node -> those forward is done with after it
     buffer_nodes: Mapping[str, str]  # buffer placeholder -> its name
+    experts: ExpertLayers | None  # the MoE layers whose experts are split over "ep" (runtime/experts.py)
 
 
 def op_name(n: torch.fx.Node) -> str:
@@ -241,6 +243,7 @@ class _Builder:
         self.env: dict[torch.fx.Node, Any] = {}
         self.recast = _Recast.of(p)  # the captured dtype's constants in the compute dtype's (low precision)
         self.order: dict[torch.fx.Node, int] | None = None  # the captured graph's order, when asked
+        self.routes: dict[str, tuple[torch.fx.Node, torch.fx.Node]] = {}  # MoE layer -> (its route, local offsets)
 
     def attr(self, prefix: str, obj: Any) -> torch.fx.Node:
         """A get_attr node for ``obj``, which the program holds as an attribute."""
@@ -285,17 +288,43 @@ class _Builder:
                             hint="plan this model without tensor parallelism (--tp 1)")
         if n.target is torch.ops.aten._assert_tensor_metadata.default and self.p.precision.low:
             return None  # export's check of the captured (fp32) dtype: the policy computes in another
+        experts = self.p.experts
         if regather:  # the gathered input kept by the op itself, as its slice (runtime/tp/local_ops.py)
             out = self.graph.call_function(call, (self.attr("regathered", RegatheredLinear(Edge(self.p.tp, d.ins[0]))),
                                                   *args), kwargs)
+        elif experts is not None and n.name in experts.region_of:
+            out = self._expert_matmul(n, d, args, kwargs, experts)
         else:
             out = self._op(n, d, args, kwargs)
-        if isinstance(out, torch.fx.Node):
-            out.meta[_CHECK] = (n, d)
+        if isinstance(out, torch.fx.Node) and not (experts is not None and n.name in experts.local):
+            out.meta[_CHECK] = (n, d)  # (an MoE layer's rows and experts under "ep" are this rank's own)
         if reads:
             done = self.p.param_last_reads.get(n.name)
             self.graph.call_function(used, (self.attr("access", self.p.param_access), self.attr("params", reads),
                                             out, self.attr("params", done) if done else None))
+        return out
+
+    def _expert_matmul(self, n: torch.fx.Node, d: NodeDecision, args: list, kwargs: dict,
+                       experts: ExpertLayers) -> torch.fx.Node:
+        """A grouped matmul of an MoE layer whose experts are split over "ep" (runtime/experts.py):
+        the layer's first reads the rows dispatched to this rank's experts, each reads their local
+        offsets, and the last one's rows are combined back to their tokens' ranks."""
+        region = experts.region_of[n.name]
+        offs_at = 2 if len(args) > 2 else None
+        if n.name == region.first:
+            offs = args[2] if offs_at is not None else kwargs["offs"]
+            sent = self.graph.call_function(dispatch, (self.attr("experts", experts.g), args[0], offs))
+            args[0] = self.graph.call_function(operator.getitem, (sent, 0))
+            self.routes[region.offsets] = (self.graph.call_function(operator.getitem, (sent, 2)),
+                                           self.graph.call_function(operator.getitem, (sent, 1)))
+        route, local_offs = self.routes[region.offsets]
+        if offs_at is not None:
+            args[offs_at] = local_offs
+        else:
+            kwargs = {**kwargs, "offs": local_offs}
+        out = self._op(n, d, args, kwargs)
+        if n.name == region.last:
+            out = self.graph.call_function(combine, (out, route))
         return out
 
     def _regathers(self, n: torch.fx.Node, d: NodeDecision) -> bool:

@@ -1,0 +1,132 @@
+"""Expert parallelism at run time: an MoE layer's token rows sent to the ranks holding their experts.
+
+Under a plan with ``mesh.ep > 1`` each rank of an expert group (core/mesh.py) holds ``E / ep``
+consecutive experts of every MoE layer (core/experts.py finds the layers; runtime/state/weights.py
+keeps the slice). In the rank's program (runtime/tp/program.py) the layer's first grouped matmul
+reads ``dispatch``'s rows instead of the rank's own, and the last one's rows go back by ``combine``:
+
+- ``Route``: from the rank's rows per expert (its offsets), one all-to-all of the counts tells each
+  rank how many rows every peer sends to each of its experts; the rows then travel by one
+  all-to-all with those uneven splits, and are put in expert order (the grouped matmul's layout:
+  each expert's rows together), with the local offsets;
+- ``dispatch`` / ``combine``: the rows there and back, each an autograd function whose backward
+  is the other direction's all-to-all of the gradient, so a token's gradient returns to its rank
+  and an expert's weight gradient sums every token routed to it over the group.
+
+A rank's expert-weight gradient so holds the whole group's tokens: runtime/compose.py averages it
+over the ranks holding the same experts ("edp") divided by all of dp.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from partita.core.experts import ExpertRegion
+from partita.core.mesh import MeshAxis
+from partita.runtime.collectives import CollectiveCounter
+
+EP = MeshAxis.EP.value
+
+
+class ExpertGroup:
+    """This rank's expert group: its process group, size and place, and the counter of its calls."""
+
+    def __init__(self, group: dist.ProcessGroup, counter: CollectiveCounter) -> None:
+        self.group, self.counter = group, counter
+        self.size = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+
+    def experts(self, total: int) -> slice:
+        """The experts this rank holds, of ``total``."""
+        per = total // self.size
+        return slice(self.rank * per, (self.rank + 1) * per)
+
+    def exchange(self, x: torch.Tensor, send: list[int], recv: list[int]) -> torch.Tensor:
+        """``x``'s rows, ``send[j]`` of them to rank j of the group in order, and ``recv[j]`` from each."""
+        x = x.contiguous()
+        out = x.new_empty((sum(recv), *x.shape[1:]))
+        self.counter.record("all_to_all", EP, x.numel() * x.element_size())
+        with self.counter.blocking("all_to_all", EP):
+            dist.all_to_all_single(out, x, output_split_sizes=recv, input_split_sizes=send, group=self.group)
+        return out
+
+
+class Route:
+    """Where one micro-batch's rows of one MoE layer go (module docstring), worked out from the
+    rank's cumulative rows per expert ``offsets`` (E of them, as the grouped matmul takes them)."""
+
+    def __init__(self, g: ExpertGroup, offsets: torch.Tensor) -> None:
+        self.g = g
+        ends = offsets.detach().to(torch.int64)
+        counts = torch.diff(ends, prepend=ends.new_zeros(1))  # rows per expert, this rank's
+        per = counts.numel() // g.size
+        send = counts.reshape(g.size, per)  # [peer, its local expert]
+        recv = torch.empty_like(send)
+        g.counter.record("all_to_all", EP, send.numel() * send.element_size())
+        with g.counter.blocking("all_to_all", EP):
+            dist.all_to_all_single(recv, send, group=g.group)  # [peer, my local expert]
+        self.send = send.sum(1).tolist()
+        self.recv = recv.sum(1).tolist()
+        # the received rows come peer by peer, each peer's by expert; the grouped matmul wants them
+        # expert by expert: ``order`` lists the received rows in that order (a stable sort by expert)
+        expert_of_row = torch.arange(per, device=recv.device).repeat(g.size).repeat_interleave(recv.reshape(-1))
+        self.order = torch.argsort(expert_of_row, stable=True)
+        self.local_ends = recv.sum(0).cumsum(0).to(offsets.dtype)
+
+    def there(self, x: torch.Tensor) -> torch.Tensor:
+        """The rank's rows (sorted by expert) -> the rows of its own experts, expert by expert."""
+        return self.g.exchange(x, self.send, self.recv)[self.order]
+
+    def back(self, y: torch.Tensor) -> torch.Tensor:
+        """The rows of its own experts, expert by expert -> each row at its token's rank, in its place."""
+        out = y.new_empty(y.shape)
+        out[self.order] = y
+        return self.g.exchange(out, self.recv, self.send)
+
+
+class _Dispatch(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, route: Route) -> torch.Tensor:
+        ctx.route = route
+        return route.there(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return ctx.route.back(grad), None
+
+
+class _Combine(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, y: torch.Tensor, route: Route) -> torch.Tensor:
+        ctx.route = route
+        return route.back(y)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return ctx.route.there(grad), None
+
+
+def dispatch(g: ExpertGroup, rows: torch.Tensor, offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, Route]:
+    """The program's node before an MoE layer's first grouped matmul: (the rows of this rank's
+    experts, their offsets, the route that ``combine`` takes back)."""
+    route = Route(g, offsets)
+    return _Dispatch.apply(rows, route), route.local_ends, route
+
+
+def combine(rows: torch.Tensor, route: Route) -> torch.Tensor:
+    """The program's node after an MoE layer's last grouped matmul: its rows at their tokens' ranks."""
+    return _Combine.apply(rows, route)
+
+
+class ExpertLayers:
+    """The MoE layers of a rank's graph under expert parallelism, as the program builder reads
+    them (runtime/tp/program.py): each grouped matmul's layer, and the nodes whose values hold
+    this rank's own rows or experts (their shapes are not the plan's)."""
+
+    def __init__(self, g: ExpertGroup, regions: list[ExpertRegion]) -> None:
+        self.g = g
+        self.region_of = {m: r for r in regions for m in r.matmuls}
+        self.local = frozenset(n for r in regions for n in r.local)
