@@ -60,6 +60,11 @@ class Mesh:
         return self.dp * self.tp * self.pp
 
     @property
+    def edp(self) -> int:
+        """The dp ranks holding the same experts (the expert layers' data-parallel degree)."""
+        return self.dp // self.ep
+
+    @property
     def shape(self) -> tuple[int, ...]:
         """Axis sizes in ``MESH_ORDER``."""
         return tuple(getattr(self, a.value) for a in MESH_ORDER)

@@ -8,7 +8,7 @@ from the constants that own them) and, for run options, the environment variable
 `partita run` hands it to the ranks. A new option is a field here and its use; the rest follows
 (docs/architecture.md, "The one options object").
 
-``Pins`` and ``TrainingRequest`` are the solvers' named inputs, made from an ``Options``.
+``Pins`` and ``TrainingRequest`` (core/pins.py) are the solvers' named inputs, made from an ``Options``.
 """
 
 from __future__ import annotations
@@ -22,16 +22,16 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from partita.core.errors import POSITIVE_HINT, PartitaError
+from partita.core.errors import PartitaError
 from partita.core.files import check_output, writable_path
 from partita.core.optimizers import NO_OFFLOAD, OFFLOAD, default_optimizer, optimizer_kind
+from partita.core.pins import ZERO_STAGES, Pins, TrainingRequest, check_positive, is_whole  # noqa: F401 (Pins, TrainingRequest re-exported)
 from partita.core.plan import OPTIMIZERS
 from partita.core.precision import PRECISIONS, REDUCE_DTYPES
-from partita.core.recompute import FULL, NONE, RECOMPUTE, SELECTIVE, recompute_mode
+from partita.core.recompute import NONE, RECOMPUTE, recompute_mode
 from partita.core.schedule import SCHEDULES
 
 PLAN, PIN, RUN = "plan", "pin", "run"
-ZERO_STAGES = (0, 1, 2, 3)
 ALIASES = {"microbatches": "grad_accum_steps"}  # another name users know a keyword by
 NONFINITE = ("stop", "skip")  # what a step whose loss is not finite does (runtime/engine.py)
 # the options a forward-only plan has no use for: given with inference=True they are refused, not dropped
@@ -175,7 +175,7 @@ class Options:
 
         _set(self, "loss", resolve_loss(self.loss, self.output))
         for name in ("nodes", "devices"):
-            _positive(name, getattr(self, name))
+            check_positive(name, getattr(self, name))
         self.pins()  # the pins' checks (Pins)
         TrainingRequest(global_batch=self.batch if self.batch is not None else 1, precision=self.precision or "fp32",
                         reduce_dtype=self.reduce_dtype, max_grad_norm=self.max_grad_norm,
@@ -203,7 +203,7 @@ class Options:
                                "forward for its backward", hint="leave recompute out, or plan for training")
 
     def _check_run(self) -> None:
-        if self.checkpoint_every is not None and not _whole(self.checkpoint_every, 1):
+        if self.checkpoint_every is not None and not is_whole(self.checkpoint_every, 1):
             raise PartitaError(f"checkpoint_every={self.checkpoint_every!r} must be a whole number of steps >= 1",
                                hint="e.g. checkpoint_every=100, or leave it out for no periodic checkpoint")
         if self.checkpoint_every is not None and self.checkpoint_dir is None:
@@ -217,7 +217,7 @@ class Options:
         for name, low in (("check_replicas_every", 0), ("log_every", 0), ("batch_check_every", 1),
                           ("bucket_bytes", 1), ("seed", 0), ("keep_last", 0)):
             v = getattr(self, name)
-            if v is not None and not _whole(v, low):
+            if v is not None and not is_whole(v, low):
                 raise PartitaError(f"{name}={v!r} must be a whole number >= {low}",
                                    hint=f"e.g. {name}=10, or leave it out for the default")
         for name in ("checkpoint_dir", "trace", "weights", "plan", "log_dir"):
@@ -247,7 +247,7 @@ class Options:
         for key, value in keywords.items():
             name = ALIASES.get(key, key)
             if key in ALIASES:
-                _positive(key, value)  # named as the user wrote it (the aliased options are counts)
+                check_positive(key, value)  # named as the user wrote it (the aliased options are counts)
             if name not in known:
                 close = difflib.get_close_matches(key, sorted(known | set(ALIASES)), n=1)
                 raise PartitaError(f"parallelize() has no option {key!r}",
@@ -372,136 +372,3 @@ def _shown(value: Any) -> str:
     """A keyword's value as a message shows it: a function by its name, a long value cut short."""
     text = (getattr(value, "__name__", None) if callable(value) else None) or repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
-
-
-def _whole(v: Any, low: int) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and v >= low
-
-
-def _positive(name: str, v: Any) -> None:
-    if v is not None and not _whole(v, 1):
-        raise PartitaError(f"--{name.replace('_', '-')} {v!r} must be a positive integer", hint=POSITIVE_HINT)
-
-
-@dataclass(frozen=True)
-class Pins:
-    """Decisions fixed by the user, as the solvers take them; ``None`` leaves one to the planner.
-
-    Pins are constraints handed to the same solvers that decide the free parts, not a second
-    code path. A pin that can never be honoured (a ZeRO stage of 5) is refused here.
-    """
-
-    dp: int | None = None
-    tp: int | None = None
-    pp: int | None = None
-    zero_stage: int | None = None
-    micro_batch_size: int | None = None
-    grad_accum_steps: int | None = None
-    world_size: int | None = None  # e.g. the processes torchrun launched
-    schedule: str | None = None  # the pipeline schedule (core/schedule.py SCHEDULES; implies pp > 1)
-    recompute: str | None = None  # core/recompute.py's mode on every stage, or (None) per stage where memory binds
-    offload: str | None = None  # core/optimizers.py's OFFLOAD, or (None) the planner's choice
-    sequence_parallel: bool | None = None  # the residual stream split along the sequence (tp > 1), or the planner's
-    ep: int | None = None  # experts split over groups of ep dp ranks (core/mesh.py Mesh.ep), or the planner's
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "recompute", recompute_mode(self.recompute))
-        for name in ("dp", "tp", "pp", "micro_batch_size", "grad_accum_steps", "world_size", "ep"):
-            _positive(name, getattr(self, name))
-        if self.zero_stage is not None and (isinstance(self.zero_stage, bool) or self.zero_stage not in ZERO_STAGES):
-            raise PartitaError(f"--zero {self.zero_stage!r} must be 0, 1, 2 or 3",
-                               hint="ZeRO shards optimizer state (1), gradients (2) and parameters (3) over dp; "
-                               "leave --zero out to let partita choose")
-        if self.sequence_parallel not in (None, True, False):
-            raise PartitaError(f"sequence_parallel={self.sequence_parallel!r} must be True, False or None",
-                               hint="True splits the residual stream along the sequence over tp, False never")
-        if self.ep is not None and self.ep > 1 and self.dp is not None and self.dp % self.ep:
-            raise PartitaError(f"--ep {self.ep} does not divide --dp {self.dp}: expert groups are carved out of "
-                               "the data-parallel group", hint="pin an --ep that divides --dp, or leave --ep out")
-        if self.ep is not None and self.ep > 1 and (self.tp or 1) > 1:
-            raise PartitaError(f"--ep {self.ep} with --tp {self.tp}: this version splits experts over data-parallel "
-                               "ranks of a tp=1 mesh only", hint="pin --tp 1, or drop --ep")
-        if self.sequence_parallel and self.tp == 1:
-            raise PartitaError("--sequence-parallel with --tp 1: there is no TP group to split the sequence over",
-                               hint="pin --tp 2 or more, or drop --sequence-parallel")
-        if self.offload is not None and self.offload not in OFFLOAD:
-            raise PartitaError(f"--offload {self.offload!r} is not one of {', '.join(OFFLOAD)}",
-                               hint="optimizer keeps the optimizer's state and masters in host memory")
-        if self.recomputes and self.zero_stage == 3:
-            raise PartitaError(f"--recompute {self.recompute} with --zero 3: recomputation reruns a layer's forward "
-                               "in backward, where ZeRO-3 would free the parameters it gathers under it",
-                               hint="pin --zero 2 or lower, or drop --recompute")
-        if self.schedule is not None:
-            if self.schedule not in SCHEDULES:
-                raise PartitaError(f"--schedule {self.schedule!r} is not one of {', '.join(SCHEDULES)}",
-                                   hint="leave --schedule out to let partita choose")
-            if self.pp == 1:
-                raise PartitaError(f"--schedule {self.schedule} schedules pipeline stages, but --pp 1 has none",
-                                   hint="pin --pp 2 or more, or drop --schedule")
-
-    # The planners decide every axis; a tp pin is checked against the cluster in
-    # passes/tp/mesh.py, a pp pin against the devices in passes/pipeline/stages.py,
-    # and a ZeRO pin narrows the stages passes/dp/zero.zero_stages offers both.
-    def describe(self) -> str:
-        """The pins in the CLI's words (``--dp 2 --zero 1``), or "no pins"."""
-        flags = {"zero_stage": "zero", "world_size": "devices"}
-        parts = []
-        for name in ("dp", "tp", "pp", "ep", "zero_stage", "micro_batch_size", "grad_accum_steps", "schedule",
-                     "world_size"):
-            v = getattr(self, name)
-            if v is not None:
-                parts.append(f"--{flags.get(name, name).replace('_', '-')} {v}")
-        if self.recompute is not None:
-            parts.append(f"--recompute {self.recompute}")
-        if self.offload is not None:
-            parts.append(f"--offload {self.offload}")
-        if self.sequence_parallel is not None:
-            parts.append("--sequence-parallel" if self.sequence_parallel else "--no-sequence-parallel")
-        return " ".join(parts) or "no pins"
-
-    @property
-    def recomputes(self) -> bool:
-        """Whether recomputation is pinned on every stage (selective or full)."""
-        return self.recompute in (SELECTIVE, FULL)
-
-    def check_cluster(self, devices: int) -> None:
-        """A degree pinned beyond the cluster's devices is refused in the same words everywhere
-        (`partita compile`, `partita estimate`, the decorator)."""
-        for name in ("dp", "tp", "pp"):
-            v = getattr(self, name)
-            if v is not None and v > devices:
-                raise PartitaError(f"--{name} {v} is more than the cluster's {devices} devices",
-                                   hint=f"pin --{name} {devices} or less, or give more devices (--nodes, --devices)")
-
-
-@dataclass(frozen=True)
-class TrainingRequest:
-    """The training set-up a plan is made for (the global batch resolved), as the solvers take it."""
-
-    global_batch: int
-    precision: str = "fp32"
-    optimizer: str = "adamw"
-    inference: bool = False
-    reduce_dtype: str = "fp32"  # gradients are reduced over dp in this dtype (core/precision.py)
-    max_grad_norm: float | None = None  # the global gradient norm is clipped to this
-    kv_tokens: int = 0  # inference with generation: prompt + new tokens per sequence, whose KV cache is held
-
-    def __post_init__(self) -> None:
-        if self.kv_tokens and not self.inference:
-            raise PartitaError("--generate needs --inference", hint="add --inference")
-        if isinstance(self.global_batch, bool) or not isinstance(self.global_batch, int) or self.global_batch < 1:
-            raise PartitaError(f"--batch {self.global_batch!r} must be a positive integer",
-                               hint="the global batch: samples per optimizer step over all devices")
-        if self.reduce_dtype not in REDUCE_DTYPES:
-            raise PartitaError(f"--reduce-dtype {self.reduce_dtype!r} is not one of {', '.join(REDUCE_DTYPES)}",
-                               hint="fp32 (the default) reduces gradients at full precision")
-        if self.max_grad_norm is not None and not (isinstance(self.max_grad_norm, (int, float))
-                                                   and math.isfinite(self.max_grad_norm) and self.max_grad_norm > 0):
-            raise PartitaError(f"--max-grad-norm {self.max_grad_norm!r} must be a positive number",
-                               hint="e.g. --max-grad-norm 1.0, or leave it out for no clipping")
-        if self.precision not in PRECISIONS:
-            raise PartitaError(f"--precision {self.precision!r} is not one of {', '.join(PRECISIONS)}",
-                               hint="leave --precision out for the cluster's default")
-        if self.optimizer not in OPTIMIZERS:
-            raise PartitaError(f"--optimizer {self.optimizer!r} is not one of {', '.join(OPTIMIZERS)}",
-                               hint="partita models the memory of these optimizers only")

@@ -10,7 +10,7 @@ disagree, naming each disagreement, with the rules that made them (no second cop
 - every node's strategy is one its op's rule can name (``core/tp/rules.op_rule``; the
   exact strategies, with their placements, are re-derived from the graph where the runtime
   has it: ``check_layouts``);
-- parameter layouts divide the parameter's shape over tp;
+- parameter layouts divide the parameter's shape over tp, and expert weights by whole experts over ep;
 - stage indices lie within pp, stage ranks are the mesh's, nodes read only earlier stages;
 - the mesh fits the cluster, the cluster's figures are valid (``ClusterSpec``'s checks), the
   training set-up is one partita runs, every number is finite and not negative (and every count
@@ -226,6 +226,10 @@ def _params(plan: Plan) -> list[str]:
                                f"shape over tp={size}")
             elif axis == MeshAxis.DP.value and placement not in (REPLICATE, "shard(0)"):
                 out.append(f"parameter {p.name}: dp layout {placement} (replicate, or shard(0) under ZeRO)")
+            elif axis == MeshAxis.EP.value and placement != REPLICATE and (
+                    placement != "shard(0)" or not p.shape or p.shape[0] % size):
+                out.append(f"parameter {p.name} {list(p.shape)}: ep layout {placement} (an expert weight is split "
+                           f"by whole experts, shard(0), over ep={size})")
             elif axis == MeshAxis.PP.value and placement != REPLICATE:
                 out.append(f"parameter {p.name}: pp layout {placement} (a stage holds its parameters whole)")
     return out

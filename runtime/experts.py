@@ -54,6 +54,15 @@ class ExpertGroup:
         return out
 
 
+def expert_order(recv: torch.Tensor) -> torch.Tensor:
+    """The received rows in expert order: ``recv[j, i]`` rows come from peer j for local expert i,
+    peer by peer, each peer's by expert; the grouped matmul wants each expert's rows together
+    (a stable sort by expert, so each expert's rows stay in peer order)."""
+    peers, per = recv.shape
+    expert_of_row = torch.arange(per, device=recv.device).repeat(peers).repeat_interleave(recv.reshape(-1))
+    return torch.argsort(expert_of_row, stable=True)
+
+
 class Route:
     """Where one micro-batch's rows of one MoE layer go (module docstring), worked out from the
     rank's cumulative rows per expert ``offsets`` (E of them, as the grouped matmul takes them)."""
@@ -70,10 +79,7 @@ class Route:
             dist.all_to_all_single(recv, send, group=g.group)  # [peer, my local expert]
         self.send = send.sum(1).tolist()
         self.recv = recv.sum(1).tolist()
-        # the received rows come peer by peer, each peer's by expert; the grouped matmul wants them
-        # expert by expert: ``order`` lists the received rows in that order (a stable sort by expert)
-        expert_of_row = torch.arange(per, device=recv.device).repeat(g.size).repeat_interleave(recv.reshape(-1))
-        self.order = torch.argsort(expert_of_row, stable=True)
+        self.order = expert_order(recv)
         self.local_ends = recv.sum(0).cumsum(0).to(offsets.dtype)
 
     def there(self, x: torch.Tensor) -> torch.Tensor:

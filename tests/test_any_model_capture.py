@@ -14,7 +14,7 @@ from partita.compiler.compile import compile_model
 from partita.core.capture import capture
 from partita.core.inputs import parse_input_spec
 from partita.core.options import Options
-from partita.runtime.tp.program import _Recast
+from partita.runtime.tp.recast import Recast
 
 
 def _causal_lm():
@@ -64,7 +64,7 @@ def test_mixtral_with_its_default_experts_captures():
 
 
 def test_an_fp32_graphs_limits_and_no_op_casts_follow_the_compute_dtype():
-    recast = _Recast(torch.float32, torch.bfloat16)
+    recast = Recast(torch.float32, torch.bfloat16)
     graph = torch.fx.Graph()
     x = graph.placeholder("x")
     x.meta["val"] = torch.empty(2, dtype=torch.float32)

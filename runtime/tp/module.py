@@ -92,6 +92,8 @@ class TensorParallel(nn.Module):
             or (not n.users and same.get(n.name, n.name) not in read and keep(n)))}
         # the MoE layers whose experts this rank holds a slice of, over its expert group (runtime/experts.py)
         regions = expert_regions(graph, captured.param_nodes) if experts is not None else []
+        if experts is not None:
+            _check_experts(plan, regions, captured.param_nodes, experts.size)
         self.experts = ExpertLayers(experts, regions) if experts is not None else None
         self.expert_params = expert_params(regions, captured.param_nodes)  # qualified names, split over "ep"
         state = open_weights(weights) if weights is not None else None
@@ -224,6 +226,26 @@ class TensorParallel(nn.Module):
             raise PlanError(f"input {n.name} has shape {got}, but the plan's micro-batch is {want}",
                             hint="pass batches of the plan's shape, or recompile for this shape")
         return user.to(self.device)
+
+
+def _check_experts(plan: Plan, regions: list, param_nodes: dict[str, str], ep: int) -> None:
+    """A plan that splits experts over ``ep`` ranks, against the MoE layers this model has: some, each
+    with a multiple of ``ep`` experts, and the plan's expert layouts on exactly their parameters."""
+    if not regions:
+        raise PlanError(f"the plan splits experts over ep={ep}, but this model has no MoE layer (grouped matmuls "
+                        f"over experts, core/experts.py)",
+                        hint="recompile the plan for this model with `partita compile`")
+    odd = sorted({r.experts for r in regions if r.experts % ep})
+    if odd:
+        raise PlanError(f"the plan splits experts over ep={ep}, but this model's MoE layers have {odd} experts, "
+                        f"which do not divide over {ep} ranks", hint="recompile with an --ep that divides the experts")
+    planned = {p.name for p in plan.params if p.layout.get("ep", "replicate") != "replicate"}
+    found = expert_params(regions, param_nodes)
+    if planned and planned != found:
+        diff = sorted(planned ^ found)
+        raise PlanError(f"the plan's expert layouts (ep) are on other parameters than this model's experts "
+                        f"(first difference: {diff[0]})",
+                        hint="recompile the plan for this model with `partita compile`")
 
 
 def _micro_batch_specs(plan: Plan) -> tuple[list[InputSpec], InputSpec | None]:

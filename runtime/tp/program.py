@@ -42,6 +42,7 @@ from partita.runtime.experts import ExpertLayers, combine, dispatch
 from partita.runtime.rng import is_random, op_seed, seeded
 from partita.runtime.tp.collectives import Edge, TPGroup, local_shape, reshard_edge
 from partita.runtime.tp.local_ops import LOCAL_OPS, RegatheredLinear
+from partita.runtime.tp.recast import NORMS, Recast, as_dtype_of
 from partita.runtime.tp.recompute import Region, run_recomputed
 from partita.runtime.watchdog import FLIGHT
 
@@ -51,54 +52,6 @@ _SIZE_ARG = frozenset({"view", "reshape", "_unsafe_view", "expand"})
 # False, so dropout passes its input through and batch norm normalises by its running statistics.
 _TRAIN_ARG = {"dropout": 2, "feature_dropout": 2, "alpha_dropout": 2, "feature_alpha_dropout": 2, "batch_norm": 5}
 _CHECK = "partita_check"  # node.meta key: (original node, decision) of a node whose local shapes are checked
-# norms and the index of their weight: under a low-precision policy the activation is brought to the
-# weight's dtype, as an eager forward in that dtype would have it (autocast leaves norms alone)
-_NORMS = {"layer_norm": 2, "group_norm": 2, "rms_norm": 2}
-
-
-class _Recast:
-    """A graph captured in ``captured`` (the model's floating dtype, fp32) run under a policy that
-    computes in ``compute`` (bf16, fp16): its constants follow the compute dtype as an eager forward
-    in it would make them. A cast that was a no-op at capture (``x.to(w.dtype)``, a device move
-    ``x.to(y.device)``, both recorded with the captured dtype) casts to the compute dtype; the
-    captured dtype's limits (``finfo(fp32).min``, the masks' fill) become the compute dtype's,
-    which a bf16 tensor can hold. An explicit ``x.float()`` of an fp32 value at capture is such a
-    no-op too, and computes in the compute dtype (autocast still runs losses and softmaxes in fp32)."""
-
-    def __init__(self, captured: torch.dtype, compute: torch.dtype) -> None:
-        self.captured, self.compute = captured, compute
-        lo, hi = torch.finfo(captured), torch.finfo(compute)
-        self.limits = {lo.min: hi.min, lo.max: hi.max}
-
-    @classmethod
-    def of(cls, p: LocalProgram) -> _Recast | None:
-        if not p.precision.low:
-            return None
-        dtypes = [n.meta["val"].dtype for n in p.graph_module.graph.nodes
-                  if n.op == "placeholder" and isinstance(n.meta.get("val"), torch.Tensor)
-                  and n.meta["val"].is_floating_point()]
-        captured = max(set(dtypes), key=dtypes.count) if dtypes else torch.float32
-        return cls(captured, p.precision.param_dtype) if captured != p.precision.param_dtype else None
-
-    def args(self, n: torch.fx.Node, name: str, args: list, kwargs: dict) -> tuple[list, dict]:
-        if name in ("to", "_to_copy") and self._follows(n):
-            # a cast that changed nothing at capture (``x.to(w.dtype)``, ``x.to(y.device)``): it follows
-            # the compute dtype now, as the eager forward in it would
-            if kwargs.get("dtype") == self.captured:
-                kwargs = {**kwargs, "dtype": self.compute}
-            args = [self.compute if a == self.captured else a for a in args]
-        args = [self.limits.get(a, a) if isinstance(a, float) else a for a in args]
-        kwargs = {k: self.limits.get(v, v) if isinstance(v, float) else v for k, v in kwargs.items()}
-        return args, kwargs
-
-    def _follows(self, n: torch.fx.Node) -> bool:
-        """Whether ``n`` casts a tensor of the captured dtype to the captured dtype (a no-op there)."""
-        source = n.args[0].meta.get("val") if n.args and isinstance(n.args[0], torch.fx.Node) else None
-        out = n.meta.get("val")
-        return (isinstance(source, torch.Tensor) and isinstance(out, torch.Tensor)
-                and source.dtype == out.dtype == self.captured)
-
-
 class ParamAccess(Protocol):
     """Who holds the parameters between their uses (ZeRO-3, runtime/dp/zero.py): the program
     asks for a node's parameters before it runs and says when forward is done with them."""
@@ -156,13 +109,6 @@ def used(access: ParamAccess, params: list[nn.Parameter], out: Any, done: list[n
     access.used_params(params, out)
     if done:
         access.release_params(done, out)
-
-
-def as_dtype_of(x: torch.Tensor, like: torch.Tensor | None) -> torch.Tensor:
-    """``x`` in ``like``'s floating dtype: a norm's activation in its weight's (``_NORMS``)."""
-    if like is None or not x.is_floating_point() or x.dtype == like.dtype:
-        return x
-    return x.to(like.dtype)
 
 
 class AsCaptured:
@@ -241,7 +187,8 @@ class _Builder:
         self.graph = torch.fx.Graph()
         self.attrs: dict[str, Any] = {}
         self.env: dict[torch.fx.Node, Any] = {}
-        self.recast = _Recast.of(p)  # the captured dtype's constants in the compute dtype's (low precision)
+        # the captured dtype's constants in the compute dtype's (low precision)
+        self.recast = Recast.of(p.graph_module, p.precision)
         self.order: dict[torch.fx.Node, int] | None = None  # the captured graph's order, when asked
         self.routes: dict[str, tuple[torch.fx.Node, torch.fx.Node]] = {}  # MoE layer -> (its route, local offsets)
 
@@ -370,8 +317,8 @@ class _Builder:
             return self.graph.call_function(call, (self.attr("local", LocalOp(local, g, n)), *args), kwargs)
         if self.recast is not None:
             args, kwargs = self.recast.args(n, name, args, kwargs)
-            if name in _NORMS and len(args) > _NORMS[name] and isinstance(args[_NORMS[name]], torch.fx.Node):
-                args[0] = self.graph.call_function(as_dtype_of, (args[0], args[_NORMS[name]]))
+            if name in NORMS and len(args) > NORMS[name] and isinstance(args[NORMS[name]], torch.fx.Node):
+                args[0] = self.graph.call_function(as_dtype_of, (args[0], args[NORMS[name]]))
             if isinstance(n.target, torch._ops.HigherOrderOperator):
                 # a region export wrapped (torch 2.11's ``wrap_with_set_grad_enabled``: a rotary
                 # embedding under no_grad) runs its captured subgraph, which is not recast and checks
