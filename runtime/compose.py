@@ -12,7 +12,7 @@ names the plans this runtime cannot run, before anything is built. The order, an
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -71,13 +71,10 @@ def refuse_unsupported(plan: Plan) -> None:
                         f"runtime shards model state under one chunk per rank only",
                         hint="recompile with `partita compile --zero 0`, or with `--schedule 1f1b`")
     if plan.mesh.ep > 1:
-        others = [f"{what}" for what, on in (
-            (f"tp={plan.mesh.tp}", plan.mesh.tp > 1), (f"pp={plan.mesh.pp}", plan.mesh.pp > 1),
-            (f"ZeRO-{t.zero_stage}", t.zero_stage > 0)) if on]
-        if others:
-            raise PlanError(f"the plan splits experts over ep={plan.mesh.ep} with {' and '.join(others)}: this "
-                            f"runtime runs expert parallelism with data parallelism alone (tp=1, pp=1, ZeRO-0)",
-                            hint="recompile with `partita compile --ep 1`, or with --tp 1 --pp 1 --zero 0")
+        if plan.mesh.tp > 1:
+            raise PlanError(f"the plan splits experts over ep={plan.mesh.ep} with tp={plan.mesh.tp}: this runtime "
+                            f"splits experts over the data-parallel ranks of a tp=1 mesh only",
+                            hint="recompile with `partita compile --ep 1`, or with --tp 1")
         if not plan.nodes:
             raise PlanError(f"the plan has ep={plan.mesh.ep} but no node decisions to find the expert layers by",
                             hint="recompile the plan with `partita compile`")
@@ -144,7 +141,8 @@ def compose(module: nn.Module, plan: Plan, ctx: DistContext, options: Options, c
     if plan.mesh.pp > 1:
         local = pipeline = apply_pipeline(module, plan, mesh, loss_fn=graph_loss, counter=counter,
                                           device=ctx.device, precision=policy, rng=rng, weights=weights,
-                                          compile=bool(options.compile))
+                                          compile=bool(options.compile),
+                                          experts=ExpertGroup(ep_group, counter) if ep_group is not None else None)
         loss = None  # the stage's schedule runs the micro-batches
     elif interpreted:
         local = apply_tensor_parallel(module, plan, mesh[TP].get_group() if plan.mesh.tp > 1 else None,
@@ -174,22 +172,17 @@ def compose(module: nn.Module, plan: Plan, ctx: DistContext, options: Options, c
         zero, averager = _apply_zero(local, pipeline, plan.training.zero_stage, dp_group, optimizer=optimizer,
                                      bucket_bytes=buckets, counter=counter, policy=policy,
                                      zero_units=plan.training.zero_units, order=[p.name for p in plan.params],
-                                     offload=offload)
+                                     offload=offload, experts=_ExpertAveraging(experts, edp_group, plan.mesh.dp))
         opt = zero.optimizer
     elif training:
         if dp_group is not None:
             # without a pipeline the optimizer step reads the mean straight from the reduce (a
             # pipeline first sums tied copies' gradients between its stages, from .grad)
             dense = [q for q in local.parameters() if not any(q is e for e in experts)]
-            averager = apply_data_parallel(dense, dp_group, bucket_bytes=buckets, counter=counter,
-                                           axis=DP, reduce_dtype=policy.reduce_dtype, keep_reduced=pipeline is None)
-            if experts:
-                # an expert's gradient already sums its expert group's tokens (runtime/experts.py):
-                # summed over the ranks holding the same experts and divided by all of dp, it is the
-                # global batch's mean, as every dense gradient is
-                averager = Averagers([averager, apply_data_parallel(
-                    experts, edp_group, bucket_bytes=buckets, counter=counter, axis=EDP,
-                    reduce_dtype=policy.reduce_dtype, keep_reduced=pipeline is None, divisor=plan.mesh.dp)])
+            averager = _ExpertAveraging(experts, edp_group, plan.mesh.dp).beside(apply_data_parallel(
+                dense, dp_group, bucket_bytes=buckets, counter=counter, axis=DP, reduce_dtype=policy.reduce_dtype,
+                keep_reduced=pipeline is None), bucket_bytes=buckets, counter=counter, policy=policy,
+                keep_reduced=pipeline is None)
         master = MasterWeights([q for q in local.parameters() if q.requires_grad], optimizer, policy,
                                chunk_bytes=buckets, offload=offload)
         opt = master.optimizer
@@ -198,6 +191,25 @@ def compose(module: nn.Module, plan: Plan, ctx: DistContext, options: Options, c
     return Program(plan, ctx, local, loss, opt, averager=averager, zero=zero, dp_group=dp_group, dp_rank=dp_rank,
                    dp_size=plan.mesh.dp if dp_group is not None else 1, pipeline=pipeline, master=master,
                    policy=policy, scaler=scaler, state_names=names, persistent=persistent, buffers=buffers)
+
+
+class _ExpertAveraging(NamedTuple):
+    """A rank's expert slices and how their gradients are averaged: an expert's gradient already sums
+    its expert group's tokens (runtime/experts.py), so summed over the ranks holding the same experts
+    ("edp") and divided by all of dp it is the global batch's mean, as every dense gradient is."""
+
+    params: list[nn.Parameter]
+    group: dist.ProcessGroup | None
+    dp: int
+
+    def beside(self, other: GradientAverager | None, *, bucket_bytes: int, counter: CollectiveCounter,
+               policy: PrecisionPolicy, keep_reduced: bool = False) -> GradientAverager | Averagers | None:
+        """``other`` (the dense or tied parameters' averager), and the experts' beside it."""
+        if not self.params:
+            return other
+        mine = apply_data_parallel(self.params, self.group, bucket_bytes=bucket_bytes, counter=counter, axis=EDP,
+                                   reduce_dtype=policy.reduce_dtype, keep_reduced=keep_reduced, divisor=self.dp)
+        return mine if other is None else Averagers([other, mine])
 
 
 def _expert_shards(local: nn.Module, pipeline: PipelineStage | None) -> list[nn.Parameter]:
@@ -221,14 +233,17 @@ def _local_buffers(local: nn.Module, pipeline: PipelineStage | None) -> list[tor
 def _apply_zero(local: nn.Module, pipeline: PipelineStage | None, stage: int, dp_group: dist.ProcessGroup, *,
                 optimizer: OptimizerFactory, bucket_bytes: int, counter: CollectiveCounter,
                 policy: PrecisionPolicy, zero_units: tuple[str, ...] = (), order: Sequence[str] = (),
-                offload: bool = False) -> tuple[ZeroProgram, GradientAverager | None]:
+                offload: bool = False, experts: _ExpertAveraging | None = None,
+                ) -> tuple[ZeroProgram, GradientAverager | Averagers | None]:
     """ZeRO ``stage`` over ``local``'s parameters, with the one optimizer; and the averager of the
     parameters tied across pipeline stages, which stay whole on each (their copies' gradients are
     summed between the stages, which lay out their ZeRO buckets differently; the optimizer's
-    elementwise update is the same). ``zero_units``: the plan's ZeRO-3 units (core/buckets.py),
+    elementwise update is the same), and of the rank's expert slices, which stay whole too (they
+    differ over "dp": ``experts``). ``zero_units``: the plan's ZeRO-3 units (core/buckets.py),
     whose buckets follow the parameters in the plan's ``order`` (its ``params``), as it priced them."""
     tied = pipeline.tied_parameters if pipeline is not None else []
-    named = [(n, q) for n, q in local.named_parameters() if not any(q is t for t in tied)]
+    own = experts.params if experts is not None else []
+    named = [(n, q) for n, q in local.named_parameters() if not any(q is t for t in [*tied, *own])]
     units = None
     if stage == 3 and zero_units:
         program = tp_module_of(local, pipeline)
@@ -238,9 +253,12 @@ def _apply_zero(local: nn.Module, pipeline: PipelineStage | None, stage: int, dp
         named.sort(key=lambda nq: rank.get(qualified[id(nq[1])], len(rank)))
         units = [unit_of(qualified[id(q)], zero_units) for _, q in named]
     zero = apply_zero(named, stage, dp_group, optimizer_factory=optimizer, bucket_bytes=bucket_bytes,
-                      counter=counter, axis=DP, precision=policy, extra_params=tied, units=units, offload=offload)
+                      counter=counter, axis=DP, precision=policy, extra_params=[*tied, *own], units=units,
+                      offload=offload)
     averager = apply_data_parallel(tied, dp_group, bucket_bytes=bucket_bytes, counter=counter, axis=DP,
                                    reduce_dtype=policy.reduce_dtype) if tied else None
+    if experts is not None:
+        averager = experts.beside(averager, bucket_bytes=bucket_bytes, counter=counter, policy=policy)
     if stage == 3:
         program = tp_module_of(local, pipeline)
         if program is not None:

@@ -39,12 +39,12 @@ def mixtral() -> torch.nn.Module:
 
 
 def case(ctx: DistContext, dp: int, ep: int, precision: str, micro_batches: int = 1, recompute: str | None = None,
-         zero: int | None = None) -> dict:
+         zero: int | None = None, pp: int | None = None) -> dict:
     batch = 2 * dp * micro_batches
     options = Options(inputs=[f"input_ids=int64[{batch},{SEQ}]"], cluster="local", devices=ctx.world_size,
                       world_size=ctx.world_size, precision=precision, optimizer=_optimizer, log_every=0, dp=dp, ep=ep,
-                      grad_accum_steps=micro_batches, recompute=recompute, zero=zero)
-    out: dict[str, Any] = {"case": f"dp{dp}/ep{ep}/{precision}/m{micro_batches}/{recompute}/z{zero}"}
+                      grad_accum_steps=micro_batches, recompute=recompute, zero=zero, pp=pp)
+    out: dict[str, Any] = {"case": f"dp{dp}/ep{ep}/{precision}/m{micro_batches}/{recompute}/z{zero}/pp{pp}"}
     try:
         plan = compile_model(mixtral, options, name="mixtral").plan
         torch.manual_seed(0)
@@ -55,10 +55,20 @@ def case(ctx: DistContext, dp: int, ep: int, precision: str, micro_batches: int 
         xs, y = [idx[:, :-1]], idx[:, 1:]
         losses = [float(model.train_step(*xs, targets=y)) for _ in range(STEPS)]
         full = model.full_state_dict()
-        local = {n: tuple(q.shape) for n, (q, _) in model._program.tp_module.local_parameters().items()}
+        held = model._program.tp_module.local_parameters()
+        local = {n: tuple(q.shape) for n, (q, _) in held.items()}
+        param_bytes = sum(q.numel() * q.element_size() for q, _ in held.values())
         calls: dict[str, int] = {}
-        for (kind, axis, _), n in model.collectives.calls.items():  # the last step's, by kind and axis
+        sizes: dict[str, list[int]] = {}  # bytes of each kind of call over "ep" and "edp" the step ran
+        for (kind, axis, nbytes), n in model.collectives.calls.items():  # the last step's, by kind and axis
             calls[f"{kind}/{axis}"] = calls.get(f"{kind}/{axis}", 0) + n
+            sizes.setdefault(f"{kind}/{axis}", []).append(nbytes)
+        planned: dict[str, int] = {}
+        planned_sizes: dict[str, list[int]] = {}
+        for c in plan.collectives:
+            if c.axis in ("ep", "edp"):
+                planned[f"{c.kind}/{c.axis}"] = planned.get(f"{c.kind}/{c.axis}", 0) + c.count
+                planned_sizes.setdefault(f"{c.kind}/{c.axis}", []).append(c.bytes)
     except PartitaError as e:
         return {**out, "refused": e.message}
     policy = PrecisionPolicy.of(plan.training)
@@ -67,8 +77,9 @@ def case(ctx: DistContext, dp: int, ep: int, precision: str, micro_batches: int 
     ref = {n: t.float() for n, t in built.state_dict().items()}
     params = {n: t.float() for n, t in full.items() if n in dict(built.named_parameters())}
     out.update(mesh=str(plan.mesh), ep=plan.mesh.ep, losses=losses, ref_losses=ref_losses,
-               params=gaps(params, {n: ref[n] for n in params}), local_expert=list(local[EXPERT_WEIGHT]),
-               full_expert=list(full[EXPERT_WEIGHT].shape), calls=calls,
+               params=gaps(params, {n: ref[n] for n in params}), local_expert=next(list(v) for k, v in local.items() if "experts" in k),
+               full_expert=list(full[EXPERT_WEIGHT].shape), calls=calls, sizes=sizes, planned=planned,
+               planned_sizes=planned_sizes, param_bytes=param_bytes, predicted_params=plan.predicted.memory.params,
                layouts={p.name: dict(p.layout) for p in plan.params if "experts" in p.name})
     return out
 

@@ -30,7 +30,8 @@ from partita.core.plan import MeshAxis, Plan, tied_stages
 from partita.core.precision import PrecisionPolicy
 from partita.core.schedule import NONE, SCHEDULES, chunk_problem, gradients_received, rank_order
 from partita.runtime.collectives import CollectiveCounter, all_gather_flat
-from partita.runtime.dp.averaging import GradientAverager
+from partita.runtime.dp.averaging import Averagers, GradientAverager
+from partita.runtime.experts import ExpertGroup
 from partita.runtime.tp.collectives import local_shape
 from partita.runtime.tp.module import TensorParallel
 from partita.runtime.trace import BACKWARD, FORWARD, TraceRecorder  # core/schedule.py's
@@ -155,7 +156,8 @@ class PipelineStage(nn.Module):
 
     def __init__(self, module: nn.Module, plan: Plan, mesh: Any, *, loss_fn: Callable | None,
                  counter: CollectiveCounter, device: torch.device, precision: PrecisionPolicy,
-                 rng: tuple[int, int] | None, weights: str | Path | None = None, compile: bool = False) -> None:
+                 rng: tuple[int, int] | None, weights: str | Path | None = None, compile: bool = False,
+                 experts: ExpertGroup | None = None) -> None:
         super().__init__()
         self.plan, self.counter, self.device = plan, counter, device
         p = plan.mesh.pp
@@ -176,7 +178,7 @@ class PipelineStage(nn.Module):
         tp_group = mesh[MeshAxis.TP.value].get_group() if plan.mesh.tp > 1 else None
         self.tp = TensorParallel(module, plan, tp_group, loss_fn=loss_fn, counter=counter, device=device,
                                  weights=weights, keep=lambda n: stage_of.get(n.name, -1) % p == self.index,
-                                 precision=precision, rng=rng, compile=compile)
+                                 precision=precision, rng=rng, compile=compile, experts=experts)
         graph = self.tp.graph_module.graph
         held = lambda n: n.name in self.tp.param_nodes or n.name in self.tp.buffer_nodes
         self.stages = split_stages(graph, stage_of, virtual, held)
@@ -387,7 +389,7 @@ class PipelineStage(nn.Module):
 
     # -- a step ----------------------------------------------------------------------
 
-    def train_step(self, xs: list[torch.Tensor], y: torch.Tensor, averager: GradientAverager | None,
+    def train_step(self, xs: list[torch.Tensor], y: torch.Tensor, averager: GradientAverager | Averagers | None,
                    dp_group: dist.ProcessGroup | None, zero: ZeroProgram | None = None,
                    loss_scale: float = 1.0) -> float:
         """One step of the plan's schedule over this rank's share (``grad_accum_steps`` micro-batches);
@@ -488,8 +490,9 @@ def _micro(users: list[torch.Tensor | None], k: int, mbs: int) -> list[torch.Ten
 def apply_pipeline(module: nn.Module, plan: Plan, mesh: Any, *, loss_fn: Callable | None,
                    counter: CollectiveCounter, device: torch.device, precision: PrecisionPolicy,
                    rng: tuple[int, int] | None, weights: str | Path | None = None,
-                   compile: bool = False) -> PipelineStage:
+                   compile: bool = False, experts: ExpertGroup | None = None) -> PipelineStage:
     """Compose's pipeline step: this rank's stage, the TP program over the stage's nodes (tensor
-    parallelism inside it, over "tp" when tp > 1), linked to its neighbours over "pp"."""
+    parallelism inside it, over "tp" when tp > 1; its MoE layers' experts split over ``experts``
+    when given), linked to its neighbours over "pp"."""
     return PipelineStage(module, plan, mesh, loss_fn=loss_fn, counter=counter, device=device,
-                         precision=precision, rng=rng, weights=weights, compile=compile)
+                         precision=precision, rng=rng, weights=weights, compile=compile, experts=experts)
