@@ -105,7 +105,7 @@ def expert_regions(graph: torch.fx.Graph, params: Iterable[str]) -> list[ExpertR
             continue
         first, last = matmuls[0], matmuls[-1]
         # rows a rank holds of its own experts: from the first matmul to the last, and what lies between
-        between = _descendants(first) & (_ancestors(last) | {last})
+        between = (_reach(first, down=True) | {first}) & (_reach(last, down=False) | {last})
         local.update(c.name for c in between)
         rows_in = tensor_values(first.args[0].meta.get("val"))[0]
         rows_out = tensor_values(last.meta.get("val"))[0]
@@ -117,23 +117,16 @@ def expert_regions(graph: torch.fx.Graph, params: Iterable[str]) -> list[ExpertR
     return regions
 
 
-def _descendants(n: torch.fx.Node) -> set[torch.fx.Node]:
-    seen, frontier = {n}, [n]
+def _reach(n: torch.fx.Node, *, down: bool) -> set[torch.fx.Node]:
+    """The nodes ``n`` leads to (``down``: its users, theirs...), or (not ``down``) those leading to it."""
+    seen: set[torch.fx.Node] = set()
+    frontier = [n]
     while frontier:
-        for u in frontier.pop().users:
-            if u not in seen:
-                seen.add(u)
-                frontier.append(u)
-    return seen
-
-
-def _ancestors(n: torch.fx.Node) -> set[torch.fx.Node]:
-    seen, frontier = set(), [n]
-    while frontier:
-        for a in frontier.pop().all_input_nodes:
-            if a not in seen:
-                seen.add(a)
-                frontier.append(a)
+        m = frontier.pop()
+        for v in (m.users if down else m.all_input_nodes):
+            if v not in seen:
+                seen.add(v)
+                frontier.append(v)
     return seen
 
 

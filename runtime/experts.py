@@ -93,38 +93,30 @@ class Route:
         return self.g.exchange(out, self.recv, self.send)
 
 
-class _Dispatch(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, route: Route) -> torch.Tensor:
-        ctx.route = route
-        return route.there(x)
+class _Exchange(torch.autograd.Function):
+    """Rows one way along a route (``there``: to their experts' ranks; else back), their gradients
+    the other way in backward."""
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return ctx.route.back(grad), None
-
-
-class _Combine(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, y: torch.Tensor, route: Route) -> torch.Tensor:
-        ctx.route = route
-        return route.back(y)
+    def forward(ctx: Any, x: torch.Tensor, route: Route, there: bool) -> torch.Tensor:
+        ctx.route, ctx.there = route, there
+        return route.there(x) if there else route.back(x)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return ctx.route.there(grad), None
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return (ctx.route.back(grad) if ctx.there else ctx.route.there(grad)), None, None
 
 
 def dispatch(g: ExpertGroup, rows: torch.Tensor, offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, Route]:
     """The program's node before an MoE layer's first grouped matmul: (the rows of this rank's
     experts, their offsets, the route that ``combine`` takes back)."""
     route = Route(g, offsets)
-    return _Dispatch.apply(rows, route), route.local_ends, route
+    return _Exchange.apply(rows, route, True), route.local_ends, route
 
 
 def combine(rows: torch.Tensor, route: Route) -> torch.Tensor:
     """The program's node after an MoE layer's last grouped matmul: its rows at their tokens' ranks."""
-    return _Combine.apply(rows, route)
+    return _Exchange.apply(rows, route, False)
 
 
 class ExpertLayers:
