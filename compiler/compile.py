@@ -38,6 +38,7 @@ from partita.core.tp.layout import layout_decisions
 from partita.passes.calibrated import prediction_sources
 from partita.passes.cost_model import node_compute_time
 from partita.passes.dp.zero import zero_units
+from partita.passes.experts import expert_param_names
 from partita.passes.flops import annotate_flops
 from partita.passes.profile import ModelProfile, profile_model
 from partita.passes.search import Decision, plan_search, tp_choice
@@ -313,7 +314,7 @@ def build_plan(
     stages = d.stages or (_single_stage(profile, captured, times, d),)
     tied = _tied(captured, G, d) if d.mesh.pp > 1 else {}
     units = zero_units(profile.repeated) if d.zero_stage == 3 else ()
-    collectives = plan_collectives(captured, params, nodes, tied, d, cluster, request, units)
+    collectives = plan_collectives(captured, params, nodes, tied, d, cluster, request, units, profile=profile)
     model = ModelInfo(
         name=profile.name,
         fingerprint=profile.fingerprint,
@@ -395,7 +396,9 @@ def _node_times(G: Any, node: str, d: Decision, cluster: ClusterSpec,
 
 
 def _param_decisions(captured: CapturedModel, G: Any, d: Decision) -> tuple[ParamDecision, ...]:
-    """Each parameter's layout (replicated over dp, its used placeholder's placement over tp) and stage."""
+    """Each parameter's layout (replicated over dp, its used placeholder's placement over tp, a
+    parameter stacked over experts sharded over "ep" by expert where ep > 1: passes/experts.py) and stage."""
+    experts = expert_param_names(G) if d.mesh.ep > 1 else frozenset()
     tp_layout: dict[str, str] = {}
     stage: dict[str, int] = {}
     for node, qual in captured.param_nodes.items():
@@ -410,6 +413,8 @@ def _param_decisions(captured: CapturedModel, G: Any, d: Decision) -> tuple[Para
         layout = {MeshAxis.DP.value: "replicate"}
         if d.mesh.tp > 1:
             layout[MeshAxis.TP.value] = tp_layout.get(name, "replicate")
+        if name in experts:
+            layout[MeshAxis.EP.value] = "shard(0)"  # rank i of an expert group holds experts [i E/ep, (i+1) E/ep)
         out.append(ParamDecision(name, tuple(shape), str(dtype).replace("torch.", ""), layout,
                                  stage=stage.get(name, 0)))
     return tuple(out)

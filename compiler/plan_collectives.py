@@ -4,9 +4,10 @@ Reads the decision the search made and the per-node / per-parameter layouts
 ``compile.build_plan`` packed; returns ``Collective`` records by axis: the
 data-parallel gradient buckets (or ZeRO's collectives) and loss average, each
 stage's tensor-parallel collectives, the pipeline's point-to-point sends and
-loss broadcast, and the all-reduce of parameters tied across stages. Every
-link comes from the mesh's rank layout (core/mesh.py via ``ClusterSpec``), the
-one the planner priced the decision on.
+loss broadcast, the all-reduce of parameters tied across stages, and under expert
+parallelism the all-to-alls over "ep" and the experts' gradient buckets over "edp"
+(passes/experts.py). Every link comes from the mesh's rank layout (core/mesh.py via
+``ClusterSpec``), the one the planner priced the decision on.
 """
 
 from __future__ import annotations
@@ -21,31 +22,41 @@ from partita.core.cluster import ClusterSpec
 from partita.core.ops import running_buffers
 from partita.core.options import TrainingRequest
 from partita.core.placement import is_shard
-from partita.core.plan import Collective, MeshAxis, ParamDecision
-from partita.core.precision import dtype_bytes, element_bytes
-from partita.core.recompute import rerun_regions
+from partita.core.plan import Collective, Mesh, MeshAxis, ParamDecision
+from partita.core.precision import activation_scale, dtype_bytes, element_bytes
+from partita.core.recompute import FULL, rerun_regions
 from partita.core.tp.layout import forward_collectives, recompute_collectives, tp_collectives
 from partita.passes.cost_model import collective_time, padded_bucket, zero_collectives
 from partita.passes.dp.buckets import gradient_buckets
+from partita.passes.experts import all_to_alls, expert_links, model_experts
+from partita.passes.profile import ModelProfile
 from partita.passes.search import Decision
 
 
 def plan_collectives(captured: CapturedModel, params: Sequence[ParamDecision], nodes: Sequence[Any],
                      tied: Mapping[str, tuple[int, ...]], d: Decision, cluster: ClusterSpec,
-                     request: TrainingRequest, zero_units: Sequence[str] = ()) -> tuple[Collective, ...]:
-    """Every collective of the plan: data parallel, tensor parallel, pipeline, tied parameters.
-    ``zero_units``: ZeRO-3's units (core/buckets.py), the plan's ``Training.zero_units``."""
+                     request: TrainingRequest, zero_units: Sequence[str] = (), *,
+                     profile: ModelProfile | None = None) -> tuple[Collective, ...]:
+    """Every collective of the plan: data parallel, tensor parallel, pipeline, tied parameters, experts.
+    ``zero_units``: ZeRO-3's units (core/buckets.py), the plan's ``Training.zero_units``; ``profile``:
+    the model's, whose MoE layers (passes/experts.py) an ep > 1 plan's all-to-alls are of."""
     return (_dp_collectives(params, tied, d, cluster, request, zero_units)
             + _tp_plan_collectives(nodes, d, cluster, inference=request.inference, captured=captured)
             + _pp_collectives(captured, nodes, d, cluster, request)
             + _tied_collectives(params, tied, d, cluster, request)
-            + _buffer_collectives(captured, nodes, d, cluster, request))
+            + _buffer_collectives(captured, nodes, d, cluster, request)
+            + _ep_collectives(profile, nodes, d, cluster, request))
 
 
-def _local_numel(p: ParamDecision, tp: int) -> int:
-    """Elements of ``p`` one rank holds: its shard over "tp", else all of it."""
+def _expert(p: ParamDecision) -> bool:
+    """Whether ``p`` is sharded by expert over "ep" (its gradient averaged over "edp", not "dp")."""
+    return is_shard(p.layout.get(MeshAxis.EP.value, "replicate"))
+
+
+def _local_numel(p: ParamDecision, mesh: Mesh) -> int:
+    """Elements of ``p`` one rank holds: its shard over "tp" and over "ep", else all of it."""
     sharded = is_shard(p.layout.get(MeshAxis.TP.value, "replicate"))
-    return math.prod(p.shape) // (tp if sharded else 1)
+    return math.prod(p.shape) // (mesh.tp if sharded else 1) // (mesh.ep if _expert(p) else 1)
 
 
 def _tied_collectives(params: Sequence[ParamDecision], tied: Mapping[str, tuple[int, ...]], d: Decision,
@@ -59,7 +70,7 @@ def _tied_collectives(params: Sequence[ParamDecision], tied: Mapping[str, tuple[
     links = cluster.stage_links(d.mesh)
     out = []
     for name, stages in tied.items():
-        nbytes = _local_numel(by_name[name], d.mesh.tp) * grad_bytes
+        nbytes = _local_numel(by_name[name], d.mesh) * grad_bytes
         link = min(links[stages[0]:stages[-1]], key=lambda ln: ln.bandwidth)
         for s in stages:
             out.append(Collective(kind="all_reduce", axis=MeshAxis.PP.value, bytes=nbytes, count=1,
@@ -73,7 +84,8 @@ def _dp_collectives(params: Sequence[ParamDecision], tied: Mapping[str, tuple[in
                     cluster: ClusterSpec, request: TrainingRequest, zero_units: Sequence[str] = ()
                     ) -> tuple[Collective, ...]:
     """Gradient buckets of each stage's local parameters over its dp group, and the loss average.
-    A parameter tied across stages is a local parameter of every stage holding it."""
+    A parameter tied across stages is a local parameter of every stage holding it. The experts of
+    an ep > 1 plan are bucketed apart, over the ranks holding the same experts ("edp")."""
     dp = d.mesh.dp
     if dp <= 1 or request.inference:
         return ()
@@ -82,14 +94,14 @@ def _dp_collectives(params: Sequence[ParamDecision], tied: Mapping[str, tuple[in
     reduce = dtype_bytes(request.reduce_dtype)  # and sent in the reduce dtype (core/precision.py)
     out: list[Collective] = []
     for s in range(d.mesh.pp):
-        mine = [p for p in params if s in tied.get(p.name, (p.stage % d.mesh.pp,))]  # by rank
+        mine = [p for p in params if s in tied.get(p.name, (p.stage % d.mesh.pp,)) and not _expert(p)]  # by rank
         # under ZeRO a parameter tied across stages stays whole and is averaged as in plain DP
         # (runtime/engine.py): its copies' stages lay their ZeRO buckets out differently
         whole = [p for p in mine if p.name in tied] if d.zero_stage else []
         sharded = [p for p in mine if p not in whole]
         by_call: dict[tuple[str, int, str], int] = {}
         for zero_stage, group in ((d.zero_stage, sharded), (0, whole)):
-            local = [_local_numel(p, d.mesh.tp) for p in group]
+            local = [_local_numel(p, d.mesh) for p in group]
             units = [unit_of(p.name, zero_units) for p in group] if zero_stage == 3 and zero_units else None
             for b in gradient_buckets(local, grad_bytes, d.bucket_bytes, units):
                 if zero_stage == 0:
@@ -110,6 +122,20 @@ def _dp_collectives(params: Sequence[ParamDecision], tied: Mapping[str, tuple[in
                            purpose=purpose, seconds=count * collective_time(kind, size, dp, link),
                            stage=s if d.mesh.pp > 1 else None)
                 for (kind, size, purpose), count in by_call.items()]
+    edp = dp // d.mesh.ep
+    if edp > 1:  # each stage's expert slices, over the ranks holding the same experts (passes/experts.py)
+        edp_link = expert_links(cluster, dp=dp, tp=d.mesh.tp, ep=d.mesh.ep)[1]
+        for s in range(d.mesh.pp):
+            local = [_local_numel(p, d.mesh) for p in params if _expert(p) and p.stage % d.mesh.pp == s]
+            by_size: dict[int, int] = {}
+            for b in gradient_buckets(local, grad_bytes, d.bucket_bytes):
+                by_size[b * reduce // grad_bytes] = by_size.get(b * reduce // grad_bytes, 0) + 1
+            out += [Collective(kind="all_reduce", axis=MeshAxis.EDP.value, bytes=size, count=count, group_size=edp,
+                               purpose=f"expert gradient averaging in {request.reduce_dtype} over the ranks holding "
+                               "the same experts (one bucket per call, after the last micro-batch)",
+                               seconds=count * collective_time("all_reduce", size, edp, edp_link),
+                               stage=s if d.mesh.pp > 1 else None)
+                    for size, count in by_size.items()]
     last = d.mesh.pp - 1
     out.append(Collective(kind="all_reduce", axis=MeshAxis.DP.value, bytes=4, count=1, group_size=dp,
                           purpose="loss averaging (the step's loss, same on every rank)",
@@ -210,3 +236,29 @@ def _pp_collectives(captured: CapturedModel, nodes: Sequence[Any], d: Decision, 
     return tuple(out)
 
 
+
+
+def _ep_collectives(profile: ModelProfile | None, nodes: Sequence[Any], d: Decision, cluster: ClusterSpec,
+                    request: TrainingRequest) -> tuple[Collective, ...]:
+    """Each micro-batch's all-to-alls over the expert groups of an ep > 1 plan (passes/experts.py
+    ``all_to_alls``: the counts, the dispatch and the combine of each MoE layer, in backward the
+    last two reversed, and a whole-layer recomputation's forward again), times the micro-batches,
+    listed for the stage running the layer's first grouped matmul."""
+    ep = d.mesh.ep
+    if ep <= 1 or profile is None:
+        return ()
+    link = expert_links(cluster, dp=d.mesh.dp, tp=d.mesh.tp, ep=ep)[0]
+    stage = {n.name: n.stage for n in nodes}
+    out: list[Collective] = []
+    for s in range(d.mesh.pp * d.chunks):  # (virtual) stages
+        regions = [r for r in model_experts(profile.graph) if stage.get(r.first, 0) == s]
+        recompute = bool(d.stages) and d.stages[s].recompute == FULL
+        calls = all_to_alls(regions, d.micro_batch_size, profile.batch_size,
+                            activation_scale(request.precision, profile.param_dtype), inference=request.inference,
+                            recompute=recompute)
+        out += [Collective(kind="all_to_all", axis=MeshAxis.EP.value, bytes=c.nbytes,
+                           count=c.calls * d.grad_accum_steps, group_size=ep, purpose=c.purpose,
+                           seconds=c.calls * d.grad_accum_steps * collective_time("all_to_all", c.nbytes, ep, link),
+                           stage=s if d.mesh.pp > 1 else None)
+                for c in calls]
+    return tuple(out)

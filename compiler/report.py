@@ -12,8 +12,8 @@ from rich.table import Table
 from partita.core.cluster import UNCALIBRATED
 from partita.core.errors import printable
 from partita.core.optimizers import NO_OFFLOAD
-from partita.core.placement import REPLICATE, Placement
-from partita.core.plan import MemoryBreakdown, Plan
+from partita.core.placement import REPLICATE, Placement, is_shard
+from partita.core.plan import MemoryBreakdown, MeshAxis, Plan
 from partita.core.recompute import FULL, NONE, RECOMPUTED, SELECTIVE
 from partita.core.schedule import bubble_fraction
 
@@ -143,6 +143,64 @@ def tp_split(plan: Plan) -> dict[str, str] | None:
                  + (f"; inside each tp group of {tp} the weights are sharded and all-gathered before each use "
                     "(ZeRO-3's parameter sharding)" if sharded else f"; weights replicated over tp {tp}")),
     }
+
+
+def expert_layout(plan: Plan) -> dict | None:
+    """Where an ep > 1 plan's experts live (None at ep = 1): its MoE layers (the modules of the
+    parameters sharded over "ep", each with its experts ``E``), the expert groups (core/mesh.py
+    ``Mesh.groups("ep")``) and per rank the experts it holds of each layer, ``[i E/ep, (i + 1) E/ep)``
+    for its place i in its group (of the layers on its pipeline stage), and the ranks holding the
+    same experts ("edp"). The report and `partita view` show it."""
+    m = plan.mesh
+    if m.ep <= 1:
+        return None
+    layers: dict[str, int] = {}
+    stage: dict[str, int] = {}  # layer -> the pipeline stage holding it
+    for p in plan.params:
+        if is_shard(p.layout.get(MeshAxis.EP.value, REPLICATE)):
+            layers.setdefault(p.name.rpartition(".")[0], p.shape[0])
+            stage.setdefault(p.name.rpartition(".")[0], p.stage % m.pp)
+    ranks = []
+    for r in range(plan.world_size):
+        i = m.ep_rank(r)
+        ranks.append({"rank": r, "group": list(m.group_ranks(r, MeshAxis.EP.value)),
+                      "edp": list(m.group_ranks(r, MeshAxis.EDP.value)),
+                      "experts": {name: [i * e // m.ep, (i + 1) * e // m.ep - 1] for name, e in layers.items()
+                                  if stage[name] == m.stage_of(r)}})
+    return {"ep": m.ep, "layers": [{"module": name, "experts": e, "per_rank": e // m.ep} for name, e in layers.items()],
+            "groups": [list(g) for g in m.groups(MeshAxis.EP.value)], "ranks": ranks, "staged": m.pp > 1}
+
+
+def _held(experts: dict[str, list[int]], staged: bool = False) -> str:
+    """The experts a rank holds, in words: one range when every layer (of its pipeline stage, where
+    ``staged``) gives it the same ones."""
+    spans = {f"{lo}-{hi}" if hi > lo else str(lo) for lo, hi in experts.values()}
+    if not spans:
+        return "no MoE layer on its stage"
+    if len(spans) == 1:
+        return f"experts {spans.pop()} of every MoE layer" + (" on its stage" if staged else "")
+    return "; ".join(f"{name}: {lo}-{hi}" for name, (lo, hi) in experts.items())
+
+
+def experts_table(plan: Plan) -> Table | None:
+    """An ep > 1 plan's expert groups: which ranks form each, the experts each rank holds and the
+    ranks it averages those experts' gradients with (``expert_layout``); None at ep = 1."""
+    lay = expert_layout(plan)
+    if lay is None:
+        return None
+    modules = ", ".join(f"{x['module']} ({x['experts']} experts)" for x in lay["layers"])
+    per = sorted({x["per_rank"] for x in lay["layers"]})
+    t = Table(title=f"expert parallelism (ep={lay['ep']}): {len(lay['layers'])} MoE layer(s), "
+                    f"{'/'.join(map(str, per))} expert(s) per rank: {modules}",
+              title_justify="left", title_style="bold")
+    for col in ("expert group", "rank", "holds", "gradients averaged with (edp)"):
+        t.add_column(col)
+    for g, ranks in enumerate(lay["groups"]):
+        for r in ranks:
+            row = lay["ranks"][r]
+            t.add_row(f"{g}: ranks {', '.join(map(str, ranks))}" if r == ranks[0] else "", str(r),
+                      plain(_held(row["experts"], lay["staged"])), ", ".join(map(str, row["edp"])))
+    return t
 
 
 def plan_summary(plan: Plan) -> RenderableType:
@@ -279,6 +337,8 @@ def plan_report(plan: Plan, *, params: bool = True) -> RenderableType:
         parts.append(stages_table(plan))
     if plan.mesh.tp > 1 and plan.nodes:
         parts.append(tp_layout_table(plan))
+    if plan.mesh.ep > 1:
+        parts.append(experts_table(plan))
     if plan.collectives:
         parts.append(collectives_table(plan))
     if plan.alternatives:

@@ -27,7 +27,7 @@ function fmtNum(x, digits) {
   return x.toLocaleString("en-US", {minimumFractionDigits: digits, maximumFractionDigits: digits});
 }
 function fmtPct(x) { return (x * 100).toFixed(1) + "%"; }
-function meshText(m) { return `dp=${m.dp} x tp=${m.tp} x pp=${m.pp}`; }
+function meshText(m) { return `dp=${m.dp} x tp=${m.tp} x pp=${m.pp}` + ((m.ep || 1) > 1 ? ` (ep=${m.ep})` : ""); }
 function shortOp(op) { return op.replace(/^aten\./, "").replace(/\.(default|Tensor|Scalar|int)$/, ""); }
 function stageColour(s) { return PALETTE[s % PALETTE.length]; }
 
@@ -176,8 +176,9 @@ function meshSection(D) {
         [`node ${Math.floor(r / gpn)} GPU ${r % gpn}`, "not used by this plan"]));
       continue;
     }
-    const c = rankCoords(r, m), s = stageOf(r);
+    const c = rankCoords(r, m), s = stageOf(r), ex = D.experts ? D.experts.ranks[r] : null;
     const g = svg("g", {class: "device", "data-rank": r, "data-stage": s});
+    if (ex) g.dataset.expertGroup = D.experts.groups.findIndex(grp => grp.includes(r));
     g.append(svg("rect", {x, y, width: cw, height: ch, rx: 4, fill: stageColour(s), "fill-opacity": 0.8}));
     if (!big) {
       g.append(svg("text", {x: x + cw / 2, y: y + 15, class: "dev-rank", text: `r${r}`}));
@@ -185,7 +186,9 @@ function meshSection(D) {
     }
     root.append(tip(g, [`rank ${r}: node ${Math.floor(r / gpn)} GPU ${r % gpn}`,
       `pipeline stage ${s} (pp ${c.pp}), data-parallel rank ${c.dp}, tensor-parallel rank ${c.tp}`,
-      `TP group: ranks ${r - c.tp}..${r - c.tp + m.tp - 1}`]));
+      `TP group: ranks ${r - c.tp}..${r - c.tp + m.tp - 1}`,
+      ...(ex ? [`expert group: ranks ${ex.group.join(", ")}; holds ${heldText(ex.experts, D.experts.staged)}`,
+                `expert gradients averaged with ranks ${ex.edp.join(", ")}`] : [])]));
   }
   // TP groups: consecutive ranks; outline each node row a group touches
   for (let g0 = 0; g0 < world; g0 += m.tp) {
@@ -197,13 +200,44 @@ function meshSection(D) {
       r = rowEnd;
     }
   }
+  // expert groups (mesh.ep > 1): a dashed outline round each run of a group's ranks on one node row
+  for (const [gi, grp] of (D.experts ? D.experts.groups : []).entries()) {
+    for (let i = 0; i < grp.length;) {
+      let j = i;
+      while (j + 1 < grp.length && grp[j + 1] === grp[j] + 1 && Math.floor(grp[j + 1] / gpn) === Math.floor(grp[i] / gpn)) j++;
+      const [x, y] = at(grp[i]);
+      root.append(svg("rect", {x: x - gap / 2 + 2, y: y - gap / 2 + 2, width: (j - i + 1) * (cw + gap) - 4,
+        height: ch + gap - 4, rx: 5, class: "ep-group", "data-ep-group": gi}));
+      i = j + 1;
+    }
+  }
   const legend = el("div", {class: "legend"},
     ...stageList(p).map(s => el("span", {class: "key"}, el("i", {style: `background:${stageColour(s)}`}), `stage ${s}`)),
-    el("span", {class: "key"}, el("i", {class: "outline"}), `TP group (${m.tp} GPU${m.tp > 1 ? "s" : ""})`));
+    el("span", {class: "key"}, el("i", {class: "outline"}), `TP group (${m.tp} GPU${m.tp > 1 ? "s" : ""})`),
+    ...(D.experts ? [el("span", {class: "key"}, el("i", {class: "outline dashed"}), `expert group (ep=${D.experts.ep})`)] : []));
   const note = el("p", {class: "note", text:
     `${world} of ${rows * gpn} GPUs (${rows} node(s) x ${gpn}); rank order pp, dp, tp with tp innermost: ` +
     `rank = (pp x ${m.dp} + dp) x ${m.tp} + tp. Labels: s = stage, d = dp rank, t = tp rank.`});
-  return section("mesh", "Device mesh", legend, el("div", {class: "scroll"}, root), note);
+  return section("mesh", "Device mesh", legend, el("div", {class: "scroll"}, root), note, ...expertParts(D));
+}
+// expert parallelism (mesh.ep > 1): which ranks form each expert group, the experts each rank holds
+function heldText(experts, staged) {
+  const spans = [...new Set(Object.values(experts).map(([lo, hi]) => hi > lo ? `${lo}-${hi}` : `${lo}`))];
+  if (!spans.length) return "no MoE layer on its stage";
+  return spans.length === 1 ? `experts ${spans[0]} of every MoE layer${staged ? " on its stage" : ""}` :
+    Object.entries(experts).map(([name, [lo, hi]]) => `${name}: ${lo}-${hi}`).join("; ");
+}
+function expertParts(D) {
+  const X = D.experts;
+  if (!X) return [];
+  const layers = X.layers.map(l => `${l.module} (${l.experts} experts, ${l.per_rank} per rank)`).join(", ");
+  const rows = X.groups.flatMap((grp, g) => grp.map(r => [r === grp[0] ? `${g}: ranks ${grp.join(", ")}` : "",
+    String(r), heldText(X.ranks[r].experts, X.staged), X.ranks[r].edp.join(", ")]));
+  return [el("h3", {text: `Expert parallelism (ep=${X.ep})`}),
+    el("p", {class: "note", id: "experts-summary", text: `${X.layers.length} MoE layer(s): ${layers}. Each expert group ` +
+      `of ${X.ep} data-parallel ranks splits every layer's experts and exchanges token rows by all-to-all; the ranks ` +
+      `holding the same experts (edp) average their gradients.`}),
+    table(["expert group", "rank", "holds", "gradients averaged with (edp)"], rows, "experts")];
 }
 function stageList(p) {
   const n = Math.max(1, p.stages.length, p.mesh.pp);

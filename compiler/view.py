@@ -8,9 +8,10 @@ A 70B plan (~6,000 nodes) is a few hundred KB.
 
 What is embedded: the plan (``Plan.to_dict()``), the predicted pipeline
 timeline (``timeline.predicted_timeline``), the memory of each stage's
-devices, and optionally a measured timeline (from a trace) and the diff
-from another plan (``diff.diff_plans(against, plan)``: ``against`` is the
-baseline, the page shows what this plan changes).
+devices, the expert groups of an ep > 1 plan (``report.expert_layout``),
+and optionally a measured timeline (from a trace) and the diff from another
+plan (``diff.diff_plans(against, plan)``: ``against`` is the baseline, the
+page shows what this plan changes).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from typing import Any
 import click
 
 from partita.compiler.diff import diff_plans
-from partita.compiler.report import CALIBRATE_HINT, memory_terms, sources_of, tp_split, uncalibrated
+from partita.compiler.report import CALIBRATE_HINT, expert_layout, memory_terms, sources_of, tp_split, uncalibrated
 from partita.compiler.timeline import load_trace, measured_timeline, predicted_timeline
 from partita.core.errors import printable
 from partita.core.files import writable_path, write_text, writes
@@ -90,6 +91,7 @@ def page_data(plan: Plan, *, against: Plan | None = None, trace: dict | None = N
         "sources": sources_of(plan),
         "uncalibrated": CALIBRATE_HINT if uncalibrated(plan) else None,
         "tp_split": tp_split(plan),
+        "experts": expert_layout(plan),
         "diff": diff_plans(against, plan).to_dict() if against is not None else None,
         "against": None if against is None else {
             "name": against.model.name, "fingerprint": against.model.fingerprint, "mesh": str(against.mesh),

@@ -451,6 +451,7 @@ class PipelineStepCost:
     tied_all_reduce_s: float  # gradients of parameters shared by two stages
     optimizer_s: float  # the slowest tail's optimizer step
     slowest_stage: int
+    tail_stage: int = 0  # the rank of the slowest tail (its data-parallel collectives + optimizer)
 
     @property
     def step_s(self) -> float:
@@ -495,6 +496,4 @@ def pipeline_step(
         bubble_s=(p - 1) / chunks * slots[slow],  # bubble_fraction(p, m, chunks) x m slots
         dp_all_reduce_s=dp_all_reduce_s[tail],
         tied_all_reduce_s=tied_all_reduce_s,
-        optimizer_s=optimizer_s[tail],
-        slowest_stage=slow,
-    )
+        optimizer_s=optimizer_s[tail], slowest_stage=slow, tail_stage=tail)

@@ -3,9 +3,11 @@
 ``profile_model`` builds the DiGraph (``to_networkx``), then annotates FLOPs
 (``annotate_flops``), saved activations (``annotate_saved_activations``) and
 repeated layers (``find_repeated_layers``) and their attention cores (``attention_core``, what
-selective recomputation reruns: core/recompute.py), and fingerprints the graph. The
-order matters only in that every pass reads the attributes ``to_networkx``
-writes; the annotated graph stays on the profile for the solvers.
+selective recomputation reruns: core/recompute.py), records the mixture-of-experts layers
+(``G.graph["experts"]``: core/experts.py's ``ExpertRegion``s, what expert parallelism splits,
+passes/experts.py), and fingerprints the graph. The order matters only in that every pass
+reads the attributes ``to_networkx`` writes; the annotated graph stays on the profile for the
+solvers.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import Any
 import networkx as nx
 
 from partita.core.capture import CapturedModel
+from partita.core.experts import expert_regions
 from partita.core.graph import graph_fingerprint, to_networkx
 from partita.core.inputs import dtype_name
 from partita.core.recompute import attention_cores
@@ -102,6 +105,7 @@ def profile_model(captured: CapturedModel) -> ModelProfile:
     for n, core in attention_cores(captured.graph_module.graph.nodes, layer_of,
                                    {*captured.param_nodes, *captured.buffer_nodes}).items():
         G.nodes[n]["attention_core"] = core  # what selective recomputation reruns (core/recompute.py)
+    G.graph["experts"] = tuple(expert_regions(captured.graph_module.graph, captured.param_nodes))
 
     numels = {k: _numel(shape) for k, (shape, _) in captured.params.items()}
     bytes_by_dtype: dict[str, int] = {}

@@ -15,6 +15,10 @@ p, dp and ZeRO stage). Both weigh the ZeRO stages of passes/dp/zero.py. With
 choose_pipeline (passes/pipeline/bounds.py); ``prune=False`` cuts everything and gives
 the same plan (tests/test_search_pruning.py).
 
+Expert parallelism (passes/experts.py, tp = 1) is weighed by the mesh search (every ep, beside
+every ZeRO stage); the pipeline search cuts at a pinned ``--ep`` alone, on each rank's share of the
+experts with the all-to-alls in the slots (``expert_costs``).
+
 The objective: the fastest predicted step that fits; ties go to fewer stages, then to
 the smaller ZeRO stage, then to the smaller tp. How the space is covered and pruned, and
 why: docs/cost-model.md, "The joint search".
@@ -34,11 +38,12 @@ from partita.core.errors import InfeasibleError, PartitaError
 from partita.core.optimizers import NO_OFFLOAD, OFFLOAD_OPTIMIZER
 from partita.core.options import Pins, TrainingRequest
 from partita.core.plan import Alternative, MemoryBreakdown, Mesh, Stage
-from partita.core.recompute import NONE, SELECTIVE
+from partita.core.recompute import FULL, NONE, SELECTIVE
 from partita.core.tp.strategies import Strategy, input_index, is_shard, node_strategies
 from partita.passes.cost_model import model_state_memory, state_bytes_per_param, zero_optimizer_time, zero_step_comm
 from partita.passes.dp.buckets import gradient_buckets
 from partita.passes.dp.zero import STRATEGY_NAMES
+from partita.passes.experts import check_ep_pin, expert_parts, model_experts, stage_expert_steps
 from partita.passes.explain import traffic_reason
 from partita.passes.peak_memory import peak_memory, step_buffers
 from partita.passes.pipeline.bounds import AllPruned, PrunedCandidate
@@ -121,6 +126,7 @@ def plan_search(
                            hint="set host_gb_per_s and host_memory_gb_per_s in the cluster file, or use a preset")
     # the pipeline search alone weighs these (at p = 1 too), per stage
     pinned_pipeline = pins.recomputes or pins.offload == OFFLOAD_OPTIMIZER or bool(pins.sequence_parallel)
+    check_ep_pin(profile.name, model_experts(profile.graph), pins, request)
     if pins.sequence_parallel and not residual_nodes(profile.graph):
         raise PartitaError(f"--sequence-parallel: {profile.name} has no residual stream to split (repeated layers "
                            "handing each other batch x sequence x hidden)", hint="drop --sequence-parallel")
@@ -138,6 +144,7 @@ def plan_search(
         # divides the state ZeRO would otherwise move every step).
         fits_plain = bool(options) and options[0].zero_stage == 0
         degrees = tp_degrees(cluster, world, pins, pp=pins.pp) if (pins.pp or not fits_plain) else [pins.tp or 1]
+        degrees = [1] if (pins.ep or 1) > 1 else degrees  # experts split at tp = 1 (passes/experts.py)
         residual = bool(residual_nodes(profile.graph))
         queue = [(t, bool(pins.sequence_parallel) and t > 1) for t in degrees]
         while queue:
@@ -243,8 +250,8 @@ def _pruned_zero(best: Decision, cluster: ClusterSpec, request: TrainingRequest,
     (passes/dp/zero.py), priced at the chosen layout and cuts: the chosen step with its data-parallel
     collectives replaced by theirs, so the plan says what each would have cost."""
     dp, z0 = best.mesh.dp, best.zero_stage
-    if pins.zero_stage is not None or dp <= 1 or request.inference or z0 == 3:
-        return ()
+    if pins.zero_stage is not None or dp <= 1 or request.inference or z0 == 3 or best.mesh.ep > 1:
+        return ()  # priced without experts split only (their slices stay out of ZeRO: passes/experts.py)
     state = state_bytes_per_param(request.precision, request.optimizer)
     elem = int(state.grads)
     numel = max(s.params for s in best.stages) if best.stages else sum(best.buckets) / elem
@@ -289,7 +296,9 @@ def _from_mesh(d: MeshDecision, profile: ModelProfile, cluster: ClusterSpec) -> 
                f"{d.solver.classes} node classes, repeated layers tied)",
         status=d.solver.status, gap=d.solver.gap, candidates=len(d.alternatives), seconds=d.seconds,
         notes=(f"{sum(c.fits for c in d.alternatives)} of {len(d.alternatives)} (tp, micro-batch) candidates fit "
-               f"memory; {d.solves} ILPs solved", f"TP group on {d.tp_link}, DP group on {d.dp_link}"),
+               f"memory; {d.solves} ILPs solved", f"TP group on {d.tp_link}, DP group on {d.dp_link}")
+        + ((f"experts split over groups of ep={d.ep} on {d.ep_link}; their gradients averaged over the "
+            f"{d.dp // d.ep} ranks holding the same experts (edp) on {d.edp_link}",) if d.ep > 1 else ()),
     )
 
 
@@ -412,12 +421,18 @@ def _from_pipeline(d: PipelineDecision, profile: ModelProfile, cluster: ClusterS
     dp_key = "dp_all_reduce" if best.zero_stage == 0 else f"zero{best.zero_stage}_collectives"
     comm = {k: v for k, v in (("pp_send_recv", c.p2p_s), ("pp_bubble", c.bubble_s),
                               (dp_key, c.dp_all_reduce_s), ("tied_all_reduce", c.tied_all_reduce_s)) if v > 0}
+    compute_s, traffic = c.compute_s, {dp_key: best.dp_traffic_bytes} if best.dp_traffic_bytes else {}
+    if best.ep > 1:  # the slowest slot's all-to-alls and the slowest tail's edp all-reduce, told apart
+        compute_s, comm, traffic = expert_parts(compute_s, comm, traffic, dp_key, stage_expert_steps(
+            profile.graph, node_stage, [st.recompute == FULL for st in best.stages], ep=best.ep, dp=best.dp, tp=tp,
+            micro_batch=best.micro_batch_size, batch=profile.batch_size, grad_accum=best.micro_batches,
+            precision=request.precision, captured_dtype=profile.param_dtype, cluster=cluster), c, best.pp)
     heaviest = max(best.stages, key=lambda s: s.memory.total)
     return Decision(
-        mesh=Mesh(dp=best.dp, tp=tp, pp=best.pp), micro_batch_size=best.micro_batch_size,
+        mesh=Mesh(dp=best.dp, tp=tp, pp=best.pp, ep=best.ep), micro_batch_size=best.micro_batch_size,
         grad_accum_steps=best.micro_batches, schedule=best.schedule, zero_stage=best.zero_stage, choice=choice,
-        node_stage=node_stage, stages=d.plan_stages(), step_s=best.step_s, compute_s=c.compute_s, comm_s=comm,
-        optimizer_s=c.optimizer_s, traffic_bytes={dp_key: best.dp_traffic_bytes} if best.dp_traffic_bytes else {},
+        node_stage=node_stage, stages=d.plan_stages(), step_s=best.step_s, compute_s=compute_s, comm_s=comm,
+        optimizer_s=c.optimizer_s, traffic_bytes=traffic,
         memory=heaviest.memory, buckets=(), bucket_bytes=DEFAULT_BUCKET_BYTES,
         alternatives=tuple(_pipeline_alternative(x, x is best, d.reasons[x.key]) for x in _diverse(d.candidates)),
         method=f"exact cut DP over layer boundaries x (p, m, schedule) enumeration; TP ILP per (tp={tp}, micro-batch)",
@@ -428,7 +443,7 @@ def _from_pipeline(d: PipelineDecision, profile: ModelProfile, cluster: ClusterS
 
 
 def _pipeline_alternative(c: PipelineCandidate, chosen: bool, reason: str) -> Alternative:
-    return Alternative(mesh=Mesh(dp=c.dp, tp=c.tp, pp=c.pp), micro_batch_size=c.micro_batch_size,
+    return Alternative(mesh=Mesh(dp=c.dp, tp=c.tp, pp=c.pp, ep=c.ep), micro_batch_size=c.micro_batch_size,
                        grad_accum_steps=c.micro_batches, zero_stage=c.zero_stage,
                        step_time_s=c.step_s if c.fits else None,
                        memory_bytes=c.memory.total, fits=c.fits, chosen=chosen, reason=reason)
@@ -461,7 +476,7 @@ def _spread(items: Sequence[Any], fits: Any, family: Any, stage: Any, limit: int
 
 def _merge_alternatives(options: Sequence[Decision], limit: int = 24) -> tuple[Alternative, ...]:
     """The chosen plan first, then each family's alternatives; the other families' winners say why they lost.
-    Every (pp, tp, ZeRO stage) family that fits keeps its fastest, every ZeRO stage its nearest miss."""
+    Every (pp, tp, ep, ZeRO stage) family that fits keeps its fastest, every ZeRO stage its nearest miss."""
     best = options[0]
     out: list[Alternative] = []
     for i, o in enumerate(options):
@@ -478,5 +493,5 @@ def _merge_alternatives(options: Sequence[Decision], limit: int = 24) -> tuple[A
         if key not in seen:
             seen.add(key)
             unique.append(a)
-    return tuple(_spread(unique, lambda a: a.fits, lambda a: (a.mesh.pp, a.mesh.tp, a.zero_stage),
+    return tuple(_spread(unique, lambda a: a.fits, lambda a: (a.mesh.pp, a.mesh.tp, a.mesh.ep, a.zero_stage),
                          lambda a: a.zero_stage, limit))

@@ -135,6 +135,19 @@ class NodeCosts:
     # per position: at a core's first position, the bytes of the activations its nodes read from
     # outside it (what the core keeps when it is recomputed); 0 elsewhere
     core_inputs: tuple[int, ...] = ()
+    # experts split over groups of ``ep`` ranks (passes/experts.py ``expert_node_costs``), per position: the
+    # elements of the expert slices a rank holds (E / ep, out of ZeRO, not in ``param_numel``), and the
+    # seconds of the MoE layers' all-to-alls inside ``forward_s`` and ``backward_s``; () without
+    expert_numel: tuple[int, ...] = ()
+    all_to_all_s: tuple[tuple[float, float], ...] = ()
+    ep: int = 1
+
+    @functools.cached_property
+    def expert_sums(self) -> tuple[list[float], list[float], list[float]]:
+        """Prefix sums of (expert elements, forward all-to-all seconds, backward ones) over the order."""
+        n = len(self.order)
+        return (_prefix(self.expert_numel or [0] * n), _prefix([f for f, _ in self.all_to_all_s] or [0.0] * n),
+                _prefix([b for _, b in self.all_to_all_s] or [0.0] * n))
 
     @functools.cached_property
     def _live_table(self) -> list[list[int]]:

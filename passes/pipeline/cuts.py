@@ -34,6 +34,7 @@ from partita.passes.cost_model import (
     stage_slot_time,
     zero_optimizer_time,
 )
+from partita.passes.experts import split_state
 from partita.passes.peak_memory import StepBuffers, peak_memory, peak_of
 from partita.passes.pipeline.costs import NodeCosts, Recompute, SharedParam
 
@@ -97,6 +98,8 @@ class Partition:
         self.n = len(costs.order)
         # the prefix sums depend on the costs only: shared by every setup cut over them
         self.compute, self.fwd, self.saved, self.params = costs.prefix_sums
+        # a rank's expert slices (passes/experts.py): out of ZeRO, every byte of the state each
+        self.experts = costs.expert_sums[0] if costs.expert_numel else None
         self.rc = recompute if setup.zero_stage < 3 else None
         # per mode: (forward + backward, saved bytes) prefix sums, and the bytes its rerun rebuilds
         self._modes: dict[str, tuple[list[float], list[float], int]] = {NONE: (self.compute, self.saved, 0)}
@@ -129,6 +132,10 @@ class Partition:
         if self.costs.shared:
             numel += sum(sp.numel for sp in self.shared_in(j, k))
         return numel
+
+    def expert_numel(self, j: int, k: int) -> int:
+        """Elements of the expert slices stage [j, k) holds (``NodeCosts.expert_numel``)."""
+        return round(self.experts[k] - self.experts[j]) if self.experts else 0
 
     def p2p(self, j: int, k: int, s: int) -> float:
         """Stage s's sends per micro-batch: activations over boundary k, gradients back over j."""
@@ -193,12 +200,13 @@ class Partition:
         """One device's memory holding the stages ``segments`` ((j, k, s) each: one, or a rank's
         virtual stages): their state, activations and sends summed, the costliest op's live set."""
         numel = sum(self.param_numel(j, k) for j, k, _ in segments)
-        st = model_state_memory(numel, self.setup.held)
+        experts = sum(self.expert_numel(j, k) for j, k, _ in segments)
+        st = split_state(model_state_memory(numel, self.setup.held), experts, self.setup.state)
         act = sum(self._activations(j, k, s) for j, k, s in segments)
         live = max(self.costs.live_peak(j, k) for j, k, _ in segments)
         if self.setup.buffers is None:  # inference: the forward's live set is its activations
             return peak_memory(st, activations=act + live, capacity=capacity, cluster=self.cluster)
-        buffers = self._base_buffers(numel)
+        buffers = self._base_buffers(numel + experts)
         sends = sum(self._sends(j, k, s) for j, k, s in segments)
         if sends:
             buffers = replace(buffers, collectives=buffers.collectives + sends,
@@ -211,7 +219,7 @@ class Partition:
         building the record."""
         if self.setup.buffers is None:
             return 0, 0, 0
-        buffers = self._base_buffers(self.param_numel(j, k))
+        buffers = self._base_buffers(self.param_numel(j, k) + self.expert_numel(j, k))
         return buffers.collectives + self._sends(j, k, s), buffers.step, buffers.tensors
 
     def _sends(self, j: int, k: int, s: int) -> int:
@@ -227,9 +235,12 @@ class Partition:
         return buffers
 
     def _state_total(self, j: int, k: int) -> int:
-        numel = self.param_numel(j, k)
+        numel, experts = self.param_numel(j, k), self.expert_numel(j, k)
         params, grads, optimizer = self._state_bytes
-        return round(numel * params) + round(numel * grads) + round(numel * optimizer)
+        whole = self.setup.state
+        return (round(numel * params) + round(numel * grads) + round(numel * optimizer)
+                + (round(experts * whole.params) + round(experts * whole.grads) + round(experts * whole.optimizer)
+                   if experts else 0))
 
     def memory_total(self, j: int, k: int, s: int) -> int:
         """``memory(j, k, s).total`` without building the records (the DP's inner loop)."""

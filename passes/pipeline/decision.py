@@ -68,6 +68,7 @@ class PipelineCandidate:
     cut_for: int | None = None  # not fitting: None when cut for least memory, else the ZeRO stage whose cuts it shows
     offload: str = NO_OFFLOAD  # the optimizer's state and masters in host memory (core/optimizers.py)
     chunks: int = 1  # virtual stages per rank (interleaved 1F1B): ``stages`` holds pp x chunks
+    ep: int = 1  # experts split over groups of ep dp ranks of each stage (passes/experts.py)
 
     @property
     def fits(self) -> bool:

@@ -42,6 +42,7 @@ from partita.passes.cost_model import (
 )
 from partita.passes.dp.buckets import gradient_buckets
 from partita.passes.dp.zero import STRATEGY_NAMES, zero_stages
+from partita.passes.experts import expert_costs, expert_links, expert_optimizer_time
 from partita.passes.explain import gb
 from partita.passes.peak_memory import StepBuffers, step_buffers
 from partita.passes.pipeline.bounds import AllPruned, PipelineBound, PrunedCandidate, cached_costs
@@ -150,6 +151,12 @@ class _CutSearch:
         self.build = costs or (lambda mb: node_costs(profile, cluster, request, mb, tp=tp))
         if floor_costs is None and costs is None:
             floor_costs = self.build
+        if (pins.ep or 1) > 1:  # a rank's slices of the experts, the all-to-alls in the slots (passes/experts.py)
+            self.build, floor_costs = (f and expert_costs(f, profile.graph, pins.ep, batch=profile.batch_size,
+                                                          precision=request.precision, cluster=cluster, tp=tp,
+                                                          captured_dtype=profile.param_dtype,
+                                                          inference=request.inference)
+                                       for f in (self.build, floor_costs))
         self.cache: dict[int, NodeCosts] = {}
         self.groups = pipeline_groups(self.devices, tp, request.global_batch, pins)  # (p, dp, mb size, mbs)
         self.weigh_recompute = not request.inference and pins.recompute != NONE
@@ -377,11 +384,18 @@ def _candidate(part: Partition, bounds: tuple[int, ...], dp: int, tp: int, mb: i
         buckets = gradient_buckets(numels, grad_elem, units=units) if grad_elem and dp > 1 else []
         link = cluster.link_for_group(dp, stride=tp)
         zc = zero_step_comm(setup.zero_stage, buckets, dp, setup.micro_batches, link, elem_bytes=grad_elem or 2)
-        dp_s.append(zc.total_s)
+        # a rank's expert slices (passes/experts.py): out of ZeRO, averaged over the dp / ep ranks holding them
+        experts = [c.expert_numel[i] for i in range(j, k) if c.expert_numel and c.expert_numel[i]]
+        edp = zero_step_comm(0, gradient_buckets(experts, grad_elem) if grad_elem else [], dp // c.ep,
+                             setup.micro_batches, expert_links(cluster, dp=dp, tp=tp, ep=c.ep)[1],
+                             elem_bytes=grad_elem or 2)
+        dp_s.append(zc.total_s + edp.total_s)
         dp_bytes.append(zc.total_bytes)
-        opt_s.append(0.0 if request.inference else setup.optimizer_time(sum(numels), cluster))
+        opt_s.append(0.0 if request.inference else setup.optimizer_time(sum(numels), cluster)
+                     + expert_optimizer_time(sum(experts), setup.state, cluster))
         stages.append(PipelineStage(
-            index=s, start=j, stop=k, first_node=c.order[j], last_node=c.order[k - 1], params=sum(numels),
+            index=s, start=j, stop=k, first_node=c.order[j], last_node=c.order[k - 1],
+            params=sum(numels) + sum(experts),
             forward_s=part.fwd[k] - part.fwd[j], backward_s=part.compute_s(j, k, s) - (part.fwd[k] - part.fwd[j]),
             p2p_s=part.p2p(j, k, s), slot_s=part.slot(j, k, s), memory=mem,
             in_flight=in_flight(setup.schedule, s, p, setup.micro_batches, v),
@@ -409,7 +423,7 @@ def _candidate(part: Partition, bounds: tuple[int, ...], dp: int, tp: int, mb: i
         schedule=setup.schedule,
         shared_policy=policy, cuts=tuple(c.order[k - 1] for k in bounds[1:-1]), stages=tuple(stages), cost=cost,
         memory=max((st.memory for st in stages), key=lambda mm: mm.total), zero_stage=setup.zero_stage,
-        dp_traffic_bytes=max(dp_bytes, default=0), offload=setup.offload,
+        dp_traffic_bytes=max(dp_bytes, default=0), offload=setup.offload, ep=c.ep,
     )
 
 

@@ -1,0 +1,270 @@
+"""Expert parallelism's planner half: what splitting each MoE layer's experts over an expert group costs.
+
+Reads the MoE layers core/experts.py finds, as passes/profile.py leaves them on the profile's
+graph (``G.graph["experts"]``), and the parameters stacked over experts. Gives the
+expert-parallel degrees a (dp, tp) candidate weighs (``ep_choices``; ``check_ep_pin`` refuses a
+pin this version cannot honour), each rank's share of the parameters (``expert_shards``) and of
+the model state (``split_state``: the expert slices out of ZeRO, whole), one micro-batch's
+all-to-alls as the runtime runs them (``all_to_alls``, runtime/experts.py: the one list that
+time, traffic and the plan's collectives read) and one step's expert-parallel communication
+(``expert_step``: the all-to-alls over the "ep" group, the expert gradients' all-reduce over
+"edp"). The mesh search (passes/tp/mesh.py) adds these to a candidate at tp = 1, beside every
+ZeRO stage; the pipeline search cuts ``expert_node_costs`` (the all-to-alls in the slots of the
+stage holding each layer) at a pinned ep, and passes/search.py tells the parts apart
+(``stage_expert_steps``, ``expert_parts``); the plan lists the same calls
+(compiler/plan_collectives.py). Writes nothing on the graph. The formulas: docs/cost-model.md,
+"Expert parallelism".
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass
+
+import networkx as nx
+
+from partita.core.buckets import DEFAULT_BUCKET_BYTES
+from partita.core.cluster import ClusterSpec, Link
+from partita.core.errors import PartitaError
+from partita.core.experts import ExpertRegion, ep_degrees, expert_params
+from partita.core.optimizers import NO_OFFLOAD
+from partita.core.options import Pins, TrainingRequest
+from partita.core.precision import activation_scale, element_bytes
+from partita.passes.cost_model import (
+    ModelStateMemory,
+    PipelineStepCost,
+    StateBytes,
+    collective_time,
+    collective_traffic,
+    model_state_memory,
+    zero_optimizer_time,
+    zero_step_comm,
+)
+from partita.passes.dp.buckets import gradient_buckets
+from partita.passes.pipeline.costs import NodeCosts
+
+EP_ALL_TO_ALL = "ep_all_to_all"  # the comm key of the all-to-alls over the expert group
+EDP_ALL_REDUCE = "edp_all_reduce"  # the comm key of the expert gradients' all-reduce
+COUNT_BYTES = 8  # one int64 per expert: the rows a rank sends to it (runtime/experts.py ``Route``)
+DISPATCH = "expert dispatch: token rows to their experts' ranks (their gradients back in backward)"
+COMBINE = "expert combine: expert outputs back to their tokens' ranks (their gradients out in backward)"
+COUNTS = "expert counts: the rows each rank sends to each expert, before the dispatch"
+
+
+def model_experts(G: nx.DiGraph) -> tuple[ExpertRegion, ...]:
+    """The MoE layers passes/profile.py found on the profile's graph (none: ``()``)."""
+    return tuple(G.graph.get("experts", ()))
+
+
+def expert_param_names(G: nx.DiGraph) -> frozenset[str]:
+    """The qualified names of the parameters stacked over experts (dim 0 = the expert)."""
+    placeholders = {n: a["param_name"] for n, a in G.nodes(data=True) if a["kind"] == "param"}
+    return frozenset(expert_params(model_experts(G), placeholders))
+
+
+def check_ep_pin(name: str, regions: Sequence[ExpertRegion], pins: Pins, request: TrainingRequest) -> None:
+    """Refuse a pinned ``--ep`` above 1 that this version cannot plan: a model without experts, a
+    degree that does not divide every layer's experts, and what the runtime runs only without
+    expert parallelism (inference, tensor parallelism, offload, sequence parallelism)."""
+    ep = pins.ep or 1
+    if ep == 1:
+        return
+    if not regions:
+        raise PartitaError(f"--ep {ep}: {name} has no mixture-of-experts layer to split (grouped matmuls over "
+                           "parameters stacked by expert, core/experts.py)", hint="drop --ep")
+    counts = sorted({r.experts for r in regions})
+    if any(c % ep for c in counts):
+        valid = [e for e in range(2, min(counts) + 1) if all(c % e == 0 for c in counts)]
+        raise PartitaError(f"--ep {ep} does not divide the {' / '.join(map(str, counts))} experts of each MoE "
+                           "layer: every rank of an expert group holds whole experts",
+                           hint=f"pin --ep {' or '.join(map(str, valid))}" if valid else "drop --ep")
+    refused = [(request.inference, "--inference"),
+               ((pins.tp or 1) > 1, f"--tp {pins.tp}"),
+               (pins.offload not in (None, NO_OFFLOAD), "--offload"),
+               (bool(pins.sequence_parallel), "--sequence-parallel")]
+    for pinned, what in refused:
+        if pinned:
+            raise PartitaError(f"--ep {ep} with {what}: this version runs ep={ep} in a training plan at tp=1, "
+                               "without offload or sequence parallelism", hint=f"drop {what}, or drop --ep")
+
+
+def ep_choices(regions: Sequence[ExpertRegion], dp: int, tp: int, pins: Pins, request: TrainingRequest) -> list[int]:
+    """The expert-parallel degrees a (dp, tp) candidate weighs, smallest first: the pinned one, else
+    core/experts.py's ``ep_degrees`` where this version's runtime splits experts (training, tp = 1;
+    beside every ZeRO stage), else [1]. A pinned degree that does not divide dp is refused."""
+    if pins.ep is not None:
+        if pins.ep > 1 and pins.ep not in ep_degrees(regions, dp):
+            raise PartitaError(f"--ep {pins.ep} does not divide dp={dp}: expert groups are carved out of the "
+                               "data-parallel group",
+                               hint=f"pin --ep {' or '.join(map(str, ep_degrees(regions, dp)))}, or drop --ep")
+        return [pins.ep]
+    if tp > 1 or request.inference:
+        return [1]
+    return ep_degrees(regions, dp)
+
+
+def expert_shards(numels: Mapping[str, int], experts: Collection[str], ep: int) -> dict[str, int]:
+    """Each parameter's elements on one rank (``numels``: name -> elements, in order): a parameter
+    stacked over experts holds ``E / ep`` of its experts, the others stay whole."""
+    return {name: n // ep if name in experts else n for name, n in numels.items()}
+
+
+def split_state(dense: ModelStateMemory, experts: int, state: StateBytes) -> ModelStateMemory:
+    """``dense`` (the state of a rank's other parameters, ZeRO-sharded or not) and that of its
+    ``experts`` elements (its E / ep slices), which stay out of ZeRO, whole on the rank with all of
+    ``state`` each, as the runtime keeps them (docs/runtime.md, "Expert parallelism")."""
+    e = model_state_memory(experts, state)
+    return ModelStateMemory(dense.params + e.params, dense.grads + e.grads, dense.optimizer + e.optimizer)
+
+
+def expert_optimizer_time(experts: float, state: StateBytes, cluster: ClusterSpec) -> float:
+    """The optimizer's pass over a rank's ``experts`` elements: every one, whatever the ZeRO stage of
+    the others (``zero_optimizer_time`` at stage 0)."""
+    return zero_optimizer_time(experts, state, 0, 1, cluster)
+
+
+def expert_links(cluster: ClusterSpec, *, dp: int, tp: int, ep: int) -> tuple[Link, Link]:
+    """The links of an expert group (``ep`` consecutive dp ranks, ``tp`` apart) and of the ranks
+    holding the same experts ("edp": ``dp / ep`` of them, ``ep x tp`` apart), core/mesh.py's layout."""
+    return cluster.link_for_group(ep, stride=tp), cluster.link_for_group(dp // ep, stride=ep * tp)
+
+
+@dataclass(frozen=True)
+class AllToAll:
+    """All-to-alls of one size over the expert group, per micro-batch."""
+
+    nbytes: int  # one rank's send buffer: the whole array (cost_model.collective_time's S)
+    calls: int
+    purpose: str
+
+
+def all_to_alls(regions: Sequence[ExpertRegion], micro_batch: int, batch: int, act_scale: float, *,
+                inference: bool = False, recompute: bool = False) -> tuple[AllToAll, ...]:
+    """One micro-batch's all-to-alls on one rank, merged by (size, purpose): per MoE layer the
+    counts (``E`` int64s), the dispatch of its ``rows x row_bytes`` and the combine of its
+    ``rows x out_bytes``, rows at the micro-batch (``rows x micro_batch / batch``, ``batch`` the
+    captured one) and bytes at the precision's element size (``act_scale``); in backward the
+    dispatch and combine again, reversed (their gradients), and with ``recompute`` (whole layers
+    rerun, core/recompute.py) the forward's three again."""
+    forward = 2 if recompute else 1
+    passes = forward + (0 if inference else 1)
+    calls: dict[tuple[int, str], int] = {}
+    for r in regions:
+        rows = r.rows * micro_batch / batch
+        for nbytes, purpose, n in ((r.experts * COUNT_BYTES, COUNTS, forward),
+                                   (round(rows * r.row_bytes * act_scale), DISPATCH, passes),
+                                   (round(rows * r.out_bytes * act_scale), COMBINE, passes)):
+            calls[(nbytes, purpose)] = calls.get((nbytes, purpose), 0) + n
+    return tuple(AllToAll(nbytes, n, purpose) for (nbytes, purpose), n in calls.items())
+
+
+@dataclass(frozen=True)
+class ExpertStep:
+    """One rank's expert-parallel communication in one step (``expert_step``)."""
+
+    seconds: Mapping[str, float]  # EP_ALL_TO_ALL (every micro-batch's), EDP_ALL_REDUCE
+    traffic_bytes: Mapping[str, int]  # what the rank sends, by the same keys
+    local_numel: int  # expert parameter elements the rank holds: E / ep of each layer's experts
+    calls: tuple[AllToAll, ...]  # one micro-batch's all-to-alls (``all_to_alls``)
+
+
+def expert_step(regions: Sequence[ExpertRegion], local_numels: Sequence[int], *, ep: int, dp: int, tp: int = 1,
+                micro_batch: int, batch: int, grad_accum: int, precision: str, captured_dtype: str,
+                cluster: ClusterSpec, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                recompute: bool = False) -> ExpertStep:
+    """The all-to-alls of ``grad_accum`` micro-batches over the expert group (``all_to_alls``,
+    each ``collective_time("all_to_all", S, ep, link)``), then the all-reduce of the rank's expert
+    gradients (``local_numels``: its shards' elements, bucketed as the runtime buckets them) over
+    the ``dp / ep`` ranks holding the same experts, as stage 0 of ``zero_step_comm``. ``recompute``:
+    whole layers rerun in backward, their all-to-alls with them."""
+    ep_link, edp_link = expert_links(cluster, dp=dp, tp=tp, ep=ep)
+    calls = all_to_alls(regions, micro_batch, batch, activation_scale(precision, captured_dtype),
+                        recompute=recompute)
+    elem = element_bytes(precision)  # gradients are held in the compute dtype
+    edp = zero_step_comm(0, gradient_buckets(local_numels, elem, bucket_bytes), dp // ep, grad_accum, edp_link,
+                         elem_bytes=elem)
+    seconds = {EP_ALL_TO_ALL: grad_accum * sum(c.calls * collective_time("all_to_all", c.nbytes, ep, ep_link)
+                                                for c in calls),
+               EDP_ALL_REDUCE: edp.total_s}
+    traffic = {EP_ALL_TO_ALL: round(grad_accum * sum(c.calls * collective_traffic("all_to_all", c.nbytes, ep)
+                                                     for c in calls)),
+               EDP_ALL_REDUCE: edp.total_bytes}
+    return ExpertStep(seconds, traffic, sum(local_numels), calls)
+
+
+def expert_node_costs(costs: NodeCosts, G: nx.DiGraph, ep: int, *, micro_batch: int, batch: int,
+                      act_scale: float, link: Link, inference: bool = False) -> NodeCosts:
+    """``costs`` (passes/pipeline/costs.py, at tp = 1) with the experts split over groups of ``ep``
+    ranks on ``link``: each expert parameter's elements moved from ``param_numel`` to
+    ``expert_numel`` at 1/ep, where ``node_costs`` put them (its first user's position), and each
+    MoE layer's all-to-alls of one micro-batch (``all_to_alls``) added to its first grouped matmul:
+    the counts, dispatch and combine to its forward, their gradients to its backward. So the stage
+    holding a layer is charged them in its slot (the bubble, and a whole-layer recomputation's rerun
+    of the forward, follow), and holds a rank's slices of its experts."""
+    experts = expert_param_names(G)
+    if ep == 1 or not experts:
+        return costs
+    at = {n: i for i, n in enumerate(costs.order)}
+    shared = {sp.name for sp in costs.shared}
+    params, held = list(costs.param_numel), [0] * len(costs.order)
+    for name in experts - shared:
+        nodes = [n for n, a in G.nodes(data=True) if a["kind"] == "param" and a["param_name"] == name]
+        numel = math.prod(G.nodes[nodes[0]]["shapes"][0])
+        i = min([at[u] for n in nodes for u in G.successors(n)] or [at[n] for n in nodes])
+        params[i] -= numel
+        held[i] += numel // ep
+    fwd, bwd, a2a = list(costs.forward_s), list(costs.backward_s), [(0.0, 0.0)] * len(costs.order)
+    for r in model_experts(G):
+        f, total = (sum(c.calls * collective_time("all_to_all", c.nbytes, ep, link)
+                        for c in all_to_alls([r], micro_batch, batch, act_scale, inference=forward_only))
+                    for forward_only in (True, inference))
+        i = at[r.first]
+        fwd[i], bwd[i], a2a[i] = fwd[i] + f, bwd[i] + total - f, (a2a[i][0] + f, a2a[i][1] + total - f)
+    return dataclasses.replace(costs, forward_s=tuple(fwd), backward_s=tuple(bwd), param_numel=tuple(params),
+                               expert_numel=tuple(held), all_to_all_s=tuple(a2a), ep=ep)
+
+
+def expert_costs(build: Callable[[int], NodeCosts], G: nx.DiGraph, ep: int, *, batch: int, precision: str,
+                 captured_dtype: str, cluster: ClusterSpec, tp: int = 1,
+                 inference: bool = False) -> Callable[[int], NodeCosts]:
+    """``build`` (micro-batch -> per-node costs) with the experts split over ``ep`` (``expert_node_costs``),
+    the all-to-alls on the expert groups' link: the pipeline search's costs at a pinned ep."""
+    link = cluster.link_for_group(ep, stride=tp)
+    act = activation_scale(precision, captured_dtype)
+    return lambda mb: expert_node_costs(build(mb), G, ep, micro_batch=mb, batch=batch, act_scale=act, link=link,
+                                        inference=inference)
+
+
+def stage_expert_steps(G: nx.DiGraph, node_stage: Mapping[str, int], recomputes: Sequence[bool], *, ep: int,
+                       dp: int, tp: int = 1, micro_batch: int, batch: int, grad_accum: int, precision: str,
+                       captured_dtype: str, cluster: ClusterSpec) -> list[ExpertStep]:
+    """Each (virtual) stage's ``expert_step``: the all-to-alls of the MoE layers whose first grouped
+    matmul it runs (``recomputes[s]``: it reruns whole layers, their forward's again) and the edp
+    all-reduce of the expert slices it holds (each parameter on its first user's stage)."""
+    names, local, seen = expert_param_names(G), [[] for _ in recomputes], set()
+    for n, a in G.nodes(data=True):
+        if a["kind"] == "param" and a["param_name"] in names and a["param_name"] not in seen:
+            seen.add(a["param_name"])
+            local[node_stage[n]].append(math.prod(a["shapes"][0]) // ep)
+    regions = model_experts(G)
+    return [expert_step([r for r in regions if node_stage[r.first] == s], local[s], ep=ep, dp=dp, tp=tp,
+                        micro_batch=micro_batch, batch=batch, grad_accum=grad_accum, precision=precision,
+                        captured_dtype=captured_dtype, cluster=cluster, recompute=rerun)
+            for s, rerun in enumerate(recomputes)]
+
+
+def expert_parts(compute_s: float, comm: Mapping[str, float], traffic: Mapping[str, int], dp_key: str,
+                 moe: Sequence[ExpertStep], cost: PipelineStepCost, pp: int
+                 ) -> tuple[float, dict[str, float], dict[str, int]]:
+    """A pipeline step's compute, communication and traffic by kind, with the expert-parallel parts
+    told apart: the slowest rank's all-to-alls out of its compute (its slots hold them:
+    ``expert_node_costs``), the slowest tail's edp all-reduce out of its data-parallel collectives
+    (``dp_key``). ``moe``: ``stage_expert_steps``; rank r runs stages r, r + pp, ..."""
+    slow, tail = moe[cost.slowest_stage::pp], moe[cost.tail_stage::pp]
+    a2a, edp = (sum(x.seconds[k] for x in of) for k, of in ((EP_ALL_TO_ALL, slow), (EDP_ALL_REDUCE, tail)))
+    parts = {**comm, dp_key: comm.get(dp_key, 0.0) - edp, EP_ALL_TO_ALL: a2a, EDP_ALL_REDUCE: edp}
+    sent = {k: sum(x.traffic_bytes[k] for x in of) for k, of in ((EP_ALL_TO_ALL, slow), (EDP_ALL_REDUCE, tail))}
+    return compute_s - a2a, {k: v for k, v in parts.items() if v > 1e-12}, {**traffic, **{k: v for k, v in sent.items()
+                                                                                         if v}}
