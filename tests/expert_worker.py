@@ -55,7 +55,9 @@ def case(ctx: DistContext, dp: int, ep: int, precision: str, micro_batches: int 
         xs, y = [idx[:, :-1]], idx[:, 1:]
         losses = [float(model.train_step(*xs, targets=y)) for _ in range(STEPS)]
         full = model.full_state_dict()
-        held = model._program.tp_module.local_parameters()
+        tp = model._program.tp_module  # (ep = 1 without recomputation runs the eager module)
+        held = (tp.local_parameters() if tp is not None
+                else {n: (q, "replicate") for n, q in model._program.module.named_parameters()})
         local = {n: tuple(q.shape) for n, (q, _) in held.items()}
         param_bytes = sum(q.numel() * q.element_size() for q, _ in held.values())
         calls: dict[str, int] = {}
@@ -65,8 +67,9 @@ def case(ctx: DistContext, dp: int, ep: int, precision: str, micro_batches: int 
             sizes.setdefault(f"{kind}/{axis}", []).append(nbytes)
         planned: dict[str, int] = {}
         planned_sizes: dict[str, list[int]] = {}
+        stage = plan.mesh.stage_of(ctx.rank)  # (one chunk per rank: the plans here run 1F1B)
         for c in plan.collectives:
-            if c.axis in ("ep", "edp"):
+            if c.axis in ("ep", "edp") and c.stage in (None, stage):
                 planned[f"{c.kind}/{c.axis}"] = planned.get(f"{c.kind}/{c.axis}", 0) + c.count
                 planned_sizes.setdefault(f"{c.kind}/{c.axis}", []).append(c.bytes)
     except PartitaError as e:
@@ -77,9 +80,12 @@ def case(ctx: DistContext, dp: int, ep: int, precision: str, micro_batches: int 
     ref = {n: t.float() for n, t in built.state_dict().items()}
     params = {n: t.float() for n, t in full.items() if n in dict(built.named_parameters())}
     out.update(mesh=str(plan.mesh), ep=plan.mesh.ep, losses=losses, ref_losses=ref_losses,
-               params=gaps(params, {n: ref[n] for n in params}), local_expert=next(list(v) for k, v in local.items() if "experts" in k),
+               params=gaps(params, {n: ref[n] for n in params}),
+               local_expert=next(list(v) for k, v in local.items() if "experts" in k),
                full_expert=list(full[EXPERT_WEIGHT].shape), calls=calls, sizes=sizes, planned=planned,
                planned_sizes=planned_sizes, param_bytes=param_bytes, predicted_params=plan.predicted.memory.params,
+               param_numel=sum(q.numel() for q, _ in held.values()), stage_params=plan.stages[stage].params,
+               moe_layers=sum(n.endswith("experts.gate_up_proj") for n in held),
                layouts={p.name: dict(p.layout) for p in plan.params if "experts" in p.name})
     return out
 

@@ -23,17 +23,17 @@ TOLERANCE = {"fp32": dict(loss=1e-5, rtol=1e-4, atol=1e-5), "bf16-mixed": dict(l
 LAYERS = 2
 
 
-def _all_to_alls(micro_batches: int, recompute: str | None) -> int:
-    """The all-to-alls over "ep" one step runs, per rank: per MoE layer and micro-batch, forward's
-    counts, rows there and rows back (3), backward's rows back and there (2), and a recomputed
-    layer's forward again (3)."""
-    return micro_batches * LAYERS * (3 + 2 + (3 if recompute == "full" else 0))
+def _all_to_alls(micro_batches: int, recompute: str | None, layers: int) -> int:
+    """The all-to-alls over "ep" one step runs, per rank: per MoE layer of its stage and micro-batch,
+    forward's counts, rows there and rows back (3), backward's rows back and there (2), and a
+    recomputed layer's forward again (3)."""
+    return micro_batches * layers * (3 + 2 + (3 if recompute == "full" else 0))
 
 
 def _check(results: list[list[dict]], cells: list[tuple]) -> None:
     for rank, per_rank in enumerate(results):
         for r, (dp, ep, precision, *rest) in zip(per_rank, cells):
-            micro_batches, recompute = (rest + [1, None])[:2]
+            micro_batches, recompute, zero, pp = (rest + [1, None, None, None])[:4]
             what = f"rank {rank} {r['case']}"
             assert "refused" not in r, (what, r.get("refused"))
             tol = TOLERANCE[precision]
@@ -43,7 +43,9 @@ def _check(results: list[list[dict]], cells: list[tuple]) -> None:
             assert not beyond(r["params"], rtol=tol["rtol"], atol=tol["atol"]), what
             assert r["local_expert"][0] == worker.EXPERTS // ep, (what, "this rank's experts", r["local_expert"])
             assert r["full_expert"][0] == worker.EXPERTS, (what, "the experts gathered back", r["full_expert"])
-            assert r["calls"].get("all_to_all/ep") == _all_to_alls(micro_batches, recompute), (what, r["calls"])
+            assert r["moe_layers"] == (LAYERS if pp is None else LAYERS // pp), (what, r["moe_layers"])
+            assert r["calls"].get("all_to_all/ep") == _all_to_alls(micro_batches, recompute, r["moe_layers"]), (
+                what, r["calls"])
             assert r["calls"].get("all_reduce/edp"), (what, "the experts' gradients averaged", r["calls"])
             # the plan lists the all-to-alls the step ran; a rank's own rows sent are exactly as priced
             # (their dtype the compute dtype's); the rows sent back depend on the routing
@@ -53,8 +55,11 @@ def _check(results: list[list[dict]], cells: list[tuple]) -> None:
             if dp // ep > 1:  # the expert gradients' all-reduce over the ranks holding the same experts
                 assert r["planned"].get("all_reduce/edp"), (what, r["planned"])
             assert all(layout.get("ep") == "shard(0)" for layout in r["layouts"].values()), (what, r["layouts"])
-            zero = (rest + [None, None, None])[2]
-            if zero != 3:  # the parameters a rank holds (1/ep of the experts) are what the plan predicts
+            # the parameters a rank holds (1/ep of the experts; its stage's) are what the plan predicts: a
+            # pipeline stage's count is a rank's (the one stage of a plan without a pipeline counts the model)
+            if zero != 3 and pp is not None:
+                assert r["param_numel"] == r["stage_params"], (what, r["param_numel"], r["stage_params"])
+            if zero != 3 and pp is None:
                 assert r["param_bytes"] == r["predicted_params"], (what, r["param_bytes"], r["predicted_params"])
 
 
@@ -67,6 +72,13 @@ def test_experts_split_over_two_ranks_train_as_one_process():
 def test_experts_split_over_four_ranks_with_micro_batches_recomputation_and_zero_train_as_one_process():
     cells = [(4, 2, "fp32"), (4, 4, "bf16-mixed"), (4, 2, "fp32", 2, "full"), (4, 2, "bf16-mixed", 2, None),
              (4, 2, "fp32", 1, None, 1), (4, 2, "bf16-mixed", 1, None, 3)]
+    _check(launch(4, worker.run, cells), cells)
+
+
+@pytest.mark.slow
+def test_experts_split_inside_pipeline_stages_train_as_one_process():
+    """pp=2 x dp=2, each stage's two dp ranks one expert group: a stage's all-to-alls are its own layer's."""
+    cells = [(2, 2, "fp32", 2, None, None, 2), (2, 2, "bf16-mixed", 4, None, 1, 2)]
     _check(launch(4, worker.run, cells), cells)
 
 
