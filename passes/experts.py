@@ -105,6 +105,16 @@ def ep_choices(regions: Sequence[ExpertRegion], dp: int, tp: int, pins: Pins, re
     return ep_degrees(regions, dp)
 
 
+def pipeline_ep_pins(regions: Sequence[ExpertRegion], world: int, pins: Pins, request: TrainingRequest) -> list[Pins]:
+    """The pins under which the pipeline search weighs each expert-parallel degree above 1 the experts
+    divide into, unpinned (at tp = 1, without offload: what this version runs beside ep); none
+    where ep is pinned, tp is, or the plan is for inference, sequence parallelism or offload."""
+    if (pins.ep is not None or (pins.tp or 1) > 1 or request.inference or pins.sequence_parallel
+            or pins.offload not in (None, NO_OFFLOAD)):
+        return []
+    return [dataclasses.replace(pins, ep=e, offload=NO_OFFLOAD) for e in ep_degrees(regions, world)[1:]]
+
+
 def expert_shards(numels: Mapping[str, int], experts: Collection[str], ep: int) -> dict[str, int]:
     """Each parameter's elements on one rank (``numels``: name -> elements, in order): a parameter
     stacked over experts holds ``E / ep`` of its experts, the others stay whole."""

@@ -16,8 +16,9 @@ choose_pipeline (passes/pipeline/bounds.py); ``prune=False`` cuts everything and
 the same plan (tests/test_search_pruning.py).
 
 Expert parallelism (passes/experts.py, tp = 1) is weighed by the mesh search (every ep, beside
-every ZeRO stage); the pipeline search cuts at a pinned ``--ep`` alone, on each rank's share of the
-experts with the all-to-alls in the slots (``expert_costs``).
+every ZeRO stage) and by the pipeline search (a pinned ``--ep``, else each degree the experts
+divide into, without offload), on each rank's share of the experts with the all-to-alls in the
+slots (``expert_costs``).
 
 The objective: the fastest predicted step that fits; ties go to fewer stages, then to
 the smaller ZeRO stage, then to the smaller tp. How the space is covered and pruned, and
@@ -43,7 +44,7 @@ from partita.core.tp.strategies import Strategy, input_index, is_shard, node_str
 from partita.passes.cost_model import model_state_memory, state_bytes_per_param, zero_optimizer_time, zero_step_comm
 from partita.passes.dp.buckets import gradient_buckets
 from partita.passes.dp.zero import STRATEGY_NAMES
-from partita.passes.experts import check_ep_pin, expert_parts, model_experts, stage_expert_steps
+from partita.passes.experts import check_ep_pin, expert_parts, model_experts, pipeline_ep_pins, stage_expert_steps
 from partita.passes.explain import traffic_reason
 from partita.passes.peak_memory import peak_memory, step_buffers
 from partita.passes.pipeline.bounds import AllPruned, PrunedCandidate
@@ -146,14 +147,15 @@ def plan_search(
         degrees = tp_degrees(cluster, world, pins, pp=pins.pp) if (pins.pp or not fits_plain) else [pins.tp or 1]
         degrees = [1] if (pins.ep or 1) > 1 else degrees  # experts split at tp = 1 (passes/experts.py)
         residual = bool(residual_nodes(profile.graph))
-        queue = [(t, bool(pins.sequence_parallel) and t > 1) for t in degrees]
+        queue = [(t, bool(pins.sequence_parallel) and t > 1, pins) for t in degrees] + [
+            (1, False, at) for at in pipeline_ep_pins(model_experts(profile.graph), world, pins, request)]
         while queue:
-            tp, sp = queue.pop(0)
+            tp, sp, at = queue.pop(0)
             best_s = min((o.step_s for o in options), default=math.inf)
             decision, unfit = None, False
             try:
                 decision = choose_pipeline(
-                    profile, cluster, request, replace(pins, tp=tp), devices_per_stage=tp,
+                    profile, cluster, request, replace(at, tp=tp), devices_per_stage=tp,
                     costs=lambda mb, tp=tp, sp=sp: layouts.node_costs(mb, tp, sp),
                     floor_costs=layouts.floor(tp), prune=prune, bound=best_s,
                 )
@@ -170,7 +172,7 @@ def plan_search(
                 options.append(_from_pipeline(decision, profile, cluster, request, tp, layouts, sp))
             if (not sp and tp > 1 and residual and pins.sequence_parallel is None
                     and (unfit or _memory_binds(decision))):
-                queue.append((tp, True))  # holds less: weighed where memory binds, after the rest (a tighter bound)
+                queue.append((tp, True, at))  # holds less: weighed where memory binds, after the rest (a tighter bound)
     if not options:
         if errors:
             raise errors[-1] if tried_pipeline else errors[0]

@@ -90,7 +90,7 @@ def pipeline_groups(devices: int, tp: int, batch: int, pins: Pins) -> list[tuple
     groups = []
     for p in [pins.pp] if pins.pp else divisors(devices // tp):
         dp = devices // (tp * p)
-        if (pins.dp and pins.dp != dp) or batch % dp or (pins.schedule is not None and p == 1):
+        if (pins.dp and pins.dp != dp) or batch % dp or (pins.schedule is not None and p == 1) or dp % (pins.ep or 1):
             continue
         share = batch // dp
         groups += [(p, dp, mb, share // mb) for mb in micro_batches(share, pins)]
