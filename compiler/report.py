@@ -11,6 +11,7 @@ from rich.table import Table
 
 from partita.core.cluster import UNCALIBRATED
 from partita.core.errors import printable
+from partita.core.experts import held_experts
 from partita.core.optimizers import NO_OFFLOAD
 from partita.core.placement import REPLICATE, Placement, is_shard
 from partita.core.plan import MemoryBreakdown, MeshAxis, Plan
@@ -165,8 +166,8 @@ def expert_layout(plan: Plan) -> dict | None:
         i = m.ep_rank(r)
         ranks.append({"rank": r, "group": list(m.group_ranks(r, MeshAxis.EP.value)),
                       "edp": list(m.group_ranks(r, MeshAxis.EDP.value)),
-                      "experts": {name: [i * e // m.ep, (i + 1) * e // m.ep - 1] for name, e in layers.items()
-                                  if stage[name] == m.stage_of(r)}})
+                      "experts": {name: [held_experts(e, m.ep, i)[0], held_experts(e, m.ep, i)[-1]]
+                                  for name, e in layers.items() if stage[name] == m.stage_of(r)}})
     return {"ep": m.ep, "layers": [{"module": name, "experts": e, "per_rank": e // m.ep} for name, e in layers.items()],
             "groups": [list(g) for g in m.groups(MeshAxis.EP.value)], "ranks": ranks, "staged": m.pp > 1}
 

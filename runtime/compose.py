@@ -178,7 +178,8 @@ def compose(module: nn.Module, plan: Plan, ctx: DistContext, options: Options, c
         if dp_group is not None:
             # without a pipeline the optimizer step reads the mean straight from the reduce (a
             # pipeline first sums tied copies' gradients between its stages, from .grad)
-            dense = [q for q in local.parameters() if not any(q is e for e in experts)]
+            own = {id(e) for e in experts}
+            dense = [q for q in local.parameters() if id(q) not in own]
             averager = _ExpertAveraging(experts, edp_group, plan.mesh.dp).beside(apply_data_parallel(
                 dense, dp_group, bucket_bytes=buckets, counter=counter, axis=DP, reduce_dtype=policy.reduce_dtype,
                 keep_reduced=pipeline is None), bucket_bytes=buckets, counter=counter, policy=policy,
@@ -243,7 +244,8 @@ def _apply_zero(local: nn.Module, pipeline: PipelineStage | None, stage: int, dp
     whose buckets follow the parameters in the plan's ``order`` (its ``params``), as it priced them."""
     tied = pipeline.tied_parameters if pipeline is not None else []
     own = experts.params if experts is not None else []
-    named = [(n, q) for n, q in local.named_parameters() if not any(q is t for t in [*tied, *own])]
+    whole = {id(t) for t in [*tied, *own]}  # kept out of ZeRO's buckets
+    named = [(n, q) for n, q in local.named_parameters() if id(q) not in whole]
     units = None
     if stage == 3 and zero_units:
         program = tp_module_of(local, pipeline)

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from partita.core.experts import ExpertRegion
+from partita.core.experts import ExpertRegion, held_experts
 from partita.core.mesh import MeshAxis
 from partita.runtime.collectives import CollectiveCounter
 
@@ -40,9 +40,9 @@ class ExpertGroup:
         self.rank = dist.get_rank(group)
 
     def experts(self, total: int) -> slice:
-        """The experts this rank holds, of ``total``."""
-        per = total // self.size
-        return slice(self.rank * per, (self.rank + 1) * per)
+        """The experts this rank holds, of ``total`` (core/experts.py ``held_experts``)."""
+        held = held_experts(total, self.size, self.rank)
+        return slice(held.start, held.stop)
 
     def exchange(self, x: torch.Tensor, send: list[int], recv: list[int]) -> torch.Tensor:
         """``x``'s rows, ``send[j]`` of them to rank j of the group in order, and ``recv[j]`` from each."""
@@ -77,8 +77,8 @@ class Route:
         g.counter.record("all_to_all", EP, send.numel() * send.element_size())
         with g.counter.blocking("all_to_all", EP):
             dist.all_to_all_single(recv, send, group=g.group)  # [peer, my local expert]
-        self.send = send.sum(1).tolist()
-        self.recv = recv.sum(1).tolist()
+        # the split sizes on the host: one copy (a device sync on a GPU) for both directions
+        self.send, self.recv = torch.stack([send.sum(1), recv.sum(1)]).tolist()
         self.order = expert_order(recv)
         self.local_ends = recv.sum(0).cumsum(0).to(offsets.dtype)
 
