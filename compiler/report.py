@@ -11,7 +11,7 @@ from rich.table import Table
 
 from partita.core.cluster import UNCALIBRATED
 from partita.core.errors import printable
-from partita.core.experts import held_experts
+from partita.core.mesh import held_experts
 from partita.core.optimizers import NO_OFFLOAD
 from partita.core.placement import REPLICATE, Placement, is_shard
 from partita.core.plan import MemoryBreakdown, MeshAxis, Plan

@@ -130,13 +130,6 @@ def _reach(n: torch.fx.Node, *, down: bool) -> set[torch.fx.Node]:
     return seen
 
 
-def held_experts(total: int, ep: int, index: int) -> range:
-    """The experts, of a layer's ``total``, that the ``index``-th rank of an expert group of ``ep``
-    holds: consecutive, ``total / ep`` of them (core/mesh.py ``Mesh.ep_rank`` gives the index)."""
-    per = total // ep
-    return range(index * per, (index + 1) * per)
-
-
 def ep_degrees(regions: Iterable[ExpertRegion], dp: int) -> list[int]:
     """The expert-parallel degrees a data-parallel group of ``dp`` ranks can take: divisors of
     ``dp`` that divide every layer's expert count (each rank holds whole experts). [1] without

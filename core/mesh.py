@@ -119,6 +119,13 @@ class Mesh:
         return self.coords(rank)[MeshAxis.PP.value]
 
 
+def held_experts(total: int, ep: int, index: int) -> range:
+    """The experts, of a layer's ``total``, that the ``index``-th rank of an expert group of ``ep``
+    holds: consecutive, ``total / ep`` of them (``Mesh.ep_rank`` gives the index)."""
+    per = total // ep
+    return range(index * per, (index + 1) * per)
+
+
 def node_of(rank: int, gpus_per_node: int) -> int:
     """The node holding ``rank`` (ranks are numbered node by node)."""
     return rank // gpus_per_node

@@ -24,8 +24,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from partita.core.experts import ExpertRegion, held_experts
-from partita.core.mesh import MeshAxis
+from partita.core.experts import ExpertRegion
+from partita.core.mesh import MeshAxis, held_experts
 from partita.runtime.collectives import CollectiveCounter
 
 EP = MeshAxis.EP.value
@@ -40,7 +40,7 @@ class ExpertGroup:
         self.rank = dist.get_rank(group)
 
     def experts(self, total: int) -> slice:
-        """The experts this rank holds, of ``total`` (core/experts.py ``held_experts``)."""
+        """The experts this rank holds, of ``total`` (core/mesh.py ``held_experts``)."""
         held = held_experts(total, self.size, self.rank)
         return slice(held.start, held.stop)
 
