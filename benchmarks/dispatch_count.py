@@ -6,7 +6,7 @@ at 136M parameters, one norm kernel and one cast per parameter). The count is ex
 any machine, so it is measured here on the CPU: ``train_step`` of the planner's 1-device bf16-mixed
 plan (``dgx-h100`` preset, fused AdamW) against the same model in fp32 under
 ``torch.autocast(bfloat16)`` with fused AdamW, forward + loss + backward + step. Run:
-``python benchmarks/dispatch_count.py``; tests/test_dispatch_count.py checks the ratio.
+``python benchmarks/dispatch_count.py``; tests/unit/test_dispatch_count.py checks the ratio.
 """
 
 from __future__ import annotations

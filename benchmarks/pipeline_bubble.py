@@ -57,7 +57,7 @@ import torch
 import torch.multiprocessing as mp
 
 ROOT = Path(__file__).resolve().parents[1]
-for path in (ROOT, ROOT / "tests"):
+for path in (ROOT, ROOT / "tests", ROOT / "tests" / "workers"):
     if str(path) not in sys.path:
         sys.path.insert(0, str(path))
 

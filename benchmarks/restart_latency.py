@@ -1,8 +1,8 @@
 """Restart latency: from the SIGKILL of a rank to the end of the first step of the restarted run.
 
 `partita run --max-restarts 1 --checkpoint-dir D --checkpoint-every 2` trains the tied GPT of
-tests/tied_script.py on a dp2 plan (two gloo processes); rank 1 SIGKILLs itself after step 3
-(tests/restart_script.py). The agent notices the dead rank, stops the other, restarts both; each
+tests/workers/tied_script.py on a dp2 plan (two gloo processes); rank 1 SIGKILLs itself after step 3
+(tests/workers/restart_script.py). The agent notices the dead rank, stops the other, restarts both; each
 imports torch and partita again, builds the model, joins the process group, checks the newest
 checkpoint's digests, loads it (step 2) and trains step 3 again. The latency is that step's end
 time minus the kill's. Run: ``python benchmarks/restart_latency.py [--repeats 3]``.
@@ -27,8 +27,9 @@ if str(ROOT) not in sys.path:  # tests/ and examples/ are not installed
 def once(plan: Path, folder: Path) -> float:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     partita = str(Path(sys.executable).with_name("partita"))
+    script = ROOT / "tests" / "workers" / "restart_script.py"
     subprocess.run([partita, "run", "--checkpoint-dir", str(folder / "ckpt"), "--checkpoint-every", "2",
-                    "--max-restarts", "1", str(plan), str(ROOT / "tests" / "restart_script.py"), str(folder), "3"],
+                    "--max-restarts", "1", str(plan), str(script), str(folder), "3"],
                    env=env, check=True, capture_output=True)
     lines = [json.loads(x) for x in (folder / "losses.jsonl").read_text().splitlines()]
     return min(x["t"] for x in lines if x["attempt"] == 1) - float((folder / "killed_at").read_text())
@@ -42,7 +43,7 @@ def main() -> None:
     from partita.core.cluster import load_cluster
     from partita.core.inputs import parse_input_spec
     from partita.core.options import Options
-    from tests import tied_script as script
+    from tests.workers import tied_script as script
 
     with tempfile.TemporaryDirectory(prefix="partita-restart-") as tmp:
         plan = compile_model(script.build("tied-gpt"),

@@ -7,5 +7,5 @@ description and presets (cluster.py), and the rules every layer applies alike: t
 rank layout and node crossing (mesh.py), the pipeline schedules (schedule.py), placements
 (placement.py), the gradient-bucket rule (buckets.py) and the tensor-parallel rules (tp/).
 ``compiler``, ``passes`` and ``runtime`` import from here; nothing here imports them
-(tests/test_layers.py checks it).
+(tests/unit/test_layers.py checks it).
 """

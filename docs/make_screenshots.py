@@ -3,7 +3,7 @@ GPT-3 175B shape on 16 DGX A100 nodes (128 GPUs), both made by `compile_model`.
 
     .venv/bin/python docs/make_screenshots.py
 
-Needs Chromium at /usr/bin/chromium and the playwright package (see tests/test_view.py).
+Needs Chromium at /usr/bin/chromium and the playwright package (see tests/unit/test_view.py).
 """
 
 import sys
@@ -13,8 +13,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
+from browser import CHROMIUM, CHROMIUM_ARGS  # noqa: E402
 from playwright.sync_api import sync_playwright  # noqa: E402
-from test_view import CHROMIUM, CHROMIUM_ARGS  # noqa: E402
 
 from partita.compiler.view import render_html  # noqa: E402
 from partita.core.options import Options  # noqa: E402

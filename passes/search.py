@@ -13,7 +13,7 @@ the per-node costs of the layout the ILP chooses at that tp and micro-batch
 p, dp and ZeRO stage). Both weigh the ZeRO stages of passes/dp/zero.py. With
 ``prune=True`` (the default) the fastest step found so far bounds the next
 choose_pipeline (passes/pipeline/bounds.py); ``prune=False`` cuts everything and gives
-the same plan (tests/test_search_pruning.py).
+the same plan (tests/unit/test_search_pruning.py).
 
 Expert parallelism (passes/experts.py, tp = 1) is weighed by the mesh search (every ep, beside
 every ZeRO stage) and by the pipeline search (a pinned ``--ep``, else each degree the experts

@@ -42,13 +42,13 @@ def tp2_plan_path(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def dp2_plan(tmp_path_factory) -> Path:
-    """tests/tied_script.py's tied GPT planned for dp=2 on 2 local processes, saved: the plan the
+    """tests/workers/tied_script.py's tied GPT planned for dp=2 on 2 local processes, saved: the plan the
     launcher tests run under `partita run`."""
     from partita.compiler.compile import compile_model
     from partita.core.cluster import load_cluster
     from partita.core.inputs import parse_input_spec
     from partita.core.options import Options
-    from tests import tied_script as script
+    from tests.workers import tied_script as script
 
     plan = compile_model(script.build("tied-gpt"),
                          Options(inputs=[parse_input_spec(f"idx=int64[4,{script.SEQ}]")],

@@ -10,7 +10,7 @@ Processes:
   exception on any rank, a rank that dies or does not answer within ``timeout_s``) ends that
   group and raises one ``AssertionError`` with every rank's traceback or state and the tail of
   its output; the next launch starts a fresh group. ``fn`` must be a module-level function of an
-  importable module (the ranks import it by its name, ``tests.dp_worker`` and the like: the
+  importable module (the ranks import it by its name, ``tests.workers.dp_worker`` and the like: the
   tests' ``*_worker.py`` files). A worker measures and returns; the test asserts.
 - ``command(*argv)``, ``torchrun(script, *args, nproc=N)``, ``partita_cli(*args)``: a subprocess
   (the launchers themselves under test) with one thread per process and the repository's root on
@@ -35,17 +35,19 @@ cluster file whose links make TP pay), ``gather_tp`` (full tensors from a rank's
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import math
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Any
@@ -54,8 +56,9 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 TESTS = ROOT / "tests"
+WORKERS = TESTS / "workers"  # what the ranks and the launched scripts run (rank-side code)
 PARTITA = str(Path(sys.executable).with_name("partita"))
-# the root, for a script run as a file: it imports ``tests.tied_script``, ``examples.models``
+# the root, for a script run as a file: it imports ``tests.workers.tied_script``, ``examples.models``
 ENV = {**os.environ, "OMP_NUM_THREADS": "1",
        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
 
@@ -64,6 +67,22 @@ LAUNCH_TIMEOUT_S = 600  # a launch whose ranks have not all answered by then fai
 GRACE_S = 5.0  # once a rank has failed, how long the others get to answer before the group ends
 TAIL = 3000  # characters of a process's output shown when it fails
 KEEP_WORLD = 8  # groups up to this size stay up between launches (all the tests use); larger ones end after each
+
+
+@contextlib.contextmanager
+def deadline(seconds: float, what: str) -> Iterator[None]:
+    """Fail, naming ``what``, if the block runs past ``seconds`` (a guard against a hang, not a
+    timing: make the bound generous, many times what a loaded machine takes). Main thread only."""
+    def expired(signum: int, frame: Any) -> None:
+        raise AssertionError(f"{what} did not finish within {seconds:.0f} s: it hangs")
+
+    previous = signal.signal(signal.SIGALRM, expired)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 def free_port() -> int:

@@ -1,0 +1,127 @@
+"""What each rank measures under expert parallelism (test_expert_parallel.py asserts it).
+
+A tiny Mixtral (transformers' default experts: grouped matmuls over experts) planned with its experts
+split over ``ep`` of the ``dp`` ranks (``--dp``/``--ep`` pinned), trained a few steps next to one
+process running the same recipe (tests/workers/any_model_worker.py ``reference``). Each case returns its
+losses and the reference's, the parameters' distance after the steps (``full_state_dict()``: the
+experts gathered back over their group), the shape of the rank's own expert slice, and the
+all-to-alls the step ran over "ep".
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+
+from partita.compiler.compile import compile_model
+from partita.core.errors import PartitaError
+from partita.core.losses import resolve_loss
+from partita.core.options import Options
+from partita.core.precision import PrecisionPolicy
+from partita.runtime.distributed import DistContext
+from partita.runtime.engine import ParallelModel
+from tests.harness import gaps
+from tests.workers.any_model_worker import _optimizer, reference
+
+STEPS, SEQ, VOCAB, EXPERTS = 3, 8, 128, 4
+EXPERT_WEIGHT = "model.layers.0.mlp.experts.gate_up_proj"
+
+
+def mixtral() -> torch.nn.Module:
+    import transformers as tf
+
+    return tf.MixtralForCausalLM(tf.MixtralConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=2, num_local_experts=EXPERTS, num_experts_per_tok=2, max_position_embeddings=32,
+        use_cache=False))
+
+
+def case(ctx: DistContext, dp: int, ep: int, precision: str, micro_batches: int = 1, recompute: str | None = None,
+         zero: int | None = None, pp: int | None = None) -> dict:
+    batch = 2 * dp * micro_batches
+    options = Options(inputs=[f"input_ids=int64[{batch},{SEQ}]"], cluster="local", devices=ctx.world_size,
+                      world_size=ctx.world_size, precision=precision, optimizer=_optimizer, log_every=0, dp=dp, ep=ep,
+                      grad_accum_steps=micro_batches, recompute=recompute, zero=zero, pp=pp)
+    out: dict[str, Any] = {"case": f"dp{dp}/ep{ep}/{precision}/m{micro_batches}/{recompute}/z{zero}/pp{pp}"}
+    try:
+        plan = compile_model(mixtral, options, name="mixtral").plan
+        torch.manual_seed(0)
+        built = mixtral()
+        model = ParallelModel(copy.deepcopy(built), plan, options, ctx=ctx)
+        g = torch.Generator().manual_seed(1)
+        idx = torch.randint(0, VOCAB, (batch, SEQ + 1), generator=g)
+        xs, y = [idx[:, :-1]], idx[:, 1:]
+        losses = [float(model.train_step(*xs, targets=y)) for _ in range(STEPS)]
+        full = model.full_state_dict()
+        tp = model._program.tp_module  # (ep = 1 without recomputation runs the eager module)
+        held = (tp.local_parameters() if tp is not None
+                else {n: (q, "replicate") for n, q in model._program.module.named_parameters()})
+        local = {n: tuple(q.shape) for n, (q, _) in held.items()}
+        param_bytes = sum(q.numel() * q.element_size() for q, _ in held.values())
+        calls: dict[str, int] = {}
+        sizes: dict[str, list[int]] = {}  # bytes of each kind of call over "ep" and "edp" the step ran
+        for (kind, axis, nbytes), n in model.collectives.calls.items():  # the last step's, by kind and axis
+            calls[f"{kind}/{axis}"] = calls.get(f"{kind}/{axis}", 0) + n
+            sizes.setdefault(f"{kind}/{axis}", []).append(nbytes)
+        planned: dict[str, int] = {}
+        planned_sizes: dict[str, list[int]] = {}
+        stage = plan.mesh.stage_of(ctx.rank)  # (one chunk per rank: the plans here run 1F1B)
+        for c in plan.collectives:
+            if c.axis in ("ep", "edp") and c.stage in (None, stage):
+                planned[f"{c.kind}/{c.axis}"] = planned.get(f"{c.kind}/{c.axis}", 0) + c.count
+                planned_sizes.setdefault(f"{c.kind}/{c.axis}", []).append(c.bytes)
+    except PartitaError as e:
+        return {**out, "refused": e.message}
+    policy = PrecisionPolicy.of(plan.training)
+    ref_losses = reference(built, resolve_loss(None, None), xs, y, policy, plan.training.micro_batch_size,
+                           _optimizer, STEPS, dp=plan.mesh.dp)
+    ref = {n: t.float() for n, t in built.state_dict().items()}
+    params = {n: t.float() for n, t in full.items() if n in dict(built.named_parameters())}
+    out.update(mesh=str(plan.mesh), ep=plan.mesh.ep, losses=losses, ref_losses=ref_losses,
+               params=gaps(params, {n: ref[n] for n in params}),
+               local_expert=next(list(v) for k, v in local.items() if "experts" in k),
+               full_expert=list(full[EXPERT_WEIGHT].shape), calls=calls, sizes=sizes, planned=planned,
+               planned_sizes=planned_sizes, param_bytes=param_bytes, predicted_params=plan.predicted.memory.params,
+               param_numel=sum(q.numel() for q, _ in held.values()), stage_params=plan.stages[stage].params,
+               moe_layers=sum(n.endswith("experts.gate_up_proj") for n in held),
+               layouts={p.name: dict(p.layout) for p in plan.params if "experts" in p.name})
+    return out
+
+
+def run(ctx: DistContext, cells: list[tuple]) -> list[dict]:
+    return [case(ctx, *cell) for cell in cells]
+
+
+def _model(ctx: DistContext, dp: int, ep: int, seed: int) -> tuple[ParallelModel, list[torch.Tensor], torch.Tensor]:
+    batch = 2 * dp
+    options = Options(inputs=[f"input_ids=int64[{batch},{SEQ}]"], cluster="local", devices=ctx.world_size,
+                      world_size=ctx.world_size, optimizer=_optimizer, log_every=0, dp=dp, ep=ep)
+    plan = compile_model(mixtral, options, name="mixtral").plan
+    torch.manual_seed(seed)
+    model = ParallelModel(mixtral(), plan, options, ctx=ctx)
+    idx = torch.randint(0, VOCAB, (batch, SEQ + 1), generator=torch.Generator().manual_seed(1))
+    return model, [idx[:, :-1]], idx[:, 1:]
+
+
+def checkpoint(ctx: DistContext, outdir: str, dp: int, ep_from: int, ep_to: int) -> dict:
+    """A checkpoint saved with the experts split over ``ep_from`` loads into a model (built from
+    another seed) whose plan splits them over ``ep_to``: the whole state it holds then, and the
+    next steps' losses, against the run that saved it going on."""
+    path = f"{outdir}/ep{ep_from}-to-ep{ep_to}"
+    a, xs, y = _model(ctx, dp, ep_from, seed=0)
+    a.train_step(*xs, targets=y)
+    a.save_checkpoint(path)
+    saved = {k: v.float() for k, v in a.full_state_dict().items()}
+    going_on = [float(a.train_step(*xs, targets=y)) for _ in range(2)]
+    b, xs, y = _model(ctx, dp, ep_to, seed=1)
+    b.load_checkpoint(path)
+    loaded = {k: v.float() for k, v in b.full_state_dict().items()}
+    resumed = [float(b.train_step(*xs, targets=y)) for _ in range(2)]
+    return {"case": f"checkpoint/dp{dp}/ep{ep_from}->ep{ep_to}", "state": gaps(loaded, saved),
+            "losses": resumed, "going_on": going_on}
+
+
+def checkpoints(ctx: DistContext, outdir: str, cells: list[tuple]) -> list[dict]:
+    return [checkpoint(ctx, outdir, *cell) for cell in cells]
