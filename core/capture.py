@@ -44,6 +44,7 @@ from partita.core.capture_checks import (
     check_loss_inputs,
     check_trainable,
 )
+from partita.core.capture_memo import capture_key, keep, kept
 from partita.core.errors import CaptureError
 from partita.core.fake_ops import buffers_kept, capturable
 from partita.core.inputs import InputSpec, dtype_name
@@ -124,8 +125,8 @@ def capture(
     """
     start = time.perf_counter()
     inputs = tuple(inputs)
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
     model = uncompiled(model)
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
     if isinstance(model, torch.nn.Module):
         module = model
     elif callable(model):
@@ -145,6 +146,9 @@ def capture(
             f"cannot capture {type(model).__name__}: expected an nn.Module or a zero-argument factory",
             hint="pass an nn.Module subclass, a factory returning one, or a module instance")
 
+    key = capture_key(module, inputs, name=name, loss=loss, targets=targets, stack_traces=stack_traces)
+    if (reused := kept(key)) is not None:  # core/capture_memo.py: off unless a process turns it on
+        return reused
     check_input_names(module, inputs)
     if loss is not None:
         check_loss_inputs(module, loss, inputs, targets)
@@ -196,7 +200,7 @@ def capture(
     if loss is not None:
         check_trainable(module, gm, {k: canonical.get(v, v) for k, v in param_targets.items()},
                          name or _name_of(model))
-    return CapturedModel(
+    captured = CapturedModel(
         graph_module=gm,
         constants=constants,
         method=method,
@@ -210,6 +214,8 @@ def capture(
         param_nodes={k: canonical.get(v, v) for k, v in param_targets.items()},
         buffer_nodes={k: canonical.get(v, v) for k, v in buffer_targets.items()},
     )
+    keep(key, captured)
+    return captured
 
 
 @contextlib.contextmanager

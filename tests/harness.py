@@ -3,10 +3,12 @@
 Processes:
 - ``launch(world, fn, *args)``: ``fn(ctx, *args)`` on every rank of a gloo process group of
   ``world`` CPU processes; returns each rank's result (as JSON reads it back). The ranks stay up
-  between launches (one group at a time, until a launch of another size or a launcher subprocess
-  ends it: each rank holds ~1 GB once it has run a model, and groups kept alongside a torchrun
-  test slowed it 2-3x), so a run of tests pays for starting processes, importing torch and
-  joining a group once, not once per launch. A failure (an
+  between launches (a group of each size, up to ``KEEP_RANKS`` processes in all, until a launcher
+  subprocess ends them: each rank holds ~1 GB once it has run a model, and groups kept alongside
+  a torchrun test slowed it 2-3x), so a run of tests pays for starting processes, importing
+  torch, joining a group and capturing each model once (a rank keeps its captures,
+  core/capture_memo.py), not once per launch. tests/integration/conftest.py runs the files that
+  start launchers last, so the groups outlive most tests. A failure (an
   exception on any rank, a rank that dies or does not answer within ``timeout_s``) ends that
   group and raises one ``AssertionError`` with every rank's traceback or state and the tail of
   its output; the next launch starts a fresh group. ``fn`` must be a module-level function of an
@@ -66,7 +68,7 @@ COLLECTIVE_TIMEOUT_S = 120  # a rank waiting for its peers this long fails (gloo
 LAUNCH_TIMEOUT_S = 600  # a launch whose ranks have not all answered by then fails
 GRACE_S = 5.0  # once a rank has failed, how long the others get to answer before the group ends
 TAIL = 3000  # characters of a process's output shown when it fails
-KEEP_WORLD = 8  # groups up to this size stay up between launches (all the tests use); larger ones end after each
+KEEP_RANKS = 6  # groups stay up between launches while they hold this many processes in all (2 and 4 ranks)
 
 
 @contextlib.contextmanager
@@ -108,6 +110,9 @@ def _serve(rank: int, world: int, port: int, conn: Connection, log: str) -> None
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
+    from partita.core.capture_memo import memoize_captures
+
+    memoize_captures()  # a rank runs many plans of the same few models: each captured once
     try:
         from partita.runtime.distributed import init_distributed
 
@@ -245,12 +250,13 @@ def launch(world: int, fn: Callable, *args: Any, timeout_s: float = LAUNCH_TIMEO
     printed for the log. See the module docstring for what a failure reports."""
     group = _groups.get(world)
     if group is None:
-        _close_all()  # one group at a time: each rank holds ~1 GB once it has run a model
+        if world + sum(_groups) > KEEP_RANKS:  # each rank holds ~1 GB once it has run a model
+            _close_all()
         group = _groups[world] = Ranks(world)
     try:
         per_rank = group.run(fn, args, timeout_s)
     finally:
-        if world > KEEP_WORLD and world in _groups:
+        if world > KEEP_RANKS and world in _groups:
             group.close()
     for rank, results in enumerate(per_rank):
         for r in results if isinstance(results, list) else [results]:

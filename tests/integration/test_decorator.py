@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from tests.harness import WORKERS, calls, fast_cluster, launch, partita_cli, torchrun
+from tests.unit.test_decorator import ref  # noqa: F401 (fixtures)
 from tests.workers import decorator_script as script
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from partita.compiler.report import expert_layout, plan_report
 from partita.compiler.view import page_data, render_html
-from tests.unit.test_expert_planning import EXPERTS, LAYERS
+from tests.unit.test_expert_planning import EXPERTS, LAYERS, ep2  # noqa: F401 (fixtures)
 
 
 def test_report_and_view_show_the_expert_groups(ep2, open_page):

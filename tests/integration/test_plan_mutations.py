@@ -11,7 +11,7 @@ from typing import Any
 
 from partita.core.plan import SEAL, seal_digest
 from tests.harness import ENV, ROOT
-from tests.unit.test_plan_mutations import HARMLESS, field_classes, mutations, refused
+from tests.unit.test_plan_mutations import HARMLESS, captured, field_classes, good, mutations, refused  # noqa: F401 (fixtures)
 
 
 def _get(d: Any, path: list) -> Any:

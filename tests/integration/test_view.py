@@ -7,7 +7,7 @@ from partita.compiler.report import fmt_bytes, fmt_time
 from partita.compiler.timeline import predicted_timeline
 from partita.compiler.view import render_html
 from tests.synthetic_plans import gpt3_175b_plan, small_plan
-from tests.unit.test_view import _interleaved, trace_of
+from tests.unit.test_view import _interleaved, demo_plan, tp_pp_plan, trace_of  # noqa: F401 (fixtures)
 
 
 def hover_line(page, selector):
