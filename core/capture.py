@@ -137,17 +137,15 @@ def capture(
                                  hint="the factory's initialisation must not read tensor values (it runs on fake "
                                  "and meta tensors); or pass a built model instance") from e
         if not isinstance(module, torch.nn.Module):
-            raise CaptureError(
-                f"{_name_of(model)}() returned {type(module).__name__}, not an nn.Module",
-                hint="pass an nn.Module subclass, a factory returning one, or a module instance",
-            )
+            raise CaptureError(f"{_name_of(model)}() returned {type(module).__name__}, not an nn.Module",
+                               hint="pass an nn.Module subclass, a factory returning one, or a module instance")
     else:
         raise CaptureError(
             f"cannot capture {type(model).__name__}: expected an nn.Module or a zero-argument factory",
             hint="pass an nn.Module subclass, a factory returning one, or a module instance")
 
     key = capture_key(module, inputs, name=name, loss=loss, targets=targets, stack_traces=stack_traces)
-    if (reused := kept(key)) is not None:  # core/capture_memo.py: off unless a process turns it on
+    if reused := kept(key):  # core/capture_memo.py: off unless a process turns it on
         return reused
     check_input_names(module, inputs)
     if loss is not None:
@@ -200,7 +198,7 @@ def capture(
     if loss is not None:
         check_trainable(module, gm, {k: canonical.get(v, v) for k, v in param_targets.items()},
                          name or _name_of(model))
-    captured = CapturedModel(
+    keep(key, captured := CapturedModel(
         graph_module=gm,
         constants=constants,
         method=method,
@@ -213,8 +211,7 @@ def capture(
         loss=getattr(loss, "__name__", type(loss).__name__) if loss is not None else None,
         param_nodes={k: canonical.get(v, v) for k, v in param_targets.items()},
         buffer_nodes={k: canonical.get(v, v) for k, v in buffer_targets.items()},
-    )
-    keep(key, captured)
+    ))
     return captured
 
 
@@ -268,7 +265,6 @@ def _canonical_names(named: Iterator[tuple[str, torch.Tensor]]) -> dict[str, str
     """Every qualified name -> the first name of the same tensor (tied weights share one)."""
     first: dict[int, str] = {}
     return {name: first.setdefault(id(t), name) for name, t in named}
-
 
 
 @contextlib.contextmanager

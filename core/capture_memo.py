@@ -15,21 +15,28 @@ A ``CapturedModel`` holds no tensor of the model except ``constants`` (the tenso
 lifted out of the forward, which do belong to the instance), so a capture with constants is never
 kept: a reused capture carries nothing of the module it was made from. A capture that fails is
 never kept either; every check it runs is run again for the next key.
+
+Only small graphs are kept (``MAX_NODES``), and the ``MAX_KEPT`` most recent: a kept graph is
+objects the garbage collector walks on every full collection, and planning a large model with
+100,000 of them alive ran 15-30% slower (tests/unit/test_search.py: 79 s -> 91 s); the models
+captured over and over are the small ones.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Callable, Hashable, Sequence
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 
-if TYPE_CHECKING:
-    from partita.core.capture import CapturedModel
-    from partita.core.inputs import InputSpec
+from partita.core.inputs import InputSpec
 
-_kept: dict[Hashable, CapturedModel] | None = None
+CapturedModel = Any  # core/capture.py's (which imports this module, so not the other way)
+
+MAX_NODES = 2_000  # a GPT of 12 layers is about 1,000 graph nodes
+MAX_KEPT = 64
+_kept: dict[Hashable, CapturedModel] | None = None  # oldest first
 _PLAIN = (int, float, str, bool, type(None))
 
 
@@ -48,8 +55,12 @@ def kept(key: Hashable | None) -> CapturedModel | None:
 
 
 def keep(key: Hashable | None, captured: CapturedModel) -> None:
-    if _kept is not None and key is not None and not captured.constants:
-        _kept[key] = captured
+    if (_kept is None or key is None or captured.constants
+            or len(captured.graph_module.graph.nodes) > MAX_NODES):
+        return
+    _kept[key] = captured
+    while len(_kept) > MAX_KEPT:
+        del _kept[next(iter(_kept))]
 
 
 def capture_key(module: torch.nn.Module, inputs: Sequence[InputSpec], *, name: str | None, loss: Callable | None,

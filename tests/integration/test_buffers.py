@@ -1,5 +1,5 @@
-"""Buffers under data parallelism (issue 10): the runs on several processes (tests/unit/test_buffers.py has the
-single-process checks)."""
+"""Buffers under data parallelism (issue 10): what starts processes (gloo
+ranks, launchers, the console script, a browser); tests/unit/test_buffers.py has the one-process checks."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""Capture: the runs on several processes (tests/unit/test_capture.py has the
-single-process checks)."""
+"""Capture: what starts processes (gloo
+ranks, launchers, the console script, a browser); tests/unit/test_capture.py has the one-process checks."""
 
 from __future__ import annotations
 

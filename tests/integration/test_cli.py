@@ -1,5 +1,5 @@
-"""The CLI end to end: the runs on several processes (tests/unit/test_cli.py has the
-single-process checks)."""
+"""The CLI end to end: what starts processes (gloo
+ranks, launchers, the console script, a browser); tests/unit/test_cli.py has the one-process checks."""
 
 from __future__ import annotations
 
@@ -87,3 +87,22 @@ def test_console_script_exit_code_for_a_user_error(tmp_path):
     r = subprocess.run([PARTITA, "show", str(tmp_path / "none.json")], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2
     assert "Traceback" not in r.stderr and "cannot read plan file" in r.stderr
+
+
+# `partita calibrate` measures this machine on gloo processes of its own
+def test_calibrate_writes_a_cluster_file_the_planner_reads(cli, tmp_path):
+    from partita.core.cluster import load_cluster
+
+    out = tmp_path / "local.toml"
+    code, stdout, err = cli("calibrate", "--nproc", "2", "-o", out)
+    assert code == 0, err
+    assert "GFLOP/s" in stdout and "all-reduce bandwidth" in stdout
+    c = load_cluster(str(out))
+    assert c.gpus_per_node == 2 and c.device == "cpu"
+    assert 1e8 < c.peak_flops("fp32") < 1e13  # a CPU core does 0.1 - 10,000 GFLOP/s
+    assert 1e6 < c.intra_node_bandwidth < 1e12 and 0 < c.intra_node_latency < 0.1
+    assert "per-kernel cost (host)" in stdout and 1e-7 < c.kernel_s < 1e-3  # a tiny op: 0.1 us - 1 ms here
+    code, stdout, err = cli("compile", GPT, "--input", "idx=int64[8,64]", "--cluster", out,
+                                "-o", tmp_path / "p.json")
+    assert code == 0, err
+    assert load_plan(tmp_path / "p.json").cluster["name"] == "local-calibrated"

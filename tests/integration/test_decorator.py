@@ -1,5 +1,5 @@
-"""The decorator path end to end: the runs on several processes (tests/unit/test_decorator.py has the
-single-process checks)."""
+"""The decorator path end to end: what starts processes (gloo
+ranks, launchers, the console script, a browser); tests/unit/test_decorator.py has the one-process checks."""
 
 from __future__ import annotations
 

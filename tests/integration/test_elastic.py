@@ -1,5 +1,5 @@
-"""`partita run --nnodes 1:2`: the runs on several processes (tests/unit/test_elastic.py has the
-single-process checks)."""
+"""`partita run --nnodes 1:2`: what starts processes (gloo
+ranks, launchers, the console script, a browser); tests/unit/test_elastic.py has the one-process checks."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""Expert parallelism (issue 31): the runs on several processes (tests/unit/test_expert_parallel.py has the
-single-process checks)."""
+"""Expert parallelism (issue 31): what starts processes (gloo
+ranks, launchers, the console script, a browser); tests/unit/test_expert_parallel.py has the one-process checks."""
 
 from __future__ import annotations
 

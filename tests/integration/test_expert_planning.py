@@ -1,5 +1,5 @@
-"""Expert parallelism, planned: the runs on several processes (tests/unit/test_expert_planning.py has the
-single-process checks)."""
+"""Expert parallelism, planned: what starts processes (gloo
+ranks, launchers, the console script, a browser); tests/unit/test_expert_planning.py has the one-process checks."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""`partita run`: the runs on several processes (tests/unit/test_launch.py has the
-single-process checks)."""
+"""`partita run`: what starts processes (gloo
+ranks, launchers, the console script, a browser); tests/unit/test_launch.py has the one-process checks."""
 
 from __future__ import annotations
 

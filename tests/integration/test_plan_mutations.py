@@ -1,5 +1,5 @@
-"""A mutation matrix over a real plan: the runs on several processes (tests/unit/test_plan_mutations.py has the
-single-process checks)."""
+"""A mutation matrix over a real plan: what starts processes (gloo
+ranks, launchers, the console script, a browser); tests/unit/test_plan_mutations.py has the one-process checks."""
 
 from __future__ import annotations
 

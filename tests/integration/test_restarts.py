@@ -1,5 +1,5 @@
-"""A rank SIGKILLed mid-run: the runs on several processes (tests/unit/test_restarts.py has the
-single-process checks)."""
+"""A rank SIGKILLed mid-run: what starts processes (gloo
+ranks, launchers, the console script, a browser); tests/unit/test_restarts.py has the one-process checks."""
 
 from __future__ import annotations
 

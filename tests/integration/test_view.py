@@ -1,5 +1,5 @@
-"""`partita view`: the runs on several processes (tests/unit/test_view.py has the
-single-process checks)."""
+"""`partita view`: what starts processes (gloo
+ranks, launchers, the console script, a browser); tests/unit/test_view.py has the one-process checks."""
 
 from __future__ import annotations
 

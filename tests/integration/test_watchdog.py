@@ -1,5 +1,5 @@
-"""The watchdog (runtime/watchdog.py): the runs on several processes (tests/unit/test_watchdog.py has the
-single-process checks)."""
+"""The watchdog (runtime/watchdog.py): what starts processes (gloo
+ranks, launchers, the console script, a browser); tests/unit/test_watchdog.py has the one-process checks."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""ZeRO-3 by units: the runs on several processes (tests/unit/test_zero_units.py has the
-single-process checks)."""
+"""ZeRO-3 by units: what starts processes (gloo
+ranks, launchers, the console script, a browser); tests/unit/test_zero_units.py has the one-process checks."""
 
 from __future__ import annotations
 
