@@ -37,30 +37,38 @@ demo: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check $(SOURCES)
 
-# Everything: tests/unit (one process), then tests/integration (gloo ranks, launchers, the CLI as a
+# tests/unit on every core (pytest-xdist; each test takes one, and a worker steals queued tests when
+# idle). tests/integration runs in one pytest process: its gloo ranks take the cores.
+UNIT := -q -p no:logging -n auto --dist worksteal tests/unit
+
+# Everything: tests/unit (no process of its own), then tests/integration (gloo ranks, launchers, the CLI as a
 # command, the browser), with the 30 slowest tests listed.
 test: $(STAMP) browser lint
-	$(BIN)/python -m pytest -q -p no:logging --durations=30 tests/unit tests/integration
+	$(BIN)/python -m pytest $(UNIT) --durations=15
+	$(BIN)/python -m pytest -q -p no:logging --durations=30 tests/integration
 
 # The fast tier for a developer's loop: the linter, then tests/unit (no process group, no subprocess).
 check: $(STAMP) lint
-	$(BIN)/python -m pytest -q -p no:logging tests/unit
+	$(BIN)/python -m pytest $(UNIT)
 
 # The oldest supported torch and transformers (pyproject's lower bounds; the torch GPU images ship):
-# the fast tier and the multi-process runs of every axis, in a second environment kept in the user's
+# tests/unit and the multi-process runs of every axis, in a second environment kept in the user's
 # cache (torch 2.11 comes only as a CUDA build, 4.6 GB and 10-25 minutes to install, so it is reused).
 OLDEST_TORCH        := 2.11.0
 OLDEST_TRANSFORMERS := 5.15.1
 OLD_VENV            ?= $(HOME)/.cache/partita/venv-torch-$(OLDEST_TORCH)
-OLD_SLOW            := tests/unit/test_runtime_dp.py tests/integration/test_runtime_zero.py tests/integration/test_runtime_tp.py \
-                       tests/unit/test_runtime_pp.py tests/unit/test_runtime_recompute.py tests/integration/test_any_model.py
+# every axis (dp, tp, sp, pp with each schedule, ZeRO-1/2/3, recomputation, offload) on the example
+# models and HF GPT-2 / Llama; experts; bf16-mixed; the HF families on every plan
+OLD_RUNS            := tests/integration/test_plan_matrix.py tests/integration/test_expert_parallel.py \
+                       tests/integration/test_mixed_precision.py tests/integration/test_any_model.py
 
 test-oldest:
 	test -x $(OLD_VENV)/bin/python || { rm -rf $(OLD_VENV); mkdir -p $(dir $(OLD_VENV)); $(PYTHON) -m venv $(OLD_VENV); }
 	$(OLD_VENV)/bin/python -c "import torch; assert torch.__version__.startswith('$(OLDEST_TORCH)')" 2>/dev/null \
 	  || $(OLD_VENV)/bin/python -m pip install -q torch==$(OLDEST_TORCH)
 	$(QUIET) $(OLD_VENV)/bin/python -m pip install -q -e '.[test]' transformers==$(OLDEST_TRANSFORMERS)
-	$(OLD_VENV)/bin/python -m pytest -q -p no:logging tests/unit $(OLD_RUNS)
+	$(OLD_VENV)/bin/python -m pytest $(UNIT)
+	$(OLD_VENV)/bin/python -m pytest -q -p no:logging $(OLD_RUNS)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/dp_vs_ddp.py

@@ -1,6 +1,5 @@
 """What every test shares: captures kept for reuse, the in-process CLI, plans several files read."""
 
-import os
 from pathlib import Path
 
 import pytest
@@ -13,7 +12,7 @@ def pytest_configure(config):
     the same few models hundreds of times; the ranks of tests/harness.py keep theirs too."""
     from partita.core.capture_memo import memoize_captures
 
-    memoize_captures(not os.environ.get("NOMEMO"))
+    memoize_captures()
 
 
 @pytest.fixture

@@ -11,9 +11,11 @@ Processes:
   start launchers last, so the groups outlive most tests. A failure (an
   exception on any rank, a rank that dies or does not answer within ``timeout_s``) ends that
   group and raises one ``AssertionError`` with every rank's traceback or state and the tail of
-  its output; the next launch starts a fresh group. ``fn`` must be a module-level function of an
-  importable module (the ranks import it by its name, ``tests.workers.dp_worker`` and the like: the
-  tests' ``*_worker.py`` files). A worker measures and returns; the test asserts.
+  its output; the next launch starts a fresh group. So does a launch after which a rank runs more
+  than ``MAX_RANK_THREADS`` threads (gloo keeps every process group's for the life of the
+  process). ``fn`` must be a module-level function of an importable module (the ranks import it
+  by its name, ``tests.workers.dp_worker`` and the like: the tests' ``*_worker.py`` files). A
+  worker measures and returns; the test asserts.
 - ``command(*argv)``, ``torchrun(script, *args, nproc=N)``, ``partita_cli(*args)``: a subprocess
   (the launchers themselves under test) with one thread per process and the repository's root on
   ``PYTHONPATH`` (a script run as a file imports ``tests.`` and ``examples.`` modules by those
@@ -69,6 +71,10 @@ LAUNCH_TIMEOUT_S = 600  # a launch whose ranks have not all answered by then fai
 GRACE_S = 5.0  # once a rank has failed, how long the others get to answer before the group ends
 TAIL = 3000  # characters of a process's output shown when it fails
 KEEP_RANKS = 6  # groups stay up between launches while they hold this many processes in all (2 and 4 ranks)
+# A group that has made this many threads in a rank is ended after its launch: every process group a
+# plan makes (new_group, a DeviceMesh's) keeps gloo's threads for the life of the process, each waking
+# now and then; after 15 minutes of launches 6 kept ranks ran 1,400 threads each, a load of 180 on 2 cores.
+MAX_RANK_THREADS = 256
 
 
 @contextlib.contextmanager
@@ -217,6 +223,13 @@ class Ranks:
         self.close()
         raise AssertionError("\n".join(lines))
 
+    def threads(self) -> int:
+        """The most threads one of the ranks runs (0 where /proc does not say)."""
+        try:
+            return max(len(os.listdir(f"/proc/{p.pid}/task")) for p in self.procs)
+        except OSError:
+            return 0
+
     def kill(self) -> None:
         for p in self.procs:
             p.kill()
@@ -256,8 +269,9 @@ def launch(world: int, fn: Callable, *args: Any, timeout_s: float = LAUNCH_TIMEO
     try:
         per_rank = group.run(fn, args, timeout_s)
     finally:
-        if world > KEEP_RANKS and world in _groups:
-            group.close()
+        for size, kept in list(_groups.items()):  # an idle group's threads wake too
+            if size > KEEP_RANKS or kept.threads() > MAX_RANK_THREADS:
+                kept.close()
     for rank, results in enumerate(per_rank):
         for r in results if isinstance(results, list) else [results]:
             print(rank, r)
