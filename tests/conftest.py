@@ -1,10 +1,18 @@
-"""What every test shares: the in-process CLI, plans several files read."""
+"""What every test shares: captures kept for reuse, the in-process CLI, plans several files read."""
 
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def pytest_configure(config):
+    """One capture per model, inputs and loss in this process (core/capture_memo.py): the tests build
+    the same few models hundreds of times; the ranks of tests/harness.py keep theirs too."""
+    from partita.core.capture_memo import memoize_captures
+
+    memoize_captures()
 
 
 @pytest.fixture

@@ -6,7 +6,8 @@ Processes:
   between launches (a group of each size, up to ``KEEP_RANKS`` processes in all, until a launcher
   subprocess ends them: each rank holds ~1 GB once it has run a model, and groups kept alongside
   a torchrun test slowed it 2-3x), so a run of tests pays for starting processes, importing
-  torch and joining a group once, not once per launch. tests/integration/conftest.py runs the files that
+  torch, joining a group and capturing each model once (a rank keeps its captures,
+  core/capture_memo.py), not once per launch. tests/integration/conftest.py runs the files that
   start launchers last, so the groups outlive most tests. A failure (an
   exception on any rank, a rank that dies or does not answer within ``timeout_s``) ends that
   group and raises one ``AssertionError`` with every rank's traceback or state and the tail of
@@ -115,6 +116,9 @@ def _serve(rank: int, world: int, port: int, conn: Connection, log: str) -> None
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
+    from partita.core.capture_memo import memoize_captures
+
+    memoize_captures()  # a rank runs many plans of the same few models: each captured once
     try:
         from partita.runtime.distributed import init_distributed
 

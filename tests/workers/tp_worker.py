@@ -132,9 +132,9 @@ def compare(ctx: DistContext, name: str, *, tp: int, dp: int = 1, replicated: bo
     x, y = batch(plan.training.global_batch)
     want_calls = expected_calls(plan, model, bucket_bytes)
     losses, ref_losses, calls = [], [], []
-    saved: dict[int, int] = {}
+    saved: dict[int, torch.UntypedStorage] = {}  # held to the end of the step, so no address is reused
     for step in range(STEPS):
-        if step == 0:  # the bytes autograd keeps, each storage once (held, so no address is reused)
+        if step == 0:  # the bytes autograd keeps, each storage once
             with torch.autograd.graph.saved_tensors_hooks(functools.partial(_note_saved, saved), lambda t: t[1]):
                 losses.append(model.train_step(x, targets=y))
         else:
@@ -154,14 +154,16 @@ def compare(ctx: DistContext, name: str, *, tp: int, dp: int = 1, replicated: bo
         "grads": gaps(full_grads, ref_grads), "params": gaps(full_params, ref_final),
         "calls": calls, "expected_calls": want_calls,
         "tp_calls_per_step": sum(n for k, a, b, n in want_calls if a == "tp"),
-        "saved_per_micro_batch": sum(saved.values()) / ACCUM,
+        "saved_per_micro_batch": sum(s.nbytes() for s in saved.values()) / ACCUM,
     }
 
 
-def _note_saved(saved: dict[int, int], t: torch.Tensor) -> tuple[torch.UntypedStorage, torch.Tensor]:
-    """A pack hook: count ``t``'s storage once, and hold it until the step is over."""
+def _note_saved(saved: dict[int, torch.UntypedStorage], t: torch.Tensor) -> tuple[torch.UntypedStorage, torch.Tensor]:
+    """A pack hook: count ``t``'s storage once. ``saved`` holds it until the step is over: autograd
+    frees a micro-batch's saved tensors in its backward, and the allocator would give the next
+    micro-batch's the same addresses (counted once: the sum then moved by 5% between equal runs)."""
     storage = t.untyped_storage()
-    saved.setdefault(storage.data_ptr(), storage.nbytes())
+    saved.setdefault(storage.data_ptr(), storage)
     return storage, t
 
 
