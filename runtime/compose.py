@@ -29,7 +29,7 @@ from partita.core.plan import MeshAxis, Plan
 from partita.core.precision import PrecisionPolicy
 from partita.core.recompute import NONE
 from partita.runtime.collectives import CollectiveCounter
-from partita.runtime.distributed import DistContext, build_mesh, expert_groups
+from partita.runtime.distributed import GROUPS, DistContext, build_mesh, expert_groups
 from partita.runtime.dp.averaging import (
     Averagers,
     BufferAverager,
@@ -121,6 +121,7 @@ def compose(module: nn.Module, plan: Plan, ctx: DistContext, options: Options, c
     refuse_unsupported(plan)
     loss_fn, optimizer, weights = options.loss, options.optimizer_factory, options.weights
     module = uncompiled(module)  # a torch.compile'd model runs its own forward, as it was captured
+    GROUPS.begin()  # this program's groups: those an earlier one made alike are reused
     mesh = build_mesh(plan.mesh, ctx)
     policy = PrecisionPolicy.of(plan.training)
     training = not plan.training.inference

@@ -13,6 +13,7 @@ import hashlib
 import os
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -248,11 +249,65 @@ def _destroy_at_exit() -> None:
         dist.destroy_process_group()
 
 
+def _default_group() -> Any:
+    return dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
+
+
+class _Groups:
+    """The meshes and process groups this process has made, reused by every later program.
+
+    A gloo group keeps its threads for the life of the process (destroying it does not end them
+    all), so a process that builds many programs (a re-plan, an evaluation copy, a test running
+    dozens of plans) would otherwise grow by every group each one makes: 6 threads per tp=2
+    program, 256 after 40. Every group a program makes is made on every rank, in one order
+    (``new_group`` is collective), so a rank's n-th request for ``(what, ranks)`` since the program
+    began (``begin``) is the same request on every rank: it gets the n-th group made for it, made
+    now if this process has not made that many. Two groups a program asks for apart stay apart. All
+    of it belongs to the default group it was made under, and is forgotten with it."""
+
+    def __init__(self) -> None:
+        self.world: Any = None  # the default group the groups below were made under
+        self.made: dict[tuple, list[Any]] = {}
+        self.asked: dict[tuple, int] = {}
+
+    def _current(self) -> None:
+        world = _default_group()
+        if world is not self.world:
+            self.world, self.made, self.asked = world, {}, {}
+
+    def begin(self) -> None:
+        """A program begins asking for its groups."""
+        self._current()
+        self.asked = {}
+
+    def get(self, what: str, ranks: tuple[int, ...], make: Any) -> Any:
+        self._current()
+        key = (what, ranks)
+        n = self.asked.get(key, 0)
+        self.asked[key] = n + 1
+        made = self.made.setdefault(key, [])
+        if n == len(made):
+            made.append(make())
+        return made[n]
+
+
+GROUPS = _Groups()
+
+
+def new_group(what: str, ranks: Sequence[int]) -> dist.ProcessGroup:
+    """``dist.new_group(ranks)`` for ``what`` (a name of its use), reused from an earlier program
+    when it asked for the same (``_Groups``). Collective: every rank asks, in one order."""
+    ranks = tuple(ranks)
+    return GROUPS.get(what, ranks, lambda: dist.new_group(list(ranks)))
+
+
 def build_mesh(mesh: Mesh, ctx: DistContext) -> DeviceMesh | None:
-    """The plan's mesh as a torch DeviceMesh (axes in ``MESH_ORDER``); None for one process."""
+    """The plan's mesh as a torch DeviceMesh (axes in ``MESH_ORDER``); None for one process. The
+    first program of a mesh shape makes it; later ones reuse it (``_Groups``)."""
     if ctx.world_size == 1:
         return None
-    return init_device_mesh(ctx.device.type, mesh.shape, mesh_dim_names=mesh.axis_names)
+    return GROUPS.get("mesh", (ctx.device.type, *mesh.shape, *mesh.axis_names),
+                      lambda: init_device_mesh(ctx.device.type, mesh.shape, mesh_dim_names=mesh.axis_names))
 
 
 def expert_groups(mesh: Mesh, ctx: DistContext) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
@@ -261,7 +316,7 @@ def expert_groups(mesh: Mesh, ctx: DistContext) -> tuple[dist.ProcessGroup, dist
     mine = {}
     for axis in ("ep", "edp"):
         for ranks in mesh.groups(axis):
-            group = dist.new_group(list(ranks))
+            group = new_group(axis, ranks)
             if ctx.rank in ranks:
                 mine[axis] = group
     return mine["ep"], mine["edp"]

@@ -39,7 +39,9 @@ cluster file whose links make TP pay), ``gather_tp`` (full tensors from a rank's
 from __future__ import annotations
 
 import atexit
+import collections
 import contextlib
+import gc
 import json
 import math
 import os
@@ -143,6 +145,11 @@ def _serve(rank: int, world: int, port: int, conn: Connection, log: str) -> None
         else:
             sys.stdout.flush()
             conn.send(("ok", json.dumps(result)))  # plain data, as the test reads it (a loss is a float)
+        # What outlives a job (imported modules, kept captures and groups) is moved out of the
+        # collector's walks: a capture of a module instance collects (core/capture.py), and with
+        # everything walked each collection took 0.2-0.5 s, 12% of the tier's samples.
+        gc.collect()
+        gc.freeze()
     from partita.runtime.distributed import destroy
 
     destroy(ctx)
@@ -221,6 +228,7 @@ class Ranks:
             lines.append(f"--- rank {r} {state}"
                          + (f"\n    its output:\n{_tail(out, TAIL // 2)}" if out.strip() else ""))
         self.close()
+        _why[self.world] = "a launch failed"
         raise AssertionError("\n".join(lines))
 
     def threads(self) -> int:
@@ -256,6 +264,7 @@ class Ranks:
 
 
 _groups: dict[int, Ranks] = {}
+STARTS: collections.Counter[str] = collections.Counter()  # groups started, by why (the session's summary)
 
 
 def launch(world: int, fn: Callable, *args: Any, timeout_s: float = LAUNCH_TIMEOUT_S) -> list:
@@ -263,24 +272,34 @@ def launch(world: int, fn: Callable, *args: Any, timeout_s: float = LAUNCH_TIMEO
     printed for the log. See the module docstring for what a failure reports."""
     group = _groups.get(world)
     if group is None:
-        if world + sum(_groups) > KEEP_RANKS:  # each rank holds ~1 GB once it has run a model
+        # each rank holds ~1 GB once it has run a model; a group larger than the kept ones runs beside
+        # them and ends after its launch, so they need not start again
+        if world <= KEEP_RANKS and world + sum(_groups) > KEEP_RANKS:
             _close_all()
+        STARTS[_why.pop(world, "first launch of its size") if world <= KEEP_RANKS else "larger than kept"] += 1
         group = _groups[world] = Ranks(world)
     try:
         per_rank = group.run(fn, args, timeout_s)
     finally:
         for size, kept in list(_groups.items()):  # an idle group's threads wake too
-            if size > KEEP_RANKS or kept.threads() > MAX_RANK_THREADS:
+            if size > KEEP_RANKS:
                 kept.close()
+            elif kept.threads() > MAX_RANK_THREADS:
+                kept.close()
+                _why[size] = f"over {MAX_RANK_THREADS} threads"
     for rank, results in enumerate(per_rank):
         for r in results if isinstance(results, list) else [results]:
             print(rank, r)
     return per_rank
 
 
-def _close_all() -> None:
-    for group in list(_groups.values()):
+_why: dict[int, str] = {}  # world size -> why its group was ended (the next one's reason to start)
+
+
+def _close_all(why: str = "room for another size") -> None:
+    for size, group in list(_groups.items()):
         group.close()
+        _why[size] = why
 
 
 atexit.register(_close_all)
@@ -295,7 +314,7 @@ def command(*argv: str | Path, timeout_s: float = 300, check: bool = True, env: 
     """Run ``argv``; with ``check``, a non-zero exit fails with one message (``logs``: a torchrun
     log folder whose ranks' own output to show)."""
     argv = [str(a) for a in argv]
-    _close_all()  # the launcher's own processes get the memory (kept groups slowed them 2-3x)
+    _close_all("a launcher ran")  # the launcher's own processes get the memory (kept groups slowed them 2-3x)
     t0 = time.monotonic()
     r = subprocess.run(argv, env=dict(env or ENV), capture_output=True, text=True, timeout=timeout_s)
     if check and r.returncode != 0:

@@ -30,6 +30,7 @@ from partita.core.plan import MeshAxis, Plan, tied_stages
 from partita.core.precision import PrecisionPolicy
 from partita.core.schedule import NONE, SCHEDULES, chunk_problem, gradients_received, rank_order
 from partita.runtime.collectives import CollectiveCounter, all_gather_flat
+from partita.runtime.distributed import new_group
 from partita.runtime.dp.averaging import Averagers, GradientAverager
 from partita.runtime.experts import ExpertGroup
 from partita.runtime.tp.collectives import local_shape
@@ -225,7 +226,7 @@ class PipelineStage(nn.Module):
         for dp in range(m.dp):
             for tp in range(m.tp):
                 ranks = tuple(m.rank(pp=s, dp=dp, tp=tp) for s in stages)
-                group = dist.new_group(list(ranks))
+                group = new_group("pipeline line", ranks)
                 if self.rank in ranks:
                     out = (group, ranks)
         return out

@@ -22,3 +22,14 @@ def pytest_collection_modifyitems(items):
         return 0 if launches and not launchers else 1 if launches else 2
 
     items.sort(key=order)
+
+
+def pytest_terminal_summary(terminalreporter):
+    """How many rank groups the run started, and why (each start imports torch in every rank and
+    captures its models afresh): the number to watch when a change slows this tier."""
+    import sys
+
+    harness = sys.modules.get("tests.harness")
+    if harness is not None and harness.STARTS:
+        why = ", ".join(f"{n} {reason}" for reason, n in harness.STARTS.most_common())
+        terminalreporter.write_line(f"rank groups started: {sum(harness.STARTS.values())} ({why})")

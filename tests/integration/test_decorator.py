@@ -1,5 +1,6 @@
-"""The decorator path end to end: what starts processes (gloo
-ranks, launchers, the console script, a browser); tests/unit/test_decorator.py has the one-process checks."""
+"""The decorator path end to end on gloo ranks: the planner's plans (dp, tp, pp, ZeRO, recomputation)
+given to the decorated script as `partita run` gives them; tests/unit/test_decorator.py has the
+one-process checks, tests/integration/test_decorator_launchers.py torchrun and `partita run` themselves."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.harness import WORKERS, calls, fast_cluster, launch, partita_cli, torchrun
+from tests.harness import WORKERS, calls, fast_cluster, launch
 from tests.unit.test_decorator import ref  # noqa: F401 (fixtures)
 from tests.workers import decorator_script as script
 
@@ -31,23 +32,15 @@ def check(out: Path, ref, world: int, mesh: tuple[int, int, int] | None = None) 
     assert calls(data["counted"]) == calls(data["planned"])
 
 
-def compile_and_run(tmp_path: Path, *compile_args: str, run_args: tuple[str, ...] = ()) -> tuple[Path, Path]:
-    """`partita compile` the script's model with ``compile_args``, then `partita run` the plan."""
-    plan, out = tmp_path / "plan.json", tmp_path / "out.json"
-    partita_cli("compile", f"{WORKERS / 'decorator_script.py'}:make_model", *compile_args, "--grad-accum-steps", "2",
-            "-o", plan)
-    partita_cli("run", *run_args, plan, WORKERS / "decorator_script.py", out)
-    return plan, out
-
-
-def compile_and_launch(tmp_path: Path, cli, *compile_args: str) -> tuple[Path, Path]:
+def compile_and_launch(tmp_path: Path, cli, *compile_args: str, trace: Path | None = None) -> tuple[Path, Path]:
     """`partita compile` (in this process) the script's model with ``compile_args``, then the
-    script's ``run_plan`` on 4 ranks of the harness's group, given the plan as `partita run` gives it."""
+    script's ``run_plan`` on 4 ranks of the harness's group, given the plan (and ``trace``) as `partita
+    run` gives them (the launcher itself: tests/integration/test_decorator_launchers.py)."""
     plan, out = tmp_path / "plan.json", tmp_path / "out.json"
     code, _, err = cli("compile", f"{WORKERS / 'decorator_script.py'}:make_model", *compile_args,
                        "--grad-accum-steps", "2", "-o", plan)
     assert code == 0, err
-    launch(4, script.run_plan, str(plan), str(out))
+    launch(4, script.run_plan, str(plan), str(out), str(trace) if trace else None)
     return plan, out
 
 
@@ -64,23 +57,16 @@ def held_matches_the_plan(out: Path, dp: int) -> None:
         data["held"], data["predicted_state"])
 
 
-def test_under_torchrun_rank0_plans_and_ranks_match_one_process(tmp_path, ref):
-    out = tmp_path / "torchrun.json"
-    torchrun(WORKERS / "decorator_script.py", out, nproc=2)
-    check(out, ref, 2)
-def test_partita_run_with_a_plan_file(tmp_path, ref):
-    _, out = compile_and_run(tmp_path, "--devices", "4")
-    check(out, ref, 4)
-def test_partita_run_a_tensor_parallel_plan(tmp_path, ref):
+def test_the_planners_tensor_parallel_plan(tmp_path, cli, ref):
     """The planner's own dp=2 x tp=2 plan (not a hand-built one), run by the runtime: same training."""
-    _, out = compile_and_run(tmp_path, "--cluster", fast_cluster(tmp_path), "--tp", "2")
+    _, out = compile_and_launch(tmp_path, cli, "--cluster", fast_cluster(tmp_path), "--tp", "2")
     check(out, ref, 4, mesh=(2, 2, 1))
     assert any(axis == "tp" for _, axis in counted_kinds(out))  # tensor-parallel collectives ran, as planned
-def test_partita_run_a_pipeline_plan(tmp_path, ref):
+def test_the_planners_pipeline_plan(tmp_path, cli, ref):
     """The planner's own dp=2 x pp=2 1F1B plan, run by the runtime: same training as one process, and
     rank 0 (stage 0) runs exactly its stage's planned collectives and sends."""
     trace = tmp_path / "trace.json"
-    plan, out = compile_and_run(tmp_path, "--devices", "4", "--pp", "2", run_args=("--trace", str(trace)))
+    plan, out = compile_and_launch(tmp_path, cli, "--devices", "4", "--pp", "2", trace=trace)
     check(out, ref, 4, mesh=(2, 1, 2))
     assert ("send_recv", "pp") in counted_kinds(out)
     # the measured schedule: every rank's forward and backward of every micro-batch of every step

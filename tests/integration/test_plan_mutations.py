@@ -1,17 +1,16 @@
-"""A mutation matrix over a real plan: what starts processes (gloo
-ranks, launchers, the console script, a browser); tests/unit/test_plan_mutations.py has the one-process checks."""
+"""A mutation matrix over a real plan: the harmless edits, trained on gloo ranks;
+tests/unit/test_plan_mutations.py has the one-process checks."""
 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 from partita.core.plan import SEAL, seal_digest
-from tests.harness import ENV, ROOT
+from tests.harness import launch
 from tests.unit.test_plan_mutations import HARMLESS, captured, field_classes, good, mutations, refused  # noqa: F401 (fixtures)
+from tests.workers import plan_run_script
 
 
 def _get(d: Any, path: list) -> Any:
@@ -27,12 +26,9 @@ def _set(d: Any, path: list, value: Any) -> None:
 
 
 def _run(plan: Path, out: Path) -> list[str]:
-    out.mkdir()
-    r = subprocess.run([sys.executable, "-m", "partita.compiler.cli", "run", str(plan),
-                        str(ROOT / "tests" / "workers" / "plan_run_script.py"), str(out / "losses.json")],
-                       capture_output=True, text=True, timeout=600, cwd=ROOT, env=ENV)
-    assert r.returncode == 0, r.stderr[-3000:]
-    return json.loads((out / "losses.json").read_text())
+    """The plan's losses over 3 steps, on 2 ranks of the harness's group as `partita run` gives the plan."""
+    launch(2, plan_run_script.run_plan, str(plan), str(out))
+    return json.loads(out.read_text())
 
 
 def test_harmless_edits_train_identically(good, captured, tp2_plan_path, tmp_path):
@@ -51,5 +47,5 @@ def test_harmless_edits_train_identically(good, captured, tp2_plan_path, tmp_pat
     assert len(applied) >= 80, applied
     path = tmp_path / "edited.json"
     path.write_text(json.dumps(edited))
-    losses = [_run(p, tmp_path / f"run{i}") for i, p in enumerate((tp2_plan_path, path))]
+    losses = [_run(p, tmp_path / f"losses{i}.json") for i, p in enumerate((tp2_plan_path, path))]
     assert losses[0] == losses[1] and len(losses[0]) == 3, losses

@@ -13,7 +13,7 @@ from partita.compiler.compile import compile_model
 from partita.core.cluster import load_cluster
 from partita.core.inputs import parse_input_spec
 from partita.core.options import Options
-from tests.harness import WORKERS, calls, fast_cluster, launch, plain_training, torchrun
+from tests.harness import calls, fast_cluster, launch, plain_training
 from tests.workers import tied_script as script
 
 
@@ -37,10 +37,7 @@ def test_tied_models_train_under_tp_and_pp_as_one_process(tmp_path, dp):
     batch = 4 * dp
     plans = {name: compile_plan(tmp_path, name, dp=dp, batch=batch) for name in script.MODELS}
     runs = [f"{n}={p}" for n, p in plans.items()]
-    if dp == 1:
-        launch(4, script.run, str(tmp_path), runs, timeout_s=400)
-    else:  # the 8-rank mesh under the launcher users run
-        torchrun(WORKERS / "tied_script.py", tmp_path, *runs, nproc=8, timeout_s=400)
+    launch(4 * dp, script.run, str(tmp_path), runs, timeout_s=400)  # dp=2: the 8-rank mesh
     for name in script.MODELS:
         ref_losses, ref_state = reference(name, batch)
         for rank in range(4 * dp):

@@ -50,6 +50,10 @@ def test_tensor_parallel_matches_single_process(name, tmp_path):
         # at least 10% less per micro-batch than under the plain Megatron layout (gpt: 15%, Llama: 35%,
         # whose RMS norm saves several tensors of the stream's shape; the rest is the attention and MLP,
         # split by heads and columns under both)
+        if name == "dp2xtp2":  # the second program of the same mesh makes no process group, nor a thread
+            first, second = results
+            assert second["groups_made"] == first["groups_made"] > 0, (rank, first, second)
+            assert second["threads"] <= first["threads"], (rank, first["threads"], second["threads"])
         saved = {r["case"]: r["saved_per_micro_batch"] for r in results}
         for model in ("gpt", "hf-llama"):
             if f"{model}/dp=1/tp=2/sp" in saved:

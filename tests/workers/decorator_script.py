@@ -55,13 +55,13 @@ def write_results(model, out: Path) -> None:
         }))
 
 
-def run_plan(ctx, plan: str, out: str) -> None:
-    """tests/harness.py's entry: the decorated model on a running group, with ``plan`` as `partita
-    run` passes it (PARTITA_PLAN)."""
+def run_plan(ctx, plan: str, out: str, trace: str | None = None) -> None:
+    """tests/harness.py's entry: the decorated model on a running group, with ``plan`` (and
+    ``trace``) as `partita run` passes them (PARTITA_PLAN, PARTITA_TRACE)."""
     import os
     from unittest import mock
 
-    with mock.patch.dict(os.environ, {"PARTITA_PLAN": plan}):
+    with mock.patch.dict(os.environ, {"PARTITA_PLAN": plan, **({"PARTITA_TRACE": trace} if trace else {})}):
         write_results(make_model(), Path(out))
 
 

@@ -1,6 +1,5 @@
-"""Tied models through the planner's own pipeline plans (run by tests/unit/test_runtime_tied.py: at 4
-ranks on the harness's group, ``run``, at 8 under torchrun; imported by it for the single-process
-reference).
+"""Tied models through the planner's own pipeline plans (run by tests/integration/test_runtime_tied.py at
+4 and 8 ranks on the harness's groups, ``run``; imported by it for the single-process reference).
 
 usage: tied_script.py OUTDIR NAME=PLAN.json [NAME=PLAN.json ...]   (the repository's root on PYTHONPATH)
 

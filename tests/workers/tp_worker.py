@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import os
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
@@ -24,7 +25,7 @@ from torch import nn
 from examples.models import LogitsOnly, gpt_tiny
 from partita.core.inputs import InputSpec
 from partita.core.options import Options
-from partita.runtime.distributed import DistContext
+from partita.runtime.distributed import GROUPS, DistContext
 from partita.runtime.dp.buckets import bucket_layout
 from partita.runtime.engine import ParallelModel
 from tests.harness import gaps, gather_tp, reference_backward
@@ -103,6 +104,9 @@ def compare(ctx: DistContext, name: str, *, tp: int, dp: int = 1, replicated: bo
     local = model.module.local_parameters()
     ref_params = dict(reference.named_parameters())
     result = {
+        # the process groups this process has made, and its threads: a later program of the same mesh
+        # makes none (runtime/distributed.py ``_Groups``)
+        "groups_made": sum(map(len, GROUPS.made.values())), "threads": _threads(),
         "case": f"{name}/dp={dp}/tp={tp}{'/replicated' if replicated else ''}{'/checkpoint' if checkpoint else ''}"
                 f"{'/sp' if sequence_parallel else ''}",
         "replicated": replicated, "checkpoint": checkpoint is not None,
@@ -156,6 +160,11 @@ def compare(ctx: DistContext, name: str, *, tp: int, dp: int = 1, replicated: bo
         "tp_calls_per_step": sum(n for k, a, b, n in want_calls if a == "tp"),
         "saved_per_micro_batch": sum(s.nbytes() for s in saved.values()) / ACCUM,
     }
+
+
+def _threads() -> int:
+    """This process's threads, the native ones (gloo's) too; 0 where /proc does not say."""
+    return len(os.listdir("/proc/self/task")) if os.path.isdir("/proc/self/task") else 0
 
 
 def _note_saved(saved: dict[int, torch.UntypedStorage], t: torch.Tensor) -> tuple[torch.UntypedStorage, torch.Tensor]:
