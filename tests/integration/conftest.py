@@ -2,6 +2,8 @@
 
 from pathlib import Path
 
+import pytest
+
 from tests.browser import browser, open_page  # noqa: F401 (the browser fixtures, for the page tests)
 
 LAUNCHERS = ("torchrun", "partita_cli", "command", "subprocess")  # what starts processes of its own
@@ -24,12 +26,33 @@ def pytest_collection_modifyitems(items):
     items.sort(key=order)
 
 
-def pytest_terminal_summary(terminalreporter):
-    """How many rank groups the run started, and why (each start imports torch in every rank and
-    captures its models afresh): the number to watch when a change slows this tier."""
+_STARTS_OF_WORKERS: list[dict] = []  # under pytest-xdist, each worker's (its own rank groups)
+
+
+def _starts() -> dict[str, int]:
     import sys
 
     harness = sys.modules.get("tests.harness")
-    if harness is not None and harness.STARTS:
-        why = ", ".join(f"{n} {reason}" for reason, n in harness.STARTS.most_common())
-        terminalreporter.write_line(f"rank groups started: {sum(harness.STARTS.values())} ({why})")
+    return dict(harness.STARTS) if harness is not None else {}
+
+
+def pytest_sessionfinish(session):
+    if hasattr(session.config, "workeroutput"):  # an xdist worker: its groups, for the summary
+        session.config.workeroutput["rank_group_starts"] = _starts()
+
+
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook
+def pytest_testnodedown(node, error):
+    _STARTS_OF_WORKERS.append(getattr(node, "workeroutput", {}).get("rank_group_starts", {}))
+
+
+def pytest_terminal_summary(terminalreporter):
+    """How many rank groups the run started, and why (each start imports torch in every rank and
+    captures its models afresh): the number to watch when a change slows this tier."""
+    total: dict[str, int] = {}
+    for starts in [_starts(), *_STARTS_OF_WORKERS]:
+        for reason, n in starts.items():
+            total[reason] = total.get(reason, 0) + n
+    if total:
+        why = ", ".join(f"{n} {reason}" for reason, n in sorted(total.items(), key=lambda kv: -kv[1]))
+        terminalreporter.write_line(f"rank groups started: {sum(total.values())} ({why})")
