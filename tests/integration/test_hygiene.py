@@ -75,7 +75,8 @@ def test_a_killed_launcher_takes_its_workers_and_the_other_node_names_it(dp2_pla
     assert launchers[0].returncode == 4, err[-3000:]
     assert said(err) == [f"partita: node 1 (host {os.uname().nodename}, rank {rank_1}) was lost (its launcher "
                          "stopped or its host went down); the ranks on this node were stopped"], err[-3000:]
-    assert waited < 30, waited
+    # a guard, not a timing (a few seconds here alone): the surviving node noticed, it did not hang
+    assert waited < 120, f"the surviving node took {waited:.0f} s to notice the lost one: it hangs"
 def test_the_watchdog_ends_a_rank_waiting_in_a_checkpoint_save(dp2_plan, tmp_path):
     p = start("--watchdog", 3, dp2_plan, WORKERS / "hygiene_script.py", tmp_path, "hang-save")
     _, err = p.communicate(timeout=120)

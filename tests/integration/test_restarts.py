@@ -27,9 +27,11 @@ def run(tmp: Path, plan: Path, kill_at: int) -> tuple[dict[int, float], dict]:
     assert attempts == ({0, 1} if kill_at else {0}), attempts
     if kill_at:
         assert "resumed from" in r.stdout and f"(step {kill_at - kill_at % 2})" in r.stdout, r.stdout[-2000:]
-        # restart latency: from the kill to the end of the first step of the restarted run
+        # the restart happened after the kill, and did not hang: from the kill to the end of the first step
+        # of the restarted run (a guard, not a timing: 10-20 s here alone, more beside other launcher tests;
+        # benchmarks/restart_latency.py times it)
         latency = min(x["t"] for x in lines if x["attempt"] == 1) - float((out / "killed_at").read_text())
-        assert 0 < latency < 120, latency
+        assert 0 < latency < 300, f"the restarted run's first step ended {latency:.0f} s after the kill: it hangs"
     last = {x["step"]: x["loss"] for x in lines}  # a step rerun after the restart overwrites its first try
     return last, torch.load(out / "final.pt", weights_only=True)
 

@@ -33,4 +33,6 @@ def test_an_injected_mismatch_ends_the_job_with_one_message_within_the_limit(tmp
     assert "rank 1 (pipeline stage 1): waiting in broadcast over pp ranks [0, 1] (4 B), step 1" in r.stderr
     assert "mismatched collectives" in r.stderr
     assert f"exitcode  : {EXIT_HUNG}" in r.stderr  # torchrun's summary: the rank's own exit code
-    assert elapsed < 60, elapsed  # start-up + one healthy step + the limit + the reports
+    # start-up + one healthy step + the 4 s limit + the reports: 10-15 s here alone, more beside other
+    # launcher tests; a guard that the job ended rather than hung (the limit itself is the hang report's)
+    assert elapsed < 240, f"the job ended {elapsed:.0f} s after it started: the watchdog did not end it"

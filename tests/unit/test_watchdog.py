@@ -54,8 +54,9 @@ def test_two_ranks_waiting_in_different_collectives_are_named_and_exit():
     for t in threads:
         t.start()
     for t in threads:
-        t.join(10)
-    assert time.monotonic() - t0 < 5
+        t.join(60)
+    # a guard against a hang, not a timing: both end after the 0.3 s limit and the 2 s grace
+    assert not any(t.is_alive() for t in threads), f"the watchdogs run on after {time.monotonic() - t0:.0f} s"
     assert exits == [EXIT_HUNG, EXIT_HUNG] or sorted(exits) == [EXIT_HUNG, EXIT_HUNG]
     text = "".join(s for r, s in out)
     assert {r for r, _ in out} == {0}  # one message, from rank 0
