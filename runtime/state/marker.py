@@ -40,6 +40,9 @@ from partita.runtime.state import fingerprint
 COMPLETE = "partita-complete.json"  # written last, by the coordinator, once every rank's write has returned
 FORMAT = 1  # the marker's format
 METADATA = ".metadata"  # DCP's
+# Written first, by the coordinator, before any rank writes: the folder is a save of partita's, even
+# one a kill interrupted before its marker (runtime/state/periodic.py prunes only what is partita's)
+STARTED = "partita-save-started"
 _DIGESTS = "partita.digests"  # a write result that carries a rank's file digests to the coordinator
 _CHUNK = 1 << 22
 
@@ -147,9 +150,12 @@ def _write_atomically(path: Path, text: str) -> None:
 
 
 def remove_marker(path: Path) -> None:
-    """Before a save over an existing checkpoint: it stops counting until the new marker is there."""
+    """Before a save (the coordinator's, before any rank writes): a save over an existing checkpoint
+    stops counting until the new marker is there, and the folder is marked as partita's (``STARTED``)."""
     with contextlib.suppress(FileNotFoundError):
         Path(path, COMPLETE).unlink()
+    Path(path).mkdir(parents=True, exist_ok=True)
+    Path(path, STARTED).touch()
 
 
 def read_marker(path: Path) -> dict[str, Any]:

@@ -11,13 +11,15 @@ skipped, with one line saying why (``resume_point``).
 
 from __future__ import annotations
 
+import contextlib
+import json
 import re
-import shutil
+import sys
 from pathlib import Path
 from typing import Any
 
 from partita.runtime.program import Program
-from partita.runtime.state.marker import COMPLETE, CheckpointError, read_marker, verify
+from partita.runtime.state.marker import COMPLETE, METADATA, STARTED, CheckpointError, read_marker, verify
 from partita.runtime.state.sharded import Pending, save
 
 DEFAULT_KEEP_LAST = 3  # enough that a damaged newest one leaves two to fall back to
@@ -50,7 +52,10 @@ def latest(root: Any) -> Path | None:
 
 def prune(root: Any, keep_last: int) -> list[Path]:
     """Delete all but the newest ``keep_last`` complete checkpoints (0: keep all) and the
-    interrupted saves older than the newest complete one; returns what was deleted."""
+    interrupted saves older than the newest complete one; returns the folders deleted.
+
+    Only what partita wrote goes (``_remove_ours``): a ``step-N`` folder of the user's own, or a
+    file the user put in a checkpoint, stays, with one line naming it."""
     steps = _steps(root)
     done = [p for p in steps if (p / COMPLETE).is_file()]
     if not done:
@@ -59,9 +64,36 @@ def prune(root: Any, keep_last: int) -> list[Path]:
     doomed = [p for p in steps if p not in done and int(p.name[5:]) < newest]
     if keep_last > 0:
         doomed += done[:-keep_last]
-    for p in doomed:
-        shutil.rmtree(p, ignore_errors=True)
-    return doomed
+    return [p for p in doomed if _remove_ours(p)]
+
+
+_DCP_FILE = re.compile(r"__\d+_\d+\.distcp")  # DCP's data files (runtime/state/marker.py Writer names them so)
+
+
+def _remove_ours(path: Path) -> bool:
+    """Delete the files of partita's save at ``path`` (those its marker lists, the marker, DCP's
+    metadata and data files of a save partita started), then the folder if nothing else is left;
+    True when the folder is gone. A folder partita did not start (no marker, no ``STARTED``) loses
+    nothing but is removed when empty."""
+    ours = {COMPLETE, COMPLETE + ".tmp", STARTED, METADATA, METADATA + ".tmp"}
+    started = (path / STARTED).is_file() or (path / COMPLETE).is_file()
+    if (path / COMPLETE).is_file():
+        with contextlib.suppress(Exception):  # an unreadable marker: the names below still hold
+            ours |= set(json.loads((path / COMPLETE).read_text()).get("files", {}))
+    left = []
+    for f in path.iterdir():
+        if started and f.is_file() and (f.name in ours or _DCP_FILE.fullmatch(f.name)):
+            with contextlib.suppress(FileNotFoundError):
+                f.unlink()
+        else:
+            left.append(f.name)
+    if left:
+        print(f"partita: kept {path} while pruning old checkpoints: it holds what partita did not write "
+              f"({', '.join(sorted(left)[:5])}{', ...' if len(left) > 5 else ''})", file=sys.stderr, flush=True)
+        return False
+    with contextlib.suppress(OSError):
+        path.rmdir()
+    return not path.exists()
 
 
 def resume_point(root: Any) -> tuple[Path | None, list[str]]:

@@ -174,6 +174,48 @@ def test_periodic_checkpoints_keep_the_newest_and_a_restart_skips_a_damaged_one(
     assert periodic.prune(root, 2) == [root / "step-00000001"]
 
 
+def test_pruning_deletes_only_what_partita_wrote(tmp_path, capsys):
+    """keep_last prunes partita's saves, never a user's files: a ``step-N`` folder of the user's own
+    (no marker, no save started there) keeps everything; a file the user put in an old checkpoint
+    stays (partita's files around it go); each kept folder is named once."""
+    from partita.runtime.state.marker import COMPLETE, STARTED
+
+    root = tmp_path / "ckpt"
+
+    def save(step: int, *, complete: bool = True) -> Path:
+        path = periodic.step_dir(root, step)
+        path.mkdir(parents=True)
+        (path / STARTED).touch()
+        (path / "__0_0.distcp").write_bytes(b"data")
+        (path / "__1_0.distcp").write_bytes(b"data")
+        if complete:
+            (path / ".metadata").write_bytes(b"meta")
+            (path / COMPLETE).write_text(json.dumps({"files": {"__0_0.distcp": "x", "__1_0.distcp": "y",
+                                                                ".metadata": "z"}}))
+        return path
+
+    users = periodic.step_dir(root, 1)
+    users.mkdir(parents=True)
+    (users / "notes.txt").write_text("mine")
+    (users / "__0_0.distcp").write_bytes(b"looks like a shard, but no save of partita's started here")
+    interrupted = save(2, complete=False)
+    annotated = save(3)
+    (annotated / "NOTES.md").write_text("why this step matters")
+    plain = save(4)
+    save(5)
+    capsys.readouterr()
+    assert periodic.prune(root, 1) == [interrupted, plain]
+    assert sorted(p.name for p in users.iterdir()) == ["__0_0.distcp", "notes.txt"]
+    assert [p.name for p in annotated.iterdir()] == ["NOTES.md"]  # partita's files gone, the user's kept
+    assert not interrupted.exists() and not plain.exists()
+    assert periodic.latest(root) == periodic.step_dir(root, 5)
+    err = capsys.readouterr().err.splitlines()
+    assert err == [f"partita: kept {users} while pruning old checkpoints: it holds what partita did not write "
+                   "(__0_0.distcp, notes.txt)",
+                   f"partita: kept {annotated} while pruning old checkpoints: it holds what partita did not "
+                   "write (NOTES.md)"], err
+
+
 def test_a_load_is_watched(plans, tmp_path, monkeypatch):
     """The watchdog watches a load as a step (runtime/watchdog.py): busy, the wait named."""
     import torch.distributed.checkpoint as dcp
