@@ -267,7 +267,7 @@ class ParallelModel(nn.Module):
         except AttributeError:
             return getattr(super().__getattr__("module"), name)
 
-    def train_step(self, *inputs: torch.Tensor, targets: torch.Tensor, local: bool = False) -> StepResult:
+    def train_step(self, *inputs: torch.Tensor, targets: torch.Tensor | None = None, local: bool = False) -> StepResult:
         """One optimizer step over the global batch; returns its mean loss (equal on every rank), a
         float that also carries the step's gradient norm, time and throughput (``StepResult``).
 
@@ -303,7 +303,7 @@ class ParallelModel(nn.Module):
         self._checkpoint_if_due()  # outside: writing a large checkpoint may take longer than the limit
         return result
 
-    def evaluate(self, *inputs: torch.Tensor, targets: torch.Tensor, local: bool = False) -> float:
+    def evaluate(self, *inputs: torch.Tensor, targets: torch.Tensor | None = None, local: bool = False) -> float:
         """The mean loss over the global batch, without gradients or an optimizer step, on any
         training plan (TP, PP, ZeRO and their meshes alike); a collective: every rank calls it and
         gets the same float. Inputs as ``train_step`` takes them. The forward follows the module's

@@ -209,6 +209,15 @@ def test_evaluate_needs_its_targets_too(linear):
     api_refused(lambda: linear.evaluate(torch.randn(8, 64), targets=None), "evaluate got targets=None")
 
 
+def test_targets_left_out_are_one_message_not_a_type_error(linear):
+    """``train_step(x)`` and ``evaluate(x)`` with no ``targets=`` at all: partita's message, as for
+    ``targets=None`` (it was Python's TypeError for a missing keyword argument)."""
+    before = parameters(linear)
+    api_refused(lambda: linear.train_step(torch.randn(8, 64)), "train_step got targets=None")
+    api_refused(lambda: linear.evaluate(torch.randn(8, 64)), "evaluate got targets=None")
+    assert all(torch.equal(v, parameters(linear)[k]) for k, v in before.items())
+
+
 def test_a_step_whose_loss_is_not_finite_is_skipped_when_asked(capsys):
     """``nonfinite="skip"``: the step changes no parameter, says so in one line, and counts."""
     import partita
