@@ -209,6 +209,10 @@ class Options:
         if self.checkpoint_every is not None and self.checkpoint_dir is None:
             raise PartitaError("checkpoint_every needs checkpoint_dir: where should the checkpoints go?",
                                hint="pass checkpoint_dir='DIR' too (or `partita run --checkpoint-dir DIR`)")
+        if self.keep_last is not None and self.checkpoint_dir is None:  # it would be ignored
+            raise PartitaError("keep_last has no use without checkpoint_dir: it says how many of the checkpoints "
+                               "written there are kept", hint="pass checkpoint_dir='DIR' and checkpoint_every=N "
+                               "too (`partita run --checkpoint-dir DIR --checkpoint-every N`), or leave keep_last out")
         if self.watchdog_s is not None and not (isinstance(self.watchdog_s, (int, float))
                                                 and not isinstance(self.watchdog_s, bool)
                                                 and 0 <= self.watchdog_s < math.inf):

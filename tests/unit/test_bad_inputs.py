@@ -384,6 +384,7 @@ def test_the_good_cluster_file_of_the_matrix_loads(tmp_path):
     (dict(microbatches=2, grad_accum_steps=3), "disagree"),
     (dict(recompute="yes"), "recompute='yes' is not one of none, selective, full"),
     (dict(checkpoint_every=0), "checkpoint_every=0"),
+    (dict(keep_last=2), "keep_last has no use without checkpoint_dir"),
     (dict(watchdog_s=-1), "watchdog_s=-1"),
     (dict(watchdog_s=float("nan")), "watchdog_s=nan"),
     (dict(inputs={"x": "float32[8,64"}), "malformed input"),
