@@ -411,9 +411,9 @@ def calibrate(nproc: int, output: str, device: str) -> None:
               help="nodes taking part (each runs `partita run` with the same plan); default: the plan's, or "
               "SLURM_NNODES under SLURM. MIN:MAX runs elastically: a lost node's survivors plan again for their "
               "own number and resume from the newest checkpoint; a node that comes back joins at the next one")
-@click.option("--rejoin-wait", type=Number(float, low=0), default=30.0, show_default=True, metavar="SECONDS",
+@click.option("--rejoin-wait", type=Number(float, low=0), default=None, metavar="SECONDS",
               help="with --nnodes MIN:MAX: after a node is lost, how long a restart waits for it before the "
-              "survivors go on without it")
+              "survivors go on without it  [default: 30]")
 @click.option("--node-rank", type=Number(int, low=0), default=None,
               help="this node's rank among --nnodes (node 0 hosts the rendezvous); default under SLURM: SLURM_NODEID")
 @click.option("--rdzv-endpoint", default=None, metavar="HOST:PORT",
@@ -423,7 +423,7 @@ def calibrate(nproc: int, output: str, device: str) -> None:
 @click.argument("script")
 @click.argument("args", nargs=-1, type=click.UNPROCESSED)
 @writes("trace", "checkpoint_dir")
-def run(max_restarts: int, nnodes: tuple[int, int] | None, rejoin_wait: float, node_rank: int | None,
+def run(max_restarts: int, nnodes: tuple[int, int] | None, rejoin_wait: float | None, node_rank: int | None,
         rdzv_endpoint: str | None, standalone: bool, plan_path: str, script: str, args: tuple[str, ...],
         **values: Any) -> None:
     """Launch SCRIPT under torchrun with one process per device of PLAN.json.

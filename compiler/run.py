@@ -41,8 +41,11 @@ def _nodes(counts: tuple[int, int] | None) -> str:
     return "" if counts is None else str(counts[0]) if counts[0] == counts[1] else f"{counts[0]}:{counts[1]}"
 
 
+REJOIN_WAIT_S = 30.0  # --rejoin-wait's default: how long an elastic restart waits for a lost node
+
+
 def start(plan_path: str, script: str, args: tuple[str, ...], run_options: Callable[[], Options], *,
-          max_restarts: int, nnodes: tuple[int, int] | None, rejoin_wait: float, node_rank: int | None,
+          max_restarts: int, nnodes: tuple[int, int] | None, rejoin_wait: float | None, node_rank: int | None,
           rdzv_endpoint: str | None, standalone: bool) -> int:
     """`partita run`'s checks, then ``launch`` (runtime/launch.py); its exit code. ``run_options``
     reads the run flags into ``Options`` (after the plan's and the nodes' checks)."""
@@ -88,6 +91,10 @@ def start(plan_path: str, script: str, args: tuple[str, ...], run_options: Calla
         raise PartitaError(f"--nnodes {least}:{nodes} runs elastically: after a node is lost its survivors restart "
                            "and resume from the newest checkpoint", hint="pass --checkpoint-dir D --checkpoint-every "
                            "N and --max-restarts R (at least 1) too, or a fixed --nnodes")
+    if rejoin_wait is not None and least == nodes:  # it would be ignored
+        raise PartitaError("--rejoin-wait has no use without --nnodes MIN:MAX: it is how long an elastic run's "
+                           "restart waits for a lost node",
+                           hint="pass --nnodes MIN:MAX (an elastic run) too, or leave --rejoin-wait out")
     env = dict(os.environ, PARTITA_PLAN=str(Path(plan_path).resolve()))
     if least < nodes:
         env[ELASTIC_ENV] = "1"  # the workers plan again when the world size is not the plan's
@@ -105,5 +112,6 @@ def start(plan_path: str, script: str, args: tuple[str, ...], run_options: Calla
                            hint="node ranks run from 0 to --nnodes minus 1")
     return launch(plan.world_size // nodes, [script, *args], env=env, max_restarts=max_restarts,
                   nnodes=f"{least}:{nodes}" if least < nodes else nodes,
-                  rejoin_s=rejoin_wait if least < nodes else None, checkpoint_dir=options.checkpoint_dir,
+                  rejoin_s=(REJOIN_WAIT_S if rejoin_wait is None else rejoin_wait) if least < nodes else None,
+                  checkpoint_dir=options.checkpoint_dir,
                   rdzv_endpoint=endpoint, run_id=slurm.run_id if slurm else None, node_rank=rank)

@@ -272,6 +272,9 @@ COMPILE = ["compile", MLP, "--input", X]
     (["run", "--checkpoint-every", "5", "{good}", SCRIPT], "--checkpoint-every needs"),
     (["run", "--watchdog", "-1", "{good}", SCRIPT], "-1"),
     (["run", "--nnodes", "3", "--standalone", "{good}", SCRIPT], "--nnodes"),
+    (["run", "--keep-last", "2", "{good}", SCRIPT], "--keep-last has no use without --checkpoint-dir"),
+    (["run", "--rejoin-wait", "5", "{good}", SCRIPT], "--rejoin-wait has no use without --nnodes MIN:MAX"),
+    (["run", "--rejoin-wait", "5", "--nnodes", "1", "{good}", SCRIPT], "--rejoin-wait has no use without"),
     (["run", "{tmp}/missing.json", SCRIPT], "cannot read plan file"),
     (["frobnicate"], "No such command 'frobnicate'"),
 ])
