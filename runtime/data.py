@@ -12,7 +12,7 @@ says how.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -117,6 +117,29 @@ class _ReadFields:
         return batch
 
 
+def _check_dataset(dataset: Any, global_batch: int) -> None:
+    """Refuse what would give no batch, or batches of something else, before the first step: a
+    mapping (indexed by key, not position), something neither map-style nor a stream, an empty
+    dataset or one of fewer samples than one global batch (the incomplete last batch is dropped)."""
+    what = type(dataset).__name__
+    if isinstance(dataset, Mapping):
+        raise PartitaError(f"loader() got a {what}: a dataset is read by position (dataset[i] is sample i), "
+                           "a mapping by key", hint="pass a list or map-style Dataset of (inputs..., targets) "
+                           "samples, or a tuple of one dataset per field")
+    if isinstance(dataset, IterableDataset):
+        return  # a stream's length is its own to know
+    if not (hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__")):
+        raise PartitaError(f"loader() got {'None' if dataset is None else 'a ' + what}: a dataset has a length "
+                           "and is read by position (a map-style Dataset), or is a torch IterableDataset",
+                           hint="wrap a generator or stream in a torch.utils.data.IterableDataset, or pass a list")
+    n = len(dataset)
+    if n < global_batch:
+        raise PartitaError(f"loader() got a dataset of {n} sample{'s' if n != 1 else ''}, fewer than the plan's "
+                           f"global batch of {global_batch}: it gives no batch (the incomplete last one is dropped)",
+                           hint="pass at least one global batch of samples, or compile the plan for a smaller "
+                           "--batch")
+
+
 def _nothing(fields: int) -> Callable[[list[Any]], tuple[None, ...]]:
     return lambda _: (None,) * fields
 
@@ -141,6 +164,8 @@ def share_loader(program: Program, dataset: Dataset | Sequence[Dataset], *, read
     if reads is not None and set(range(fields)) <= reads:
         reads = None  # every field
     per_field = isinstance(dataset, tuple)  # (a list is a dataset of its own)
+    for d in dataset if per_field else (dataset,):
+        _check_dataset(d, global_batch)
     if per_field:
         if len(dataset) != fields:
             raise PartitaError(f"loader() got {len(dataset)} datasets, one per field, but a step takes {fields} "

@@ -94,6 +94,22 @@ def test_options_the_plan_decides_are_refused():
         share_loader(_program(4, 0, 2), _Stream(), shuffle=True)
 
 
+@pytest.mark.parametrize("dataset, words", [
+    ([], "a dataset of 0 samples, fewer than the plan's global batch of 4: it gives no batch"),
+    ([(torch.tensor(1.0), torch.tensor(0))] * 3, "a dataset of 3 samples, fewer than the plan's global batch of 4"),
+    ({0: "a", 1: "b", 2: "c", 3: "d"}, "loader() got a dict: a dataset is read by position"),
+    ((x for x in range(8)), "loader() got a generator: a dataset has a length"),
+    (None, "loader() got None"),
+    ((list(range(8)), []), "a dataset of 0 samples"),  # one dataset per field, one of them empty
+])
+def test_a_dataset_that_gives_no_batch_or_is_no_dataset_is_one_message(dataset, words):
+    """It was silent: no batch at all for an empty or too short dataset (the incomplete last batch is
+    dropped), a dict indexed by position as if by key."""
+    with pytest.raises(PartitaError) as e:
+        share_loader(_program(4, 0, 2), dataset)
+    assert words in e.value.message and e.value.hint, e.value.message
+
+
 def test_a_middle_pipeline_stage_fetches_nothing_and_gets_as_many_batches():
     ds = _Counting(10)
     nothing = list(share_loader(_program(4, 0, 2), ds, reads=frozenset(), fields=2, shuffle=True))
