@@ -20,7 +20,7 @@ from torch import nn
 
 from partita.core.buckets import unit_of
 from partita.core.capture import uncompiled
-from partita.core.errors import PlanError
+from partita.core.errors import PartitaError, PlanError
 from partita.core.losses import training_loss
 from partita.core.ops import running_buffers
 from partita.core.optimizers import NO_OFFLOAD
@@ -285,3 +285,25 @@ def _eager_loss(module: nn.Module, loss_fn: LossFn, policy: PrecisionPolicy, dev
             return training_loss(loss_fn, module, xs, y)
 
     return compiled(loss, "the rank's model and loss") if compile else loss
+
+
+def user_scheduler(factory: Callable[[torch.optim.Optimizer], Any], optimizer: torch.optim.Optimizer) -> Any:
+    """``scheduler=``'s scheduler over this run's optimizer, or one message: a scheduler class given
+    for a factory, a factory that fails on the optimizer or returns no scheduler, or a scheduler over
+    another optimizer (it would leave this run's learning rate untouched)."""
+    hint = "pass a factory of this run's optimizer: scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, 100)"
+    if isinstance(factory, type):
+        raise PartitaError(f"scheduler= got the class {factory.__name__}, not a factory of the optimizer: partita "
+                           "builds the optimizer, so it builds the scheduler over it", hint=hint)
+    try:
+        scheduler = factory(optimizer)
+    except TypeError as e:
+        raise PartitaError(f"scheduler= failed on the run's optimizer ({type(optimizer).__name__}): {e}",
+                           hint=hint) from None
+    if not callable(getattr(scheduler, "step", None)):
+        raise PartitaError(f"scheduler= returned {type(scheduler).__name__ if scheduler is not None else 'None'}, "
+                           "not a scheduler (something with step())", hint=hint)
+    if getattr(scheduler, "optimizer", optimizer) is not optimizer:
+        raise PartitaError("scheduler= returned a scheduler over another optimizer: this run's learning rate would "
+                           "never change", hint="build it over the optimizer the factory is given, not one of your own")
+    return scheduler

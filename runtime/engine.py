@@ -35,7 +35,7 @@ from partita.core.placement import is_shard
 from partita.core.plan import MeshAxis, Plan
 from partita.runtime.batches import check_batch, check_same_batch, field_names, share, stage_reads, tokens_per_sample
 from partita.runtime.collectives import CollectiveCounter
-from partita.runtime.compose import compose, refuse_unsupported
+from partita.runtime.compose import compose, refuse_unsupported, user_scheduler
 from partita.runtime.data import share_loader
 from partita.runtime.distributed import DistContext, init_distributed
 from partita.runtime.grad_norm import clip_coefficient, global_grad_norm
@@ -90,8 +90,8 @@ class ParallelModel(nn.Module):
         self.optimizer = program.optimizer
         self._program = program
         # the user's LR scheduler over the one optimizer (ZeRO's is over shards: it scales their lr alike)
-        self.scheduler = None if options.scheduler is None or self.optimizer is None else options.scheduler(
-            self.optimizer)
+        self.scheduler = None if options.scheduler is None or self.optimizer is None else user_scheduler(
+            options.scheduler, self.optimizer)
         self._lr = float("nan")  # the learning rate the last step's update used
         self.metrics_log = MetricsLog(plan, self.ctx.device, log_dir=options.log_dir,
                                       wandb_project=options.wandb_project) \
@@ -492,3 +492,4 @@ def apply_plan(module: nn.Module, plan: Plan, options: Options | None = None, *,
     intact one found at construction: runtime/state/periodic.py); ``watchdog_s`` (how long a
     step may wait: runtime/watchdog.py, default 300 s, 0 off)."""
     return ParallelModel(module, plan, options, ctx=ctx)
+

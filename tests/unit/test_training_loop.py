@@ -56,6 +56,21 @@ def train(m: ParallelModel, seqs: list[torch.Tensor]) -> list:
     return [m.train_step(seq[:, :-1], targets=seq[:, 1:]) for seq in seqs]
 
 
+@pytest.mark.parametrize("scheduler, words", [
+    (torch.optim.lr_scheduler.StepLR, "scheduler= got the class StepLR, not a factory of the optimizer"),
+    (lambda opt: torch.optim.lr_scheduler.StepLR(opt), "scheduler= failed on the run's optimizer"),
+    (lambda opt: None, "scheduler= returned None, not a scheduler"),
+    (lambda opt: torch.optim.lr_scheduler.StepLR(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1), 1),
+     "a scheduler over another optimizer: this run's learning rate would never change"),
+])
+def test_a_scheduler_that_would_not_schedule_this_run_is_one_message(plan, scheduler, words):
+    """Each was a traceback (a class given for a factory, a factory that fails) or silent (None; a
+    scheduler over another optimizer left the model's learning rate untouched)."""
+    with pytest.raises(PartitaError) as e:
+        model(plan, scheduler=scheduler)
+    assert words in e.value.message and e.value.hint, e.value.message
+
+
 def test_a_scheduler_steps_after_each_optimizer_step_as_plain_torch_does(plan):
     m = model(plan, scheduler=halving)
     results = train(m, batches(4))
