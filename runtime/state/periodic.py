@@ -98,21 +98,34 @@ def _remove_ours(path: Path) -> bool:
 
 def resume_point(root: Any) -> tuple[Path | None, list[str]]:
     """The newest complete checkpoint under ``root`` whose every file matches its digest (a
-    collective: the files are shared out over the ranks), and a line for each newer one skipped.
+    collective: the files are shared out over the ranks), and a line for each newer one skipped
+    (damaged, or a save of partita's without its marker).
     None when there is no complete checkpoint; one ``CheckpointError`` when none is intact."""
+    done = complete(root)
+    newest = int(done[-1].name[5:]) if done else -1
+    # a save of partita's newer than the newest complete checkpoint, without its marker: interrupted, or
+    # the marker removed; named (never silently passed over), but no reason to refuse a fresh start
+    unfinished = [f"checkpoint {p} has no completion marker ({COMPLETE}): its save did not finish, or the "
+                  "marker was removed" for p in reversed(_steps(root))
+                  if int(p.name[5:]) > newest and _started(p)]
     skipped: list[str] = []
-    for path in reversed(complete(root)):
+    for path in reversed(done):
         try:
             verify(path, read_marker(path))
         except CheckpointError as e:
             skipped.append(e.message)
             continue
-        return path, skipped
+        return path, unfinished + skipped
     if skipped:
         raise CheckpointError(f"no intact checkpoint to resume from in {root}: {'; '.join(skipped)}",
                               hint="move the damaged checkpoints away to start afresh, or point checkpoint_dir "
                               "at another folder")
-    return None, []
+    return None, unfinished
+
+
+def _started(path: Path) -> bool:
+    """Whether a save of partita's started in ``path`` (its mark, or DCP's files)."""
+    return (path / STARTED).is_file() or any(_DCP_FILE.fullmatch(f.name) for f in path.iterdir())
 
 
 def save_periodic(program: Program, root: Any, *, step: int, extra: dict | None = None, async_save: bool = True,

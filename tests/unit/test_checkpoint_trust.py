@@ -174,6 +174,23 @@ def test_periodic_checkpoints_keep_the_newest_and_a_restart_skips_a_damaged_one(
     assert periodic.prune(root, 2) == [root / "step-00000001"]
 
 
+def test_a_newest_checkpoint_whose_marker_was_removed_is_named_when_skipped(plans, tmp_path, capsys):
+    """It was passed over without a word: the resume named nothing and went back a step."""
+    from partita.runtime.state.marker import COMPLETE
+
+    root = tmp_path / "ckpt"
+    m = trained(plans, steps=3, checkpoint_dir=str(root), checkpoint_every=1, keep_last=2)
+    m.wait_for_checkpoint()
+    (root / "step-00000003" / COMPLETE).unlink()
+    capsys.readouterr()
+    resumed = model(plans, checkpoint_dir=str(root))
+    out = capsys.readouterr().out.splitlines()
+    assert resumed.step == 2 and resumed.resumed_from == root / "step-00000002"
+    assert out[0] == (f"partita: checkpoint {root / 'step-00000003'} has no completion marker ({COMPLETE}): its save "
+                      "did not finish, or the marker was removed: skipped it"), out
+    assert out[1] == f"partita: resumed from {root / 'step-00000002'} (step 2)"
+
+
 def test_pruning_deletes_only_what_partita_wrote(tmp_path, capsys):
     """keep_last prunes partita's saves, never a user's files: a ``step-N`` folder of the user's own
     (no marker, no save started there) keeps everything; a file the user put in an old checkpoint
