@@ -22,6 +22,16 @@ class PartitaError(Exception):
 
 # the hint of a count (a degree, a batch, a number of nodes) that is not a positive integer
 POSITIVE_HINT = "give a whole number of at least 1, or leave the option out to let partita choose"
+# The largest count partita reads (a batch, a dim, nodes, devices, a degree): 2^48, far past any run,
+# and small enough that products of a few of them stay exact in the solvers' 64-bit integers (a batch
+# of 10^20 kept CP-SAT running; a dim of 2^63-1 overflowed in torch's C++)
+MAX_COUNT = 2**48
+
+
+def too_large(what: str, v: int) -> PartitaError:
+    """The one message for a count over ``MAX_COUNT``."""
+    return PartitaError(f"{what} {v} is more than partita plans for (at most 2^48 = {MAX_COUNT:,})",
+                        hint="give the size the run really has")
 
 
 class CaptureError(PartitaError):

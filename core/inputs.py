@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from partita.core.errors import InputSpecError
+from partita.core.errors import MAX_COUNT, InputSpecError, too_large
 
 if TYPE_CHECKING:  # a spec is checked without torch (the plan's checks); its dtype is made with it
     import torch
@@ -133,3 +133,6 @@ def _check_name_and_shape(name: str, shape: tuple[int, ...]) -> None:
     if any(not isinstance(d, int) or d <= 0 for d in shape):
         raise InputSpecError(f"input {name!r}: every dim must be a positive integer, got {list(shape)}",
                              hint=f"write {_FORM}")
+    if any(d > MAX_COUNT for d in shape):
+        e = too_large(f"input {name!r}: dim", max(shape))
+        raise InputSpecError(e.message, hint=e.hint)

@@ -9,7 +9,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from partita.core.errors import POSITIVE_HINT, PartitaError
+from partita.core.errors import MAX_COUNT, POSITIVE_HINT, PartitaError, too_large
 from partita.core.optimizers import OFFLOAD
 from partita.core.plan import OPTIMIZERS
 from partita.core.precision import PRECISIONS, REDUCE_DTYPES
@@ -26,6 +26,8 @@ def is_whole(v: Any, low: int) -> bool:
 def check_positive(name: str, v: Any) -> None:
     if v is not None and not is_whole(v, 1):
         raise PartitaError(f"--{name.replace('_', '-')} {v!r} must be a positive integer", hint=POSITIVE_HINT)
+    if v is not None and v > MAX_COUNT:
+        raise too_large(f"--{name.replace('_', '-')}", v)
 
 
 @dataclass(frozen=True)
@@ -137,6 +139,8 @@ class TrainingRequest:
         if isinstance(self.global_batch, bool) or not isinstance(self.global_batch, int) or self.global_batch < 1:
             raise PartitaError(f"--batch {self.global_batch!r} must be a positive integer",
                                hint="the global batch: samples per optimizer step over all devices")
+        if self.global_batch > MAX_COUNT:
+            raise too_large("--batch", self.global_batch)
         if self.reduce_dtype not in REDUCE_DTYPES:
             raise PartitaError(f"--reduce-dtype {self.reduce_dtype!r} is not one of {', '.join(REDUCE_DTYPES)}",
                                hint="fp32 (the default) reduces gradients at full precision")

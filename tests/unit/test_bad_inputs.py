@@ -220,6 +220,11 @@ COMPILE = ["compile", MLP, "--input", X]
 @pytest.mark.parametrize("args, expected", [
     (COMPILE + ["--batch", "0"], "--batch 0 must be a positive integer"),
     (COMPILE + ["--batch", "-8"], "--batch -8 must be a positive integer"),
+    # sizes bounded where they are read: 10^20 kept the solver running, 2^63-1 overflowed in C++
+    (COMPILE + ["--batch", "99999999999999999999"], "--batch 99999999999999999999 is more than partita plans for"),
+    (["compile", MLP, "--input", f"x=float32[{2**63 - 1},64]"], "is more than partita plans for (at most 2^48"),
+    (COMPILE + ["--devices", str(10**20)], "--devices 100000000000000000000 is more than partita plans for"),
+    (COMPILE + ["--nodes", str(2**49)], f"--nodes {2**49} is more than partita plans for"),
     (COMPILE + ["--dp", "0"], "--dp 0 must be a positive integer"),
     (COMPILE + ["--dp", "8"], "--dp 8 is more than the cluster's 4 devices"),
     (COMPILE + ["--tp", "0"], "--tp 0 must be a positive integer"),
@@ -398,6 +403,9 @@ def test_the_good_cluster_file_of_the_matrix_loads(tmp_path):
     (dict(devices=0), "--devices 0 must be a positive integer"),
     (dict(batch=0), "--batch 0 must be a positive integer"),
     (dict(batch=2.5), "--batch 2.5 must be a positive integer"),
+    (dict(batch=10**20), "--batch 100000000000000000000 is more than partita plans for"),
+    (dict(inputs={"x": "float32[100000000000000000000,64]"}), "is more than partita plans for"),
+    (dict(micro_batch_size=2**63 - 1), "--micro-batch-size 9223372036854775807 is more than partita plans for"),
     (dict(precision="fp64"), "--precision 'fp64' is not one of"),
     (dict(loss="hinge-ish"), "hinge-ish"),
     (dict(targets="y=int64[8"), "malformed input"),
