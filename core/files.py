@@ -92,7 +92,7 @@ def writable_path(path: str | os.PathLike, *, inputs: Iterable[str | os.PathLike
     """``path`` as a file to write, checked before any work is done: its folder must exist, it
     must not be a folder itself, and it must be none of ``inputs`` (the files the command reads:
     writing would destroy one)."""
-    path = Path(path)
+    path = check_path_text(path, "the output path")
     folder = path.parent
     if not folder.is_dir():
         raise PartitaError(f"cannot write {path}: the folder {folder} does not exist",
@@ -100,6 +100,37 @@ def writable_path(path: str | os.PathLike, *, inputs: Iterable[str | os.PathLike
     if path.is_dir():
         raise PartitaError(f"cannot write {path}: it is a folder", hint="pass -o a file name")
     check_output(path, [source for source in inputs if source is not None])
+    return path
+
+
+NAME_MAX, PATH_MAX = 255, 4096  # bytes of one path component, and of a whole path (Linux's limits)
+
+
+def check_path_text(path: str | os.PathLike, what: str) -> Path:
+    """A path's text: no NUL byte, no component over ``NAME_MAX`` bytes, the whole under ``PATH_MAX``."""
+    text = os.fspath(path)
+    if "\0" in str(text):
+        raise PartitaError(f"{what} {text!r} holds a NUL character, which no path can", hint="pass a plain path")
+    raw = os.fsencode(text)
+    if len(raw) >= PATH_MAX or any(len(part) > NAME_MAX for part in raw.split(b"/")):
+        raise PartitaError(f"{what} is too long ({len(raw):,} bytes; a file name may have {NAME_MAX}, a path "
+                           f"{PATH_MAX - 1}): {str(text)[:60]}...", hint="pass a shorter path")
+    return Path(text)
+
+
+def writable_folder(path: str | os.PathLike, what: str) -> Path:
+    """``path`` as a folder a run writes into (created when missing), checked before any work is
+    done: a sane path (``check_path_text``), not a file, under no file, and writable where it will be
+    made. ``what`` names the option in the message."""
+    path = check_path_text(path, what)
+    if path.exists() and not path.is_dir():
+        raise PartitaError(f"{what} {path} is a file, not a folder", hint="pass a folder (it is created if missing)")
+    above = next((p for p in [path, *path.absolute().parents] if p.exists()), None)
+    if above is not None and not above.is_dir():
+        raise PartitaError(f"{what} {path} is below {above}, which is a file, not a folder",
+                           hint="pass a folder (it is created if missing) under a folder")
+    if above is not None and not os.access(above, os.W_OK | os.X_OK):
+        raise PartitaError(f"{what} {path}: {above} is not writable", hint="pass a folder you can write to")
     return path
 
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from partita.core.errors import PartitaError
-from partita.core.files import check_output, writable_path
+from partita.core.files import check_output, writable_folder, writable_path
 from partita.core.optimizers import NO_OFFLOAD, OFFLOAD, default_optimizer, optimizer_kind
 from partita.core.pins import ZERO_STAGES, Pins, TrainingRequest, check_positive, is_whole  # noqa: F401 (Pins, TrainingRequest re-exported)
 from partita.core.plan import OPTIMIZERS
@@ -239,6 +239,9 @@ class Options:
             writable_path(self.trace, inputs=read)  # before the run, not after its first step
         if self.checkpoint_dir is not None:
             check_output(self.checkpoint_dir, [r for r in read if r is not None])
+        for name in ("checkpoint_dir", "log_dir"):  # folders the run writes into: sane, not files, writable
+            if getattr(self, name) is not None:
+                writable_folder(getattr(self, name), name)
 
     # -- building one ------------------------------------------------------------------------------
 

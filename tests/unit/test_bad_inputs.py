@@ -290,6 +290,28 @@ def test_cli_arguments(cli, plan_files, tmp_path, args, expected):
     assert_one_message(code, out, err, expected)
 
 
+@pytest.mark.parametrize("name, value, words", [
+    ("log_dir", "{file}", "log_dir {file} is a file, not a folder"),
+    ("checkpoint_dir", "{file}/below", "checkpoint_dir {file}/below is below {file}, which is a file"),
+    ("checkpoint_dir", "x" * 5000, "checkpoint_dir is too long (5,000 bytes"),
+    ("log_dir", "{tmp}/" + "y" * 300, "log_dir is too long"),
+    ("log_dir", "a\0b", "holds a NUL character"),
+    ("trace", "{tmp}/" + "t" * 300 + ".json", "is too long"),
+])
+def test_a_run_folder_that_cannot_be_written_is_refused_when_the_model_is_built(tmp_path, name, value, words):
+    """Each was a traceback at the first save or log (NotADirectoryError, File name too long, a NUL)."""
+    import partita
+
+    subs = {"{file}": str(tmp_path / "afile"), "{tmp}": str(tmp_path)}
+    (tmp_path / "afile").write_text("a file")
+    for k, v in subs.items():
+        value, words = value.replace(k, v), words.replace(k, v)
+    with pytest.raises(PartitaError) as e:
+        partita.parallelize(inputs={"x": "float32[8,64]"}, **{name: value})
+    assert words in e.value.message and "\n" not in e.value.message and e.value.hint, e.value.message
+    assert [p.name for p in tmp_path.iterdir()] == ["afile"]  # nothing made
+
+
 def test_estimate_and_compile_refuse_the_same_dp_in_the_same_words(cli):
     _, _, e1 = cli("estimate", "--params", "7B", "--dp", "8")
     _, _, e2 = cli(*COMPILE, "--dp", "8")
