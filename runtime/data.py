@@ -140,6 +140,35 @@ def _check_dataset(dataset: Any, global_batch: int) -> None:
                            "--batch")
 
 
+def _shape_of(sample: Any) -> str:
+    """A sample's structure in a few characters: ``(float32[4], int64[])``."""
+    if isinstance(sample, torch.Tensor):
+        return f"{str(sample.dtype).removeprefix('torch.')}[{','.join(map(str, sample.shape))}]"
+    if isinstance(sample, (tuple, list)):
+        return "(" + ", ".join(_shape_of(x) for x in sample) + ")"
+    if isinstance(sample, Mapping):
+        return "{" + ", ".join(f"{k}: {_shape_of(v)}" for k, v in sample.items()) + "}"
+    return type(sample).__name__
+
+
+class _Stacked:
+    """torch's ``default_collate``, its failure one message naming the first sample unlike the
+    batch's first (ragged samples: another shape, another number of fields, another type)."""
+
+    def __call__(self, samples: list[Any]) -> Any:
+        try:
+            return default_collate(samples)
+        except (RuntimeError, TypeError, ValueError) as e:
+            first = _shape_of(samples[0])
+            unlike = next(((i, _shape_of(x)) for i, x in enumerate(samples) if _shape_of(x) != first), None)
+            where = (f"sample {unlike[0]} of this rank's batch is {unlike[1]} where sample 0 is {first}"
+                     if unlike else f"its samples are {first}, which torch cannot stack")
+            raise PartitaError(f"loader(): the samples of a batch do not stack into one: {where} "
+                               f"({type(e).__name__}: {str(e).splitlines()[0][:200]})",
+                               hint="give every sample the same fields, shapes and dtypes (pad or crop them), or "
+                               "pass a collate_fn that makes one batch of them") from None
+
+
 def _nothing(fields: int) -> Callable[[list[Any]], tuple[None, ...]]:
     return lambda _: (None,) * fields
 
@@ -176,7 +205,7 @@ def share_loader(program: Program, dataset: Dataset | Sequence[Dataset], *, read
             raise PartitaError("loader() reads per-field datasets by index: an IterableDataset cannot be one",
                                hint="pass map-style datasets, or one IterableDataset of whole samples")
         dataset = Columns(dataset, reads)
-    collate = dataloader_kwargs.pop("collate_fn", None) or default_collate
+    collate = dataloader_kwargs.pop("collate_fn", None) or _Stacked()
     if reads is not None:
         collate = _ReadFields(collate, reads, per_field)
     elif per_field:

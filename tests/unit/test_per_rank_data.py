@@ -110,6 +110,20 @@ def test_a_dataset_that_gives_no_batch_or_is_no_dataset_is_one_message(dataset, 
     assert words in e.value.message and e.value.hint, e.value.message
 
 
+@pytest.mark.parametrize("bad, words", [
+    ((torch.zeros(5), torch.tensor(0)), "sample 2 of this rank's batch is (float32[5], int64[]) where sample 0 is "
+                                        "(float32[4], int64[])"),
+    ((torch.zeros(4),), "sample 2 of this rank's batch is (float32[4]) where sample 0 is (float32[4], int64[])"),
+])
+def test_ragged_samples_are_one_message_naming_the_first_unlike_one(bad, words):
+    """It was torch's traceback from default_collate ("stack expects each tensor to be equal size")."""
+    samples = [(torch.zeros(4), torch.tensor(0))] * 8
+    samples[2] = bad
+    with pytest.raises(PartitaError) as e:
+        next(iter(share_loader(_program(4, 0, 1), samples)))
+    assert words in e.value.message and "\n" not in e.value.message and e.value.hint, e.value.message
+
+
 def test_a_middle_pipeline_stage_fetches_nothing_and_gets_as_many_batches():
     ds = _Counting(10)
     nothing = list(share_loader(_program(4, 0, 2), ds, reads=frozenset(), fields=2, shuffle=True))
