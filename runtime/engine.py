@@ -492,4 +492,3 @@ def apply_plan(module: nn.Module, plan: Plan, options: Options | None = None, *,
     intact one found at construction: runtime/state/periodic.py); ``watchdog_s`` (how long a
     step may wait: runtime/watchdog.py, default 300 s, 0 off)."""
     return ParallelModel(module, plan, options, ctx=ctx)
-

@@ -95,6 +95,14 @@ def deadline(seconds: float, what: str) -> Iterator[None]:
         signal.signal(signal.SIGALRM, previous)
 
 
+def threads_of(pid: int | str = "self") -> int:
+    """The threads process ``pid`` runs, its native ones (gloo's) too; 0 where /proc does not say."""
+    try:
+        return len(os.listdir(f"/proc/{pid}/task"))
+    except OSError:
+        return 0
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -233,10 +241,7 @@ class Ranks:
 
     def threads(self) -> int:
         """The most threads one of the ranks runs (0 where /proc does not say)."""
-        try:
-            return max(len(os.listdir(f"/proc/{p.pid}/task")) for p in self.procs)
-        except OSError:
-            return 0
+        return max(threads_of(p.pid) for p in self.procs)
 
     def kill(self) -> None:
         for p in self.procs:

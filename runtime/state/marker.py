@@ -149,9 +149,10 @@ def _write_atomically(path: Path, text: str) -> None:
     tmp.rename(path)  # a reader sees the marker whole or not at all
 
 
-def remove_marker(path: Path) -> None:
-    """Before a save (the coordinator's, before any rank writes): a save over an existing checkpoint
-    stops counting until the new marker is there, and the folder is marked as partita's (``STARTED``)."""
+def begin_save(path: Path) -> None:
+    """The coordinator's first act of a save, before any rank writes: the folder is marked as
+    partita's (``STARTED``), and a save over an existing checkpoint stops counting (its marker
+    removed) until the new marker is there."""
     with contextlib.suppress(FileNotFoundError):
         Path(path, COMPLETE).unlink()
     Path(path).mkdir(parents=True, exist_ok=True)

@@ -12,7 +12,6 @@ skipped, with one line saying why (``resume_point``).
 from __future__ import annotations
 
 import contextlib
-import json
 import re
 import sys
 from pathlib import Path
@@ -76,10 +75,10 @@ def _remove_ours(path: Path) -> bool:
     True when the folder is gone. A folder partita did not start (no marker, no ``STARTED``) loses
     nothing but is removed when empty."""
     ours = {COMPLETE, COMPLETE + ".tmp", STARTED, METADATA, METADATA + ".tmp"}
-    started = (path / STARTED).is_file() or (path / COMPLETE).is_file()
+    started = _started(path)
     if (path / COMPLETE).is_file():
-        with contextlib.suppress(Exception):  # an unreadable marker: the names below still hold
-            ours |= set(json.loads((path / COMPLETE).read_text()).get("files", {}))
+        with contextlib.suppress(CheckpointError):  # an unreadable marker: the names above still hold
+            ours |= set(read_marker(path)["files"])
     left = []
     for f in path.iterdir():
         if started and f.is_file() and (f.name in ours or _DCP_FILE.fullmatch(f.name)):
@@ -124,8 +123,8 @@ def resume_point(root: Any) -> tuple[Path | None, list[str]]:
 
 
 def _started(path: Path) -> bool:
-    """Whether a save of partita's started in ``path`` (its mark, or DCP's files)."""
-    return (path / STARTED).is_file() or any(_DCP_FILE.fullmatch(f.name) for f in path.iterdir())
+    """Whether a save of partita's started in ``path``: its mark (``STARTED``), or its marker."""
+    return (path / STARTED).is_file() or (path / COMPLETE).is_file()
 
 
 def save_periodic(program: Program, root: Any, *, step: int, extra: dict | None = None, async_save: bool = True,

@@ -41,7 +41,7 @@ from partita.core.placement import shard_dim
 from partita.runtime.distributed import _lost_a_peer  # the one rule for "a collective lost its peer"
 from partita.runtime.program import Program
 from partita.runtime.state import fingerprint
-from partita.runtime.state.marker import CheckpointError, Writer, remove_marker
+from partita.runtime.state.marker import CheckpointError, Writer, begin_save
 from partita.runtime.watchdog import FLIGHT
 
 Piece = tuple[tuple[int, ...], torch.Tensor]  # (offsets in the whole tensor, the local data of that block)
@@ -349,7 +349,7 @@ def save(program: Program, path: Any, *, step: int, extra: dict | None = None, a
     record = _record(program, step, extra, scheduler)
     state = training_state(program)
     if program.ctx.rank == 0:
-        remove_marker(path)  # a save over an older one: it stops counting until this one completes
+        begin_save(path)  # marks the folder partita's; one saved over stops counting until this one completes
     what = f"the checkpoint save of {path}"
     if async_save:
         writer = Writer(path, record, on_complete=on_complete)

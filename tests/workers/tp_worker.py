@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import copy
 import functools
-import os
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
@@ -28,7 +27,7 @@ from partita.core.options import Options
 from partita.runtime.distributed import GROUPS, DistContext
 from partita.runtime.dp.buckets import bucket_layout
 from partita.runtime.engine import ParallelModel
-from tests.harness import gaps, gather_tp, reference_backward
+from tests.harness import gaps, gather_tp, reference_backward, threads_of
 from tests.tp_choice import MEGATRON, tp_plan
 from tests.workers.dp_worker import GPT_VOCAB, OPTIMIZERS, SEQ, gpt_batch, gpt_loss, mlp, mlp_batch
 
@@ -106,7 +105,7 @@ def compare(ctx: DistContext, name: str, *, tp: int, dp: int = 1, replicated: bo
     result = {
         # the process groups this process has made, and its threads: a later program of the same mesh
         # makes none (runtime/distributed.py ``_Groups``)
-        "groups_made": sum(map(len, GROUPS.made.values())), "threads": _threads(),
+        "groups_made": sum(map(len, GROUPS.made.values())), "threads": threads_of(),
         "case": f"{name}/dp={dp}/tp={tp}{'/replicated' if replicated else ''}{'/checkpoint' if checkpoint else ''}"
                 f"{'/sp' if sequence_parallel else ''}",
         "replicated": replicated, "checkpoint": checkpoint is not None,
@@ -160,11 +159,6 @@ def compare(ctx: DistContext, name: str, *, tp: int, dp: int = 1, replicated: bo
         "tp_calls_per_step": sum(n for k, a, b, n in want_calls if a == "tp"),
         "saved_per_micro_batch": sum(s.nbytes() for s in saved.values()) / ACCUM,
     }
-
-
-def _threads() -> int:
-    """This process's threads, the native ones (gloo's) too; 0 where /proc does not say."""
-    return len(os.listdir("/proc/self/task")) if os.path.isdir("/proc/self/task") else 0
 
 
 def _note_saved(saved: dict[int, torch.UntypedStorage], t: torch.Tensor) -> tuple[torch.UntypedStorage, torch.Tensor]:
