@@ -45,7 +45,7 @@ from partita.core.capture import capture
 from partita.core.cluster import PRESETS
 from partita.core.inputs import parse_input_spec
 from partita.core.losses import default_loss
-from partita.core.options import Pins, TrainingRequest
+from partita.core.pins import Pins, TrainingRequest
 from partita.passes.cost_model import state_bytes_per_param
 from partita.passes.pipeline.costs import node_costs
 from partita.passes.pipeline.cuts import Partition, StageSetup, solve_cuts

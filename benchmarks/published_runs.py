@@ -104,7 +104,7 @@ from partita.core.cluster import PRESETS, ClusterSpec
 from partita.core.errors import InfeasibleError
 from partita.core.inputs import parse_input_spec
 from partita.core.losses import default_loss
-from partita.core.options import Pins, TrainingRequest
+from partita.core.pins import Pins, TrainingRequest
 from partita.passes.cost_model import model_state_memory, state_bytes_per_param
 from partita.passes.profile import ModelProfile, profile_model
 from partita.passes.search import Decision, plan_search

@@ -19,10 +19,11 @@ from typing import Any
 from partita.core.buckets import unit_of
 from partita.core.capture import CapturedModel
 from partita.core.cluster import ClusterSpec
+from partita.core.mesh import Mesh, MeshAxis
 from partita.core.ops import running_buffers
-from partita.core.options import TrainingRequest
+from partita.core.pins import TrainingRequest
 from partita.core.placement import is_shard
-from partita.core.plan import Collective, Mesh, MeshAxis, ParamDecision
+from partita.core.plan import Collective, ParamDecision
 from partita.core.precision import activation_scale, dtype_bytes, element_bytes
 from partita.core.recompute import FULL, rerun_regions
 from partita.core.tp.layout import forward_collectives, recompute_collectives, tp_collectives

@@ -11,10 +11,10 @@ from rich.table import Table
 
 from partita.core.cluster import UNCALIBRATED
 from partita.core.errors import printable
-from partita.core.mesh import held_experts
+from partita.core.mesh import MeshAxis, held_experts
 from partita.core.optimizers import NO_OFFLOAD
 from partita.core.placement import REPLICATE, Placement, is_shard
-from partita.core.plan import MemoryBreakdown, MeshAxis, Plan
+from partita.core.plan import MemoryBreakdown, Plan
 from partita.core.recompute import FULL, NONE, RECOMPUTED, SELECTIVE
 from partita.core.schedule import bubble_fraction
 

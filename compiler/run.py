@@ -53,7 +53,7 @@ def start(plan_path: str, script: str, args: tuple[str, ...], run_options: Calla
 
     from partita.compiler.elastic import ELASTIC_ENV
     from partita.core.verify import load_plan
-    from partita.runtime.engine import refuse_unsupported
+    from partita.runtime.compose import refuse_unsupported
     from partita.runtime.launch import launch, slurm_layout
 
     plan = load_plan(plan_path)

@@ -25,7 +25,7 @@ from typing import Any
 from partita.core.errors import PartitaError
 from partita.core.files import check_output, writable_folder, writable_path
 from partita.core.optimizers import NO_OFFLOAD, OFFLOAD, default_optimizer, optimizer_kind
-from partita.core.pins import ZERO_STAGES, Pins, TrainingRequest, check_positive, is_whole  # noqa: F401 (Pins, TrainingRequest re-exported)
+from partita.core.pins import Pins, TrainingRequest, check_positive, is_whole
 from partita.core.plan import OPTIMIZERS
 from partita.core.precision import PRECISIONS, REDUCE_DTYPES
 from partita.core.recompute import NONE, RECOMPUTE, recompute_mode

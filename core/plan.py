@@ -1,35 +1,30 @@
-"""The plan file: the only contract between planning and running.
+"""The plan: the only contract between planning and running.
 
-A ``Plan`` is a frozen, typed structure written as versioned JSON (never pickle: a plan from
-elsewhere must never run code), checked against ``plan_schema.json`` on load. Loading refuses,
-saying what differs, another schema ``version``, model (graph fingerprint) or world size.
+A ``Plan`` is a frozen, typed structure written as versioned, sealed JSON (never pickle: a plan
+from elsewhere must never run code). This module holds its types and how one is written;
+core/plan_file.py reads a plan file back (schema, consistency and seal checks), and
+core/dataclass_json.py is the dataclass <-> JSON codec both sides use.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 import hashlib
 import json
-import types
-import typing
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from enum import Enum
 from pathlib import Path
 from typing import Any
 
 from partita.core.buckets import DEFAULT_BUCKET_BYTES
+from partita.core.dataclass_json import from_jsonable, to_jsonable
 from partita.core.errors import PlanError
-from partita.core.files import read_user_text, write_text
-from partita.core.mesh import MESH_ORDER, Mesh, MeshAxis  # noqa: F401 (the plan's mesh; re-exported)
+from partita.core.files import write_text
+from partita.core.mesh import Mesh
 from partita.core.optimizers import NO_OFFLOAD
 from partita.core.recompute import NONE
 
 SCHEMA_VERSION = 2  # 2: Stage.recompute names a mode (core/recompute.py), not a flag
-SCHEMA_PATH = Path(__file__).with_name("plan_schema.json")
 SEAL = "sha256"  # the plan file's field holding ``seal_digest``
-MAX_PLAN_BYTES = 1 << 30  # a plan file larger than this is not one partita wrote
 # the optimizers a plan may name (passes/cost_model.py prices their state)
 OPTIMIZERS = ("adamw", "adam", "sgd", "sgd-momentum", "none")
 
@@ -309,7 +304,7 @@ class Plan:
 
     def to_dict(self, *, seal: bool = True) -> dict[str, Any]:
         """The plan as JSON data; with ``seal``, its ``sha256`` (``seal_digest``) last."""
-        out = _to_jsonable(self)
+        out = to_jsonable(self)
         out["world_size"] = self.world_size
         if seal:
             out[SEAL] = seal_digest(out)
@@ -326,7 +321,7 @@ class Plan:
         data = dict(data)
         data.pop("world_size", None)
         data.pop(SEAL, None)
-        return _from_jsonable(cls, data)
+        return from_jsonable(cls, data)
 
     def check_matches(
         self, *, fingerprint: str | None = None, world_size: int | None = None
@@ -346,155 +341,3 @@ class Plan:
                 hint=f"launch with `torchrun --nproc-per-node {self.world_size}` "
                 f"or recompile for {world_size} devices",
             )
-
-
-def read_plan(
-    path: str | Path, *, fingerprint: str | None = None, world_size: int | None = None, sealed: bool = True,
-    verify: Callable[[Plan], list[str]] | None = None,
-) -> Plan:
-    """Read and validate a plan file (``plan_from_data``); optionally check it against a model and
-    world size. Every caller outside core/ loads through ``passes.verify.load_plan``, which passes
-    the planner's own rules as ``verify``. ``sealed=False`` skips only the seal (`partita verify`)."""
-    plan = plan_from_data(read_plan_data(path), source=str(path), sealed=sealed, verify=verify)
-    plan.check_matches(fingerprint=fingerprint, world_size=world_size)
-    return plan
-
-
-def read_plan_data(path: str | Path) -> Any:
-    """A plan file's parsed JSON, or ``PlanError`` saying why it cannot be read."""
-    path = Path(path)
-    broken = "the file may be truncated or edited by hand; recompile it with `partita compile`"
-    text = read_user_text(path, what="plan file", limit=MAX_PLAN_BYTES, error=PlanError,
-                          hint="pass the path of a plan file `partita compile` wrote")
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as e:
-        raise PlanError(
-            f"{path} is not a valid plan file: JSON error at line {e.lineno}, column {e.colno}: {e.msg}",
-            hint=broken,
-        ) from e
-    except RecursionError as e:
-        raise PlanError(f"{path} is not a plan file: its JSON nests too deeply", hint=broken) from e
-
-
-def plan_from_data(data: Any, *, source: str = "plan", sealed: bool = True,
-                   verify: Callable[[Plan], list[str]] | None = None) -> Plan:
-    """Validate parsed JSON against the schema, build a ``Plan``, refuse it if ``verify`` (the
-    planner's rules, core/verify.py) finds problems, then check its seal unless ``sealed`` is False."""
-    if not isinstance(data, dict):
-        raise PlanError(f"{source} is not a plan file: expected a JSON object, got {type(data).__name__}",
-                        hint="pass a plan file `partita compile` wrote")
-    version = data.get("version")
-    if version != SCHEMA_VERSION:
-        raise PlanError(
-            f"{source} has plan format version {_short(repr(version))}; this partita reads version {SCHEMA_VERSION}",
-            hint="recompile the plan with this version of partita",
-        )
-    import jsonschema
-
-    try:
-        _plan_validator().validate(data)
-    except jsonschema.ValidationError as e:
-        where = "/".join(str(p) for p in e.absolute_path) or "(top level)"
-        raise PlanError(
-            f"{source} is not a valid plan file: at {_short(where)}: {_short(e.message)}",
-            hint="recompile it with `partita compile`",
-        ) from e
-    except RecursionError as e:
-        raise PlanError(f"{source} is not a plan file: its JSON nests too deeply",
-                        hint="recompile it with `partita compile`") from e
-    try:
-        plan = Plan.from_dict(data)
-    except (ValueError, TypeError, KeyError) as e:
-        raise PlanError(f"{source} is not a consistent plan: {_short(str(e))}",
-                        hint="recompile it with `partita compile`") from e
-    if data.get("world_size") not in (None, plan.world_size):
-        raise PlanError(
-            f"{source} is not a consistent plan: world_size {data['world_size']} "
-            f"but mesh {plan.mesh} has {plan.world_size} devices",
-            hint="recompile it with `partita compile`",
-        )
-    problems = verify(plan) if verify is not None else []
-    if problems:
-        raise PlanError(f"{source} is not a consistent plan: {describe_problems(problems)}",
-                        hint="recompile it with `partita compile` (or undo the hand edit)")
-    if sealed and data.get(SEAL) != seal_digest(data):
-        what = "has no seal" if SEAL not in data else "was changed after it was sealed (its sha256 does not match)"
-        raise PlanError(f"{source} {what}: a plan is run only as `partita compile` or `partita verify` wrote it",
-                        hint=f"check the edit, then run `partita verify {source}` to verify it and seal it again")
-    return plan
-
-
-@functools.lru_cache(maxsize=1)
-def _plan_validator() -> Any:
-    """The schema's validator, with "integer" meaning a JSON integer (jsonschema also takes 8.0:
-    a count written as a float is no count partita wrote)."""
-    import jsonschema
-
-    schema = json.loads(SCHEMA_PATH.read_text())
-    base = jsonschema.validators.validator_for(schema)
-    checker = base.TYPE_CHECKER.redefine("integer", lambda _, v: isinstance(v, int) and not isinstance(v, bool))
-    return jsonschema.validators.extend(base, type_checker=checker)(schema)
-
-
-def describe_problems(problems: list[str], limit: int = 5) -> str:
-    """The first problems found, and how many more."""
-    more = len(problems) - limit
-    return "; ".join(problems[:limit]) + (f"; and {more} more" if more > 0 else "")
-
-
-def _short(value: Any, limit: int = 200) -> str:
-    """``value`` as text of at most ``limit`` characters (a hostile file can make any field huge)."""
-    text = value if isinstance(value, str) else repr(value)
-    return text if len(text) <= limit else text[:limit] + f"... ({len(text):,} characters)"
-
-
-# -- generic dataclass <-> JSON ------------------------------------------------
-
-
-def _to_jsonable(obj: Any) -> Any:
-    if dataclasses.is_dataclass(obj):
-        return {f.name: _to_jsonable(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
-    if isinstance(obj, Enum):
-        return obj.value
-    if isinstance(obj, Mapping):
-        return {str(k): _to_jsonable(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_to_jsonable(v) for v in obj]
-    return obj
-
-
-@functools.cache
-def _type_hints(tp: type) -> dict[str, Any]:
-    return typing.get_type_hints(tp)
-
-
-def _from_jsonable(tp: Any, value: Any) -> Any:
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        if value is None:
-            return None
-        args = [a for a in typing.get_args(tp) if a is not type(None)]
-        return _from_jsonable(args[0], value)
-    if dataclasses.is_dataclass(tp):
-        if not isinstance(value, Mapping):
-            raise TypeError(f"{tp.__name__} must be an object, got {value!r}")
-        hints = _type_hints(tp)
-        names = {f.name for f in dataclasses.fields(tp)}
-        unknown = set(value) - names
-        if unknown:
-            raise KeyError(f"unknown field(s) {sorted(unknown)} in {tp.__name__}")
-        return tp(**{k: _from_jsonable(hints[k], v) for k, v in value.items()})
-    if origin is tuple:
-        args = typing.get_args(tp)
-        inner = args[0] if args else Any
-        return tuple(_from_jsonable(inner, v) for v in value)
-    if origin in (Mapping, dict) or tp is Mapping:
-        args = typing.get_args(tp)
-        inner = args[1] if len(args) == 2 else Any
-        return {k: _from_jsonable(inner, v) for k, v in value.items()}
-    if tp is float and isinstance(value, int):
-        return float(value)
-    return value
-
-

@@ -1,11 +1,11 @@
 """A plan is verified before it runs: what its decisions imply is derived again and compared.
 
 The plan file is the only contract between planning and running, and JSON can be edited by
-hand. Loading (``load_plan`` here, over core/plan.py's ``read_plan``) therefore refuses a plan whose parts
+hand. Loading (``load_plan`` here, over core/plan_file.py's ``read_plan``) therefore refuses a plan whose parts
 disagree, naming each disagreement, with the rules that made them (no second copy of a rule):
 
 - every edge's forward and backward collective is the one its placements require
-  (``core/tp/strategies.reshard_kind`` and ``grad_convention``), and its ``have`` is what
+  (``core/tp/vocabulary.reshard_kind`` and ``grad_convention``), and its ``have`` is what
   its producer puts out;
 - every node's strategy is one its op's rule can name (``core/tp/rules.op_rule``; the
   exact strategies, with their placements, are re-derived from the graph where the runtime
@@ -30,8 +30,10 @@ import math
 from collections.abc import Iterable
 from typing import Any
 
+from partita.core.mesh import MeshAxis
 from partita.core.optimizers import NO_OFFLOAD
-from partita.core.plan import MeshAxis, NodeDecision, Plan, describe_problems, plan_from_data, read_plan
+from partita.core.plan import NodeDecision, Plan
+from partita.core.plan_file import describe_problems, plan_from_data, read_plan
 
 
 def load_plan(path: Any, *, fingerprint: str | None = None, world_size: int | None = None,

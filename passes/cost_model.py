@@ -205,7 +205,7 @@ def collective_time(kind: str, nbytes: float, n: int, link: Link) -> float:
 
 
 def reshard_time(kind: str, nbytes: float, n: int, link: Link) -> float:
-    """Time of one tensor-parallel reshard (core/tp/strategies.reshard_kind) of a tensor of
+    """Time of one tensor-parallel reshard (core/tp/vocabulary.reshard_kind) of a tensor of
     ``nbytes`` (its whole size) over ``n`` ranks. "none" and "slice" are local and free."""
     if kind in ("none", "slice"):
         return 0.0
@@ -383,7 +383,7 @@ def mesh_step(
     ``micro_batch_s`` is one micro-batch's forward+backward on one device, by part:
     ``"compute"`` (local FLOPs) and tensor-parallel communication (``"tp_forward"``,
     ``"tp_backward"``, ``"tp_internal"``), as the TP solver predicts them. The dp group's
-    ranks lie ``tp`` apart (TP innermost, core/plan.MESH_ORDER), so its link is
+    ranks lie ``tp`` apart (TP innermost, core/mesh.MESH_ORDER), so its link is
     ``link_for_group(dp, stride=tp)``. ``state`` is the device's model state; under ZeRO >= 1
     the optimizer pass is over ``local_params / dp`` parameters of ``state_bytes`` each.
     """

@@ -30,7 +30,7 @@ from partita.core.cluster import ClusterSpec, Link
 from partita.core.errors import PartitaError
 from partita.core.experts import ExpertRegion, ep_degrees, expert_params
 from partita.core.optimizers import NO_OFFLOAD
-from partita.core.options import Pins, TrainingRequest
+from partita.core.pins import Pins, TrainingRequest
 from partita.core.precision import activation_scale, element_bytes
 from partita.passes.cost_model import (
     ModelStateMemory,

@@ -36,11 +36,14 @@ from typing import Any
 from partita.core.buckets import DEFAULT_BUCKET_BYTES
 from partita.core.cluster import ClusterSpec
 from partita.core.errors import InfeasibleError, PartitaError
+from partita.core.mesh import Mesh
 from partita.core.optimizers import NO_OFFLOAD, OFFLOAD_OPTIMIZER
-from partita.core.options import Pins, TrainingRequest
-from partita.core.plan import Alternative, MemoryBreakdown, Mesh, Stage
+from partita.core.pins import Pins, TrainingRequest
+from partita.core.placement import is_shard
+from partita.core.plan import Alternative, MemoryBreakdown, Stage
 from partita.core.recompute import FULL, NONE, SELECTIVE
-from partita.core.tp.strategies import Strategy, input_index, is_shard, node_strategies
+from partita.core.tp.strategies import input_index, node_strategies
+from partita.core.tp.vocabulary import Strategy
 from partita.passes.cost_model import model_state_memory, state_bytes_per_param, zero_optimizer_time, zero_step_comm
 from partita.passes.dp.buckets import gradient_buckets
 from partita.passes.dp.zero import STRATEGY_NAMES
@@ -363,9 +366,7 @@ def tp_node_costs(profile: ModelProfile, cluster: ClusterSpec, request: Training
     local: dict[str, float] = {}
     for n, a in G.nodes(data=True):
         if a["kind"] == "param":
-            whole = 1
-            for d in a["shapes"][0]:
-                whole *= d
+            whole = math.prod(a["shapes"][0])
             sharded = choice[n].out and is_shard(choice[n].out[0])
             name = a.get("param_name", n)
             local[name] = min(local.get(name, whole), whole / tp if sharded else whole)

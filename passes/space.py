@@ -19,7 +19,7 @@ import math
 
 from partita.core.cluster import ClusterSpec
 from partita.core.errors import PartitaError
-from partita.core.options import Pins
+from partita.core.pins import Pins
 
 
 def divisors(n: int) -> list[int]:

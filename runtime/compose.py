@@ -22,10 +22,11 @@ from partita.core.buckets import unit_of
 from partita.core.capture import uncompiled
 from partita.core.errors import PartitaError, PlanError
 from partita.core.losses import training_loss
+from partita.core.mesh import MeshAxis
 from partita.core.ops import running_buffers
 from partita.core.optimizers import NO_OFFLOAD
 from partita.core.options import Options
-from partita.core.plan import MeshAxis, Plan
+from partita.core.plan import Plan
 from partita.core.precision import PrecisionPolicy
 from partita.core.recompute import NONE
 from partita.runtime.collectives import CollectiveCounter

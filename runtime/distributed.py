@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from partita.core.errors import PartitaError, printable
-from partita.core.plan import Mesh
+from partita.core.mesh import Mesh
 from partita.runtime.watchdog import FLIGHT, timeout_from_env
 from partita.runtime.watchdog import stop as stop_watchdog
 

@@ -30,12 +30,14 @@ import torch.distributed as dist
 from torch import nn
 
 from partita.core.errors import PartitaError, PlanError
+from partita.core.mesh import MeshAxis
 from partita.core.options import Options
 from partita.core.placement import is_shard
-from partita.core.plan import MeshAxis, Plan
+from partita.core.plan import Plan
+from partita.core.schedule import BACKWARD, FORWARD
 from partita.runtime.batches import check_batch, check_same_batch, field_names, share, stage_reads, tokens_per_sample
 from partita.runtime.collectives import CollectiveCounter
-from partita.runtime.compose import compose, refuse_unsupported, user_scheduler
+from partita.runtime.compose import compose, user_scheduler
 from partita.runtime.data import share_loader
 from partita.runtime.distributed import DistContext, init_distributed
 from partita.runtime.grad_norm import clip_coefficient, global_grad_norm
@@ -46,10 +48,10 @@ from partita.runtime.state import full as full_state
 from partita.runtime.state import loading, periodic
 from partita.runtime.state import sharded as sharded_state
 from partita.runtime.tp.module import TensorParallel
-from partita.runtime.trace import BACKWARD, FORWARD, TraceRecorder
+from partita.runtime.trace import TraceRecorder
 from partita.runtime.watchdog import FLIGHT, watch
 
-__all__ = ["ParallelModel", "StepResult", "apply_plan", "refuse_unsupported"]  # refuse_unsupported: the CLI's check
+__all__ = ["ParallelModel", "StepResult", "apply_plan"]
 
 
 class ParallelModel(nn.Module):

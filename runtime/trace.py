@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from partita.core.plan import Plan
-from partita.core.schedule import BACKWARD, FORWARD  # noqa: F401 (re-exported)
+from partita.core.schedule import FORWARD
 from partita.runtime.watchdog import FLIGHT
 
 

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, TextIO
 
-from partita.core.plan import Mesh
+from partita.core.mesh import Mesh
 
 DEFAULT_TIMEOUT_S = 300.0
 ENV = "PARTITA_WATCHDOG_S"

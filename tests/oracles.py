@@ -24,10 +24,11 @@ from typing import Any, Protocol
 from partita.core.buckets import DEFAULT_BUCKET_BYTES
 from partita.core.cluster import ClusterSpec
 from partita.core.errors import InfeasibleError, PartitaError
-from partita.core.options import Pins, TrainingRequest
+from partita.core.pins import Pins, TrainingRequest
 from partita.core.plan import MemoryBreakdown
 from partita.core.precision import activation_scale
-from partita.core.tp.strategies import Strategy, node_strategies, valid_at
+from partita.core.tp.strategies import node_strategies, valid_at
+from partita.core.tp.vocabulary import Strategy
 from partita.passes.cost_model import (
     ModelStateMemory,
     StateBytes,

@@ -33,7 +33,8 @@ def pp_plan(module, inputs: list, loss, targets, *, pp: int, cuts_at: list[int],
     """A plan of pp x ``chunks`` (virtual) stages cut at ``cuts_at``, stage s on pipeline rank s mod pp."""
     from partita.core.capture import capture
     from partita.core.inputs import InputSpec
-    from partita.core.plan import Mesh, Stage
+    from partita.core.mesh import Mesh
+    from partita.core.plan import Stage
     from partita.passes.pipeline.stages import stage_of_nodes
     from partita.passes.profile import profile_model
 

@@ -7,12 +7,12 @@ The numbers are plausible, not predictions: the view and diff tests read them ba
 from __future__ import annotations
 
 from partita.core.cluster import PRESETS
+from partita.core.mesh import Mesh
 from partita.core.plan import (
     Alternative,
     Collective,
     InputLayout,
     MemoryBreakdown,
-    Mesh,
     ModelInfo,
     NodeDecision,
     ParamDecision,

@@ -15,7 +15,8 @@ from collections.abc import Mapping
 
 import networkx as nx
 
-from partita.core.tp.strategies import Strategy, input_index, node_strategies
+from partita.core.tp.strategies import input_index, node_strategies
+from partita.core.tp.vocabulary import Strategy
 
 # (module-path regex, op packet name) -> strategy name
 MEGATRON: dict[tuple[str, str], str] = {
@@ -75,10 +76,10 @@ def tp_plan(module, inputs: list, loss, targets, *, tp: int, dp: int = 1, mbs: i
     from partita.core.capture import capture
     from partita.core.graph import graph_fingerprint, to_networkx
     from partita.core.inputs import InputSpec
+    from partita.core.mesh import Mesh
     from partita.core.plan import (
         Collective,
         MemoryBreakdown,
-        Mesh,
         ModelInfo,
         ParamDecision,
         Plan,

@@ -21,7 +21,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
-from partita.core.tp.vocabulary import PARTIAL, REPLICATE, Strategy, is_shard, shard
+from partita.core.placement import PARTIAL, REPLICATE, is_shard, shard
+from partita.core.tp.vocabulary import Strategy
 
 # Ops replicated by nature rather than for lack of a rule: they make new tensors
 # from sizes (no input to follow) or compute whole-tensor statistics.

@@ -3,8 +3,8 @@
 ``node_strategies`` offers each graph node's strategies over a TP group of t
 ranks, from the op rules of core/tp/rules.py, with the gradient placements
 that the graph's gradient flow allows; ``valid_at`` keeps those still valid at
-another micro-batch. The words (placements, ``Strategy``, ``reshard_kind``,
-``grad_convention``) are core/tp/vocabulary.py's, re-exported here.
+another micro-batch. The words (``Strategy``, ``reshard_kind``, ``grad_convention``)
+are core/tp/vocabulary.py's, the placements core/placement.py's.
 
 This module is analysis: it never touches torch.distributed. The runtime
 executes the decisions recorded in the plan; see runtime/tp/module.py.
@@ -15,20 +15,10 @@ from __future__ import annotations
 from typing import Any
 
 from partita.core.ops import carries_gradient
+from partita.core.placement import NONE, PARTIAL, REPLICATE, shard, shard_dim
 from partita.core.tp.rules import REPLICATE_BY_NATURE, RULES, OpView, Rule
 from partita.core.tp.view_rules import VIEW_RULES
-from partita.core.tp.vocabulary import (  # noqa: F401 (re-exported: the solver's vocabulary)
-    NONE,
-    PARTIAL,
-    REPLICATE,
-    Strategy,
-    grad_convention,
-    is_shard,
-    replicated,
-    reshard_kind,
-    shard,
-    shard_dim,
-)
+from partita.core.tp.vocabulary import Strategy, replicated
 
 # -- the strategies of a graph node ------------------------------------------------
 

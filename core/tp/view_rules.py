@@ -7,8 +7,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from partita.core.placement import PARTIAL, REPLICATE, shard
 from partita.core.tp.rules import OpView, Rule, registrar, rule_strategy
-from partita.core.tp.vocabulary import PARTIAL, REPLICATE, Strategy, shard
+from partita.core.tp.vocabulary import Strategy
 
 VIEW_RULES: dict[str, Rule] = {}
 _rule = registrar(VIEW_RULES)

@@ -35,7 +35,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from partita.core.placement import NONE, PARTIAL, REPLICATE, is_shard, shard, shard_dim  # noqa: F401 (re-exported)
+from partita.core.placement import NONE, PARTIAL, REPLICATE, shard_dim
 
 # The names a strategy goes by (a plan's ``nodes[].strategy``): these words, ``shard(D)`` for an
 # op split along its dim D, and ``partial`` / ``partial(J)`` for one whose output is partial (the

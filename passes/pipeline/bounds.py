@@ -9,7 +9,7 @@ from dataclasses import dataclass, replace
 
 from partita.core.cluster import ClusterSpec
 from partita.core.errors import PartitaError
-from partita.core.options import TrainingRequest
+from partita.core.pins import TrainingRequest
 from partita.passes.cost_model import StateBytes, zero_optimizer_time, zero_step_comm
 from partita.passes.dp.zero import STRATEGY_NAMES
 from partita.passes.pipeline.costs import NodeCosts, Recompute

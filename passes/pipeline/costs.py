@@ -33,7 +33,7 @@ import networkx as nx
 
 from partita.core.cluster import ClusterSpec
 from partita.core.graph import per_graph
-from partita.core.options import TrainingRequest
+from partita.core.pins import TrainingRequest
 from partita.core.precision import activation_scale as precision_activation_scale
 from partita.core.precision import is_floating
 from partita.core.recompute import FULL, NONE, SELECTIVE

@@ -28,9 +28,9 @@ from dataclasses import replace
 from partita.core.buckets import DEFAULT_BUCKET_BYTES, unit_of
 from partita.core.cluster import ClusterSpec, Link
 from partita.core.errors import PartitaError
+from partita.core.mesh import Mesh
 from partita.core.optimizers import NO_OFFLOAD, OFFLOAD_OPTIMIZER
-from partita.core.options import Pins, TrainingRequest
-from partita.core.plan import Mesh
+from partita.core.pins import Pins, TrainingRequest
 from partita.core.recompute import NONE
 from partita.core.schedule import SCHEDULES, chunk_problem, chunks_of, in_flight
 from partita.passes.cost_model import (

@@ -37,10 +37,10 @@ import networkx as nx
 
 from partita.core.cluster import ClusterSpec, Link
 from partita.core.ops import base_op
-from partita.core.placement import is_shard
+from partita.core.placement import NONE, is_shard
 from partita.core.precision import activation_scale, element_bytes
 from partita.core.tp.layout import regathers, tensor_bytes
-from partita.core.tp.vocabulary import NONE, Strategy, grad_convention, reshard_kind
+from partita.core.tp.vocabulary import Strategy, grad_convention, reshard_kind
 from partita.passes.cost_model import (
     NODE_TIME_ATTRS,
     collective_time,

@@ -33,10 +33,13 @@ from dataclasses import dataclass
 from partita.core.buckets import unit_of
 from partita.core.cluster import ClusterSpec
 from partita.core.errors import InfeasibleError, PartitaError
-from partita.core.options import Pins, TrainingRequest
-from partita.core.plan import Alternative, MemoryBreakdown, Mesh
+from partita.core.mesh import Mesh
+from partita.core.pins import Pins, TrainingRequest
+from partita.core.placement import shard_dim
+from partita.core.plan import Alternative, MemoryBreakdown
 from partita.core.precision import dtype_bytes, element_bytes
-from partita.core.tp.strategies import Strategy, node_strategies, shard_dim
+from partita.core.tp.strategies import node_strategies
+from partita.core.tp.vocabulary import Strategy
 from partita.passes.cost_model import (
     StepCost,
     mesh_step,

@@ -30,8 +30,10 @@ import networkx as nx
 
 from partita.core.cluster import ClusterSpec
 from partita.core.graph import per_graph
+from partita.core.placement import is_shard
 from partita.core.tp.layout import may_regather
-from partita.core.tp.strategies import Strategy, input_index, is_shard, valid_at
+from partita.core.tp.strategies import input_index, valid_at
+from partita.core.tp.vocabulary import Strategy
 from partita.passes.activations import peak_live_bytes
 from partita.passes.cost_model import param_step_time, sharded_state, state_bytes_per_param
 from partita.passes.repeats import RepeatedBlock

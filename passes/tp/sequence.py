@@ -26,8 +26,9 @@ from collections import Counter
 import networkx as nx
 
 from partita.core.ops import MATMUL, base_op
-from partita.core.tp.strategies import Strategy, node_strategies
-from partita.core.tp.vocabulary import shard
+from partita.core.placement import shard
+from partita.core.tp.strategies import node_strategies
+from partita.core.tp.vocabulary import Strategy
 from partita.passes.flops import is_view
 
 SEQUENCE_DIM = 1  # batch x sequence x hidden

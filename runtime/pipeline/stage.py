@@ -25,17 +25,18 @@ import torch.fx
 from torch import nn
 
 from partita.core.errors import PlanError
+from partita.core.mesh import MeshAxis
 from partita.core.ops import gradient_nodes, tensor_values
-from partita.core.plan import MeshAxis, Plan, tied_stages
+from partita.core.plan import Plan, tied_stages
 from partita.core.precision import PrecisionPolicy
-from partita.core.schedule import NONE, SCHEDULES, chunk_problem, gradients_received, rank_order
+from partita.core.schedule import BACKWARD, FORWARD, NONE, SCHEDULES, chunk_problem, gradients_received, rank_order
 from partita.runtime.collectives import CollectiveCounter, all_gather_flat
 from partita.runtime.distributed import new_group
 from partita.runtime.dp.averaging import Averagers, GradientAverager
 from partita.runtime.experts import ExpertGroup
 from partita.runtime.tp.collectives import local_shape
 from partita.runtime.tp.module import TensorParallel
-from partita.runtime.trace import BACKWARD, FORWARD, TraceRecorder  # core/schedule.py's
+from partita.runtime.trace import TraceRecorder
 from partita.runtime.watchdog import FLIGHT
 
 if TYPE_CHECKING:

@@ -18,8 +18,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from partita.core.mesh import MeshAxis
 from partita.core.placement import shard_dim
-from partita.core.plan import InputLayout, MeshAxis
+from partita.core.plan import InputLayout
 from partita.runtime.collectives import CollectiveCounter, all_gather_flat, reduce_scatter_flat
 
 TP = MeshAxis.TP.value

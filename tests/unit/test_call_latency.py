@@ -109,7 +109,7 @@ def test_an_elementwise_node_is_priced_by_its_bytes_on_a_roofline_cluster():
     passes/pipeline/costs.py)."""
     from partita.core.capture import capture
     from partita.core.inputs import parse_input_spec
-    from partita.core.options import TrainingRequest
+    from partita.core.pins import TrainingRequest
     from partita.passes.pipeline.costs import node_costs
     from partita.passes.profile import profile_model
 

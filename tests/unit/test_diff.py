@@ -8,7 +8,7 @@ from rich.console import Console
 
 from partita.compiler.diff import diff_command, diff_plans, diff_table
 from partita.core.errors import PlanError
-from partita.core.plan import Mesh
+from partita.core.mesh import Mesh
 from tests.synthetic_plans import small_plan
 
 

@@ -24,7 +24,7 @@ from partita.core.capture import capture
 from partita.core.cluster import PRESETS
 from partita.core.inputs import parse_input_spec
 from partita.core.losses import default_loss
-from partita.core.options import Pins, TrainingRequest
+from partita.core.pins import Pins, TrainingRequest
 from partita.passes.profile import profile_model
 from partita.passes.search import plan_search
 

@@ -6,6 +6,10 @@ plan's verification among them, live in core), compiler (any). Within a package 
 modules import each other, directly or around a loop. Imports are read from the
 source (every ``import`` statement, also those inside functions), so a cycle
 hidden behind a lazy import fails too.
+
+Each name is imported from its home: no module of the four layers imports a name
+only so that others can import it from there (a re-export shim, issue 41); and no
+product file grows past 500 lines.
 """
 
 from __future__ import annotations
@@ -104,3 +108,62 @@ def test_no_product_file_over_500_lines():
     """A file that grows past 500 lines is doing more than one job (issue 14): split it along its seams."""
     long = {name: n for name, path in _modules().items() if (n := len(path.read_text().splitlines())) > MAX_LINES}
     assert not long, ", ".join(f"{k}: {v} lines" for k, v in sorted(long.items()))
+
+
+# every file that may import from the product: the layers, the public package, tests, benchmarks, examples, docs
+IMPORTERS = (*PACKAGES, "partita", "tests", "benchmarks", "examples", "docs")
+
+
+def _product_modules() -> dict[str, Path]:
+    """``_modules`` with the packages' ``__init__`` files, each under its package's dotted name."""
+    inits = {".".join(f.relative_to(ROOT).parent.parts): f
+             for pkg in PACKAGES for f in (ROOT / pkg).rglob("__init__.py")}
+    return {**_modules(), **inits}
+
+
+def _unused_imports(path: Path) -> dict[str, str]:
+    """Names ``path`` binds with ``from M import name`` and never reads -> M. A name listed in
+    ``__all__`` only is unused: a string is no use."""
+    tree = ast.parse(path.read_text())
+    bound = {a.asname or a.name: node.module or "." for node in ast.walk(tree)
+             if isinstance(node, ast.ImportFrom) for a in node.names}
+    read = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
+    return {name: home for name, home in bound.items() if name not in read}
+
+
+def re_export_shims(modules: dict[str, Path], importers: list[Path], root: Path = ROOT) -> list[str]:
+    """Every name a module of ``modules`` imports and never uses while a file of ``importers`` imports
+    it from there, as "core.plan re-exports MeshAxis (from partita.core.mesh) to tests/x.py"."""
+    unused = {name: _unused_imports(path) for name, path in modules.items()}
+    found = []
+    for path in importers:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("partita."):
+                module = node.module.removeprefix("partita.")
+                found += [f"{module} re-exports {a.name} (from {unused[module][a.name]}) to {path.relative_to(root)}"
+                          for a in node.names if a.name in unused.get(module, {})]
+    return sorted(found)
+
+
+def test_no_re_export_shims():
+    """Import a name from its home: a module that imports a name it never uses, so that others can
+    import it from there, keeps an old import path alive and hides where the name lives."""
+    importers = [f for d in IMPORTERS for f in sorted((ROOT / d).rglob("*.py"))]
+    shims = re_export_shims(_product_modules(), importers)
+    assert not shims, "\n".join(shims)
+
+
+def test_the_check_sees_a_re_export_shim(tmp_path):
+    """A name imported and never used (kept by a ``noqa`` or an ``__all__``) that another file imports
+    from there is a shim, lazy imports included; a name the module uses is not, nor an unused one
+    nobody imports from it."""
+    shim = tmp_path / "shim.py"
+    shim.write_text("from partita.core.mesh import Mesh, MeshAxis  # noqa: F401\n"
+                    "from partita.core.plan import Plan  # noqa: F401\n__all__ = ['MeshAxis']\n"
+                    "def world(m: Mesh) -> int:\n    return m.world_size\n")
+    user = tmp_path / "user.py"
+    user.write_text("from partita.core.shim import Mesh, world\n"
+                    "def f():\n    from partita.core.shim import MeshAxis\n")
+    assert re_export_shims({"core.shim": shim}, [user], root=tmp_path) == [
+        "core.shim re-exports MeshAxis (from partita.core.mesh) to user.py"]
+    assert re_export_shims(_product_modules(), [user], root=tmp_path) == []  # no partita.core.shim

@@ -12,8 +12,10 @@ from partita.core.cluster import load_cluster
 from partita.core.graph import annotate_batch_shapes, shape_at, to_networkx
 from partita.core.inputs import parse_input_spec
 from partita.core.losses import resolve_loss
-from partita.core.options import Options, TrainingRequest
-from partita.core.tp.strategies import node_strategies, shard_dim
+from partita.core.options import Options
+from partita.core.pins import TrainingRequest
+from partita.core.placement import shard_dim
+from partita.core.tp.strategies import node_strategies
 from partita.passes.flops import annotate_flops
 from partita.passes.profile import profile_model
 from partita.passes.search import tp_choice

@@ -17,7 +17,7 @@ from partita.core.cluster import GB, PRESETS
 from partita.core.errors import PartitaError
 from partita.core.inputs import parse_input_spec
 from partita.core.losses import default_loss
-from partita.core.options import Pins, TrainingRequest
+from partita.core.pins import Pins, TrainingRequest
 from partita.passes.cost_model import offload_step_time, offloaded_state, state_bytes_per_param
 from partita.passes.profile import profile_model
 from partita.passes.search import plan_search

@@ -20,10 +20,8 @@ from partita.core.capture import capture
 from partita.core.cluster import PRESETS
 from partita.core.inputs import parse_input_spec
 from partita.core.mesh import Mesh, axis_crosses_nodes, crosses_nodes
-from partita.core.options import (
-    Options,
-    TrainingRequest,
-)
+from partita.core.options import Options
+from partita.core.pins import TrainingRequest
 from partita.core.placement import Placement, is_shard, shard_dim
 from partita.core.precision import activation_scale, dtype_bytes
 from partita.core.schedule import (
@@ -236,7 +234,7 @@ def test_a_bad_tp_pin_is_refused_the_same_way_with_a_pipeline_pinned():
     is whether or not --pp is pinned too (a pipeline search used to skip the tp and end with
     'no plan matches the pins')."""
     from partita.core.errors import PartitaError
-    from partita.core.options import Pins
+    from partita.core.pins import Pins
     from partita.passes.search import plan_search
 
     prof = profile_model(capture(_Stack, [parse_input_spec("x=float32[8,64]")], loss=_mse,

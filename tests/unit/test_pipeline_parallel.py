@@ -15,7 +15,7 @@ from partita.core.cluster import GB, PRESETS, load_cluster
 from partita.core.errors import InfeasibleError, PartitaError
 from partita.core.inputs import parse_input_spec
 from partita.core.losses import default_loss
-from partita.core.options import Pins, TrainingRequest
+from partita.core.pins import Pins, TrainingRequest
 from partita.core.schedule import bubble_fraction
 from partita.passes.cost_model import collective_time, state_bytes_per_param
 from partita.passes.pipeline.costs import NodeCosts, SharedParam, node_costs, pipeline_order

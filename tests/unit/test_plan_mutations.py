@@ -137,7 +137,7 @@ def refused(data: dict, captured) -> str | None:
     """Why the plan is refused (at load, or against the model as a rank checks it), or None."""
     from partita.core.graph import graph_fingerprint, to_networkx
     from partita.core.verify import check_layouts, verified_plan
-    from partita.runtime.engine import refuse_unsupported
+    from partita.runtime.compose import refuse_unsupported
 
     try:
         plan = verified_plan(data, source="edited plan")

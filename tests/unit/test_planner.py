@@ -6,7 +6,7 @@ import pytest
 
 from partita.core.cluster import GB, PRESETS, load_cluster
 from partita.core.errors import InfeasibleError, PartitaError
-from partita.core.options import Pins, TrainingRequest
+from partita.core.pins import Pins, TrainingRequest
 from partita.passes.cost_model import collective_time
 from partita.passes.dp.buckets import gradient_buckets
 from tests.oracles import choose_data_parallel

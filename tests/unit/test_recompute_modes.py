@@ -16,7 +16,8 @@ from partita.core.cluster import PRESETS
 from partita.core.errors import PartitaError
 from partita.core.inputs import parse_input_spec
 from partita.core.losses import default_loss
-from partita.core.options import Options, Pins, TrainingRequest
+from partita.core.options import Options
+from partita.core.pins import Pins, TrainingRequest
 from partita.core.recompute import FULL, NONE, SELECTIVE
 from partita.passes.pipeline.costs import node_costs, recompute_costs
 from partita.passes.profile import profile_model

@@ -20,7 +20,7 @@ import pytest
 
 from partita.core.errors import PlanError
 from partita.core.plan import NodeDecision, Stage
-from partita.runtime.engine import refuse_unsupported
+from partita.runtime.compose import refuse_unsupported
 from tests.workers import dp_worker
 
 # fp32: the plan sums the same numbers as one process, in another order (dp, tp, micro-batches)

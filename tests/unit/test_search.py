@@ -20,8 +20,8 @@ from partita.core.cluster import PRESETS
 from partita.core.errors import InfeasibleError
 from partita.core.inputs import parse_input_spec
 from partita.core.losses import default_loss
-from partita.core.options import Pins, TrainingRequest
-from partita.core.plan import Mesh
+from partita.core.mesh import Mesh
+from partita.core.pins import Pins, TrainingRequest
 from partita.passes.cost_model import state_bytes_per_param, zero_traffic_elements
 from partita.passes.search import plan_search
 

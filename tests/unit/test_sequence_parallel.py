@@ -17,8 +17,8 @@ from partita.core.cluster import PRESETS
 from partita.core.errors import PartitaError
 from partita.core.inputs import parse_input_spec
 from partita.core.losses import default_loss
-from partita.core.options import Pins, TrainingRequest
-from partita.core.tp.vocabulary import shard
+from partita.core.pins import Pins, TrainingRequest
+from partita.core.placement import shard
 from partita.passes.profile import profile_model
 from partita.passes.search import plan_search
 from partita.passes.tp.sequence import residual_nodes, residual_shape

@@ -14,7 +14,7 @@ from partita.core.cluster import PRESETS
 from partita.core.errors import InfeasibleError, PartitaError
 from partita.core.inputs import parse_input_spec
 from partita.core.losses import default_loss
-from partita.core.options import Pins, TrainingRequest
+from partita.core.pins import Pins, TrainingRequest
 from partita.passes.profile import profile_model
 from partita.passes.tp.mesh import choose_mesh, plan_alternatives
 from tests.oracles import choose_data_parallel

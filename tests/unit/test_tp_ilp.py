@@ -173,7 +173,9 @@ def test_tied_layers_keep_their_own_backward_reshards():
     its first backward (issue 16)."""
     from partita.compiler.compile import compile_model
     from partita.core.cluster import load_cluster
-    from partita.core.tp.strategies import NONE, grad_convention, node_strategies, reshard_kind
+    from partita.core.placement import NONE
+    from partita.core.tp.strategies import node_strategies
+    from partita.core.tp.vocabulary import grad_convention, reshard_kind
 
     result = compile_model(lambda: MLP(1024, 1024, 1024, 4),
                            Options(inputs=[parse_input_spec("x=float32[128,1024]")],

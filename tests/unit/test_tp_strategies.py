@@ -16,15 +16,9 @@ from examples.models import MLP, gpt_tiny
 from partita.core.capture import capture
 from partita.core.graph import to_networkx
 from partita.core.inputs import InputSpec
+from partita.core.placement import NONE, PARTIAL, REPLICATE, shard_dim
 from partita.core.tp.layout import layout_decisions, tp_collectives
-from partita.core.tp.strategies import (
-    NONE,
-    PARTIAL,
-    REPLICATE,
-    node_strategies,
-    shard_dim,
-    unsupported_ops,
-)
+from partita.core.tp.strategies import node_strategies, unsupported_ops
 from partita.core.tp.view_rules import view_dim
 from tests.tp_choice import MEGATRON, pinned_choice
 from tests.workers.tp_worker import MLP_PINS, hf_gpt2_tiny, hf_llama_tiny

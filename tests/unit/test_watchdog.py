@@ -5,7 +5,7 @@ non-zero exit; never a silent hang."""
 import threading
 import time
 
-from partita.core.plan import Mesh
+from partita.core.mesh import Mesh
 from partita.runtime.watchdog import EXIT_HUNG, FlightRecorder, Watchdog
 
 
