@@ -12,29 +12,41 @@ grouped matmuls (the first reads the sorted rows, the last returns the expert ou
 parameters stacked over experts, and the nodes between that hold a rank's own rows or experts
 only, once expert parallelism splits the experts over the "ep" group. The planner prices the
 dispatch from it (passes/experts.py) and the runtime rewrites the same nodes
-(runtime/experts.py); the rule of what an expert layer is lives here alone.
+(runtime/experts.py); the rule of what an expert layer is lives here alone. A plan's node
+decisions record the same ops and inputs, so `partita verify` finds which modules hold expert
+weights without the model (``decided_expert_modules``), by the same walk. What this version runs
+beside expert parallelism (``ep_conflicts``) is here too: the planner refuses such a pin, verify
+such a plan.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
-import torch
-import torch.fx
+from partita.core.ops import op_name, tensor_values
 
-from partita.core.ops import tensor_values
+if TYPE_CHECKING:  # torch is imported by the functions that read fx nodes: the plan's checks run without it
+    import torch.fx
 
 _GROUPED = ("_grouped_mm", "grouped_mm_fallback")
 
 
+def is_grouped_mm_op(op: str) -> bool:
+    """Whether ``op`` (core/ops.py ``op_name``: ``"aten._grouped_mm.default"``,
+    ``"transformers.grouped_mm_fallback.default"``) names a grouped matmul over experts."""
+    return any(part in _GROUPED for part in op.split("."))
+
+
 def is_grouped_mm(n: torch.fx.Node) -> bool:
     """Whether ``n`` is a grouped matmul over experts (module docstring) with an offsets argument."""
+    import torch.fx
+
     if n.op != "call_function":
         return False
-    name = getattr(n.target, "__name__", str(n.target)).split(".")[0]
     offs = n.args[2] if len(n.args) > 2 else n.kwargs.get("offs")
-    return name in _GROUPED and isinstance(offs, torch.fx.Node)
+    return is_grouped_mm_op(op_name(n)) and isinstance(offs, torch.fx.Node)
 
 
 def _offsets(n: torch.fx.Node) -> torch.fx.Node:
@@ -64,25 +76,31 @@ class ExpertRegion:
         return self.matmuls[-1]
 
 
-def _weight_param(n: torch.fx.Node, params: Iterable[str]) -> tuple[str | None, list[torch.fx.Node]]:
-    """The parameter placeholder ``n`` views (through single-input ops: ``transpose``, ``to``), and
-    the chain of nodes from it to ``n``."""
-    chain: list[torch.fx.Node] = []
-    params = set(params)
-    while n.op != "placeholder":
-        chain.append(n)
-        inputs = n.all_input_nodes
-        if len(inputs) != 1:
+def _viewed(name: str, op_of: Callable[[str], str | None],
+            inputs_of: Callable[[str], Sequence[str]]) -> tuple[str | None, list[str]]:
+    """The placeholder node ``name`` views (through single-input ops: ``transpose``, ``to``), and the
+    chain of nodes from it to ``name``; None where a node on the way reads several inputs or none
+    (or, in an edited plan, loops). ``op_of``: a node's op (``"placeholder"`` for one; None: no such
+    node), ``inputs_of`` its inputs' names: the graph's (``expert_regions``) or a plan's decisions'
+    (``decided_expert_modules``)."""
+    chain: list[str] = []
+    while op_of(name) != "placeholder":
+        chain.append(name)
+        inputs = inputs_of(name) if op_of(name) is not None else ()
+        if len(inputs) != 1 or inputs[0] in chain:
             return None, chain
-        n = inputs[0]
-    return (n.name if n.name in params else None), chain
+        name = inputs[0]
+    return name, chain
 
 
 def expert_regions(graph: torch.fx.Graph, params: Iterable[str]) -> list[ExpertRegion]:
     """The MoE layers of ``graph`` (module docstring): grouped matmuls grouped by their offsets node,
     each layer's weights among ``params`` (the parameter placeholders' names). A grouped matmul whose
     weight is not a parameter stacked over experts is no expert layer (nothing of it splits)."""
+    import torch
+
     params = set(params)
+    nodes = {n.name: n for n in graph.nodes}
     by_offsets: dict[torch.fx.Node, list[torch.fx.Node]] = {}
     for n in graph.nodes:
         if is_grouped_mm(n):
@@ -94,13 +112,14 @@ def expert_regions(graph: torch.fx.Graph, params: Iterable[str]) -> list[ExpertR
         local: set[str] = set()
         ok = experts > 0
         for m in matmuls:
-            w, chain = _weight_param(m.args[1], params)
+            w, chain = _viewed(m.args[1].name, lambda x: nodes[x].op,
+                               lambda x: [a.name for a in nodes[x].all_input_nodes])
             shape = tuple(m.args[1].meta["val"].shape) if isinstance(m.args[1].meta.get("val"), torch.Tensor) else ()
-            if w is None or not shape or shape[0] != experts:
+            if w not in params or not shape or shape[0] != experts:
                 ok = False
                 break
             weights.append(w)
-            local.update(c.name for c in chain)
+            local.update(chain)
         if not ok:
             continue
         first, last = matmuls[0], matmuls[-1]
@@ -144,3 +163,35 @@ def expert_params(regions: Iterable[ExpertRegion], param_nodes: dict[str, str]) 
     """The qualified names of the parameters stacked over experts (``param_nodes``: placeholder ->
     qualified name)."""
     return {param_nodes[w] for r in regions for w in r.weights if w in param_nodes}
+
+
+def decided_expert_modules(decisions: Iterable[Any]) -> set[str]:
+    """The modules holding a parameter that a plan's grouped matmuls read as their weights
+    (``expert_regions``' walk, over the decisions' ``op`` and tensor inputs ``ins`` in argument order,
+    as the graph has them): where its expert weights may live. A plan records no placeholder's
+    parameter name, only its module (core/graph.py), hence modules, not parameters."""
+    decided = {d.name: d for d in decisions}
+
+    def op_of(name: str) -> str | None:
+        d = decided.get(name)
+        return d.op if d is not None else None
+
+    out = set()
+    for d in decided.values():
+        if is_grouped_mm_op(d.op) and len(d.ins) > 2:  # rows, weights, offsets
+            w, _ = _viewed(d.ins[1].src, op_of, lambda x: [lay.src for lay in decided[x].ins])
+            if w is not None:
+                out.add(decided[w].module)
+    return out
+
+
+# What this version runs expert parallelism beside: a training plan at tp = 1, without offload or
+# sequence parallelism (runtime/experts.py, docs/runtime.md "Expert parallelism").
+EP_RUNS = "in a training plan at tp=1, without offload or sequence parallelism"
+
+
+def ep_conflicts(*, inference: bool, tp: int, offload: bool, sequence_parallel: bool) -> list[str]:
+    """The settings among these that rule out expert parallelism (``EP_RUNS``), by name:
+    ``"inference"``, ``"tp"``, ``"offload"``, ``"sequence_parallel"``; [] where ep > 1 may run."""
+    return [name for name, on in (("inference", inference), ("tp", tp > 1), ("offload", offload),
+                                  ("sequence_parallel", sequence_parallel)) if on]

@@ -13,12 +13,14 @@ A core is found on the captured graph (``attention_cores``): in a repeated layer
 order, a matmul whose two operands both come from a model input (not a parameter: Q K^T and
 P V, never a projection) opens a core, and the next such matmul that the first reaches closes
 it; the core is every node of that layer from the one to the other, so it runs as one region.
+A plan's node decisions record each node's op, layer and tensor inputs, so the same rule finds the
+cores from the plan alone (``decided_cores``: what `partita verify` checks a selective plan by).
 """
 
 from __future__ import annotations
 
 from collections.abc import Collection, Iterable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from partita.core.errors import PartitaError
 from partita.core.ops import ATTENTION, MATMUL, base_op, op_name
@@ -43,21 +45,50 @@ def recompute_mode(value: Any) -> str | None:
                        "leave it out to let partita choose per stage")
 
 
+class _Node(NamedTuple):
+    """What the attention-core rule reads of one node: the captured graph's or a plan's decision's."""
+
+    name: str
+    op: str  # core/ops.py ``op_name``: "placeholder", "aten.bmm.default", "Tensor.softmax", ...
+    inputs: tuple[str, ...]  # the nodes its arguments hold, in argument order, repeats kept
+
+
 def attention_cores(nodes: Iterable[torch.fx.Node], layer_of: Mapping[str, str],
                     state: Collection[str]) -> dict[str, str]:
     """Node name -> its attention core (``"<layer>/attention<i>"``) for every node of a core
     (module docstring), given the graph's nodes in order, each node's repeated layer
     (``layer_of``; absent or "" outside them) and the placeholders that are model state
     (parameters, buffers)."""
+    import torch.fx
+
+    def read(n: torch.fx.Node) -> _Node:
+        inputs: list[str] = []
+        torch.fx.map_arg((n.args, n.kwargs), lambda a: inputs.append(a.name) or a)
+        return _Node(n.name, op_name(n), tuple(inputs))
+
     nodes = list(nodes)
+    return _cores([read(n) for n in nodes], layer_of,
+                  {n.name for n in nodes if n.op == "placeholder" and n.name not in state})
+
+
+def decided_cores(decisions: Iterable[Any], inputs: Collection[str]) -> dict[str, str]:
+    """``attention_cores`` from a plan's node decisions (each with ``name``, ``op``, ``layer`` and
+    ``ins``, its tensor inputs in argument order), ``inputs`` the placeholders that are the model's
+    inputs: the same rule over what the plan records of the graph."""
+    decisions = list(decisions)
+    return _cores([_Node(d.name, d.op, tuple(lay.src for lay in d.ins)) for d in decisions],
+                  {d.name: d.layer for d in decisions}, inputs)
+
+
+def _cores(nodes: list[_Node], layer_of: Mapping[str, str], inputs: Collection[str]) -> dict[str, str]:
     from_input: set[str] = set()  # nodes a model input reaches
     for n in nodes:
-        if (n.op == "placeholder" and n.name not in state) or any(a.name in from_input for a in n.all_input_nodes):
+        if (n.op == "placeholder" and n.name in inputs) or any(a in from_input for a in n.inputs):
             from_input.add(n.name)
-    by_layer: dict[str, list[torch.fx.Node]] = {}
+    by_layer: dict[str, list[_Node]] = {}
     for n in nodes:
         layer = layer_of.get(n.name, "")
-        if layer and n.op == "call_function":
+        if layer and _is_function_call(n.op):
             by_layer.setdefault(layer, []).append(n)
     cores: dict[str, str] = {}
     for layer, members in by_layer.items():
@@ -65,13 +96,13 @@ def attention_cores(nodes: Iterable[torch.fx.Node], layer_of: Mapping[str, str],
         opened: int | None = None
         reach: set[str] = set()  # the nodes of this layer the opening matmul reaches
         for i, n in enumerate(members):
-            op = base_op(op_name(n))
-            if opened is not None and any(a.name in reach for a in n.all_input_nodes):
+            op = base_op(n.op)
+            if opened is not None and any(a in reach for a in n.inputs):
                 reach.add(n.name)
             if op in ATTENTION:
                 spans.append((i, i))
                 opened = None
-            elif op in MATMUL and _both_from_input(n, from_input):
+            elif op in MATMUL and len(n.inputs) >= 2 and all(a in from_input for a in n.inputs[:2]):
                 if opened is not None and n.name in reach:
                     spans.append((opened, i))
                     opened = None
@@ -83,9 +114,10 @@ def attention_cores(nodes: Iterable[torch.fx.Node], layer_of: Mapping[str, str],
     return cores
 
 
-def _both_from_input(n: torch.fx.Node, from_input: set[str]) -> bool:
-    operands = [a for a in n.args[:2] if hasattr(a, "name")]
-    return len(operands) == 2 and all(a.name in from_input for a in operands)
+def _is_function_call(op: str) -> bool:
+    """Whether ``op`` (``op_name``) is a call_function node's: not a placeholder, attribute, output,
+    method or module call."""
+    return op not in ("placeholder", "get_attr", "output") and not op.startswith(("Tensor.", "module."))
 
 
 def rerun_regions(stages: Iterable[Any], decisions: Iterable[Any], nodes: Iterable[torch.fx.Node],

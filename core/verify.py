@@ -11,6 +11,10 @@ disagree, naming each disagreement, with the rules that made them (no second cop
   exact strategies, with their placements, are re-derived from the graph where the runtime
   has it: ``check_layouts``);
 - parameter layouts divide the parameter's shape over tp, and expert weights by whole experts over ep;
+- every axis is one compile could have set: sequence parallelism at tp > 1, ep > 1 on a model with
+  mixture-of-experts layers and beside what this version runs it with, an ep layout only on an
+  expert weight (``core/experts.py``), a recomputation mode only where the model has what it reruns
+  (``core/recompute.py``);
 - stage indices lie within pp, stage ranks are the mesh's, nodes read only earlier stages;
 - the mesh fits the cluster, the cluster's figures are valid (``ClusterSpec``'s checks), the
   training set-up is one partita runs, every number is finite and not negative (and every count
@@ -51,7 +55,8 @@ def verified_plan(data: Any, *, source: str = "plan", sealed: bool = True) -> Pl
 def plan_problems(plan: Plan) -> list[str]:
     """Every inconsistency of ``plan`` found without the model, in the user's words; [] if none."""
     problems: list[str] = []
-    for check in (_numbers, _contents, _model, _cluster, _training, _stages, _nodes, _params, _collectives):
+    for check in (_numbers, _contents, _model, _cluster, _training, _stages, _nodes, _params, _experts, _recompute,
+                  _collectives):
         problems += check(plan)
     return problems
 
@@ -144,6 +149,9 @@ def _training(plan: Plan) -> list[str]:
         out.append(f"schedule {t.schedule!r} without pipeline stages (pp=1)")
     if t.offload != NO_OFFLOAD and t.inference:
         out.append(f"offload {t.offload!r} in an inference plan: there is no optimizer state to offload")
+    if t.sequence_parallel and plan.mesh.tp == 1:
+        out.append("training.sequence_parallel is true at mesh.tp = 1: sequence parallelism splits the residual "
+                   "stream over the tensor-parallel group, which needs tp > 1")
     if t.zero_stage > 0 and plan.mesh.dp == 1:
         out.append(f"ZeRO-{t.zero_stage} with dp=1: no data-parallel group to shard over")
     if t.grad_bucket_bytes < 1:
@@ -221,7 +229,10 @@ def _params(plan: Plan) -> list[str]:
     for p in plan.params:
         for axis, placement in p.layout.items():
             size = getattr(plan.mesh, axis)
-            if axis == MeshAxis.TP.value and placement != REPLICATE:
+            if axis == MeshAxis.TP.value and placement != REPLICATE and size == 1:
+                out.append(f"parameter {p.name}: tp layout {placement} with tp=1 (no tensor-parallel group to split "
+                           "it over)")
+            elif axis == MeshAxis.TP.value and placement != REPLICATE:
                 dim = shard_dim(placement)
                 if dim is None or dim >= len(p.shape) or p.shape[dim] % size:
                     out.append(f"parameter {p.name} {list(p.shape)}: tp layout {placement} does not divide its "
@@ -235,6 +246,66 @@ def _params(plan: Plan) -> list[str]:
             elif axis == MeshAxis.PP.value and placement != REPLICATE:
                 out.append(f"parameter {p.name}: pp layout {placement} (a stage holds its parameters whole)")
     return out
+
+
+def _experts(plan: Plan) -> list[str]:
+    """ep > 1 needs experts to split and runs only beside what ``ep_conflicts`` allows; an ep layout
+    is an expert weight's (compile gives it to the parameters its grouped matmuls read, and to no other)."""
+    from partita.core.experts import EP_RUNS, decided_expert_modules, ep_conflicts
+    from partita.core.placement import REPLICATE
+
+    ep, t, out = plan.mesh.ep, plan.training, []
+    modules = decided_expert_modules(plan.nodes)
+    if ep > 1 and not modules:
+        return [f"mesh.ep = {ep}, but the model has no mixture-of-experts layer to split over it (no grouped matmul "
+                "over parameters stacked by expert, core/experts.py)"]
+    if ep > 1:
+        fields = {"inference": "training.inference", "tp": f"mesh.tp = {plan.mesh.tp}",
+                  "offload": f"training.offload = {t.offload!r}", "sequence_parallel": "training.sequence_parallel"}
+        refused = ep_conflicts(inference=t.inference, tp=plan.mesh.tp, offload=t.offload != NO_OFFLOAD,
+                               sequence_parallel=t.sequence_parallel)
+        if refused:
+            out.append(f"mesh.ep = {ep} with {' and '.join(fields[r] for r in refused)}: this version runs ep > 1 "
+                       f"{EP_RUNS}")
+    for p in plan.params:
+        placement = p.layout.get(MeshAxis.EP.value, REPLICATE)
+        if placement != REPLICATE and p.name.rpartition(".")[0] not in modules:
+            out.append(f"parameter {p.name}: ep layout {placement}, but it is no expert weight (no grouped matmul "
+                       "over experts reads it, core/experts.py): only those are split over ep")
+    return out
+
+
+def _recompute(plan: Plan) -> list[str]:
+    """A stage recomputes only what the model has: selective its attention cores, full its
+    repeated layers (compile gives no stage a mode the model has nothing to rerun by)."""
+    from partita.core.recompute import FULL, SELECTIVE, decided_cores
+
+    def where(mode: str) -> str:
+        return ", ".join(f"stages[{s.index}].recompute" for s in plan.stages if s.recompute == mode)
+
+    out = []
+    if where(SELECTIVE) and not decided_cores(plan.nodes, _input_names(plan)):
+        out.append(f"{where(SELECTIVE)} is {SELECTIVE!r}, but the model has no attention core in its repeated layers "
+                   "to rerun (core/recompute.py: Q K^T through softmax to the product with V, or a fused attention op)")
+    if where(FULL) and not any(d.layer for d in plan.nodes):
+        out.append(f"{where(FULL)} is {FULL!r}, but the model has no repeated layer to rerun")
+    return out
+
+
+def _input_names(plan: Plan) -> set[str]:
+    """The placeholders of the model's captured inputs and targets (each named as its input spec)."""
+    from partita.core.errors import PartitaError
+    from partita.core.inputs import check_input_spec
+
+    names = set()
+    for text in (*plan.model.inputs, plan.model.targets):
+        if text is None:
+            continue
+        try:
+            names.add(check_input_spec(text)[0])
+        except PartitaError:
+            pass  # ``_model`` names it
+    return names
 
 
 def _collectives(plan: Plan) -> list[str]:
@@ -311,16 +382,40 @@ def param_problems(plan: Plan, param_nodes: dict[str, str]) -> list[str]:
     return list(out.values())
 
 
+def expert_problems(plan: Plan, experts: Iterable[str]) -> list[str]:
+    """Each parameter's ep layout against whether the graph stacks it over experts (``experts``:
+    core/experts.py's ``expert_params``, what compile splits): at ep > 1 those are split over ep,
+    and no other parameter ever is (``_experts`` checks the same without the model, by module)."""
+    from partita.core.placement import REPLICATE
+
+    experts, out = set(experts), []
+    for p in plan.params:
+        placement = p.layout.get(MeshAxis.EP.value, REPLICATE)
+        if placement != REPLICATE and p.name not in experts:
+            out.append(f"parameter {p.name}: ep layout {placement}, but this model does not stack it over experts "
+                       "(core/experts.py): only expert weights are split over ep")
+        elif placement == REPLICATE and p.name in experts and plan.mesh.ep > 1:
+            out.append(f"parameter {p.name}: ep layout {placement} at mesh.ep = {plan.mesh.ep}, but it is an "
+                       "expert weight, split over ep by expert (shard(0))")
+    return out
+
+
 def check_layouts(plan: Plan, captured: Any) -> None:
     """Raise ``PlanError`` when the plan's node decisions are not what its strategies give on the
-    graph the runtime captured (``layout_problems``)."""
+    graph the runtime captured (``layout_problems``), or its parameters' layouts not what the graph
+    says of them (``param_problems``, ``expert_problems``)."""
     from partita.core.errors import PlanError
+    from partita.core.experts import expert_params, expert_regions
     from partita.core.graph import to_networkx
 
+    graph = captured.graph_module.graph
     # a tied parameter can have several placeholders; the ones the graph reads say where it lives
-    used = {n.name for n in captured.graph_module.graph.nodes if n.users}
+    used = {n.name for n in graph.nodes if n.users}
     problems = layout_problems(plan, to_networkx(captured)) + param_problems(
         plan, {node: q for node, q in captured.param_nodes.items() if node in used})
+    if plan.mesh.ep > 1 or any(MeshAxis.EP.value in p.layout for p in plan.params):
+        problems += expert_problems(plan, expert_params(expert_regions(graph, captured.param_nodes),
+                                                        captured.param_nodes))
     if problems:
-        raise PlanError(f"the plan's tensor-parallel layout does not hold on this model: {describe_problems(problems)}",
+        raise PlanError(f"the plan's layout does not hold on this model: {describe_problems(problems)}",
                         hint="recompile the plan with `partita compile` (or undo the hand edit)")

@@ -28,7 +28,7 @@ import networkx as nx
 from partita.core.buckets import DEFAULT_BUCKET_BYTES
 from partita.core.cluster import ClusterSpec, Link
 from partita.core.errors import PartitaError
-from partita.core.experts import ExpertRegion, ep_degrees, expert_params
+from partita.core.experts import EP_RUNS, ExpertRegion, ep_conflicts, ep_degrees, expert_params
 from partita.core.optimizers import NO_OFFLOAD
 from partita.core.pins import Pins, TrainingRequest
 from partita.core.precision import activation_scale, element_bytes
@@ -80,14 +80,18 @@ def check_ep_pin(name: str, regions: Sequence[ExpertRegion], pins: Pins, request
         raise PartitaError(f"--ep {ep} does not divide the {' / '.join(map(str, counts))} experts of each MoE "
                            "layer: every rank of an expert group holds whole experts",
                            hint=f"pin --ep {' or '.join(map(str, valid))}" if valid else "drop --ep")
-    refused = [(request.inference, "--inference"),
-               ((pins.tp or 1) > 1, f"--tp {pins.tp}"),
-               (pins.offload not in (None, NO_OFFLOAD), "--offload"),
-               (bool(pins.sequence_parallel), "--sequence-parallel")]
-    for pinned, what in refused:
-        if pinned:
-            raise PartitaError(f"--ep {ep} with {what}: this version runs ep={ep} in a training plan at tp=1, "
-                               "without offload or sequence parallelism", hint=f"drop {what}, or drop --ep")
+    refused = _conflicts(pins, request)
+    if refused:
+        flag = {"inference": "--inference", "tp": f"--tp {pins.tp}", "offload": "--offload",
+                "sequence_parallel": "--sequence-parallel"}[refused[0]]
+        raise PartitaError(f"--ep {ep} with {flag}: this version runs ep={ep} {EP_RUNS}",
+                           hint=f"drop {flag}, or drop --ep")
+
+
+def _conflicts(pins: Pins, request: TrainingRequest) -> list[str]:
+    """What the pins and the request set that this version does not run beside ep > 1 (core/experts.py)."""
+    return ep_conflicts(inference=request.inference, tp=pins.tp or 1, offload=pins.offload not in (None, NO_OFFLOAD),
+                        sequence_parallel=bool(pins.sequence_parallel))
 
 
 def ep_choices(regions: Sequence[ExpertRegion], dp: int, tp: int, pins: Pins, request: TrainingRequest) -> list[int]:
@@ -109,8 +113,7 @@ def pipeline_ep_pins(regions: Sequence[ExpertRegion], world: int, pins: Pins, re
     """The pins under which the pipeline search weighs each expert-parallel degree above 1 the experts
     divide into, unpinned (at tp = 1, without offload: what this version runs beside ep); none
     where ep is pinned, tp is, or the plan is for inference, sequence parallelism or offload."""
-    if (pins.ep is not None or (pins.tp or 1) > 1 or request.inference or pins.sequence_parallel
-            or pins.offload not in (None, NO_OFFLOAD)):
+    if pins.ep is not None or _conflicts(pins, request):
         return []
     return [dataclasses.replace(pins, ep=e, offload=NO_OFFLOAD) for e in ep_degrees(regions, world)[1:]]
 

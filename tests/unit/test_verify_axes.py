@@ -1,0 +1,222 @@
+"""`partita verify` knows every axis (issue 41): a hand edit of a plan that `partita compile` could
+not have written is refused, whichever axis it touches, with one message naming the field.
+
+The plans are the golden set's (tests/data/golden/), read back with their format fields; each edit
+is checked against the unedited plan passing, so the check can fail both ways.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from partita.core.errors import PartitaError
+from partita.core.plan import SCHEMA_VERSION, Plan
+from partita.core.verify import plan_problems, verified_plan
+from tests.golden import FOLDER, MODELS
+
+Q_PROJ = "model.model.layers.0.self_attn.q_proj.weight"
+EMBEDDING = "model.model.embed_tokens.weight"
+EXPERT = "model.model.layers.0.mlp.experts.gate_up_proj"
+
+
+def golden(name: str) -> dict[str, Any]:
+    """A golden plan as the plan file `partita compile` wrote (its format fields back, unsealed)."""
+    data = json.loads((FOLDER / f"{name}.json").read_text())
+    data.pop("golden")
+    data["version"] = SCHEMA_VERSION
+    data["analysis_seconds"] = {}
+    data["solver"]["seconds"] = 0.0
+    return data
+
+
+def param(data: dict[str, Any], name: str) -> dict[str, Any]:
+    return next(p for p in data["params"] if p["name"] == name)
+
+
+def edited(name: str, edit: Any) -> dict[str, Any]:
+    """Golden plan ``name`` with ``edit(data)`` applied."""
+    data = golden(name)
+    edit(data)
+    return data
+
+
+def setter(*path: Any, value: Any) -> Any:
+    def edit(data: dict[str, Any]) -> None:
+        for k in path[:-1]:
+            data = data[k]
+        data[path[-1]] = value
+    return edit
+
+
+def refusal(data: dict[str, Any]) -> str | None:
+    """Why loading refuses ``data`` (the schema, then ``plan_problems``), or None."""
+    try:
+        verified_plan(data, source="edited plan", sealed=False)
+    except PartitaError as e:
+        return e.message
+    return None
+
+
+def move_ep_layout(to: str) -> Any:
+    def edit(data: dict[str, Any]) -> None:
+        param(data, to)["layout"]["ep"] = param(data, EXPERT)["layout"]["ep"]
+    return edit
+
+
+# The four edits issue 41 found verify passing: (golden plan, edit, the field the message names)
+UNCAUGHT = {
+    "sequence parallel at tp=1": ("gpt-tiny-local2", setter("training", "sequence_parallel", value=True),
+                                  "training.sequence_parallel is true at mesh.tp = 1"),
+    "ep on a dense model": ("gpt-tiny-local2", setter("mesh", "ep", value=2),
+                            "mesh.ep = 2, but the model has no mixture-of-experts layer"),
+    "expert layout on q_proj": ("mixtral-ep2", move_ep_layout(Q_PROJ),
+                                f"parameter {Q_PROJ}: ep layout shard(0), but it is no expert weight"),
+    "expert layout on the embedding": ("mixtral-ep2", move_ep_layout(EMBEDDING),
+                                       f"parameter {EMBEDDING}: ep layout shard(0), but it is no expert weight"),
+    "selective recompute without attention": ("mlp-local2", setter("stages", 0, "recompute", value="selective"),
+                                              "stages[0].recompute is 'selective', but the model has no attention "
+                                              "core"),
+}
+
+
+@pytest.mark.parametrize("name", list(UNCAUGHT))
+def test_partita_verify_refuses_the_edit_and_passes_the_plan(cli, tmp_path, name):
+    plan, edit, expected = UNCAUGHT[name]
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(golden(plan)))
+    code, out, err = cli("verify", path)
+    assert code == 0 and "every check passed" in out, err
+    path.write_text(json.dumps(edited(plan, edit)))
+    code, out, err = cli("verify", path)
+    assert code != 0 and "Traceback" not in err
+    assert expected in " ".join(err.split()), err
+
+
+@pytest.mark.parametrize("name", list(UNCAUGHT))
+def test_plan_problems_names_the_edit_once(name):
+    plan, edit, expected = UNCAUGHT[name]
+    problems = plan_problems(Plan.from_dict(edited(plan, edit)))
+    assert len(problems) == 1 and problems[0].startswith(expected), problems
+
+
+def test_the_plans_attention_cores_are_the_graphs():
+    """verify finds a plan's attention cores from its node decisions by the rule the planner applies to
+    the graph (core/recompute.py): the same cores, matmul-softmax-matmul spans included, so a selective
+    plan compile wrote is not refused for lacking them."""
+    from examples.models import GPT, GPTConfig
+    from partita.compiler.compile import compile_model
+    from partita.core.capture import capture
+    from partita.core.inputs import parse_input_spec
+    from partita.core.losses import resolve_loss
+    from partita.core.options import Options
+    from partita.core.recompute import attention_cores, decided_cores
+
+    def model() -> GPT:
+        return GPT(GPTConfig(vocab_size=256, block_size=32, n_layer=2, n_head=2, n_embd=32, flash=False))
+
+    plan = compile_model(model, Options(inputs=["idx=int64[4,32]"], cluster="local", devices=1,
+                                        recompute="selective"), name="gpt-eager").plan
+    assert [s.recompute for s in plan.stages] == ["selective"] and plan_problems(plan) == []
+    captured = capture(model(), [parse_input_spec(s) for s in plan.model.inputs], loss=resolve_loss(None),
+                       targets=parse_input_spec(plan.model.targets))
+    graph = attention_cores(captured.graph_module.graph.nodes, {d.name: d.layer for d in plan.nodes if d.layer},
+                            {*captured.param_nodes, *captured.buffer_nodes})
+    assert len(set(graph.values())) == 2 and len(graph) > 2  # one core per layer, each a span of nodes
+    assert decided_cores(plan.nodes, {"idx", "targets"}) == graph
+    assert decided_cores(plan.nodes, set()) == {}  # no model input: no scores matmul opens a core
+
+
+# -- every axis: one edit compile could not have written, refused by loading --------------------
+
+def _first_linear(data: dict[str, Any]) -> dict[str, Any]:
+    return next(n for n in data["nodes"] if n["op"] == "aten.linear.default")
+
+
+AXES = {
+    "sequence parallel": ("gpt-tiny-local2", setter("training", "sequence_parallel", value=True),
+                          "training.sequence_parallel"),
+    "experts: ep degree": ("gpt-tiny-local2", setter("mesh", "ep", value=2), "mesh.ep = 2"),
+    "experts: ep layout": ("mixtral-ep2", move_ep_layout(Q_PROJ), "ep layout"),
+    "experts: ep beside offload": ("mixtral-ep2", setter("training", "offload", value="optimizer"),
+                                   "mesh.ep = 2 with training.offload"),
+    "recompute: selective": ("mlp-local2", setter("stages", 0, "recompute", value="selective"),
+                             "stages[0].recompute"),
+    "recompute: full": ("mlp-local2", setter("stages", 0, "recompute", value="full"), "stages[0].recompute"),
+    "recompute: unknown mode": ("gpt-tiny-local2", setter("stages", 0, "recompute", value="half"),
+                                "stages/0/recompute"),
+    "offload": ("gpt-tiny-local2", setter("training", "offload", value="disk"), "training/offload"),
+    "offload in inference": ("gpt-4l-inference", setter("training", "offload", value="optimizer"),
+                             "offload 'optimizer' in an inference plan"),
+    "ZeRO stage": ("gpt-tiny-local2", setter("training", "zero_stage", value=7), "training/zero_stage"),
+    "ZeRO at dp=1": ("mlp-local2", setter("training", "zero_stage", value=1), "ZeRO-1 with dp=1"),
+    "pipeline schedule": ("gpt-tiny-pp2", setter("training", "schedule", value="zigzag"), "training/schedule"),
+    "pipeline schedule at pp=1": ("gpt-tiny-local2", setter("training", "schedule", value="1f1b"),
+                                  "schedule '1f1b' without pipeline stages"),
+    "pipeline chunks": ("gpt-tiny-pp2", setter("training", "chunks", value=3), "one chunk per rank, not 3"),
+    "tp: a node's placement at tp=1": ("gpt-tiny-local2", lambda d: _first_linear(d).update(out=["shard(1)"]),
+                                       "placement shard(1) with tp=1"),
+    "tp: a parameter's layout at tp=1": ("gpt-tiny-local2",
+                                         lambda d: d["params"][0]["layout"].update(tp="shard(0)"),
+                                         "tp layout shard(0) with tp=1"),
+    "tp: a layout that does not divide": ("gpt-tiny-tp2", lambda d: d["params"][0]["layout"].update(tp="shard(5)"),
+                                          "does not divide its shape over tp=2"),
+}
+
+
+def test_every_axis_has_an_edit_and_each_is_refused():
+    assert {a.split(":")[0] for a in AXES} >= {"sequence parallel", "experts", "recompute", "offload", "ZeRO stage",
+                                               "pipeline schedule", "pipeline chunks", "tp"}
+    passed = [plan for plan, _, _ in AXES.values() if refusal(golden(plan)) is not None]
+    assert not passed, f"unedited plans refused: {passed}"
+    wrong = {}
+    for axis, (plan, edit, expected) in AXES.items():
+        why = refusal(edited(plan, edit))
+        if why is None or expected not in why:
+            wrong[axis] = why
+    assert not wrong, wrong
+
+
+# -- against the model: which parameters are experts is the graph's to say ------------------------
+
+@pytest.fixture(scope="module")
+def mixtral_captured():
+    """The golden set's tiny Mixtral captured as a rank of mixtral-ep2 captures it (at the micro-batch)."""
+    import torch
+
+    from partita.core.capture import capture
+    from partita.core.inputs import InputSpec, parse_input_spec
+    from partita.core.losses import resolve_loss
+
+    data = golden("mixtral-ep2")
+
+    def micro(text: str) -> InputSpec:
+        spec = parse_input_spec(text)
+        return InputSpec(spec.name, spec.dtype, (data["training"]["micro_batch_size"], *spec.shape[1:]))
+
+    torch.manual_seed(0)
+    return capture(MODELS["mixtral"][0](), [micro(s) for s in data["model"]["inputs"]], loss=resolve_loss(None),
+                   targets=micro(data["model"]["targets"]))
+
+
+def test_the_run_checks_each_ep_layout_against_the_graphs_experts(mixtral_captured):
+    """A rank checks every ep layout against core/experts.py's expert weights on the graph: an expert
+    weight left replicated at ep=2 (which verify, knowing modules only, cannot tell) is refused there,
+    as is an ep layout on q_proj; the unedited plan holds."""
+    from partita.core.verify import check_layouts
+
+    check_layouts(verified_plan(golden("mixtral-ep2"), sealed=False), mixtral_captured)
+
+    def unsplit(data: dict[str, Any]) -> None:
+        del param(data, EXPERT)["layout"]["ep"]
+
+    plan = verified_plan(edited("mixtral-ep2", unsplit), sealed=False)  # passes without the model
+    with pytest.raises(PartitaError, match=f"parameter {EXPERT}: ep layout replicate at mesh.ep = 2, but it is an "
+                                           "expert weight"):
+        check_layouts(plan, mixtral_captured)
+    plan = Plan.from_dict(edited("mixtral-ep2", move_ep_layout(Q_PROJ)))
+    with pytest.raises(PartitaError, match=f"parameter {Q_PROJ}: ep layout shard\\(0\\), but this model does not "
+                                           "stack it over experts"):
+        check_layouts(plan, mixtral_captured)
