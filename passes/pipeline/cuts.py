@@ -117,6 +117,16 @@ class Partition:
         self._sends_held = [sends_held(setup.schedule, s, setup.stages, setup.micro_batches, setup.chunks)
                             for s in range(setup.stages)]
         self._choices: dict[tuple[int, int, int], tuple[int, str]] = {}
+        self._segments: dict[tuple[int, int], tuple[int, int, int, int, int]] = {}
+        self._p2p_out: dict[tuple[int, int], float] = {}  # (k, s): the activations' send over boundary k
+        self._p2p_back: dict[tuple[int, int], float] = {}  # (j, s): the gradients' send back over j
+        # the mode a stage is first weighed in, and a bound on its sends over any boundaries
+        # (``surely_fits_from``): the sends are the one part of a segment's bytes that need not grow with it
+        self.first_mode = self.rc.options[0].mode if self.rc is not None and self.rc.forced else NONE
+        send = max((costs.send_bytes[k] for k in (*self.boundaries, self.n)), default=0)
+        grad = max((costs.grad_bytes[j] for j in (0, *self.boundaries)), default=0)
+        self._sends_bound = [forward * send + backward * grad for forward, backward in self._sends_held]
+        self._reach: dict[int, tuple[int, int]] = {}  # s -> (the last k asked, its first sure boundary)
         self._buffers_of: dict[int, StepBuffers] = {}
 
     def shared_in(self, j: int, k: int) -> list[SharedParam]:
@@ -139,9 +149,14 @@ class Partition:
 
     def p2p(self, j: int, k: int, s: int) -> float:
         """Stage s's sends per micro-batch: activations over boundary k, gradients back over j."""
-        p, c = self.setup.stages, self.costs
-        out = p2p_time(c.send_bytes[k], self.setup.links[s]) if s < p - 1 else 0.0
-        back = p2p_time(c.grad_bytes[j], self.setup.links[s - 1]) if s > 0 else 0.0
+        out = self._p2p_out.get((k, s))
+        if out is None:
+            p, c = self.setup.stages, self.costs
+            out = self._p2p_out[k, s] = p2p_time(c.send_bytes[k], self.setup.links[s]) if s < p - 1 else 0.0
+        back = self._p2p_back.get((j, s))
+        if back is None:
+            back = self._p2p_back[j, s] = p2p_time(self.costs.grad_bytes[j], self.setup.links[s - 1]) if s > 0 \
+                else 0.0
         return out + back
 
     def _choice(self, j: int, k: int, s: int) -> tuple[int, str]:
@@ -155,23 +170,36 @@ class Partition:
         return got
 
     def _decide(self, j: int, k: int, s: int) -> tuple[int, str]:
-        state, live = self._state_total(j, k), self.costs.live_peak(j, k)
-        collectives, step, tensors = self._buffer_sums(j, k, s)
-
-        def total(mode: str) -> int:
-            _, saved, rebuilt = self._modes[mode]
-            return peak_of(state, self.held[s] * (saved[k] - saved[j]) + rebuilt + live + collectives, step,
-                           tensors, self.cluster)
-
-        plain = total(NONE)
+        state, live, collectives, step, tensors = self._segment(j, k)
+        if self.setup.buffers is not None:
+            collectives += self._sends(j, k, s)
+        held, cluster = self.held[s], self.cluster
+        saved = self.saved
+        plain = peak_of(state, held * (saved[k] - saved[j]) + 0 + live + collectives, step, tensors, cluster)
         rc, cap = self.rc, self.setup.capacity
         if rc is None or (not rc.forced and plain <= cap):
             return plain, NONE
         for r in rc.options:
-            bytes_ = total(r.mode)
+            _, saved, rebuilt = self._modes[r.mode]
+            bytes_ = peak_of(state, held * (saved[k] - saved[j]) + rebuilt + live + collectives, step, tensors,
+                             cluster)
             if rc.forced or bytes_ <= cap:
                 return bytes_, r.mode
         return plain, NONE
+
+    def _segment(self, j: int, k: int) -> tuple[int, int, int, int, int]:
+        """What a stage over [j, k) holds whichever stage it is: its state's bytes, its costliest live
+        set, and its buffers' collectives (its sends apart), step and tensors; once per segment."""
+        got = self._segments.get((j, k))
+        if got is None:
+            state, live = self._state_total(j, k), self.costs.live_peak(j, k)
+            if self.setup.buffers is None:
+                got = (state, live, 0, 0, 0)
+            else:
+                buffers = self._base_buffers(self.param_numel(j, k) + self.expert_numel(j, k))
+                got = (state, live, buffers.collectives, buffers.step, buffers.tensors)
+            self._segments[j, k] = got
+        return got
 
     def recomputes(self, j: int, k: int, s: int) -> str:
         """Stage s over [j, k)'s recomputation mode (``_choice``)."""
@@ -214,13 +242,27 @@ class Partition:
         return replace(peak_memory(st, activations=act, capacity=capacity, cluster=self.cluster, transient=live,
                                    buffers=buffers), host=round(numel * self.setup.host_held))
 
-    def _buffer_sums(self, j: int, k: int, s: int) -> tuple[int, int, int]:
-        """``rank_memory``'s buffers of stage s: collectives (its sends too), step and tensors, without
-        building the record."""
-        if self.setup.buffers is None:
-            return 0, 0, 0
-        buffers = self._base_buffers(self.param_numel(j, k) + self.expert_numel(j, k))
-        return buffers.collectives + self._sends(j, k, s), buffers.step, buffers.tensors
+    def surely_fits_from(self, k: int, s: int) -> int:
+        """The index of the first boundary j (in ``boundaries``) from which on every segment [j, k) of
+        stage s fits in ``first_mode`` (so ``_choice`` would give that mode, fitting) by an upper bound
+        on its bytes: the segment's own, with the largest sends over any boundaries. The bound grows
+        with the segment at both ends, so the index never falls as k rises: one pointer per stage."""
+        last_k, i = self._reach.get(s, (-1, 0))
+        if k < last_k:
+            i = 0
+        ends, cap, held = self.boundaries, self.setup.capacity, self.held[s]
+        _, saved, rebuilt = self._modes[self.first_mode]
+        while i < len(ends) and ends[i] < k:
+            state, live, collectives, step, tensors = self._segment(ends[i], k)
+            if self.setup.buffers is not None:
+                collectives += self._sends_bound[s]
+            j = ends[i]
+            if peak_of(state, held * (saved[k] - saved[j]) + rebuilt + live + collectives, step, tensors,
+                       self.cluster) <= cap:
+                break
+            i += 1
+        self._reach[s] = (k, i)
+        return i
 
     def _sends(self, j: int, k: int, s: int) -> int:
         """Bytes of the activations stage s holds sent forward and of the gradients it holds sent
@@ -277,6 +319,7 @@ def solve_cuts(part: Partition, cost: Callable[[int, int, int], float] | None = 
     reaches the best found. Returns (objective, bounds) with bounds = (0, b_1, ..., N);
     objective ``inf`` when no partition has a finite cost (then bounds is empty).
     """
+    timed = cost is None and floor is None  # the default: the scan below, inlined (``_time_scan``)
     if cost is None:
         cost, floor = part.time_cost, floor or part.time_floor
     floor = floor or cost
@@ -294,6 +337,9 @@ def solve_cuts(part: Partition, cost: Callable[[int, int, int], float] | None = 
         targets = [n] if s == p - 1 else ends
         row, prev = {}, {}
         for k in targets:
+            if timed:
+                row[k], prev[k] = _time_scan(part, ends, k, s, best[s - 1])
+                continue
             v_best, j_best = INF, -1
             for j in reversed(ends[:bisect.bisect_left(ends, k)]):
                 if floor(j, k, s) >= v_best:
@@ -314,6 +360,38 @@ def solve_cuts(part: Partition, cost: Callable[[int, int, int], float] | None = 
         k = back[s][k]
         bounds.append(k)
     return v, tuple([0] + bounds[::-1])
+
+
+def _time_scan(part: Partition, ends: Sequence[int], k: int, s: int, before: dict[int, float]) -> tuple[float, int]:
+    """``solve_cuts``' scan of the segments [j, k) of stage s under the default cost and floor
+    (``time_cost``, ``time_floor``), each step as theirs in the same order: a segment that does not
+    fit, or whose compute floor reaches the best found, ends the scan. The DP's inner loop, with
+    the layers of calls between it and the segment's numbers taken out."""
+    choices, decide, cap, overhead, p2p, modes = part._choices, part._decide, part.setup.capacity, \
+        part.cluster.step_overhead_s, part.p2p, part._modes
+    floor = modes[part.first_mode][0]
+    v_best, j_best = INF, -1
+    sure, first = part.surely_fits_from(k, s), part.first_mode
+    for i in range(bisect.bisect_left(ends, k) - 1, -1, -1):
+        j = ends[i]
+        if i >= sure:  # fits, in its first mode: no need to weigh its bytes
+            mode = first
+        else:
+            got = choices.get((j, k, s))  # part._choice, inlined
+            if got is None:
+                got = choices[j, k, s] = decide(j, k, s)
+            total, mode = got
+            if total > cap:
+                break  # longer segments cost at least as much
+        if floor[k] - floor[j] + overhead >= v_best:
+            break
+        if before[j] >= v_best:
+            continue
+        compute = modes[mode][0]
+        v = max(before[j], compute[k] - compute[j] + overhead + p2p(j, k, s))
+        if v < v_best:
+            v_best, j_best = v, j
+    return v_best, j_best
 
 
 def any_cuts_fit(part: Partition) -> bool:
