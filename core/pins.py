@@ -9,6 +9,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from partita.core.axes import check_pins
 from partita.core.errors import MAX_COUNT, POSITIVE_HINT, PartitaError, too_large
 from partita.core.optimizers import OFFLOAD
 from partita.core.plan import OPTIMIZERS
@@ -62,29 +63,14 @@ class Pins:
         if self.sequence_parallel not in (None, True, False):
             raise PartitaError(f"sequence_parallel={self.sequence_parallel!r} must be True, False or None",
                                hint="True splits the residual stream along the sequence over tp, False never")
-        if self.ep is not None and self.ep > 1 and self.dp is not None and self.dp % self.ep:
-            raise PartitaError(f"--ep {self.ep} does not divide --dp {self.dp}: expert groups are carved out of "
-                               "the data-parallel group", hint="pin an --ep that divides --dp, or leave --ep out")
-        if self.ep is not None and self.ep > 1 and (self.tp or 1) > 1:
-            raise PartitaError(f"--ep {self.ep} with --tp {self.tp}: this version splits experts over data-parallel "
-                               "ranks of a tp=1 mesh only", hint="pin --tp 1, or drop --ep")
-        if self.sequence_parallel and self.tp == 1:
-            raise PartitaError("--sequence-parallel with --tp 1: there is no TP group to split the sequence over",
-                               hint="pin --tp 2 or more, or drop --sequence-parallel")
         if self.offload is not None and self.offload not in OFFLOAD:
             raise PartitaError(f"--offload {self.offload!r} is not one of {', '.join(OFFLOAD)}",
                                hint="optimizer keeps the optimizer's state and masters in host memory")
-        if self.recomputes and self.zero_stage == 3:
-            raise PartitaError(f"--recompute {self.recompute} with --zero 3: recomputation reruns a layer's forward "
-                               "in backward, where ZeRO-3 would free the parameters it gathers under it",
-                               hint="pin --zero 2 or lower, or drop --recompute")
         if self.schedule is not None:
             if self.schedule not in SCHEDULES:
                 raise PartitaError(f"--schedule {self.schedule!r} is not one of {', '.join(SCHEDULES)}",
                                    hint="leave --schedule out to let partita choose")
-            if self.pp == 1:
-                raise PartitaError(f"--schedule {self.schedule} schedules pipeline stages, but --pp 1 has none",
-                                   hint="pin --pp 2 or more, or drop --schedule")
+        check_pins(self)  # every axis's rules over what the pins fix (core/axes)
 
     # The planners decide every axis; a tp pin is checked against the cluster in
     # passes/tp/mesh.py, a pp pin against the devices in passes/pipeline/stages.py,

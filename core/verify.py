@@ -11,10 +11,11 @@ disagree, naming each disagreement, with the rules that made them (no second cop
   exact strategies, with their placements, are re-derived from the graph where the runtime
   has it: ``check_layouts``);
 - parameter layouts divide the parameter's shape over tp, and expert weights by whole experts over ep;
-- every axis is one compile could have set: sequence parallelism at tp > 1, ep > 1 on a model with
-  mixture-of-experts layers and beside what this version runs it with, an ep layout only on an
-  expert weight (``core/experts.py``), a recomputation mode only where the model has what it reruns
-  (``core/recompute.py``);
+- every axis's rules hold, the same rules compile checks on the pins (core/axes: sequence
+  parallelism at tp > 1 on a model with a residual stream, ep > 1 on a model with experts and beside
+  what this version runs it with, a recomputation mode only where the model has what it reruns, a
+  schedule only with stages, ...), and each axis's own checks of the plan (an ep layout only on an
+  expert weight);
 - stage indices lie within pp, stage ranks are the mesh's, nodes read only earlier stages;
 - the mesh fits the cluster, the cluster's figures are valid (``ClusterSpec``'s checks), the
   training set-up is one partita runs, every number is finite and not negative (and every count
@@ -34,8 +35,8 @@ import math
 from collections.abc import Iterable
 from typing import Any
 
+from partita.core.axes import axis_problems
 from partita.core.mesh import MeshAxis
-from partita.core.optimizers import NO_OFFLOAD
 from partita.core.plan import NodeDecision, Plan
 from partita.core.plan_file import describe_problems, plan_from_data, read_plan
 
@@ -55,7 +56,7 @@ def verified_plan(data: Any, *, source: str = "plan", sealed: bool = True) -> Pl
 def plan_problems(plan: Plan) -> list[str]:
     """Every inconsistency of ``plan`` found without the model, in the user's words; [] if none."""
     problems: list[str] = []
-    for check in (_numbers, _contents, _model, _cluster, _training, _stages, _nodes, _params, _experts, _recompute,
+    for check in (_numbers, _contents, _model, _cluster, _training, _stages, _nodes, _params, axis_problems,
                   _collectives):
         problems += check(plan)
     return problems
@@ -130,7 +131,6 @@ def _cluster(plan: Plan) -> list[str]:
 def _training(plan: Plan) -> list[str]:
     from partita.core.plan import OPTIMIZERS
     from partita.core.precision import PRECISIONS
-    from partita.core.schedule import SCHEDULES, chunk_problem
 
     t, out = plan.training, []
     if t.precision not in PRECISIONS:
@@ -140,20 +140,6 @@ def _training(plan: Plan) -> list[str]:
     if t.inference != (t.optimizer == "none"):
         out.append(f"inference={t.inference} with optimizer {t.optimizer!r}: a training plan has an optimizer, "
                    "an inference plan none")
-    if plan.mesh.pp > 1 and not t.inference and t.schedule not in SCHEDULES:
-        out.append(f"pp={plan.mesh.pp} needs a pipeline schedule ({', '.join(SCHEDULES)}), not {t.schedule!r}")
-    problem = chunk_problem(t.schedule, plan.mesh.pp, t.chunks, t.grad_accum_steps)
-    if problem and not t.inference:
-        out.append(problem)
-    if plan.mesh.pp == 1 and t.schedule != "none":
-        out.append(f"schedule {t.schedule!r} without pipeline stages (pp=1)")
-    if t.offload != NO_OFFLOAD and t.inference:
-        out.append(f"offload {t.offload!r} in an inference plan: there is no optimizer state to offload")
-    if t.sequence_parallel and plan.mesh.tp == 1:
-        out.append("training.sequence_parallel is true at mesh.tp = 1: sequence parallelism splits the residual "
-                   "stream over the tensor-parallel group, which needs tp > 1")
-    if t.zero_stage > 0 and plan.mesh.dp == 1:
-        out.append(f"ZeRO-{t.zero_stage} with dp=1: no data-parallel group to shard over")
     if t.grad_bucket_bytes < 1:
         out.append(f"grad_bucket_bytes={t.grad_bucket_bytes} must be at least 1")
     return out
@@ -248,66 +234,6 @@ def _params(plan: Plan) -> list[str]:
     return out
 
 
-def _experts(plan: Plan) -> list[str]:
-    """ep > 1 needs experts to split and runs only beside what ``ep_conflicts`` allows; an ep layout
-    is an expert weight's (compile gives it to the parameters its grouped matmuls read, and to no other)."""
-    from partita.core.experts import EP_RUNS, decided_expert_modules, ep_conflicts
-    from partita.core.placement import REPLICATE
-
-    ep, t, out = plan.mesh.ep, plan.training, []
-    modules = decided_expert_modules(plan.nodes)
-    if ep > 1 and not modules:
-        return [f"mesh.ep = {ep}, but the model has no mixture-of-experts layer to split over it (no grouped matmul "
-                "over parameters stacked by expert, core/experts.py)"]
-    if ep > 1:
-        fields = {"inference": "training.inference", "tp": f"mesh.tp = {plan.mesh.tp}",
-                  "offload": f"training.offload = {t.offload!r}", "sequence_parallel": "training.sequence_parallel"}
-        refused = ep_conflicts(inference=t.inference, tp=plan.mesh.tp, offload=t.offload != NO_OFFLOAD,
-                               sequence_parallel=t.sequence_parallel)
-        if refused:
-            out.append(f"mesh.ep = {ep} with {' and '.join(fields[r] for r in refused)}: this version runs ep > 1 "
-                       f"{EP_RUNS}")
-    for p in plan.params:
-        placement = p.layout.get(MeshAxis.EP.value, REPLICATE)
-        if placement != REPLICATE and p.name.rpartition(".")[0] not in modules:
-            out.append(f"parameter {p.name}: ep layout {placement}, but it is no expert weight (no grouped matmul "
-                       "over experts reads it, core/experts.py): only those are split over ep")
-    return out
-
-
-def _recompute(plan: Plan) -> list[str]:
-    """A stage recomputes only what the model has: selective its attention cores, full its
-    repeated layers (compile gives no stage a mode the model has nothing to rerun by)."""
-    from partita.core.recompute import FULL, SELECTIVE, decided_cores
-
-    def where(mode: str) -> str:
-        return ", ".join(f"stages[{s.index}].recompute" for s in plan.stages if s.recompute == mode)
-
-    out = []
-    if where(SELECTIVE) and not decided_cores(plan.nodes, _input_names(plan)):
-        out.append(f"{where(SELECTIVE)} is {SELECTIVE!r}, but the model has no attention core in its repeated layers "
-                   "to rerun (core/recompute.py: Q K^T through softmax to the product with V, or a fused attention op)")
-    if where(FULL) and not any(d.layer for d in plan.nodes):
-        out.append(f"{where(FULL)} is {FULL!r}, but the model has no repeated layer to rerun")
-    return out
-
-
-def _input_names(plan: Plan) -> set[str]:
-    """The placeholders of the model's captured inputs and targets (each named as its input spec)."""
-    from partita.core.errors import PartitaError
-    from partita.core.inputs import check_input_spec
-
-    names = set()
-    for text in (*plan.model.inputs, plan.model.targets):
-        if text is None:
-            continue
-        try:
-            names.add(check_input_spec(text)[0])
-        except PartitaError:
-            pass  # ``_model`` names it
-    return names
-
-
 def _collectives(plan: Plan) -> list[str]:
     out = []
     for c in plan.collectives:
@@ -385,7 +311,7 @@ def param_problems(plan: Plan, param_nodes: dict[str, str]) -> list[str]:
 def expert_problems(plan: Plan, experts: Iterable[str]) -> list[str]:
     """Each parameter's ep layout against whether the graph stacks it over experts (``experts``:
     core/experts.py's ``expert_params``, what compile splits): at ep > 1 those are split over ep,
-    and no other parameter ever is (``_experts`` checks the same without the model, by module)."""
+    and no other parameter ever is (core/axes/experts.py checks the same without the model, by module)."""
     from partita.core.placement import REPLICATE
 
     experts, out = set(experts), []

@@ -28,7 +28,7 @@ import networkx as nx
 from partita.core.buckets import DEFAULT_BUCKET_BYTES
 from partita.core.cluster import ClusterSpec, Link
 from partita.core.errors import PartitaError
-from partita.core.experts import EP_RUNS, ExpertRegion, ep_conflicts, ep_degrees, expert_params
+from partita.core.experts import ExpertRegion, ep_conflicts, ep_degrees, expert_params
 from partita.core.optimizers import NO_OFFLOAD
 from partita.core.pins import Pins, TrainingRequest
 from partita.core.precision import activation_scale, element_bytes
@@ -64,28 +64,17 @@ def expert_param_names(G: nx.DiGraph) -> frozenset[str]:
     return frozenset(expert_params(model_experts(G), placeholders))
 
 
-def check_ep_pin(name: str, regions: Sequence[ExpertRegion], pins: Pins, request: TrainingRequest) -> None:
-    """Refuse a pinned ``--ep`` above 1 that this version cannot plan: a model without experts, a
-    degree that does not divide every layer's experts, and what the runtime runs only without
-    expert parallelism (inference, tensor parallelism, offload, sequence parallelism)."""
+def check_ep_pin(regions: Sequence[ExpertRegion], pins: Pins) -> None:
+    """Refuse a pinned ``--ep`` that does not divide every MoE layer's experts (what else rules out a
+    pinned ep, a model without experts and what ep does not run beside, are core/axes/experts.py's
+    rules, checked with the others by plan_search)."""
     ep = pins.ep or 1
-    if ep == 1:
-        return
-    if not regions:
-        raise PartitaError(f"--ep {ep}: {name} has no mixture-of-experts layer to split (grouped matmuls over "
-                           "parameters stacked by expert, core/experts.py)", hint="drop --ep")
     counts = sorted({r.experts for r in regions})
-    if any(c % ep for c in counts):
+    if ep > 1 and any(c % ep for c in counts):
         valid = [e for e in range(2, min(counts) + 1) if all(c % e == 0 for c in counts)]
         raise PartitaError(f"--ep {ep} does not divide the {' / '.join(map(str, counts))} experts of each MoE "
                            "layer: every rank of an expert group holds whole experts",
                            hint=f"pin --ep {' or '.join(map(str, valid))}" if valid else "drop --ep")
-    refused = _conflicts(pins, request)
-    if refused:
-        flag = {"inference": "--inference", "tp": f"--tp {pins.tp}", "offload": "--offload",
-                "sequence_parallel": "--sequence-parallel"}[refused[0]]
-        raise PartitaError(f"--ep {ep} with {flag}: this version runs ep={ep} {EP_RUNS}",
-                           hint=f"drop {flag}, or drop --ep")
 
 
 def _conflicts(pins: Pins, request: TrainingRequest) -> list[str]:

@@ -33,6 +33,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from partita.core.axes import check_pins
 from partita.core.buckets import DEFAULT_BUCKET_BYTES
 from partita.core.cluster import ClusterSpec
 from partita.core.errors import InfeasibleError, PartitaError
@@ -41,7 +42,7 @@ from partita.core.optimizers import NO_OFFLOAD, OFFLOAD_OPTIMIZER
 from partita.core.pins import Pins, TrainingRequest
 from partita.core.placement import is_shard
 from partita.core.plan import Alternative, MemoryBreakdown, Stage
-from partita.core.recompute import FULL, NONE, SELECTIVE
+from partita.core.recompute import FULL, NONE
 from partita.core.tp.strategies import input_index, node_strategies
 from partita.core.tp.vocabulary import Strategy
 from partita.passes.cost_model import model_state_memory, state_bytes_per_param, zero_optimizer_time, zero_step_comm
@@ -49,6 +50,7 @@ from partita.passes.dp.buckets import gradient_buckets
 from partita.passes.dp.zero import STRATEGY_NAMES
 from partita.passes.experts import check_ep_pin, expert_parts, model_experts, pipeline_ep_pins, stage_expert_steps
 from partita.passes.explain import traffic_reason
+from partita.passes.facts import model_facts
 from partita.passes.peak_memory import peak_memory, step_buffers
 from partita.passes.pipeline.bounds import AllPruned, PrunedCandidate
 from partita.passes.pipeline.costs import NodeCosts, crossing_bytes, kv_ratio, node_costs, output_bytes
@@ -121,19 +123,11 @@ def plan_search(
     tried_pipeline = False
     # A pinned schedule asks for a pipeline; pinned recomputation is weighed by the pipeline search
     # alone (at p = 1 too), which decides it per stage.
-    if pins.recompute == SELECTIVE and not any(a.get("attention_core") for _, a in profile.graph.nodes(data=True)):
-        raise PartitaError(f"--recompute selective: {profile.name} has no attention core in its repeated layers to "
-                           "recompute (core/recompute.py: Q K^T through softmax to the product with V, or a fused "
-                           "attention op)", hint="pin --recompute full to rerun whole layers, or leave it out")
-    if pins.offload == OFFLOAD_OPTIMIZER and (cluster.host_bandwidth <= 0 or cluster.host_memory_bandwidth <= 0):
-        raise PartitaError(f"--offload optimizer: cluster {cluster.name!r} gives no host bandwidth to price it by",
-                           hint="set host_gb_per_s and host_memory_gb_per_s in the cluster file, or use a preset")
+    # every axis's rules, now with the facts the graph and the cluster give (core/axes)
+    check_pins(pins, inference=request.inference, facts=model_facts(profile, cluster))
+    check_ep_pin(model_experts(profile.graph), pins)
     # the pipeline search alone weighs these (at p = 1 too), per stage
     pinned_pipeline = pins.recomputes or pins.offload == OFFLOAD_OPTIMIZER or bool(pins.sequence_parallel)
-    check_ep_pin(profile.name, model_experts(profile.graph), pins, request)
-    if pins.sequence_parallel and not residual_nodes(profile.graph):
-        raise PartitaError(f"--sequence-parallel: {profile.name} has no residual stream to split (repeated layers "
-                           "handing each other batch x sequence x hidden)", hint="drop --sequence-parallel")
     if pins.pp in (None, 1) and pins.schedule is None and not pinned_pipeline:
         try:
             options.append(_from_mesh(choose_mesh(profile, param_numels, cluster, request, replace(pins, pp=None)),

@@ -1,0 +1,74 @@
+"""The registry of parallelism axes: one module each, each declaring an ``Axis`` (core/axes/rules.py):
+the settings it owns, its rules over settings and facts, and its checks of a plan.
+
+Every part that asks something of every axis iterates ``AXES``: ``Pins`` checks their rules on the
+pins alone (``check_pins``); the planner again with the facts the graph and the cluster give
+(passes/search.py); verify on a plan with the facts its decisions give (``axis_problems``), so a
+plan compile could not have written is refused whichever field was edited. docs/adding-an-axis.md
+says what a new axis declares here and which files it touches.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from partita.core.axes import data, experts, offload, pipeline, recompute, sequence, tensor, zero
+from partita.core.axes.rules import SETTINGS, Axis, broken_rules, pin_voice, plan_voice
+from partita.core.errors import PartitaError
+
+AXES: tuple[Axis, ...] = tuple(m.AXIS for m in (data, tensor, pipeline, zero, offload, recompute, sequence, experts))
+
+
+def pin_settings(pins: Any, *, inference: bool | None = None) -> dict[str, Any]:
+    """The settings the pins fix (None: the planner's to choose), with the request's ``inference``."""
+    values = {name: getattr(pins, name, None) for name in SETTINGS}
+    values["recompute"] = None if pins.recompute is None else frozenset((pins.recompute,))
+    values["inference"] = inference
+    return values
+
+
+def check_pins(pins: Any, *, inference: bool | None = None, facts: Mapping[str, Any] | None = None) -> None:
+    """Refuse, in one message, the first rule of any axis the pins break where all it reads is known."""
+    values = {**pin_settings(pins, inference=inference), **(facts or {})}
+    for axis in AXES:
+        for message, hint in broken_rules(axis.rules, values, pin_voice(values)):
+            raise PartitaError(message, hint=hint)
+
+
+def plan_settings(plan: Any) -> dict[str, Any]:
+    """A plan's settings, every one known; ``recompute`` the set of its stages' modes."""
+    m, t = plan.mesh, plan.training
+    return {"dp": m.dp, "tp": m.tp, "pp": m.pp, "ep": m.ep, "zero_stage": t.zero_stage, "schedule": t.schedule,
+            "recompute": frozenset(s.recompute for s in plan.stages), "offload": t.offload,
+            "sequence_parallel": t.sequence_parallel, "inference": t.inference}
+
+
+def plan_facts(plan: Any) -> dict[str, Any]:
+    """What a plan's decisions say of the model and cluster: its attention cores and repeated layers,
+    its experts, the cluster's host bandwidth. The residual stream is not recorded (None)."""
+    from partita.core.cluster import ClusterSpec
+    from partita.core.experts import decided_expert_modules
+    from partita.core.recompute import decided_cores
+
+    try:
+        cluster = ClusterSpec.from_dict(plan.cluster)
+        host = cluster.host_bandwidth > 0 and cluster.host_memory_bandwidth > 0
+    except (PartitaError, TypeError, ValueError):
+        host = None  # core/verify.py's ``_cluster`` names it
+    return {"attention_core": bool(decided_cores(plan.nodes, recompute.input_names(plan))),
+            "repeated_layers": any(d.layer for d in plan.nodes), "residual_stream": None,
+            "experts": bool(decided_expert_modules(plan.nodes)), "host_bandwidth": host}
+
+
+def axis_problems(plan: Any) -> list[str]:
+    """Every axis's rules broken by ``plan``, in the plan file's words, and its own plan checks."""
+    values = {**plan_settings(plan), **plan_facts(plan)}
+    say = plan_voice(values, plan.stages)
+    out = []
+    for axis in AXES:
+        out += [message for message, _ in broken_rules(axis.rules, values, say)]
+        if axis.plan_checks is not None:
+            out += axis.plan_checks(plan)
+    return out
+

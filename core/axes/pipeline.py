@@ -1,0 +1,26 @@
+"""Pipeline parallelism: the model cut into ``pp`` stages (x chunks per rank) run by a schedule
+(core/schedule.py)."""
+
+from __future__ import annotations
+
+from partita.core.axes.rules import Axis, Rule
+from partita.core.schedule import SCHEDULES, chunk_problem
+
+SCHEDULE_WITHOUT_STAGES = Rule(
+    ("schedule", "pp"), lambda v: v["schedule"] != "none" and v["pp"] == 1,
+    lambda say, v: f"{say('schedule')} schedules pipeline stages, but {say('pp')} has none",
+    "pin --pp 2 or more, or drop --schedule")
+
+
+def _plan_checks(plan) -> list[str]:
+    t, out = plan.training, []
+    if plan.mesh.pp > 1 and not t.inference and t.schedule not in SCHEDULES:
+        out.append(f"mesh.pp = {plan.mesh.pp} needs a pipeline schedule ({', '.join(SCHEDULES)}), "
+                   f"not training.schedule = {t.schedule!r}")
+    problem = chunk_problem(t.schedule, plan.mesh.pp, t.chunks, t.grad_accum_steps)
+    if problem and not t.inference:
+        out.append(problem)
+    return out
+
+
+AXIS = Axis("pipeline parallelism", ("pp", "schedule"), (SCHEDULE_WITHOUT_STAGES,), _plan_checks)
