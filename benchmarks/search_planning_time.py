@@ -33,8 +33,8 @@ from partita.passes.cost_model import state_bytes_per_param
 from partita.passes.pipeline.costs import kv_ratio
 from partita.passes.pipeline.cuts import Partition, StageSetup, solve_cuts
 from partita.passes.pipeline.stages import stage_links
-from partita.passes.search import tp_node_costs
 from partita.passes.tp.ilp import solve_tp
+from partita.passes.tp.layout_costs import tp_node_costs
 from partita.passes.tp.problem import TPSetting, build_problem
 
 

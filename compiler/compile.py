@@ -33,8 +33,9 @@ from partita.passes.dp.zero import zero_units
 from partita.passes.experts import expert_param_names
 from partita.passes.flops import annotate_flops
 from partita.passes.profile import ModelProfile, profile_model
-from partita.passes.search import Decision, plan_search, tp_choice
+from partita.passes.search import Decision, plan_search
 from partita.passes.tp.costs import captured_float_dtype
+from partita.passes.tp.layout_costs import tp_choice
 
 MAX_ALTERNATIVES = 12
 

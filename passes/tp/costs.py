@@ -1,7 +1,7 @@
 """What one tensor-parallel strategy costs on one node: the one per-node TP cost.
 
 The TP ILP's input (passes/tp/problem.py ``build_problem``) prices every strategy of every
-node with it, and the pipeline search (passes/search.py ``tp_node_costs``) prices
+node with it, and the pipeline search (passes/tp/layout_costs.py ``tp_node_costs``) prices
 the chosen layout node by node with it, so a stage is cut by the numbers the
 layout was chosen by.
 

@@ -18,7 +18,7 @@ from partita.core.placement import shard_dim
 from partita.core.tp.strategies import node_strategies
 from partita.passes.flops import annotate_flops
 from partita.passes.profile import profile_model
-from partita.passes.search import tp_choice
+from partita.passes.tp.layout_costs import tp_choice
 from tests.oracles import strategies_at
 
 

@@ -123,7 +123,7 @@ class _Lookup(nn.Module):
 
 def test_an_int64_tensor_is_priced_at_8_bytes_by_the_ilp_and_the_pipeline_search():
     from partita.core.tp.strategies import node_strategies
-    from partita.passes.search import tp_node_costs
+    from partita.passes.tp.layout_costs import tp_node_costs
     from partita.passes.tp.problem import TPSetting, build_problem
 
     cluster = PRESETS["dgx-a100"]

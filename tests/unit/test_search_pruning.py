@@ -28,8 +28,9 @@ from partita.passes.pipeline import stages as pipeline_parallel
 from partita.passes.pipeline.costs import node_costs
 from partita.passes.pipeline.stages import choose_pipeline
 from partita.passes.profile import profile_model
-from partita.passes.search import plan_search, tp_node_costs
+from partita.passes.search import plan_search
 from partita.passes.tp import mesh as tensor_parallel
+from partita.passes.tp.layout_costs import tp_node_costs
 
 
 @functools.cache
