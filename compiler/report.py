@@ -9,6 +9,7 @@ from rich.console import Group, RenderableType
 from rich.markup import escape
 from rich.table import Table
 
+from partita.core.axes import axis_summary
 from partita.core.cluster import UNCALIBRATED
 from partita.core.errors import printable
 from partita.core.mesh import MeshAxis, held_experts
@@ -243,6 +244,16 @@ def plan_summary(plan: Plan) -> RenderableType:
     return _kv("partita plan", rows)
 
 
+def axes_table(plan: Plan) -> Table:
+    """Every parallelism axis of the registry (core/axes) and what the plan decided on it."""
+    t = Table(title="axes", title_justify="left", title_style="bold")
+    t.add_column("axis")
+    t.add_column("decided")
+    for name, decided in axis_summary(plan):
+        t.add_row(name, plain(decided) if decided else "[dim]off[/]", style="" if decided else "dim")
+    return t
+
+
 def alternatives_table(plan: Plan) -> Table:
     t = Table(title="alternatives weighed", title_justify="left", title_style="bold")
     for col in ("mesh", "micro-batch", "accum", "step time", "memory/device", "why"):
@@ -333,7 +344,7 @@ def params_table(plan: Plan, limit: int = 40) -> Table:
 
 
 def plan_report(plan: Plan, *, params: bool = True) -> RenderableType:
-    parts: list[RenderableType] = [plan_summary(plan)]
+    parts: list[RenderableType] = [plan_summary(plan), axes_table(plan)]
     if len(plan.stages) > 1:
         parts.append(stages_table(plan))
     if plan.mesh.tp > 1 and plan.nodes:

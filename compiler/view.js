@@ -137,10 +137,14 @@ function header(D) {
   // where every predicted figure comes from: a preset (a data sheet, a fit with its date) or `partita calibrate`
   const sources = el("dl", {class: "sources"}, ...Object.entries(D.sources || {}).map(([figure, text]) =>
     el("div", {class: "source", "data-figure": figure}, el("dt", {text: `source: ${figure}`}), el("dd", {text}))));
+  // one card per parallelism axis of the registry (core/axes), off or what the plan decided on it
+  const axes = el("div", {class: "axes", id: "axes"}, ...(D.axes || []).map(a =>
+    el("div", {class: a.decided ? "axis on" : "axis off", "data-axis": a.axis},
+      el("strong", {text: a.axis}), el("span", {text: a.decided || "off"}))));
   const banner = D.uncalibrated ? el("p", {class: "warning", id: "uncalibrated", text: `uncalibrated: ${D.uncalibrated}`}) : "";
   return el("header", {id: "header"},
     el("h1", {}, "partita plan ", el("span", {class: "muted", text: `${p.model.name} · ${p.model.fingerprint}`})),
-    banner, grid, sources);
+    banner, grid, axes, sources);
 }
 function fmtCount(n) {
   for (const [u, s] of [["T", 1e12], ["B", 1e9], ["M", 1e6], ["K", 1e3]]) if (Math.abs(n) >= s) return g3(n / s) + u;

@@ -8,7 +8,8 @@ A 70B plan (~6,000 nodes) is a few hundred KB.
 
 What is embedded: the plan (``Plan.to_dict()``), the predicted pipeline
 timeline (``timeline.predicted_timeline``), the memory of each stage's
-devices, the expert groups of an ep > 1 plan (``report.expert_layout``),
+devices, the expert groups of an ep > 1 plan (``report.expert_layout``), each axis of the
+registry and what the plan decided on it (core/axes ``axis_summary``: the axis cards),
 and optionally a measured timeline (from a trace) and the diff from another
 plan (``diff.diff_plans(against, plan)``: ``against`` is the baseline, the
 page shows what this plan changes).
@@ -29,6 +30,7 @@ import click
 from partita.compiler.diff import diff_plans
 from partita.compiler.report import CALIBRATE_HINT, expert_layout, memory_terms, sources_of, tp_split, uncalibrated
 from partita.compiler.timeline import load_trace, measured_timeline, predicted_timeline
+from partita.core.axes import axis_summary
 from partita.core.errors import printable
 from partita.core.files import writable_path, write_text, writes
 from partita.core.plan import MemoryBreakdown, Plan
@@ -92,6 +94,7 @@ def page_data(plan: Plan, *, against: Plan | None = None, trace: dict | None = N
         "uncalibrated": CALIBRATE_HINT if uncalibrated(plan) else None,
         "tp_split": tp_split(plan),
         "experts": expert_layout(plan),
+        "axes": [{"axis": name, "decided": decided} for name, decided in axis_summary(plan)],
         "diff": diff_plans(against, plan).to_dict() if against is not None else None,
         "against": None if against is None else {
             "name": against.model.name, "fingerprint": against.model.fingerprint, "mesh": str(against.mesh),

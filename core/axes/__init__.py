@@ -61,6 +61,12 @@ def plan_facts(plan: Any) -> dict[str, Any]:
             "experts": bool(decided_expert_modules(plan.nodes)), "host_bandwidth": host}
 
 
+def axis_summary(plan: Any) -> list[tuple[str, str | None]]:
+    """(axis, what ``plan`` decided on it, or None where it is off), for every axis: the report's
+    and the viewer's axis cards."""
+    return [(axis.name, axis.describe(plan)) for axis in AXES]
+
+
 def axis_problems(plan: Any) -> list[str]:
     """Every axis's rules broken by ``plan``, in the plan file's words, and its own plan checks."""
     values = {**plan_settings(plan), **plan_facts(plan)}

@@ -48,4 +48,6 @@ def _plan_checks(plan) -> list[str]:
 
 AXIS = Axis("expert parallelism", ("ep",),
             (DIVIDES_DP, NO_EXPERTS, _beside("tp", "--tp"), _beside("inference", "--inference"),
-             _beside("offload", "--offload"), _beside("sequence_parallel", "--sequence-parallel")), _plan_checks)
+             _beside("offload", "--offload"), _beside("sequence_parallel", "--sequence-parallel")), _plan_checks,
+            lambda plan: (f"ep = {plan.mesh.ep}: each MoE layer's experts split over groups of {plan.mesh.ep} "
+                          "data-parallel ranks" if plan.mesh.ep > 1 else None))

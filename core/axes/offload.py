@@ -14,4 +14,5 @@ NO_HOST = Rule(
     lambda say, v: f"{say('offload')}: the cluster gives no host bandwidth to price it by",
     "set host_gb_per_s and host_memory_gb_per_s in the cluster file, or use a preset")
 
-AXIS = Axis("offload", ("offload",), (IN_INFERENCE, NO_HOST))
+AXIS = Axis("offload", ("offload",), (IN_INFERENCE, NO_HOST), describe=lambda plan: (
+    "the optimizer's state and masters in host memory" if plan.training.offload == OFFLOAD_OPTIMIZER else None))

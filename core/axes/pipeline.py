@@ -23,4 +23,12 @@ def _plan_checks(plan) -> list[str]:
     return out
 
 
-AXIS = Axis("pipeline parallelism", ("pp", "schedule"), (SCHEDULE_WITHOUT_STAGES,), _plan_checks)
+def _describe(plan) -> str | None:
+    t = plan.training
+    if plan.mesh.pp == 1:
+        return None
+    chunks = f", {t.chunks} chunks per rank" if t.chunks > 1 else ""
+    return f"pp = {plan.mesh.pp}: {t.schedule}{chunks}, {t.grad_accum_steps} micro-batches"
+
+
+AXIS = Axis("pipeline parallelism", ("pp", "schedule"), (SCHEDULE_WITHOUT_STAGES,), _plan_checks, _describe)

@@ -24,7 +24,16 @@ NO_LAYER = Rule(
     lambda say, v: f"{say('recompute', {FULL})}: the model has no repeated layer to rerun",
     "leave --recompute out")
 
-AXIS = Axis("recomputation", ("recompute",), (UNDER_ZERO_3, NO_CORE, NO_LAYER))
+def _describe(plan) -> str | None:
+    from partita.core.recompute import RECOMPUTED
+
+    modes = [s.recompute for s in plan.stages]
+    parts = [f"{RECOMPUTED[m]} on stage(s) {', '.join(str(i) for i, x in enumerate(modes) if x == m)}"
+             if len(modes) > 1 else RECOMPUTED[m] for m in (SELECTIVE, FULL) if m in modes]
+    return f"{'; '.join(parts)} rerun in backward" if parts else None
+
+
+AXIS = Axis("recomputation", ("recompute",), (UNDER_ZERO_3, NO_CORE, NO_LAYER), describe=_describe)
 
 
 def input_names(plan) -> set[str]:

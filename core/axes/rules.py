@@ -61,6 +61,7 @@ class Axis:
     settings: tuple[str, ...]
     rules: tuple[Rule, ...] = ()
     plan_checks: Callable[[Any], list[str]] | None = None
+    describe: Callable[[Any], str | None] = lambda plan: None  # what a plan decided on it (None: off)
 
 
 def pin_voice(values: Mapping[str, Any]) -> Say:

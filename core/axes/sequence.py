@@ -13,4 +13,6 @@ NO_RESIDUAL = Rule(
                    "handing each other batch x sequence x hidden)",
     "drop --sequence-parallel")
 
-AXIS = Axis("sequence parallelism", ("sequence_parallel",), (WITHOUT_TP, NO_RESIDUAL))
+AXIS = Axis("sequence parallelism", ("sequence_parallel",), (WITHOUT_TP, NO_RESIDUAL), describe=lambda plan: (
+    f"the residual stream split along the sequence over tp = {plan.mesh.tp}"
+    if plan.training.sequence_parallel else None))

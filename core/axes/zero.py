@@ -13,4 +13,8 @@ def _plan_checks(plan) -> list[str]:
     return []
 
 
-AXIS = Axis("ZeRO", ("zero_stage",), (), _plan_checks)
+SHARDED = {1: "optimizer state", 2: "optimizer state and gradients", 3: "optimizer state, gradients and parameters"}
+
+AXIS = Axis("ZeRO", ("zero_stage",), (), _plan_checks, lambda plan: (
+    f"stage {plan.training.zero_stage}: {SHARDED[plan.training.zero_stage]} sharded over dp = {plan.mesh.dp}"
+    if plan.training.zero_stage in SHARDED else None))

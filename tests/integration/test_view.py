@@ -32,6 +32,14 @@ def test_demo_plan_page(open_page, demo_plan, tmp_path):
     assert field("mfu") == f"{p.mfu:.1%}" and field("samples") == f"{p.samples_per_s:,.1f}"
     assert field("tokens") == f"{p.tokens_per_s:,.0f}" and field("zero") == "stage 0"
     assert field("solver").startswith(demo_plan.solver.method)
+    # one card per axis of the registry (core/axes), in its order, each off or what the plan decided
+    from partita.core.axes import AXES, axis_summary
+
+    assert page.eval_on_selector_all("#axes .axis", "es => es.map(e => e.dataset.axis)") == [a.name for a in AXES]
+    for name, decided in axis_summary(demo_plan):
+        card = page.locator(f'#axes .axis[data-axis="{name}"]')
+        assert card.locator("span").text_content() == (decided or "off")
+        assert card.get_attribute("class") == ("axis on" if decided else "axis off")
     assert page.locator("g.device").count() == demo_plan.world_size
     # memory: the exact breakdown of the one stage
     cells = {k: page.text_content(f'.mem-table tr[data-stage="0"] td[data-kind="{k}"]')

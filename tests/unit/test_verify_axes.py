@@ -153,7 +153,8 @@ AXES = {
     "offload in inference": ("gpt-4l-inference", setter("training", "offload", value="optimizer"),
                              "training.offload = 'optimizer' with training.inference = true"),
     "ZeRO stage": ("gpt-tiny-local2", setter("training", "zero_stage", value=7), "training/zero_stage"),
-    "ZeRO at dp=1": ("mlp-local2", setter("training", "zero_stage", value=1), "training.zero_stage = 1 with mesh.dp = 1"),
+    "ZeRO at dp=1": ("mlp-local2", setter("training", "zero_stage", value=1),
+                     "training.zero_stage = 1 with mesh.dp = 1"),
     "pipeline schedule": ("gpt-tiny-pp2", setter("training", "schedule", value="zigzag"), "training/schedule"),
     "pipeline schedule at pp=1": ("gpt-tiny-local2", setter("training", "schedule", value="1f1b"),
                                   "training.schedule = '1f1b' schedules pipeline stages, but mesh.pp = 1"),
@@ -231,3 +232,40 @@ def test_the_run_checks_each_ep_layout_against_the_graphs_experts(mixtral_captur
     with pytest.raises(PartitaError, match=f"parameter {Q_PROJ}: ep layout shard\\(0\\), but this model does not "
                                            "stack it over experts"):
         check_layouts(plan, mixtral_captured)
+
+
+# -- the registry's cards: what the report and the viewer say of each axis ------------------------
+
+@pytest.mark.parametrize("name, on", [
+    ("gpt-tiny-local", {"data parallelism"}),
+    ("gpt-4l-interleaved", {"data parallelism", "pipeline parallelism"}),
+    ("hf-llama-1b-h100-pp4-sp", {"tensor parallelism", "pipeline parallelism", "sequence parallelism"}),
+    ("mixtral-ep2", {"data parallelism", "expert parallelism"}),
+    ("gpt-tiny-offload", {"data parallelism", "offload"}),
+    ("gpt-tiny-zero3", {"data parallelism", "ZeRO"}),
+    ("gpt-4l-selective", {"data parallelism", "recomputation"}),
+])
+def test_each_axis_says_what_the_plan_decided(name, on):
+    """Every registered axis is in the summary, in the registry's order; those the plan uses say how
+    (with its degree), the rest are off; `partita show`'s axes table lists the same."""
+    from rich.console import Console
+
+    from partita.compiler.report import axes_table
+    from partita.core.axes import AXES, axis_summary
+
+    plan = Plan.from_dict(golden(name))
+    summary = axis_summary(plan)
+    assert [a for a, _ in summary] == [a.name for a in AXES]
+    assert {a for a, decided in summary if decided} == on
+    said = dict(summary)
+    if "pipeline parallelism" in on:
+        assert said["pipeline parallelism"].startswith(f"pp = {plan.mesh.pp}: {plan.training.schedule}")
+    if "expert parallelism" in on:
+        assert said["expert parallelism"].startswith(f"ep = {plan.mesh.ep}")
+    console = Console(width=200, record=True)
+    console.print(axes_table(plan))
+    text = console.export_text()
+    import re
+
+    off = [line for line in text.splitlines() if re.search(r"\soff\s*\W?\s*$", line)]
+    assert all(a.name in text for a in AXES) and len(off) == len(AXES) - len(on), text
