@@ -161,8 +161,11 @@ function stageOfRank(p) {
   return r => map.has(r) ? map.get(r) : rankCoords(r, p.mesh).pp;
 }
 
+// what a rank runs on, in the cluster's words: a GPU, or (device "cpu") a process
+function deviceWord(c) { return c.device === "cpu" ? "process" : "GPU"; }
+function devicesWord(dev, n) { return n === 1 ? dev : dev === "process" ? "processes" : dev + "s"; }
 function meshSection(D) {
-  const p = D.plan, m = p.mesh, gpn = p.cluster.gpus_per_node, world = p.world_size;
+  const p = D.plan, m = p.mesh, gpn = p.cluster.gpus_per_node, world = p.world_size, dev = deviceWord(p.cluster);
   const rows = Math.max(p.cluster.nodes, Math.ceil(world / gpn));
   const big = rows > 32;
   const cw = big ? 22 : 64, ch = big ? 12 : 38, gap = big ? 3 : 6, left = 70, top = 6;
@@ -177,7 +180,7 @@ function meshSection(D) {
     const [x, y] = at(r);
     if (r >= world) {
       root.append(tip(svg("rect", {x, y, width: cw, height: ch, rx: 4, class: "device unused"}),
-        [`node ${Math.floor(r / gpn)} GPU ${r % gpn}`, "not used by this plan"]));
+        [`node ${Math.floor(r / gpn)} ${dev} ${r % gpn}`, "not used by this plan"]));
       continue;
     }
     const c = rankCoords(r, m), s = stageOf(r), ex = D.experts ? D.experts.ranks[r] : null;
@@ -188,7 +191,7 @@ function meshSection(D) {
       g.append(svg("text", {x: x + cw / 2, y: y + 15, class: "dev-rank", text: `r${r}`}));
       g.append(svg("text", {x: x + cw / 2, y: y + 30, class: "dev-coord", text: `s${s} d${c.dp} t${c.tp}`}));
     }
-    root.append(tip(g, [`rank ${r}: node ${Math.floor(r / gpn)} GPU ${r % gpn}`,
+    root.append(tip(g, [`rank ${r}: node ${Math.floor(r / gpn)} ${dev} ${r % gpn}`,
       `pipeline stage ${s} (pp ${c.pp}), data-parallel rank ${c.dp}, tensor-parallel rank ${c.tp}`,
       `TP group: ranks ${r - c.tp}..${r - c.tp + m.tp - 1}`,
       ...(ex ? [`expert group: ranks ${ex.group.join(", ")}; holds ${heldText(ex.experts, D.experts.staged)}`,
@@ -217,10 +220,10 @@ function meshSection(D) {
   }
   const legend = el("div", {class: "legend"},
     ...stageList(p).map(s => el("span", {class: "key"}, el("i", {style: `background:${stageColour(s)}`}), `stage ${s}`)),
-    el("span", {class: "key"}, el("i", {class: "outline"}), `TP group (${m.tp} GPU${m.tp > 1 ? "s" : ""})`),
+    el("span", {class: "key"}, el("i", {class: "outline"}), `TP group (${m.tp} ${devicesWord(dev, m.tp)})`),
     ...(D.experts ? [el("span", {class: "key"}, el("i", {class: "outline dashed"}), `expert group (ep=${D.experts.ep})`)] : []));
   const note = el("p", {class: "note", text:
-    `${world} of ${rows * gpn} GPUs (${rows} node(s) x ${gpn}); rank order pp, dp, tp with tp innermost: ` +
+    `${world} of ${rows * gpn} ${devicesWord(dev, rows * gpn)} (${rows} node(s) x ${gpn}); rank order pp, dp, tp with tp innermost: ` +
     `rank = (pp x ${m.dp} + dp) x ${m.tp} + tp. Labels: s = stage, d = dp rank, t = tp rank.`});
   return section("mesh", "Device mesh", legend, el("div", {class: "scroll"}, root), note, ...expertParts(D));
 }
@@ -526,9 +529,11 @@ function graphSection(D) {
   }
   draw();
   const nColl = G.edges.reduce((s, e) => s + e.coll.length, 0);
+  // collectives the plan inserts around ops rather than on an edge (expert all-to-alls), counted beside them
+  const nAround = p.collectives.filter(c => c.axis === "ep").length;
   const intro = el("p", {class: "note", text: G.fromNodes ?
     `${G.ops.length} graph nodes in ${G.groups.length} modules (${G.groups.filter(g => g.layer).length} repeated layers), ` +
-    `${G.edges.length} edges, ${nColl} inserted collectives. Click a module to list its ops; hover an edge or a badge ` +
+    `${G.edges.length} edges, ${nColl} inserted collectives` + (nAround ? ` (and ${nAround} expert all-to-all kinds around the MoE layers)` : "") + `. Click a module to list its ops; hover an edge or a badge ` +
     `for its collective and bytes.` :
     `This plan has no per-op decisions (data parallel: every op replicated, no collectives inside the model). ` +
     `Modules are shown from the plan's ${p.params.length} parameters, in order; click one to list them.`});
@@ -666,13 +671,15 @@ function scheduleSection(D) {
 }
 
 // -- alternatives ---------------------------------------------------------------------------------------------
+// a candidate branch and bound left unsolved has no step time or memory of its own (its reason says why)
+function unsolved(a) { return !a.fits && a.step_time_s === null && !a.memory_bytes; }
 function alternativesSection(D) {
   const alts = D.plan.alternatives;
   if (!alts.length) return section("alternatives", "Alternatives weighed", el("p", {class: "note", text: "The plan records none."}));
   const rows = alts.map((a, i) => el("tr", {class: a.chosen ? "chosen" : a.fits ? "" : "nofit", "data-index": i},
     el("td", {text: meshText(a.mesh)}), el("td", {text: String(a.micro_batch_size)}), el("td", {text: String(a.grad_accum_steps)}),
     el("td", {text: String(a.zero_stage)}), el("td", {class: "num", text: fmtTime(a.step_time_s)}),
-    el("td", {class: "num", text: fmtBytes(a.memory_bytes)}), el("td", {text: a.fits ? "yes" : "no"}),
+    el("td", {class: "num", text: unsolved(a) ? "-" : fmtBytes(a.memory_bytes)}), el("td", {text: a.fits ? "yes" : "no"}),
     el("td", {text: a.reason})));
   const table = el("table", {class: "alts"}, el("thead", {}, el("tr", {}, ...["mesh", "micro-batch", "accum", "ZeRO",
     "step time", "memory/device", "fits", "why"].map(t => el("th", {text: t})))), el("tbody", {}, ...rows));

@@ -40,6 +40,8 @@ def test_demo_plan_page(open_page, demo_plan, tmp_path):
         card = page.locator(f'#axes .axis[data-axis="{name}"]')
         assert card.locator("span").text_content() == (decided or "off")
         assert card.get_attribute("class") == ("axis on" if decided else "axis off")
+    # CPU processes are called processes, not GPUs (issue 45)
+    assert "4 of 4 processes" in page.text_content("#mesh .note") and "GPU" not in page.text_content("#mesh")
     assert page.locator("g.device").count() == demo_plan.world_size
     # memory: the exact breakdown of the one stage
     cells = {k: page.text_content(f'.mem-table tr[data-stage="0"] td[data-kind="{k}"]')
@@ -126,6 +128,7 @@ def test_gpt3_175b_on_128_gpus_page(open_page, tmp_path):
     assert page.locator("g.module.layer").count() == 96
     assert page.locator("svg.predicted g.slot").count() == 2 * 32 * 8
     assert page.text_content('[data-field="schedule"]') == "1f1b"
+    assert "128 of 128 GPUs" in page.text_content("#mesh .note")
     page.screenshot(path=str(tmp_path / "gpt3.png"), full_page=True)
     assert (tmp_path / "gpt3.png").stat().st_size > 50_000
 
@@ -171,3 +174,21 @@ def test_interleaved_schedule_page(open_page, tp_pp_plan):
     assert page.locator("svg.predicted g.slot").count() == 2 * M * 4
     assert sorted({int(c) for c in page.locator("svg.predicted g.slot").evaluate_all(
         "gs => gs.map(g => g.getAttribute('data-chunk'))")}) == [0, 1, 2, 3]
+
+
+def test_unsolved_alternatives_and_expert_collectives_are_worded(open_page):
+    """A candidate branch and bound left unsolved shows "-" for its memory, not "0 B" (its reason says
+    why); an expert-parallel plan counts its all-to-alls beside the collectives inserted on edges."""
+    from partita.core.plan import Plan
+    from tests.unit.test_verify_axes import golden
+
+    plan = Plan.from_dict(golden("mixtral-ep2"))
+    page = open_page(render_html(plan))
+    assert "expert all-to-all" in page.text_content("#graph .note")
+    plan = Plan.from_dict(golden("hf-llama-1b-a100x16"))
+    unsolved = [i for i, a in enumerate(plan.alternatives) if not a.fits and a.step_time_s is None
+                and not a.memory_bytes]
+    assert unsolved, "the golden plan keeps pruned candidates"
+    page = open_page(render_html(plan))
+    for i in unsolved:
+        assert page.text_content(f'table.alts tr[data-index="{i}"] td:nth-child(6)') == "-"

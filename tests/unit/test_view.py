@@ -170,3 +170,24 @@ def test_interleaved_timeline_draws_ranks_running_their_virtual_stages(tp_pp_pla
     slot = max(s.forward_s + s.backward_s for s in tp_pp_plan.stages)
     assert M * slot < two.makespan < one.makespan, (M * slot, two.makespan, one.makespan)
     assert two.to_dict()["chunks"] == 2 and {row[5] for row in two.to_dict()["slots"]} == {0, 1, 2, 3}
+
+
+def test_unsolved_alternatives_show_no_memory_in_the_report():
+    """`partita show`'s alternatives: a candidate branch and bound left unsolved says "-" for its memory,
+    not "0 B" (issue 45); solved ones keep their figure."""
+    from rich.console import Console
+
+    from partita.compiler.report import alternatives_table
+    from partita.core.plan import Plan
+    from tests.unit.test_verify_axes import golden
+
+    plan = Plan.from_dict(golden("hf-llama-1b-a100x16"))
+    console = Console(width=400, record=True)
+    console.print(alternatives_table(plan))
+    import re
+
+    text = console.export_text()
+    unsolved = [a for a in plan.alternatives if not a.fits and a.step_time_s is None and not a.memory_bytes]
+    assert unsolved and " 0 B " not in text
+    # step time and memory both "-": the unsolved rows, and only those
+    assert len(re.findall(r"│ -\s+│ -\s+│", text)) == len(unsolved), text
