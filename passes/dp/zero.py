@@ -77,13 +77,15 @@ class StrategyEstimate:
 
 def deepspeed_estimate(zero_stage: int, num_params: int, devices: int, largest_layer: int) -> dict[str, int]:
     """DeepSpeed's estimate of a device's model-state bytes, term by term, as its estimators count
-    them without offload (``estimate_zero2_model_states_mem_needs``: 4 Psi + 16 Psi / N;
-    ``estimate_zero3_model_states_mem_needs``: 4 L + 18 Psi / N, L the largest module's own
-    parameters; docs/references.md); {} for the stages it has no estimator for."""
+    them without offload (deepspeed/runtime/zero/stage_1_and_2.py ``estimate_zero2_model_states_mem_needs``
+    since mid-2024: 2 Psi + 18 Psi / N, the 16-bit parameters whole and the rest sharded: 16-bit and
+    fp32 gradients, fp32 masters and Adam's moments; before, 4 Psi + 16 Psi / N;
+    deepspeed/runtime/zero/stage3.py ``estimate_zero3_model_states_mem_needs``: 4 L + 18 Psi / N, L the
+    largest module's own parameters; docs/references.md); {} for the stages it has no estimator for."""
     psi, n = num_params, devices
     if zero_stage == 2:
-        return {"fp16 parameters and gradients": 4 * psi, "fp32 master parameters, Adam's moments": 12 * psi // n,
-                "fp32 gradient copy": 4 * psi // n}
+        return {"fp16 parameters": 2 * psi, "fp16 gradients": 2 * psi // n,
+                "fp32 master parameters, Adam's moments": 12 * psi // n, "fp32 gradient copy": 4 * psi // n}
     if zero_stage == 3:
         return {"largest layer's fp16 parameters and gradients": 4 * largest_layer,
                 "fp16 parameters": 2 * psi // n, "fp32 master parameters, Adam's moments": 12 * psi // n,
