@@ -254,7 +254,8 @@ def estimate(target: str | None, params_text: str | None, as_json: bool, **value
             "model": name, "num_params": num_params, "cluster": cluster.name, "world_size": cluster.world_size,
             "dp": dp, "precision": precision, "optimizer": optimizer,
             "strategies": [{
-                "name": r.name, "zero_stage": r.zero_stage, "params": r.memory.params, "grads": r.memory.grads,
+                "name": r.name, "zero_stage": r.zero_stage, "model_states": r.memory.state,
+                "params": r.memory.params, "grads": r.memory.grads,
                 "optimizer": r.memory.optimizer, "activations": r.memory.activations, "total": r.memory.total,
                 "capacity": r.memory.capacity, "fits": r.fits, "traffic_bytes": r.traffic_bytes, "comm_s": r.comm_s,
                 "transient": r.memory.transient, "collectives": r.memory.collectives, "step": r.memory.step,
@@ -266,13 +267,15 @@ def estimate(target: str | None, params_text: str | None, as_json: bool, **value
     t = Table(title=plain(f"what fits: {name} ({fmt_count(num_params)} params), {precision} {optimizer}, dp={dp} "
                           f"on {cluster.name} ({cluster.nodes}x{cluster.gpus_per_node} {cluster.device_name})"),
               title_justify="left")
-    for col in ("strategy", "params", "grads", "optimizer", "activations", "transient + buffers", "allocator",
-                "total/device", "usable", "fits", "DeepSpeed's estimate", "traffic/step", "comm time"):
+    # the model states first, as the ZeRO paper tabulates them (16 bytes a parameter under mixed-precision
+    # Adam, sharded by the stage), then each term the step adds to reach its peak
+    for col in ("strategy", "model states", "params", "grads", "optimizer", "activations", "transient + buffers",
+                "allocator", "total/device", "usable", "fits", "DeepSpeed's estimate", "traffic/step", "comm time"):
         t.add_column(col)
     for r in rows:
         m = r.memory
         cells = memory_row(m)
-        t.add_row(r.name, *cells[:4], fmt_bytes(m.total - m.state - m.activations - m.allocator),
+        t.add_row(r.name, fmt_bytes(m.state), *cells[:4], fmt_bytes(m.total - m.state - m.activations - m.allocator),
                   fmt_bytes(m.allocator), *cells[4:], "-" if r.deepspeed is None else fmt_bytes(r.deepspeed),
                   fmt_bytes(r.traffic_bytes), fmt_time(r.comm_s))
     console.print(t)

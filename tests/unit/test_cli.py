@@ -78,3 +78,21 @@ class LayerDrop(nn.Module):
             return x
         return self.lin(x)
 '''
+
+
+def test_estimate_shows_the_papers_model_states(cli):
+    """The model states as the ZeRO paper tabulates them (Rajbhandari et al. 2020, Figure 1 and the
+    16-bytes-a-parameter rule), beside the step's peak (issue 45): 7.5B on 64 GPUs 120 GB under DP and
+    31.4 GB under ZeRO-1; 5B on one device 80 GB."""
+    code, out, _ = cli("estimate", "--params", "7.5B", "--dp", "64", "--cluster", "dgx-a100", "--nodes", "8",
+                       "--json")
+    assert code == 0
+    rows = {r["name"]: r for r in json.loads(out)["strategies"]}
+    assert rows["DP"]["model_states"] == pytest.approx(120e9, rel=1e-9)
+    assert rows["ZeRO-1"]["model_states"] == pytest.approx(31.4e9, rel=2e-3)
+    assert rows["ZeRO-2"]["model_states"] == pytest.approx(16.6e9, rel=3e-3)
+    assert rows["ZeRO-3"]["model_states"] == pytest.approx(1.88e9, rel=3e-3)
+    code, out, _ = cli("estimate", "--params", "5B", "--cluster", "dgx-a100", "--devices", "1", "--json")
+    assert code == 0 and json.loads(out)["strategies"][0]["model_states"] == pytest.approx(80e9, rel=1e-9)
+    code, out, _ = cli("estimate", "--params", "7.5B", "--dp", "64", "--cluster", "dgx-a100", "--nodes", "8")
+    assert code == 0 and "model" in out and "120.00 GB" in out and "31.41 GB" in out
