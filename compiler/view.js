@@ -685,7 +685,9 @@ function alternativesSection(D) {
     "step time", "memory/device", "fits", "why"].map(t => el("th", {text: t})))), el("tbody", {}, ...rows));
   const fits = alts.filter(a => a.fits).length;
   return section("alternatives", "Alternatives weighed", el("p", {class: "note", text:
-    `${alts.length} candidates, ${fits} fit memory; the chosen one is highlighted, those that do not fit are red.`}),
+    `${alts.length} of the ${D.plan.solver.candidates} candidates solved are listed (the header's count), ${fits} of ` +
+    `them fit memory; the chosen one is highlighted, those that do not fit are red, and "-" marks one not solved ` +
+    `(its reason says why).`}),
     el("div", {class: "scroll tall"}, table));
 }
 

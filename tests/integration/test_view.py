@@ -192,3 +192,5 @@ def test_unsolved_alternatives_and_expert_collectives_are_worded(open_page):
     page = open_page(render_html(plan))
     for i in unsolved:
         assert page.text_content(f'table.alts tr[data-index="{i}"] td:nth-child(6)') == "-"
+    # the count the header gives (the solver's) is the one the alternatives' note names
+    assert f"of the {plan.solver.candidates} candidates solved" in page.text_content("#alternatives .note")
