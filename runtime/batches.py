@@ -37,6 +37,12 @@ def field_names(program: Program) -> list[str]:
     return [*(parse_input_spec(s).name for s in model.inputs), *(["targets"] if model.targets else [])]
 
 
+def fields_read(program: Program) -> tuple[str, ...]:
+    """The names of the step's fields this rank reads (``stage_reads``'s, all of them off a pipeline)."""
+    reads = stage_reads(program)
+    return tuple(n for i, n in enumerate(field_names(program)) if reads is None or i in reads)
+
+
 def check_batch(program: Program, inputs: tuple[Any, ...], targets: Any, *, local: bool, caller: str,
                 with_targets: bool = True) -> None:
     """Refuse a batch the plan was not made for (module docstring); ``caller`` names the call in

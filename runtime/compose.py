@@ -46,6 +46,7 @@ from partita.runtime.pipeline.stage import SCHEDULES, PipelineStage, apply_pipel
 from partita.runtime.program import MicroBatchLoss, Program, tp_module_of
 from partita.runtime.rng import run_seed
 from partita.runtime.state.weights import load_eager, open_weights, state_names
+from partita.runtime.step.sync import Averaged, GradientSync, OneReplica, Sharded
 from partita.runtime.tp.module import TensorParallel, apply_tensor_parallel
 from partita.runtime.tp.program import compiled
 
@@ -114,9 +115,12 @@ def compose(module: nn.Module, plan: Plan, ctx: DistContext, options: Options, c
        0, then gradient averaging hooked, or the model state sharded (ZeRO-3
        gathers parameters per graph node in the TP program, else around each
        module's forward). After 1-3, because it acts on the final local
-       parameters; the optimizer is built last of all, on what it updates.
-    5. the schedule: ``ParallelModel.train_step``'s micro-batch loop, or the
-       pipeline's GPipe / 1F1B schedule, which drives all of the above.
+       parameters; the optimizer is built last of all, on what it updates (and
+       the user's LR scheduler over it). The gradient sync is how these parts
+       meet in a step (runtime/step/sync.py).
+    5. the schedule: the one micro-batch loop (runtime/step/schedule.py) over
+       the pipeline's stage and its GPipe / 1F1B order, or over the whole rank
+       as a schedule of one stage, drives all of the above.
     """
     plan.check_matches(world_size=ctx.world_size)
     refuse_unsupported(plan)
@@ -191,9 +195,26 @@ def compose(module: nn.Module, plan: Plan, ctx: DistContext, options: Options, c
         opt = master.optimizer
     buffers = (BufferAverager(_local_buffers(local, pipeline), dp_group, counter=counter, axis=DP)
                if training and dp_group is not None else None)
+    scheduler = (user_scheduler(options.scheduler, opt)  # the user's LR scheduler, over the one optimizer
+                 if options.scheduler is not None and opt is not None else None)
     return Program(plan, ctx, local, loss, opt, averager=averager, zero=zero, dp_group=dp_group, dp_rank=dp_rank,
                    dp_size=plan.mesh.dp if dp_group is not None else 1, pipeline=pipeline, master=master,
-                   policy=policy, scaler=scaler, state_names=names, persistent=persistent, buffers=buffers)
+                   policy=policy, scaler=scaler, state_names=names, persistent=persistent,
+                   sync=_gradient_sync(zero, averager, master, buffers, dp_group), scheduler=scheduler)
+
+
+def _gradient_sync(zero: ZeroProgram | None, averager: GradientAverager | Averagers | None,
+                   master: MasterWeights | None, buffers: BufferAverager | None,
+                   dp_group: dist.ProcessGroup | None) -> GradientSync:
+    """How step 4's parts meet in a training step (runtime/step/sync.py): ZeRO, with the parameters
+    it keeps whole averaged beside it; data parallelism; one replica; or an inference plan's none."""
+    if zero is not None:
+        return Sharded(zero, averager if averager is not None else Averagers([]), buffers, dp_group)
+    if averager is not None:
+        return Averaged(averager, master, buffers, dp_group)
+    if master is not None:
+        return OneReplica(master)
+    return GradientSync()
 
 
 class _ExpertAveraging(NamedTuple):

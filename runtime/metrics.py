@@ -1,4 +1,5 @@
-"""What a training step reports (``StepResult``), and where it is written (``MetricsLog``).
+"""What a training step reports (``StepResult``), and where it is written (``StepReport``: rank 0's
+progress line and ``MetricsLog``).
 
 ``ParallelModel.train_step`` returns a ``StepResult``; with ``log_dir=`` rank 0 also writes
 each step's figures as TensorBoard scalars (``torch.utils.tensorboard``, which needs the
@@ -17,6 +18,7 @@ from pathlib import Path
 import torch
 
 from partita.core.errors import PartitaError
+from partita.core.options import Options
 from partita.core.plan import Plan
 
 
@@ -45,6 +47,42 @@ class StepResult(float):
     @property
     def loss(self) -> float:
         return float(self)
+
+
+class StepReport:
+    """Rank 0's account of each step (nothing elsewhere): the plan once, then a progress line every
+    ``log_every`` steps, measured next to predicted (``log_every=0`` / ``PARTITA_LOG_EVERY=0``:
+    silent), and with ``log_dir`` or ``wandb_project`` the step's figures in the ``metrics_log``. A
+    step is named by its index from 0, as a user's loop and the metrics log count it."""
+
+    def __init__(self, plan: Plan, rank: int, device: torch.device, options: Options) -> None:
+        self.plan, self.rank = plan, rank
+        self.log_every = options.log_every if options.log_every is not None else 10
+        self.metrics_log = MetricsLog(plan, device, log_dir=options.log_dir, wandb_project=options.wandb_project) \
+            if (options.log_dir is not None or options.wandb_project) and rank == 0 else None
+
+    def __call__(self, result: StepResult, *, skipped_steps: int = 0) -> None:
+        """Report ``result``; ``skipped_steps``: fp16's steps skipped so far, said when there are any."""
+        self._print(result, skipped_steps)
+        if self.metrics_log is not None:
+            self.metrics_log.write(result)
+
+    def _print(self, result: StepResult, skipped_steps: int) -> None:
+        if self.rank != 0 or not self.log_every:
+            return
+        pred = self.plan.predicted
+        if result.step == 1:
+            t = self.plan.training
+            print(f"partita: plan {self.plan.mesh}, {t.precision}, ZeRO-{t.zero_stage}, {t.grad_accum_steps} "
+                  f"micro-batch(es) of {t.micro_batch_size}"
+                  + (f", {t.schedule}" if self.plan.mesh.pp > 1 else "")
+                  + f"; predicted {pred.step_time_s * 1e3:.0f} ms/step", flush=True)
+        if result.step % self.log_every == 0:
+            rate = (f", {result.tokens_per_s:,.0f} tokens/s" if result.tokens_per_s is not None
+                    else f", {result.samples_per_s:,.1f} samples/s")
+            print(f"partita: step {result.step - 1} loss {float(result):.4f} grad norm {result.grad_norm:.3g} "
+                  f"{result.seconds * 1e3:.0f} ms/step (predicted {pred.step_time_s * 1e3:.0f}){rate}"
+                  + (f", {skipped_steps} skipped (fp16 overflow)" if skipped_steps else ""), flush=True)
 
 
 class MetricsLog:

@@ -26,11 +26,13 @@ chunk's gradients go down to them, the host steps, and the parameters take the m
 before backward; a step whose global gradient norm (runtime/grad_norm.py, one
 all-reduce over the world) is inf or nan is skipped on every rank alike; the scale halves on such a
 step and doubles after
-``growth_interval`` clean ones, as ``torch.amp.GradScaler`` does.
+``growth_interval`` clean ones, as ``torch.amp.GradScaler`` does. Under every other policy it is
+a fixed scale of 1 that skips nothing.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Mapping
 
 import torch
@@ -68,11 +70,11 @@ def cast_parameters(params: Iterable[tuple[str, nn.Parameter]], policy: Precisio
 
 
 def apply_mixed_precision(params: Iterable[tuple[str, nn.Parameter]], policy: PrecisionPolicy, *, training: bool,
-                          keep: set[str] = frozenset()) -> LossScaler | None:
+                          keep: set[str] = frozenset()) -> LossScaler:
     """Compose's precision step: the parameters (by their names in the model) in the policy's dtype
-    (``cast_parameters``); the loss scaler a training step under fp16 needs (None otherwise)."""
+    (``cast_parameters``); the loss scaler, dynamic for a training step under fp16."""
     cast_parameters(params, policy, keep)
-    return LossScaler(policy) if policy.loss_scaling and training else None
+    return LossScaler(policy, dynamic=training)
 
 
 class MasterWeights:
@@ -172,15 +174,22 @@ def _master(p: torch.Tensor, dtype: torch.dtype, offload: bool) -> torch.Tensor:
 
 
 class LossScaler:
-    """fp16's dynamic loss scale (module docstring)."""
+    """fp16's dynamic loss scale, or (``dynamic`` off, or another policy) a fixed 1 (module docstring)."""
 
-    def __init__(self, policy: PrecisionPolicy) -> None:
-        self.scale = policy.init_scale
+    def __init__(self, policy: PrecisionPolicy, *, dynamic: bool = True) -> None:
+        self.dynamic = dynamic and policy.loss_scaling
+        self.scale = policy.init_scale if self.dynamic else 1.0
         self.growth_interval = policy.growth_interval
         self.clean = 0
         self.skipped = 0
 
+    def overflowed(self, grad_norm: float) -> bool:
+        """Whether a step with this global gradient norm is skipped (fp16: inf or nan)."""
+        return self.dynamic and not math.isfinite(grad_norm)
+
     def update(self, found_inf: bool) -> None:
+        if not self.dynamic:
+            return
         if found_inf:
             self.scale /= 2.0
             self.clean = 0

@@ -1,6 +1,6 @@
 """``Program``: what compose (runtime/compose.py) built for this rank, as one record.
 
-The training loop (runtime/engine.py), the gradient norm (runtime/grad_norm.py),
+The training step (runtime/step/), the gradient norm (runtime/grad_norm.py),
 checkpoints (runtime/state/sharded.py) and the full state dict
 (runtime/state/full.py) read a rank's parts from here, never from one another:
 this file sits below all of them, so none of them imports the engine.
@@ -20,10 +20,11 @@ from torch.optim import Optimizer
 from partita.core.plan import Plan
 from partita.core.precision import FP32, PrecisionPolicy
 from partita.runtime.distributed import DistContext
-from partita.runtime.dp.averaging import Averagers, BufferAverager, GradientAverager
+from partita.runtime.dp.averaging import Averagers, GradientAverager
 from partita.runtime.dp.zero import ZeroProgram
 from partita.runtime.mixed_precision import LossScaler, MasterWeights
 from partita.runtime.pipeline.stage import PipelineStage
+from partita.runtime.step.sync import GradientSync
 from partita.runtime.tp.module import TensorParallel
 
 MicroBatchLoss = Callable[[list[torch.Tensor], torch.Tensor], torch.Tensor]
@@ -40,7 +41,7 @@ def tp_module_of(local: nn.Module, pipeline: PipelineStage | None) -> TensorPara
 @dataclass
 class Program:
     """This rank's parts of a plan: its module, how a micro-batch's loss is computed, the
-    gradient reduction and the one optimizer."""
+    gradient reduction and the one optimizer (and the gradient sync over them)."""
 
     plan: Plan
     ctx: DistContext
@@ -56,12 +57,14 @@ class Program:
     pipeline: PipelineStage | None = None  # pp > 1: this rank's stage, which runs the schedule
     master: MasterWeights | None = None  # without ZeRO: what the optimizer updates (ZeRO has its own)
     policy: PrecisionPolicy = FP32
-    scaler: LossScaler | None = None  # fp16: the dynamic loss scale
+    scaler: LossScaler = field(default_factory=lambda: LossScaler(FP32))  # fp16's dynamic loss scale, else 1
     # the unwrapped model's state_dict names (tied names too) and persistent buffers, read
     # before the plan's parts took the module apart: checkpoints are in those names
     state_names: dict[str, list[str]] = field(default_factory=dict)
     persistent: set[str] = field(default_factory=set)
-    buffers: BufferAverager | None = None  # running statistics averaged over "dp" after each step
+    # how the gradients become the step's and the optimizer steps on them (runtime/step/sync.py)
+    sync: GradientSync = field(default_factory=GradientSync)
+    scheduler: Any = None  # the user's LR scheduler over the one optimizer (ZeRO's: over its shards, alike)
     norm_terms: Any = None  # what the gradient norm reads, worked out at its first step (runtime/grad_norm.py)
 
     @property

@@ -59,9 +59,10 @@ def _is_freed(t: torch.Tensor) -> bool:
 class ZeroProgram:
     """ZeRO stage 1, 2 or 3 over the dp group for a list of local parameters.
 
-    Per step the train step calls, for each micro-batch,
-    ``begin_micro_batch(is_last)`` BEFORE its forward and ``after_backward()``
-    after its backward; then ``step()`` and ``zero_grad()``. Gradients must be
+    Per step the micro-batch loop calls (through runtime/step/sync.py ``Sharded``), for each
+    micro-batch, ``begin_forward()`` BEFORE its forward, ``begin_backward(is_last)`` before its
+    backward and ``after_backward()`` after it (``begin_micro_batch`` is the first two at once);
+    then ``step()`` and ``zero_grad()``. Gradients must be
     scaled by the caller so that their mean over the dp ranks is the step's
     gradient (each bucket is divided by n before its sum reduce-scatter).
     Stage 3 also needs ``install_module_hooks(module)`` (eager) or

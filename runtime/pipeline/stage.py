@@ -7,7 +7,8 @@ between). ``PipelineStage`` runs a stage as the tensor-parallel program restrict
 nodes (``TensorParallel`` with ``keep``), sending what crosses a cut over the "pp" group
 (``isend``; receives block) and the gradients back, and sums the gradients of parameters
 tied across stages. Under interleaved 1F1B a rank runs virtual stages rank, rank + p, ...
-(gradients on a second group). ``schedule_order`` is a rank's order (core/schedule.py);
+(gradients on a second group). ``schedule_order`` is a rank's order (core/schedule.py), which
+the one micro-batch loop walks (runtime/step/schedule.py, shared with the one-stage path);
 ``infer`` streams forwards. ``apply_pipeline`` is compose's step (runtime/compose.py). The
 details: docs/runtime.md, "Pipeline stages and schedules".
 """
@@ -17,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -32,15 +33,12 @@ from partita.core.precision import PrecisionPolicy
 from partita.core.schedule import BACKWARD, FORWARD, NONE, SCHEDULES, chunk_problem, gradients_received, rank_order
 from partita.runtime.collectives import CollectiveCounter, all_gather_flat
 from partita.runtime.distributed import new_group
-from partita.runtime.dp.averaging import Averagers, GradientAverager
 from partita.runtime.experts import ExpertGroup
+from partita.runtime.step.schedule import micro_rows
 from partita.runtime.tp.collectives import local_shape
 from partita.runtime.tp.module import TensorParallel
 from partita.runtime.trace import TraceRecorder
 from partita.runtime.watchdog import FLIGHT
-
-if TYPE_CHECKING:
-    from partita.runtime.dp.zero import ZeroProgram
 
 PP = MeshAxis.PP.value
 
@@ -389,62 +387,27 @@ class PipelineStage(nn.Module):
                        sends, self.grad_group)
             self._backward_sends.append(sends)
 
-    # -- a step ----------------------------------------------------------------------
+    # -- a step (run by runtime/step/schedule.py's micro-batch loop) -----------------
 
-    def train_step(self, xs: list[torch.Tensor], y: torch.Tensor, averager: GradientAverager | Averagers | None,
-                   dp_group: dist.ProcessGroup | None, zero: ZeroProgram | None = None,
-                   loss_scale: float = 1.0) -> float:
-        """One step of the plan's schedule over this rank's share (``grad_accum_steps`` micro-batches);
-        gradients are averaged over "dp" (or reduce-scattered by ``zero``, runtime/dp/zero.py, told
-        where each forward and backward starts) and tied copies summed. Returns the global mean loss."""
+    def schedule(self, micro_batches: int, *, training: bool) -> list[tuple[str, int, int]]:
+        """This rank's actions for a step (the plan's schedule; forwards alone unless ``training``),
+        and for training which gradients the previous rank has had by each forward's receive."""
         tr = self.plan.training
-        m, mbs = tr.grad_accum_steps, tr.micro_batch_size
-        users = [*xs, y]
-        loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
-        order = schedule_order(tr.schedule, self.num_stages, self.index, m, self.chunks)
-        self._received_by_prev = gradients_received(tr.schedule, self.index, self.num_stages, m, self.chunks)
-        backwards = sum(a == "B" for a, _, _ in order)
-        for action, k, c in order:
-            if action == "F":
-                if zero is not None:
-                    zero.begin_forward()
-                loss = self.forward_micro(k, _micro(users, k, mbs), chunk=c)
-                if loss is not None:
-                    loss_sum += loss.detach().float()
-            else:
-                backwards -= 1  # the rank's last backward synchronises (the buckets it missed: ``finish``)
-                if averager is not None:
-                    averager.begin(sync=backwards == 0)
-                if zero is not None:
-                    zero.begin_backward(backwards == 0)
-                self.backward_micro(k, loss_scale / m, chunk=c)
-                if zero is not None:
-                    zero.after_backward()
-        if averager is not None:
-            averager.finish()
-        self.sync_tied()
-        self.wait_sends()
-        self.trace.step += 1
-        return self._share_loss(loss_sum.div_(m), dp_group)
+        if training:
+            self._received_by_prev = gradients_received(tr.schedule, self.index, self.num_stages, micro_batches,
+                                                        self.chunks)
+        return schedule_order(tr.schedule, self.num_stages, self.index, micro_batches, self.chunks,
+                              inference=not training)
 
-    def evaluate(self, xs: list[torch.Tensor], y: torch.Tensor, dp_group: dist.ProcessGroup | None,
-                 zero: ZeroProgram | None = None) -> float:
-        """The global mean loss of this rank's share without gradients: every micro-batch's forward
-        through the stages (no backward, so no schedule), the last stage's mean shared as in training."""
-        tr = self.plan.training
-        m, mbs = tr.grad_accum_steps, tr.micro_batch_size
-        loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
-        for _, k, c in schedule_order(tr.schedule, self.num_stages, self.index, m, self.chunks, inference=True):
-            if zero is not None:
-                zero.begin_forward()
-            loss = self.forward_micro(k, _micro([*xs, y], k, mbs), grad=False, chunk=c)
-            if loss is not None:
-                loss_sum += loss.float()
+    def end_schedule(self, *, training: bool) -> None:
+        """After the rank's last action: tied copies' gradients summed (training), the sends let go."""
+        if training:
+            self.sync_tied()
         self.wait_sends()
-        return self._share_loss(loss_sum.div_(m), dp_group)
 
-    def _share_loss(self, loss: torch.Tensor, dp_group: dist.ProcessGroup | None) -> float:
-        """The last stage's dp mean, broadcast over "pp"."""
+    def mean(self, loss_sum: torch.Tensor, micro_batches: int, dp_group: dist.ProcessGroup | None) -> float:
+        """The step's mean loss: the last stage's, averaged over "dp" and broadcast over "pp"."""
+        loss = loss_sum.div_(micro_batches)
         if self.is_last and dp_group is not None:
             self.counter.record("all_reduce", MeshAxis.DP.value, loss.element_size())
             loss.div_(dist.get_world_size(dp_group))
@@ -465,7 +428,7 @@ class PipelineStage(nn.Module):
         m = tr.global_batch // (dist.get_world_size(dp_group) if dp_group is not None else 1) // mbs
         outs = []
         for _, k, c in schedule_order(tr.schedule, self.num_stages, self.index, m, self.chunks, inference=True):
-            out = self.forward_micro(k, _micro(xs, k, mbs), grad=False, chunk=c)
+            out = self.forward_micro(k, micro_rows(xs, k, mbs), grad=False, chunk=c)
             if out is not None:
                 outs.append(out)
         last = self.stages[-1].nodes[-1]  # the output node: its input's placement, at the micro-batch shape
@@ -482,11 +445,6 @@ class PipelineStage(nn.Module):
             all_gather_flat(whole, result.contiguous(), group=dp_group)
             result = whole
         return result
-
-
-def _micro(users: list[torch.Tensor | None], k: int, mbs: int) -> list[torch.Tensor | None]:
-    """Micro-batch ``k``'s rows of each user input (None for one this stage does not read)."""
-    return [None if u is None else u[k * mbs:(k + 1) * mbs] for u in users]
 
 
 def apply_pipeline(module: nn.Module, plan: Plan, mesh: Any, *, loss_fn: Callable | None,

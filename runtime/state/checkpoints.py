@@ -1,0 +1,92 @@
+"""A run's checkpoints, as ``ParallelModel`` keeps them: ``save`` and ``load`` by hand
+(runtime/state/sharded.py, loading.py) and, with ``checkpoint_dir``, the periodic ones
+(runtime/state/periodic.py): every ``checkpoint_every`` steps, written in the background unless
+``async_checkpoints=False``, one in flight at a time and the last waited for at exit, the newest
+``keep_last`` kept; a run that finds an intact one there resumes from it (``resume``).
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import sys
+import weakref
+from pathlib import Path
+from typing import Any
+
+from partita.core.errors import PartitaError
+from partita.core.options import Options
+from partita.runtime.program import Program
+from partita.runtime.state import loading, periodic, sharded
+
+
+class Checkpoints:
+    """This rank's side of the run's checkpoints (module docstring). The step count is the caller's:
+    ``save`` is given it, ``load`` and ``resume`` return it."""
+
+    def __init__(self, program: Program, options: Options) -> None:
+        self.program = program
+        self.root = options.checkpoint_dir
+        self.every = options.checkpoint_every or 0
+        self.keep_last = options.keep_last if options.keep_last is not None else periodic.DEFAULT_KEEP_LAST
+        self.async_save = options.async_checkpoints is not False
+        self.extra: dict = {}  # saved with every periodic checkpoint, restored on resume (e.g. the data position)
+        self.resumed_from: Path | None = None
+        self._pending: sharded.Pending | None = None  # the periodic save being written in the background
+        self._staging: dict = {}  # its CPU copy, reused by the next one
+        self._waits_at_exit = False
+
+    def resume(self) -> int:
+        """The newest intact checkpoint under ``checkpoint_dir`` loaded, if there is one (a collective);
+        the step to go on from (0 without)."""
+        if self.root is None:
+            return 0
+        found, damaged = periodic.resume_point(self.root)
+        if self.program.ctx.rank == 0:
+            for message in damaged:
+                print(f"partita: {message}: skipped it", flush=True)
+        if found is None:
+            return 0
+        step, self.extra = self.load(found)
+        self.resumed_from = found
+        if self.program.ctx.rank == 0:
+            print(f"partita: resumed from {found} (step {step})", flush=True)
+        return step
+
+    def save(self, path: str | Path, *, step: int, extra: dict | None = None, async_save: bool = False) -> Any:
+        """``ParallelModel.save_checkpoint``: this run's state at ``step`` to ``path``."""
+        return sharded.save(self.program, path, step=step, extra=extra, async_save=async_save,
+                            scheduler=self.program.scheduler)
+
+    def load(self, path: str | Path, *, optimizer: str = "restore", partial: bool = False) -> tuple[int, dict]:
+        """``ParallelModel.load_checkpoint``: the state in ``path`` restored in place; its step and ``extra``."""
+        return loading.load(self.program, path, optimizer=optimizer, partial=partial, scheduler=self.program.scheduler)
+
+    def save_if_due(self, step: int) -> None:
+        """After step ``step``: a periodic checkpoint, if one is due (the previous one waited for first)."""
+        if self.root is None or not self.every or step % self.every:
+            return
+        self.wait()  # one save in flight at a time
+        if self.async_save and not self._waits_at_exit:  # the last one completes before the process ends
+            atexit.register(_wait_at_exit, weakref.ref(self))
+            self._waits_at_exit = True
+        self._pending = periodic.save_periodic(self.program, self.root, step=step, extra=self.extra,
+                                               async_save=self.async_save, keep_last=self.keep_last,
+                                               buffers=self._staging, scheduler=self.program.scheduler)
+
+    def wait(self) -> None:
+        """``ParallelModel.wait_for_checkpoint``: the periodic save in flight, complete."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
+
+
+def _wait_at_exit(ref: weakref.ref) -> None:
+    """At exit: the periodic checkpoint still being written completes, or its failure is said."""
+    checkpoints = ref()
+    try:
+        if checkpoints is not None:
+            checkpoints.wait()
+    except PartitaError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        os._exit(e.exit_code)
