@@ -167,3 +167,63 @@ def test_the_check_sees_a_re_export_shim(tmp_path):
     assert re_export_shims({"core.shim": shim}, [user], root=tmp_path) == [
         "core.shim re-exports MeshAxis (from partita.core.mesh) to user.py"]
     assert re_export_shims(_product_modules(), [user], root=tmp_path) == []  # no partita.core.shim
+
+
+# ParallelModel composes the runtime's parts (issue 41): a short class that asks no part whether it is there
+COMPOSITION_MAX_LINES = 150
+# the program's parts a plan may leave out: reading one is where an ``is None`` branch on it begins
+OPTIONAL_PARTS = {"pipeline", "zero", "averager", "dp_group", "scaler", "master", "buffers"}
+
+
+def part_dispatch(source: str, cls: str = "ParallelModel") -> list[str]:
+    """Where class ``cls`` of ``source`` decides what to run by whether a part is there, as "line N:
+    code": every ``is None`` / ``is not None`` test but of a method's own arguments (``options if
+    options is not None``), and every read of a part a plan may leave out (``p.zero``)."""
+    tree = ast.parse(source)
+    (node,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls]
+    found = []
+    for method in [n for n in ast.walk(node) if isinstance(n, (ast.FunctionDef, ast.Lambda))]:
+        own = {a.arg for a in [*method.args.posonlyargs, *method.args.args, *method.args.kwonlyargs]}
+        for n in ast.walk(method):
+            if isinstance(n, ast.Compare) and any(isinstance(op, (ast.Is, ast.IsNot)) for op in n.ops):
+                sides = [n.left, *n.comparators]
+                if any(isinstance(s, ast.Constant) and s.value is None for s in sides) and not any(
+                        isinstance(s, ast.Name) and s.id in own for s in sides):
+                    found.append(f"line {n.lineno}: {ast.unparse(n)}")
+    found += [f"line {n.lineno}: {ast.unparse(n)}" for n in ast.walk(node)
+              if isinstance(n, ast.Attribute) and n.attr in OPTIONAL_PARTS]
+    return sorted(set(found))
+
+
+def class_lines(source: str, cls: str = "ParallelModel") -> int:
+    (node,) = [n for n in ast.parse(source).body if isinstance(n, ast.ClassDef) and n.name == cls]
+    return node.end_lineno - node.lineno + 1
+
+
+def test_parallel_model_is_a_short_composition_of_parts():
+    """``ParallelModel`` composes the program, the training step, checkpoints and reports, each a part
+    with its own interface (runtime/step/, runtime/state/checkpoints.py): the choice between a pipeline
+    and one stage, data parallelism and ZeRO, fp16 and the rest is made once, by compose, not by an
+    ``is None`` branch in the class."""
+    source = (ROOT / "runtime" / "engine.py").read_text()
+    assert class_lines(source) < COMPOSITION_MAX_LINES
+    dispatch = part_dispatch(source)
+    assert not dispatch, "\n".join(dispatch)
+
+
+def test_the_check_sees_a_branch_on_a_part():
+    """A test of a part, directly or through a name it was read into, is found, and so is a read of an
+    optional part; a test of the method's own argument is not."""
+    source = ("class ParallelModel:\n"
+              "    def __init__(self, options=None):\n"
+              "        self.options = options if options is not None else {}\n"
+              "    def forward(self, x):\n"
+              "        if self._program.pipeline is None:\n"
+              "            return x\n"
+              "        zero = self.parts[0]\n"
+              "        return x if zero is not None else -x\n"
+              "    def step(self):\n"
+              "        return self._program.sync.step()\n")
+    assert part_dispatch(source) == ["line 5: self._program.pipeline", "line 5: self._program.pipeline is None",
+                                     "line 8: zero is not None"]
+    assert class_lines(source) == 10
