@@ -20,6 +20,9 @@ def _plan_checks(plan) -> list[str]:
     problem = chunk_problem(t.schedule, plan.mesh.pp, t.chunks, t.grad_accum_steps)
     if problem and not t.inference:
         out.append(problem)
+    if t.chunks > 1:  # compile cuts no chunk without parameters (passes/pipeline/cuts.py ``Partition.empty``)
+        out += [f"stages[{s.index}].params = 0 under training.chunks = {t.chunks}: every chunk of a chunked "
+                "schedule holds parameters of its own" for s in plan.stages if not s.params]
     return out
 
 

@@ -288,10 +288,15 @@ class Partition:
         """``memory(j, k, s).total`` without building the records (the DP's inner loop)."""
         return self._choice(j, k, s)[0]
 
+    def empty(self, j: int, k: int) -> bool:
+        """Whether [j, k) would be a chunk of a chunked schedule holding no parameter: none is cut (a
+        rank's chunk runs a model part of its own; an empty one only adds sends and slots)."""
+        return self.setup.chunks > 1 and not self.param_numel(j, k) and not self.expert_numel(j, k)
+
     def time_cost(self, j: int, k: int, s: int) -> float:
-        """The DP's segment cost: the slot, or infinity when the stage does not fit."""
+        """The DP's segment cost: the slot, or infinity when the stage does not fit (or is an empty chunk)."""
         total, recompute = self._choice(j, k, s)
-        if total > self.setup.capacity:
+        if total > self.setup.capacity or self.empty(j, k):
             return INF
         return stage_slot_time(self._compute(j, k, recompute), self.p2p(j, k, s), self.cluster)
 
@@ -371,7 +376,7 @@ def _time_scan(part: Partition, ends: Sequence[int], k: int, s: int, before: dic
         part.cluster.step_overhead_s, part.p2p, part._modes
     floor = modes[part.first_mode][0]
     v_best, j_best = INF, -1
-    sure, first = part.surely_fits_from(k, s), part.first_mode
+    sure, first, chunked = part.surely_fits_from(k, s), part.first_mode, part.setup.chunks > 1
     for i in range(bisect.bisect_left(ends, k) - 1, -1, -1):
         j = ends[i]
         if i >= sure:  # fits, in its first mode: no need to weigh its bytes
@@ -385,7 +390,7 @@ def _time_scan(part: Partition, ends: Sequence[int], k: int, s: int, before: dic
                 break  # longer segments cost at least as much
         if floor[k] - floor[j] + overhead >= v_best:
             break
-        if before[j] >= v_best:
+        if before[j] >= v_best or (chunked and part.empty(j, k)):
             continue
         compute = modes[mode][0]
         v = max(before[j], compute[k] - compute[j] + overhead + p2p(j, k, s))

@@ -27,7 +27,7 @@ from dataclasses import replace
 
 from partita.core.buckets import DEFAULT_BUCKET_BYTES, unit_of
 from partita.core.cluster import ClusterSpec, Link
-from partita.core.errors import PartitaError
+from partita.core.errors import InfeasibleError, PartitaError
 from partita.core.mesh import Mesh
 from partita.core.optimizers import NO_OFFLOAD, OFFLOAD_OPTIMIZER
 from partita.core.pins import Pins, TrainingRequest
@@ -171,6 +171,7 @@ class _CutSearch:
         self.pruned: list[PrunedCandidate] = []
         self.unfit: list[tuple[Partition, int, int]] = []  # (least-memory partition, dp, mb): the DP deferred
         self.solves = 0
+        self.empty_chunks: tuple[str, int, int, int] | None = None  # a chunked schedule left out: too few parts
 
     def zero_options(self, p: int, dp: int) -> tuple[int, ...]:
         """The ZeRO stages weighed at (p, dp): not ZeRO-3 under pinned recomputation (docs/cost-model.md,
@@ -213,7 +214,10 @@ class _CutSearch:
         out = []
         for schedule in (("none",) if p == 1 else self.schedules):
             v = chunks_of(schedule)
-            if v > 1 and (chunk_problem(schedule, p, v, m) or p * v > len(c.boundaries) + 1):
+            # every chunk holds parameters of its own (passes/pipeline/cuts.py ``Partition.empty``)
+            if v > 1 and p * v > _holding(c) and not chunk_problem(schedule, p, v, m):
+                self.empty_chunks = (schedule, p, v, _holding(c))
+            if v > 1 and (chunk_problem(schedule, p, v, m) or p * v > min(len(c.boundaries) + 1, _holding(c))):
                 continue
             zs = zero_options if v == 1 else tuple(z for z in zero_options if z == 0)
             if zs:
@@ -305,6 +309,12 @@ class _CutSearch:
         self.pruned += self.unfit_records()
         self.found.sort(key=lambda gc: gc[0])  # enumeration order, whatever order the groups were visited in
         candidates = [c for _, c in self.found]
+        if not candidates and self.empty_chunks is not None and self.pins.schedule is not None:
+            schedule, p, v, held = self.empty_chunks
+            raise InfeasibleError(
+                f"--schedule {schedule} cuts {p} pipeline ranks x {v} chunks = {p * v} model parts, each holding "
+                f"parameters of its own, but the model holds parameters at {held} places of its graph",
+                hint="pin --schedule 1f1b (one part per rank), or fewer --pp")
         if not candidates:
             raise PartitaError(
                 f"no pipeline split matches: {self.devices} devices, {self.tp} per stage, global batch "
@@ -357,6 +367,13 @@ def _unfit_record(part: Partition, dp: int, tp: int, mb: int, cluster: ClusterSp
                            f"does not fit: no cuts keep every stage within {gb(cluster.usable_memory)} "
                            f"({st.schedule}, up to {STRATEGY_NAMES[st.zero_stage]}); least-memory cuts not searched",
                            st.schedule)
+
+
+def _holding(c: NodeCosts) -> int:
+    """Positions of the order that hold a parameter (their own, a shared one's user, an expert slice): a
+    chunked schedule cuts no more chunks than these."""
+    held = {i for i, n in enumerate(c.param_numel) if n} | {u for sp in c.shared for u in sp.users}
+    return len(held | {i for i, n in enumerate(c.expert_numel) if n})
 
 
 def _shared_policies(c: NodeCosts, p: int) -> list[tuple[str, tuple[int, ...]]]:

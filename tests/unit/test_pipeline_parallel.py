@@ -335,3 +335,30 @@ def test_a_cpu_process_pays_for_each_kernel_so_a_host_bound_model_takes_fewer_mi
     assert (d.best.pp, d.best.micro_batch_size) == (2, 4), d.best
     flat = _choose(tiny, dataclasses.replace(load_cluster("local", devices=2), kernel_s=0.0), request, pins=Pins(pp=2))
     assert flat.best.micro_batch_size < 4  # priced by FLOPs alone, the smaller micro-batches looked faster
+
+
+def test_a_chunked_schedule_cuts_no_chunk_without_parameters():
+    """Interleaved 1F1B gives every rank chunks of its own model parts: on a 2-layer MLP (parameters at two
+    places) 2 ranks x 2 chunks cannot each hold one, so the pinned schedule is refused in one message
+    naming why (issue 44: it gave two chunks no parameters); on 4 layers every chunk holds some; and a
+    plan edited to an empty chunk is refused by verify."""
+    import json
+
+    from examples.models import MLP
+    from partita.compiler.compile import compile_model
+    from partita.core.errors import InfeasibleError
+    from partita.core.options import Options
+    from partita.core.verify import plan_problems
+
+    options = Options(inputs=["x=float32[32,64]"], cluster="local", devices=2, schedule="interleaved-1f1b")
+    with pytest.raises(InfeasibleError, match="4 model parts, each holding parameters of its own, but the model "
+                                              "holds parameters at 2 places"):
+        compile_model(lambda: MLP(layers=2), options, name="mlp")
+    plan = compile_model(lambda: MLP(layers=4), options, name="mlp").plan
+    assert plan.training.chunks == 2 and len(plan.stages) == 4 and all(s.params for s in plan.stages)
+    assert plan_problems(plan) == []
+    data = json.loads(plan.to_json())
+    data["stages"][1]["params"] = 0
+    from partita.core.plan import Plan
+
+    assert any("stages[1].params = 0 under training.chunks = 2" in p for p in plan_problems(Plan.from_dict(data)))
