@@ -69,7 +69,7 @@ def test_a_plan_the_runtime_cannot_run_is_refused_before_any_process_starts(tmp_
     bad = dataclasses.replace(bad, stages=tuple(dataclasses.replace(s, recompute="full") for s in bad.stages))
     path = bad.save(tmp_path / "bad.json")
     r = partita_run(path, WORKERS / "launch_script.py", "fine")
-    assert r.returncode == 2 and "with ZeRO-3" in r.stderr and r.stderr.count("error") == 1, r.stderr
+    assert r.returncode == 2 and "with training.zero_stage = 3" in r.stderr and r.stderr.count("error") == 1, r.stderr
 def test_two_nodes_join_one_rendezvous_and_train_as_one_process(dp2_plan, tmp_path):
     """Two launcher agents on this machine, one rank each, meeting at a c10d rendezvous on
     localhost (as two nodes would): the losses and parameters of one process."""
