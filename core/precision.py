@@ -27,6 +27,7 @@ parameters directly.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -46,6 +47,7 @@ def compute_dtype(precision: str) -> str:
     return _COMPUTE[precision]
 
 
+@functools.lru_cache(maxsize=256)  # a pure function of a name, asked per tensor in the solvers' loops
 def torch_dtype(name: str) -> torch.dtype:
     """The torch dtype a name stands for: a plan name ("fp32", "bf16", "fp16") or a torch one
     ("float32", "torch.int64", ...)."""

@@ -215,6 +215,7 @@ class _Layouts:
         self.profile, self.cluster, self.request = profile, cluster, request
         self._choice: dict[tuple[int, int, bool], Mapping[str, Strategy]] = {}
         self._costs: dict[tuple[int, int, bool], NodeCosts] = {}
+        self._floors: dict[tuple[int, int], NodeCosts] = {}  # (micro-batch, tp), shared by every pipeline search
 
     def choice(self, micro_batch: int, tp: int, sp: bool = False) -> Mapping[str, Strategy]:
         key = (micro_batch, tp, sp)
@@ -236,8 +237,12 @@ class _Layouts:
         divides every node's FLOPs, saved bytes and parameters by tp (every strategy's compute and
         memory fractions are 1/tp or 1) and charges no TP collectives. Exact at tp = 1. Both scale
         the saved bytes by the same ``activation_scale``."""
-        return lambda mb: node_costs(self.profile, self.cluster, self.request, mb, tp=tp) if tp > 1 \
-            else self.node_costs(mb, 1)
+        return lambda mb: self._floor(mb, tp) if tp > 1 else self.node_costs(mb, 1)
+
+    def _floor(self, micro_batch: int, tp: int) -> NodeCosts:
+        if (micro_batch, tp) not in self._floors:
+            self._floors[micro_batch, tp] = node_costs(self.profile, self.cluster, self.request, micro_batch, tp=tp)
+        return self._floors[micro_batch, tp]
 
 
 def _pruned_zero(best: Decision, cluster: ClusterSpec, request: TrainingRequest, pins: Pins) -> tuple[Alternative, ...]:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import bisect
 import functools
+import itertools
 import math
 import weakref
 from collections.abc import Callable, Sequence
@@ -37,7 +38,7 @@ from partita.core.pins import TrainingRequest
 from partita.core.precision import activation_scale as precision_activation_scale
 from partita.core.precision import is_floating
 from partita.core.recompute import FULL, NONE, SELECTIVE
-from partita.passes.cost_model import node_compute_time, precision_factor
+from partita.passes.cost_model import NODE_TIME_ATTRS, node_compute_time, precision_factor
 from partita.passes.peak_memory import node_transient
 from partita.passes.profile import ModelProfile
 
@@ -82,8 +83,8 @@ def allowed_boundaries(G: nx.DiGraph, order: Sequence[str]) -> tuple[int, ...]:
     return tuple(k for k in after_call if k not in inside and (in_layer(k - 1) or in_layer(k)))
 
 
-# graph -> {"both": (order, boundaries)} (graph.per_graph): a search asks for node costs at
-# every (micro-batch, tp)
+# graph -> {"both": (order, boundaries), "positions": _Positions, order: crossing spans} (graph.per_graph):
+# a search asks for node costs at every (micro-batch, tp)
 _STRUCTURE: weakref.WeakKeyDictionary[nx.DiGraph, tuple[int, dict]] = weakref.WeakKeyDictionary()
 
 
@@ -94,6 +95,69 @@ def _structure(G: nx.DiGraph) -> tuple[list[str], tuple[int, ...]]:
         order = pipeline_order(G)
         cache["both"] = (order, allowed_boundaries(G, order))
     return cache["both"]
+
+
+# The node attributes a position's own costs are priced by (``_price``): positions that agree on
+# them (a repeated layer's nodes at one place in the layer) cost the same
+_PRICED_ATTRS = (*NODE_TIME_ATTRS, "depends_on_input", "saved_bytes", "kv_bytes", "live_batch", "live_fixed",
+                 "transient_bytes")
+
+
+@dataclass(frozen=True)
+class _Positions:
+    """What ``node_costs`` reads of a graph that neither the micro-batch, tp nor the precision changes,
+    per position of the pipeline order (``_positions``, once per graph)."""
+
+    price_class: tuple[int, ...]  # per position: its index into ``samples``
+    samples: tuple[dict, ...]  # per price class: its first position's attributes
+    # per parameter name, in order: (whole numel, its users' positions, whether a cut can separate them)
+    params: tuple[tuple[str, int, tuple[int, ...], bool], ...]
+    outputs: dict[str, tuple[dict, bool]]  # node -> (its attributes, whether its outputs float), filled as asked
+    modules: tuple[str, ...]
+    layers: frozenset[str]
+    cores: tuple[str, ...]
+    core_reads: tuple[tuple[int, tuple[str, ...]], ...]  # per core: (first position, outside activations read)
+
+
+def _positions(G: nx.DiGraph) -> _Positions:
+    """``G``'s ``_Positions``, computed once per graph."""
+    cache = per_graph(_STRUCTURE, G)
+    if "positions" not in cache:
+        order, boundaries = _structure(G)
+        at = {n: i for i, n in enumerate(order)}
+        nodes = [G.nodes[n] for n in order]
+        classes: dict[tuple, int] = {}
+        price_class = tuple(classes.setdefault(tuple(a.get(k) for k in _PRICED_ATTRS), len(classes)) for a in nodes)
+        samples: dict[int, dict] = {}
+        for a, c in zip(nodes, price_class):
+            samples.setdefault(c, a)
+        users: dict[str, list[int]] = {}
+        whole: dict[str, int] = {}
+        for name, a in zip(order, nodes):
+            if a["kind"] == "param":
+                pname = a.get("param_name", name)
+                users.setdefault(pname, []).extend(sorted(at[u] for u in G.successors(name)) or [at[name]])
+                whole[pname] = math.prod(a["shapes"][0]) if a["shapes"] else 0
+        params = []
+        for pname, used in users.items():
+            used = sorted(set(used))
+            i = bisect.bisect_right(boundaries, used[0])  # the first boundary after the first user
+            params.append((pname, whole[pname], tuple(used), i < len(boundaries) and boundaries[i] <= used[-1]))
+        cores = tuple(a.get("attention_core", "") for a in nodes)
+        reads: dict[str, set[str]] = {}
+        first: dict[str, int] = {}
+        for i, (n, core) in enumerate(zip(order, cores)):
+            if core:
+                first.setdefault(core, i)
+                reads.setdefault(core, set()).update(
+                    u for u in G.predecessors(n) if G.nodes[u].get("attention_core") != core
+                    and G.nodes[u]["kind"] not in ("param", "buffer"))
+        cache["positions"] = _Positions(
+            price_class, tuple(samples.values()), tuple(params), {},
+            tuple(a.get("layer") or (a["module"] if a["kind"] == "param" else "") for a in nodes),
+            frozenset(a["layer"] for _, a in G.nodes(data=True) if a.get("layer")),
+            cores, tuple((i, tuple(reads[core])) for core, i in first.items()))
+    return cache["positions"]
 
 
 # -- the solver's input ----------------------------------------------------------
@@ -155,7 +219,7 @@ class NodeCosts:
         table = [list(self.live_bytes)]
         while 2 ** len(table) <= len(self.live_bytes):
             prev, half = table[-1], 2 ** (len(table) - 1)
-            table.append([max(prev[i], prev[i + half]) for i in range(len(prev) - half)])
+            table.append(list(map(max, prev[:len(prev) - half], prev[half:])))
         return table
 
     def live_peak(self, j: int, k: int) -> int:
@@ -165,7 +229,7 @@ class NodeCosts:
             return 0
         r = (k - j).bit_length() - 1
         row = self._live_table[r]
-        return max(row[j], row[k - 2 ** r])
+        return max(row[j], row[k - (1 << r)])
 
     @functools.cached_property
     def _label_runs(self) -> tuple[list[int], list[str]]:
@@ -294,67 +358,58 @@ def node_costs(profile: ModelProfile, cluster: ClusterSpec, request: TrainingReq
     """
     G = profile.graph
     order, boundaries = _structure(G)
-    at = {n: i for i, n in enumerate(order)}
+    pos = _positions(G)
     batch = micro_batch / profile.batch_size
     act = activation_scale(profile, request)
     kv = kv_ratio(profile, request)
-
-    def scale(a: dict) -> float:
-        return _batch_scale(a, batch)
-
     nbytes = output_bytes(profile, request, micro_batch)
-
-    fwd, bwd, saved, params = [], [], [], [0] * len(order)
-    for name in order:
-        a = G.nodes[name]
-        f, b = node_compute_time(a, cluster, request.precision, scale=scale(a) / tp, byte_scale=scale(a) * act / tp,
-                                 inference=request.inference)
-        fwd.append(f)
-        bwd.append(b)
-        saved.append(round(a.get("kv_bytes", 0) * scale(a) * act * kv / tp) if request.inference
-                     else round(a["saved_bytes"] * scale(a) * act / tp
-                                * precision_factor(a["op"], request.precision, cluster.device)))
-    nodes = list(map(G.nodes.__getitem__, order))
-    live = [round((a["live_batch"] * batch + a["live_fixed"]) * act / tp) for a in nodes] if request.inference else \
-        [round(node_transient(a, beta=batch, act_scale=act, precision=request.precision, device=cluster.device) / tp)
-         for a in nodes]
-    users_by_param: dict[str, list[int]] = {}
-    numel_by_param: dict[str, int] = {}
-    for name in order:
-        a = G.nodes[name]
-        if a["kind"] == "param":
-            pname = a.get("param_name", name)
-            users_by_param.setdefault(pname, []).extend(sorted(at[u] for u in G.successors(name)) or [at[name]])
-            numel_by_param[pname] = math.prod(a["shapes"][0]) // tp if a["shapes"] else 0
-    send, grad = crossing_bytes(G, order, lambda n: nbytes(G.nodes[n]) / tp, request.inference)
+    priced = [_price(a, cluster, request, batch, act, kv, tp) for a in pos.samples]
+    fwd, bwd, saved, live = (tuple(priced[c][k] for c in pos.price_class) for k in range(4))
+    params = [0] * len(order)
     shared = []
-    for pname, users in users_by_param.items():
-        users = sorted(set(users))
-        lo, hi = users[0], users[-1]
-        i = bisect.bisect_right(boundaries, lo)  # the first boundary after the first user
-        if i < len(boundaries) and boundaries[i] <= hi:
-            shared.append(SharedParam(pname, numel_by_param[pname], tuple(users)))
+    for pname, whole, users, separable in pos.params:
+        if separable:
+            shared.append(SharedParam(pname, whole // tp, users))
         else:
-            params[lo] += numel_by_param[pname]
-    cores, core_inputs = _core_costs(G, order, nbytes, tp)
+            params[users[0]] += whole // tp
+    send, grad = crossing_bytes(G, order, lambda n: nbytes(n) / tp, request.inference)
+    held = [0] * len(order)
+    for i, reads in pos.core_reads:
+        held[i] = round(sum(nbytes(u) for u in reads) / tp)
     return NodeCosts(
-        order=tuple(order), forward_s=tuple(fwd), backward_s=tuple(bwd), saved_bytes=tuple(saved),
-        param_numel=tuple(params), send_bytes=send, grad_bytes=grad,
-        boundaries=boundaries, shared=tuple(shared),
-        modules=tuple(G.nodes[n].get("layer") or (G.nodes[n]["module"] if G.nodes[n]["kind"] == "param" else "")
-                      for n in order),
-        layers=frozenset(a["layer"] for _, a in G.nodes(data=True) if a.get("layer")),
-        live_bytes=tuple(live), cores=cores, core_inputs=core_inputs,
+        order=tuple(order), forward_s=fwd, backward_s=bwd, saved_bytes=saved, param_numel=tuple(params),
+        send_bytes=send, grad_bytes=grad, boundaries=boundaries, shared=tuple(shared), modules=pos.modules,
+        layers=pos.layers, live_bytes=live, cores=pos.cores, core_inputs=tuple(held),
     )
 
 
-def output_bytes(profile: ModelProfile, request: TrainingRequest, micro_batch: int) -> Callable[[dict], float]:
-    """Bytes of a node's outputs (its DiGraph attributes) at ``micro_batch``: batch-dependent ones
-    scaled from the captured batch, floating ones at the precision's element size."""
-    batch, act = micro_batch / profile.batch_size, activation_scale(profile, request)
+def _price(a: dict, cluster: ClusterSpec, request: TrainingRequest, batch: float, act: float, kv: float,
+           tp: int) -> tuple[float, float, int, int]:
+    """(forward s, backward s, saved bytes, live bytes) of one micro-batch on a node with attributes
+    ``a``, by ``node_costs``'s rules."""
+    scale = _batch_scale(a, batch)
+    f, b = node_compute_time(a, cluster, request.precision, scale=scale / tp, byte_scale=scale * act / tp,
+                             inference=request.inference)
+    if request.inference:
+        return (f, b, round(a.get("kv_bytes", 0) * scale * act * kv / tp),
+                round((a["live_batch"] * batch + a["live_fixed"]) * act / tp))
+    return (f, b, round(a["saved_bytes"] * scale * act / tp * precision_factor(a["op"], request.precision,
+                                                                                cluster.device)),
+            round(node_transient(a, beta=batch, act_scale=act, precision=request.precision, device=cluster.device)
+                  / tp))
 
-    def nbytes(a: dict) -> float:
-        floating = any(is_floating(d) for d in a["dtypes"])
+
+def output_bytes(profile: ModelProfile, request: TrainingRequest, micro_batch: int) -> Callable[[str], float]:
+    """Bytes of a node's outputs at ``micro_batch``: batch-dependent ones scaled from the captured
+    batch, floating ones at the precision's element size."""
+    G = profile.graph
+    batch, act = micro_batch / profile.batch_size, activation_scale(profile, request)
+    outputs = _positions(G).outputs
+
+    def nbytes(n: str) -> float:
+        if n not in outputs:
+            outputs[n] = (G.nodes[n], any(is_floating(d) for d in G.nodes[n]["dtypes"]))
+        a, floating = outputs[n]
         return a["out_bytes"] * _batch_scale(a, batch) * (act if floating else 1.0)
 
     return nbytes
@@ -371,53 +426,39 @@ def crossing_bytes(G: nx.DiGraph, order: Sequence[str], nbytes: Callable[[str], 
     """``NodeCosts.send_bytes`` and ``grad_bytes``: per boundary of ``order``, the bytes of the tensors
     live across it (``nbytes`` of each node: what one device holds of its output) and of those that
     carry a gradient back. Parameters and buffers never cross: each stage reading one holds it."""
-    at = {n: i for i, n in enumerate(order)}
     send = [0.0] * (len(order) + 2)
     grad = [0.0] * (len(order) + 2)
-    for name in order:
-        a = G.nodes[name]
-        users = sorted(at[u] for u in G.successors(name))
-        if a["kind"] in ("param", "buffer") or not users or users[-1] <= at[name] + 1:
-            continue
-        first, last = at[name] + 1, users[-1]  # live across boundaries first..last
+    for name, first, end, carries in _spans(G, order):  # live across boundaries first..end - 1
         b = nbytes(name)
         send[first] += b
-        send[last + 1] -= b
-        if a.get("requires_grad") and not inference:
+        send[end] -= b
+        if carries and not inference:
             grad[first] += b
-            grad[last + 1] -= b
+            grad[end] -= b
     return _running(send), _running(grad)
 
 
-def _core_costs(G: nx.DiGraph, order: Sequence[str], nbytes: Callable[[dict], float], tp: int
-                ) -> tuple[tuple[str, ...], tuple[int, ...]]:
-    """``NodeCosts.cores`` and ``core_inputs``: each position's attention core, and at a core's first
-    position the bytes of the activations (not parameters or buffers) its nodes read from outside it."""
-    cores = tuple(G.nodes[n].get("attention_core", "") for n in order)
-    inputs: dict[str, set[str]] = {}
-    first: dict[str, int] = {}
-    for i, (n, core) in enumerate(zip(order, cores)):
-        if core:
-            first.setdefault(core, i)
-            inputs.setdefault(core, set()).update(
-                u for u in G.predecessors(n) if G.nodes[u].get("attention_core") != core
-                and G.nodes[u]["kind"] not in ("param", "buffer"))
-    held = [0] * len(order)
-    for core, i in first.items():
-        held[i] = round(sum(nbytes(G.nodes[u]) for u in inputs[core]) / tp)
-    return cores, tuple(held)
+def _spans(G: nx.DiGraph, order: Sequence[str]) -> tuple[tuple[str, int, int, bool], ...]:
+    """Per tensor live across a boundary of ``order``: (its node, the first boundary, one past the last,
+    whether it carries a gradient); once per (graph, order)."""
+    cache = per_graph(_STRUCTURE, G)
+    key = tuple(order)
+    if key not in cache:
+        at = {n: i for i, n in enumerate(order)}
+        spans = []
+        for name in order:
+            a = G.nodes[name]
+            users = sorted(at[u] for u in G.successors(name))
+            if a["kind"] in ("param", "buffer") or not users or users[-1] <= at[name] + 1:
+                continue
+            spans.append((name, at[name] + 1, users[-1] + 1, bool(a.get("requires_grad"))))
+        cache[key] = tuple(spans)
+    return cache[key]
 
 
 def _running(diff: list[float]) -> tuple[int, ...]:
-    out, acc = [], 0.0
-    for d in diff[:-1]:
-        acc += d
-        out.append(round(acc))
-    return tuple(out)
+    return tuple(map(round, itertools.accumulate(diff[:-1])))
 
 
 def _prefix(values: Sequence[float]) -> list[float]:
-    out = [0]
-    for v in values:
-        out.append(out[-1] + v)
-    return out
+    return list(itertools.accumulate(values, initial=0))

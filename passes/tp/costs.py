@@ -29,6 +29,7 @@ group's link.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
@@ -36,6 +37,7 @@ from functools import cached_property
 import networkx as nx
 
 from partita.core.cluster import ClusterSpec, Link
+from partita.core.graph import per_graph
 from partita.core.ops import base_op
 from partita.core.placement import NONE, is_shard
 from partita.core.precision import activation_scale, element_bytes
@@ -49,6 +51,10 @@ from partita.passes.cost_model import (
     reshard_time,
 )
 from partita.passes.peak_memory import node_transient
+
+# graph -> {node: node_key, (node, output, element bytes): tensor bytes} (graph.per_graph): a search prices
+# the same nodes at every (t, micro-batch)
+_PER_GRAPH: weakref.WeakKeyDictionary[nx.DiGraph, tuple[int, dict]] = weakref.WeakKeyDictionary()
 
 
 @dataclass(frozen=True)
@@ -75,14 +81,21 @@ class TPCosts:
         """Precision bytes over captured bytes of a floating tensor (core/precision.py)."""
         return activation_scale(self.precision, self.captured_dtype or captured_float_dtype(self.G))
 
+    @cached_property
+    def _graph_cache(self) -> dict:
+        return per_graph(_PER_GRAPH, self.G)
+
     def node_key(self, n: str) -> tuple:
         """Everything ``compute_s``, ``internal_s`` and ``saved_bytes`` read of node ``n``: two
         nodes with equal keys cost the same under the same strategy (a repeated layer's nodes at
         one position), so a caller may price one and reuse it."""
-        a = self.G.nodes[n]
-        return (*(a.get(k, 0) for k in NODE_TIME_ATTRS), bool(a.get("depends_on_input")),
-                a.get("saved_bytes", 0), tuple(a.get("saved_input_bytes", ())), a.get("kv_bytes", 0),
-                a.get("transient_bytes", 0), base_op(a.get("op", "")))
+        keys = self._graph_cache
+        if n not in keys:
+            a = self.G.nodes[n]
+            keys[n] = (*(a.get(k, 0) for k in NODE_TIME_ATTRS), bool(a.get("depends_on_input")),
+                       a.get("saved_bytes", 0), tuple(a.get("saved_input_bytes", ())), a.get("kv_bytes", 0),
+                       a.get("transient_bytes", 0), base_op(a.get("op", "")))
+        return keys[n]
 
     def beta(self, n: str) -> float:
         """How node ``n``'s work and tensors scale from the captured batch to the micro-batch."""
@@ -90,7 +103,10 @@ class TPCosts:
 
     def tensor_bytes(self, n: str, i: int) -> float:
         """Bytes of node ``n``'s ``i``-th output at the micro-batch (whole, not one rank's share)."""
-        return tensor_bytes(self.G, n, i, element_bytes(self.precision)) * self.beta(n)
+        sizes, key = self._graph_cache, (n, i, element_bytes(self.precision))
+        if key not in sizes:
+            sizes[key] = tensor_bytes(self.G, n, i, key[2])
+        return sizes[key] * self.beta(n)
 
     def compute_s(self, n: str, st: Strategy) -> tuple[float, float]:
         """(forward, backward) seconds of node ``n``'s local FLOPs under ``st``."""
