@@ -26,8 +26,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from examples.models import llama2_70b
-from partita.core.capture import capture
-from partita.core.inputs import parse_input_spec
+from partita.core.model.capture import capture
+from partita.core.model.inputs import parse_input_spec
 from partita.passes.profile import profile_model
 
 

@@ -44,7 +44,7 @@ if str(ROOT) not in sys.path:  # examples/ is not installed; spawned ranks inher
 from examples.models import MLP, gpt_tiny  # noqa: E402
 from partita.core.mesh import Mesh  # noqa: E402
 from partita.core.options import Options  # noqa: E402
-from partita.core.plan import MemoryBreakdown, ModelInfo, Plan, Prediction, SolverReport, Training  # noqa: E402
+from partita.core.plans.plan import MemoryBreakdown, ModelInfo, Plan, Prediction, SolverReport, Training  # noqa: E402
 from partita.runtime.distributed import init_distributed  # noqa: E402
 from partita.runtime.engine import ParallelModel  # noqa: E402
 

@@ -60,8 +60,8 @@ def main() -> int:
 
     from partita.compiler.compile import compile_model
     from partita.core.cluster import load_cluster
-    from partita.core.inputs import parse_input_spec
-    from partita.core.losses import default_loss
+    from partita.core.model.inputs import parse_input_spec
+    from partita.core.model.losses import default_loss
     from partita.core.options import Options
     from partita.runtime.engine import ParallelModel
 

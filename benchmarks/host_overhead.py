@@ -95,7 +95,7 @@ def _worker(rank: int, port: int, repeats: int, plan_paths: dict[str, str], queu
                       WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank), PARTITA_LOG_EVERY="0")
     torch.set_num_threads(1)
     from partita.core.options import Options
-    from partita.core.verify import load_plan
+    from partita.core.plans.verify import load_plan
     from partita.runtime.distributed import DistContext, init_distributed
     from partita.runtime.engine import ParallelModel
 

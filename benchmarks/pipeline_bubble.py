@@ -64,7 +64,7 @@ for path in (ROOT, ROOT / "tests", ROOT / "tests" / "workers"):
 from dp_worker import free_port, gpt_loss  # noqa: E402
 
 from examples.models import GPT, GPTConfig  # noqa: E402
-from partita.core.inputs import InputSpec  # noqa: E402
+from partita.core.model.inputs import InputSpec  # noqa: E402
 from partita.core.options import Options  # noqa: E402
 
 SEQ, MBS, VOCAB = 64, 4, 256

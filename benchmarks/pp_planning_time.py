@@ -41,10 +41,10 @@ from rich.console import Console
 from rich.table import Table
 
 from examples.models import GPT, GPTConfig, llama2_70b
-from partita.core.capture import capture
 from partita.core.cluster import PRESETS
-from partita.core.inputs import parse_input_spec
-from partita.core.losses import default_loss
+from partita.core.model.capture import capture
+from partita.core.model.inputs import parse_input_spec
+from partita.core.model.losses import default_loss
 from partita.core.pins import Pins, TrainingRequest
 from partita.passes.cost_model import state_bytes_per_param
 from partita.passes.pipeline.costs import node_costs

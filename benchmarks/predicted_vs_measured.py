@@ -93,7 +93,7 @@ def megatron_plan(n: int, like):
     sys.path.insert(0, str(ROOT / "tests"))
     from tp_choice import tp_plan
 
-    from partita.core.inputs import InputSpec
+    from partita.core.model.inputs import InputSpec
 
     c, plan = like.captured, like.plan
     hand = tp_plan(None, [InputSpec(s.name, s.dtype, (BATCH, *s.shape[1:])) for s in c.inputs], None, c.targets,
@@ -102,7 +102,7 @@ def megatron_plan(n: int, like):
 
 
 def run_plan(plan, n: int) -> dict:
-    from partita.runtime.launch import run_torchrun
+    from partita.runtime.processes.launch import run_torchrun
 
     with tempfile.TemporaryDirectory() as tmp:
         path = plan.save(Path(tmp) / "plan.json")
@@ -121,7 +121,7 @@ def main(nprocs: list[int], rounds: int) -> None:
     from partita.compiler.cli import calibrated_cluster
     from partita.compiler.compile import compile_model
     from partita.compiler.report import fmt_time
-    from partita.core.inputs import parse_input_spec
+    from partita.core.model.inputs import parse_input_spec
     from partita.core.options import Options
     from partita.runtime.calibrate import calibrate
 

@@ -99,11 +99,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from examples.models import GPT, GPTConfig
-from partita.core.capture import capture
 from partita.core.cluster import PRESETS, ClusterSpec
 from partita.core.errors import InfeasibleError
-from partita.core.inputs import parse_input_spec
-from partita.core.losses import default_loss
+from partita.core.model.capture import capture
+from partita.core.model.inputs import parse_input_spec
+from partita.core.model.losses import default_loss
 from partita.core.pins import Pins, TrainingRequest
 from partita.passes.cost_model import model_state_memory, state_bytes_per_param
 from partita.passes.profile import ModelProfile, profile_model

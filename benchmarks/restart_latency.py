@@ -41,7 +41,7 @@ def main() -> None:
     args = parser.parse_args()
     from partita.compiler.compile import compile_model
     from partita.core.cluster import load_cluster
-    from partita.core.inputs import parse_input_spec
+    from partita.core.model.inputs import parse_input_spec
     from partita.core.options import Options
     from tests.workers import tied_script as script
 

@@ -29,7 +29,7 @@ import partita.compiler.compile as compile_module
 from examples.models import GPT, GPTConfig, LogitsOnly, hf_llama, llama2_70b
 from partita.compiler.compile import compile_model
 from partita.core.cluster import PRESETS
-from partita.core.inputs import parse_input_spec
+from partita.core.model.inputs import parse_input_spec
 from partita.core.options import Options
 from partita.passes.cost_model import state_bytes_per_param
 from partita.passes.pipeline.costs import kv_ratio

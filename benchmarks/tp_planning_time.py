@@ -46,10 +46,10 @@ from rich.console import Console
 from rich.table import Table
 
 from examples.models import GPT, GPTConfig
-from partita.core.capture import capture
 from partita.core.cluster import PRESETS
-from partita.core.inputs import parse_input_spec
-from partita.core.losses import default_loss
+from partita.core.model.capture import capture
+from partita.core.model.inputs import parse_input_spec
+from partita.core.model.losses import default_loss
 from partita.passes.profile import profile_model
 from partita.passes.tp.ilp import SOLVERS, solve_tp
 from partita.passes.tp.problem import TPSetting, build_problem

@@ -23,10 +23,10 @@ import torch
 
 from partita.core.errors import PartitaError
 from partita.core.files import same_file
-from partita.core.inputs import parse_input_spec
+from partita.core.model.inputs import parse_input_spec
 from partita.core.options import Options, environment_option
-from partita.core.plan import Plan
-from partita.core.verify import load_plan, verified_plan
+from partita.core.plans.plan import Plan
+from partita.core.plans.verify import load_plan, verified_plan
 
 
 class NotAModel(PartitaError, AttributeError):
@@ -92,8 +92,8 @@ def parallelize(target: Any = None, /, options: Options | None = None, **keyword
 def plan_for(module: torch.nn.Module, options: Options, world_size: int) -> Plan:
     """Compile (or load and check) the plan for ``module`` on ``world_size`` processes."""
     from partita.compiler.compile import compile_model
-    from partita.core.capture import capture
-    from partita.core.graph import graph_fingerprint, to_networkx
+    from partita.core.model.capture import capture
+    from partita.core.model.graph import graph_fingerprint, to_networkx
 
     plan_path = options.plan  # plan= or, left out, the one `partita run` gives (PARTITA_PLAN)
     if plan_path:

@@ -139,7 +139,7 @@ def compile_cmd(target: str, plan_path: str, as_json: bool, **values: Any) -> No
 def show(plan_path: str, as_json: bool) -> None:
     """Print a plan file for a person."""
     from partita.compiler.report import plan_report
-    from partita.core.verify import load_plan
+    from partita.core.plans.verify import load_plan
 
     plan = load_plan(plan_path)
     if as_json:
@@ -159,7 +159,7 @@ def verify(plan_path: str, output: str | None) -> None:
     A plan's seal (its sha256) is written by `partita compile`; loading refuses a plan whose seal
     does not match. This command re-derives what the plan's decisions imply, refuses any
     inconsistency, and only then writes the plan with a new seal."""
-    from partita.core.verify import load_plan
+    from partita.core.plans.verify import load_plan
 
     plan = load_plan(plan_path, sealed=False)
     out = writable_path(output or plan_path)
@@ -220,7 +220,7 @@ def estimate(target: str | None, params_text: str | None, as_json: bool, **value
         num_params, activations, name = parse_count(params_text), 0, "--params"
         note = "activations not counted: give a model and --input to include them"
     else:
-        from partita.core.capture import capture
+        from partita.core.model.capture import capture
         from partita.passes.profile import profile_model
 
         if not options.inputs:

@@ -16,15 +16,24 @@ from typing import Any
 import torch
 
 from partita.compiler.plan_collectives import plan_collectives
-from partita.core.capture import CapturedModel, capture
 from partita.core.cluster import ClusterSpec
 from partita.core.errors import CaptureError, PartitaError
-from partita.core.graph import annotate_batch_shapes, to_networkx
-from partita.core.inputs import InputSpec
 from partita.core.mesh import MeshAxis
+from partita.core.model.capture import CapturedModel, capture
+from partita.core.model.graph import annotate_batch_shapes, to_networkx
+from partita.core.model.inputs import InputSpec
 from partita.core.options import Options
 from partita.core.pins import Pins, TrainingRequest
-from partita.core.plan import ModelInfo, ParamDecision, Plan, Prediction, SolverReport, Stage, Training, tied_stages
+from partita.core.plans.plan import (
+    ModelInfo,
+    ParamDecision,
+    Plan,
+    Prediction,
+    SolverReport,
+    Stage,
+    Training,
+    tied_stages,
+)
 from partita.core.precision import activation_scale, compute_dtype, element_bytes
 from partita.core.tp.layout import layout_decisions
 from partita.passes.calibrated import prediction_sources

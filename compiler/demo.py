@@ -62,7 +62,7 @@ def _optimizer(params: Any) -> torch.optim.Optimizer:
 
 def reference(steps: int) -> tuple[list[float], dict[str, torch.Tensor]]:
     """The same training in one process, whole batch at once, no partita."""
-    from partita.core.losses import default_loss
+    from partita.core.model.losses import default_loss
 
     model = demo_model()
     opt = _optimizer(model.parameters())
@@ -97,8 +97,8 @@ def run_demo(*, nproc: int, steps: int, output: str, console: Any, progress: Any
     from partita.compiler.compile import compile_model
     from partita.compiler.report import plain, plan_summary
     from partita.core.cluster import load_cluster
-    from partita.core.inputs import parse_input_spec
-    from partita.runtime.launch import run_torchrun
+    from partita.core.model.inputs import parse_input_spec
+    from partita.runtime.processes.launch import run_torchrun
 
     if nproc < 1 or steps < 1:
         raise PartitaError(f"--nproc {nproc} and --steps {steps} must be positive",

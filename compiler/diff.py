@@ -21,8 +21,8 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 
 from partita.compiler.report import fmt_bytes, fmt_time, plain
-from partita.core.plan import NodeDecision, Plan
-from partita.core.verify import load_plan
+from partita.core.plans.plan import NodeDecision, Plan
+from partita.core.plans.verify import load_plan
 
 # Inserted collectives on an edge are every reshard but these two (no traffic).
 FREE_RESHARDS = ("none", "slice")

@@ -1,7 +1,7 @@
 """Re-planning an elastic run (`partita run --nnodes MIN:MAX`) for the processes it has now.
 
 When a node is lost and the restarts at the old size are exhausted, torchrun's agent restarts
-the survivors at a smaller world size (runtime/agent.py; a node that comes back joins at the
+the survivors at a smaller world size (runtime/processes/agent.py; a node that comes back joins at the
 next checkpoint). The plan `partita run` was given is then for another world size: rank 0
 plans the model again for this one (``replan``: the plan search again, bounded by
 ``REPLAN_LIMIT_S``), keeping what the run is (its inputs, global batch, precision, optimizer
@@ -21,7 +21,7 @@ import torch
 
 from partita.core.errors import PartitaError, PlanError
 from partita.core.options import Options
-from partita.core.plan import Plan
+from partita.core.plans.plan import Plan
 
 ELASTIC_ENV = "PARTITA_ELASTIC"  # set by `partita run --nnodes MIN:MAX` for its workers
 REPLAN_LIMIT_S = 120.0  # the plan search's bound: past it the run ends with one message

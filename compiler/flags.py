@@ -38,7 +38,7 @@ INT, FLOAT = Number(int), Number(float)
 
 def _show_capture_log(ctx: click.Context, param: click.Parameter, verbose: bool) -> None:
     """``--verbose``: what torch logs while a model is captured (held back otherwise: a failed
-    capture is one message, core/capture.py) is written to stderr."""
+    capture is one message, core/model/capture.py) is written to stderr."""
     if verbose:
         import logging
 

@@ -17,13 +17,13 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from partita.core.buckets import unit_of
-from partita.core.capture import CapturedModel
 from partita.core.cluster import ClusterSpec
 from partita.core.mesh import Mesh, MeshAxis
-from partita.core.ops import running_buffers
+from partita.core.model.capture import CapturedModel
+from partita.core.model.ops import running_buffers
 from partita.core.pins import TrainingRequest
 from partita.core.placement import is_shard
-from partita.core.plan import Collective, ParamDecision
+from partita.core.plans.plan import Collective, ParamDecision
 from partita.core.precision import activation_scale, dtype_bytes, element_bytes
 from partita.core.recompute import FULL, rerun_regions
 from partita.core.tp.layout import forward_collectives, recompute_collectives, tp_collectives

@@ -15,7 +15,7 @@ from partita.core.errors import printable
 from partita.core.mesh import MeshAxis, held_experts
 from partita.core.optimizers import NO_OFFLOAD
 from partita.core.placement import REPLICATE, Placement, is_shard
-from partita.core.plan import MemoryBreakdown, Plan
+from partita.core.plans.plan import MemoryBreakdown, Plan
 from partita.core.recompute import FULL, NONE, RECOMPUTED, SELECTIVE
 from partita.core.schedule import bubble_fraction
 
@@ -84,7 +84,7 @@ def sources_of(plan: Plan) -> dict[str, str]:
 
 def memory_terms(m: MemoryBreakdown) -> str:
     """The peak's terms in words: the state, then the backward's side or the optimizer step's, then
-    the allocator's (core/plan.py ``MemoryBreakdown``)."""
+    the allocator's (core/plans/plan.py ``MemoryBreakdown``)."""
     grads = f"grads {fmt_bytes(m.grads)}" + (f" ({fmt_bytes(m.grads_at_peak)} made by the backward's peak)"
                                             if m.grads_at_peak < m.grads else "")
     parts = [f"params {fmt_bytes(m.params)}", grads, f"optimizer {fmt_bytes(m.optimizer)}"]

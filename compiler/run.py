@@ -1,5 +1,5 @@
 """`partita run` (its flags in compiler/cli.py): check the plan, the script and the nodes, then
-start the ranks (runtime/launch.py).
+start the ranks (runtime/processes/launch.py).
 
 The run options (``Options``' RUN fields: `--checkpoint-dir`, `--watchdog`, ...) are checked here
 as the decorator checks them and reach every rank as ``PARTITA_*`` environment variables; the
@@ -47,14 +47,14 @@ REJOIN_WAIT_S = 30.0  # --rejoin-wait's default: how long an elastic restart wai
 def start(plan_path: str, script: str, args: tuple[str, ...], run_options: Callable[[], Options], *,
           max_restarts: int, nnodes: tuple[int, int] | None, rejoin_wait: float | None, node_rank: int | None,
           rdzv_endpoint: str | None, standalone: bool) -> int:
-    """`partita run`'s checks, then ``launch`` (runtime/launch.py); its exit code. ``run_options``
+    """`partita run`'s checks, then ``launch`` (runtime/processes/launch.py); its exit code. ``run_options``
     reads the run flags into ``Options`` (after the plan's and the nodes' checks)."""
     import os
 
     from partita.compiler.elastic import ELASTIC_ENV
-    from partita.core.verify import load_plan
+    from partita.core.plans.verify import load_plan
     from partita.runtime.compose import refuse_unsupported
-    from partita.runtime.launch import launch, slurm_layout
+    from partita.runtime.processes.launch import launch, slurm_layout
 
     plan = load_plan(plan_path)
     refuse_unsupported(plan)  # once, here, before any process starts

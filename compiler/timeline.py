@@ -23,8 +23,8 @@ from typing import Any
 
 from partita.core.errors import PlanError
 from partita.core.files import read_user_text
-from partita.core.plan import Plan
-from partita.core.plan_file import MAX_PLAN_BYTES
+from partita.core.plans.plan import Plan
+from partita.core.plans.plan_file import MAX_PLAN_BYTES
 from partita.core.schedule import BACKWARD, FORWARD, rank_order
 
 

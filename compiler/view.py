@@ -33,8 +33,8 @@ from partita.compiler.timeline import load_trace, measured_timeline, predicted_t
 from partita.core.axes import axis_summary
 from partita.core.errors import printable
 from partita.core.files import writable_path, write_text, writes
-from partita.core.plan import MemoryBreakdown, Plan
-from partita.core.verify import load_plan
+from partita.core.plans.plan import MemoryBreakdown, Plan
+from partita.core.plans.verify import load_plan
 
 __all__ = ["render_html", "load_trace", "stage_memory", "view_command"]
 
@@ -74,7 +74,7 @@ def stage_memory(plan: Plan) -> list[dict[str, Any]]:
 def _memory_row(stage: int, ranks: tuple[int, ...], m: MemoryBreakdown, *, exact: bool) -> dict[str, Any]:
     """One stage's bar: the state, the saved activations, what the step's peak holds beyond them (the
     costliest op's transient and ZeRO's buffers, or the optimizer step's fp32 gradients where that
-    side is larger) and the allocator's share (core/plan.py ``MemoryBreakdown``)."""
+    side is larger) and the allocator's share (core/plans/plan.py ``MemoryBreakdown``)."""
     act = 0 if m.at_step else m.activations
     extra = m.step if m.at_step else m.transient + m.collectives
     return {"stage": stage, "ranks": list(ranks), "params": m.params, "grads": m.grads_at_peak,

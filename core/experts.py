@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from partita.core.ops import op_name, tensor_values
+from partita.core.model.ops import op_name, tensor_values
 
 if TYPE_CHECKING:  # torch is imported by the functions that read fx nodes: the plan's checks run without it
     import torch.fx
@@ -34,7 +34,7 @@ _GROUPED = ("_grouped_mm", "grouped_mm_fallback")
 
 
 def is_grouped_mm_op(op: str) -> bool:
-    """Whether ``op`` (core/ops.py ``op_name``: ``"aten._grouped_mm.default"``,
+    """Whether ``op`` (core/model/ops.py ``op_name``: ``"aten._grouped_mm.default"``,
     ``"transformers.grouped_mm_fallback.default"``) names a grouped matmul over experts."""
     return any(part in _GROUPED for part in op.split("."))
 
@@ -169,7 +169,7 @@ def decided_expert_modules(decisions: Iterable[Any]) -> set[str]:
     """The modules holding a parameter that a plan's grouped matmuls read as their weights
     (``expert_regions``' walk, over the decisions' ``op`` and tensor inputs ``ins`` in argument order,
     as the graph has them): where its expert weights may live. A plan records no placeholder's
-    parameter name, only its module (core/graph.py), hence modules, not parameters."""
+    parameter name, only its module (core/model/graph.py), hence modules, not parameters."""
     decided = {d.name: d for d in decisions}
 
     def op_of(name: str) -> str | None:

@@ -1,4 +1,4 @@
-"""The optimizers partita models (core/plan.py ``OPTIMIZERS``): the default one a rank builds, the
+"""The optimizers partita models (core/plans/plan.py ``OPTIMIZERS``): the default one a rank builds, the
 cost model's name for what a user's factory builds, and where the optimizer's state may live."""
 
 from __future__ import annotations

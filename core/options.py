@@ -26,7 +26,7 @@ from partita.core.errors import PartitaError
 from partita.core.files import check_output, writable_folder, writable_path
 from partita.core.optimizers import NO_OFFLOAD, OFFLOAD, default_optimizer, optimizer_kind
 from partita.core.pins import Pins, TrainingRequest, check_positive, is_whole
-from partita.core.plan import OPTIMIZERS
+from partita.core.plans.plan import OPTIMIZERS
 from partita.core.precision import PRECISIONS, REDUCE_DTYPES
 from partita.core.recompute import NONE, RECOMPUTE, recompute_mode
 from partita.core.schedule import SCHEDULES
@@ -164,14 +164,14 @@ class Options:
         if self.inference:
             self._check_forward_only()
         if isinstance(self.targets, str):
-            from partita.core.inputs import parse_input_spec
+            from partita.core.model.inputs import parse_input_spec
 
             _set(self, "targets", parse_input_spec(self.targets if "=" in self.targets else f"targets={self.targets}"))
         if self.optimizer is not None and not callable(self.optimizer) and self.optimizer not in OPTIMIZERS:
             raise PartitaError(f"--optimizer {self.optimizer!r} is not one of {', '.join(OPTIMIZERS)}",
                                hint="partita models the memory of these optimizers only; the decorator also "
                                "takes a factory of parameters")
-        from partita.core.losses import resolve_loss
+        from partita.core.model.losses import resolve_loss
 
         _set(self, "loss", resolve_loss(self.loss, self.output))
         for name in ("nodes", "devices"):
@@ -188,7 +188,7 @@ class Options:
     def _check_forward_only(self) -> None:
         """A forward-only plan has no loss, no optimizer and no backward: a training option given
         with it is refused rather than dropped."""
-        from partita.core.losses import resolve_loss
+        from partita.core.model.losses import resolve_loss
 
         for name in TRAINING_ONLY:
             value = getattr(self, name)
@@ -366,7 +366,7 @@ def _parse(kind: type, raw: str) -> Any:
 def _input_specs(inputs: Any) -> tuple:
     if not inputs:
         return ()
-    from partita.core.inputs import InputSpec, parse_input_spec
+    from partita.core.model.inputs import InputSpec, parse_input_spec
 
     if isinstance(inputs, Mapping):
         return tuple(parse_input_spec(f"{k}={v}") for k, v in inputs.items())

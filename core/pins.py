@@ -12,7 +12,7 @@ from typing import Any
 from partita.core.axes import check_pins
 from partita.core.errors import MAX_COUNT, POSITIVE_HINT, PartitaError, too_large
 from partita.core.optimizers import OFFLOAD
-from partita.core.plan import OPTIMIZERS
+from partita.core.plans.plan import OPTIMIZERS
 from partita.core.precision import PRECISIONS, REDUCE_DTYPES
 from partita.core.recompute import FULL, SELECTIVE, recompute_mode
 from partita.core.schedule import SCHEDULES

@@ -23,7 +23,7 @@ from collections.abc import Collection, Iterable, Mapping
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from partita.core.errors import PartitaError
-from partita.core.ops import ATTENTION, MATMUL, base_op, op_name
+from partita.core.model.ops import ATTENTION, MATMUL, base_op, op_name
 
 if TYPE_CHECKING:  # torch is read by the functions that take fx nodes: the plan's checks run without it
     import torch.fx
@@ -49,7 +49,7 @@ class _Node(NamedTuple):
     """What the attention-core rule reads of one node: the captured graph's or a plan's decision's."""
 
     name: str
-    op: str  # core/ops.py ``op_name``: "placeholder", "aten.bmm.default", "Tensor.softmax", ...
+    op: str  # core/model/ops.py ``op_name``: "placeholder", "aten.bmm.default", "Tensor.softmax", ...
     inputs: tuple[str, ...]  # the nodes its arguments hold, in argument order, repeats kept
 
 

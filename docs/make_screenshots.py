@@ -24,7 +24,7 @@ def demo_plan():
     from partita.compiler.compile import compile_model
     from partita.compiler.demo import BATCH, SEQ, demo_model
     from partita.core.cluster import load_cluster
-    from partita.core.inputs import parse_input_spec
+    from partita.core.model.inputs import parse_input_spec
 
     options = Options(inputs=[parse_input_spec(f"idx=int64[{BATCH},{SEQ}]")], cluster=load_cluster("local", devices=4),
                       world_size=4)
@@ -36,7 +36,7 @@ def gpt3_plan():
     from examples.models import GPT, GPTConfig
     from partita.compiler.compile import compile_model
     from partita.core.cluster import load_cluster
-    from partita.core.inputs import parse_input_spec
+    from partita.core.model.inputs import parse_input_spec
 
     def gpt3():
         return GPT(GPTConfig(vocab_size=50257, block_size=2048, n_layer=96, n_head=96, n_embd=12288))

@@ -13,8 +13,8 @@ import importlib
 from typing import Any
 
 __version__ = "0.1.0"
-_PUBLIC = {"parallelize": "partita.compiler.api", "Options": "partita.core.options", "Plan": "partita.core.plan",
-           "load_plan": "partita.core.verify"}
+_PUBLIC = {"parallelize": "partita.compiler.api", "Options": "partita.core.options", "Plan": "partita.core.plans.plan",
+           "load_plan": "partita.core.plans.verify"}
 __all__ = [*_PUBLIC, "__version__"]
 
 

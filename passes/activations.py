@@ -46,8 +46,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from partita.core.capture import CapturedModel
-from partita.core.ops import tensor_values
+from partita.core.model.capture import CapturedModel
+from partita.core.model.ops import tensor_values
 
 
 class _Allocations(TorchDispatchMode):
@@ -132,7 +132,7 @@ class _SavedTensorRecorder(torch.fx.Interpreter):
         self.inputs = {}
         args: list[torch.fx.Node] = []
         torch.fx.map_arg((n.args, n.kwargs), args.append)
-        # the node's tensor inputs in core/graph.py's order (``inputs``: argument order, repeats kept)
+        # the node's tensor inputs in core/model/graph.py's order (``inputs``: argument order, repeats kept)
         tensors = [tensor_values(self.env.get(a)) for a in args if tensor_values(a.meta.get("val"))]
         for j, t in enumerate(tensors):
             if t:

@@ -32,9 +32,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from partita.core.cluster import COLLECTIVES, ClusterSpec, Link
-from partita.core.ops import ATTENTION, base_op
+from partita.core.model.ops import ATTENTION, base_op
 from partita.core.optimizers import NO_OFFLOAD
-from partita.core.plan import OPTIMIZERS
+from partita.core.plans.plan import OPTIMIZERS
 from partita.core.precision import PRECISIONS, compute_dtype, element_bytes, keeps_masters
 
 

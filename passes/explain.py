@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from partita.core.cluster import Link
-from partita.core.plan import MemoryBreakdown
+from partita.core.plans.plan import MemoryBreakdown
 
 CHOSEN = "chosen: fastest predicted step that fits"
 ZERO_NAMES = {0: "DP", 1: "ZeRO-1", 2: "ZeRO-2", 3: "ZeRO-3"}
@@ -43,7 +43,7 @@ def traffic_reason(zero_stage: int, traffic_bytes: float, link: Link, seconds: f
 
 def peak_terms(m: MemoryBreakdown) -> str:
     """What a device holds at the step's peak beyond its model state and saved activations, as
-    ``" + transient 1.2 GB + ZeRO buffers 3 GB + allocator 0.5 GB"`` (core/plan.py ``MemoryBreakdown``),
+    ``" + transient 1.2 GB + ZeRO buffers 3 GB + allocator 0.5 GB"`` (core/plans/plan.py ``MemoryBreakdown``),
     less the gradients backward has not made by then where the step frees them between steps; when
     the optimizer step's side is the larger, what it holds instead of the activations."""
     if m.at_step:

@@ -40,11 +40,11 @@ import math
 
 import networkx as nx
 
-from partita.core.graph import gradient_flows
-from partita.core.ops import ATTENTION as _ATTENTION
-from partita.core.ops import CONV as _CONV
-from partita.core.ops import MATMUL as _MATMUL
-from partita.core.ops import base_op
+from partita.core.model.graph import gradient_flows
+from partita.core.model.ops import ATTENTION as _ATTENTION
+from partita.core.model.ops import CONV as _CONV
+from partita.core.model.ops import MATMUL as _MATMUL
+from partita.core.model.ops import base_op
 from partita.passes.activations import returns_view
 
 _FREE = {

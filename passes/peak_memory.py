@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from partita.core.cluster import ClusterSpec
-from partita.core.plan import MemoryBreakdown
+from partita.core.plans.plan import MemoryBreakdown
 from partita.core.precision import dtype_bytes, element_bytes
 from partita.passes.cost_model import ModelStateMemory, precision_factor
 
@@ -150,7 +150,7 @@ def peak_of(state: float, backward: float, step: float, tensors: int, cluster: C
 def peak_memory(state: ModelStateMemory, *, activations: float, capacity: int, cluster: ClusterSpec,
                 transient: float = 0.0, buffers: StepBuffers = NO_BUFFERS, autocast: float = 0.0,
                 backward_grads: float | None = None) -> MemoryBreakdown:
-    """One device's memory at the step's peak, by term (core/plan.py ``MemoryBreakdown``): the
+    """One device's memory at the step's peak, by term (core/plans/plan.py ``MemoryBreakdown``): the
     state, the larger of the backward's peak and the step's, and on a cluster whose allocator rounds
     (``alloc_granularity``: CUDA's caching allocator, 512 bytes) each tensor alive at the peak
     rounded up, and ``fragmentation`` of all that kept free for the allocator. ``backward_grads``:

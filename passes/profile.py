@@ -18,10 +18,10 @@ from typing import Any
 
 import networkx as nx
 
-from partita.core.capture import CapturedModel
 from partita.core.experts import expert_regions
-from partita.core.graph import graph_fingerprint, to_networkx
-from partita.core.inputs import dtype_name
+from partita.core.model.capture import CapturedModel
+from partita.core.model.graph import graph_fingerprint, to_networkx
+from partita.core.model.inputs import dtype_name
 from partita.core.recompute import attention_cores
 from partita.passes.activations import (
     annotate_kv_cache,

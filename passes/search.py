@@ -40,7 +40,7 @@ from partita.core.errors import InfeasibleError, PartitaError
 from partita.core.mesh import Mesh
 from partita.core.optimizers import NO_OFFLOAD, OFFLOAD_OPTIMIZER
 from partita.core.pins import Pins, TrainingRequest
-from partita.core.plan import Alternative, MemoryBreakdown, Stage
+from partita.core.plans.plan import Alternative, MemoryBreakdown, Stage
 from partita.core.recompute import FULL, NONE
 from partita.core.tp.vocabulary import Strategy
 from partita.passes.cost_model import model_state_memory, state_bytes_per_param, zero_optimizer_time, zero_step_comm

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from partita.core.errors import PartitaError
-from partita.core.inputs import parse_input_spec
+from partita.core.model.inputs import parse_input_spec
 from partita.runtime.collectives import CollectiveCounter, all_gather_flat
 from partita.runtime.program import Program
 from partita.runtime.rng import fingerprint

@@ -2,7 +2,7 @@
 
 Each axis file records the collectives it issues here (``CollectiveCounter.record``), so a step's
 calls can be compared with the plan's ``collectives`` list call for call, and each call is logged
-in the flight recorder that the watchdog reads (runtime/watchdog.py).
+in the flight recorder that the watchdog reads (runtime/processes/watchdog.py).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from partita.runtime.watchdog import FLIGHT
+from partita.runtime.processes.watchdog import FLIGHT
 
 
 @dataclass

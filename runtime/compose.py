@@ -19,14 +19,14 @@ import torch.distributed as dist
 from torch import nn
 
 from partita.core.buckets import unit_of
-from partita.core.capture import uncompiled
 from partita.core.errors import PartitaError, PlanError
-from partita.core.losses import training_loss
 from partita.core.mesh import MeshAxis
-from partita.core.ops import running_buffers
+from partita.core.model.capture import uncompiled
+from partita.core.model.losses import training_loss
+from partita.core.model.ops import running_buffers
 from partita.core.optimizers import NO_OFFLOAD
 from partita.core.options import Options
-from partita.core.plan import Plan
+from partita.core.plans.plan import Plan
 from partita.core.precision import PrecisionPolicy
 from partita.core.recompute import NONE
 from partita.runtime.collectives import CollectiveCounter

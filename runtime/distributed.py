@@ -25,8 +25,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from partita.core.errors import PartitaError, printable
 from partita.core.mesh import Mesh
-from partita.runtime.watchdog import FLIGHT, timeout_from_env
-from partita.runtime.watchdog import stop as stop_watchdog
+from partita.runtime.processes.watchdog import FLIGHT, timeout_from_env
+from partita.runtime.processes.watchdog import stop as stop_watchdog
 
 
 @dataclass(frozen=True)
@@ -63,7 +63,7 @@ def init_distributed(timeout_s: float | None = None, *, watchdog_s: float | None
     ``timeout_s`` bounds every collective: a rank that issues a collective its
     peers never match fails after this long instead of torch's default 30 minutes.
     By default it is the watchdog's limit (``watchdog_s``, else ``PARTITA_WATCHDOG_S``,
-    runtime/watchdog.py) plus a minute, so the watchdog, which names the stuck
+    runtime/processes/watchdog.py) plus a minute, so the watchdog, which names the stuck
     collective on every rank, always speaks first; 2 minutes with the watchdog off.
     """
     under_torchrun = "WORLD_SIZE" in os.environ and "RANK" in os.environ
@@ -120,7 +120,7 @@ def _one_message_for_user_errors(rank: int) -> None:
 
     A ``PartitaError`` no code caught ends this rank with exit code 2 and no traceback: under
     ``partita run`` its message goes to the run's error folder, and the launcher prints each
-    distinct message once (runtime/launch.py); under a plain torchrun this rank prints it as one
+    distinct message once (runtime/processes/launch.py); under a plain torchrun this rank prints it as one
     ``error (rank R):`` line and a hint (a message several ranks raise alike is printed once).
     Every rank also leaves in the rendezvous store why it ended (``_ENDED``: an error, another
     failure, or its script ended); a rank whose collective then fails because a peer is gone
@@ -208,7 +208,7 @@ def _say(rank: int, e: PartitaError) -> None:
 
 def _leave_traceback(rank: int, kind: type[BaseException], value: BaseException, tb: Any) -> bool:
     """Under ``partita run``: this rank's traceback into the run's error folder instead of stderr
-    (runtime/launch.py ``failure_report`` prints it unless a lost node explains it)."""
+    (runtime/processes/launch.py ``failure_report`` prints it unless a lost node explains it)."""
     import traceback
 
     folder = os.environ.get("PARTITA_ERROR_DIR")
@@ -238,7 +238,8 @@ def _lost_a_peer(e: BaseException) -> bool:
 
 
 def _waiting(rank: int) -> str:
-    """What this rank was waiting in when its peer went: the last collective it entered (runtime/watchdog.py)."""
+    """What this rank was waiting in when its peer went: the last collective it entered
+    (runtime/processes/watchdog.py)."""
     last = FLIGHT.recent[-1] if FLIGHT.recent else None
     return f"in {last.what(FLIGHT.mesh, rank)}" if last is not None else "in a collective"
 

@@ -24,17 +24,17 @@ import torch
 from torch import nn
 
 from partita.core.options import Options
-from partita.core.plan import Plan
+from partita.core.plans.plan import Plan
 from partita.runtime.batches import field_names, fields_read, stage_reads
 from partita.runtime.collectives import CollectiveCounter
 from partita.runtime.compose import compose
 from partita.runtime.data import share_loader
 from partita.runtime.distributed import DistContext, init_distributed
 from partita.runtime.metrics import StepReport, StepResult
+from partita.runtime.processes.watchdog import watch
 from partita.runtime.state import full as full_state
 from partita.runtime.state.checkpoints import Checkpoints
 from partita.runtime.step.training import Trainer
-from partita.runtime.watchdog import watch
 
 __all__ = ["ParallelModel", "StepResult", "apply_plan"]
 
@@ -81,7 +81,7 @@ class ParallelModel(nn.Module):
         # the run options left unset come from the environment `partita run` sets (core/options.py)
         self.options = options = (options if options is not None else Options()).with_environment()
         self.ctx = ctx if ctx is not None else init_distributed(watchdog_s=options.watchdog_s)
-        # before any collective: a hang from here on ends with one message (runtime/watchdog.py)
+        # before any collective: a hang from here on ends with one message (runtime/processes/watchdog.py)
         watch(rank=self.ctx.rank, world_size=self.ctx.world_size, mesh=plan.mesh, timeout_s=options.watchdog_s)
         self.plan, self.loss_fn = plan, options.loss
         self.collectives = CollectiveCounter()  # calls issued by the last train_step
@@ -200,5 +200,5 @@ def apply_plan(module: nn.Module, plan: Plan, options: Options | None = None, *,
     only its slices, so ``module`` may be built on the meta device); ``checkpoint_dir`` /
     ``checkpoint_every`` (a sharded checkpoint every N steps there, and resuming from the newest
     intact one found at construction: runtime/state/periodic.py); ``watchdog_s`` (how long a
-    step may wait: runtime/watchdog.py, default 300 s, 0 off)."""
+    step may wait: runtime/processes/watchdog.py, default 300 s, 0 off)."""
     return ParallelModel(module, plan, options, ctx=ctx)

@@ -19,7 +19,7 @@ import torch
 
 from partita.core.errors import PartitaError
 from partita.core.options import Options
-from partita.core.plan import Plan
+from partita.core.plans.plan import Plan
 
 
 class StepResult(float):

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
 
-from partita.core.plan import Plan
+from partita.core.plans.plan import Plan
 from partita.core.precision import FP32, PrecisionPolicy
 from partita.runtime.distributed import DistContext
 from partita.runtime.dp.averaging import Averagers, GradientAverager

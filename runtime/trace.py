@@ -28,9 +28,9 @@ from typing import Any
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from partita.core.plan import Plan
+from partita.core.plans.plan import Plan
 from partita.core.schedule import FORWARD
-from partita.runtime.watchdog import FLIGHT
+from partita.runtime.processes.watchdog import FLIGHT
 
 
 class TraceRecorder:

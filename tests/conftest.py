@@ -8,9 +8,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def pytest_configure(config):
-    """One capture per model, inputs and loss in this process (core/capture_memo.py): the tests build
+    """One capture per model, inputs and loss in this process (core/model/capture_memo.py): the tests build
     the same few models hundreds of times; the ranks of tests/harness.py keep theirs too."""
-    from partita.core.capture_memo import memoize_captures
+    from partita.core.model.capture_memo import memoize_captures
 
     memoize_captures()
 
@@ -54,7 +54,7 @@ def dp2_plan(tmp_path_factory) -> Path:
     launcher tests run under `partita run`."""
     from partita.compiler.compile import compile_model
     from partita.core.cluster import load_cluster
-    from partita.core.inputs import parse_input_spec
+    from partita.core.model.inputs import parse_input_spec
     from partita.core.options import Options
     from tests.workers import tied_script as script
 

@@ -7,7 +7,7 @@ Processes:
   subprocess ends them: each rank holds ~1 GB once it has run a model, and groups kept alongside
   a torchrun test slowed it 2-3x), so a run of tests pays for starting processes, importing
   torch, joining a group and capturing each model once (a rank keeps its captures,
-  core/capture_memo.py), not once per launch. tests/integration/conftest.py runs the files that
+  core/model/capture_memo.py), not once per launch. tests/integration/conftest.py runs the files that
   start launchers last, so the groups outlive most tests. A failure (an
   exception on any rank, a rank that dies or does not answer within ``timeout_s``) ends that
   group and raises one ``AssertionError`` with every rank's traceback or state and the tail of
@@ -126,7 +126,7 @@ def _serve(rank: int, world: int, port: int, conn: Connection, log: str) -> None
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
-    from partita.core.capture_memo import memoize_captures
+    from partita.core.model.capture_memo import memoize_captures
 
     memoize_captures()  # a rank runs many plans of the same few models: each captured once
     try:
@@ -154,7 +154,7 @@ def _serve(rank: int, world: int, port: int, conn: Connection, log: str) -> None
             sys.stdout.flush()
             conn.send(("ok", json.dumps(result)))  # plain data, as the test reads it (a loss is a float)
         # What outlives a job (imported modules, kept captures and groups) is moved out of the
-        # collector's walks: a capture of a module instance collects (core/capture.py), and with
+        # collector's walks: a capture of a module instance collects (core/model/capture.py), and with
         # everything walked each collection took 0.2-0.5 s, 12% of the tier's samples.
         gc.collect()
         gc.freeze()
@@ -392,7 +392,7 @@ def plain_training(model: torch.nn.Module, opt: torch.optim.Optimizer, batches: 
                    ) -> tuple[list[float], dict]:
     """A plain loop over whole batches, no partita: the losses and the final state_dict. A batch's
     inputs are one tensor or a tuple of them (a model with several inputs)."""
-    from partita.core.losses import resolve_loss, training_loss
+    from partita.core.model.losses import resolve_loss, training_loss
 
     loss_fn = resolve_loss(loss)
     losses = []

@@ -25,7 +25,7 @@ from partita.core.buckets import DEFAULT_BUCKET_BYTES
 from partita.core.cluster import ClusterSpec
 from partita.core.errors import InfeasibleError, PartitaError
 from partita.core.pins import Pins, TrainingRequest
-from partita.core.plan import MemoryBreakdown
+from partita.core.plans.plan import MemoryBreakdown
 from partita.core.precision import activation_scale
 from partita.core.tp.strategies import node_strategies, valid_at
 from partita.core.tp.vocabulary import Strategy

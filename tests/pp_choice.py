@@ -31,10 +31,10 @@ def pp_plan(module, inputs: list, loss, targets, *, pp: int, cuts_at: list[int],
             dp: int = 1, mbs: int = 2, accum: int = 4, pins: Mapping[tuple[str, str], str] | None = MEGATRON,
             inference: bool = False, chunks: int = 1):
     """A plan of pp x ``chunks`` (virtual) stages cut at ``cuts_at``, stage s on pipeline rank s mod pp."""
-    from partita.core.capture import capture
-    from partita.core.inputs import InputSpec
     from partita.core.mesh import Mesh
-    from partita.core.plan import Stage
+    from partita.core.model.capture import capture
+    from partita.core.model.inputs import InputSpec
+    from partita.core.plans.plan import Stage
     from partita.passes.pipeline.stages import stage_of_nodes
     from partita.passes.profile import profile_model
 

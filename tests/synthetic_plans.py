@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from partita.core.cluster import PRESETS
 from partita.core.mesh import Mesh
-from partita.core.plan import (
+from partita.core.plans.plan import (
     Alternative,
     Collective,
     InputLayout,
@@ -22,7 +22,7 @@ from partita.core.plan import (
     Stage,
     Training,
 )
-from partita.core.verify import verified_plan
+from partita.core.plans.verify import verified_plan
 
 R, P = "replicate", "partial"
 

@@ -73,11 +73,11 @@ def tp_plan(module, inputs: list, loss, targets, *, tp: int, dp: int = 1, mbs: i
     """A hand-built plan for ``module`` (captured at the micro-batch shape, unless ``captured``
     is that capture): nodes from ``pinned_choice`` (``pins=None``: everything replicated), params,
     collectives."""
-    from partita.core.capture import capture
-    from partita.core.graph import graph_fingerprint, to_networkx
-    from partita.core.inputs import InputSpec
     from partita.core.mesh import Mesh
-    from partita.core.plan import (
+    from partita.core.model.capture import capture
+    from partita.core.model.graph import graph_fingerprint, to_networkx
+    from partita.core.model.inputs import InputSpec
+    from partita.core.plans.plan import (
         Collective,
         MemoryBreakdown,
         ModelInfo,

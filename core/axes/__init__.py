@@ -55,7 +55,7 @@ def plan_facts(plan: Any) -> dict[str, Any]:
         cluster = ClusterSpec.from_dict(plan.cluster)
         host = cluster.host_bandwidth > 0 and cluster.host_memory_bandwidth > 0
     except (PartitaError, TypeError, ValueError):
-        host = None  # core/verify.py's ``_cluster`` names it
+        host = None  # core/plans/verify.py's ``_cluster`` names it
     return {"attention_core": bool(decided_cores(plan.nodes, recompute.input_names(plan))),
             "repeated_layers": any(d.layer for d in plan.nodes), "residual_stream": None,
             "experts": bool(decided_expert_modules(plan.nodes)), "host_bandwidth": host}

@@ -39,7 +39,7 @@ AXIS = Axis("recomputation", ("recompute",), (UNDER_ZERO_3, NO_CORE, NO_LAYER), 
 def input_names(plan) -> set[str]:
     """The placeholders of the model's captured inputs and targets (each named as its input spec)."""
     from partita.core.errors import PartitaError
-    from partita.core.inputs import check_input_spec
+    from partita.core.model.inputs import check_input_spec
 
     names = set()
     for text in (*plan.model.inputs, plan.model.targets):
@@ -48,5 +48,5 @@ def input_names(plan) -> set[str]:
         try:
             names.add(check_input_spec(text)[0])
         except PartitaError:
-            pass  # core/verify.py's ``_model`` names it
+            pass  # core/plans/verify.py's ``_model`` names it
     return names

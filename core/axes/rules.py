@@ -5,7 +5,7 @@ A rule reads settings (the degrees and each axis's own choice: ``SETTINGS``) and
 model and cluster (``FACTS``). It is checked wherever everything it reads is known: on the pins
 (unpinned settings are None, and no fact is known yet) when ``Pins`` is made; on the pins with the
 facts the graph and the cluster give when the planner starts (passes/search.py); on a plan's
-settings with the facts its decisions give (core/verify.py). One rule, one message, in two voices:
+settings with the facts its decisions give (core/plans/verify.py). One rule, one message, in two voices:
 the CLI's (``--sequence-parallel with --tp 1``) and the plan file's (``training.sequence_parallel =
 true with mesh.tp = 1``).
 """

@@ -20,9 +20,9 @@ from collections.abc import Mapping, Sequence
 
 import networkx as nx
 
-from partita.core.ops import base_op
+from partita.core.model.ops import base_op
 from partita.core.placement import NONE
-from partita.core.plan import InputLayout, NodeDecision
+from partita.core.plans.plan import InputLayout, NodeDecision
 from partita.core.precision import dtype_bytes, is_floating
 from partita.core.tp.strategies import input_index, node_strategies
 from partita.core.tp.vocabulary import Strategy, grad_convention, reshard_kind

@@ -35,7 +35,7 @@ REPLICATE_BY_NATURE = frozenset({
 
 @dataclass(frozen=True)
 class OpView:
-    """What a rule reads of one node (from the DiGraph attributes of core/graph.py)."""
+    """What a rule reads of one node (from the DiGraph attributes of core/model/graph.py)."""
 
     name: str  # ATen packet name: "linear", "add", ...; "getitem" for operator.getitem
     overload: str

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from partita.core.ops import carries_gradient
+from partita.core.model.ops import carries_gradient
 from partita.core.placement import NONE, PARTIAL, REPLICATE, shard, shard_dim
 from partita.core.tp.rules import REPLICATE_BY_NATURE, RULES, OpView, Rule
 from partita.core.tp.view_rules import VIEW_RULES
@@ -49,7 +49,7 @@ def input_index(G: Any, node: str, j: int) -> int:
 def grad_flows(G: Any) -> dict[str, bool]:
     """Node -> whether a gradient flows into its outputs in backward (passes/flops.py
     ``gradient_flows``, the one rule)."""
-    from partita.core.graph import gradient_flows  # the graph module reads fx (torch): the plan's checks do not
+    from partita.core.model.graph import gradient_flows  # the graph module reads fx (torch): the plan's checks do not
 
     return gradient_flows(G)
 
@@ -57,7 +57,7 @@ def grad_flows(G: Any) -> dict[str, bool]:
 def node_strategies(G: Any, node: str, t: int) -> list[Strategy]:
     """Every strategy of ``node`` over a TP group of ``t`` ranks; the first is replicated.
 
-    Reads the DiGraph attributes of core/graph.py (``op``, ``kind``, ``args``,
+    Reads the DiGraph attributes of core/model/graph.py (``op``, ``kind``, ``args``,
     ``kwargs``, ``inputs``, ``in_shapes``, ``shapes``, ``dtypes``); the rules per op
     and their catalog are in core/tp/rules.py. Placeholders: a parameter offers
     "replicate" and "shard(D)" for each dim that divides by t; model inputs, targets
@@ -126,7 +126,7 @@ def valid_at(G: Any, node: str, s: Strategy, t: int, micro_batch: int) -> bool:
     they are unknown (the model's structure depends on the batch), every strategy passes
     here and the compile pipeline lays the plan out on the micro-batch's own capture.
     """
-    from partita.core.graph import shape_at
+    from partita.core.model.graph import shape_at
 
     if micro_batch == G.graph.get("batch") or t <= 1 or G.graph.get("batch_shapes") != "linear":
         return True

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from partita.core.cluster import ClusterSpec
-from partita.core.plan import MemoryBreakdown
+from partita.core.plans.plan import MemoryBreakdown
 from partita.core.precision import element_bytes
 from partita.passes.cost_model import (
     ZERO_STAGES,

@@ -33,7 +33,7 @@ from dataclasses import dataclass, replace
 import networkx as nx
 
 from partita.core.cluster import ClusterSpec
-from partita.core.graph import per_graph
+from partita.core.model.graph import per_graph
 from partita.core.pins import TrainingRequest
 from partita.core.precision import activation_scale as precision_activation_scale
 from partita.core.precision import is_floating

@@ -22,7 +22,7 @@ from dataclasses import dataclass, replace
 
 from partita.core.cluster import ClusterSpec, Link
 from partita.core.optimizers import NO_OFFLOAD
-from partita.core.plan import MemoryBreakdown
+from partita.core.plans.plan import MemoryBreakdown
 from partita.core.recompute import NONE
 from partita.core.schedule import in_flight, sends_held
 from partita.passes.cost_model import (

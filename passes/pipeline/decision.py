@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from partita.core.cluster import ClusterSpec
 from partita.core.errors import InfeasibleError
 from partita.core.optimizers import NO_OFFLOAD
-from partita.core.plan import MemoryBreakdown, Stage
+from partita.core.plans.plan import MemoryBreakdown, Stage
 from partita.core.recompute import NONE
 from partita.passes.cost_model import PipelineStepCost
 from partita.passes.dp.zero import STRATEGY_NAMES

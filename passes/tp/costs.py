@@ -37,8 +37,8 @@ from functools import cached_property
 import networkx as nx
 
 from partita.core.cluster import ClusterSpec, Link
-from partita.core.graph import per_graph
-from partita.core.ops import base_op
+from partita.core.model.graph import per_graph
+from partita.core.model.ops import base_op
 from partita.core.placement import NONE, is_shard
 from partita.core.precision import activation_scale, element_bytes
 from partita.core.tp.layout import regathers, tensor_bytes

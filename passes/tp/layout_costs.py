@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 import networkx as nx
 
 from partita.core.cluster import ClusterSpec
-from partita.core.graph import per_graph
+from partita.core.model.graph import per_graph
 from partita.core.pins import TrainingRequest
 from partita.core.placement import is_shard
 from partita.core.precision import element_bytes

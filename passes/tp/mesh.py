@@ -36,7 +36,7 @@ from partita.core.errors import InfeasibleError, PartitaError
 from partita.core.mesh import Mesh
 from partita.core.pins import Pins, TrainingRequest
 from partita.core.placement import shard_dim
-from partita.core.plan import Alternative, MemoryBreakdown
+from partita.core.plans.plan import Alternative, MemoryBreakdown
 from partita.core.precision import dtype_bytes, element_bytes
 from partita.core.tp.strategies import node_strategies
 from partita.core.tp.vocabulary import Strategy

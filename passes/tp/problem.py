@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import networkx as nx
 
 from partita.core.cluster import ClusterSpec
-from partita.core.graph import per_graph
+from partita.core.model.graph import per_graph
 from partita.core.placement import is_shard
 from partita.core.tp.layout import may_regather
 from partita.core.tp.strategies import input_index, valid_at

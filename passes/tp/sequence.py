@@ -25,7 +25,7 @@ from collections import Counter
 
 import networkx as nx
 
-from partita.core.ops import MATMUL, base_op
+from partita.core.model.ops import MATMUL, base_op
 from partita.core.placement import shard
 from partita.core.tp.strategies import node_strategies
 from partita.core.tp.vocabulary import Strategy

@@ -116,7 +116,7 @@ class BufferAverager:
     each step. Each replica computes them from its share of the batch, so they would drift apart
     between ranks; torch DDP broadcasts rank 0's, the mean keeps every share's (for a running mean
     with equal shares it is exactly the statistic of the whole batch). Which buffers: those the
-    plan's graph writes (core/ops.py ``running_buffers``, the rule the plan's all-reduce is
+    plan's graph writes (core/model/ops.py ``running_buffers``, the rule the plan's all-reduce is
     listed by), or on the eager path the running statistics of the batch-norm modules; one
     all-reduce per dtype."""
 

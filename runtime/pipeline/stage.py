@@ -27,18 +27,18 @@ from torch import nn
 
 from partita.core.errors import PlanError
 from partita.core.mesh import MeshAxis
-from partita.core.ops import gradient_nodes, tensor_values
-from partita.core.plan import Plan, tied_stages
+from partita.core.model.ops import gradient_nodes, tensor_values
+from partita.core.plans.plan import Plan, tied_stages
 from partita.core.precision import PrecisionPolicy
 from partita.core.schedule import BACKWARD, FORWARD, NONE, SCHEDULES, chunk_problem, gradients_received, rank_order
 from partita.runtime.collectives import CollectiveCounter, all_gather_flat
 from partita.runtime.distributed import new_group
 from partita.runtime.experts import ExpertGroup
+from partita.runtime.processes.watchdog import FLIGHT
 from partita.runtime.step.schedule import micro_rows
 from partita.runtime.tp.collectives import local_shape
 from partita.runtime.tp.module import TensorParallel
 from partita.runtime.trace import TraceRecorder
-from partita.runtime.watchdog import FLIGHT
 
 PP = MeshAxis.PP.value
 
@@ -182,7 +182,7 @@ class PipelineStage(nn.Module):
         graph = self.tp.graph_module.graph
         held = lambda n: n.name in self.tp.param_nodes or n.name in self.tp.buffer_nodes
         self.stages = split_stages(graph, stage_of, virtual, held)
-        self.grad_nodes = gradient_nodes(graph, self.tp.param_nodes)  # the planner's rule (core/ops.py)
+        self.grad_nodes = gradient_nodes(graph, self.tp.param_nodes)  # the planner's rule (core/model/ops.py)
         # gradients go back on a group of their own when chunks wrap around the ranks: with p = 2 a
         # rank's neighbours are one rank, to which activations and gradients both go
         self.grad_group = self._line_group(range(p))[0] if self.chunks > 1 else self.pp_group

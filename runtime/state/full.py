@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from partita.core.placement import shard_dim
-from partita.core.plan import Plan
+from partita.core.plans.plan import Plan
 from partita.core.precision import PrecisionPolicy
 from partita.runtime.program import Program
 

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from partita.core.errors import PartitaError
+from partita.runtime.processes.watchdog import FLIGHT
 from partita.runtime.program import Program
 from partita.runtime.state import fingerprint
 from partita.runtime.state.marker import CheckpointError, Planner, Reader, read_marker, verify
@@ -28,7 +29,6 @@ from partita.runtime.state.sharded import (
     set_rng_state,
     training_state,
 )
-from partita.runtime.watchdog import FLIGHT
 
 
 def load(program: Program, path: Any, *, optimizer: str = "restore", partial: bool = False,

@@ -39,10 +39,10 @@ from torch import nn
 
 from partita.core.placement import shard_dim
 from partita.runtime.distributed import _lost_a_peer  # the one rule for "a collective lost its peer"
+from partita.runtime.processes.watchdog import FLIGHT
 from partita.runtime.program import Program
 from partita.runtime.state import fingerprint
 from partita.runtime.state.marker import CheckpointError, Writer, begin_save
-from partita.runtime.watchdog import FLIGHT
 
 Piece = tuple[tuple[int, ...], torch.Tensor]  # (offsets in the whole tensor, the local data of that block)
 

@@ -23,10 +23,10 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 
-from partita.core.capture import CapturedModel
 from partita.core.errors import PartitaError, PlanError
+from partita.core.model.capture import CapturedModel
 from partita.core.placement import shard_dim
-from partita.core.plan import NodeDecision, Plan
+from partita.core.plans.plan import NodeDecision, Plan
 from partita.runtime.experts import ExpertGroup
 from partita.runtime.tp.collectives import TPGroup
 
@@ -119,7 +119,7 @@ class LocalWeights:
 
 
 def _placement(decisions: Mapping[str, NodeDecision], node: str) -> str:
-    """Where a parameter lives: its placeholder's placement (core/verify.py ``check_layouts``
+    """Where a parameter lives: its placeholder's placement (core/plans/verify.py ``check_layouts``
     checked that the plan's parameter layout says the same)."""
     return decisions[node].out[0]
 

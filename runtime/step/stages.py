@@ -17,10 +17,10 @@ from partita.core.schedule import BACKWARD, FORWARD, ONE_F_ONE_B
 from partita.runtime.batches import check_batch, share
 from partita.runtime.collectives import CollectiveCounter
 from partita.runtime.pipeline.stage import schedule_order
+from partita.runtime.processes.watchdog import FLIGHT
 from partita.runtime.program import Program
 from partita.runtime.step.schedule import Order
 from partita.runtime.trace import TraceRecorder
-from partita.runtime.watchdog import FLIGHT
 
 
 class OneStage:

@@ -19,12 +19,12 @@ from partita.core.placement import is_shard
 from partita.runtime.batches import check_batch, check_same_batch, share, tokens_per_sample
 from partita.runtime.collectives import CollectiveCounter
 from partita.runtime.metrics import StepResult
+from partita.runtime.processes.watchdog import FLIGHT
 from partita.runtime.program import Program
 from partita.runtime.rng import replica_divergence
 from partita.runtime.step.optimizer import OptimizerStep
 from partita.runtime.step.schedule import forward_micro_batches, train_micro_batches
 from partita.runtime.step.stages import stage_of
-from partita.runtime.watchdog import FLIGHT
 
 
 class Trainer:
@@ -56,7 +56,7 @@ class Trainer:
         t0 = time.perf_counter()
         fields = self._share(inputs, targets, local)
         self.counter.reset()
-        with FLIGHT.running():  # the watchdog (runtime/watchdog.py) bounds every wait inside
+        with FLIGHT.running():  # the watchdog (runtime/processes/watchdog.py) bounds every wait inside
             mean = train_micro_batches(self.stage, p.sync, fields, micro_batches=tr.grad_accum_steps,
                                        size=tr.micro_batch_size, loss_scale=self.optimizer_step.loss_scale)
             self._optimizer_step(skip=not self._finite(mean))

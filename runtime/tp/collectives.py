@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from partita.core.mesh import MeshAxis
 from partita.core.placement import shard_dim
-from partita.core.plan import InputLayout
+from partita.core.plans.plan import InputLayout
 from partita.runtime.collectives import CollectiveCounter, all_gather_flat, reduce_scatter_flat
 
 TP = MeshAxis.TP.value

@@ -24,13 +24,13 @@ import torch.distributed as dist
 import torch.fx
 from torch import nn
 
-from partita.core.capture import CapturedModel, capture
 from partita.core.errors import PlanError
 from partita.core.experts import expert_params, expert_regions
-from partita.core.inputs import InputSpec, parse_input_spec
-from partita.core.plan import Plan
+from partita.core.model.capture import CapturedModel, capture
+from partita.core.model.inputs import InputSpec, parse_input_spec
+from partita.core.plans.plan import Plan
+from partita.core.plans.verify import check_layouts
 from partita.core.precision import FP32, PrecisionPolicy
-from partita.core.verify import check_layouts
 from partita.runtime.collectives import CollectiveCounter
 from partita.runtime.experts import ExpertGroup, ExpertLayers
 from partita.runtime.state.weights import load_local, open_weights

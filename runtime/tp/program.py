@@ -33,18 +33,18 @@ import torch.utils.checkpoint
 from torch import nn
 
 from partita.core.errors import PlanError
-from partita.core.ops import tensor_values
+from partita.core.model.ops import tensor_values
 from partita.core.placement import shard_dim
-from partita.core.plan import NodeDecision
+from partita.core.plans.plan import NodeDecision
 from partita.core.precision import PrecisionPolicy
 from partita.core.tp.layout import regathers
 from partita.runtime.experts import ExpertLayers, combine, dispatch
+from partita.runtime.processes.watchdog import FLIGHT
 from partita.runtime.rng import is_random, op_seed, seeded
 from partita.runtime.tp.collectives import Edge, TPGroup, local_shape, reshard_edge
 from partita.runtime.tp.local_ops import LOCAL_OPS, RegatheredLinear
 from partita.runtime.tp.recast import NORMS, Recast, as_dtype_of
 from partita.runtime.tp.recompute import Region, run_recomputed
-from partita.runtime.watchdog import FLIGHT
 
 _SIZE_ARG = frozenset({"view", "reshape", "_unsafe_view", "expand"})
 # The captured graph is the training forward. In eval mode (``module.eval()``) the ops whose result

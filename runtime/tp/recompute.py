@@ -36,7 +36,7 @@ import torch.fx
 import torch.utils._pytree as pytree
 from torch.autograd.variable import Variable
 
-from partita.core.plan import Plan
+from partita.core.plans.plan import Plan
 from partita.core.recompute import rerun_regions
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from examples.models import SmallCNN
 from partita.compiler.compile import compile_model
 from partita.core.cluster import load_cluster
-from partita.core.inputs import parse_input_spec
+from partita.core.model.inputs import parse_input_spec
 from partita.core.options import Options
 from tests.harness import beyond, launch
 from tests.unit.test_buffers import ATOL, RTOL, SPEC

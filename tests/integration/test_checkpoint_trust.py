@@ -7,7 +7,7 @@ from pathlib import Path
 
 from partita.compiler.compile import compile_model
 from partita.core.cluster import load_cluster
-from partita.core.inputs import parse_input_spec
+from partita.core.model.inputs import parse_input_spec
 from partita.core.options import Options
 from partita.runtime.state import periodic
 from partita.runtime.state.marker import CheckpointError

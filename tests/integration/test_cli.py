@@ -8,8 +8,8 @@ import subprocess
 
 import pytest
 
-from partita.core.plan import SCHEMA_VERSION
-from partita.core.verify import load_plan
+from partita.core.plans.plan import SCHEMA_VERSION
+from partita.core.plans.verify import load_plan
 from tests.unit.test_cli import BAD_MODEL, GPT, PARTITA
 
 

@@ -71,7 +71,7 @@ def test_the_planners_pipeline_plan(tmp_path, cli, ref):
     assert ("send_recv", "pp") in counted_kinds(out)
     # the measured schedule: every rank's forward and backward of every micro-batch of every step
     from partita.compiler.view import load_trace, render_html
-    from partita.core.verify import load_plan
+    from partita.core.plans.verify import load_plan
 
     events = load_trace(trace)["traceEvents"]
     assert len([e for e in events if e["cat"] == "forward"]) == 4 * script.STEPS * 2
@@ -104,7 +104,7 @@ def test_planned_a_recomputing_tensor_parallel_plan(tmp_path, cli, ref):
     plan, out = compile_and_launch(tmp_path, cli, "--cluster", fast_cluster(tmp_path), "--tp", "2",
                                    "--recompute", "full")
     check(out, ref, 4, mesh=(2, 2, 1))
-    from partita.core.verify import load_plan
+    from partita.core.plans.verify import load_plan
 
     p = load_plan(plan)
     assert all(s.recompute == "full" for s in p.stages)

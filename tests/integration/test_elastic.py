@@ -11,9 +11,9 @@ import torch
 
 from partita.compiler.compile import compile_model
 from partita.core.cluster import load_cluster
-from partita.core.inputs import parse_input_spec
+from partita.core.model.inputs import parse_input_spec
 from partita.core.options import Options
-from partita.core.verify import load_plan
+from partita.core.plans.verify import load_plan
 from partita.runtime.engine import ParallelModel
 from tests.harness import ENV, PARTITA, WORKERS, free_port
 from tests.unit.test_elastic import batch

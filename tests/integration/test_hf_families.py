@@ -11,8 +11,8 @@ import torch
 
 from partita.compiler.compile import compile_model
 from partita.core.cluster import load_cluster
-from partita.core.inputs import parse_input_spec
-from partita.core.losses import resolve_loss
+from partita.core.model.inputs import parse_input_spec
+from partita.core.model.losses import resolve_loss
 from partita.core.options import Options
 from tests.harness import fast_cluster, launch
 from tests.workers import families_script as script

@@ -10,7 +10,7 @@ import pytest
 
 from partita.compiler.compile import compile_model
 from partita.core.cluster import load_cluster
-from partita.core.inputs import parse_input_spec
+from partita.core.model.inputs import parse_input_spec
 from partita.core.options import Options
 from tests.harness import ENV, PARTITA, WORKERS, free_port, partita_cli
 from tests.workers import tied_script as script

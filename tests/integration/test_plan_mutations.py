@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from partita.core.plan import SEAL, seal_digest
+from partita.core.plans.plan import SEAL, seal_digest
 from tests.harness import launch
 from tests.unit.test_plan_mutations import HARMLESS, captured, field_classes, good, mutations, refused  # noqa: F401 (fixtures)
 from tests.workers import plan_run_script

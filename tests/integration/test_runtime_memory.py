@@ -63,7 +63,7 @@ def test_the_predicted_peak_bounds_what_the_allocator_holds(tmp_path):
     tp=2 and a wide one under ZeRO-3. On every rank the most bytes held during a step (the tensors
     kept between steps plus the CPU allocator's largest excursion above them, from torch.profiler's
     allocation events) is 0.85 to 1.00 of the plan's predicted peak for the rank's stage
-    (core/plan.py ``MemoryBreakdown``): the saved activations and each op's transient measured under
+    (core/plans/plan.py ``MemoryBreakdown``): the saved activations and each op's transient measured under
     fake tensors (passes/activations.py), the runtime's buffers (peak_memory.step_buffers) and a
     pipeline's sends. Before issue 26 the logits-heavy shape measured 1.3x its prediction."""
     per_rank = launch(2, memory_worker.step_peaks, str(tmp_path))

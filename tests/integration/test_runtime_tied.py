@@ -11,7 +11,7 @@ import torch
 
 from partita.compiler.compile import compile_model
 from partita.core.cluster import load_cluster
-from partita.core.inputs import parse_input_spec
+from partita.core.model.inputs import parse_input_spec
 from partita.core.options import Options
 from tests.harness import calls, fast_cluster, launch, plain_training
 from tests.workers import tied_script as script

@@ -179,7 +179,7 @@ def test_interleaved_schedule_page(open_page, tp_pp_plan):
 def test_unsolved_alternatives_and_expert_collectives_are_worded(open_page):
     """A candidate branch and bound left unsolved shows "-" for its memory, not "0 B" (its reason says
     why); an expert-parallel plan counts its all-to-alls beside the collectives inserted on edges."""
-    from partita.core.plan import Plan
+    from partita.core.plans.plan import Plan
     from tests.unit.test_verify_axes import golden
 
     plan = Plan.from_dict(golden("mixtral-ep2"))

@@ -1,4 +1,4 @@
-"""The watchdog (runtime/watchdog.py): what starts processes (gloo
+"""The watchdog (runtime/processes/watchdog.py): what starts processes (gloo
 ranks, launchers, the console script, a browser); tests/unit/test_watchdog.py has the one-process checks."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ import time
 
 from partita.compiler.compile import compile_model
 from partita.core.cluster import load_cluster
-from partita.core.inputs import parse_input_spec
+from partita.core.model.inputs import parse_input_spec
 from partita.core.options import Options
-from partita.runtime.watchdog import EXIT_HUNG
+from partita.runtime.processes.watchdog import EXIT_HUNG
 from tests.harness import WORKERS, command
 from tests.workers import tied_script as script
 

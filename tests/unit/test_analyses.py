@@ -10,9 +10,9 @@ import torch
 import torch.nn as nn
 
 from examples.models import GPT, MLP, GPTConfig, SmallCNN, hf_llama
-from partita.core.capture import capture
-from partita.core.graph import to_networkx
-from partita.core.inputs import parse_input_spec
+from partita.core.model.capture import capture
+from partita.core.model.graph import to_networkx
+from partita.core.model.inputs import parse_input_spec
 from partita.passes.activations import annotate_saved_activations
 from partita.passes.flops import annotate_flops
 from partita.passes.profile import profile_model

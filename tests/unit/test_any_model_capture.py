@@ -11,8 +11,8 @@ import torch
 from examples.models import SmallCNN
 from partita.compiler.cli import main
 from partita.compiler.compile import compile_model
-from partita.core.capture import capture
-from partita.core.inputs import parse_input_spec
+from partita.core.model.capture import capture
+from partita.core.model.inputs import parse_input_spec
 from partita.core.options import Options
 from partita.runtime.tp.recast import Recast
 
@@ -91,7 +91,7 @@ def test_the_grouped_matmul_fallbacks_backward_runs_on_fake_tensors_and_is_the_r
     import transformers.integrations.moe  # noqa: F401  registers the op
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from partita.core.fake_ops import capturable
+    from partita.core.model.fake_ops import capturable
 
     op = torch.ops.transformers.grouped_mm_fallback
     with capturable():

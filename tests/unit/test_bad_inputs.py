@@ -22,7 +22,7 @@ import torch
 
 from partita.compiler.cli import cli as cli_group
 from partita.core.errors import PartitaError
-from partita.core.plan import SEAL, seal_digest
+from partita.core.plans.plan import SEAL, seal_digest
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = f"{ROOT}/tests/workers/launch_script.py"  # a script for `partita run`

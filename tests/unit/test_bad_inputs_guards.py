@@ -26,7 +26,7 @@ from typing import Any
 import pytest
 
 from partita.core.errors import PartitaError
-from partita.core.plan import SEAL, seal_digest
+from partita.core.plans.plan import SEAL, seal_digest
 from tests.unit.test_bad_inputs import BASE, MLP, X, assert_one_message, toml
 
 LIMIT_S = 60
@@ -245,8 +245,8 @@ def test_an_environment_variable_is_checked_as_its_keyword_is(user, monkeypatch,
                                              ("nan", "watchdog_s=nan"), ("-5", "watchdog_s=-5.0"),
                                              ("３００", "is not a number")])
 def test_the_watchdogs_variable_is_read_as_its_keyword(monkeypatch, value, expected):
-    """The watchdog reads PARTITA_WATCHDOG_S itself, when the process group starts (runtime/watchdog.py)."""
-    from partita.runtime.watchdog import timeout_from_env
+    """The watchdog reads PARTITA_WATCHDOG_S itself, when the process group starts (runtime/processes/watchdog.py)."""
+    from partita.runtime.processes.watchdog import timeout_from_env
 
     monkeypatch.setenv("PARTITA_WATCHDOG_S", value)
     api_refused(timeout_from_env, expected)

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 from examples.models import SmallCNN
 from partita.compiler.compile import compile_model
-from partita.core.capture import capture
 from partita.core.cluster import load_cluster
-from partita.core.inputs import parse_input_spec
-from partita.core.losses import default_loss
-from partita.core.ops import running_buffers
+from partita.core.model.capture import capture
+from partita.core.model.inputs import parse_input_spec
+from partita.core.model.losses import default_loss
+from partita.core.model.ops import running_buffers
 from partita.core.options import Options
 
 SPEC = "x=float32[16,3,32,32]"

@@ -56,7 +56,7 @@ def test_when_calls_cost_the_tp_search_prefers_megatron_to_per_layer_gathers():
     cost per call (order 1 ms here), the column-then-row layout's few all-reduces win."""
     from examples.models import GPT, GPTConfig
     from partita.compiler.compile import compile_model
-    from partita.core.inputs import parse_input_spec
+    from partita.core.model.inputs import parse_input_spec
 
     def model():
         torch.manual_seed(0)
@@ -107,8 +107,8 @@ def test_an_elementwise_node_is_priced_by_its_bytes_on_a_roofline_cluster():
     """The node's bytes (``annotate_flops``: inputs read + output written; backward about twice)
     reach the per-node costs the TP ILP and the pipeline cut by (passes/tp/costs.py,
     passes/pipeline/costs.py)."""
-    from partita.core.capture import capture
-    from partita.core.inputs import parse_input_spec
+    from partita.core.model.capture import capture
+    from partita.core.model.inputs import parse_input_spec
     from partita.core.pins import TrainingRequest
     from partita.passes.pipeline.costs import node_costs
     from partita.passes.profile import profile_model

@@ -13,10 +13,10 @@ import torch.nn as nn
 ROOT = Path(__file__).resolve().parents[2]
 
 from examples.models import MLP, SmallCNN, gpt_tiny, hf_gpt2, hf_llama, llama2_70b  # noqa: E402
-from partita.core.capture import EXPORT, SYMBOLIC_TRACE, capture  # noqa: E402
 from partita.core.errors import CaptureError, InputSpecError  # noqa: E402
-from partita.core.graph import graph_fingerprint, to_networkx  # noqa: E402
-from partita.core.inputs import InputSpec, parse_input_spec  # noqa: E402
+from partita.core.model.capture import EXPORT, SYMBOLIC_TRACE, capture  # noqa: E402
+from partita.core.model.graph import graph_fingerprint, to_networkx  # noqa: E402
+from partita.core.model.inputs import InputSpec, parse_input_spec  # noqa: E402
 
 # ---------------------------------------------------------------- input specs
 
@@ -187,9 +187,9 @@ def test_llama_70b_width_allocates_no_parameter_memory() -> None:
 
 _FINGERPRINT = """
 from examples.models import gpt_tiny
-from partita.core.capture import capture
-from partita.core.inputs import parse_input_spec
-from partita.core.graph import graph_fingerprint, to_networkx
+from partita.core.model.capture import capture
+from partita.core.model.inputs import parse_input_spec
+from partita.core.model.graph import graph_fingerprint, to_networkx
 print(graph_fingerprint(to_networkx(capture(gpt_tiny, [parse_input_spec("idx=int64[2,16]")]))))
 """
 
@@ -228,9 +228,9 @@ class _InitReadsValues(torch.nn.Module):
 
 
 def test_a_model_whose_initialisation_reads_values_is_built_on_meta_and_captured():
-    from partita.core.capture import capture
-    from partita.core.inputs import parse_input_spec
-    from partita.core.losses import default_loss
+    from partita.core.model.capture import capture
+    from partita.core.model.inputs import parse_input_spec
+    from partita.core.model.losses import default_loss
 
     captured = capture(_InitReadsValues, [parse_input_spec("idx=int64[2,8]")], loss=default_loss)
     assert set(captured.params) == {"emb.weight"}  # still tied: one parameter

@@ -1,4 +1,4 @@
-"""Captures kept for reuse (core/capture_memo.py): a capture is reused only for an equal model
+"""Captures kept for reuse (core/model/capture_memo.py): a capture is reused only for an equal model
 structure, inputs and loss, never carries values of another instance, and is off unless turned on."""
 
 from __future__ import annotations
@@ -7,10 +7,10 @@ import pytest
 import torch
 from torch import nn
 
-from partita.core.capture import capture
-from partita.core.capture_memo import memoize_captures, memoizing
-from partita.core.inputs import parse_input_spec
-from partita.core.losses import default_loss
+from partita.core.model.capture import capture
+from partita.core.model.capture_memo import memoize_captures, memoizing
+from partita.core.model.inputs import parse_input_spec
+from partita.core.model.losses import default_loss
 
 X = [parse_input_spec("x=float32[4,8]")]
 

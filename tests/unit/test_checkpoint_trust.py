@@ -17,7 +17,7 @@ import torch
 from examples.models import GPT, GPTConfig
 from partita.compiler.compile import compile_model
 from partita.core.cluster import load_cluster
-from partita.core.inputs import parse_input_spec
+from partita.core.model.inputs import parse_input_spec
 from partita.core.options import Options
 from partita.runtime.engine import ParallelModel
 from partita.runtime.state import periodic
@@ -234,10 +234,10 @@ def test_pruning_deletes_only_what_partita_wrote(tmp_path, capsys):
 
 
 def test_a_load_is_watched(plans, tmp_path, monkeypatch):
-    """The watchdog watches a load as a step (runtime/watchdog.py): busy, the wait named."""
+    """The watchdog watches a load as a step (runtime/processes/watchdog.py): busy, the wait named."""
     import torch.distributed.checkpoint as dcp
 
-    from partita.runtime.watchdog import FLIGHT
+    from partita.runtime.processes.watchdog import FLIGHT
 
     trained(plans).save_checkpoint(tmp_path / "c")
     seen = []

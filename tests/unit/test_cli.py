@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from partita.core.verify import load_plan
+from partita.core.plans.verify import load_plan
 
 ROOT = Path(__file__).resolve().parents[2]
 GPT = f"{ROOT}/examples/models.py:gpt_tiny"

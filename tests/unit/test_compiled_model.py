@@ -9,9 +9,9 @@ import torch
 
 import partita
 from examples.models import gpt_tiny
-from partita.core.capture import capture, uncompiled
-from partita.core.inputs import parse_input_spec
-from partita.core.losses import default_loss
+from partita.core.model.capture import capture, uncompiled
+from partita.core.model.inputs import parse_input_spec
+from partita.core.model.losses import default_loss
 from tests.harness import plain_training
 
 BATCH, SEQ = 4, 16

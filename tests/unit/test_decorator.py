@@ -13,7 +13,7 @@ from examples.models import GPT, GPTConfig, gpt_tiny
 from partita.compiler.compile import compile_model
 from partita.core.cluster import load_cluster
 from partita.core.errors import PlanError
-from partita.core.inputs import parse_input_spec
+from partita.core.model.inputs import parse_input_spec
 from partita.core.options import Options
 from tests.harness import plain_training
 from tests.workers import decorator_script as script

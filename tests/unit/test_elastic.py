@@ -28,7 +28,7 @@ class _Handler:
 
 
 def test_a_node_asking_to_join_is_let_in_at_the_next_complete_checkpoint(tmp_path, capsys):
-    from partita.runtime.agent import JoinAtCheckpoint
+    from partita.runtime.processes.agent import JoinAtCheckpoint
     from partita.runtime.state.marker import COMPLETE
     from partita.runtime.state.periodic import step_dir
 

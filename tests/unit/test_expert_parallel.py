@@ -47,9 +47,9 @@ def test_the_runtime_refuses_a_plan_splitting_experts_beside_tensor_parallelism_
 
 
 def test_the_expert_layers_of_a_captured_mixtral_are_found_with_their_weights_and_rows():
-    from partita.core.capture import capture
     from partita.core.experts import ep_degrees, expert_params, expert_regions
-    from partita.core.inputs import parse_input_spec
+    from partita.core.model.capture import capture
+    from partita.core.model.inputs import parse_input_spec
 
     captured = capture(worker.mixtral, [parse_input_spec(f"input_ids=int64[2,{worker.SEQ}]")])
     regions = expert_regions(captured.graph_module.graph, captured.param_nodes)

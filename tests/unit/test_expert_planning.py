@@ -19,7 +19,7 @@ from partita.core.cluster import PRESETS
 from partita.core.errors import PartitaError
 from partita.core.mesh import Mesh, crosses_nodes
 from partita.core.options import Options
-from partita.core.verify import plan_problems
+from partita.core.plans.verify import plan_problems
 from partita.passes.experts import expert_links
 
 HIDDEN, INTER, EXPERTS, TOP_K, LAYERS = 32, 64, 4, 2, 2

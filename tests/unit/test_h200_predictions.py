@@ -20,10 +20,10 @@ from pathlib import Path
 import pytest
 
 from examples.models import GPT, GPTConfig
-from partita.core.capture import capture
 from partita.core.cluster import PRESETS
-from partita.core.inputs import parse_input_spec
-from partita.core.losses import default_loss
+from partita.core.model.capture import capture
+from partita.core.model.inputs import parse_input_spec
+from partita.core.model.losses import default_loss
 from partita.core.pins import Pins, TrainingRequest
 from partita.passes.profile import profile_model
 from partita.passes.search import plan_search

@@ -8,9 +8,9 @@ import torch
 
 from partita.compiler.cli import main
 from partita.compiler.compile import compile_model
-from partita.core.capture import capture
 from partita.core.cluster import load_cluster
-from partita.core.inputs import parse_input_spec
+from partita.core.model.capture import capture
+from partita.core.model.inputs import parse_input_spec
 from partita.core.options import Options
 from partita.passes.profile import profile_model
 

@@ -5,7 +5,7 @@
 from examples.models import gpt_tiny
 from partita.compiler.compile import compile_model
 from partita.core.cluster import load_cluster
-from partita.core.inputs import parse_input_spec
+from partita.core.model.inputs import parse_input_spec
 from partita.core.options import Options
 from tests.harness import fast_cluster
 

@@ -4,7 +4,7 @@ multi-node plan is not started on one host unless asked; SLURM's variables fill 
 
 
 
-from partita.runtime.launch import slurm_layout
+from partita.runtime.processes.launch import slurm_layout
 
 
 def test_slurm_variables_give_the_nodes_and_the_rendezvous():

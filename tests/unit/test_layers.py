@@ -72,7 +72,7 @@ def test_packages_import_only_the_layers_below():
 def test_the_check_sees_an_upward_import(tmp_path):
     """The check reads a real file's imports, lazy ones included, and refuses each upward one."""
     src = tmp_path / "m.py"
-    src.write_text("from partita.core.plan import Plan\n"
+    src.write_text("from partita.core.plans.plan import Plan\n"
                    "def f():\n    from partita.passes.tp import mesh\n    import partita.compiler.cli\n")
     known = set(_modules())
     g = nx.DiGraph([("runtime.m", b) for b in _imports(src, known)])
@@ -111,6 +111,33 @@ def test_no_product_file_over_500_lines():
 
 
 # every file that may import from the product: the layers, the public package, tests, benchmarks, examples, docs
+MAX_MODULES = 15  # a folder holding more is split into subpackages at its seams (issue 41)
+
+
+def crowded_folders(root: Path) -> list[str]:
+    """Product folders holding more than ``MAX_MODULES`` Python modules of their own (``__init__`` counted)."""
+    out = []
+    for package in PACKAGES:
+        for folder in [root / package, *(p for p in (root / package).rglob("*") if p.is_dir())]:
+            modules = [p for p in folder.glob("*.py")]
+            if "__pycache__" not in folder.parts and len(modules) > MAX_MODULES:
+                out.append(f"{folder.relative_to(root)}: {len(modules)} modules")
+    return out
+
+
+def test_no_flat_folder_over_15_modules():
+    assert not crowded_folders(ROOT)
+
+
+def test_the_check_sees_a_crowded_folder(tmp_path):
+    (tmp_path / "core" / "sub").mkdir(parents=True)
+    for package in PACKAGES[1:]:
+        (tmp_path / package).mkdir()
+    for i in range(MAX_MODULES + 1):
+        (tmp_path / "core" / "sub" / f"m{i}.py").write_text("")
+    assert crowded_folders(tmp_path) == [f"core/sub: {MAX_MODULES + 1} modules"]
+
+
 IMPORTERS = (*PACKAGES, "partita", "tests", "benchmarks", "examples", "docs")
 
 
@@ -159,7 +186,7 @@ def test_the_check_sees_a_re_export_shim(tmp_path):
     nobody imports from it."""
     shim = tmp_path / "shim.py"
     shim.write_text("from partita.core.mesh import Mesh, MeshAxis  # noqa: F401\n"
-                    "from partita.core.plan import Plan  # noqa: F401\n__all__ = ['MeshAxis']\n"
+                    "from partita.core.plans.plan import Plan  # noqa: F401\n__all__ = ['MeshAxis']\n"
                     "def world(m: Mesh) -> int:\n    return m.world_size\n")
     user = tmp_path / "user.py"
     user.write_text("from partita.core.shim import Mesh, world\n"

@@ -7,11 +7,11 @@ import pytest
 
 from examples.models import gpt_tiny
 from partita.compiler.compile import compile_model
-from partita.core.capture import capture
 from partita.core.cluster import load_cluster
-from partita.core.graph import annotate_batch_shapes, shape_at, to_networkx
-from partita.core.inputs import parse_input_spec
-from partita.core.losses import resolve_loss
+from partita.core.model.capture import capture
+from partita.core.model.graph import annotate_batch_shapes, shape_at, to_networkx
+from partita.core.model.inputs import parse_input_spec
+from partita.core.model.losses import resolve_loss
 from partita.core.options import Options
 from partita.core.pins import TrainingRequest
 from partita.core.placement import shard_dim

@@ -12,11 +12,11 @@ import math
 import pytest
 
 from examples.models import GPT, GPTConfig
-from partita.core.capture import capture
 from partita.core.cluster import GB, PRESETS
 from partita.core.errors import PartitaError
-from partita.core.inputs import parse_input_spec
-from partita.core.losses import default_loss
+from partita.core.model.capture import capture
+from partita.core.model.inputs import parse_input_spec
+from partita.core.model.losses import default_loss
 from partita.core.pins import Pins, TrainingRequest
 from partita.passes.cost_model import offload_step_time, offloaded_state, state_bytes_per_param
 from partita.passes.profile import profile_model

@@ -16,10 +16,10 @@ import pytest
 import torch
 from torch import nn
 
-from partita.core.capture import capture
 from partita.core.cluster import PRESETS
-from partita.core.inputs import parse_input_spec
 from partita.core.mesh import Mesh, axis_crosses_nodes, crosses_nodes
+from partita.core.model.capture import capture
+from partita.core.model.inputs import parse_input_spec
 from partita.core.options import Options
 from partita.core.pins import TrainingRequest
 from partita.core.placement import Placement, is_shard, shard_dim
@@ -269,7 +269,7 @@ def test_one_rule_for_where_a_gradient_flows():
         assert a["requires_grad"] == flows[n], n
     assert not any(G.nodes[n]["requires_grad"] for n in detached)
     # ... and the pipeline runtime decides which gradients cross a cut by the same rule
-    from partita.core.ops import gradient_nodes
+    from partita.core.model.ops import gradient_nodes
 
     captured = capture(_Detached, [parse_input_spec("x=float32[4,32]")], loss=_mse,
                        targets=parse_input_spec("y=float32[4,32]"))
@@ -278,8 +278,8 @@ def test_one_rule_for_where_a_gradient_flows():
 
 def test_the_runtime_and_the_planner_agree_where_gradients_flow_in_a_real_model():
     from examples.models import gpt_tiny
-    from partita.core.losses import default_loss
-    from partita.core.ops import gradient_nodes
+    from partita.core.model.losses import default_loss
+    from partita.core.model.ops import gradient_nodes
     from partita.passes.flops import gradient_flows
 
     captured = capture(gpt_tiny, [parse_input_spec("idx=int64[2,16]")], loss=default_loss)

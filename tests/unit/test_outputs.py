@@ -1,4 +1,4 @@
-"""Model outputs as models return them (core/losses.py): the loss attaches to `logits` of a
+"""Model outputs as models return them (core/model/losses.py): the loss attaches to `logits` of a
 dict / ModelOutput, to a tuple's element, to a named field; the model's own loss with labels=; a
 forward with optional arguments; and the CLI's --loss / --output-field / --target."""
 
@@ -11,10 +11,10 @@ from click.testing import CliRunner
 from torch import nn
 
 from partita.compiler.cli import cli
-from partita.core.capture import capture
 from partita.core.errors import PartitaError
-from partita.core.inputs import parse_input_spec
-from partita.core.losses import default_loss, resolve_loss, select_output
+from partita.core.model.capture import capture
+from partita.core.model.inputs import parse_input_spec
+from partita.core.model.losses import default_loss, resolve_loss, select_output
 
 SPEC = parse_input_spec("tokens=int64[4,8]")
 

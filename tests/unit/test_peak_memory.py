@@ -16,12 +16,12 @@ import functools
 import pytest
 import torch
 
-from partita.core.capture import capture
 from partita.core.cluster import PRESETS
-from partita.core.graph import to_networkx
-from partita.core.inputs import parse_input_spec
-from partita.core.losses import default_loss
-from partita.core.plan import MemoryBreakdown
+from partita.core.model.capture import capture
+from partita.core.model.graph import to_networkx
+from partita.core.model.inputs import parse_input_spec
+from partita.core.model.losses import default_loss
+from partita.core.plans.plan import MemoryBreakdown
 from partita.passes.activations import annotate_saved_activations
 from partita.passes.cost_model import ModelStateMemory, StateBytes
 from partita.passes.peak_memory import (

@@ -10,11 +10,11 @@ import pytest
 import torch.nn as nn
 
 from examples.models import GPT, GPTConfig, gpt_tiny
-from partita.core.capture import capture
 from partita.core.cluster import GB, PRESETS, load_cluster
 from partita.core.errors import InfeasibleError, PartitaError
-from partita.core.inputs import parse_input_spec
-from partita.core.losses import default_loss
+from partita.core.model.capture import capture
+from partita.core.model.inputs import parse_input_spec
+from partita.core.model.losses import default_loss
 from partita.core.pins import Pins, TrainingRequest
 from partita.core.schedule import bubble_fraction
 from partita.passes.cost_model import collective_time, state_bytes_per_param
@@ -348,7 +348,7 @@ def test_a_chunked_schedule_cuts_no_chunk_without_parameters():
     from partita.compiler.compile import compile_model
     from partita.core.errors import InfeasibleError
     from partita.core.options import Options
-    from partita.core.verify import plan_problems
+    from partita.core.plans.verify import plan_problems
 
     options = Options(inputs=["x=float32[32,64]"], cluster="local", devices=2, schedule="interleaved-1f1b")
     with pytest.raises(InfeasibleError, match="4 model parts, each holding parameters of its own, but the model "
@@ -359,6 +359,6 @@ def test_a_chunked_schedule_cuts_no_chunk_without_parameters():
     assert plan_problems(plan) == []
     data = json.loads(plan.to_json())
     data["stages"][1]["params"] = 0
-    from partita.core.plan import Plan
+    from partita.core.plans.plan import Plan
 
     assert any("stages[1].params = 0 under training.chunks = 2" in p for p in plan_problems(Plan.from_dict(data)))

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from partita.core.errors import PartitaError
-from partita.core.plan import SEAL, seal_digest
+from partita.core.plans.plan import SEAL, seal_digest
 
 # Read by nothing that runs: predictions, explanations, the solver's report, timings, summaries
 # the viewer shows. test_harmless_edits_train_identically runs a plan with all of them edited.
@@ -124,9 +124,9 @@ def captured(good):
     import torch
 
     from examples.models import gpt_tiny
-    from partita.core.capture import capture
-    from partita.core.inputs import parse_input_spec
-    from partita.core.losses import resolve_loss
+    from partita.core.model.capture import capture
+    from partita.core.model.inputs import parse_input_spec
+    from partita.core.model.losses import resolve_loss
 
     torch.manual_seed(0)
     return capture(gpt_tiny(), [parse_input_spec(s) for s in good["model"]["inputs"]], loss=resolve_loss(None),
@@ -135,8 +135,8 @@ def captured(good):
 
 def refused(data: dict, captured) -> str | None:
     """Why the plan is refused (at load, or against the model as a rank checks it), or None."""
-    from partita.core.graph import graph_fingerprint, to_networkx
-    from partita.core.verify import check_layouts, verified_plan
+    from partita.core.model.graph import graph_fingerprint, to_networkx
+    from partita.core.plans.verify import check_layouts, verified_plan
     from partita.runtime.compose import refuse_unsupported
 
     try:

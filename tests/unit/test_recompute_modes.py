@@ -11,11 +11,11 @@ import math
 import pytest
 
 from examples.models import GPT, MLP, GPTConfig, hf_llama
-from partita.core.capture import capture
 from partita.core.cluster import PRESETS
 from partita.core.errors import PartitaError
-from partita.core.inputs import parse_input_spec
-from partita.core.losses import default_loss
+from partita.core.model.capture import capture
+from partita.core.model.inputs import parse_input_spec
+from partita.core.model.losses import default_loss
 from partita.core.options import Options
 from partita.core.pins import Pins, TrainingRequest
 from partita.core.recompute import FULL, NONE, SELECTIVE

@@ -119,9 +119,9 @@ def test_split_refuses_a_stage_map_against_the_graph_order():
     import torch
 
     from examples.models import gpt_tiny
-    from partita.core.capture import capture
     from partita.core.errors import PlanError
-    from partita.core.inputs import InputSpec
+    from partita.core.model.capture import capture
+    from partita.core.model.inputs import InputSpec
     from partita.runtime.pipeline.stage import split_stages
     from tests.workers.dp_worker import SEQ, gpt_loss
 

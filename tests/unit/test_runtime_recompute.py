@@ -19,7 +19,7 @@ import dataclasses
 import pytest
 
 from partita.core.errors import PlanError
-from partita.core.plan import NodeDecision, Stage
+from partita.core.plans.plan import NodeDecision, Stage
 from partita.runtime.compose import refuse_unsupported
 from tests.workers import dp_worker
 

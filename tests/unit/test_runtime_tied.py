@@ -8,9 +8,9 @@ collectives its plan lists for its stage, the tied-gradient all-reduce included.
 
 from partita.compiler.compile import compile_model
 from partita.core.cluster import load_cluster
-from partita.core.inputs import parse_input_spec
+from partita.core.model.inputs import parse_input_spec
 from partita.core.options import Options
-from partita.core.plan import tied_stages
+from partita.core.plans.plan import tied_stages
 from tests.workers import tied_script as script
 
 

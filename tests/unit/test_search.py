@@ -15,12 +15,12 @@ import math
 import pytest
 
 from examples.models import GPT, GPTConfig
-from partita.core.capture import capture
 from partita.core.cluster import PRESETS
 from partita.core.errors import InfeasibleError
-from partita.core.inputs import parse_input_spec
-from partita.core.losses import default_loss
 from partita.core.mesh import Mesh
+from partita.core.model.capture import capture
+from partita.core.model.inputs import parse_input_spec
+from partita.core.model.losses import default_loss
 from partita.core.pins import Pins, TrainingRequest
 from partita.passes.cost_model import state_bytes_per_param, zero_traffic_elements
 from partita.passes.search import plan_search

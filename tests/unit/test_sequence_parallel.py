@@ -12,11 +12,11 @@ import math
 import pytest
 
 from examples.models import GPT, MLP, GPTConfig
-from partita.core.capture import capture
 from partita.core.cluster import PRESETS
 from partita.core.errors import PartitaError
-from partita.core.inputs import parse_input_spec
-from partita.core.losses import default_loss
+from partita.core.model.capture import capture
+from partita.core.model.inputs import parse_input_spec
+from partita.core.model.losses import default_loss
 from partita.core.pins import Pins, TrainingRequest
 from partita.core.placement import shard
 from partita.passes.profile import profile_model
@@ -82,8 +82,8 @@ def test_the_plan_lists_a_regather_for_each_linear_that_gathers_its_input():
     import dataclasses
 
     from examples.models import gpt_tiny
-    from partita.core.capture import capture
-    from partita.core.graph import to_networkx
+    from partita.core.model.capture import capture
+    from partita.core.model.graph import to_networkx
     from partita.core.tp.layout import REGATHER_PURPOSE, layout_decisions, tp_collectives
     from tests.tp_choice import pinned_choice
 

@@ -9,11 +9,11 @@ import math
 import pytest
 
 from examples.models import GPT, GPTConfig
-from partita.core.capture import capture
 from partita.core.cluster import PRESETS
 from partita.core.errors import InfeasibleError, PartitaError
-from partita.core.inputs import parse_input_spec
-from partita.core.losses import default_loss
+from partita.core.model.capture import capture
+from partita.core.model.inputs import parse_input_spec
+from partita.core.model.losses import default_loss
 from partita.core.pins import Pins, TrainingRequest
 from partita.passes.profile import profile_model
 from partita.passes.tp.mesh import choose_mesh, plan_alternatives
@@ -113,7 +113,7 @@ def test_gpt3_175b_needs_more_than_tp_inside_a_node():
 def test_recomputing_repeats_the_forward_collectives_only():
     """A vocabulary-parallel softmax all-reduces twice in forward and once in backward; a column
     input all-gathered in forward and reduced back: recomputing repeats the forward ones."""
-    from partita.core.plan import InputLayout, NodeDecision
+    from partita.core.plans.plan import InputLayout, NodeDecision
     from partita.core.tp.layout import recompute_collectives
 
     soft = NodeDecision("sm", "aten._softmax.default", "m", "vocab", ("shard(1)",),

@@ -8,11 +8,11 @@ import functools
 import pytest
 
 from examples.models import GPT, MLP, GPTConfig, hf_gpt2
-from partita.core.capture import capture
 from partita.core.cluster import PRESETS
 from partita.core.errors import InfeasibleError
-from partita.core.inputs import parse_input_spec
-from partita.core.losses import default_loss
+from partita.core.model.capture import capture
+from partita.core.model.inputs import parse_input_spec
+from partita.core.model.losses import default_loss
 from partita.core.options import Options
 from partita.core.tp.layout import layout_decisions
 from partita.passes.profile import profile_model

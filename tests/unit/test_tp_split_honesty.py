@@ -12,7 +12,7 @@ from partita.compiler.compile import compile_model
 from partita.compiler.report import plan_summary, tp_split
 from partita.compiler.view import page_data
 from partita.core.cluster import load_cluster
-from partita.core.inputs import parse_input_spec
+from partita.core.model.inputs import parse_input_spec
 from partita.core.options import (
     Options,
 )

@@ -13,9 +13,9 @@ import torch
 import torch.nn.functional as F
 
 from examples.models import MLP, gpt_tiny
-from partita.core.capture import capture
-from partita.core.graph import to_networkx
-from partita.core.inputs import InputSpec
+from partita.core.model.capture import capture
+from partita.core.model.graph import to_networkx
+from partita.core.model.inputs import InputSpec
 from partita.core.placement import NONE, PARTIAL, REPLICATE, shard_dim
 from partita.core.tp.layout import layout_decisions, tp_collectives
 from partita.core.tp.strategies import node_strategies, unsupported_ops

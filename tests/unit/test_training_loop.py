@@ -14,10 +14,10 @@ from examples.models import GPT, GPTConfig
 from partita.compiler.compile import compile_model
 from partita.core.cluster import load_cluster
 from partita.core.errors import PartitaError
-from partita.core.inputs import parse_input_spec
+from partita.core.model.inputs import parse_input_spec
 from partita.core.options import RUN, Options, option_fields
 from partita.runtime.engine import ParallelModel
-from partita.runtime.launch import omp_threads
+from partita.runtime.processes.launch import omp_threads
 from partita.runtime.state.marker import CheckpointError
 
 LR = 3e-3

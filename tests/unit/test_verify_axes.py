@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 
 from partita.core.errors import PartitaError
-from partita.core.plan import SCHEMA_VERSION, Plan
-from partita.core.verify import plan_problems, verified_plan
+from partita.core.plans.plan import SCHEMA_VERSION, Plan
+from partita.core.plans.verify import plan_problems, verified_plan
 from tests.golden import FOLDER, MODELS
 
 Q_PROJ = "model.model.layers.0.self_attn.q_proj.weight"
@@ -108,9 +108,9 @@ def test_the_plans_attention_cores_are_the_graphs():
     plan compile wrote is not refused for lacking them."""
     from examples.models import GPT, GPTConfig
     from partita.compiler.compile import compile_model
-    from partita.core.capture import capture
-    from partita.core.inputs import parse_input_spec
-    from partita.core.losses import resolve_loss
+    from partita.core.model.capture import capture
+    from partita.core.model.inputs import parse_input_spec
+    from partita.core.model.losses import resolve_loss
     from partita.core.options import Options
     from partita.core.recompute import attention_cores, decided_cores
 
@@ -198,9 +198,9 @@ def mixtral_captured():
     """The golden set's tiny Mixtral captured as a rank of mixtral-ep2 captures it (at the micro-batch)."""
     import torch
 
-    from partita.core.capture import capture
-    from partita.core.inputs import InputSpec, parse_input_spec
-    from partita.core.losses import resolve_loss
+    from partita.core.model.capture import capture
+    from partita.core.model.inputs import InputSpec, parse_input_spec
+    from partita.core.model.losses import resolve_loss
 
     data = golden("mixtral-ep2")
 
@@ -217,7 +217,7 @@ def test_the_run_checks_each_ep_layout_against_the_graphs_experts(mixtral_captur
     """A rank checks every ep layout against core/experts.py's expert weights on the graph: an expert
     weight left replicated at ep=2 (which verify, knowing modules only, cannot tell) is refused there,
     as is an ep layout on q_proj; the unedited plan holds."""
-    from partita.core.verify import check_layouts
+    from partita.core.plans.verify import check_layouts
 
     check_layouts(verified_plan(golden("mixtral-ep2"), sealed=False), mixtral_captured)
 

@@ -25,7 +25,7 @@ def demo_plan():
     from partita.compiler.compile import compile_model
     from partita.compiler.demo import BATCH, SEQ, demo_model
     from partita.core.cluster import load_cluster
-    from partita.core.inputs import parse_input_spec
+    from partita.core.model.inputs import parse_input_spec
 
     return compile_model(demo_model,
                          Options(inputs=[parse_input_spec(f"idx=int64[{BATCH},{SEQ}]")],
@@ -178,7 +178,7 @@ def test_unsolved_alternatives_show_no_memory_in_the_report():
     from rich.console import Console
 
     from partita.compiler.report import alternatives_table
-    from partita.core.plan import Plan
+    from partita.core.plans.plan import Plan
     from tests.unit.test_verify_axes import golden
 
     plan = Plan.from_dict(golden("hf-llama-1b-a100x16"))

@@ -1,4 +1,4 @@
-"""The watchdog (runtime/watchdog.py): a step that waits in a collective its peers never reach
+"""The watchdog (runtime/processes/watchdog.py): a step that waits in a collective its peers never reach
 ends, within the limit, with one message naming the ranks and the mismatched collectives, and a
 non-zero exit; never a silent hang."""
 
@@ -6,7 +6,7 @@ import threading
 import time
 
 from partita.core.mesh import Mesh
-from partita.runtime.watchdog import EXIT_HUNG, FlightRecorder, Watchdog
+from partita.runtime.processes.watchdog import EXIT_HUNG, FlightRecorder, Watchdog
 
 
 class MemoryStore:

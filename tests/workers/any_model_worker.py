@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from examples.models import SmallCNN
 from partita.compiler.compile import compile_model
 from partita.core.errors import PartitaError
-from partita.core.losses import resolve_loss, training_loss
+from partita.core.model.losses import resolve_loss, training_loss
 from partita.core.options import Options
 from partita.core.precision import PrecisionPolicy
 from partita.runtime.distributed import DistContext

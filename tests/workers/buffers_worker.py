@@ -19,9 +19,9 @@ import torch
 import torch.distributed as dist
 
 from examples.models import SmallCNN
-from partita.core.losses import default_loss
+from partita.core.model.losses import default_loss
 from partita.core.options import Options
-from partita.core.verify import load_plan
+from partita.core.plans.verify import load_plan
 from partita.runtime.distributed import DistContext
 from partita.runtime.engine import ParallelModel
 from tests.harness import gaps, reference_step

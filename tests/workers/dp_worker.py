@@ -20,7 +20,7 @@ from examples.models import MLP, gpt_tiny
 from partita.core.errors import PartitaError, PlanError
 from partita.core.mesh import Mesh
 from partita.core.options import Options
-from partita.core.plan import Collective, MemoryBreakdown, ModelInfo, Plan, Prediction, SolverReport, Training
+from partita.core.plans.plan import Collective, MemoryBreakdown, ModelInfo, Plan, Prediction, SolverReport, Training
 from partita.runtime.collectives import CollectiveCounter
 from partita.runtime.distributed import DistContext
 from partita.runtime.engine import ParallelModel

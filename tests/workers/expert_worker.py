@@ -17,7 +17,7 @@ import torch
 
 from partita.compiler.compile import compile_model
 from partita.core.errors import PartitaError
-from partita.core.losses import resolve_loss
+from partita.core.model.losses import resolve_loss
 from partita.core.options import Options
 from partita.core.precision import PrecisionPolicy
 from partita.runtime.distributed import DistContext

@@ -30,9 +30,9 @@ import torch.distributed as dist
 
 from examples.models import MLP, SmallCNN, gpt_tiny
 from partita.core.errors import PartitaError
-from partita.core.losses import default_loss
+from partita.core.model.losses import default_loss
 from partita.core.options import Options
-from partita.core.verify import load_plan
+from partita.core.plans.verify import load_plan
 from partita.runtime.distributed import DistContext
 from partita.runtime.engine import ParallelModel
 from tests.harness import gaps, max_abs_diff, reference_step
@@ -110,7 +110,7 @@ def compile_case(case: Case, outdir: str) -> None:
     """Plan ``case`` as ``partita compile`` would; write the plan, or the planner's refusal."""
     from partita.compiler.compile import compile_model
     from partita.core.cluster import load_cluster
-    from partita.core.inputs import parse_input_spec
+    from partita.core.model.inputs import parse_input_spec
 
     factory, spec, _ = MODELS[case.model]
     path = _plan_file(outdir, case)

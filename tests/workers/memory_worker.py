@@ -33,10 +33,10 @@ import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensor
 
 from examples.models import GPT, GPTConfig
-from partita.core.losses import default_loss
+from partita.core.model.losses import default_loss
 from partita.core.options import Options
-from partita.core.plan import Plan
-from partita.core.verify import load_plan
+from partita.core.plans.plan import Plan
+from partita.core.plans.verify import load_plan
 from partita.passes.cost_model import model_state_memory, state_bytes_per_param
 from partita.runtime.distributed import DistContext
 from partita.runtime.engine import ParallelModel
@@ -87,7 +87,7 @@ def _plan(ctx: DistContext, pins: dict, outdir: str, precision: str | None = Non
     if ctx.rank == 0:
         from partita.compiler.compile import compile_model
         from partita.core.cluster import load_cluster
-        from partita.core.inputs import parse_input_spec
+        from partita.core.model.inputs import parse_input_spec
 
         compile_model(gpt, Options(inputs=[parse_input_spec(f"idx=int64[{BATCH},{SEQ}]")],
                                    cluster=load_cluster("local", devices=ctx.world_size), optimizer="adamw",

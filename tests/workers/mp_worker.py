@@ -21,10 +21,10 @@ import torch
 import torch.distributed as dist
 
 from partita.core.errors import PartitaError
-from partita.core.losses import default_loss, training_loss
+from partita.core.model.losses import default_loss, training_loss
 from partita.core.options import Options
+from partita.core.plans.verify import load_plan
 from partita.core.precision import PrecisionPolicy
-from partita.core.verify import load_plan
 from partita.runtime.distributed import DistContext
 from partita.runtime.engine import ParallelModel
 from tests.harness import gaps, max_abs_diff, max_rel_diff
@@ -240,7 +240,7 @@ CLIP_PINS_4 = {"dp2xtp2-zero2": PINS_4["dp2xtp2-zero2"], "tp2xpp2-1f1b": PINS_4[
 def _compile(factory: Callable, spec: str, devices: int, path: Path, **kw) -> None:
     from partita.compiler.compile import compile_model
     from partita.core.cluster import load_cluster
-    from partita.core.inputs import parse_input_spec
+    from partita.core.model.inputs import parse_input_spec
 
     pins = kw.pop("pins")
     compile_model(factory, Options(inputs=[parse_input_spec(spec)], cluster=load_cluster("local", devices=devices),

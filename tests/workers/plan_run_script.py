@@ -13,7 +13,7 @@ import torch
 
 import partita
 from examples.models import gpt_tiny
-from partita.core.inputs import parse_input_spec
+from partita.core.model.inputs import parse_input_spec
 
 
 def main(out: Path) -> None:

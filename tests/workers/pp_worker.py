@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from examples.models import GPT, GPTConfig, gpt_tiny
 from partita.compiler.timeline import load_trace, measured_timeline
-from partita.core.inputs import InputSpec
+from partita.core.model.inputs import InputSpec
 from partita.core.options import Options
 from partita.runtime.distributed import DistContext
 from partita.runtime.engine import ParallelModel

@@ -23,9 +23,9 @@ from examples.models import hf_bert_mlm
 from partita.compiler.compile import compile_model
 from partita.core.cluster import load_cluster
 from partita.core.errors import PartitaError
-from partita.core.inputs import parse_input_spec
+from partita.core.model.inputs import parse_input_spec
 from partita.core.options import Options
-from partita.core.verify import load_plan
+from partita.core.plans.verify import load_plan
 from partita.runtime.distributed import DistContext
 from partita.runtime.engine import ParallelModel
 from tests.workers.dp_worker import raised

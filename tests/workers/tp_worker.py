@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from examples.models import LogitsOnly, gpt_tiny
-from partita.core.inputs import InputSpec
+from partita.core.model.inputs import InputSpec
 from partita.core.options import Options
 from partita.runtime.distributed import GROUPS, DistContext
 from partita.runtime.dp.buckets import bucket_layout

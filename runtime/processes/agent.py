@@ -26,7 +26,7 @@ from typing import Any
 
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
-from partita.runtime.watchdog import EXIT_HUNG, EXIT_NODE_LOST
+from partita.runtime.processes.watchdog import EXIT_HUNG, EXIT_NODE_LOST
 
 HEARTBEAT_S = 1.0
 STALE_S = 4.0  # a node whose heartbeat has not moved for this long is lost

@@ -5,7 +5,7 @@ dataclass. ``OutputLoss`` picks the tensor the loss attaches to (``output``: a
 field name or a tuple index; by default ``logits``, else the only or first
 tensor) and applies the loss to it; ``MODEL_LOSS`` ("model") instead calls the
 model with ``labels=targets`` and takes the loss it computes itself. Capture
-(core/capture.py) and the eager runtime (runtime/engine.py) both go
+(core/model/capture.py) and the eager runtime (runtime/engine.py) both go
 through ``training_loss``, so the graph that is planned and the step that runs
 compute the same thing.
 """

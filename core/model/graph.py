@@ -43,8 +43,8 @@ import networkx as nx
 import torch
 import torch.fx
 
-from partita.core.capture import CapturedModel
-from partita.core.ops import carries_gradient, op_name, passes_gradient, tensor_values
+from partita.core.model.capture import CapturedModel
+from partita.core.model.ops import carries_gradient, op_name, passes_gradient, tensor_values
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+)')

@@ -1,7 +1,7 @@
-"""What a capture refuses, each before or right after ``torch.export`` (core/capture.py): inputs
+"""What a capture refuses, each before or right after ``torch.export`` (core/model/capture.py): inputs
 the forward does not take by those names, dtypes it cannot multiply, a loss whose inputs cannot be
 split as the batch is, and a model that cannot train (nothing to train, or a loss no gradient
-reaches: the rule the planner applies, core/ops.py ``gradient_nodes``)."""
+reaches: the rule the planner applies, core/model/ops.py ``gradient_nodes``)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import torch
 import torch.fx
 
 from partita.core.errors import CaptureError
-from partita.core.inputs import InputSpec, dtype_name
-from partita.core.ops import ATTENTION, SAME_DTYPE, gradient_nodes
+from partita.core.model.inputs import InputSpec, dtype_name
+from partita.core.model.ops import ATTENTION, SAME_DTYPE, gradient_nodes
 
 
 def check_input_names(module: torch.nn.Module, inputs: Sequence[InputSpec]) -> None:
@@ -105,7 +105,7 @@ def check_trainable(module: torch.nn.Module, gm: torch.fx.GraphModule, param_tar
                      name: str) -> None:
     """A training graph must train something: floating-point parameters that require gradients,
     and a scalar floating-point loss into which a gradient flows from one of them (the rule the
-    planner applies, core/ops.py ``gradient_nodes``). Otherwise the plan would train nothing, or
+    planner applies, core/model/ops.py ``gradient_nodes``). Otherwise the plan would train nothing, or
     fail only at the first step. ``param_targets``: placeholder -> parameter (a tied one by its
     first name)."""
     named = list(module.named_parameters())

@@ -5,18 +5,18 @@ One node (``standalone``) or many: each node's ``partita run`` starts its
 as ``torchrun --nnodes N --rdzv-backend c10d --rdzv-endpoint HOST:PORT`` does;
 under SLURM the node count, this node's rank and the endpoint come from
 SLURM's variables (``slurm_layout``). The agent is torch's, told about the
-other nodes (runtime/agent.py); ``--nnodes MIN:MAX`` makes the run elastic.
+other nodes (runtime/processes/agent.py); ``--nnodes MIN:MAX`` makes the run elastic.
 
 Failures end in one message, not one traceback per rank: a rank that stops
 on a user error (``PartitaError``) writes its message to the run's error
 folder instead of printing it (runtime/distributed.py installs the hook, which
 puts any other traceback there too), and the launcher prints each distinct
-message once and exits 2; a hung run (runtime/watchdog.py) has already printed
+message once and exits 2; a hung run (runtime/processes/watchdog.py) has already printed
 its report and exits 3; a lost node is one line naming it and its ranks (exit
 4); any other failure is the first failing rank's traceback and one line
-naming it and its exit code (runtime/agent.py ``failure_report``). SIGTERM and SIGINT stop every
+naming it and its exit code (runtime/processes/agent.py ``failure_report``). SIGTERM and SIGINT stop every
 rank of the node and end with one line and 143 or 130. The workers die with
-their launcher, a SIGKILL of it included (runtime/watchdog.py
+their launcher, a SIGKILL of it included (runtime/processes/watchdog.py
 ``die_with_launcher``): no rank trains on as an orphan. Each worker gets this node's cores
 shared out as ``OMP_NUM_THREADS`` unless the user set it (``omp_threads``).
 """
@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from partita.runtime.watchdog import LAUNCHER_ENV
+from partita.runtime.processes.watchdog import LAUNCHER_ENV
 
 ERROR_DIR_ENV = "PARTITA_ERROR_DIR"
 
@@ -183,12 +183,12 @@ def _launch(nproc_per_node: int, argv: list[str], *, env: Mapping[str, str] | No
 
 def _run_agent(config: Any, entrypoint: str, args: list[str], *, node_rank: int | None, errors: Path,
                checkpoint_dir: str | None) -> int:
-    """torch's ``launch_agent``, with partita's agent (runtime/agent.py); the exit code."""
+    """torch's ``launch_agent``, with partita's agent (runtime/processes/agent.py); the exit code."""
     from torch.distributed.elastic.agent.server.api import WorkerSpec
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.rendezvous import RendezvousParameters, registry
 
-    from partita.runtime.agent import Agent, JoinAtCheckpoint, failure_report
+    from partita.runtime.processes.agent import Agent, JoinAtCheckpoint, failure_report
 
     c = config
     params = RendezvousParameters(backend=c.rdzv_backend, endpoint=c.rdzv_endpoint, run_id=c.run_id,
@@ -208,7 +208,7 @@ def _run_agent(config: Any, entrypoint: str, args: list[str], *, node_rank: int 
         result = agent.run()
         if result is None or not result.is_failed():
             return 0
-        lines, code = failure_report(result.failures, errors, agent.lost_nodes())  # runtime/agent.py
+        lines, code = failure_report(result.failures, errors, agent.lost_nodes())  # runtime/processes/agent.py
         for line in lines:
             print(line, file=sys.stderr, flush=True)
         return code

@@ -1,6 +1,6 @@
 """Reading a plan file back: its JSON parsed within a size limit, checked against
-``plan_schema.json``, built into a ``Plan`` (core/plan.py), checked by the planner's rules (which
-core/verify.py passes in) and by its seal. Loading refuses, saying what differs, another schema
+``plan_schema.json``, built into a ``Plan`` (core/plans/plan.py), checked by the planner's rules (which
+core/plans/verify.py passes in) and by its seal. Loading refuses, saying what differs, another schema
 ``version``, model (graph fingerprint) or world size.
 """
 
@@ -14,7 +14,7 @@ from typing import Any
 
 from partita.core.errors import PlanError
 from partita.core.files import read_user_text
-from partita.core.plan import SCHEMA_VERSION, SEAL, Plan, seal_digest
+from partita.core.plans.plan import SCHEMA_VERSION, SEAL, Plan, seal_digest
 
 SCHEMA_PATH = Path(__file__).with_name("plan_schema.json")
 MAX_PLAN_BYTES = 1 << 30  # a plan file larger than this is not one partita wrote
@@ -52,7 +52,7 @@ def read_plan_data(path: str | Path) -> Any:
 def plan_from_data(data: Any, *, source: str = "plan", sealed: bool = True,
                    verify: Callable[[Plan], list[str]] | None = None) -> Plan:
     """Validate parsed JSON against the schema, build a ``Plan``, refuse it if ``verify`` (the
-    planner's rules, core/verify.py) finds problems, then check its seal unless ``sealed`` is False."""
+    planner's rules, core/plans/verify.py) finds problems, then check its seal unless ``sealed`` is False."""
     if not isinstance(data, dict):
         raise PlanError(f"{source} is not a plan file: expected a JSON object, got {type(data).__name__}",
                         hint="pass a plan file `partita compile` wrote")

@@ -1,7 +1,7 @@
 """A plan is verified before it runs: what its decisions imply is derived again and compared.
 
 The plan file is the only contract between planning and running, and JSON can be edited by
-hand. Loading (``load_plan`` here, over core/plan_file.py's ``read_plan``) therefore refuses a plan whose parts
+hand. Loading (``load_plan`` here, over core/plans/plan_file.py's ``read_plan``) therefore refuses a plan whose parts
 disagree, naming each disagreement, with the rules that made them (no second copy of a rule):
 
 - every edge's forward and backward collective is the one its placements require
@@ -37,8 +37,8 @@ from typing import Any
 
 from partita.core.axes import axis_problems
 from partita.core.mesh import MeshAxis
-from partita.core.plan import NodeDecision, Plan
-from partita.core.plan_file import describe_problems, plan_from_data, read_plan
+from partita.core.plans.plan import NodeDecision, Plan
+from partita.core.plans.plan_file import describe_problems, plan_from_data, read_plan
 
 
 def load_plan(path: Any, *, fingerprint: str | None = None, world_size: int | None = None,
@@ -101,7 +101,7 @@ def _contents(plan: Plan) -> list[str]:
 def _model(plan: Plan) -> list[str]:
     """The captured inputs and targets read back as input specs (each rank captures the model at them)."""
     from partita.core.errors import PartitaError
-    from partita.core.inputs import check_input_spec
+    from partita.core.model.inputs import check_input_spec
 
     out = []
     for what, text in [*(("input", s) for s in plan.model.inputs), ("targets", plan.model.targets)]:
@@ -129,7 +129,7 @@ def _cluster(plan: Plan) -> list[str]:
 
 
 def _training(plan: Plan) -> list[str]:
-    from partita.core.plan import OPTIMIZERS
+    from partita.core.plans.plan import OPTIMIZERS
     from partita.core.precision import PRECISIONS
 
     t, out = plan.training, []
@@ -332,7 +332,7 @@ def check_layouts(plan: Plan, captured: Any) -> None:
     says of them (``param_problems``, ``expert_problems``)."""
     from partita.core.errors import PlanError
     from partita.core.experts import expert_params, expert_regions
-    from partita.core.graph import to_networkx
+    from partita.core.model.graph import to_networkx
 
     graph = captured.graph_module.graph
     # a tied parameter can have several placeholders; the ones the graph reads say where it lives

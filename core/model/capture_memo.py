@@ -2,7 +2,7 @@
 
 Off by default. A process that builds the same small models over and over (the test suite's
 ranks, each running many plans of a handful of models) turns it on with ``memoize_captures()``;
-``capture`` (core/capture.py) then returns the first ``CapturedModel`` of an equal key.
+``capture`` (core/model/capture.py) then returns the first ``CapturedModel`` of an equal key.
 
 What makes two captures equal:
 - the module's structure (a factory's model as built under fake tensors), never its values: each
@@ -30,9 +30,9 @@ from typing import Any
 
 import torch
 
-from partita.core.inputs import InputSpec
+from partita.core.model.inputs import InputSpec
 
-CapturedModel = Any  # core/capture.py's (which imports this module, so not the other way)
+CapturedModel = Any  # core/model/capture.py's (which imports this module, so not the other way)
 
 MAX_NODES = 2_000  # a GPT of 12 layers is about 1,000 graph nodes
 MAX_KEPT = 64

@@ -1,6 +1,6 @@
 """What capturing on fake tensors needs beyond torch: wider fake kernels, and no side effects.
 
-A model is captured on fake tensors (core/capture.py), so an op can be captured only if its fake
+A model is captured on fake tensors (core/model/capture.py), so an op can be captured only if its fake
 (meta) kernel accepts what its real kernel does. ``capturable()`` widens those that do not (once
 per process: a meta kernel serves only fake and meta tensors, no real kernel is touched):
 

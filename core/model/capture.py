@@ -10,7 +10,7 @@ The primary method is ``torch.export.export(strict=False)`` (training IR, with
 capture for a reason other than data-dependent control flow, with shapes then
 propagated by ``ShapeProp`` on fake tensors (a training capture never falls back:
 the fallback's graph would lack the loss). A model that cannot be captured, or
-cannot train (core/capture_checks.py), raises ``CaptureError`` naming the module
+cannot train (core/model/capture_checks.py), raises ``CaptureError`` naming the module
 and the source line; what torch logs meanwhile goes to the ``partita.capture``
 logger at DEBUG (``partita compile --verbose``).
 """
@@ -36,7 +36,8 @@ import torch.fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.passes.shape_prop import ShapeProp, TensorMetadata
 
-from partita.core.capture_checks import (
+from partita.core.errors import CaptureError
+from partita.core.model.capture_checks import (
     DTYPE_HINT,
     SHAPE_HINT,
     check_input_dtypes,
@@ -44,11 +45,10 @@ from partita.core.capture_checks import (
     check_loss_inputs,
     check_trainable,
 )
-from partita.core.capture_memo import capture_key, keep, kept
-from partita.core.errors import CaptureError
-from partita.core.fake_ops import buffers_kept, capturable
-from partita.core.inputs import InputSpec, dtype_name
-from partita.core.losses import select_output, training_loss
+from partita.core.model.capture_memo import capture_key, keep, kept
+from partita.core.model.fake_ops import buffers_kept, capturable
+from partita.core.model.inputs import InputSpec, dtype_name
+from partita.core.model.losses import select_output, training_loss
 
 EXPORT = "torch.export"
 SYMBOLIC_TRACE = "torch.fx.symbolic_trace"
@@ -145,7 +145,7 @@ def capture(
             hint="pass an nn.Module subclass, a factory returning one, or a module instance")
 
     key = capture_key(module, inputs, name=name, loss=loss, targets=targets, stack_traces=stack_traces)
-    if reused := kept(key):  # core/capture_memo.py: off unless a process turns it on
+    if reused := kept(key):  # core/model/capture_memo.py: off unless a process turns it on
         return reused
     check_input_names(module, inputs)
     if loss is not None:
@@ -306,7 +306,7 @@ def _held_output(what: str) -> Iterator[None]:
 def _infer_targets(module: torch.nn.Module, args: tuple[torch.Tensor, ...], mode: FakeTensorMode,
                    loss: Any, inputs: tuple[InputSpec, ...]) -> InputSpec:
     """Class-index targets for the model's output: int64 of ``output.shape[:-1]``, of the tensor the
-    loss attaches to (core/losses.py); with the model's own loss, labels of the first input's shape."""
+    loss attaches to (core/model/losses.py); with the model's own loss, labels of the first input's shape."""
     try:  # buffers the forward updates in place (batch norm's count) are put back: planning changes nothing
         with buffers_kept(module), mode, torch.no_grad(), _held_output(type(module).__name__):
             out = module(*args)

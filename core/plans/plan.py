@@ -2,8 +2,8 @@
 
 A ``Plan`` is a frozen, typed structure written as versioned, sealed JSON (never pickle: a plan
 from elsewhere must never run code). This module holds its types and how one is written;
-core/plan_file.py reads a plan file back (schema, consistency and seal checks), and
-core/dataclass_json.py is the dataclass <-> JSON codec both sides use.
+core/plans/plan_file.py reads a plan file back (schema, consistency and seal checks), and
+core/plans/dataclass_json.py is the dataclass <-> JSON codec both sides use.
 """
 
 from __future__ import annotations
@@ -16,11 +16,11 @@ from pathlib import Path
 from typing import Any
 
 from partita.core.buckets import DEFAULT_BUCKET_BYTES
-from partita.core.dataclass_json import from_jsonable, to_jsonable
 from partita.core.errors import PlanError
 from partita.core.files import write_text
 from partita.core.mesh import Mesh
 from partita.core.optimizers import NO_OFFLOAD
+from partita.core.plans.dataclass_json import from_jsonable, to_jsonable
 from partita.core.recompute import NONE
 
 SCHEMA_VERSION = 2  # 2: Stage.recompute names a mode (core/recompute.py), not a flag

@@ -1,5 +1,5 @@
 """Frozen dataclasses to JSON data and back, by their type hints: what ``Plan.to_dict`` and
-``Plan.from_dict`` (core/plan.py) are made of.
+``Plan.from_dict`` (core/plans/plan.py) are made of.
 
 Dataclasses become objects, enums their values, tuples lists; reading builds each field's type
 again (a nested dataclass, ``tuple[X, ...]``, ``Mapping[str, X]``, ``X | None``) and refuses a

@@ -6,7 +6,7 @@ and the pipeline runtime (runtime/pipeline/stage.py, by ``gradient_nodes``: whic
 a cut) both apply.
 
 passes/flops.py counts their FLOPs (2mnk for a matmul, per output element for a
-convolution, the two matmuls of attention); core/capture_checks.py refuses inputs
+convolution, the two matmuls of attention); core/model/capture_checks.py refuses inputs
 whose dtype would meet another in one of them (fake tensors do not check it: a float
 matmul of an int64 input would capture, then fail on the device).
 """
