@@ -194,7 +194,24 @@ def test_every_axis_has_an_edit_and_each_is_refused():
 # -- against the model: which parameters are experts is the graph's to say ------------------------
 
 @pytest.fixture(scope="module")
-def mixtral_captured():
+def mixtral_plan():
+    """The golden case mixtral-ep2 planned by this torch (the kept file's node names are its torch's)."""
+    from tests.golden import CASES, plan_of
+
+    return plan_of(next(c for c in CASES if c.id == "mixtral-ep2"))
+
+
+def fresh(data: dict[str, Any], edit: Any = None) -> dict[str, Any]:
+    import copy
+
+    data = copy.deepcopy(data)
+    if edit is not None:
+        edit(data)
+    return data
+
+
+@pytest.fixture(scope="module")
+def mixtral_captured(mixtral_plan):
     """The golden set's tiny Mixtral captured as a rank of mixtral-ep2 captures it (at the micro-batch)."""
     import torch
 
@@ -202,7 +219,7 @@ def mixtral_captured():
     from partita.core.model.inputs import InputSpec, parse_input_spec
     from partita.core.model.losses import resolve_loss
 
-    data = golden("mixtral-ep2")
+    data = mixtral_plan
 
     def micro(text: str) -> InputSpec:
         spec = parse_input_spec(text)
@@ -213,22 +230,22 @@ def mixtral_captured():
                    targets=micro(data["model"]["targets"]))
 
 
-def test_the_run_checks_each_ep_layout_against_the_graphs_experts(mixtral_captured):
+def test_the_run_checks_each_ep_layout_against_the_graphs_experts(mixtral_plan, mixtral_captured):
     """A rank checks every ep layout against core/experts.py's expert weights on the graph: an expert
     weight left replicated at ep=2 (which verify, knowing modules only, cannot tell) is refused there,
     as is an ep layout on q_proj; the unedited plan holds."""
     from partita.core.plans.verify import check_layouts
 
-    check_layouts(verified_plan(golden("mixtral-ep2"), sealed=False), mixtral_captured)
+    check_layouts(verified_plan(fresh(mixtral_plan), sealed=False), mixtral_captured)
 
     def unsplit(data: dict[str, Any]) -> None:
         del param(data, EXPERT)["layout"]["ep"]
 
-    plan = verified_plan(edited("mixtral-ep2", unsplit), sealed=False)  # passes without the model
+    plan = verified_plan(fresh(mixtral_plan, unsplit), sealed=False)  # passes without the model
     with pytest.raises(PartitaError, match=f"parameter {EXPERT}: ep layout replicate at mesh.ep = 2, but it is an "
                                            "expert weight"):
         check_layouts(plan, mixtral_captured)
-    plan = Plan.from_dict(edited("mixtral-ep2", move_ep_layout(Q_PROJ)))
+    plan = Plan.from_dict(fresh(mixtral_plan, move_ep_layout(Q_PROJ)))
     with pytest.raises(PartitaError, match=f"parameter {Q_PROJ}: ep layout shard\\(0\\), but this model does not "
                                            "stack it over experts"):
         check_layouts(plan, mixtral_captured)
