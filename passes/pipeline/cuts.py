@@ -170,26 +170,28 @@ class Partition:
         return got
 
     def _decide(self, j: int, k: int, s: int) -> tuple[int, str]:
-        state, live, collectives, step, tensors = self._segment(j, k)
-        if self.setup.buffers is not None:
-            collectives += self._sends(j, k, s)
-        held, cluster = self.held[s], self.cluster
-        saved = self.saved
-        plain = peak_of(state, held * (saved[k] - saved[j]) + 0 + live + collectives, step, tensors, cluster)
+        segment = self._segment(j, k, self._sends(j, k, s) if self.setup.buffers is not None else 0)
+        plain = self._bytes(j, k, s, NONE, segment)
         rc, cap = self.rc, self.setup.capacity
         if rc is None or (not rc.forced and plain <= cap):
             return plain, NONE
         for r in rc.options:
-            _, saved, rebuilt = self._modes[r.mode]
-            bytes_ = peak_of(state, held * (saved[k] - saved[j]) + rebuilt + live + collectives, step, tensors,
-                             cluster)
+            bytes_ = self._bytes(j, k, s, r.mode, segment)
             if rc.forced or bytes_ <= cap:
                 return bytes_, r.mode
         return plain, NONE
 
-    def _segment(self, j: int, k: int) -> tuple[int, int, int, int, int]:
+    def _bytes(self, j: int, k: int, s: int, mode: str, segment: tuple[int, int, int, int, int]) -> int:
+        """Stage s over [j, k)'s peak bytes in ``mode``, from what the segment holds (``_segment``): the
+        one formula the DP's memory, its fit bound and ``rank_memory``'s total agree on."""
+        state, live, collectives, step, tensors = segment
+        _, saved, rebuilt = self._modes[mode]
+        return peak_of(state, self.held[s] * (saved[k] - saved[j]) + rebuilt + live + collectives, step, tensors,
+                       self.cluster)
+
+    def _segment(self, j: int, k: int, sends: int = 0) -> tuple[int, int, int, int, int]:
         """What a stage over [j, k) holds whichever stage it is: its state's bytes, its costliest live
-        set, and its buffers' collectives (its sends apart), step and tensors; once per segment."""
+        set, and its buffers' collectives (plus ``sends``), step and tensors; computed once per segment."""
         got = self._segments.get((j, k))
         if got is None:
             state, live = self._state_total(j, k), self.costs.live_peak(j, k)
@@ -199,6 +201,9 @@ class Partition:
                 buffers = self._base_buffers(self.param_numel(j, k) + self.expert_numel(j, k))
                 got = (state, live, buffers.collectives, buffers.step, buffers.tensors)
             self._segments[j, k] = got
+        if sends:
+            state, live, collectives, step, tensors = got
+            return state, live, collectives + sends, step, tensors
         return got
 
     def recomputes(self, j: int, k: int, s: int) -> str:
@@ -250,15 +255,10 @@ class Partition:
         last_k, i = self._reach.get(s, (-1, 0))
         if k < last_k:
             i = 0
-        ends, cap, held = self.boundaries, self.setup.capacity, self.held[s]
-        _, saved, rebuilt = self._modes[self.first_mode]
+        ends, cap = self.boundaries, self.setup.capacity
+        sends = self._sends_bound[s] if self.setup.buffers is not None else 0
         while i < len(ends) and ends[i] < k:
-            state, live, collectives, step, tensors = self._segment(ends[i], k)
-            if self.setup.buffers is not None:
-                collectives += self._sends_bound[s]
-            j = ends[i]
-            if peak_of(state, held * (saved[k] - saved[j]) + rebuilt + live + collectives, step, tensors,
-                       self.cluster) <= cap:
+            if self._bytes(ends[i], k, s, self.first_mode, self._segment(ends[i], k, sends)) <= cap:
                 break
             i += 1
         self._reach[s] = (k, i)

@@ -215,9 +215,10 @@ class _CutSearch:
         for schedule in (("none",) if p == 1 else self.schedules):
             v = chunks_of(schedule)
             # every chunk holds parameters of its own (passes/pipeline/cuts.py ``Partition.empty``)
-            if v > 1 and p * v > _holding(c) and not chunk_problem(schedule, p, v, m):
-                self.empty_chunks = (schedule, p, v, _holding(c))
-            if v > 1 and (chunk_problem(schedule, p, v, m) or p * v > min(len(c.boundaries) + 1, _holding(c))):
+            held = _holding(c) if v > 1 else 0
+            if v > 1 and p * v > held and not chunk_problem(schedule, p, v, m):
+                self.empty_chunks = (schedule, p, v, held)
+            if v > 1 and (chunk_problem(schedule, p, v, m) or p * v > min(len(c.boundaries) + 1, held)):
                 continue
             zs = zero_options if v == 1 else tuple(z for z in zero_options if z == 0)
             if zs:
