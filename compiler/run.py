@@ -9,6 +9,7 @@ their number is not the plan's (compiler/elastic.py).
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -41,6 +42,15 @@ def _nodes(counts: tuple[int, int] | None) -> str:
     return "" if counts is None else str(counts[0]) if counts[0] == counts[1] else f"{counts[0]}:{counts[1]}"
 
 
+def local_port(checkpoint_dir: str, low: int = 20000, span: int = 10000) -> int:
+    """The port an elastic run on one host meets at: the same for every launcher given this checkpoint
+    directory (one run's: runtime/state/lock.py), in [low, low + span)."""
+    import hashlib
+
+    digest = hashlib.sha256(str(Path(checkpoint_dir).resolve()).encode()).digest()
+    return low + int.from_bytes(digest[:4], "big") % span
+
+
 REJOIN_WAIT_S = 30.0  # --rejoin-wait's default: how long an elastic restart waits for a lost node
 
 
@@ -51,6 +61,9 @@ def start(plan_path: str, script: str, args: tuple[str, ...], run_options: Calla
     reads the run flags into ``Options`` (after the plan's and the nodes' checks)."""
     import os
 
+    # c10d's C++ warnings (a store whose host is gone: a stack trace per call) would bury the one line
+    # partita says; read when torch loads, so set before the imports below load it
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     from partita.compiler.elastic import ELASTIC_ENV
     from partita.core.plans.verify import load_plan
     from partita.runtime.compose import refuse_unsupported
@@ -77,20 +90,33 @@ def start(plan_path: str, script: str, args: tuple[str, ...], run_options: Calla
             f"{script}` on every node (under SLURM they are filled in), or pass --standalone to start them all here")
     if standalone:
         least = nodes
-    if plan.world_size % nodes:
+    # a fixed run shares the plan's ranks out over its nodes; an elastic one keeps the plan's processes
+    # per node whatever the number of nodes (its workers plan again for the world there is)
+    per_node = min(int(plan.cluster.get("gpus_per_node", plan.world_size)), plan.world_size) \
+        if least < nodes else plan.world_size // nodes
+    if plan.world_size % (per_node if least < nodes else nodes):
         raise PartitaError(f"--nnodes {_nodes(nnodes)}: {nodes} nodes do not divide the plan's {plan.world_size} "
-                           "ranks", hint="pass a number of nodes that divides the plan's ranks, or recompile for "
-                           "these nodes")
-    endpoint = rdzv_endpoint or (slurm.rdzv_endpoint if slurm and nodes > 1 else None)
-    if nodes > 1 and endpoint is None:
-        raise PartitaError(f"{nodes} nodes need a rendezvous every node can reach",
-                           hint="pass --rdzv-endpoint HOST:PORT (the same on every node)")
+                           "ranks" if least == nodes else f"the plan's {plan.world_size} ranks are not whole nodes "
+                           f"of {per_node}", hint="pass a number of nodes that divides the plan's ranks, or "
+                           "recompile for these nodes")
     # the run options reach every rank through the environment, checked here as the decorator checks them
     options = run_options()
     if least < nodes and (options.checkpoint_dir is None or not max_restarts):
         raise PartitaError(f"--nnodes {least}:{nodes} runs elastically: after a node is lost its survivors restart "
                            "and resume from the newest checkpoint", hint="pass --checkpoint-dir D --checkpoint-every "
                            "N and --max-restarts R (at least 1) too, or a fixed --nnodes")
+    endpoint = rdzv_endpoint or (slurm.rdzv_endpoint if slurm and nodes > 1 else None)
+    local = least < nodes and endpoint is None and node_rank is None and options.checkpoint_dir is not None
+    if local:  # an elastic run on this host: its nodes meet at a port of this host that its directory names
+        endpoint = f"localhost:{local_port(options.checkpoint_dir)}"
+        wait = REJOIN_WAIT_S if rejoin_wait is None else rejoin_wait
+        print(f"partita: --nnodes {least}:{nodes} on this host: its nodes meet at {endpoint}, waiting {wait:g} s "
+              "for more nodes before it starts (--rejoin-wait); start the same command again for each node here, "
+              "or pass --rdzv-endpoint HOST:PORT and --node-rank R on every node to span hosts",
+              file=sys.stderr, flush=True)
+    if nodes > 1 and endpoint is None:
+        raise PartitaError(f"{nodes} nodes need a rendezvous every node can reach",
+                           hint="pass --rdzv-endpoint HOST:PORT (the same on every node)")
     if rejoin_wait is not None and least == nodes:  # it would be ignored
         raise PartitaError("--rejoin-wait has no use without --nnodes MIN:MAX: it is how long an elastic run's "
                            "restart waits for a lost node",
@@ -104,13 +130,13 @@ def start(plan_path: str, script: str, args: tuple[str, ...], run_options: Calla
             env[fld.metadata["env"]] = str(Path(value).resolve()) if fld.metadata["path"] else f"{value:g}" \
                 if isinstance(value, float) else str(value)
     rank = node_rank if node_rank is not None else (slurm.node_rank if slurm else None)
-    if nodes > 1 and rank is None:
+    if nodes > 1 and rank is None and not local:
         raise PartitaError(f"{nodes} nodes: which one is this?", hint="pass --node-rank R (0 on the node that "
                            "hosts the rendezvous, 1 to N-1 on the others)")
     if rank is not None and rank >= nodes:
         raise PartitaError(f"--node-rank {rank} is not below --nnodes {nodes}",
                            hint="node ranks run from 0 to --nnodes minus 1")
-    return launch(plan.world_size // nodes, [script, *args], env=env, max_restarts=max_restarts,
+    return launch(per_node, [script, *args], env=env, max_restarts=max_restarts,
                   nnodes=f"{least}:{nodes}" if least < nodes else nodes,
                   rejoin_s=(REJOIN_WAIT_S if rejoin_wait is None else rejoin_wait) if least < nodes else None,
                   checkpoint_dir=options.checkpoint_dir,

@@ -86,6 +86,7 @@ def init_distributed(timeout_s: float | None = None, *, watchdog_s: float | None
     device = _device(local_rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    _leave_word(int(os.environ["RANK"]), "joining")  # a peer that ends before this is an early exit
     dist.init_process_group(
         backend,
         timeout=timedelta(seconds=timeout_s),
@@ -135,9 +136,9 @@ def _one_message_for_user_errors(rank: int) -> None:
             os._exit(value.exit_code)  # without atexit's teardown: peers may be gone already
         gone = _peer_gone(rank) if _lost_a_peer(value) else None
         if gone is None:
-            _post_end(rank, "failed")  # its traceback (below) says why; peers stay quiet
-            if _lost_a_peer(value) and _leave_traceback(rank, kind, value, tb):
-                return  # a peer vanished without a word: `partita run` names the node it lost, or prints this
+            _post_end(rank, "failed")  # its traceback says why; peers stay quiet
+            if _leave_traceback(rank, kind, value, tb):
+                return  # `partita run` prints it once (or names the node it lost, when a peer vanished)
             previous(kind, value, tb)
             return
         peer, why = gone
@@ -208,13 +209,23 @@ def _say(rank: int, e: PartitaError) -> None:
 
 def _leave_traceback(rank: int, kind: type[BaseException], value: BaseException, tb: Any) -> bool:
     """Under ``partita run``: this rank's traceback into the run's error folder instead of stderr
-    (runtime/processes/launch.py ``failure_report`` prints it unless a lost node explains it)."""
+    (runtime/processes/agent.py ``failure_report`` prints it, the root cause's, unless a lost node
+    explains it)."""
     import traceback
 
+    return _leave_word(rank, "traceback", "".join(traceback.format_exception(kind, value, tb)))
+
+
+def _leave_word(rank: int, kind: str, text: str = "") -> bool:
+    """``rank<R>.<kind>`` in the run's error folder under ``partita run`` (its launcher reads them:
+    runtime/processes/agent.py); whether there is such a folder."""
     folder = os.environ.get("PARTITA_ERROR_DIR")
     if not (folder and Path(folder).is_dir()):
         return False
-    Path(folder, f"rank{rank}.traceback").write_text("".join(traceback.format_exception(kind, value, tb)))
+    try:
+        Path(folder, f"rank{rank}.{kind}").write_text(text)
+    except OSError:  # the launcher is gone with its folder: nobody is left to read it
+        return False
     return True
 
 

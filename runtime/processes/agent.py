@@ -63,7 +63,34 @@ class Agent(LocalElasticAgent):
 
     def _monitor_workers(self, worker_group: Any) -> Any:
         self._last = super()._monitor_workers(worker_group)
+        if self._last.state.name == "HEALTHY" and self.errors is not None:
+            self._last = self._ended_early(worker_group) or self._last
         return self._last
+
+    def _ended_early(self, worker_group: Any) -> Any:
+        """A failed result when a rank's script ended (exit code 0) before it joined the process
+        group while a rank of this node waits there for it (it would wait out the group's timeout):
+        the early rank's one message, and every rank stopped."""
+        from torch.distributed.elastic.agent.server.api import RunResult, WorkerState
+        from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+        handlers = getattr(self._pcontext, "subprocess_handlers", {})
+        ended = {w.global_rank: w.local_rank for w in worker_group.workers
+                 if w.local_rank in handlers and handlers[w.local_rank].proc.poll() == 0}
+        waiting = [w.global_rank for w in worker_group.workers if w.global_rank not in ended
+                   and (self.errors / f"rank{w.global_rank}.joining").exists()]
+        early = [r for r in ended if not (self.errors / f"rank{r}.joining").exists()]
+        if not (early and waiting):
+            return None
+        rank = early[0]
+        (self.errors / f"rank{rank}.txt").write_text(
+            f"rank {rank}'s script ended (exit code 0) before it built the model, while rank {waiting[0]} waits "
+            "for every rank to join the run\n  hint: every rank must run the script as far as the model's build "
+            "(partita.parallelize or ParallelModel); a rank with nothing to do must still build it")
+        self._pcontext.close()  # every rank of this node stopped now, not at the group's timeout
+        failure = ProcessFailure(local_rank=ended[rank], pid=handlers[ended[rank]].proc.pid, exitcode=2,
+                                 error_file="<N/A>")
+        return RunResult(state=WorkerState.FAILED, failures={rank: failure})
 
     def _restart_workers(self, worker_group: Any) -> None:
         """Say why (the failure as the launcher reports one), then restart every rank."""
@@ -179,7 +206,9 @@ def failure_report(failures: Mapping[int, Any], errors: Path, lost: list[dict]) 
         return [f"error ({'every rank' if len(r) > 1 else f'rank {r[0]}'}): {text}" for text, r in messages.items()], 2
     if not failures:
         return ["the run failed"], 1
-    rank, first = min(failures.items(), key=lambda kv: (getattr(kv[1], "timestamp", 0), kv[0]))  # the root cause
+    # the root cause: a rank that left its traceback (its peers exit quietly once it is gone), else the first to fail
+    rank, first = min(failures.items(), key=lambda kv: (not (errors / f"rank{kv[0]}.traceback").is_file(),
+                                                        getattr(kv[1], "timestamp", 0), kv[0]))
     code = getattr(first, "exitcode", None)
     trace = errors / f"rank{rank}.traceback"
     lines = [trace.read_text().rstrip()] if trace.is_file() else []

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from partita.runtime.processes.watchdog import LAUNCHER_ENV
+from partita.runtime.state.lock import RUN_ENV
 
 ERROR_DIR_ENV = "PARTITA_ERROR_DIR"
 
@@ -145,6 +146,8 @@ def _launch(nproc_per_node: int, argv: list[str], *, env: Mapping[str, str] | No
             rejoin_s: float | None, checkpoint_dir: str | None) -> int:
     os.environ.update(env or {})
     os.environ[LAUNCHER_ENV] = str(os.getpid())
+    # one run across its nodes and restarts (a checkpoint directory is one run's: runtime/state/lock.py)
+    os.environ[RUN_ENV] = f"{run_id or 'partita'}@{rdzv_endpoint}" if str(nnodes) != "1" else uuid.uuid4().hex
     threads = omp_threads(os.environ, nproc_per_node)
     if threads is not None:
         print(threads, file=sys.stderr, flush=True)

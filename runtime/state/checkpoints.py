@@ -2,7 +2,8 @@
 (runtime/state/sharded.py, loading.py) and, with ``checkpoint_dir``, the periodic ones
 (runtime/state/periodic.py): every ``checkpoint_every`` steps, written in the background unless
 ``async_checkpoints=False``, one in flight at a time and the last waited for at exit, the newest
-``keep_last`` kept; a run that finds an intact one there resumes from it (``resume``).
+``keep_last`` kept; a run that finds an intact one there resumes from it (``resume``). The
+directory is the run's alone while it runs (runtime/state/lock.py).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Any
 from partita.core.errors import PartitaError
 from partita.core.options import Options
 from partita.runtime.program import Program
-from partita.runtime.state import loading, periodic, sharded
+from partita.runtime.state import loading, lock, periodic, sharded
 
 
 class Checkpoints:
@@ -41,7 +42,7 @@ class Checkpoints:
         the step to go on from (0 without)."""
         if self.root is None:
             return 0
-        found, damaged = periodic.resume_point(self.root)
+        found, damaged = periodic.resume_point(self.root, self._hold())
         if self.program.ctx.rank == 0:
             for message in damaged:
                 print(f"partita: {message}: skipped it", flush=True)
@@ -52,6 +53,23 @@ class Checkpoints:
         if self.program.ctx.rank == 0:
             print(f"partita: resumed from {found} (step {step})", flush=True)
         return step
+
+    def _hold(self) -> dict:
+        """Rank 0 takes ``checkpoint_dir``'s lock (runtime/state/lock.py) and looks at what is there;
+        every rank gets its look, or its one message when another run holds the directory."""
+        seen: Any = None
+        if self.program.ctx.rank == 0:
+            try:
+                note = lock.DirectoryLock(self.root).acquire()
+                if note:
+                    print(note, file=sys.stderr, flush=True)
+                seen = periodic.survey(self.root)
+            except PartitaError as e:
+                seen = {"refused": (e.message, e.hint)}
+        seen = _from_rank0(seen)
+        if "refused" in seen:
+            raise PartitaError(seen["refused"][0], hint=seen["refused"][1])
+        return seen
 
     def save(self, path: str | Path, *, step: int, extra: dict | None = None, async_save: bool = False) -> Any:
         """``ParallelModel.save_checkpoint``: this run's state at ``step`` to ``path``."""
@@ -81,8 +99,23 @@ class Checkpoints:
             pending.result()
 
 
+def _from_rank0(value: Any) -> Any:
+    """Rank 0's ``value`` on every rank (a collective when a process group is up)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 def _wait_at_exit(ref: weakref.ref) -> None:
-    """At exit: the periodic checkpoint still being written completes, or its failure is said."""
+    """At exit: the periodic checkpoint still being written completes, or its failure is said in one
+    line (never an atexit traceback); a save cut short because a peer went away says nothing, since
+    the launcher names the node it lost (runtime/processes/agent.py)."""
+    from partita.runtime.distributed import _leave_traceback, _lost_a_peer
+
     checkpoints = ref()
     try:
         if checkpoints is not None:
@@ -90,3 +123,10 @@ def _wait_at_exit(ref: weakref.ref) -> None:
     except PartitaError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         os._exit(e.exit_code)
+    except BaseException as e:  # (what a collective raised mid-save: gloo's, NCCL's, DCP's)
+        rank = checkpoints.program.ctx.rank if checkpoints is not None else 0
+        quiet = _lost_a_peer(e) and _leave_traceback(rank, type(e), e, e.__traceback__)
+        if not quiet:
+            print(f"error: the checkpoint being written as the run ended failed: {type(e).__name__}: {e}",
+                  file=sys.stderr, flush=True)
+        os._exit(1)

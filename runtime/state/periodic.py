@@ -6,7 +6,8 @@ by default: runtime/state/sharded.py ``save``). Once its marker is written, the 
 all but the newest ``keep_last`` complete checkpoints (``DEFAULT_KEEP_LAST``; 0 keeps every one)
 and the saves older than the newest complete one that never completed. A restart resumes from the
 newest complete checkpoint whose files match their digests; each newer one that does not is
-skipped, with one line saying why (``resume_point``).
+skipped, with one line saying why (``resume_point``). Which checkpoints there are is the
+coordinator's look (``survey``), handed to every rank, so all ranks resume from the same one.
 """
 
 from __future__ import annotations
@@ -95,11 +96,10 @@ def _remove_ours(path: Path) -> bool:
     return not path.exists()
 
 
-def resume_point(root: Any) -> tuple[Path | None, list[str]]:
-    """The newest complete checkpoint under ``root`` whose every file matches its digest (a
-    collective: the files are shared out over the ranks), and a line for each newer one skipped
-    (damaged, or a save of partita's without its marker).
-    None when there is no complete checkpoint; one ``CheckpointError`` when none is intact."""
+def survey(root: Any) -> dict[str, Any]:
+    """What the coordinator sees under ``root``: the complete checkpoints, newest last, each with its
+    marker or why it has none that reads; and a line for each newer save of partita's without its
+    marker. Plain values, so one rank's look can be handed to every rank (``resume_point``)."""
     done = complete(root)
     newest = int(done[-1].name[5:]) if done else -1
     # a save of partita's newer than the newest complete checkpoint, without its marker: interrupted, or
@@ -107,19 +107,38 @@ def resume_point(root: Any) -> tuple[Path | None, list[str]]:
     unfinished = [f"checkpoint {p} has no completion marker ({COMPLETE}): its save did not finish, or the "
                   "marker was removed" for p in reversed(_steps(root))
                   if int(p.name[5:]) > newest and _started(p)]
-    skipped: list[str] = []
-    for path in reversed(done):
+    checkpoints = []
+    for path in done:
         try:
-            verify(path, read_marker(path))
+            checkpoints.append((str(path), read_marker(path), None))
+        except CheckpointError as e:
+            checkpoints.append((str(path), None, e.message))
+    return {"complete": checkpoints, "unfinished": unfinished}
+
+
+def resume_point(root: Any, seen: dict[str, Any] | None = None) -> tuple[Path | None, list[str]]:
+    """The newest complete checkpoint under ``root`` whose every file matches its digest (a
+    collective: the files are shared out over the ranks), and a line for each newer one skipped
+    (damaged, or a save of partita's without its marker). ``seen``: the coordinator's ``survey`` of
+    ``root``, the same on every rank (each rank looking for itself could pick another checkpoint
+    while a save is under way); this rank's own look without one.
+    None when there is no complete checkpoint; one ``CheckpointError`` when none is intact."""
+    seen = survey(root) if seen is None else seen
+    skipped: list[str] = []
+    for path, marker, unreadable in reversed(seen["complete"]):
+        try:
+            if unreadable is not None:
+                raise CheckpointError(unreadable)
+            verify(Path(path), marker)
         except CheckpointError as e:
             skipped.append(e.message)
             continue
-        return path, unfinished + skipped
+        return Path(path), seen["unfinished"] + skipped
     if skipped:
         raise CheckpointError(f"no intact checkpoint to resume from in {root}: {'; '.join(skipped)}",
                               hint="move the damaged checkpoints away to start afresh, or point checkpoint_dir "
                               "at another folder")
-    return None, unfinished
+    return None, seen["unfinished"]
 
 
 def _started(path: Path) -> bool:

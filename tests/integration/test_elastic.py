@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
+import time
 
 import torch
 
@@ -15,31 +16,39 @@ from partita.core.model.inputs import parse_input_spec
 from partita.core.options import Options
 from partita.core.plans.verify import load_plan
 from partita.runtime.engine import ParallelModel
-from tests.harness import ENV, PARTITA, WORKERS, free_port
+from tests.harness import ENV, PARTITA, WORKERS
 from tests.unit.test_elastic import batch
 from tests.workers import tied_script as script
 
 
 def test_a_lost_node_is_replanned_around_and_the_run_goes_on_as_a_fresh_resume(tmp_path):
+    """Two launchers on this host, as the guide's one command starts them (no endpoint, no node rank:
+    they meet at a local rendezvous the checkpoint directory names); node 1's launcher is SIGKILLed
+    after step 3. The survivor says so in one line, with no traceback, re-plans for its own processes
+    and resumes exactly."""
     plan = compile_model(script.build("tied-gpt"),
                          Options(inputs=[parse_input_spec(f"idx=int64[4,{script.SEQ}]")],
-                                 cluster=load_cluster("local", devices=2), world_size=2, dp=2)).plan
+                                 cluster=load_cluster("local", devices=1, nodes=2), world_size=2, dp=2)).plan
     path = plan.save(tmp_path / "plan.json")
-    ckpt, endpoint = tmp_path / "ckpt", f"127.0.0.1:{free_port()}"
+    ckpt = tmp_path / "ckpt"
     outs = [tmp_path / "node0", tmp_path / "node1"]
     launchers = []
-    for node in (1, 0):  # node 1 first: it waits for node 0's store, so both join the first round
+    for node in (0, 1):  # node 0's launcher first: it hosts the rendezvous (the one that must outlive the loss)
         outs[node].mkdir()
         launchers.append(subprocess.Popen(
-            [PARTITA, "run", "--nnodes", "1:2", "--node-rank", str(node), "--rdzv-endpoint", endpoint,
-             "--rejoin-wait", "3", "--max-restarts", "1", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "2",
+            [PARTITA, "run", "--nnodes", "1:2", "--rejoin-wait", "3", "--max-restarts", "1",
+             "--checkpoint-dir", str(ckpt), "--checkpoint-every", "2",
              str(path), str(WORKERS / "restart_script.py"), str(outs[node]), "3", "launcher"],
             env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    survivor = launchers[1]
+        if node == 0:
+            time.sleep(2)
+    survivor = launchers[0]
     out, err = survivor.communicate(timeout=300)
-    launchers[0].communicate(timeout=30)
+    launchers[1].communicate(timeout=30)
     assert survivor.returncode == 0, err[-4000:]
+    assert "on this host: its nodes meet at localhost:" in err, err[-4000:]
     assert "partita: node 1 (host" in err and "was lost" in err, err[-4000:]
+    assert "Traceback" not in err and "frame #" not in err, err[-4000:]
     assert "partita: re-planned for 1 process(es)" in err, err[-4000:]
     assert f"resumed from {ckpt / 'step-00000002'} (step 2)" in out, out[-3000:]
 

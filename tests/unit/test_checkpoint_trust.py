@@ -8,7 +8,12 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import pickle
+import socket
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -17,10 +22,12 @@ import torch
 from examples.models import GPT, GPTConfig
 from partita.compiler.compile import compile_model
 from partita.core.cluster import load_cluster
+from partita.core.errors import PartitaError
 from partita.core.model.inputs import parse_input_spec
 from partita.core.options import Options
 from partita.runtime.engine import ParallelModel
 from partita.runtime.state import periodic
+from partita.runtime.state.lock import LOCK, DirectoryLock
 from partita.runtime.state.marker import COMPLETE, METADATA, CheckpointError, file_digest
 
 
@@ -157,7 +164,8 @@ def test_periodic_checkpoints_keep_the_newest_and_a_restart_skips_a_damaged_one(
     root = tmp_path / "ckpt"
     m = trained(plans, steps=5, checkpoint_dir=str(root), checkpoint_every=1, keep_last=2)
     m.wait_for_checkpoint()
-    assert [p.name for p in sorted(root.iterdir())] == ["step-00000004", "step-00000005"]
+    # the two newest saves, and the run's hold on the directory while it lives (runtime/state/lock.py)
+    assert [p.name for p in sorted(root.iterdir())] == [LOCK, "step-00000004", "step-00000005"]
     shard = next(p for p in (root / "step-00000005").iterdir() if p.suffix == ".distcp")
     shard.write_bytes(b"\0" + shard.read_bytes()[1:])  # a flipped byte, the size unchanged
     capsys.readouterr()
@@ -246,3 +254,52 @@ def test_a_load_is_watched(plans, tmp_path, monkeypatch):
                                                       real(*a, **k))[1])
     model(plans).load_checkpoint(tmp_path / "c")
     assert seen == [(1, f"the checkpoint load of {tmp_path / 'c'}")] and FLIGHT.busy == 0
+
+
+# -- one run to a checkpoint directory (runtime/state/lock.py) ---------------------------------------
+
+
+def _other_run(root, **entry) -> dict:
+    """A lock in ``root`` as another run would have left it: a live process on this host by default."""
+    held = {"run": "another-run", "host": socket.gethostname(), "pid": os.getppid(), "since": time.time(),
+            "beat": time.time(), **entry}
+    root.mkdir(parents=True, exist_ok=True)
+    (root / LOCK).write_text(json.dumps(held))
+    return held
+
+
+def test_a_directory_another_live_run_holds_is_refused_naming_its_host_and_process(plans, tmp_path):
+    root = tmp_path / "ckpt"
+    trained(plans, steps=2, checkpoint_dir=str(root), checkpoint_every=1).wait_for_checkpoint()
+    before = {p.name: p.stat().st_mtime_ns for p in root.rglob("*") if p.is_file() and p.name != LOCK}
+    held = _other_run(root)
+    with pytest.raises(PartitaError) as e:
+        model(plans, checkpoint_dir=str(root))
+    assert (f"checkpoint directory {root} is in use by another run (host {held['host']}, process {held['pid']}, "
+            "since ") in e.value.message
+    assert f"delete {root / LOCK}" in e.value.hint
+    # nothing of the directory was touched: the other run's checkpoints and its lock stand
+    assert {p.name: p.stat().st_mtime_ns for p in root.rglob("*") if p.is_file() and p.name != LOCK} == before
+    assert json.loads((root / LOCK).read_text())["run"] == "another-run"
+
+
+def test_a_lock_on_another_host_is_live_while_its_heartbeat_is_fresh(plans, tmp_path):
+    root = tmp_path / "ckpt"
+    _other_run(root, host="elsewhere", pid=1)
+    with pytest.raises(PartitaError, match="in use by another run \\(host elsewhere, process 1"):
+        model(plans, checkpoint_dir=str(root))
+    _other_run(root, host="elsewhere", pid=1, beat=time.time() - 3600)  # its heartbeat stopped an hour ago
+    assert model(plans, checkpoint_dir=str(root)).step == 0
+
+
+def test_a_dead_runs_lock_is_taken_over_with_one_line_and_released_at_the_end(tmp_path, capsys):
+    root = tmp_path / "ckpt"
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    _other_run(root, pid=int(dead.stdout))  # a process of this host that has ended
+    lock = DirectoryLock(root, identity="this-run")
+    note = lock.acquire()
+    assert note is not None and "took over" in note and f"process {int(dead.stdout)}" in note
+    assert json.loads((root / LOCK).read_text())["run"] == "this-run"
+    assert DirectoryLock(root, identity="this-run").acquire() is None  # the same run again (a restart) is let in
+    lock.release()
+    assert not (root / LOCK).exists()
