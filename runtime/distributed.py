@@ -9,7 +9,9 @@ starts nothing, so a script written for partita also runs as a plain script.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import hashlib
+import json
 import os
 import sys
 import time
@@ -81,6 +83,7 @@ def init_distributed(timeout_s: float | None = None, *, watchdog_s: float | None
             torch.cuda.set_device(device)
         return DistContext(rank, world, local_rank, str(dist.get_backend()), device, False)
     if not under_torchrun:
+        _one_message_in_one_process()
         return DistContext(0, 1, 0, "none", _device(0), False)
     backend = _backend()
     device = _device(local_rank)
@@ -113,6 +116,25 @@ def _one_line_before_the_group(rank: int, local_rank: int) -> None:
             _say(rank, value)
         os._exit(value.exit_code)
 
+    sys.excepthook = hook
+
+
+def _one_message_in_one_process() -> None:
+    """A ``PartitaError`` a script did not catch, in a plain one-process run, is its one message
+    (``error:`` and the hint) and exit code 2, not a traceback; anything else keeps its traceback."""
+    previous = sys.excepthook
+    if getattr(previous, "partita", False):
+        return
+
+    def hook(kind: type[BaseException], value: BaseException, tb: Any) -> None:
+        if not isinstance(value, PartitaError):
+            previous(kind, value, tb)
+            return
+        print(f"error: {printable(value.message)}" + (f"\n  hint: {printable(value.hint)}" if value.hint else ""),
+              file=sys.stderr, flush=True)
+        sys.exit(value.exit_code)
+
+    hook.partita = True  # type: ignore[attr-defined]
     sys.excepthook = hook
 
 
@@ -204,6 +226,11 @@ def _say(rank: int, e: PartitaError) -> None:
     elif _first_to_say(str(e)):
         print(f"error (rank {rank}): {printable(e.message)}" + (f"\n  hint: {printable(e.hint)}" if e.hint else ""),
               file=sys.stderr, flush=True)
+    if not folder and os.environ.get("TORCHELASTIC_ERROR_FILE"):
+        # under a plain torchrun, whose own report follows: it gives this message, not a link to its docs
+        with contextlib.suppress(OSError):
+            Path(os.environ["TORCHELASTIC_ERROR_FILE"]).write_text(
+                json.dumps({"message": f"partita: {e}", "timestamp": int(time.time())}))
     sys.stdout.flush()
 
 
