@@ -650,6 +650,20 @@ function timelineSvg(T, span, label, cls) {
   }
   return root;
 }
+// the header's step time against this timeline's span, term by term: the two are different sums, and the page says how
+function scheduleGap(p, T) {
+  const pr = p.predicted, comm = pr.comm_s || {};
+  const bubble = comm.pp_bubble || 0, sends = comm.pp_send_recv || 0;
+  const rest = Object.entries(comm).filter(([k]) => k !== "pp_bubble" && k !== "pp_send_recv")
+    .reduce((a, [, v]) => a + v, 0);
+  const gap = pr.compute_s + bubble - T.makespan;
+  return `The plan's step time ${fmtTime(pr.step_time_s)} = compute ${fmtTime(pr.compute_s)} (every micro-batch on the ` +
+    `slowest stage, with each micro-batch's fixed overhead) + pipeline bubble ${fmtTime(bubble)} (priced as ` +
+    `${g3((T.stages - 1) / (T.chunks || 1))} slot(s) of that stage, each its forward and backward) + stage sends ${fmtTime(sends)} + other exposed ` +
+    `communication ${fmtTime(rest)} + optimizer ${fmtTime(pr.optimizer_s)}. This timeline plays each stage's own ` +
+    `forward and backward times without the per-micro-batch overhead, sends or optimizer, so its span differs from ` +
+    `compute + bubble by ${fmtTime(Math.abs(gap))} (${gap >= 0 ? "the plan's sum is longer" : "the timeline is longer"}).`;
+}
 function scheduleSection(D) {
   const p = D.plan, T = D.timeline, M = D.measured;
   const span = Math.max(T.makespan, M ? M.makespan : 0) || 1;
@@ -660,8 +674,8 @@ function scheduleSection(D) {
     : `${T.stages} stage(s)`;
   const parts = [el("p", {class: "note", id: "schedule-summary", text:
     `${name}, ${T.microbatches} micro-batch(es) of ${p.training.micro_batch_size} over ${over}: ` +
-    `predicted compute span ${fmtTime(T.makespan)} per step (the plan's step time ${fmtTime(p.predicted.step_time_s)} ` +
-    `adds exposed communication and the optimizer). Forward light, backward dark, grey is idle.`}),
+    `predicted compute span ${fmtTime(T.makespan)} per step. Forward light, backward dark, grey is idle.`}),
+    el("p", {class: "note", id: "schedule-gap", text: scheduleGap(p, T)}),
     el("div", {class: "scroll"}, timelineSvg(T, span, `predicted · ${fmtTime(T.makespan)}`, "predicted"))];
   if (M) {
     parts.push(el("div", {class: "scroll"}, timelineSvg(M, span,

@@ -1,5 +1,7 @@
 """Screenshots of `partita view` for the README: the demo plan and the planner's own plan for the
-GPT-3 175B shape on 16 DGX A100 nodes (128 GPUs), both made by `compile_model`.
+GPT-3 175B shape on 16 DGX A100 nodes (128 GPUs), both made by `compile_model`; and a data-parallel,
+a tensor x pipeline and an expert-parallel plan of the golden set's models (tests/golden.py), as the
+planner makes them with those degrees pinned.
 
     .venv/bin/python docs/make_screenshots.py
 
@@ -45,6 +47,17 @@ def gpt3_plan():
     return compile_model(gpt3, options, name="GPT-3 175B shape").plan
 
 
+def golden_plan(model: str, **pins):
+    """A golden-set model (tests/golden.py) planned now with ``pins``."""
+    sys.path.insert(0, str(ROOT))
+    from partita.compiler.compile import compile_model
+    from tests.golden import MODELS, _cluster
+
+    factory, spec = MODELS[model]
+    options = Options(inputs=[spec], cluster=_cluster(pins.pop("cluster", "local")), **pins)
+    return compile_model(factory, options, name=model).plan
+
+
 def shoot(context, html: str, out: Path, expand: str | None) -> None:
     with tempfile.NamedTemporaryFile("w", suffix=".html", delete=False) as f:
         f.write(html)
@@ -68,6 +81,10 @@ def main() -> None:
         plan = gpt3_plan()
         plan.save(ROOT / "docs" / "gpt3-175b.plan.json")
         shoot(context, render_html(plan), ROOT / "docs" / "view-gpt3-175b.png", expand="transformer.h.0")
+        for name, plan in (("dp", golden_plan("gpt-tiny", devices=2, dp=2)),
+                           ("tp-pp", golden_plan("gpt-4l", devices=4, tp=2, pp=2, grad_accum_steps=4)),
+                           ("experts", golden_plan("mixtral", devices=4, dp=4, ep=2))):
+            shoot(context, render_html(plan), ROOT / "docs" / f"view-{name}.png", expand=None)
         context.close()
 
 

@@ -194,3 +194,34 @@ def test_unsolved_alternatives_and_expert_collectives_are_worded(open_page):
         assert page.text_content(f'table.alts tr[data-index="{i}"] td:nth-child(6)') == "-"
     # the count the header gives (the solver's) is the one the alternatives' note names
     assert f"of the {plan.solver.candidates} candidates solved" in page.text_content("#alternatives .note")
+
+
+def test_the_schedule_names_its_gap_to_the_plans_step_time(open_page):
+    """The timeline's span and the header's step time are different sums: the page gives the step
+    time's terms, which add up to it (on a plan the planner made), and the gap between the span and
+    compute + bubble."""
+    import re
+
+    from partita.compiler.compile import compile_model
+    from partita.core.cluster import load_cluster
+    from partita.core.model.inputs import parse_input_spec
+    from partita.core.options import Options
+    from tests.workers import tied_script as script
+
+    plan = compile_model(script.build("tied-gpt"), Options(
+        inputs=[parse_input_spec(f"idx=int64[8,{script.SEQ}]")], cluster=load_cluster("local", devices=2),
+        world_size=2, pp=2, grad_accum_steps=4)).plan
+    page = open_page(render_html(plan))
+    text = page.text_content("#schedule-gap")
+    unit = {"us": 1e-6, "ms": 1e-3, "s": 1.0}
+
+    def seconds(label):
+        value, scale = re.search(rf"{label} ([0-9.]+) (us|ms|s)\b", text).groups()
+        return float(value) * unit[scale]
+
+    pr = plan.predicted
+    terms = [seconds(t) for t in ("= compute", "pipeline bubble", "stage sends", "other exposed communication",
+                                  "optimizer")]
+    assert abs(seconds("The plan's step time") - pr.step_time_s) <= 0.005 * pr.step_time_s, text
+    assert abs(sum(terms) - pr.step_time_s) <= 0.01 * pr.step_time_s, (terms, text)
+    assert "differs from compute + bubble by" in text and "without the per-micro-batch overhead" in text, text
