@@ -66,6 +66,10 @@ class ExpertRegion:
     row_bytes: int  # bytes of one dispatched row, at the captured dtype
     out_bytes: int  # bytes of one returned row
     local: frozenset[str]  # nodes whose values hold a rank's own rows or experts under expert parallelism
+    # per-row values made outside the layer and read inside it (a bias gathered by expert id, a per-row
+    # scale): (the reading node, the value's node, bytes of one row). Under expert parallelism they
+    # travel with the rows, along the same route, so each meets its own row on the expert's rank
+    carried: tuple[tuple[str, str, int], ...] = ()
 
     @property
     def first(self) -> str:
@@ -128,12 +132,33 @@ def expert_regions(graph: torch.fx.Graph, params: Iterable[str]) -> list[ExpertR
         local.update(c.name for c in between)
         rows_in = tensor_values(first.args[0].meta.get("val"))[0]
         rows_out = tensor_values(last.meta.get("val"))[0]
+        carried = _carried(between | {first, last}, matmuls, int(rows_in.shape[0]))
         regions.append(ExpertRegion(
             offsets=offs.name, matmuls=tuple(m.name for m in matmuls), weights=tuple(dict.fromkeys(weights)),
             experts=experts, rows=int(rows_in.shape[0]),
             row_bytes=int(rows_in[0].numel() * rows_in.element_size()),
-            out_bytes=int(rows_out[0].numel() * rows_out.element_size()), local=frozenset(local)))
+            out_bytes=int(rows_out[0].numel() * rows_out.element_size()), local=frozenset(local), carried=carried))
     return regions
+
+
+def _carried(inside: set[torch.fx.Node], matmuls: list[torch.fx.Node], rows: int) -> tuple[tuple[str, str, int], ...]:
+    """The per-row values an MoE layer's nodes ``inside`` read from outside it (``ExpertRegion.carried``):
+    a tensor whose first dimension is the layer's ``rows``, that is neither the rows the first grouped
+    matmul reads (dispatched already) nor a weight or offsets of a grouped matmul."""
+    import torch
+
+    # what the grouped matmuls read as such: the first one's rows, every one's weights and offsets
+    first = matmuls[0]
+    own = {(m, a) for m in matmuls for a in m.all_input_nodes if a is not m.args[0]} | {(first, first.args[0])}
+    out = []
+    for n in sorted(inside, key=lambda x: x.name):
+        for a in n.all_input_nodes:
+            val = a.meta.get("val")
+            if (a in inside or (n, a) in own or not isinstance(val, torch.Tensor) or val.dim() == 0
+                    or int(val.shape[0]) != rows):
+                continue
+            out.append((n.name, a.name, int(val[0].numel() * val.element_size())))
+    return tuple(out)
 
 
 def _reach(n: torch.fx.Node, *, down: bool) -> set[torch.fx.Node]:

@@ -51,6 +51,7 @@ COUNT_BYTES = 8  # one int64 per expert: the rows a rank sends to it (runtime/ex
 DISPATCH = "expert dispatch: token rows to their experts' ranks (their gradients back in backward)"
 COMBINE = "expert combine: expert outputs back to their tokens' ranks (their gradients out in backward)"
 COUNTS = "expert counts: the rows each rank sends to each expert, before the dispatch"
+CARRIED = "expert per-row values (a bias gathered by expert id, a scale) sent with their rows"
 
 
 def model_experts(G: nx.DiGraph) -> tuple[ExpertRegion, ...]:
@@ -145,19 +146,21 @@ class AllToAll:
 def all_to_alls(regions: Sequence[ExpertRegion], micro_batch: int, batch: int, act_scale: float, *,
                 inference: bool = False, recompute: bool = False) -> tuple[AllToAll, ...]:
     """One micro-batch's all-to-alls on one rank, merged by (size, purpose): per MoE layer the
-    counts (``E`` int64s), the dispatch of its ``rows x row_bytes`` and the combine of its
-    ``rows x out_bytes``, rows at the micro-batch (``rows x micro_batch / batch``, ``batch`` the
-    captured one) and bytes at the precision's element size (``act_scale``); in backward the
-    dispatch and combine again, reversed (their gradients), and with ``recompute`` (whole layers
-    rerun, core/recompute.py) the forward's three again."""
+    counts (``E`` int64s), the dispatch of its ``rows x row_bytes``, the combine of its
+    ``rows x out_bytes`` and each per-row value sent with the rows (``ExpertRegion.carried``),
+    rows at the micro-batch (``rows x micro_batch / batch``, ``batch`` the captured one) and bytes
+    at the precision's element size (``act_scale``); in backward each but the counts again, reversed
+    (their gradients), and with ``recompute`` (whole layers rerun, core/recompute.py) the forward's
+    again."""
     forward = 2 if recompute else 1
     passes = forward + (0 if inference else 1)
     calls: dict[tuple[int, str], int] = {}
     for r in regions:
         rows = r.rows * micro_batch / batch
+        carried = [(round(rows * b * act_scale), CARRIED, passes) for _, _, b in r.carried]
         for nbytes, purpose, n in ((r.experts * COUNT_BYTES, COUNTS, forward),
                                    (round(rows * r.row_bytes * act_scale), DISPATCH, passes),
-                                   (round(rows * r.out_bytes * act_scale), COMBINE, passes)):
+                                   (round(rows * r.out_bytes * act_scale), COMBINE, passes), *carried):
             calls[(nbytes, purpose)] = calls.get((nbytes, purpose), 0) + n
     return tuple(AllToAll(nbytes, n, purpose) for (nbytes, purpose), n in calls.items())
 

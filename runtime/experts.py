@@ -3,7 +3,9 @@
 Under a plan with ``mesh.ep > 1`` each rank of an expert group (core/mesh.py) holds ``E / ep``
 consecutive experts of every MoE layer (core/experts.py finds the layers; runtime/state/weights.py
 keeps the slice). In the rank's program (runtime/tp/program.py) the layer's first grouped matmul
-reads ``dispatch``'s rows instead of the rank's own, and the last one's rows go back by ``combine``:
+reads ``dispatch``'s rows instead of the rank's own, and the last one's rows go back by ``combine``;
+a per-row value the layer reads from outside it (a bias gathered by expert id) goes with the rows
+(``carry``):
 
 - ``Route``: from the rank's rows per expert (its offsets), one all-to-all of the counts tells each
   rank how many rows every peer sends to each of its experts; the rows then travel by one
@@ -114,6 +116,12 @@ def dispatch(g: ExpertGroup, rows: torch.Tensor, offsets: torch.Tensor) -> tuple
     return _Exchange.apply(rows, route, True), route.local_ends, route
 
 
+def carry(values: torch.Tensor, route: Route) -> torch.Tensor:
+    """A per-row value made from the rank's own rows (core/experts.py ``ExpertRegion.carried``: a
+    bias gathered by expert id) sent along the rows' route, so it meets each row on its expert's rank."""
+    return _Exchange.apply(values, route, True)
+
+
 def combine(rows: torch.Tensor, route: Route) -> torch.Tensor:
     """The program's node after an MoE layer's last grouped matmul: its rows at their tokens' ranks."""
     return _Exchange.apply(rows, route, False)
@@ -128,3 +136,7 @@ class ExpertLayers:
         self.g = g
         self.region_of = {m: r for r in regions for m in r.matmuls}
         self.local = frozenset(n for r in regions for n in r.local)
+        self.carried: dict[str, tuple[ExpertRegion, set[str]]] = {}  # reading node -> its region, values it carries
+        for r in regions:
+            for reader, value, _ in r.carried:
+                self.carried.setdefault(reader, (r, set()))[1].add(value)

@@ -38,7 +38,7 @@ from partita.core.placement import shard_dim
 from partita.core.plans.plan import NodeDecision
 from partita.core.precision import PrecisionPolicy
 from partita.core.tp.layout import regathers
-from partita.runtime.experts import ExpertLayers, combine, dispatch
+from partita.runtime.experts import ExpertLayers, carry, combine, dispatch
 from partita.runtime.processes.watchdog import FLIGHT
 from partita.runtime.rng import is_random, op_seed, seeded
 from partita.runtime.tp.collectives import Edge, TPGroup, local_shape, reshard_edge
@@ -241,6 +241,12 @@ class _Builder:
                                                   *args), kwargs)
         elif experts is not None and n.name in experts.region_of:
             out = self._expert_matmul(n, d, args, kwargs, experts)
+        elif experts is not None and n.name in experts.carried:
+            region, values = experts.carried[n.name]
+            route = self.routes[region.offsets][0]
+            args = [self.graph.call_function(carry, (a, route)) if isinstance(x, torch.fx.Node) and x.name in values
+                    else a for a, x in zip(args, n.args)]
+            out = self._op(n, d, args, kwargs)
         else:
             out = self._op(n, d, args, kwargs)
         if isinstance(out, torch.fx.Node) and not (experts is not None and n.name in experts.local):

@@ -38,17 +38,32 @@ def mixtral() -> torch.nn.Module:
         use_cache=False))
 
 
+def gpt_oss() -> torch.nn.Module:
+    """A tiny GPT-OSS: its experts add a bias gathered by expert id to each grouped matmul's rows."""
+    import transformers as tf
+
+    return tf.GptOssForCausalLM(tf.GptOssConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=2, head_dim=16, num_local_experts=EXPERTS, num_experts_per_tok=2,
+        max_position_embeddings=32, sliding_window=8, layer_types=["sliding_attention", "full_attention"],
+        use_cache=False))
+
+
+FAMILIES = {"mixtral": mixtral, "gpt-oss": gpt_oss}
+
+
 def case(ctx: DistContext, dp: int, ep: int, precision: str, micro_batches: int = 1, recompute: str | None = None,
-         zero: int | None = None, pp: int | None = None) -> dict:
+         zero: int | None = None, pp: int | None = None, family: str = "mixtral") -> dict:
     batch = 2 * dp * micro_batches
     options = Options(inputs=[f"input_ids=int64[{batch},{SEQ}]"], cluster="local", devices=ctx.world_size,
                       world_size=ctx.world_size, precision=precision, optimizer=_optimizer, log_every=0, dp=dp, ep=ep,
                       grad_accum_steps=micro_batches, recompute=recompute, zero=zero, pp=pp)
-    out: dict[str, Any] = {"case": f"dp{dp}/ep{ep}/{precision}/m{micro_batches}/{recompute}/z{zero}/pp{pp}"}
+    out: dict[str, Any] = {"case": f"{family} dp{dp}/ep{ep}/{precision}/m{micro_batches}/{recompute}/z{zero}/pp{pp}"}
+    factory = FAMILIES[family]
     try:
-        plan = compile_model(mixtral, options, name="mixtral").plan
+        plan = compile_model(factory, options, name=family).plan
         torch.manual_seed(0)
-        built = mixtral()
+        built = factory()
         model = ParallelModel(copy.deepcopy(built), plan, options, ctx=ctx)
         g = torch.Generator().manual_seed(1)
         idx = torch.randint(0, VOCAB, (batch, SEQ + 1), generator=g)
@@ -81,12 +96,13 @@ def case(ctx: DistContext, dp: int, ep: int, precision: str, micro_batches: int 
     params = {n: t.float() for n, t in full.items() if n in dict(built.named_parameters())}
     out.update(mesh=str(plan.mesh), ep=plan.mesh.ep, losses=losses, ref_losses=ref_losses,
                params=gaps(params, {n: ref[n] for n in params}),
-               local_expert=next(list(v) for k, v in local.items() if "experts" in k),
+               local_expert=next(list(v) for k, v in local.items() if k.endswith("experts.gate_up_proj")),
                full_expert=list(full[EXPERT_WEIGHT].shape), calls=calls, sizes=sizes, planned=planned,
                planned_sizes=planned_sizes, param_bytes=param_bytes, predicted_params=plan.predicted.memory.params,
                param_numel=sum(q.numel() for q, _ in held.values()), stage_params=plan.stages[stage].params,
                moe_layers=sum(n.endswith("experts.gate_up_proj") for n in held),
-               layouts={p.name: dict(p.layout) for p in plan.params if "experts" in p.name})
+               layouts={p.name: dict(p.layout) for p in plan.params if p.name.endswith(("experts.gate_up_proj",
+                                                                                          "experts.down_proj"))})
     return out
 
 
