@@ -56,6 +56,16 @@ def bucket_layout(params: Iterable[nn.Parameter], bucket_bytes: int = DEFAULT_BU
     return [sum(p.numel() * p.element_size() for p in b) for b in bucket_members(grad_params(params), bucket_bytes)]
 
 
+class _Done:
+    """The finished work of a collective over a group of one (no call is made)."""
+
+    def wait(self) -> None:
+        return None
+
+
+_DONE = _Done()
+
+
 class GradBucket:
     """One bucket's members as a flat tensor padded to ``size`` equal slices, of which rank
     ``rank`` owns one (``own``)."""
@@ -193,11 +203,14 @@ class BucketReducer:
             if not self.persistent:
                 b.grad_flat = None  # the wire is the bucket now: the full gradient is not held twice
         flat.div_(self.divisor)
-        if self.collective == "all_reduce":
+        if self.size == 1:  # a group of one (the experts' "edp" at ep = dp): its sum is its own, no call
+            b.work = _DONE
+        elif self.collective == "all_reduce":
             b.work = dist.all_reduce(flat, group=self.group, async_op=True)
         else:
             b.work = reduce_scatter_flat(flat[b.own], flat, group=self.group, async_op=True)
-        self.counter.record(self.collective, self.axis, flat.numel() * flat.element_size())
+        if self.size > 1:
+            self.counter.record(self.collective, self.axis, flat.numel() * flat.element_size())
         if self.on_launch is not None:
             self.on_launch(b)
 
@@ -265,8 +278,9 @@ class BucketReducer:
         members = [p for b in self.buckets for p in b.members]
         flags = torch.tensor([id(p) in self.touched for p in members], dtype=torch.float32,
                              device=members[0].device if members else "cpu")
-        self.counter.record("all_reduce", self.axis, flags.numel() * flags.element_size())
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
+        if self.size > 1:
+            self.counter.record("all_reduce", self.axis, flags.numel() * flags.element_size())
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
         return [p for p, f in zip(members, flags.tolist()) if not f]
 
     def unreached_here(self) -> bool:
