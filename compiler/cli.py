@@ -25,7 +25,7 @@ from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeEl
 from rich.table import Table
 
 from partita.compiler.console import console, err_console
-from partita.compiler.flags import FLOAT, INT, Number, verbose_flag
+from partita.compiler.flags import FLOAT, INT, Endpoint, Number, verbose_flag
 from partita.compiler.report import plain
 from partita.compiler.run import NodeCount
 from partita.core.errors import PartitaError
@@ -419,7 +419,7 @@ def calibrate(nproc: int, output: str, device: str) -> None:
               "survivors go on without it  [default: 30]")
 @click.option("--node-rank", type=Number(int, low=0), default=None,
               help="this node's rank among --nnodes (node 0 hosts the rendezvous); default under SLURM: SLURM_NODEID")
-@click.option("--rdzv-endpoint", default=None, metavar="HOST:PORT",
+@click.option("--rdzv-endpoint", type=Endpoint(), default=None, metavar="HOST:PORT",
               help="the c10d rendezvous every node joins (several nodes; default under SLURM: the first node:29500)")
 @click.option("--standalone", is_flag=True, help="start every rank of a multi-node plan on this host")
 @click.argument("plan_path", metavar="PLAN.json")
