@@ -102,6 +102,7 @@ def compile_model(
         max_grad_norm=None if inference else options.max_grad_norm,
         kv_tokens=(profile.seq_len or 0) + options.generate if options.generate else 0,
     )
+    pins.check_batch(request.global_batch)  # the pinned factors of the batch, before the search
     with phase("capturing at a second batch"):
         t0 = time.perf_counter()
         second = batch_shape_capture(model, captured, profile, cluster, pins, loss=loss if not inference else None)

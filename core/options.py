@@ -22,7 +22,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from partita.core.errors import PartitaError
+from partita.core.errors import MAX_COUNT, PartitaError, too_large
 from partita.core.files import check_output, writable_folder, writable_path
 from partita.core.optimizers import NO_OFFLOAD, OFFLOAD, default_optimizer, optimizer_kind
 from partita.core.pins import Pins, TrainingRequest, check_positive, is_whole
@@ -36,6 +36,8 @@ ALIASES = {"microbatches": "grad_accum_steps"}  # another name users know a keyw
 NONFINITE = ("stop", "skip")  # what a step whose loss is not finite does (runtime/engine.py)
 # the options a forward-only plan has no use for: given with inference=True they are refused, not dropped
 TRAINING_ONLY = ("targets", "loss", "optimizer", "max_grad_norm", "scheduler")
+MAX_SEED = 2**64 - 1  # torch.manual_seed's largest
+NEEDS_CHECKPOINT_DIR = ("checkpoint_every", "keep_last")  # run options of no use without checkpoint_dir
 
 
 def option(default: Any, part: str, help: str, *, flag: str | None = "", commands: tuple[str, ...] = ("compile",),
@@ -153,6 +155,11 @@ class Options:
 
     def __post_init__(self) -> None:
         _set = object.__setattr__
+        for f in dataclasses.fields(self):  # a switch is True or False (None: the default), not 'yes' or 1
+            v = getattr(self, f.name)
+            if f.metadata["kind"] is bool and v is not None and not isinstance(v, bool):
+                raise PartitaError(f"{f.name}={_shown(v)} must be True or False",
+                                   hint=f"pass {f.name}=True or {f.name}=False, or leave it out")
         _set(self, "inputs", _input_specs(self.inputs))
         _set(self, "recompute", recompute_mode(self.recompute))
         from partita.core.cluster import ClusterSpec
@@ -167,6 +174,8 @@ class Options:
             from partita.core.model.inputs import parse_input_spec
 
             _set(self, "targets", parse_input_spec(self.targets if "=" in self.targets else f"targets={self.targets}"))
+        _check_type("targets", self.targets, "an input spec such as 'float32[8,10]' or 'y=int64[8]'", _spec_type())
+        _check_type("output", self.output, "a field name or a tuple index", str, int)
         if self.optimizer is not None and not callable(self.optimizer) and self.optimizer not in OPTIMIZERS:
             raise PartitaError(f"--optimizer {self.optimizer!r} is not one of {', '.join(OPTIMIZERS)}",
                                hint="partita models the memory of these optimizers only; the decorator also "
@@ -183,6 +192,8 @@ class Options:
         if not isinstance(self.generate, int) or isinstance(self.generate, bool) or self.generate < 0:
             raise PartitaError(f"--generate {self.generate!r} must be a whole number of tokens >= 0",
                                hint="e.g. --generate 128, or leave it out")
+        if self.generate > MAX_COUNT:
+            raise too_large("--generate", self.generate)
         self._check_run()
 
     def _check_forward_only(self) -> None:
@@ -224,10 +235,16 @@ class Options:
             if v is not None and not is_whole(v, low):
                 raise PartitaError(f"{name}={v!r} must be a whole number >= {low}",
                                    hint=f"e.g. {name}=10, or leave it out for the default")
+        if self.seed is not None and self.seed > MAX_SEED:
+            raise PartitaError(f"seed={self.seed} is more than a seed holds (at most 2^64 - 1)",
+                               hint="pass a whole number from 0 to 2^64 - 1, or leave it out")
         for name in ("checkpoint_dir", "trace", "weights", "plan", "log_dir"):
             v = getattr(self, name)
             if v is not None and not isinstance(v, (str, os.PathLike)):
                 raise PartitaError(f"{name}={v!r} must be a path", hint=f"pass {name}='PATH', or leave it out")
+        if self.wandb_project is not None and not (isinstance(self.wandb_project, str) and self.wandb_project.strip()):
+            raise PartitaError(f"wandb_project={_shown(self.wandb_project)} must name a project",
+                               hint="pass the Weights & Biases project's name, or leave it out")
         if self.scheduler is not None and not callable(self.scheduler):
             raise PartitaError(f"scheduler={_shown(self.scheduler)} is not a factory of the optimizer",
                                hint="e.g. scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, 100, 0.5)")
@@ -249,6 +266,9 @@ class Options:
     def of(cls, base: Options | None = None, **keywords: Any) -> Options:
         """``base`` (default: the defaults) with ``keywords`` set: the decorator's keywords, by
         their names or aliases (``microbatches``); an unknown keyword is refused by name."""
+        if base is not None and not isinstance(base, Options):
+            raise PartitaError(f"options={_shown(base)} is a {type(base).__name__}, not partita.Options",
+                               hint="pass options=partita.Options(...), or the options as keywords")
         known = {f.name for f in dataclasses.fields(cls)}
         values: dict[str, Any] = {}
         for key, value in keywords.items():
@@ -325,7 +345,9 @@ def environment_option(name: str, environ: Mapping[str, str] | None = None) -> A
     kind = f.metadata["kind"] or str
     try:
         value = _parse(kind, raw)
-        Options(**{name: value, **({"checkpoint_dir": "."} if name == "checkpoint_every" else {})})
+        # checked alone, as its keyword is; a rule over two options (keep_last needs checkpoint_dir) is
+        # checked when with_environment sets them together
+        Options(**{name: value, **({"checkpoint_dir": "."} if name in NEEDS_CHECKPOINT_DIR else {})})
     except ValueError:
         what = {int: "a whole number", float: "a number", bool: "1 or 0 (true or false)"}[kind]
         raise PartitaError(f"{env}={raw!r} is not {what}",
@@ -364,15 +386,31 @@ def _parse(kind: type, raw: str) -> Any:
 
 
 def _input_specs(inputs: Any) -> tuple:
-    if not inputs:
-        return ()
     from partita.core.model.inputs import InputSpec, parse_input_spec
 
+    if inputs is None:
+        return ()
     if isinstance(inputs, Mapping):
         return tuple(parse_input_spec(f"{k}={v}") for k, v in inputs.items())
     if isinstance(inputs, (str, InputSpec)):
         inputs = [inputs]
+    if not isinstance(inputs, (list, tuple)) or not all(isinstance(s, (str, InputSpec)) for s in inputs):
+        raise PartitaError(f"inputs={_shown(inputs)} is not a set of example inputs",
+                           hint="pass inputs={'x': 'float32[8,64]'} (a name and DTYPE[SHAPE] per argument of forward)")
     return tuple(s if isinstance(s, InputSpec) else parse_input_spec(s) for s in inputs)
+
+
+def _spec_type() -> type:
+    from partita.core.model.inputs import InputSpec
+
+    return InputSpec
+
+
+def _check_type(name: str, value: Any, what: str, *types: type) -> None:
+    """``value`` is None or one of ``types`` (a bool is no int), else one message naming the keyword."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, types)):
+        raise PartitaError(f"{name}={_shown(value)} is a {type(value).__name__}, not {what}",
+                           hint=f"pass {name} as {what}, or leave it out")
 
 
 def _shown(value: Any) -> str:

@@ -56,11 +56,11 @@ class Pins:
         object.__setattr__(self, "recompute", recompute_mode(self.recompute))
         for name in ("dp", "tp", "pp", "micro_batch_size", "grad_accum_steps", "world_size", "ep"):
             check_positive(name, getattr(self, name))
-        if self.zero_stage is not None and (isinstance(self.zero_stage, bool) or self.zero_stage not in ZERO_STAGES):
+        if self.zero_stage is not None and (not is_whole(self.zero_stage, 0) or self.zero_stage not in ZERO_STAGES):
             raise PartitaError(f"--zero {self.zero_stage!r} must be 0, 1, 2 or 3",
                                hint="ZeRO shards optimizer state (1), gradients (2) and parameters (3) over dp; "
                                "leave --zero out to let partita choose")
-        if self.sequence_parallel not in (None, True, False):
+        if self.sequence_parallel is not None and not isinstance(self.sequence_parallel, bool):
             raise PartitaError(f"sequence_parallel={self.sequence_parallel!r} must be True, False or None",
                                hint="True splits the residual stream along the sequence over tp, False never")
         if self.offload is not None and self.offload not in OFFLOAD:
@@ -97,6 +97,19 @@ class Pins:
         """Whether recomputation is pinned on every stage (selective or full)."""
         return self.recompute in (SELECTIVE, FULL)
 
+    def check_batch(self, global_batch: int) -> None:
+        """The pinned factors of the global batch (dp x micro-batch size x micro-batches per step) must
+        divide it: refused in the CLI's words before the search, which would find no mesh and say less."""
+        pinned = [(flag, v) for flag, v in (("--dp", self.dp), ("--micro-batch-size", self.micro_batch_size),
+                                            ("--grad-accum-steps", self.grad_accum_steps)) if v is not None]
+        product = math.prod(v for _, v in pinned)
+        if global_batch % product:
+            what = " x ".join(f"{flag} {v}" for flag, v in pinned)
+            raise PartitaError(f"{what}{f' = {product}' if len(pinned) > 1 else ''} does not divide the global "
+                               f"batch of {global_batch}: dp x micro-batch size x micro-batches per step is the "
+                               "global batch", hint="pin factors of the global batch (--batch, or the first input's "
+                               "leading dim), or leave them out to let partita choose")
+
     def check_cluster(self, devices: int) -> None:
         """A degree pinned beyond the cluster's devices is refused in the same words everywhere
         (`partita compile`, `partita estimate`, the decorator)."""
@@ -131,6 +144,7 @@ class TrainingRequest:
             raise PartitaError(f"--reduce-dtype {self.reduce_dtype!r} is not one of {', '.join(REDUCE_DTYPES)}",
                                hint="fp32 (the default) reduces gradients at full precision")
         if self.max_grad_norm is not None and not (isinstance(self.max_grad_norm, (int, float))
+                                                   and not isinstance(self.max_grad_norm, bool)
                                                    and math.isfinite(self.max_grad_norm) and self.max_grad_norm > 0):
             raise PartitaError(f"--max-grad-norm {self.max_grad_norm!r} must be a positive number",
                                hint="e.g. --max-grad-norm 1.0, or leave it out for no clipping")
