@@ -94,11 +94,18 @@ def writable_path(path: str | os.PathLike, *, inputs: Iterable[str | os.PathLike
     writing would destroy one)."""
     path = check_path_text(path, "the output path")
     folder = path.parent
+    above = next((p for p in [folder, *folder.absolute().parents] if p.exists()), None)
+    if above is not None and not above.is_dir():
+        raise PartitaError(f"cannot write {path}: {above} is a file, not a folder",
+                           hint="pass -o a path in a folder")
     if not folder.is_dir():
         raise PartitaError(f"cannot write {path}: the folder {folder} does not exist",
                            hint=f"create it first (mkdir -p {folder}) or pass -o a path in an existing folder")
     if path.is_dir():
         raise PartitaError(f"cannot write {path}: it is a folder", hint="pass -o a file name")
+    if not os.access(path if path.exists() else folder, os.W_OK):
+        raise PartitaError(f"cannot write {path}: {'it' if path.exists() else f'the folder {folder}'} is not "
+                           "writable", hint="pass -o a path you can write to")
     check_output(path, [source for source in inputs if source is not None])
     return path
 
@@ -107,8 +114,11 @@ NAME_MAX, PATH_MAX = 255, 4096  # bytes of one path component, and of a whole pa
 
 
 def check_path_text(path: str | os.PathLike, what: str) -> Path:
-    """A path's text: no NUL byte, no component over ``NAME_MAX`` bytes, the whole under ``PATH_MAX``."""
+    """A path's text: not empty, no NUL byte, no component over ``NAME_MAX`` bytes, the whole under ``PATH_MAX``."""
     text = os.fspath(path)
+    if not str(text).strip():
+        raise PartitaError(f"{what} {text!r} is empty (no path at all; the current folder is written '.')",
+                           hint="pass a path")
     if "\0" in str(text):
         raise PartitaError(f"{what} {text!r} holds a NUL character, which no path can", hint="pass a plain path")
     raw = os.fsencode(text)
@@ -174,7 +184,9 @@ def writes(*outputs: str, replaces: tuple[str, ...] = ()) -> Callable[[Callable[
         def guarded(**params: Any) -> Any:
             read = paths_given(params, leave_out=(*outputs, *replaces))
             for name in outputs:
-                if params.get(name) is not None:
+                if params.get(name) is not None:  # -o (output, plan_path), or the flag of its name
+                    check_path_text(params[name], "the output path" if name in ("output", "plan_path")
+                                    else f"--{name.replace('_', '-')}")
                     check_output(params[name], read)
             return command(**params)
         return guarded
