@@ -277,8 +277,17 @@ class ClusterSpec:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> ClusterSpec:
-        names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in names})
+        """The cluster ``to_dict`` wrote (a plan's copy): a key it does not know, or one it lacks, is
+        named, not dropped or left to a TypeError."""
+        fields = dataclasses.fields(cls)
+        unknown = sorted(set(d) - {f.name for f in fields})
+        missing = [f.name for f in fields if f.name not in d and f.default is dataclasses.MISSING
+                   and f.default_factory is dataclasses.MISSING]
+        if unknown or missing:
+            what = "; ".join(p for p in (unknown and f"unknown key(s) {', '.join(map(str, unknown))}",
+                                         missing and f"it lacks {', '.join(missing)}") if p)
+            raise ClusterError(f"cluster {d.get('name', '?')!r}: {what}", hint=CLUSTER_HINT)
+        return cls(**d)
 
     def to_toml(self) -> str:
         """The human-unit TOML form read by ``load_cluster`` (core/cluster_file.py)."""

@@ -40,6 +40,7 @@ def plan_settings(plan: Any) -> dict[str, Any]:
     """A plan's settings, every one known; ``recompute`` the set of its stages' modes."""
     m, t = plan.mesh, plan.training
     return {"dp": m.dp, "tp": m.tp, "pp": m.pp, "ep": m.ep, "zero_stage": t.zero_stage, "schedule": t.schedule,
+            "grad_accum_steps": t.grad_accum_steps,
             "recompute": frozenset(s.recompute for s in plan.stages), "offload": t.offload,
             "sequence_parallel": t.sequence_parallel, "inference": t.inference}
 

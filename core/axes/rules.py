@@ -24,6 +24,7 @@ SETTINGS: dict[str, tuple[str, str]] = {
     "ep": ("--ep", "mesh.ep"),
     "zero_stage": ("--zero", "training.zero_stage"),
     "schedule": ("--schedule", "training.schedule"),
+    "grad_accum_steps": ("--grad-accum-steps", "training.grad_accum_steps"),
     "recompute": ("--recompute", "stages[].recompute"),  # a set of modes on a plan: its stages'
     "offload": ("--offload", "training.offload"),
     "sequence_parallel": ("--sequence-parallel", "training.sequence_parallel"),

@@ -7,10 +7,19 @@ from partita.core.axes.rules import Axis
 
 
 def _plan_checks(plan) -> list[str]:
-    z = plan.training.zero_stage
+    z, units, out = plan.training.zero_stage, plan.training.zero_units, []
     if z > 0 and plan.mesh.dp == 1:
-        return [f"training.zero_stage = {z} with mesh.dp = 1: no data-parallel group to shard over"]
-    return []
+        out.append(f"training.zero_stage = {z} with mesh.dp = 1: no data-parallel group to shard over")
+    if units and z != 3:
+        out.append(f"training.zero_units = {list(units)} with training.zero_stage = {z}: only ZeRO-3 gathers "
+                   "parameters by units")
+    layers = {d.layer for d in plan.nodes if d.layer}
+    # compile's units are the repeated layers (passes/dp/zero.py ``zero_units``), each a layer of the plan's nodes
+    unknown = [u for u in units if u not in layers]
+    if unknown:
+        out.append(f"training.zero_units names {', '.join(map(repr, unknown[:3]))}, no repeated layer of the plan's "
+                   "nodes: ZeRO-3 gathers parameters by the model's layers")
+    return out
 
 
 SHARDED = {1: "optimizer state", 2: "optimizer state and gradients", 3: "optimizer state, gradients and parameters"}

@@ -16,11 +16,13 @@ disagree, naming each disagreement, with the rules that made them (no second cop
   what this version runs it with, a recomputation mode only where the model has what it reruns, a
   schedule only with stages, ...), and each axis's own checks of the plan (an ep layout only on an
   expert weight);
-- stage indices lie within pp, stage ranks are the mesh's, nodes read only earlier stages;
+- every stage is listed, its index within pp (x chunks) and its ranks the mesh's; nodes read only
+  earlier stages;
 - the mesh fits the cluster, the cluster's figures are valid (``ClusterSpec``'s checks), the
   training set-up is one partita runs, every number is finite and not negative (and every count
-  an integer: the schema's "integer" takes no 8.0), the plan decides its graph's nodes and lists
-  the parameters it trains, and its MFU is at most 1.
+  an integer of at most 64 bits: the schema's "integer" takes no 8.0), the model has example
+  inputs, the plan decides its graph's nodes and lists the parameters it trains, and its MFU is
+  at most 1.
 
 A seal (sha256 over the whole plan, ``plan.seal_digest``) is written at compile time and checked
 at load after these checks: a hand edit that passes them is still refused until the user runs
@@ -39,6 +41,8 @@ from partita.core.axes import axis_problems
 from partita.core.mesh import MeshAxis
 from partita.core.plans.plan import NodeDecision, Plan
 from partita.core.plans.plan_file import describe_problems, plan_from_data, read_plan
+
+MAX_INT = 2**63 - 1  # no count, size or byte figure compile writes is larger (int64: what torch and C++ hold)
 
 
 def load_plan(path: Any, *, fingerprint: str | None = None, world_size: int | None = None,
@@ -74,6 +78,8 @@ def _numbers(plan: Plan) -> list[str]:
         if isinstance(value, (int, float)):
             if not math.isfinite(value) or value < 0:
                 bad.append(f"{where} = {value!r} is not a finite number >= 0")
+            elif isinstance(value, int) and value > MAX_INT:
+                bad.append(f"{where} = {value} is more than a 64-bit integer holds (2^63 - 1)")
         elif isinstance(value, dict):
             for k, v in value.items():
                 walk(v, f"{where}.{k}" if where else str(k))
@@ -103,7 +109,7 @@ def _model(plan: Plan) -> list[str]:
     from partita.core.errors import PartitaError
     from partita.core.model.inputs import check_input_spec
 
-    out = []
+    out = [] if plan.model.inputs else ["model.inputs is empty: a plan is made for the model's example inputs"]
     for what, text in [*(("input", s) for s in plan.model.inputs), ("targets", plan.model.targets)]:
         if text is None:
             continue
@@ -149,7 +155,7 @@ def _stages(plan: Plan) -> list[str]:
     pp, v, out = plan.mesh.pp, plan.virtual_stages, []
     needs = f"pp={pp}" if v == pp else f"pp={pp} x {plan.training.chunks} chunks"
     indices = [s.index for s in plan.stages]
-    if plan.stages and indices != list(range(v)):
+    if indices != list(range(v)):  # compile lists every stage (one without a pipeline)
         out.append(f"the stages are numbered {indices}, but {needs} needs {list(range(v))}")
     for s in plan.stages:
         if s.index < v and s.ranks and tuple(s.ranks) != plan.mesh.stage_ranks(s.index % pp):
