@@ -11,6 +11,8 @@ names the plans this runtime cannot run, before anything is built. The order, an
 
 from __future__ import annotations
 
+import inspect
+import math
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -319,13 +321,42 @@ def user_scheduler(factory: Callable[[torch.optim.Optimizer], Any], optimizer: t
                            "builds the optimizer, so it builds the scheduler over it", hint=hint)
     try:
         scheduler = factory(optimizer)
-    except TypeError as e:
-        raise PartitaError(f"scheduler= failed on the run's optimizer ({type(optimizer).__name__}): {e}",
-                           hint=hint) from None
-    if not callable(getattr(scheduler, "step", None)):
+    except Exception as e:  # the user's factory (or torch's scheduler) refusing this optimizer
+        raise PartitaError(f"scheduler= failed on the run's optimizer ({type(optimizer).__name__}): "
+                           f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}", hint=hint) from None
+    if isinstance(scheduler, torch.optim.Optimizer) or not callable(getattr(scheduler, "step", None)):
+        # an optimizer has a step() too: stepped as the scheduler, it would update the parameters twice a step
         raise PartitaError(f"scheduler= returned {type(scheduler).__name__ if scheduler is not None else 'None'}, "
-                           "not a scheduler (something with step())", hint=hint)
+                           "not a scheduler (something with step() that sets the learning rate)", hint=hint)
     if getattr(scheduler, "optimizer", optimizer) is not optimizer:
         raise PartitaError("scheduler= returned a scheduler over another optimizer: this run's learning rate would "
                            "never change", hint="build it over the optimizer the factory is given, not one of your own")
+    needs = _required_arguments(scheduler.step)
+    if needs:  # ReduceLROnPlateau.step(metrics): partita steps the scheduler after each optimizer step, bare
+        raise PartitaError(f"scheduler= returned {type(scheduler).__name__}, whose step() needs {', '.join(needs)}: "
+                           "partita calls scheduler.step() with no argument after each optimizer step",
+                           hint="pass a scheduler stepped by the step count (StepLR, CosineAnnealingLR, LambdaLR, "
+                           "...), or step one that needs a metric in your own loop")
+    bad = next((lr for lr in (_number(g.get("lr")) for g in optimizer.param_groups)
+                if lr is not None and not (math.isfinite(lr) and lr >= 0)), None)
+    if bad is not None:
+        raise PartitaError(f"scheduler= set the learning rate to {bad}: a learning rate is a finite number >= 0",
+                           hint="check the scheduler's factor or lambda at step 0")
     return scheduler
+
+
+def _number(value: Any) -> float | None:
+    try:
+        return float(value)
+    except (TypeError, ValueError, RuntimeError):
+        return None
+
+
+def _required_arguments(method: Callable[..., Any]) -> list[str]:
+    """The parameters ``method`` cannot be called without (none for a scheduler partita steps)."""
+    try:
+        params = inspect.signature(method).parameters.values()
+    except (TypeError, ValueError):  # a builtin without a signature: assume it takes none
+        return []
+    return [p.name for p in params if p.default is p.empty
+            and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]

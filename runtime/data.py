@@ -74,12 +74,19 @@ class ShareOfStream(IterableDataset):
 
     def __iter__(self) -> Iterator[Any]:
         run: list[Any] = []
+        count = 0
         for i, sample in enumerate(self.stream):
+            count = i + 1
             if self.first <= i % self.global_batch < self.first + self.per_rank:
                 run.append(sample if self.keep else None)
             if i % self.global_batch == self.global_batch - 1:  # a whole global batch: its share counts
                 yield from run
                 run = []
+        if count < self.global_batch:  # as a map-style dataset's (``_check_dataset``), once it is known
+            raise PartitaError(f"loader() got an IterableDataset of {count} sample{'s' if count != 1 else ''}, "
+                               f"fewer than the plan's global batch of {self.global_batch}: it gives no batch",
+                               hint="pass a stream of at least one global batch of samples, or compile the plan "
+                               "for a smaller --batch")
 
 
 class Columns(Dataset):
@@ -128,6 +135,10 @@ def _check_dataset(dataset: Any, global_batch: int) -> None:
                            "samples, or a tuple of one dataset per field")
     if isinstance(dataset, IterableDataset):
         return  # a stream's length is its own to know
+    if isinstance(dataset, (str, bytes, bytearray)):
+        raise PartitaError(f"loader() got text ({what} of {len(dataset)} characters): its samples would be "
+                           "single characters", hint="pass a list or map-style Dataset of (inputs..., targets) "
+                           "samples of tensors (tokenize text first)")
     if not (hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__")):
         raise PartitaError(f"loader() got {'None' if dataset is None else 'a ' + what}: a dataset has a length "
                            "and is read by position (a map-style Dataset), or is a torch IterableDataset",
@@ -151,11 +162,37 @@ def _shape_of(sample: Any) -> str:
     return type(sample).__name__
 
 
+def _holds_text(batch: Any) -> bool:
+    if isinstance(batch, (str, bytes)):
+        return True
+    if isinstance(batch, (tuple, list)):
+        return any(_holds_text(b) for b in batch)
+    return isinstance(batch, Mapping) and any(_holds_text(b) for b in batch.values())
+
+
 class _Stacked:
     """torch's ``default_collate``, its failure one message naming the first sample unlike the
-    batch's first (ragged samples: another shape, another number of fields, another type)."""
+    batch's first (ragged samples: another shape, another number of fields, another type). With
+    ``fields``, a sample that is a tuple or list has that many (the inputs, then the targets); a
+    batch holds no text, which no step takes."""
+
+    def __init__(self, fields: int | None = None) -> None:
+        self.fields = fields
 
     def __call__(self, samples: list[Any]) -> Any:
+        first = samples[0]
+        if self.fields is not None and isinstance(first, (tuple, list)) and len(first) != self.fields:
+            raise PartitaError(f"loader(): sample 0 is {_shape_of(first)}, {len(first)} field"
+                               f"{'s' if len(first) != 1 else ''}, but a step takes {self.fields}: the inputs in "
+                               "order, then the targets",
+                               hint="give each sample the model's inputs and the targets, e.g. (x, y)")
+        batch = self._collate(samples)
+        if _holds_text(batch):
+            raise PartitaError(f"loader(): the samples hold text ({_shape_of(first)}): a step takes tensors",
+                               hint="tokenize the text in the dataset (or a collate_fn) into integer tensors")
+        return batch
+
+    def _collate(self, samples: list[Any]) -> Any:
         try:
             return default_collate(samples)
         except (RuntimeError, TypeError, ValueError) as e:
@@ -190,6 +227,7 @@ def share_loader(program: Program, dataset: Dataset | Sequence[Dataset], *, read
         raise PartitaError(f"loader() sets {', '.join(given)} itself: each batch is this rank's "
                            f"{global_batch // dp_size} of the plan's global batch of {global_batch}",
                            hint="leave them out; shuffle=True (and seed=) draw the order alike on every rank")
+    _check_order(shuffle, seed, dataloader_kwargs.get("collate_fn"))
     if reads is not None and set(range(fields)) <= reads:
         reads = None  # every field
     per_field = isinstance(dataset, tuple)  # (a list is a dataset of its own)
@@ -205,7 +243,7 @@ def share_loader(program: Program, dataset: Dataset | Sequence[Dataset], *, read
             raise PartitaError("loader() reads per-field datasets by index: an IterableDataset cannot be one",
                                hint="pass map-style datasets, or one IterableDataset of whole samples")
         dataset = Columns(dataset, reads)
-    collate = dataloader_kwargs.pop("collate_fn", None) or _Stacked()
+    collate = dataloader_kwargs.pop("collate_fn", None) or _Stacked(None if per_field else fields)
     if reads is not None:
         collate = _ReadFields(collate, reads, per_field)
     elif per_field:
@@ -221,13 +259,37 @@ def share_loader(program: Program, dataset: Dataset | Sequence[Dataset], *, read
         if reads is not None and not reads:  # a middle stage: only the stream's end matters
             return DataLoader(ShareOfStream(dataset, global_batch, dp_rank, dp_size, keep=False),
                               batch_size=global_batch // dp_size, collate_fn=_nothing(fields))
-        return DataLoader(ShareOfStream(dataset, global_batch, dp_rank, dp_size),
-                          batch_size=global_batch // dp_size, collate_fn=collate, **dataloader_kwargs)
+        return _loader(ShareOfStream(dataset, global_batch, dp_rank, dp_size),
+                       batch_size=global_batch // dp_size, collate_fn=collate, **dataloader_kwargs)
     sampler = ShareSampler(len(dataset), global_batch, dp_rank, dp_size, shuffle=shuffle, seed=seed)
     if reads is not None and not reads:  # a middle stage reads nothing: the batches are Nones, nothing fetched
         return DataLoader(range(len(dataset)), batch_sampler=sampler, generator=sampler.generator,
                           collate_fn=_nothing(fields))
     # the DataLoader draws its workers' base seed from the sampler's generator before each pass, as
     # DataLoader(shuffle=True, generator=torch.Generator().manual_seed(seed)) does: the same draws
-    return DataLoader(dataset, batch_sampler=sampler, generator=sampler.generator, collate_fn=collate,
-                      **dataloader_kwargs)
+    return _loader(dataset, batch_sampler=sampler, generator=sampler.generator, collate_fn=collate,
+                   **dataloader_kwargs)
+
+
+def _check_order(shuffle: Any, seed: Any, collate_fn: Any) -> None:
+    """``shuffle`` a bool, ``seed`` a whole number a generator takes, ``collate_fn`` a function."""
+    if not isinstance(shuffle, bool):
+        raise PartitaError(f"loader(shuffle={shuffle!r:.40}) must be True or False",
+                           hint="shuffle=True draws a new order each pass, alike on every rank")
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**64:
+        raise PartitaError(f"loader(seed={seed!r:.40}) must be a whole number from 0 to 2^64 - 1",
+                           hint="pass the same seed on every rank, e.g. seed=0")
+    if collate_fn is not None and not callable(collate_fn):
+        raise PartitaError(f"loader(collate_fn={collate_fn!r:.40}) is not a function",
+                           hint="pass a function of a list of samples, or leave collate_fn out")
+
+
+def _loader(dataset: Any, **kwargs: Any) -> DataLoader:
+    """``DataLoader(dataset, **kwargs)``; an option torch refuses (``num_workers=-1``, a name it does
+    not know) is one message naming it."""
+    try:
+        return DataLoader(dataset, **kwargs)
+    except (TypeError, ValueError) as e:
+        raise PartitaError(f"loader(): torch's DataLoader refuses the options given: {str(e).splitlines()[0][:200]}",
+                           hint="pass only DataLoader's own options (num_workers, pin_memory, collate_fn, ...) "
+                           "with values it takes") from None

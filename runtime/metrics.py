@@ -118,7 +118,14 @@ class MetricsLog:
             self.run = wandb.init(project=wandb_project, name=plan.model.name or None, config=run_config(plan),
                                   dir=str(log_dir) if log_dir is not None else None)
         if log_dir is not None:
-            self.writer = SummaryWriter(log_dir=str(log_dir), flush_secs=10)
+            try:  # the folder is made here: Options checked its path, the file system has the last word
+                self.writer = SummaryWriter(log_dir=str(log_dir), flush_secs=10)
+            except OSError as e:
+                if self.run is not None:
+                    self.run.finish()
+                raise PartitaError(f"log_dir={str(log_dir)!r}: cannot write TensorBoard's event files there "
+                                   f"({e.strerror or e})", hint="pass a folder you can write to, or leave "
+                                   "log_dir out") from None
         atexit.register(_close_at_exit, weakref.ref(self))
 
     def write(self, result: StepResult) -> None:
