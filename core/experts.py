@@ -70,6 +70,7 @@ class ExpertRegion:
     # scale): (the reading node, the value's node, bytes of one row). Under expert parallelism they
     # travel with the rows, along the same route, so each meets its own row on the expert's rank
     carried: tuple[tuple[str, str, int], ...] = ()
+    chains: frozenset[str] = frozenset()  # the ops between a stacked weight and its matmul (views, transposes)
 
     @property
     def first(self) -> str:
@@ -114,6 +115,7 @@ def expert_regions(graph: torch.fx.Graph, params: Iterable[str]) -> list[ExpertR
         experts = tuple(offs.meta["val"].shape)[0] if isinstance(offs.meta.get("val"), torch.Tensor) else 0
         weights: list[str] = []
         local: set[str] = set()
+        chains: set[str] = set()
         ok = experts > 0
         for m in matmuls:
             w, chain = _viewed(m.args[1].name, lambda x: nodes[x].op,
@@ -124,11 +126,14 @@ def expert_regions(graph: torch.fx.Graph, params: Iterable[str]) -> list[ExpertR
                 break
             weights.append(w)
             local.update(chain)
+            chains.update(chain)
         if not ok:
             continue
         first, last = matmuls[0], matmuls[-1]
-        # rows a rank holds of its own experts: from the first matmul to the last, and what lies between
-        between = (_reach(first, down=True) | {first}) & (_reach(last, down=False) | {last})
+        # rows a rank holds of its own experts: from each matmul (DBRX's gate and up read the rows side
+        # by side) to the last, and what lies between
+        below = set().union(*(_reach(m, down=True) | {m} for m in matmuls))
+        between = below & (_reach(last, down=False) | {last})
         local.update(c.name for c in between)
         rows_in = tensor_values(first.args[0].meta.get("val"))[0]
         rows_out = tensor_values(last.meta.get("val"))[0]
@@ -137,7 +142,8 @@ def expert_regions(graph: torch.fx.Graph, params: Iterable[str]) -> list[ExpertR
             offsets=offs.name, matmuls=tuple(m.name for m in matmuls), weights=tuple(dict.fromkeys(weights)),
             experts=experts, rows=int(rows_in.shape[0]),
             row_bytes=int(rows_in[0].numel() * rows_in.element_size()),
-            out_bytes=int(rows_out[0].numel() * rows_out.element_size()), local=frozenset(local), carried=carried))
+            out_bytes=int(rows_out[0].numel() * rows_out.element_size()), local=frozenset(local), carried=carried,
+            chains=frozenset(chains)))
     return regions
 
 
@@ -148,8 +154,8 @@ def _carried(inside: set[torch.fx.Node], matmuls: list[torch.fx.Node], rows: int
     import torch
 
     # what the grouped matmuls read as such: the first one's rows, every one's weights and offsets
-    first = matmuls[0]
-    own = {(m, a) for m in matmuls for a in m.all_input_nodes if a is not m.args[0]} | {(first, first.args[0])}
+    rows_in = matmuls[0].args[0]  # dispatched once, read by every matmul that reads the layer's rows
+    own = {(m, a) for m in matmuls for a in m.all_input_nodes if a is not m.args[0] or a is rows_in}
     out = []
     for n in sorted(inside, key=lambda x: x.name):
         for a in n.all_input_nodes:

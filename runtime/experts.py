@@ -136,6 +136,7 @@ class ExpertLayers:
         self.g = g
         self.region_of = {m: r for r in regions for m in r.matmuls}
         self.local = frozenset(n for r in regions for n in r.local)
+        self.chain_of = {n: r for r in regions for n in r.chains}  # a weight's views on its way to a matmul
         self.carried: dict[str, tuple[ExpertRegion, set[str]]] = {}  # reading node -> its region, values it carries
         for r in regions:
             for reader, value, _ in r.carried:

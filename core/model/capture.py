@@ -49,6 +49,7 @@ from partita.core.model.capture_memo import capture_key, keep, kept
 from partita.core.model.fake_ops import buffers_kept, capturable
 from partita.core.model.inputs import InputSpec, dtype_name
 from partita.core.model.losses import select_output, training_loss
+from partita.core.model.moe_loops import traceable_experts
 
 EXPORT = "torch.export"
 SYMBOLIC_TRACE = "torch.fx.symbolic_trace"
@@ -153,14 +154,14 @@ def capture(
     with mode:
         args = tuple(_example(spec) for spec in inputs)
     if loss is not None and targets is None:
-        with capturable():
+        with capturable(), traceable_experts(module):
             targets = _infer_targets(module, args, mode, loss, inputs)
     if loss is not None:
         with mode:
             args = args + (_example(targets),)
     try:
         with _held_output(name or _name_of(model)), _forward_with_loss(module, loss, len(inputs)), \
-                _fx_config(do_not_emit_stack_traces=not stack_traces), capturable():
+                _fx_config(do_not_emit_stack_traces=not stack_traces), capturable(), traceable_experts(module):
             exported = torch.export.export(module, args, strict=False)
         gm, method = exported.graph_module, EXPORT
         signature = exported.graph_signature

@@ -190,7 +190,8 @@ class _Builder:
         # the captured dtype's constants in the compute dtype's (low precision)
         self.recast = Recast.of(p.graph_module, p.precision)
         self.order: dict[torch.fx.Node, int] | None = None  # the captured graph's order, when asked
-        self.routes: dict[str, tuple[torch.fx.Node, torch.fx.Node]] = {}  # MoE layer -> (its route, local offsets)
+        # MoE layer -> (its route, local offsets, the rows it dispatched (graph node), those rows here)
+        self.routes: dict[str, tuple[torch.fx.Node, torch.fx.Node, torch.fx.Node, torch.fx.Node]] = {}
 
     def attr(self, prefix: str, obj: Any) -> torch.fx.Node:
         """A get_attr node for ``obj``, which the program holds as an attribute."""
@@ -241,6 +242,9 @@ class _Builder:
                                                   *args), kwargs)
         elif experts is not None and n.name in experts.region_of:
             out = self._expert_matmul(n, d, args, kwargs, experts)
+        elif experts is not None and n.name in experts.chain_of and op_name(n) in _SIZE_ARG:
+            # a view of a stacked weight per expert (DBRX's (E x F, H) as (E, F, H)): this rank holds E / ep
+            out = self.graph.call_function(view_or_reshape, (args[0], [-1, *n.meta["val"].shape[1:]]))
         elif experts is not None and n.name in experts.carried:
             region, values = experts.carried[n.name]
             route = self.routes[region.offsets][0]
@@ -269,8 +273,10 @@ class _Builder:
             sent = self.graph.call_function(dispatch, (self.attr("experts", experts.g), args[0], offs))
             args[0] = self.graph.call_function(operator.getitem, (sent, 0))
             self.routes[region.offsets] = (self.graph.call_function(operator.getitem, (sent, 2)),
-                                           self.graph.call_function(operator.getitem, (sent, 1)))
-        route, local_offs = self.routes[region.offsets]
+                                           self.graph.call_function(operator.getitem, (sent, 1)), n.args[0], args[0])
+        elif n.args[0] is self.routes[region.offsets][2]:  # the layer's rows again (DBRX's up beside its gate)
+            args[0] = self.routes[region.offsets][3]
+        route, local_offs = self.routes[region.offsets][:2]
         if offs_at is not None:
             args[offs_at] = local_offs
         else:

@@ -26,7 +26,6 @@ from tests.harness import gaps
 from tests.workers.any_model_worker import _optimizer, reference
 
 STEPS, SEQ, VOCAB, EXPERTS = 3, 8, 128, 4
-EXPERT_WEIGHT = "model.layers.0.mlp.experts.gate_up_proj"
 
 
 def mixtral() -> torch.nn.Module:
@@ -49,7 +48,22 @@ def gpt_oss() -> torch.nn.Module:
         use_cache=False))
 
 
-FAMILIES = {"mixtral": mixtral, "gpt-oss": gpt_oss}
+def dbrx() -> torch.nn.Module:
+    """A tiny DBRX: its experts loop over the experts a batch hits (captured as grouped matmuls,
+    core/model/moe_loops.py), their weights (E x F, H) each."""
+    import transformers as tf
+
+    return tf.DbrxForCausalLM(tf.DbrxConfig(
+        vocab_size=VOCAB, d_model=32, n_heads=2, n_layers=2, max_seq_len=32, use_cache=False,
+        attn_config={"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0},
+        ffn_config={"ffn_hidden_size": 64, "moe_num_experts": EXPERTS, "moe_top_k": 2}))
+
+
+FAMILIES = {"mixtral": mixtral, "gpt-oss": gpt_oss, "dbrx": dbrx}
+# each family's weights stacked over experts (the first names a layer's), by their names' endings
+STACKED = {"mixtral": ("experts.gate_up_proj", "experts.down_proj"),
+           "gpt-oss": ("experts.gate_up_proj", "experts.down_proj"),
+           "dbrx": ("experts.mlp.w1", "experts.mlp.v1", "experts.mlp.w2")}
 
 
 def case(ctx: DistContext, dp: int, ep: int, precision: str, micro_batches: int = 1, recompute: str | None = None,
@@ -94,15 +108,18 @@ def case(ctx: DistContext, dp: int, ep: int, precision: str, micro_batches: int 
                            _optimizer, STEPS, dp=plan.mesh.dp)
     ref = {n: t.float() for n, t in built.state_dict().items()}
     params = {n: t.float() for n, t in full.items() if n in dict(built.named_parameters())}
+    first, *stacked = STACKED[family]
+    name = next(k for k in full if k.endswith(first))  # a layer's stacked weight
+    per = dict(built.named_parameters())[name].shape[0] // EXPERTS  # one expert's rows (DBRX's: F of E x F)
     out.update(mesh=str(plan.mesh), ep=plan.mesh.ep, losses=losses, ref_losses=ref_losses,
                params=gaps(params, {n: ref[n] for n in params}),
-               local_expert=next(list(v) for k, v in local.items() if k.endswith("experts.gate_up_proj")),
-               full_expert=list(full[EXPERT_WEIGHT].shape), calls=calls, sizes=sizes, planned=planned,
+               local_expert=[next(v[0] for k, v in local.items() if k.endswith(first)) // per],
+               full_expert=[full[name].shape[0] // per],
+               calls=calls, sizes=sizes, planned=planned,
                planned_sizes=planned_sizes, param_bytes=param_bytes, predicted_params=plan.predicted.memory.params,
                param_numel=sum(q.numel() for q, _ in held.values()), stage_params=plan.stages[stage].params,
-               moe_layers=sum(n.endswith("experts.gate_up_proj") for n in held),
-               layouts={p.name: dict(p.layout) for p in plan.params if p.name.endswith(("experts.gate_up_proj",
-                                                                                          "experts.down_proj"))})
+               moe_layers=sum(n.endswith(first) for n in held),
+               layouts={p.name: dict(p.layout) for p in plan.params if p.name.endswith((first, *stacked))})
     return out
 
 
