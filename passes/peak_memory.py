@@ -99,7 +99,8 @@ def step_buffers(*, precision: str, reduce_dtype: str = "fp32", zero_stage: int 
       fp32 copy until the step (ZeRO-0: the masters read the mean from it) or the end of backward
       (ZeRO-1): the reduce dtype's bytes of every parameter, on the step's side of the peak;
     - ZeRO-2/3 build each bucket's gradients into one flat transient and reduce it while the next
-      fills: the bucket filling, its parameters' own gradients, the previous one's wire;
+      fills: the bucket filling, the one gradient being copied into it (each member's is freed once
+      copied), the previous one's wire (one bucket: its reduce-dtype copy, where that is wider);
     - ZeRO-3 holds a unit whole while it computes and prefetches the next: two units' parameters;
     - where gradients are held when backward adds to them (``accumulates``: data parallelism's
       persistent buckets, ZeRO-1's, micro-batches accumulated), each one backward makes exists
@@ -123,7 +124,11 @@ def step_buffers(*, precision: str, reduce_dtype: str = "fp32", zero_stage: int 
     if accumulates and zero_stage <= 1:
         terms["a gradient added into the one held"] = p * largest
     if dp > 1 and zero_stage >= 2:
-        terms["gradient buckets in flight"] = (2 * p + max(p, r)) * bucket
+        # the bucket filling (allocated at its first gradient, beside the backward's activations) and the
+        # member's own gradient copied into it; the previous bucket's wire still in flight where there are
+        # several, or the one bucket's wider reduce-dtype copy made beside it at its launch
+        wire = max(p, r) if zero_stage == 3 or numel > bucket else (r if r > p else 0)
+        terms["gradient buckets in flight"] = (p + wire) * bucket + p * largest
         if zero_stage == 3:
             terms["ZeRO-3 units gathered whole, two"] = 2 * p * bucket
     return StepBuffers(sum(terms.values()) - step, step, terms, tensors)

@@ -214,22 +214,26 @@ class NodeCosts:
                 _prefix([b for _, b in self.all_to_all_s] or [0.0] * n))
 
     @functools.cached_property
-    def _live_table(self) -> list[list[int]]:
-        """Sparse table of ``live_bytes``: row r holds the max over each window of 2**r positions."""
-        table = [list(self.live_bytes)]
-        while 2 ** len(table) <= len(self.live_bytes):
-            prev, half = table[-1], 2 ** (len(table) - 1)
-            table.append(list(map(max, prev[:len(prev) - half], prev[half:])))
-        return table
+    def _live_table(self) -> list[list[float]]:
+        return _max_table(self.live_bytes)
 
     def live_peak(self, j: int, k: int) -> int:
         """The largest ``live_bytes`` over positions [j, k): an inference stage's activations, a training
         stage's costliest transient."""
+        return _range_max(self._live_table, j, k) if self.live_bytes else 0
+
+    @functools.cached_property
+    def _backward_table(self) -> list[list[float]]:
+        saved = self.prefix_sums[2]
+        return _max_table([saved[i + 1] + live for i, live in enumerate(self.live_bytes)])
+
+    def backward_peak(self, j: int, k: int) -> int:
+        """The most one micro-batch of positions [j, k) holds beyond its state: at each position, the
+        activations saved up to it (backward has freed those of the positions after it; the forward has
+        not made them yet) and its live bytes, the largest over [j, k)."""
         if not self.live_bytes or k <= j:
-            return 0
-        r = (k - j).bit_length() - 1
-        row = self._live_table[r]
-        return max(row[j], row[k - (1 << r)])
+            return round(self.prefix_sums[2][k] - self.prefix_sums[2][j]) if k > j else 0
+        return round(_range_max(self._backward_table, j, k) - self.prefix_sums[2][j])
 
     @functools.cached_property
     def _label_runs(self) -> tuple[list[int], list[str]]:
@@ -271,7 +275,7 @@ class Rerun:
 
     mode: str  # SELECTIVE or FULL
     costs: NodeCosts  # saved bytes: only what each rerun region reads; backward: + the region's forward
-    transient_bytes: int  # the largest region's activations, rebuilt while its backward runs
+    transient_bytes: int  # the largest region's activations, rebuilt in its backward (``costs.live_bytes``)
 
 
 @dataclass(frozen=True)
@@ -304,7 +308,7 @@ def _selective(c: NodeCosts) -> Rerun | None:
             per_core[core] = per_core.get(core, 0) + saved[i]
             bwd[i] += c.forward_s[i]
             saved[i] = c.core_inputs[i]
-    return Rerun(SELECTIVE, replace(c, backward_s=tuple(bwd), saved_bytes=tuple(saved)), max(per_core.values()))
+    return _rerun(SELECTIVE, c, bwd, saved, c.cores, per_core)
 
 
 def _full(c: NodeCosts) -> Rerun | None:
@@ -318,6 +322,7 @@ def _full(c: NodeCosts) -> Rerun | None:
         return None
     fwd, bwd, saved = list(c.forward_s), list(c.backward_s), list(c.saved_bytes)
     per_layer: dict[str, int] = {}
+    regions = [""] * len(c.modules)  # per position: its layer, or ""
     current = ""  # the layer the previous position belonged to
     for i, label in enumerate(c.modules):
         # a layer's own nodes carry its name; its parameters (placed before their first user)
@@ -326,11 +331,24 @@ def _full(c: NodeCosts) -> Rerun | None:
         if not layer:
             current = ""
             continue
+        regions[i] = layer
         per_layer[layer] = per_layer.get(layer, 0) + saved[i]
         bwd[i] += fwd[i]
         saved[i] = c.send_bytes[i] if layer != current else 0
         current = layer
-    return Rerun(FULL, replace(c, backward_s=tuple(bwd), saved_bytes=tuple(saved)), max(per_layer.values()))
+    return _rerun(FULL, c, bwd, saved, regions, per_layer)
+
+
+def _rerun(mode: str, c: NodeCosts, bwd: list[float], saved: list[int], regions: Sequence[str],
+           rebuilt: dict[str, int]) -> Rerun:
+    """``c`` rerun by regions (``regions``: each position's, or ""): each region's activations
+    (``rebuilt``) are made again when its backward begins and held while it runs, so they count in
+    the live bytes of its own positions, beside their transients, and nowhere else (not beside the
+    loss's, whose backward runs before any region's rerun)."""
+    live = c.live_bytes or (0,) * len(regions)
+    live = tuple(b + rebuilt[r] if r else b for b, r in zip(live, regions))
+    return Rerun(mode, replace(c, backward_s=tuple(bwd), saved_bytes=tuple(saved), live_bytes=live),
+                 max(rebuilt.values()))
 
 
 def activation_scale(profile: ModelProfile, request: TrainingRequest) -> float:
@@ -462,3 +480,21 @@ def _running(diff: list[float]) -> tuple[int, ...]:
 
 def _prefix(values: Sequence[float]) -> list[float]:
     return list(itertools.accumulate(values, initial=0))
+
+
+def _max_table(values: Sequence[float]) -> list[list[float]]:
+    """Sparse table of ``values``: row r holds the max over each window of 2**r positions."""
+    table = [list(values)]
+    while 2 ** len(table) <= len(values):
+        prev, half = table[-1], 2 ** (len(table) - 1)
+        table.append(list(map(max, prev[:len(prev) - half], prev[half:])))
+    return table
+
+
+def _range_max(table: list[list[float]], j: int, k: int) -> float:
+    """The largest of a ``_max_table``'s values over positions [j, k) (0 where empty)."""
+    if k <= j:
+        return 0
+    r = (k - j).bit_length() - 1
+    row = table[r]
+    return max(row[j], row[k - (1 << r)])

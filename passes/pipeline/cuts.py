@@ -64,18 +64,26 @@ class StageSetup:
     chunks: int = 1
     offload: str = NO_OFFLOAD  # the optimizer's state and masters in host memory (core/optimizers.py)
     host: float = 0.0  # bytes per parameter the host then holds (cost_model.offloaded_state), unsharded
+    shared_host: bool = False  # host and device are one memory (a CPU cluster): the host's bytes are the device's
 
     @property
     def held(self) -> StateBytes:
         """Bytes per parameter one device holds: ``state`` sharded by ZeRO over the dp group, less
-        what offload keeps on the host."""
+        what offload keeps on the host, unless the host's memory is the device's."""
         held = sharded_state(self.state, self.zero_stage, self.dp)
-        return held if self.offload == NO_OFFLOAD else replace(held, optimizer=0.0)
+        if self.offload == NO_OFFLOAD:
+            return held
+        return replace(held, optimizer=self.host_share if self.shared_host else 0.0)
+
+    @property
+    def host_share(self) -> float:
+        """Bytes per parameter one device's share of the host holds (sharded as the optimizer's state)."""
+        return sharded_state(StateBytes(0.0, 0.0, self.host), self.zero_stage, self.dp).optimizer
 
     @property
     def host_held(self) -> float:
-        """Bytes per parameter one device's share of the host holds (sharded as the optimizer's state)."""
-        return sharded_state(StateBytes(0.0, 0.0, self.host), self.zero_stage, self.dp).optimizer
+        """Of ``host_share``, what is held apart from the device's memory (none where they are one)."""
+        return 0.0 if self.shared_host else self.host_share
 
     def optimizer_time(self, numel: int, cluster: ClusterSpec) -> float:
         """One step of the optimizer over a stage's ``numel`` parameters: the device's pass over its
@@ -101,11 +109,12 @@ class Partition:
         # a rank's expert slices (passes/experts.py): out of ZeRO, every byte of the state each
         self.experts = costs.expert_sums[0] if costs.expert_numel else None
         self.rc = recompute if setup.zero_stage < 3 else None
-        # per mode: (forward + backward, saved bytes) prefix sums, and the bytes its rerun rebuilds
-        self._modes: dict[str, tuple[list[float], list[float], int]] = {NONE: (self.compute, self.saved, 0)}
+        # per mode: (forward + backward, saved bytes) prefix sums, and its costs (whose ``live_peak``
+        # holds a rerun region's rebuilt activations at its own positions)
+        self._modes: dict[str, tuple[list[float], list[float], NodeCosts]] = {NONE: (self.compute, self.saved, costs)}
         for r in self.rc.options if self.rc is not None else ():
             compute, _, saved, _ = r.costs.prefix_sums
-            self._modes[r.mode] = (compute, saved, r.transient_bytes)
+            self._modes[r.mode] = (compute, saved, r.costs)
         blocked = set(forbid)
         self.boundaries = tuple(k for k in costs.boundaries if k not in blocked)
         self.held = [in_flight(setup.schedule, s, setup.stages, setup.micro_batches, setup.chunks)
@@ -117,7 +126,7 @@ class Partition:
         self._sends_held = [sends_held(setup.schedule, s, setup.stages, setup.micro_batches, setup.chunks)
                             for s in range(setup.stages)]
         self._choices: dict[tuple[int, int, int], tuple[int, str]] = {}
-        self._segments: dict[tuple[int, int], tuple[int, int, int, int, int]] = {}
+        self._segments: dict[tuple[int, int], tuple[int, int, int, int]] = {}
         self._p2p_out: dict[tuple[int, int], float] = {}  # (k, s): the activations' send over boundary k
         self._p2p_back: dict[tuple[int, int], float] = {}  # (j, s): the gradients' send back over j
         # the mode a stage is first weighed in, and a bound on its sends over any boundaries
@@ -184,26 +193,27 @@ class Partition:
     def _bytes(self, j: int, k: int, s: int, mode: str, segment: tuple[int, int, int, int, int]) -> int:
         """Stage s over [j, k)'s peak bytes in ``mode``, from what the segment holds (``_segment``): the
         one formula the DP's memory, its fit bound and ``rank_memory``'s total agree on."""
-        state, live, collectives, step, tensors = segment
-        _, saved, rebuilt = self._modes[mode]
-        return peak_of(state, self.held[s] * (saved[k] - saved[j]) + rebuilt + live + collectives, step, tensors,
-                       self.cluster)
+        state, collectives, step, tensors = segment
+        _, saved, costs = self._modes[mode]
+        # the other micro-batches in flight hold all their saved activations, the one in backward its peak
+        return peak_of(state, (self.held[s] - 1) * (saved[k] - saved[j]) + costs.backward_peak(j, k) + collectives,
+                       step, tensors, self.cluster)
 
-    def _segment(self, j: int, k: int, sends: int = 0) -> tuple[int, int, int, int, int]:
-        """What a stage over [j, k) holds whichever stage it is: its state's bytes, its costliest live
-        set, and its buffers' collectives (plus ``sends``), step and tensors; computed once per segment."""
+    def _segment(self, j: int, k: int, sends: int = 0) -> tuple[int, int, int, int]:
+        """What a stage over [j, k) holds whichever stage and mode it is: its state's bytes and its
+        buffers' collectives (plus ``sends``), step and tensors; computed once per segment."""
         got = self._segments.get((j, k))
         if got is None:
-            state, live = self._state_total(j, k), self.costs.live_peak(j, k)
+            state = self._state_total(j, k)
             if self.setup.buffers is None:
-                got = (state, live, 0, 0, 0)
+                got = (state, 0, 0, 0)
             else:
                 buffers = self._base_buffers(self.param_numel(j, k) + self.expert_numel(j, k))
-                got = (state, live, buffers.collectives, buffers.step, buffers.tensors)
+                got = (state, buffers.collectives, buffers.step, buffers.tensors)
             self._segments[j, k] = got
         if sends:
-            state, live, collectives, step, tensors = got
-            return state, live, collectives + sends, step, tensors
+            state, collectives, step, tensors = got
+            return state, collectives + sends, step, tensors
         return got
 
     def recomputes(self, j: int, k: int, s: int) -> str:
@@ -222,9 +232,16 @@ class Partition:
         return stage_slot_time(self.compute_s(j, k, s), self.p2p(j, k, s), self.cluster)
 
     def _activations(self, j: int, k: int, s: int) -> int:
-        """Bytes stage s over [j, k) holds saved for backward at its peak (recomputation's too)."""
-        _, saved, rebuilt = self._modes[self.recomputes(j, k, s)]
-        return self.held[s] * (saved[k] - saved[j]) + rebuilt
+        """Bytes stage s over [j, k) holds saved for backward (a rerun's rebuilt ones are in ``_live``)."""
+        _, saved, _ = self._modes[self.recomputes(j, k, s)]
+        return self.held[s] * (saved[k] - saved[j])
+
+    def _live(self, j: int, k: int, s: int) -> int:
+        """What stage s over [j, k) holds beyond its saved activations at one micro-batch's peak
+        (``NodeCosts.backward_peak``): an op's transient, with a rerun region's rebuilt activations
+        where it is one of theirs, less what backward has freed by then of the positions after it."""
+        _, saved, costs = self._modes[self.recomputes(j, k, s)]
+        return costs.backward_peak(j, k) - round(saved[k] - saved[j])
 
     def memory(self, j: int, k: int, s: int) -> MemoryBreakdown:
         return self.rank_memory([(j, k, s)], self.setup.capacity)
@@ -236,7 +253,7 @@ class Partition:
         experts = sum(self.expert_numel(j, k) for j, k, _ in segments)
         st = split_state(model_state_memory(numel, self.setup.held), experts, self.setup.state)
         act = sum(self._activations(j, k, s) for j, k, s in segments)
-        live = max(self.costs.live_peak(j, k) for j, k, _ in segments)
+        live = max(self._live(j, k, s) for j, k, s in segments)
         if self.setup.buffers is None:  # inference: the forward's live set is its activations
             return peak_memory(st, activations=act + live, capacity=capacity, cluster=self.cluster)
         buffers = self._base_buffers(numel + experts)

@@ -232,7 +232,8 @@ class _CutSearch:
         links = stage_links(self.cluster, p, dp, self.tp, v)
         return [StageSetup(p * v, m, schedule, links, self.cluster.usable_memory // v, self.state, z, dp,
                            self.step_buffers(z, dp, m), chunks=v, offload=offload,
-                           host=offloaded_state(self.state, offload, self.request.precision)[1])
+                           host=offloaded_state(self.state, offload, self.request.precision)[1],
+                           shared_host=self.cluster.device == "cpu")
                 for offload in self.offloads for z in zs]
 
     def _pruned(self, p: int, dp: int, mb: int, m: int, zero_options: tuple[int, ...]) -> bool:

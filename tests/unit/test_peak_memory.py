@@ -110,13 +110,20 @@ def test_the_optimizer_steps_and_zeros_buffers_worked_by_hand():
     # ZeRO-1: the fp32 wires until the end of backward, and a chunk of the shard's fp32 gradients
     b = step_buffers(precision="bf16-mixed", dp=2, zero_stage=1, **kw)
     assert b.step == 4 * psi + 4 * psi // 2
-    # ZeRO-2: the bucket filling (2 bytes), its parameters' gradients (2), the previous one's fp32 wire (4)
+    # ZeRO-2, one bucket (10M elements under the cap's 13M): the bucket filling (2 bytes) and its fp32
+    # wire made at its launch (4), and the one member's gradient being copied into it (the largest)
     b = step_buffers(precision="bf16-mixed", dp=2, zero_stage=2, **kw)
-    assert (b.collectives, b.step) == (8 * psi, 4 * psi // 2)
-    # ZeRO-3 by units of 2M: two units gathered whole (2 x 2 bytes) beside a unit's gradients in flight (8)
+    assert (b.collectives, b.step) == (6 * psi + 2 * big, 4 * psi // 2)
+    # in fp32 the one bucket is its own wire; several buckets: the previous one's wire still in flight
+    one = step_buffers(precision="fp32", dp=2, zero_stage=2, **{**kw, "bucket_bytes": 2**26})
+    assert one.collectives == 4 * psi + 4 * big
+    b = step_buffers(precision="fp32", dp=2, zero_stage=2, **{**kw, "bucket_bytes": 2**22})
+    assert b.collectives == 2 * 4 * (2**20 + big) + 4 * big
+    # ZeRO-3 by units of 2M: two units gathered whole (2 x 2 bytes) beside a unit filling (2) and the
+    # previous one's fp32 wire (4), and a member's gradient
     b = step_buffers(precision="bf16-mixed", dp=2, zero_stage=3, unit_numel=2_000_000, **kw)
     assert b.terms["ZeRO-3 units gathered whole, two"] == 2 * 2 * 2_000_000
-    assert b.collectives == 12 * 2_000_000 and b.step == 4 * psi // 2  # a chunk: here the whole shard
+    assert b.collectives == 10 * 2_000_000 + 2 * big and b.step == 4 * psi // 2  # a chunk: here the whole shard
     # fp32 (the fused optimizer holds nothing more), gradients held and added into: the largest one's
     assert step_buffers(precision="fp32", dp=2, **kw) == StepBuffers(0, 0, {})
     b = step_buffers(precision="fp32", dp=2, accumulates=True, **kw)
