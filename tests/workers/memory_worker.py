@@ -16,8 +16,9 @@ on this rank (``model_state_memory`` of their local elements, which the plan's
 ``predicted.memory`` states for its most loaded device); and the tensors a
 collection (``DEBUG_SAVEALL``) finds in reference cycles after each step.
 
-``step_peaks``: the most bytes a step holds, five model shapes under dp, tp, pp and ZeRO-3 plans,
-beside the plan's predicted peak (the section at the end).
+``step_peaks``: the most bytes a step holds under each axis (dp, tp, pp, ZeRO-2/3, recomputation,
+sequence parallelism, offload, experts, one process), beside the plan's predicted peak (the section
+at the end).
 """
 
 from __future__ import annotations
@@ -220,51 +221,81 @@ LAUNCHES: dict[str, tuple[int, Callable[[DistContext, str, int], list[dict]]]] =
 
 # -- the step's peak, as the CPU allocator sees it (test_runtime_memory.py, issue 26) -------------------------
 #
-# Each case is a model shape and a plan on 2 gloo ranks: the bytes the rank holds after its warm-up
-# steps (model state, made since before the model was built) plus the most the CPU allocator held at
-# once above that during one more step (torch.profiler's allocation events, summed in time order),
-# beside the plan's predicted peak for the rank's stage.
+# Each case is a model shape and a plan on 2 gloo ranks (a one-process case: on each rank alone): the bytes
+# the rank holds after its warm-up steps (model state, made since before the model was built) plus the most
+# the CPU allocator held at once above that during one more step (torch.profiler's allocation events, summed
+# in time order), beside the plan's predicted peak for the rank's stage.
 
-PEAK_CASES = {  # name -> (model, input spec, pins)
+GPT_4 = dict(n_layer=4, vocab_size=2048, n_embd=256, n_head=4, block_size=64)
+PEAK_CASES = {  # name -> (model: a GPT's config or a factory, input spec, pins, processes)
     "logits-heavy gpt, dp2": (dict(n_layer=2, vocab_size=8192, n_embd=256, n_head=4, block_size=128),
-                              "idx=int64[8,128]", dict(dp=2)),
+                              "idx=int64[8,128]", dict(dp=2), 2),
     "layer-heavy gpt, pp2": (dict(n_layer=8, vocab_size=256, n_embd=256, n_head=4, block_size=64),
-                             "idx=int64[8,64]", dict(pp=2)),
-    "gpt, tp2": (dict(n_layer=4, vocab_size=2048, n_embd=256, n_head=4, block_size=64), "idx=int64[8,64]",
-                 dict(tp=2)),
+                             "idx=int64[8,64]", dict(pp=2), 2),
+    "gpt, tp2": (GPT_4, "idx=int64[8,64]", dict(tp=2), 2),
     "wide gpt, zero3 dp2": (dict(n_layer=3, vocab_size=1024, n_embd=384, n_head=6, block_size=96),
-                            "idx=int64[8,96]", dict(dp=2, zero=3)),
+                            "idx=int64[8,96]", dict(dp=2, zero=3), 2),
     "deep narrow gpt, dp2": (dict(n_layer=12, vocab_size=512, n_embd=128, n_head=4, block_size=32),
-                             "idx=int64[16,32]", dict(dp=2)),
+                             "idx=int64[16,32]", dict(dp=2), 2),
+    "gpt, zero2 dp2": (GPT_4, "idx=int64[8,64]", dict(dp=2, zero=2), 2),
+    "gpt, selective recompute dp2": (GPT_4, "idx=int64[8,64]", dict(dp=2, recompute="selective"), 2),
+    "gpt, full recompute tp2": (GPT_4, "idx=int64[8,64]", dict(tp=2, recompute="full"), 2),
+    "gpt, tp2 + sequence parallel": (GPT_4, "idx=int64[8,64]", dict(tp=2, sequence_parallel=True), 2),
+    "gpt, offload dp2": (GPT_4, "idx=int64[8,64]", dict(dp=2, offload="optimizer"), 2),
+    "gpt, offload zero2 dp2": (GPT_4, "idx=int64[8,64]", dict(dp=2, zero=2, offload="optimizer"), 2),
+    "mixtral, ep2": ("mixtral", "input_ids=int64[8,32]", dict(dp=2, ep=2), 2),
+    "12-layer gpt, one process": (dict(n_layer=12, vocab_size=512, n_embd=128, n_head=4, block_size=32),
+                                  "idx=int64[8,32]", {}, 1),
 }
+
+
+MIXTRAL_VOCAB = 512
+
+
+def _mixtral() -> torch.nn.Module:
+    """A small Mixtral (4 experts, 2 a token) for the expert-parallel case."""
+    import transformers as tf
+
+    return tf.MixtralForCausalLM(tf.MixtralConfig(
+        vocab_size=MIXTRAL_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=4, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=64,
+        use_cache=False))
 
 
 def _gpt_of(cfg: dict) -> GPT:
     return GPT(GPTConfig(**cfg))
 
 
-def _case_plan(ctx: DistContext, name: str, outdir: str) -> tuple[Plan, Callable[[], GPT]]:
-    cfg, spec, pins = PEAK_CASES[name]
-    factory = functools.partial(_gpt_of, cfg)
-    path = f"{outdir}/peak-{''.join(c if c.isalnum() else '-' for c in name)}.plan.json"
-    if ctx.rank == 0:
+FACTORIES = {"mixtral": _mixtral}
+
+
+def _case_plan(ctx: DistContext, name: str, outdir: str) -> tuple[Plan, Callable[[], torch.nn.Module], DistContext]:
+    """The case's plan (rank 0 compiles it, the others read it), its model and the context it runs in:
+    a one-process case runs on each rank alone."""
+    model, spec, pins, world = PEAK_CASES[name]
+    factory = FACTORIES[model] if isinstance(model, str) else functools.partial(_gpt_of, model)
+    slug = "".join(c if c.isalnum() else "-" for c in name)
+    path = f"{outdir}/peak-{slug}-{ctx.rank if world == 1 else 'all'}.plan.json"
+    if world == 1 or ctx.rank == 0:
         from partita.compiler.compile import compile_model
         from partita.core.cluster import load_cluster
 
-        compile_model(factory, Options(inputs=[spec], cluster=load_cluster("local", devices=ctx.world_size),
-                                       optimizer="adamw", world_size=ctx.world_size, **pins)).plan.save(path)
+        compile_model(factory, Options(inputs=[spec], cluster=load_cluster("local", devices=world),
+                                       optimizer="adamw", world_size=world, **pins)).plan.save(path)
     dist.barrier()
-    return load_plan(path, world_size=ctx.world_size), factory
+    run_ctx = ctx if world == ctx.world_size else DistContext(0, 1, 0, "none", ctx.device, False)
+    return load_plan(path, world_size=world), factory, run_ctx
 
 
 def step_peak(ctx: DistContext, outdir: str, name: str) -> dict:
     """One case's measured peak on this rank and the plan's prediction for the rank's stage."""
     from torch.profiler import ProfilerActivity, profile
 
-    plan, factory = _case_plan(ctx, name, outdir)
-    cfg, spec, _ = PEAK_CASES[name]
+    plan, factory, ctx = _case_plan(ctx, name, outdir)
+    model_of, spec, _, _ = PEAK_CASES[name]
     batch, seq = (int(d) for d in spec.split("[")[1].rstrip("]").split(","))
-    idx = torch.randint(0, cfg["vocab_size"], (batch, seq + 1), generator=torch.Generator().manual_seed(1))
+    vocab = model_of["vocab_size"] if isinstance(model_of, dict) else MIXTRAL_VOCAB
+    idx = torch.randint(0, vocab, (batch, seq + 1), generator=torch.Generator().manual_seed(1))
     x, y = idx[:, :-1], idx[:, 1:]
     gc.collect()
     before = live_storages()
@@ -287,8 +318,8 @@ def step_peak(ctx: DistContext, outdir: str, name: str) -> dict:
     return {"case": name, "stage": stage, "mesh": str(plan.mesh), "zero": plan.training.zero_stage,
             "held": held, "transient": peak, "measured": held + peak, "predicted": predicted,
             "terms": {"state": m.state, "activations": m.activations, "transient": m.transient,
-                      "collectives": m.collectives, "step": m.step}}
+                      "collectives": m.collectives, "step": m.step, "host": m.host}}
 
 
-def step_peaks(ctx: DistContext, outdir: str) -> list[dict]:
-    return [step_peak(ctx, outdir, name) for name in PEAK_CASES]
+def step_peaks(ctx: DistContext, outdir: str, names: list[str] | None = None) -> list[dict]:
+    return [step_peak(ctx, outdir, name) for name in (names or PEAK_CASES)]
