@@ -308,8 +308,9 @@ def _from_mesh(d: MeshDecision, profile: ModelProfile, cluster: ClusterSpec) -> 
 def _memory_binds(decision: PipelineDecision | None) -> bool:
     """Whether a pipeline search's plan shows memory binding: it recomputes or offloads. There (and
     where nothing fit) the layout with the residual stream split along the sequence
-    (passes/tp/sequence.py), which holds less, is weighed too; elsewhere it could only add its
-    backward regathers (the free layout already splits each norm and dropout where faster)."""
+    (passes/tp/sequence.py), which holds less, is weighed too; elsewhere the plan is plain Megatron
+    tensor parallelism, nothing split along the sequence (sequence parallelism's norms and dropouts
+    at 1/t are not weighed there: one more ILP and pipeline search per tp)."""
     if decision is None:
         return False
     best = decision.best

@@ -29,7 +29,6 @@ from partita.passes.profile import ModelProfile
 from partita.passes.tp.costs import TPCosts
 from partita.passes.tp.ilp import solve_tp
 from partita.passes.tp.problem import TPSetting, build_problem
-from partita.passes.tp.sequence import sequence_parallel_strategies
 
 
 def tp_choice(profile: ModelProfile, cluster: ClusterSpec, request: TrainingRequest, micro_batch: int,
@@ -42,8 +41,7 @@ def tp_choice(profile: ModelProfile, cluster: ClusterSpec, request: TrainingRequ
     setting = TPSetting(tp, micro_batch, profile.batch_size, request.precision, request.optimizer,
                         request.inference, kv_ratio=kv_ratio(profile, request), captured_dtype=profile.param_dtype,
                         sequence_parallel=sp)
-    return solve_tp(build_problem(G, setting, cluster, repeated=profile.repeated,
-                                  strategies=sequence_parallel_strategies if sp else None)).choice
+    return solve_tp(build_problem(G, setting, cluster, repeated=profile.repeated)).choice
 
 
 def tp_node_costs(profile: ModelProfile, cluster: ClusterSpec, request: TrainingRequest, micro_batch: int,

@@ -38,6 +38,7 @@ from partita.passes.activations import peak_live_bytes
 from partita.passes.cost_model import param_step_time, sharded_state, state_bytes_per_param
 from partita.passes.repeats import RepeatedBlock
 from partita.passes.tp.costs import TPCosts
+from partita.passes.tp.sequence import honour_sequence_parallel
 
 StrategyFn = Callable[[nx.DiGraph, str, int], Sequence[Strategy]]
 
@@ -260,7 +261,7 @@ def _price_layout(G: nx.DiGraph, setting: TPSetting, cluster: ClusterSpec, strat
     t = setting.t
     price = TPCosts(G, cluster, t, setting.micro_batch, setting.captured_batch, setting.precision,
                     setting.inference, setting.kv_ratio, setting.captured_dtype, setting.sequence_parallel)
-    own = _own_strategies(G, t, strategies, setting.micro_batch)
+    own = _own_strategies(G, t, strategies, setting.micro_batch, setting.sequence_parallel)
     groups = _split_unlike(G, _classes(G, repeated), own)
     class_of = {n: key for key, members in groups.items() for n in members}
     strat = {key: own[key] for key in groups}
@@ -327,24 +328,26 @@ def _price_layout(G: nx.DiGraph, setting: TPSetting, cluster: ClusterSpec, strat
                    num_edges, live)
 
 
-def _own_strategies(G: nx.DiGraph, t: int, strategies: StrategyFn,
-                    micro_batch: int) -> dict[str, tuple[Strategy, ...]]:
+def _own_strategies(G: nx.DiGraph, t: int, strategies: StrategyFn, micro_batch: int,
+                    sequence_parallel: bool) -> dict[str, tuple[Strategy, ...]]:
     """Every node's own strategy list, those valid at ``micro_batch`` (``strategies.valid_at``: a
-    shard of a batch-sized dim may not divide there); equal lists are one object (the edge costs
-    are cached by identity)."""
+    shard of a batch-sized dim may not divide there) under the sequence-parallel setting
+    (passes/tp/sequence.py ``honour_sequence_parallel``: off, nothing split along the sequence);
+    equal lists are one object (the edge costs are cached by identity)."""
     from partita.core.tp.strategies import node_strategies
 
     shaped = G.graph.get("batch_shapes") == "linear" and micro_batch != G.graph.get("batch")
-    key = (t, micro_batch if shaped else None)
+    key = (t, micro_batch if shaped else None, sequence_parallel)
     cache = G.graph.get("tp_own_strategies")
     if strategies is node_strategies and cache is not None and cache[0] == G.number_of_nodes() and key in cache[1]:
         return cache[1][key]
     interned: dict[tuple[Strategy, ...], tuple[Strategy, ...]] = {}
     own = {}
     for n in G.nodes:
-        ss = tuple(s for s in strategies(G, n, t) if not shaped or valid_at(G, n, s, t, micro_batch))
+        ss = [s for s in strategies(G, n, t) if not shaped or valid_at(G, n, s, t, micro_batch)]
+        ss = honour_sequence_parallel(G, n, ss, t, micro_batch, sequence_parallel)
         own[n] = interned.setdefault(ss, ss)
-    if strategies is node_strategies:  # the lists depend on t and (with batch shapes) the micro-batch only
+    if strategies is node_strategies:  # the lists depend on t, the micro-batch and the setting only
         if cache is None or cache[0] != G.number_of_nodes():
             cache = G.graph["tp_own_strategies"] = (G.number_of_nodes(), {})
         cache[1][key] = own

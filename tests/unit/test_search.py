@@ -144,33 +144,34 @@ def test_a_pinned_schedule_gives_a_pipeline_with_that_schedule():
 
 
 def test_recomputation_only_on_the_stages_where_memory_binds():
-    """GPT-3 175B, t=8 x p=8 on 64 A100s with micro-batches of 2, sequence parallelism off: without
-    recomputation the first stages of 1F1B (they hold the most micro-batches in flight) fit fewer
-    layers, and the stages after them take the rest (18.9 s). Weighed per stage, recomputation goes to
-    the first stage (and one more), and the cuts even out: faster (18.4 s); forced on every stage it is
-    slower than both. (The optimizer's state stays on the device: offloaded, 2.7B parameters a GPU
-    step in 1.8 s more.)"""
+    """GPT-3 175B, t=8 x p=8 on 64 A100s with micro-batches of 2, sequence parallelism off: every rank
+    holds each layer's norms, dropouts and residual stream whole (the 10 s b h of Korthikanti et al.'s
+    s b h (10 + 24/t + 5 a s / h t) a layer saves without it), and without recomputation no cut fits.
+    Weighed per stage, recomputation goes to every model part but the last (its backward follows its
+    forward at once, so it holds the fewest micro-batches): 20.6 s, faster than forced everywhere
+    (21.2 s). (The optimizer's state stays on the device: offloaded, 2.7B parameters a GPU step in
+    1.8 s more.)"""
     model = _gpt(96, 12288, 96, vocab=50257, seq=2048)
     cluster = PRESETS["dgx-a100"].with_nodes(8)
     pins = dict(tp=8, pp=8, micro_batch_size=2, offload="none", sequence_parallel=False)
-    never = _search(model, cluster, 64, Pins(**pins, recompute=False))
+    with pytest.raises(InfeasibleError, match="no pipeline plan fits"):
+        _search(model, cluster, 64, Pins(**pins, recompute=False))
     d = _search(model, cluster, 64, Pins(**pins))
     flags = [s.recompute != "none" for s in d.stages]
     assert flags[0] and not all(flags), flags
     assert all(s.memory_bytes <= cluster.usable_memory for s in d.stages)
-    assert d.step_s < never.step_s
     forced = _search(model, cluster, 64, Pins(**pins, recompute=True))
-    assert all(s.recompute == "full" for s in forced.stages) and forced.step_s > never.step_s
+    assert all(s.recompute == "full" for s in forced.stages) and forced.step_s > d.step_s
     # a recomputing stage's backward runs its layers' forward again
     for s in forced.stages:
         if any(m.startswith("transformer.h.") for m in s.modules):  # a stage of the head alone has no layer
             assert s.backward_s > 2 * s.forward_s
     # left to choose, the planner splits the residual stream along the sequence instead (Korthikanti's
     # sequence parallelism: the layers' norms, dropouts and the linears' inputs held at 1/8): then no
-    # stage recomputes, the cuts are even, and the step is the fastest of all (15.6 s)
+    # stage recomputes, and the step is the fastest of all (15.6 s against 20.6 s)
     free = _search(model, cluster, 64, Pins(**{**pins, "sequence_parallel": None}))
     assert free.sequence_parallel and all(s.recompute == "none" for s in free.stages)
-    assert free.step_s < 0.9 * d.step_s
+    assert free.step_s < 0.8 * d.step_s
 
 
 def test_weighing_recomputation_never_makes_the_chosen_plan_slower():

@@ -68,27 +68,28 @@ def test_tp_groups_never_span_nodes_on_ethernet():
 
 
 def test_tp8_inside_dgx_nodes_when_the_model_needs_it():
-    big = _gpt(40, 7168, 56, seq=2048)  # ~25B parameters: 400 GB of model state
-    d = _mesh(big, "dgx-a100", 256, nodes=16)
+    """~25B parameters, 400 GB of model state, on 16 DGX A100 nodes. Without ZeRO, as Megatron-LM's
+    Table 1 ran, only tp = 8 holds it, inside a node on NVLink. With ZeRO weighed, sharding the
+    optimizer over the data-parallel group makes tp = 4 fit too, and (at tp = 8 every rank runs each
+    layer's norms, dropouts and residual adds whole: this search lays out no sequence parallelism)
+    it is predicted 3% faster than tp = 8; never ZeRO-3 across InfiniBand."""
+    big = _gpt(40, 7168, 56, seq=2048)
+    d = _mesh(big, "dgx-a100", 256, Pins(zero_stage=0), nodes=16)
     assert (d.tp, d.dp) == (8, 16)
     assert d.tp_link == "NVLink" and d.dp_link == "inter-node"
     assert d.memory.fits
     for tp in (1, 2, 4):
-        plain = [a for a in d.alternatives if a.tp == tp and a.zero_stage == 0]
+        plain = [a for a in d.alternatives if a.tp == tp]
         assert plain and not any(a.fits for a in plain)
         assert all("does not fit" in a.reason for a in plain)
-        # ZeRO makes these meshes fit, and loses by its traffic over InfiniBand
-        sharded = [a for a in d.alternatives if a.tp == tp and a.fits]
-        assert sharded and all(a.zero_stage > 0 and "slower" in a.reason for a in sharded)
     assert d.solver.status == "OPTIMAL"
-    assert d.cost.comm_s["tp_forward"] > 0
-    # sharding the optimizer (and, with the step's fp32 gradients counted, the gradients: ZeRO-2) lets
-    # micro-batch 16 fit at tp=8, amortising the TP collectives' latency; never ZeRO-3 across InfiniBand
-    assert d.zero_stage in (0, 1, 2)
-    dp_keys = ("dp_all_reduce",) if d.zero_stage == 0 else ("zero_reduce_scatter", "zero_all_gather")
-    assert all(d.cost.comm_s[k] > 0 for k in dp_keys)
+    assert d.cost.comm_s["tp_forward"] > 0 and d.cost.comm_s["dp_all_reduce"] > 0
     alts = plan_alternatives(d)
     assert alts[0].chosen and alts[0].mesh.tp == 8 and alts[0].reason.startswith("chosen")
+    free = _mesh(big, "dgx-a100", 256, nodes=16)
+    assert free.zero_stage in (1, 2) and free.tp in (4, 8) and free.step_s < d.step_s
+    assert all(c.zero_stage > 0 for c in free.alternatives if c.fits and c.tp < 8)
+    assert all(free.cost.comm_s[k] > 0 for k in ("zero_reduce_scatter", "zero_all_gather"))
 
 
 def test_tp_pin_is_honoured_and_checked():
