@@ -65,6 +65,14 @@ def dtype_bytes(name: str) -> int:
     return torch_dtype(name).itemsize
 
 
+def wire_bytes(what: str, held_bytes: float, reduce_dtype: str) -> float:
+    """Bytes one element of a data-parallel collective carries: a gradient (``what`` "grads") in
+    ``reduce_dtype``, whatever it is held in (the runtime casts each bucket to it for the collective:
+    runtime/dp/buckets.py), a parameter ("params", ZeRO's all-gathers) as held, ``held_bytes``.
+    ``what`` is passes/cost_model.py ``zero_collectives``' word."""
+    return dtype_bytes(reduce_dtype) if what == "grads" else held_bytes
+
+
 def is_floating(name: str) -> bool:
     """Whether dtype ``name`` is a floating type (held at the precision's size under a plan)."""
     return torch_dtype(name).is_floating_point

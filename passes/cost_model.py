@@ -35,7 +35,7 @@ from partita.core.cluster import COLLECTIVES, ClusterSpec, Link
 from partita.core.model.ops import ATTENTION, base_op
 from partita.core.optimizers import NO_OFFLOAD
 from partita.core.plans.plan import OPTIMIZERS
-from partita.core.precision import PRECISIONS, compute_dtype, element_bytes, keeps_masters
+from partita.core.precision import PRECISIONS, compute_dtype, element_bytes, keeps_masters, wire_bytes
 
 
 @dataclass(frozen=True)
@@ -278,25 +278,23 @@ class ZeroComm:
 
 
 def zero_step_comm(zero_stage: int, buckets: Sequence[float], dp: int, micro_batches: int, link: Link, *,
-                   elem_bytes: int = 2) -> ZeroComm:
+                   elem_bytes: int, reduce_dtype: str) -> ZeroComm:
     """Time and bytes sent per step by one rank for its buckets (bytes of its LOCAL parameters'
-    gradients, one flat bucket each, as passes/dp/buckets.gradient_buckets packs them) over ``dp``
-    ranks on ``link``: ``zero_collectives`` calls per bucket, each exposed (docs/cost-model.md,
-    "ZeRO's collectives": the runtime prefetches ZeRO-3's units, the model does not count it hidden).
+    gradients as held, ``elem_bytes`` an element, one flat bucket each, as passes/dp/buckets.gradient_buckets
+    packs them) over ``dp`` ranks on ``link``: ``zero_collectives`` calls per bucket, each exposed
+    (docs/cost-model.md, "ZeRO's collectives": the runtime prefetches ZeRO-3's units, the model does
+    not count it hidden), gradients sent in ``reduce_dtype`` (core/precision.py ``wire_bytes``).
     ZeRO buckets are padded to a multiple of dp elements; stage 0's all-reduce is not."""
     if dp <= 1 or not buckets:
         return ZeroComm({}, {})
     seconds: dict[str, float] = {}
     traffic: dict[str, float] = {}
-
-    def one(kind: str, b: float) -> float:
-        return collective_time(kind, b if zero_stage == 0 else padded_bucket(b, dp, elem_bytes), dp, link)
-
-    for kind, calls, _what in zero_collectives(zero_stage, micro_batches):
+    for kind, calls, what in zero_collectives(zero_stage, micro_batches):
         key = "dp_all_reduce" if kind == "all_reduce" else f"zero_{kind}"
         for b in buckets:
-            size = b if zero_stage == 0 else padded_bucket(b, dp, elem_bytes)
-            seconds[key] = seconds.get(key, 0.0) + calls * one(kind, b)
+            held = b if zero_stage == 0 else padded_bucket(b, dp, elem_bytes)
+            size = held * wire_bytes(what, elem_bytes, reduce_dtype) / elem_bytes
+            seconds[key] = seconds.get(key, 0.0) + calls * collective_time(kind, size, dp, link)
             traffic[key] = traffic.get(key, 0.0) + calls * collective_traffic(kind, size, dp)
     return ZeroComm(seconds, {k: round(v) for k, v in traffic.items()})
 
@@ -348,17 +346,19 @@ class StepCost:
 
 
 def param_step_time(numel: float, state: StateBytes, dp: int, dp_link: Link, cluster: ClusterSpec, *,
-                    zero_stage: int = 0, micro_batches: int = 1) -> float:
+                    reduce_dtype: str, zero_stage: int = 0, micro_batches: int = 1) -> float:
     """The per-step work one device does for ``numel`` parameter elements it holds: the
     bandwidth term of their data-parallel collectives under ZeRO ``zero_stage`` (S (n-1)/n / beta
-    per reduce-scatter or all-gather, twice that per all-reduce; ``zero_collectives``) and the
-    optimizer's pass over their state (``zero_optimizer_time``). Linear in ``numel``, so a solver
-    can price a layout parameter by parameter; the per-bucket latencies are ``mesh_step``'s."""
+    per reduce-scatter or all-gather, twice that per all-reduce; ``zero_collectives``; gradients in
+    ``reduce_dtype``) and the optimizer's pass over their state (``zero_optimizer_time``). Linear in
+    ``numel``, so a solver can price a layout parameter by parameter; the per-bucket latencies are
+    ``mesh_step``'s."""
     comm = 0.0
     if dp > 1:
-        per = {"grads": state.grads, "params": state.params}
+        held = {"grads": state.grads, "params": state.params}
         for kind, calls, what in zero_collectives(zero_stage, micro_batches):
-            comm += calls * (2 if kind == "all_reduce" else 1) * numel * per[what] * (dp - 1) / dp / dp_link.bandwidth
+            per = wire_bytes(what, held[what], reduce_dtype)
+            comm += calls * (2 if kind == "all_reduce" else 1) * numel * per * (dp - 1) / dp / dp_link.bandwidth
     return comm + zero_optimizer_time(numel, state, zero_stage, dp, cluster)
 
 
@@ -371,6 +371,7 @@ def mesh_step(
     grad_buckets: list[int],
     state: ModelStateMemory,
     cluster: ClusterSpec,
+    reduce_dtype: str,
     zero_stage: int = 0,
     local_params: float | None = None,
     state_bytes: StateBytes | None = None,
@@ -378,7 +379,7 @@ def mesh_step(
     """One step on a (dp, tp) mesh: ``grad_accum`` micro-batches, then the data-parallel
     collectives of the device's LOCAL parameter shards over the dp group, bucketed (one
     all-reduce per gradient bucket at ZeRO-0, ZeRO's reduce-scatters and all-gathers otherwise:
-    ``zero_step_comm``), then the optimizer.
+    ``zero_step_comm``, gradients in ``reduce_dtype``), then the optimizer.
 
     ``micro_batch_s`` is one micro-batch's forward+backward on one device, by part:
     ``"compute"`` (local FLOPs) and tensor-parallel communication (``"tp_forward"``,
@@ -394,7 +395,7 @@ def mesh_step(
     if dp > 1 and grad_buckets:
         elem = int(state_bytes.grads) if state_bytes is not None and state_bytes.grads else 2
         z = zero_step_comm(zero_stage, grad_buckets, dp, grad_accum, cluster.link_for_group(dp, stride=tp),
-                           elem_bytes=elem)
+                           elem_bytes=elem, reduce_dtype=reduce_dtype)
         comm.update(z.seconds)
         traffic.update(z.traffic_bytes)
     if zero_stage >= 1:

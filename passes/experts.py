@@ -176,20 +176,20 @@ class ExpertStep:
 
 
 def expert_step(regions: Sequence[ExpertRegion], local_numels: Sequence[int], *, ep: int, dp: int, tp: int = 1,
-                micro_batch: int, batch: int, grad_accum: int, precision: str, captured_dtype: str,
+                micro_batch: int, batch: int, grad_accum: int, precision: str, reduce_dtype: str, captured_dtype: str,
                 cluster: ClusterSpec, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                 recompute: bool = False) -> ExpertStep:
     """The all-to-alls of ``grad_accum`` micro-batches over the expert group (``all_to_alls``,
     each ``collective_time("all_to_all", S, ep, link)``), then the all-reduce of the rank's expert
     gradients (``local_numels``: its shards' elements, bucketed as the runtime buckets them) over
-    the ``dp / ep`` ranks holding the same experts, as stage 0 of ``zero_step_comm``. ``recompute``:
-    whole layers rerun in backward, their all-to-alls with them."""
+    the ``dp / ep`` ranks holding the same experts, as stage 0 of ``zero_step_comm`` (sent in
+    ``reduce_dtype``). ``recompute``: whole layers rerun in backward, their all-to-alls with them."""
     ep_link, edp_link = expert_links(cluster, dp=dp, tp=tp, ep=ep)
     calls = all_to_alls(regions, micro_batch, batch, activation_scale(precision, captured_dtype),
                         recompute=recompute)
     elem = element_bytes(precision)  # gradients are held in the compute dtype
     edp = zero_step_comm(0, gradient_buckets(local_numels, elem, bucket_bytes), dp // ep, grad_accum, edp_link,
-                         elem_bytes=elem)
+                         elem_bytes=elem, reduce_dtype=reduce_dtype)
     seconds = {EP_ALL_TO_ALL: grad_accum * sum(c.calls * collective_time("all_to_all", c.nbytes, ep, ep_link)
                                                 for c in calls),
                EDP_ALL_REDUCE: edp.total_s}
@@ -244,7 +244,7 @@ def expert_costs(build: Callable[[int], NodeCosts], G: nx.DiGraph, ep: int, *, b
 
 def stage_expert_steps(G: nx.DiGraph, node_stage: Mapping[str, int], recomputes: Sequence[bool], *, ep: int,
                        dp: int, tp: int = 1, micro_batch: int, batch: int, grad_accum: int, precision: str,
-                       captured_dtype: str, cluster: ClusterSpec) -> list[ExpertStep]:
+                       reduce_dtype: str, captured_dtype: str, cluster: ClusterSpec) -> list[ExpertStep]:
     """Each (virtual) stage's ``expert_step``: the all-to-alls of the MoE layers whose first grouped
     matmul it runs (``recomputes[s]``: it reruns whole layers, their forward's again) and the edp
     all-reduce of the expert slices it holds (each parameter on its first user's stage)."""
@@ -256,7 +256,7 @@ def stage_expert_steps(G: nx.DiGraph, node_stage: Mapping[str, int], recomputes:
     regions = model_experts(G)
     return [expert_step([r for r in regions if node_stage[r.first] == s], local[s], ep=ep, dp=dp, tp=tp,
                         micro_batch=micro_batch, batch=batch, grad_accum=grad_accum, precision=precision,
-                        captured_dtype=captured_dtype, cluster=cluster, recompute=rerun)
+                        reduce_dtype=reduce_dtype, captured_dtype=captured_dtype, cluster=cluster, recompute=rerun)
             for s, rerun in enumerate(recomputes)]
 
 

@@ -258,12 +258,13 @@ def _pruned_zero(best: Decision, cluster: ClusterSpec, request: TrainingRequest,
     buckets = list(best.buckets) or gradient_buckets([round(numel)], elem, best.bucket_bytes)
     link = cluster.link_for_group(dp, stride=best.mesh.tp)
     dp_s = sum(v for k, v in best.comm_s.items() if k == "dp_all_reduce" or k.startswith("zero"))
-    dp_bytes = zero_step_comm(z0, buckets, dp, best.grad_accum_steps, link, elem_bytes=elem).total_bytes
+    wire = dict(elem_bytes=elem, reduce_dtype=request.reduce_dtype)
+    dp_bytes = zero_step_comm(z0, buckets, dp, best.grad_accum_steps, link, **wire).total_bytes
     out = []
     for z in range(z0 + 1, 4):
         # ZeRO-3 by units (core/buckets.py) where the layout's units are known, else the chosen buckets
         of_z = list(best.unit_buckets) if z == 3 and best.unit_buckets else buckets
-        comm = zero_step_comm(z, of_z, dp, best.grad_accum_steps, link, elem_bytes=elem)
+        comm = zero_step_comm(z, of_z, dp, best.grad_accum_steps, link, **wire)
         opt = zero_optimizer_time(numel, state, z, dp, cluster)
         step = best.step_s - dp_s - best.optimizer_s + comm.total_s + opt
         out.append(Alternative(
@@ -332,7 +333,8 @@ def _from_pipeline(d: PipelineDecision, profile: ModelProfile, cluster: ClusterS
         compute_s, comm, traffic = expert_parts(compute_s, comm, traffic, dp_key, stage_expert_steps(
             profile.graph, node_stage, [st.recompute == FULL for st in best.stages], ep=best.ep, dp=best.dp, tp=tp,
             micro_batch=best.micro_batch_size, batch=profile.batch_size, grad_accum=best.micro_batches,
-            precision=request.precision, captured_dtype=profile.param_dtype, cluster=cluster), c, best.pp)
+            precision=request.precision, reduce_dtype=request.reduce_dtype, captured_dtype=profile.param_dtype,
+            cluster=cluster), c, best.pp)
     heaviest = max(best.stages, key=lambda s: s.memory.total)
     return Decision(
         mesh=Mesh(dp=best.dp, tp=tp, pp=best.pp, ep=best.ep), micro_batch_size=best.micro_batch_size,

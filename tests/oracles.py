@@ -26,7 +26,7 @@ from partita.core.cluster import ClusterSpec
 from partita.core.errors import InfeasibleError, PartitaError
 from partita.core.pins import Pins, TrainingRequest
 from partita.core.plans.plan import MemoryBreakdown
-from partita.core.precision import activation_scale
+from partita.core.precision import activation_scale, torch_dtype
 from partita.core.tp.strategies import node_strategies, valid_at
 from partita.core.tp.vocabulary import Strategy
 from partita.passes.cost_model import (
@@ -337,7 +337,9 @@ def choose_data_parallel(
     numels = list(param_numels)
     grad_elem = (max(1, int(state_bytes_per_param(request.precision, request.optimizer).grads))
                  if not request.inference else 0)
-    buckets = gradient_buckets(numels, grad_elem, bucket_bytes) if grad_elem else []
+    # each bucket all-reduced in the reduce dtype (the runtime casts it for the collective)
+    wire = torch_dtype(request.reduce_dtype).itemsize
+    buckets = [b * wire // grad_elem for b in gradient_buckets(numels, grad_elem, bucket_bytes)] if grad_elem else []
     flops_per_sample = (profile.flops_fwd + (0 if request.inference else profile.flops_bwd)) / profile.batch_size
 
     full_state = model_state_memory(

@@ -24,14 +24,7 @@ from typing import Any
 from partita.core.cluster import ClusterSpec
 from partita.core.plans.plan import MemoryBreakdown
 from partita.core.precision import element_bytes
-from partita.passes.cost_model import (
-    ZERO_STAGES,
-    collective_time,
-    model_state_memory,
-    state_bytes_per_param,
-    zero_collectives,
-    zero_traffic_elements,
-)
+from partita.passes.cost_model import ZERO_STAGES, model_state_memory, state_bytes_per_param, zero_step_comm
 from partita.passes.explain import ZERO_NAMES
 from partita.passes.peak_memory import NO_BUFFERS, peak_memory, step_buffers
 
@@ -116,7 +109,7 @@ def estimate_strategies(
     ``largest_param``, ``largest_layer`` (the largest module's own parameters, DeepSpeed's L) and
     ``unit_numel`` (ZeRO-3's largest unit) size the runtime's buffers (peak_memory.step_buffers); 0
     where no model was given, and then the terms they size are listed as left out. Traffic counts
-    ``element_bytes(precision)`` per element (16-bit under mixed precision). ``inference``: one row,
+    gradients in ``reduce_dtype`` and parameters as held (cost_model.zero_step_comm). ``inference``: one row,
     the weights replicated and no traffic (``activation_bytes`` is then the forward's live set).
     Beside each its DeepSpeed estimate (``deepspeed_estimate``) and each of DeepSpeed's terms this
     one does not count, with its size."""
@@ -125,12 +118,12 @@ def estimate_strategies(
     out = []
     for stage in (0,) if inference else (0, 1, 2, 3):
         m = model_state_memory(num_params, state, zero_stage=stage, dp=dp)
-        traffic = zero_traffic_elements(num_params, stage, dp) * element_bytes(precision)
-        full = num_params * element_bytes(precision)
         if dp <= 1 or inference:
             comm, traffic = 0.0, 0
-        else:  # the runtime's collectives of one step of one micro-batch (cost_model.zero_collectives)
-            comm = sum(calls * collective_time(kind, full, dp, link) for kind, calls, _ in zero_collectives(stage))
+        else:  # the runtime's collectives of one step of one micro-batch, the model one bucket
+            elem = element_bytes(precision)
+            z = zero_step_comm(stage, [num_params * elem], dp, 1, link, elem_bytes=elem, reduce_dtype=reduce_dtype)
+            comm, traffic = z.total_s, z.total_bytes
         buffers = NO_BUFFERS if inference else step_buffers(
             precision=precision, reduce_dtype=reduce_dtype, zero_stage=stage if dp > 1 else 0, dp=dp,
             numel=num_params, largest=largest_param, unit_numel=unit_numel, tensors=tensors)

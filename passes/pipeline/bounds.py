@@ -107,7 +107,8 @@ class PipelineBound:
         comm = 0.0
         if dp > 1:
             link = self.cluster.link_for_group(dp, stride=self.tp)
-            comm = zero_step_comm(z, [numel * self.grad_elem], dp, m, link, elem_bytes=self.grad_elem).total_s
+            comm = zero_step_comm(z, [numel * self.grad_elem], dp, m, link, elem_bytes=self.grad_elem,
+                                  reduce_dtype=self.request.reduce_dtype).total_s
         return slots, comm * self._SLACK, zero_optimizer_time(numel, self.state, z, dp, self.cluster) * self._SLACK
 
     def step(self, p: int, dp: int, mb: int, m: int, zs: Sequence[int]) -> float:

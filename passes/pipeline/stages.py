@@ -31,6 +31,7 @@ from partita.core.errors import InfeasibleError, PartitaError
 from partita.core.mesh import Mesh
 from partita.core.optimizers import NO_OFFLOAD, OFFLOAD_OPTIMIZER
 from partita.core.pins import Pins, TrainingRequest
+from partita.core.precision import wire_bytes
 from partita.core.recompute import NONE
 from partita.core.schedule import SCHEDULES, chunk_problem, chunks_of, in_flight
 from partita.passes.cost_model import (
@@ -402,12 +403,12 @@ def _candidate(part: Partition, bounds: tuple[int, ...], dp: int, tp: int, mb: i
             if setup.zero_stage == 3 and c.modules else None
         buckets = gradient_buckets(numels, grad_elem, units=units) if grad_elem and dp > 1 else []
         link = cluster.link_for_group(dp, stride=tp)
-        zc = zero_step_comm(setup.zero_stage, buckets, dp, setup.micro_batches, link, elem_bytes=grad_elem or 2)
+        wire = dict(elem_bytes=grad_elem or 2, reduce_dtype=request.reduce_dtype)
+        zc = zero_step_comm(setup.zero_stage, buckets, dp, setup.micro_batches, link, **wire)
         # a rank's expert slices (passes/experts.py): out of ZeRO, averaged over the dp / ep ranks holding them
         experts = [c.expert_numel[i] for i in range(j, k) if c.expert_numel and c.expert_numel[i]]
         edp = zero_step_comm(0, gradient_buckets(experts, grad_elem) if grad_elem else [], dp // c.ep,
-                             setup.micro_batches, expert_links(cluster, dp=dp, tp=tp, ep=c.ep)[1],
-                             elem_bytes=grad_elem or 2)
+                             setup.micro_batches, expert_links(cluster, dp=dp, tp=tp, ep=c.ep)[1], **wire)
         dp_s.append(zc.total_s + edp.total_s)
         dp_bytes.append(zc.total_bytes)
         opt_s.append(0.0 if request.inference else setup.optimizer_time(sum(numels), cluster)
@@ -431,7 +432,8 @@ def _candidate(part: Partition, bounds: tuple[int, ...], dp: int, tp: int, mb: i
         if len(holders) > 1 and grad_elem:
             span = stage_links(cluster, ranks, dp, tp)[holders[0]:holders[-1]]
             link = min(span, key=lambda ln: ln.bandwidth)
-            tied += collective_time("all_reduce", sp.numel * grad_elem, len(holders), link)
+            tied += collective_time("all_reduce", sp.numel * wire_bytes("grads", grad_elem, request.reduce_dtype),
+                                    len(holders), link)
     cost = pipeline_step(
         compute_s=[st.forward_s + st.backward_s for st in stages], p2p_s=[st.p2p_s for st in stages],
         micro_batches=setup.micro_batches, dp_all_reduce_s=dp_s, optimizer_s=opt_s, tied_all_reduce_s=tied,

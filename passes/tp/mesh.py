@@ -206,7 +206,7 @@ def choose_mesh(
                     setting = TPSetting(tp, mb, profile.batch_size, request.precision, request.optimizer,
                                         request.inference, _ilp_budget(cluster, worst) + excess, dp=dp,
                                         grad_accum=accum, zero_stage=z, kv_ratio=kv_ratio(profile, request),
-                                        captured_dtype=profile.param_dtype)
+                                        captured_dtype=profile.param_dtype, reduce_dtype=request.reduce_dtype)
                     problem = build_problem(G, setting, cluster,
                                             strategies=None if cached is None else lambda _G, n, t: cached(n, t),
                                             repeated=profile.repeated)
@@ -247,12 +247,13 @@ def choose_mesh(
                         micro_batch_s={"compute": sol.compute_s, "tp_forward": sol.tp_forward_s,
                                        "tp_backward": sol.tp_backward_s, "tp_internal": sol.tp_internal_s},
                         grad_accum=accum, dp=dp, tp=tp, grad_buckets=list(buckets), state=state, cluster=cluster,
-                        zero_stage=z, local_params=sum(dense.values()), state_bytes=state_per_param)
+                        reduce_dtype=request.reduce_dtype, zero_stage=z, local_params=sum(dense.values()),
+                        state_bytes=state_per_param)
                     if ep > 1:
                         moe = expert_step(regions, mine, ep=ep, dp=dp, tp=tp, micro_batch=mb, batch=profile.batch_size,
                                           grad_accum=accum, precision=request.precision,
-                                          captured_dtype=profile.param_dtype, cluster=cluster,
-                                          bucket_bytes=bucket_bytes)
+                                          reduce_dtype=request.reduce_dtype, captured_dtype=profile.param_dtype,
+                                          cluster=cluster, bucket_bytes=bucket_bytes)
                         opt = (zero_optimizer_time(sum(dense.values()), state_per_param, z, dp, cluster)
                                + expert_optimizer_time(sum(mine), state_per_param, cluster))
                         cost = StepCost(cost.compute_s, {**cost.comm_s, **moe.seconds}, opt,

@@ -63,6 +63,7 @@ class TPSetting:
     kv_ratio: float = 0.0  # inference with generation: KV cache / keys and values read (passes/pipeline/costs.kv_ratio)
     captured_dtype: str = ""  # the dtype floating tensors were captured in ("": the graph's parameters')
     sequence_parallel: bool = False  # linears regather their sequence-split inputs (core/tp/layout.py regathers)
+    reduce_dtype: str = "fp32"  # what the dp collectives send gradients in (Training.reduce_dtype)
 
     def __post_init__(self) -> None:
         if self.t < 1 or self.micro_batch < 1 or self.captured_batch < 1:
@@ -208,8 +209,9 @@ def build_problem(
     for key, members in lay.groups.items():
         costs = []
         for (compute, internal, act, fwd_s, bwd_s, valid), numel in zip(lay.class_costs[key], lay.param_numel[key]):
-            step = (param_step_time(numel, state, setting.dp, dp_link, cluster, zero_stage=setting.zero_stage,
-                                    micro_batches=setting.grad_accum) if numel and not setting.inference else 0.0)
+            step = (param_step_time(numel, state, setting.dp, dp_link, cluster, reduce_dtype=setting.reduce_dtype,
+                                    zero_stage=setting.zero_stage, micro_batches=setting.grad_accum)
+                    if numel and not setting.inference else 0.0)
             costs.append(StrategyCost(compute, internal, fwd_s, bwd_s, numel, step, act, valid))
         classes.append(NodeClass(key, tuple(members), lay.strat[key], tuple(costs)))
     held = sharded_state(state, setting.zero_stage, setting.dp)

@@ -157,16 +157,17 @@ def test_recompute_mode_on_every_stage(mode):
 
 def test_micro_batches_and_offload():
     """The pinned micro-batch size and count make the step (size x count x dp = the global batch);
-    offload keeps the optimizer's state in host memory, none of it on the device."""
+    offload keeps the optimizer's state in host memory, none of it on the GPU (on a CPU cluster the
+    host's memory is the device's, and the state counts against it there)."""
     plan, _ = _plan("tiny", micro_batch_size=2, dp=2)
     t = plan.training
     assert (t.micro_batch_size, t.grad_accum_steps) == (2, 2) and 2 * 2 * plan.mesh.dp == t.global_batch
     counted, _ = _plan("tiny", grad_accum_steps=4, dp=2)
     assert (counted.training.micro_batch_size, counted.training.grad_accum_steps) == (1, 4)
-    off, _ = _plan("tiny", offload="optimizer")
+    off, _ = _plan("tiny", offload="optimizer", cluster="dgx-a100")
     assert off.training.offload == "optimizer"
     assert off.predicted.memory.optimizer == 0 and off.predicted.memory.host > 0
-    kept, _ = _plan("tiny", offload="none")
+    kept, _ = _plan("tiny", offload="none", cluster="dgx-a100")
     assert kept.training.offload == "none" and kept.predicted.memory.host == 0 < kept.predicted.memory.optimizer
 
 

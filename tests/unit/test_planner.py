@@ -63,13 +63,14 @@ def test_hand_worked_step_time():
     assert (c.dp, c.micro_batch_size, c.grad_accum_steps) == (8, 2, 1)
     compute = 2 * 1e12 / (312e12 * 0.7)
     assert c.cost.compute_s == pytest.approx(compute)
-    # bf16 grads: 2 GB in 25 MiB buckets, each a ring all-reduce over NVLink (300 GB/s, 5 us) and one
-    # call, which costs the preset's launch of an op (40 us)
+    # bf16 grads: 2 GB held in 25 MiB buckets, each sent in the reduce dtype, fp32 (4 GB on the wire),
+    # a ring all-reduce over NVLink (300 GB/s, 5 us) and one call, which costs the preset's launch of
+    # an op (40 us)
     link = cluster.link_for_group(8)
     buckets = gradient_buckets([int(1e9)], 2)
-    ar = sum(collective_time("all_reduce", b, 8, link) for b in buckets)
+    ar = sum(collective_time("all_reduce", 2 * b, 8, link) for b in buckets)
     assert c.cost.comm_s["dp_all_reduce"] == pytest.approx(ar)
-    assert ar == pytest.approx((40e-6 + 2 * 7 * 5e-6) * len(buckets) + 2 * 2e9 * 7 / 8 / 300e9)
+    assert ar == pytest.approx((40e-6 + 2 * 7 * 5e-6) * len(buckets) + 2 * 4e9 * 7 / 8 / 300e9)
     # optimizer: read+write 16 GB of state at 2 TB/s
     assert c.cost.optimizer_s == pytest.approx(2 * 16e9 / 2.0e12)
     assert c.step_s == pytest.approx(compute + ar + 2 * 16e9 / 2e12)

@@ -39,7 +39,7 @@ def test_zero3_units_are_priced_exposed_by_hand():
     def ag(b: float) -> float:  # one all-gather (or reduce-scatter) of a bucket over 2 ranks
         return (dp - 1) * 1e-5 + b * (dp - 1) / dp / 1e9
 
-    exposed = zero_step_comm(3, buckets, dp, m, link, elem_bytes=2)
+    exposed = zero_step_comm(3, buckets, dp, m, link, elem_bytes=2, reduce_dtype="bf16")  # bf16 held and sent
     total = sum(2 * ag(b) + ag(b) for b in buckets)  # 2 gathers (forward, backward) + 1 reduce-scatter each
     assert sum(exposed.seconds.values()) == pytest.approx(total)
     assert exposed.seconds["zero_all_gather"] == pytest.approx(2 * sum(ag(b) for b in buckets))
