@@ -256,12 +256,13 @@ def axes_table(plan: Plan) -> Table:
 
 def alternatives_table(plan: Plan) -> Table:
     t = Table(title="alternatives weighed", title_justify="left", title_style="bold")
-    for col in ("mesh", "micro-batch", "accum", "step time", "memory/device", "why"):
+    for col in ("mesh", "micro-batch", "accum", "ZeRO", "step time", "memory/device", "why"):
         t.add_column(col)
     for a in plan.alternatives:
         style = "bold green" if a.chosen else ("red" if not a.fits else "")
         unsolved = not a.fits and a.step_time_s is None and not a.memory_bytes  # pruned: its reason says why
-        t.add_row(str(a.mesh), str(a.micro_batch_size), str(a.grad_accum_steps), fmt_time(a.step_time_s),
+        t.add_row(str(a.mesh), str(a.micro_batch_size), str(a.grad_accum_steps), str(a.zero_stage),
+                  fmt_time(a.step_time_s),
                   "-" if unsolved else fmt_bytes(a.memory_bytes), plain(a.reason), style=style)
     return t
 

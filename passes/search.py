@@ -176,13 +176,14 @@ def plan_search(
                            hint="drop a pin to let partita choose that decision")
     options.sort(key=lambda d: (d.step_s, d.mesh.pp, d.zero_stage, d.mesh.tp))
     best = options[0]
-    alternatives = (_merge_alternatives(options) + _pruned_zero(best, cluster, request, pins)
-                    + _pruned_pipelines(pruned, best))
+    alternatives = _name_faster_unweighed(_merge_alternatives(options), _pruned_zero(best, cluster, request, pins)) \
+        + _pruned_pipelines(pruned, best)
     solved = sum(o.candidates for o in options)
     notes = best.notes + (f"{len(options)} mesh families weighed "
                           f"({', '.join(sorted({f'pp={o.mesh.pp} tp={o.mesh.tp}' for o in options}))})",
                           "ZeRO: per (mesh, micro-batch) the first stage of 0-3 that fits is weighed; larger "
-                          "stages only add traffic there (passes/dp/zero.py)" if pins.zero_stage is None
+                          "stages are priced at the chosen layout, not planned unless pinned (passes/dp/zero.py)"
+                          if pins.zero_stage is None
                           else f"ZeRO-{pins.zero_stage} pinned")
     if prune:
         slower = sum(not x.memory for x in pruned)
@@ -281,6 +282,24 @@ def _pruned_zero(best: Decision, cluster: ClusterSpec, request: TrainingRequest,
                    f"{comm.total_bytes / max(dp_bytes, 1):.3g}x the traffic; optimizer {opt * 1e3:.3g} ms vs "
                    f"{best.optimizer_s * 1e3:.3g} ms; {step / best.step_s:.2f}x the step at this layout"))
     return tuple(out)
+
+
+def _name_faster_unweighed(weighed: tuple[Alternative, ...], unweighed: tuple[Alternative, ...]
+                           ) -> tuple[Alternative, ...]:
+    """``weighed + unweighed``, where an unweighed ZeRO row predicted faster than the chosen one says so
+    and how to have it (a pin), and the chosen row says it is the fastest of those weighed, naming it:
+    no row is faster than the chosen one without a word why."""
+    chosen = next((a for a in weighed if a.chosen), None)
+    faster = [a for a in unweighed if chosen is not None and a.step_time_s < chosen.step_time_s]
+    if not faster:
+        return weighed + unweighed
+    quickest = min(faster, key=lambda a: a.step_time_s)
+    note = (f"chosen: fastest predicted step that fits of those weighed; ZeRO-{quickest.zero_stage} at this layout "
+            f"is predicted {quickest.step_time_s / chosen.step_time_s:.2f}x (its sharded optimizer step), not weighed: "
+            f"pin --zero {quickest.zero_stage} to plan it")
+    return tuple(replace(a, reason=note) if a.chosen else a for a in weighed) + tuple(
+        replace(a, reason=a.reason.replace("not weighed:", f"faster here but not weighed (pin --zero {a.zero_stage} "
+                                           "to plan it):", 1)) if a in faster else a for a in unweighed)
 
 
 # -- pp = 1: the mesh search ----------------------------------------------------

@@ -44,9 +44,16 @@ def test_pure_data_parallel_when_the_model_fits():
     d = _search(_gpt(4, 1024, 16), PRESETS["dgx-a100"], 64)  # 150M parameters: 2.4 GB of state
     assert (d.mesh.dp, d.mesh.tp, d.mesh.pp, d.zero_stage) == (8, 1, 1, 0)
     assert d.alternatives[0].chosen and d.alternatives[0].zero_stage == 0
-    # the stages above 0 were not weighed at that mesh, and the plan says what they would cost
-    pruned = {a.zero_stage: a for a in d.alternatives if a.reason.startswith("not weighed")}
+    # the stages above 0 were not weighed at that mesh, and the plan says what they would cost; one
+    # priced faster than the chosen step says so, and the chosen row names it (issue 45)
+    pruned = {a.zero_stage: a for a in d.alternatives if "not weighed" in a.reason.split(":")[0]}
     assert set(pruned) == {1, 2, 3}
+    chosen = d.alternatives[0]
+    for a in pruned.values():
+        assert a.reason.startswith("faster here but not weighed" if a.step_time_s < chosen.step_time_s
+                                   else "not weighed"), a.reason
+    if any(a.step_time_s < chosen.step_time_s for a in pruned.values()):
+        assert "of those weighed" in chosen.reason and "pin --zero" in chosen.reason, chosen.reason
     # ZeRO-3's two bf16 gathers and one fp32 reduce-scatter send 8 bytes a parameter, as many as the
     # plain fp32 all-reduce (2 x 4): the gradients travel in the reduce dtype
     assert "ZeRO-3:" in pruned[3].reason and "1x the traffic" in pruned[3].reason
