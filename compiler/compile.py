@@ -152,7 +152,7 @@ def micro_batch_graph(model: Any, captured: CapturedModel, profile: ModelProfile
                 G.nodes[n]["layer"] = a["layer"]
         return G, decision
     own = profile_model(small)
-    choice = tp_choice(own, cluster, request, mb, decision.mesh.tp)
+    choice = tp_choice(own, cluster, request, mb, decision.mesh.tp, sp=decision.sequence_parallel)
     node_stage = _stages_by_layer(own.graph, profile.graph, decision.node_stage)
     note = (f"laid out on the model captured at micro-batch {mb}: its graph differs from the one at batch "
             f"{profile.batch_size} ({len(own.graph)} vs {len(profile.graph)} nodes), so its TP layout was solved "
