@@ -102,8 +102,9 @@ class Options:
                                    "attention core), full (whole layers) or none [default: per stage, where memory "
                                    "binds]", choices=RECOMPUTE)
     sequence_parallel: bool | None = option(None, PIN, "split the residual stream (norms, dropouts, residual adds) "
-                                            "along the sequence over the TP group [default: per node, where "
-                                            "the TP solver finds it faster]", kind=bool)
+                                            "along the sequence over the TP group [default: weighed by the "
+                                            "pipeline search where memory binds; off, nothing is split along the "
+                                            "sequence]", kind=bool)
     offload: str | None = option(None, PIN, "keep the optimizer's state and the masters it updates in host memory, "
                                  "stepped by the host CPU (ZeRO-Offload) [default: where nothing else fits]",
                                  choices=OFFLOAD)
