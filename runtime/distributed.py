@@ -130,8 +130,7 @@ def _one_message_in_one_process() -> None:
         if not isinstance(value, PartitaError):
             previous(kind, value, tb)
             return
-        print(f"error: {printable(value.message)}" + (f"\n  hint: {printable(value.hint)}" if value.hint else ""),
-              file=sys.stderr, flush=True)
+        print(_one_message(value), file=sys.stderr, flush=True)
         sys.exit(value.exit_code)
 
     hook.partita = True  # type: ignore[attr-defined]
@@ -224,14 +223,28 @@ def _say(rank: int, e: PartitaError) -> None:
     if folder and Path(folder).is_dir():
         Path(folder, f"rank{rank}.txt").write_text(str(e))
     elif _first_to_say(str(e)):
-        print(f"error (rank {rank}): {printable(e.message)}" + (f"\n  hint: {printable(e.hint)}" if e.hint else ""),
-              file=sys.stderr, flush=True)
+        print(_one_message(e, f" (rank {rank})"), file=sys.stderr, flush=True)
     if not folder and os.environ.get("TORCHELASTIC_ERROR_FILE"):
         # under a plain torchrun, whose own report follows: it gives this message, not a link to its docs
         with contextlib.suppress(OSError):
             Path(os.environ["TORCHELASTIC_ERROR_FILE"]).write_text(
                 json.dumps({"message": f"partita: {e}", "timestamp": int(time.time())}))
     sys.stdout.flush()
+
+
+def _one_message(e: PartitaError, who: str = "") -> str:
+    """A user error as a rank prints it: ``error<who>:`` and its message, its hint on the next line."""
+    return f"error{who}: {printable(e.message)}" + (f"\n  hint: {printable(e.hint)}" if e.hint else "")
+
+
+def shared_from(value: Any, src: int = 0) -> Any:
+    """Rank ``src``'s ``value`` (a small picklable object) on every rank: a broadcast where a process
+    group of more than one is up, ``value`` itself otherwise."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
 
 
 def _leave_traceback(rank: int, kind: type[BaseException], value: BaseException, tb: Any) -> bool:

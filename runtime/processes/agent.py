@@ -26,6 +26,7 @@ from typing import Any
 
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
+from partita.core.errors import PartitaError
 from partita.runtime.processes.watchdog import EXIT_HUNG, EXIT_NODE_LOST
 
 HEARTBEAT_S = 1.0
@@ -83,10 +84,11 @@ class Agent(LocalElasticAgent):
         if not (early and waiting):
             return None
         rank = early[0]
-        (self.errors / f"rank{rank}.txt").write_text(
+        # the message as a rank leaves its own (runtime/distributed.py ``_say``)
+        (self.errors / f"rank{rank}.txt").write_text(str(PartitaError(
             f"rank {rank}'s script ended (exit code 0) before it built the model, while rank {waiting[0]} waits "
-            "for every rank to join the run\n  hint: every rank must run the script as far as the model's build "
-            "(partita.parallelize or ParallelModel); a rank with nothing to do must still build it")
+            "for every rank to join the run", hint="every rank must run the script as far as the model's build "
+            "(partita.parallelize or ParallelModel); a rank with nothing to do must still build it")))
         self._pcontext.close()  # every rank of this node stopped now, not at the group's timeout
         failure = ProcessFailure(local_rank=ended[rank], pid=handlers[ended[rank]].proc.pid, exitcode=2,
                                  error_file="<N/A>")

@@ -17,6 +17,7 @@ from typing import Any
 
 from partita.core.errors import PartitaError
 from partita.core.options import Options
+from partita.runtime.distributed import shared_from
 from partita.runtime.program import Program
 from partita.runtime.state import loading, lock, periodic, sharded
 
@@ -66,7 +67,7 @@ class Checkpoints:
                 seen = periodic.survey(self.root)
             except PartitaError as e:
                 seen = {"refused": (e.message, e.hint)}
-        seen = _from_rank0(seen)
+        seen = shared_from(seen)  # rank 0's look, or its refusal, on every rank
         if "refused" in seen:
             raise PartitaError(seen["refused"][0], hint=seen["refused"][1])
         return seen
@@ -97,17 +98,6 @@ class Checkpoints:
         pending, self._pending = self._pending, None
         if pending is not None:
             pending.result()
-
-
-def _from_rank0(value: Any) -> Any:
-    """Rank 0's ``value`` on every rank (a collective when a process group is up)."""
-    import torch.distributed as dist
-
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return value
-    box = [value]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
 
 
 def _wait_at_exit(ref: weakref.ref) -> None:

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from partita.core.placement import shard_dim
 from partita.core.plans.plan import Plan
 from partita.core.precision import PrecisionPolicy
+from partita.runtime.distributed import shared_from
 from partita.runtime.program import Program
 
 
@@ -59,9 +60,7 @@ def _buffers(program: Program) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     for stage in range(program.plan.mesh.pp):  # small tensors: sent as objects, their shapes unknown elsewhere
         src = program.plan.mesh.stage_ranks(stage)[0]
-        box = [mine if dist.get_rank() == src else None]
-        dist.broadcast_object_list(box, src=src)
-        out.update(box[0])
+        out.update(shared_from(mine if dist.get_rank() == src else None, src))
     return out
 
 
@@ -102,9 +101,7 @@ def _from_every_stage(mine: dict[str, torch.Tensor], plan: Plan, device: torch.d
     held: dict[str, torch.dtype] = {}
     for stage in range(plan.mesh.pp):
         src = plan.mesh.stage_ranks(stage)[0]
-        box = [{k: v.dtype for k, v in mine.items()} if dist.get_rank() == src else None]
-        dist.broadcast_object_list(box, src=src)
-        held.update(box[0])
+        held.update(shared_from({k: v.dtype for k, v in mine.items()} if dist.get_rank() == src else None, src))
     policy = PrecisionPolicy.of(plan.training)
     for decision in plan.params:
         src = plan.mesh.stage_ranks(decision.stage % plan.mesh.pp)[0]  # virtual stage c: on pp rank c mod pp
