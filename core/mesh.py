@@ -27,6 +27,7 @@ class MeshAxis(str, Enum):
     TP = "tp"
     EP = "ep"  # expert parallelism: within "dp" (``Mesh.ep``), not an axis of the rank layout
     EDP = "edp"  # the expert layers' data parallelism: the dp ranks holding the same experts
+    CP = "cp"  # context parallelism: within "dp" (``Mesh.cp``), each sequence split over cp consecutive dp ranks
 
 
 # Megatron's placement: TP innermost (consecutive ranks share a node's NVLink),
@@ -40,20 +41,30 @@ class Mesh:
     into expert groups of ``ep`` consecutive dp ranks: an MoE layer's experts are sharded over an
     expert group (each rank holds ``experts / ep`` of them, core/experts.py), its tokens dispatched
     to them by all-to-all; the dp ranks holding the same experts (``dp / ep`` of them, ``ep`` apart)
-    average those experts' gradients. Every other parameter stays replicated over all of "dp"."""
+    average those experts' gradients. Every other parameter stays replicated over all of "dp".
+
+    ``cp`` (context parallelism) is carved out of "dp" the same way: ``cp`` consecutive dp ranks hold
+    the same samples, each a slice of every sequence (``sequence_chunks``), and pass keys and values
+    around each attention core (runtime/cp/). They hold the same parameters, so gradients are
+    averaged over all of "dp" (dp x cp in Megatron's words) unchanged; the global batch is split
+    over ``samples = dp / cp`` groups."""
 
     dp: int = 1
     tp: int = 1
     pp: int = 1
     ep: int = 1
+    cp: int = 1
 
     def __post_init__(self) -> None:
-        for axis in (MeshAxis.PP, MeshAxis.DP, MeshAxis.TP, MeshAxis.EP):
+        for axis in (MeshAxis.PP, MeshAxis.DP, MeshAxis.TP, MeshAxis.EP, MeshAxis.CP):
             size = getattr(self, axis.value)
             if not isinstance(size, int) or size < 1:
                 raise ValueError(f"mesh axis {axis.value}={size!r} must be a positive integer")
         if self.dp % self.ep:
             raise ValueError(f"ep={self.ep} must divide dp={self.dp}: expert groups are carved out of the dp group")
+        if self.dp % self.cp:
+            raise ValueError(f"cp={self.cp} must divide dp={self.dp}: context-parallel groups are carved out of the "
+                             "dp group")
 
     @property
     def world_size(self) -> int:
@@ -73,8 +84,14 @@ class Mesh:
     def axis_names(self) -> tuple[str, ...]:
         return tuple(a.value for a in MESH_ORDER)
 
+    @property
+    def samples(self) -> int:
+        """The groups the global batch is split over: dp ranks, less the ones that share samples (cp)."""
+        return self.dp // self.cp
+
     def __str__(self) -> str:
-        return f"dp={self.dp} x tp={self.tp} x pp={self.pp}" + (f" (ep={self.ep})" if self.ep > 1 else "")
+        return (f"dp={self.dp} x tp={self.tp} x pp={self.pp}" + (f" (ep={self.ep})" if self.ep > 1 else "")
+                + (f" (cp={self.cp})" if self.cp > 1 else ""))
 
     def rank(self, *, pp: int, dp: int, tp: int) -> int:
         """The global rank at these coordinates (``MESH_ORDER``: pp outermost, tp innermost)."""
@@ -90,9 +107,10 @@ class Mesh:
         """The ranks of ``rank``'s group along mesh axis ``axis`` (the others' coordinates fixed);
         "ep": its expert group (``ep`` consecutive dp ranks), "edp": the dp ranks holding its experts."""
         at = self.coords(rank)
-        if axis == MeshAxis.EP.value:
-            first = at[MeshAxis.DP.value] // self.ep * self.ep
-            return tuple(self.rank(**{**at, MeshAxis.DP.value: first + i}) for i in range(self.ep))
+        if axis in (MeshAxis.EP.value, MeshAxis.CP.value):
+            size = getattr(self, axis)
+            first = at[MeshAxis.DP.value] // size * size
+            return tuple(self.rank(**{**at, MeshAxis.DP.value: first + i}) for i in range(size))
         if axis == MeshAxis.EDP.value:
             own = at[MeshAxis.DP.value] % self.ep
             return tuple(self.rank(**{**at, MeshAxis.DP.value: d}) for d in range(own, self.dp, self.ep))
@@ -101,6 +119,14 @@ class Mesh:
     def ep_rank(self, rank: int) -> int:
         """``rank``'s place in its expert group: it holds experts ``[ep_rank * E/ep, (ep_rank + 1) * E/ep)``."""
         return self.coords(rank)[MeshAxis.DP.value] % self.ep
+
+    def cp_rank(self, rank: int) -> int:
+        """``rank``'s place in its context-parallel group: which slices of each sequence it holds."""
+        return self.coords(rank)[MeshAxis.DP.value] % self.cp
+
+    def sample_group(self, rank: int) -> int:
+        """Which of the ``samples`` groups ``rank`` is in: its rows of each global batch."""
+        return self.coords(rank)[MeshAxis.DP.value] // self.cp
 
     def groups(self, axis: str) -> tuple[tuple[int, ...], ...]:
         """Every group along mesh axis ``axis``, each once, in the order of its first rank."""
@@ -147,3 +173,20 @@ def stage_pair_crosses_nodes(mesh: Mesh, stage: int, gpus_per_node: int) -> bool
     (same dp and tp coordinates) across nodes."""
     width = mesh.dp * mesh.tp
     return any(crosses_nodes((r, r + width), gpus_per_node) for r in mesh.stage_ranks(stage))
+
+
+def sequence_chunks(cp: int, cp_rank: int) -> tuple[int, int]:
+    """The two of ``2 cp`` equal chunks of every sequence that context-parallel rank ``cp_rank`` holds:
+    chunk ``cp_rank`` and its mirror ``2 cp - 1 - cp_rank`` (Megatron-LM's causal load balance: under
+    a causal mask a rank holding an early chunk also holds a late one, so every rank attends over
+    the same number of key/value pairs). The one rule of which tokens a cp rank holds, read by the
+    data share (runtime/batches.py) and the positions and masks of attention (runtime/cp/)."""
+    return cp_rank, 2 * cp - 1 - cp_rank
+
+
+def sequence_positions(seq_len: int, cp: int, cp_rank: int) -> list[int]:
+    """The positions (of ``seq_len``) rank ``cp_rank`` of ``cp`` holds, in the order it holds them."""
+    if cp == 1:
+        return list(range(seq_len))
+    size = seq_len // (2 * cp)
+    return [i for c in sequence_chunks(cp, cp_rank) for i in range(c * size, (c + 1) * size)]

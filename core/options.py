@@ -22,6 +22,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from partita.core.axes.context import CP_ATTENTION
 from partita.core.errors import MAX_COUNT, PartitaError, too_large
 from partita.core.files import check_output, writable_folder, writable_path
 from partita.core.optimizers import NO_OFFLOAD, OFFLOAD, default_optimizer, optimizer_kind
@@ -111,6 +112,12 @@ class Options:
     ep: int | None = option(None, PIN, "split each MoE layer's experts over groups of EP data-parallel ranks, its "
                             "tokens sent to them by all-to-all (expert parallelism; tp=1) [default: the planner's]",
                             kind=int)
+    cp: int | None = option(None, PIN, "split every sequence over CP data-parallel ranks, each attention core "
+                            "meeting the rest of its sequence by ring or all-to-all (context parallelism) "
+                            "[default: the planner's, where the sequence binds memory]", kind=int)
+    cp_attention: str | None = option(None, PIN, "how attention meets the rest of its sequence at --cp > 1: ring "
+                                      "(keys and values passed around) or all-to-all (sequence slices swapped "
+                                      "for heads) [default: the planner's]", choices=CP_ATTENTION)
     world_size: int | None = option(None, PIN, "the processes the plan runs on (torchrun's)", flag=None)
 
     # -- how the runtime runs --------------------------------------------------------------------
@@ -310,7 +317,8 @@ class Options:
         return Pins(dp=self.dp, tp=self.tp, pp=self.pp, zero_stage=self.zero, micro_batch_size=self.micro_batch_size,
                     grad_accum_steps=self.grad_accum_steps, world_size=world_size or self.world_size,
                     schedule=self.schedule, recompute=self.recompute, offload=self.offload,
-                    sequence_parallel=self.sequence_parallel, ep=self.ep)
+                    sequence_parallel=self.sequence_parallel, ep=self.ep, cp=self.cp,
+                    cp_attention=self.cp_attention)
 
     def cluster_spec(self) -> Any:
         """The cluster to plan for: a preset or cluster file by name, scaled by ``nodes`` / ``devices``."""

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from partita.core.axes import check_pins
+from partita.core.axes.context import CP_ATTENTION
 from partita.core.errors import MAX_COUNT, POSITIVE_HINT, PartitaError, too_large
 from partita.core.optimizers import OFFLOAD
 from partita.core.plans.plan import OPTIMIZERS
@@ -51,10 +52,12 @@ class Pins:
     offload: str | None = None  # core/optimizers.py's OFFLOAD, or (None) the planner's choice
     sequence_parallel: bool | None = None  # the residual stream split along the sequence (tp > 1), or the planner's
     ep: int | None = None  # experts split over groups of ep dp ranks (core/mesh.py Mesh.ep), or the planner's
+    cp: int | None = None  # each sequence split over cp dp ranks (core/mesh.py Mesh.cp), or the planner's
+    cp_attention: str | None = None  # core/axes/context.py CP_ATTENTION, or the planner's
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "recompute", recompute_mode(self.recompute))
-        for name in ("dp", "tp", "pp", "micro_batch_size", "grad_accum_steps", "world_size", "ep"):
+        for name in ("dp", "tp", "pp", "micro_batch_size", "grad_accum_steps", "world_size", "ep", "cp"):
             check_positive(name, getattr(self, name))
         if self.zero_stage is not None and (not is_whole(self.zero_stage, 0) or self.zero_stage not in ZERO_STAGES):
             raise PartitaError(f"--zero {self.zero_stage!r} must be 0, 1, 2 or 3",
@@ -70,6 +73,10 @@ class Pins:
             if self.schedule not in SCHEDULES:
                 raise PartitaError(f"--schedule {self.schedule!r} is not one of {', '.join(SCHEDULES)}",
                                    hint="leave --schedule out to let partita choose")
+        if self.cp_attention is not None and self.cp_attention not in CP_ATTENTION:
+            raise PartitaError(f"--cp-attention {self.cp_attention!r} is not one of {', '.join(CP_ATTENTION)}",
+                               hint="ring passes keys and values around the cp group; all-to-all swaps sequence "
+                               "slices for heads; leave it out to let partita choose")
         check_pins(self)  # every axis's rules over what the pins fix (core/axes)
 
     # The planners decide every axis; a tp pin is checked against the cluster in
@@ -79,8 +86,8 @@ class Pins:
         """The pins in the CLI's words (``--dp 2 --zero 1``), or "no pins"."""
         flags = {"zero_stage": "zero", "world_size": "devices"}
         parts = []
-        for name in ("dp", "tp", "pp", "ep", "zero_stage", "micro_batch_size", "grad_accum_steps", "schedule",
-                     "world_size"):
+        for name in ("dp", "tp", "pp", "ep", "cp", "cp_attention", "zero_stage", "micro_batch_size",
+                     "grad_accum_steps", "schedule", "world_size"):
             v = getattr(self, name)
             if v is not None:
                 parts.append(f"--{flags.get(name, name).replace('_', '-')} {v}")
@@ -100,7 +107,10 @@ class Pins:
     def check_batch(self, global_batch: int) -> None:
         """The pinned factors of the global batch (dp x micro-batch size x micro-batches per step) must
         divide it: refused in the CLI's words before the search, which would find no mesh and say less."""
-        pinned = [(flag, v) for flag, v in (("--dp", self.dp), ("--micro-batch-size", self.micro_batch_size),
+        # cp ranks share their samples (core/mesh.py Mesh.samples): dp / cp groups split the batch
+        samples = (("--dp / --cp", self.dp // self.cp) if self.dp is not None and (self.cp or 1) > 1
+                   else ("--dp", self.dp))
+        pinned = [(flag, v) for flag, v in (samples, ("--micro-batch-size", self.micro_batch_size),
                                             ("--grad-accum-steps", self.grad_accum_steps)) if v is not None]
         product = math.prod(v for _, v in pinned)
         if global_batch % product:

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from partita.core.axes import sequence_of
 from partita.core.cluster import ClusterSpec
+from partita.core.model.ops import ATTENTION
 from partita.passes.experts import model_experts
 from partita.passes.profile import ModelProfile
 from partita.passes.tp.sequence import residual_nodes
@@ -19,4 +21,14 @@ def model_facts(profile: ModelProfile, cluster: ClusterSpec) -> dict[str, Any]:
     return {"attention_core": any(a.get("attention_core") for _, a in G.nodes(data=True)),
             "repeated_layers": any(a.get("layer") for _, a in G.nodes(data=True)),
             "residual_stream": bool(residual_nodes(G)), "experts": bool(model_experts(G)),
-            "host_bandwidth": cluster.host_bandwidth > 0 and cluster.host_memory_bandwidth > 0}
+            "host_bandwidth": cluster.host_bandwidth > 0 and cluster.host_memory_bandwidth > 0,
+            "sequence": sequence_of(a["shapes"][0] for _, a in G.nodes(data=True)
+                                   if a.get("kind") == "input" and a.get("shapes")), "heads": attention_heads(G)}
+
+
+def attention_heads(G) -> int | None:
+    """The heads every fused attention core splits (dim 1 of its query, batch x heads x sequence x
+    dim: all-to-all context parallelism's unit), the fewest where they differ; None without one."""
+    heads = [a["shapes"][0][1] for _, a in G.nodes(data=True)
+             if a.get("op") in ATTENTION and a.get("shapes") and len(a["shapes"][0]) == 4]
+    return min(heads) if heads else None

@@ -13,11 +13,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from partita.core.axes import data, experts, offload, pipeline, recompute, sequence, tensor, zero
+from partita.core.axes import context, data, experts, offload, pipeline, recompute, sequence, tensor, zero
 from partita.core.axes.rules import SETTINGS, Axis, broken_rules, pin_voice, plan_voice
 from partita.core.errors import PartitaError
 
-AXES: tuple[Axis, ...] = tuple(m.AXIS for m in (data, tensor, pipeline, zero, offload, recompute, sequence, experts))
+AXES: tuple[Axis, ...] = tuple(m.AXIS for m in (data, tensor, pipeline, zero, offload, recompute, sequence, experts,
+                                                  context))
 
 
 def pin_settings(pins: Any, *, inference: bool | None = None) -> dict[str, Any]:
@@ -39,7 +40,8 @@ def check_pins(pins: Any, *, inference: bool | None = None, facts: Mapping[str, 
 def plan_settings(plan: Any) -> dict[str, Any]:
     """A plan's settings, every one known; ``recompute`` the set of its stages' modes."""
     m, t = plan.mesh, plan.training
-    return {"dp": m.dp, "tp": m.tp, "pp": m.pp, "ep": m.ep, "zero_stage": t.zero_stage, "schedule": t.schedule,
+    return {"dp": m.dp, "tp": m.tp, "pp": m.pp, "ep": m.ep, "cp": m.cp, "cp_attention": t.cp_attention,
+            "zero_stage": t.zero_stage, "schedule": t.schedule,
             "grad_accum_steps": t.grad_accum_steps,
             "recompute": frozenset(s.recompute for s in plan.stages), "offload": t.offload,
             "sequence_parallel": t.sequence_parallel, "inference": t.inference}
@@ -59,7 +61,25 @@ def plan_facts(plan: Any) -> dict[str, Any]:
         host = None  # core/plans/verify.py's ``_cluster`` names it
     return {"attention_core": bool(decided_cores(plan.nodes, recompute.input_names(plan))),
             "repeated_layers": any(d.layer for d in plan.nodes), "residual_stream": None,
-            "experts": bool(decided_expert_modules(plan.nodes)), "host_bandwidth": host}
+            "experts": bool(decided_expert_modules(plan.nodes)), "host_bandwidth": host,
+            "sequence": sequence_length(plan.model.inputs), "heads": None}
+
+
+def sequence_length(inputs: Any) -> int | None:
+    """The sequence a model's inputs carry (dim 1, the same in every input of two or more dims; the
+    dim context parallelism splits), or None when they carry none or disagree."""
+    from partita.core.model.inputs import parse_input_spec
+
+    try:
+        return sequence_of(parse_input_spec(s).shape for s in inputs)
+    except PartitaError:
+        return None  # core/plans/verify.py names a malformed input
+
+
+def sequence_of(shapes: Any) -> int | None:
+    """Dim 1 of every shape of two or more dims, where they agree (the sequence), else None."""
+    lengths = {tuple(s)[1] for s in shapes if len(tuple(s)) >= 2}
+    return lengths.pop() if len(lengths) == 1 else None
 
 
 def axis_summary(plan: Any) -> list[tuple[str, str | None]]:

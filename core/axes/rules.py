@@ -22,6 +22,8 @@ SETTINGS: dict[str, tuple[str, str]] = {
     "tp": ("--tp", "mesh.tp"),
     "pp": ("--pp", "mesh.pp"),
     "ep": ("--ep", "mesh.ep"),
+    "cp": ("--cp", "mesh.cp"),
+    "cp_attention": ("--cp-attention", "training.cp_attention"),
     "zero_stage": ("--zero", "training.zero_stage"),
     "schedule": ("--schedule", "training.schedule"),
     "grad_accum_steps": ("--grad-accum-steps", "training.grad_accum_steps"),
@@ -32,7 +34,7 @@ SETTINGS: dict[str, tuple[str, str]] = {
 }
 # what the model and the cluster hold, by name: None where not known (the pins alone, or a fact a plan
 # does not record)
-FACTS = ("attention_core", "repeated_layers", "residual_stream", "experts", "host_bandwidth")
+FACTS = ("attention_core", "repeated_layers", "residual_stream", "experts", "host_bandwidth", "sequence", "heads")
 
 Say = Callable[..., str]  # (setting, value=its own) -> the setting in the voice's words
 

@@ -87,6 +87,9 @@ class Training:
     zero_units: tuple[str, ...] = ()
     offload: str = NO_OFFLOAD  # the optimizer's state and masters on the host (core/optimizers.py OFFLOAD)
     sequence_parallel: bool = False  # the nodes' layouts split the residual stream along the sequence over tp
+    # how attention meets the rest of its sequence at mesh.cp > 1 (core/axes/context.py CP_ATTENTION):
+    # "ring" passes keys and values around the cp group, "all-to-all" swaps sequence slices for heads
+    cp_attention: str = "ring"
 
     def __post_init__(self) -> None:
         if self.zero_stage not in (0, 1, 2, 3):

@@ -278,7 +278,7 @@ PLAN_EDITS: dict[str, tuple[str, Callable[[dict], Any], str]] = {
     "ep raised to 4, its collectives left for 2": (MOE, put("mesh.ep", 4), "but ep=4"),
     "tp of 2^80": (DP2, put("mesh.tp", 2**80), f"x tp={2**80} x pp=1 has"),
     "dp of 0": (DP2, put("mesh.dp", 0), "at mesh/dp: 0 is less than the minimum of 1"),
-    "a mesh axis partita has not": (DP2, put("mesh.cp", 2), "at mesh: Additional properties are not allowed"),
+    "a mesh axis partita has not": (DP2, put("mesh.sp", 2), "at mesh: Additional properties are not allowed"),
     "a mesh without pp": (DP2, lambda d: d["mesh"].pop("pp"), "at mesh: 'pp' is a required property"),
     "a mesh as a list": (DP2, put("mesh", [2, 1, 1]), "at mesh: [2, 1, 1] is not of type 'object'"),
     "pp 3 on 2 devices": (PP, put("mesh.pp", 3), "world_size 2 but mesh dp=1 x tp=1 x pp=3 has 3 devices"),
