@@ -5,7 +5,7 @@ the global batch (the same on every rank) or, with ``local=True``, this rank's
 share of it. ``check_batch`` refuses anything the plan was not made for before
 any of it runs (the number of inputs, then per tensor its batch size, the other
 dims and the dtype, against the captured inputs and targets); ``share`` takes
-this rank's rows over "dp"; ``check_same_batch`` all-gathers a fingerprint per
+this rank's rows over "dp" (of its sample group at cp > 1, and its slice of each sequence); ``check_same_batch`` all-gathers a fingerprint per
 rank to catch a rank whose data loader drifted. With ``local=True`` a pipeline
 rank may pass None for an input (or the targets) its stage does not read
 (``stage_reads``): the first stage reads the inputs, the last the targets.
@@ -60,9 +60,10 @@ def check_batch(program: Program, inputs: tuple[Any, ...], targets: Any, *, loca
                            f"was planned for {len(specs)} ({', '.join(plan.model.inputs)})",
                            hint="pass the model's inputs positionally, in the order they were planned, "
                            "and the targets as targets=")
-    per_rank = tr.global_batch // program.dp_size
+    per_rank = tr.global_batch // program.samples
     expected = per_rank if local else tr.global_batch
-    scope = (f"this rank's share (global_batch={tr.global_batch} / dp={program.dp_size})" if local
+    over = f"dp={program.dp_size}" if program.cp == 1 else f"dp / cp = {program.samples}"
+    scope = (f"this rank's share (global_batch={tr.global_batch} / {over})" if local
              else "the plan's global_batch")
     target_spec = parse_input_spec(plan.model.targets) if plan.model.targets else None
     pairs = [(i, x, spec, f"input {i} ({spec.name})") for i, (x, spec) in enumerate(zip(inputs, specs))]
@@ -121,10 +122,10 @@ def share(program: Program, t: torch.Tensor | None, *, local: bool) -> torch.Ten
     this pipeline stage does not read) stays None."""
     if t is None:
         return None
-    if not local and program.dp_size > 1:
-        rows = t.shape[0] // program.dp_size
-        t = t.narrow(0, program.dp_rank * rows, rows)
-    return t.to(program.ctx.device, non_blocking=True)
+    if not local and program.samples > 1:
+        rows = t.shape[0] // program.samples
+        t = t.narrow(0, program.sample_rank * rows, rows)
+    return program.sequence_slice(t).to(program.ctx.device, non_blocking=True)
 
 
 def check_same_batch(program: Program, tensors: list[torch.Tensor], counter: CollectiveCounter, *, step: int,

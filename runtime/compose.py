@@ -32,7 +32,8 @@ from partita.core.plans.plan import Plan
 from partita.core.precision import PrecisionPolicy
 from partita.core.recompute import NONE
 from partita.runtime.collectives import CollectiveCounter
-from partita.runtime.distributed import GROUPS, DistContext, build_mesh, expert_groups
+from partita.runtime.cp.attention import ContextGroup
+from partita.runtime.distributed import GROUPS, DistContext, build_mesh, context_group, expert_groups
 from partita.runtime.dp.averaging import (
     Averagers,
     BufferAverager,
@@ -139,7 +140,10 @@ def compose(module: nn.Module, plan: Plan, ctx: DistContext, options: Options, c
     dp_group, dp_rank = (dp_mesh.get_group(), dp_mesh.get_local_rank()) if dp_mesh is not None else (None, 0)
     # expert groups ("ep") and the dp ranks holding the same experts ("edp"), core/mesh.py
     ep_group, edp_group = expert_groups(plan.mesh, ctx) if plan.mesh.ep > 1 else (None, None)
-    interpreted = (plan.mesh.pp > 1 or plan.mesh.tp > 1 or ep_group is not None
+    # the dp ranks sharing samples, each holding a slice of every sequence ("cp", runtime/cp/)
+    context = (ContextGroup(context_group(plan.mesh, ctx), counter, _sequence(plan), ctx.device)
+               if plan.mesh.cp > 1 else None)
+    interpreted = (plan.mesh.pp > 1 or plan.mesh.tp > 1 or ep_group is not None or context is not None
                    or any(s.recompute != NONE for s in plan.stages))
     # random ops drawn alike over "tp", apart over "dp" (runtime/rng.py)
     rng = (run_seed(options.seed), dp_rank) if interpreted and ctx.world_size > 1 else None
@@ -150,13 +154,15 @@ def compose(module: nn.Module, plan: Plan, ctx: DistContext, options: Options, c
         local = pipeline = apply_pipeline(module, plan, mesh, loss_fn=graph_loss, counter=counter,
                                           device=ctx.device, precision=policy, rng=rng, weights=weights,
                                           compile=bool(options.compile),
-                                          experts=ExpertGroup(ep_group, counter) if ep_group is not None else None)
+                                          experts=ExpertGroup(ep_group, counter) if ep_group is not None else None,
+                                          context=context)
         loss = None  # the stage's schedule runs the micro-batches
     elif interpreted:
         local = apply_tensor_parallel(module, plan, mesh[TP].get_group() if plan.mesh.tp > 1 else None,
                                       loss_fn=graph_loss, counter=counter, device=ctx.device,
                                       precision=policy, rng=rng, weights=weights, compile=bool(options.compile),
-                                      experts=ExpertGroup(ep_group, counter) if ep_group is not None else None)
+                                      experts=ExpertGroup(ep_group, counter) if ep_group is not None else None,
+                                      context=context)
         loss = _program_loss(local)
     else:
         if weights is not None:
@@ -203,6 +209,18 @@ def compose(module: nn.Module, plan: Plan, ctx: DistContext, options: Options, c
                    dp_size=plan.mesh.dp if dp_group is not None else 1, pipeline=pipeline, master=master,
                    policy=policy, scaler=scaler, state_names=names, persistent=persistent,
                    sync=_gradient_sync(zero, averager, master, buffers, dp_group), scheduler=scheduler)
+
+
+def _sequence(plan: Plan) -> int:
+    """The sequence length the plan's inputs carry (the dim cp splits, core/axes ``sequence_length``)."""
+    from partita.core.axes import sequence_length
+
+    seq = sequence_length(plan.model.inputs)
+    if seq is None:
+        raise PlanError(f"the plan splits sequences over cp={plan.mesh.cp}, but its inputs "
+                        f"({', '.join(plan.model.inputs)}) carry no one sequence length (dim 1)",
+                        hint="recompile with --cp 1")
+    return seq
 
 
 def _gradient_sync(zero: ZeroProgram | None, averager: GradientAverager | Averagers | None,

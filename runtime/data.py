@@ -222,7 +222,9 @@ def share_loader(program: Program, dataset: Dataset | Sequence[Dataset], *, read
     pipeline stage reads (None: all). The others come as None in each batch: not fetched at all
     when the stage reads none of them, or ``dataset`` is a tuple of one dataset per field."""
     given = sorted(set(_SET_HERE) & set(dataloader_kwargs))
-    global_batch, dp_rank, dp_size = program.plan.training.global_batch, program.dp_rank, program.dp_size
+    # the rows are the rank's sample group's (cp ranks share samples; each keeps its slice of every
+    # sequence when the step shares the batch out, runtime/batches.py)
+    global_batch, dp_rank, dp_size = program.plan.training.global_batch, program.sample_rank, program.samples
     if given:
         raise PartitaError(f"loader() sets {', '.join(given)} itself: each batch is this rank's "
                            f"{global_batch // dp_size} of the plan's global batch of {global_batch}",

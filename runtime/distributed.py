@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from partita.core.errors import PartitaError, printable
-from partita.core.mesh import Mesh
+from partita.core.mesh import Mesh, MeshAxis
 from partita.runtime.processes.watchdog import FLIGHT, timeout_from_env
 from partita.runtime.processes.watchdog import stop as stop_watchdog
 
@@ -372,6 +372,17 @@ def expert_groups(mesh: Mesh, ctx: DistContext) -> tuple[dist.ProcessGroup, dist
             if ctx.rank in ranks:
                 mine[axis] = group
     return mine["ep"], mine["edp"]
+
+
+def context_group(mesh: Mesh, ctx: DistContext) -> dist.ProcessGroup:
+    """This rank's context-parallel group ("cp": cp consecutive dp ranks, core/mesh.py); every group is
+    created on every rank, in one order (``new_group``'s rule)."""
+    mine = None
+    for ranks in mesh.groups(MeshAxis.CP.value):
+        group = new_group(MeshAxis.CP.value, ranks)
+        if ctx.rank in ranks:
+            mine = group
+    return mine
 
 
 def destroy(ctx: DistContext | None = None) -> None:

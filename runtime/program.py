@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
 
+from partita.core.mesh import sequence_positions
 from partita.core.plans.plan import Plan
 from partita.core.precision import FP32, PrecisionPolicy
 from partita.runtime.distributed import DistContext
@@ -66,6 +67,28 @@ class Program:
     sync: GradientSync = field(default_factory=GradientSync)
     scheduler: Any = None  # the user's LR scheduler over the one optimizer (ZeRO's: over its shards, alike)
     norm_terms: Any = None  # what the gradient norm reads, worked out at its first step (runtime/grad_norm.py)
+
+    @property
+    def cp(self) -> int:
+        """The dp ranks sharing each sample, each holding a slice of its sequence (core/mesh.py ``Mesh.cp``)."""
+        return self.plan.mesh.cp if self.dp_size > 1 else 1
+
+    @property
+    def samples(self) -> int:
+        """The groups each global batch's rows are split over (dp / cp)."""
+        return self.dp_size // self.cp
+
+    @property
+    def sample_rank(self) -> int:
+        """This rank's group of rows: the rows ``[sample_rank * b, (sample_rank + 1) * b)``, b = global / samples."""
+        return self.dp_rank // self.cp
+
+    def sequence_slice(self, t: torch.Tensor) -> torch.Tensor:
+        """This rank's tokens of each sequence in ``t`` (dim 1; core/mesh.py ``sequence_positions``)."""
+        if self.cp == 1 or t.dim() < 2:
+            return t
+        keep = sequence_positions(t.shape[1], self.cp, self.dp_rank % self.cp)
+        return t.index_select(1, torch.tensor(keep, device=t.device))
 
     @property
     def updates(self) -> MasterWeights | None:

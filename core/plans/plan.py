@@ -286,10 +286,11 @@ class Plan:
 
     def __post_init__(self) -> None:
         t = self.training
-        per_step = self.mesh.dp * t.micro_batch_size * t.grad_accum_steps
+        per_step = self.mesh.samples * t.micro_batch_size * t.grad_accum_steps  # cp ranks share samples
         if per_step != t.global_batch:
+            over = f"dp={self.mesh.dp}" if self.mesh.cp == 1 else f"dp / cp = {self.mesh.samples}"
             raise ValueError(
-                f"dp={self.mesh.dp} x micro_batch_size={t.micro_batch_size} x "
+                f"{over} x micro_batch_size={t.micro_batch_size} x "
                 f"grad_accum_steps={t.grad_accum_steps} = {per_step} does not equal "
                 f"global_batch={t.global_batch}"
             )

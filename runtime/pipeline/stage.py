@@ -33,6 +33,7 @@ from partita.core.precision import PrecisionPolicy
 from partita.core.schedule import BACKWARD, FORWARD, NONE, SCHEDULES, chunk_problem, gradients_received, rank_order
 from partita.runtime.collectives import CollectiveCounter, all_gather_flat
 from partita.runtime.distributed import new_group
+from partita.runtime.cp.attention import ContextGroup
 from partita.runtime.experts import ExpertGroup
 from partita.runtime.processes.watchdog import FLIGHT
 from partita.runtime.step.schedule import micro_rows
@@ -157,7 +158,7 @@ class PipelineStage(nn.Module):
     def __init__(self, module: nn.Module, plan: Plan, mesh: Any, *, loss_fn: Callable | None,
                  counter: CollectiveCounter, device: torch.device, precision: PrecisionPolicy,
                  rng: tuple[int, int] | None, weights: str | Path | None = None, compile: bool = False,
-                 experts: ExpertGroup | None = None) -> None:
+                 experts: ExpertGroup | None = None, context: ContextGroup | None = None) -> None:
         super().__init__()
         self.plan, self.counter, self.device = plan, counter, device
         p = plan.mesh.pp
@@ -178,7 +179,8 @@ class PipelineStage(nn.Module):
         tp_group = mesh[MeshAxis.TP.value].get_group() if plan.mesh.tp > 1 else None
         self.tp = TensorParallel(module, plan, tp_group, loss_fn=loss_fn, counter=counter, device=device,
                                  weights=weights, keep=lambda n: stage_of.get(n.name, -1) % p == self.index,
-                                 precision=precision, rng=rng, compile=compile, experts=experts)
+                                 precision=precision, rng=rng, compile=compile, experts=experts,
+                                 context=context)
         graph = self.tp.graph_module.graph
         held = lambda n: n.name in self.tp.param_nodes or n.name in self.tp.buffer_nodes
         self.stages = split_stages(graph, stage_of, virtual, held)
@@ -450,9 +452,11 @@ class PipelineStage(nn.Module):
 def apply_pipeline(module: nn.Module, plan: Plan, mesh: Any, *, loss_fn: Callable | None,
                    counter: CollectiveCounter, device: torch.device, precision: PrecisionPolicy,
                    rng: tuple[int, int] | None, weights: str | Path | None = None,
-                   compile: bool = False, experts: ExpertGroup | None = None) -> PipelineStage:
+                   compile: bool = False, experts: ExpertGroup | None = None,
+                   context: ContextGroup | None = None) -> PipelineStage:
     """Compose's pipeline step: this rank's stage, the TP program over the stage's nodes (tensor
     parallelism inside it, over "tp" when tp > 1; its MoE layers' experts split over ``experts``
     when given), linked to its neighbours over "pp"."""
     return PipelineStage(module, plan, mesh, loss_fn=loss_fn, counter=counter, device=device,
-                         precision=precision, rng=rng, weights=weights, compile=compile, experts=experts)
+                         precision=precision, rng=rng, weights=weights, compile=compile, experts=experts,
+                         context=context)

@@ -32,6 +32,8 @@ from partita.core.plans.plan import Plan
 from partita.core.plans.verify import check_layouts
 from partita.core.precision import FP32, PrecisionPolicy
 from partita.runtime.collectives import CollectiveCounter
+from partita.runtime.cp.attention import ContextGroup
+from partita.runtime.cp.program import ContextParallel
 from partita.runtime.experts import ExpertGroup, ExpertLayers
 from partita.runtime.state.weights import load_local, open_weights
 from partita.runtime.tp.collectives import TPGroup
@@ -63,7 +65,8 @@ class TensorParallel(nn.Module):
                  device: torch.device, weights: str | Path | None = None,
                  keep: Callable[[torch.fx.Node], bool] | None = None,
                  precision: PrecisionPolicy = FP32, rng: tuple[int, int] | None = None,
-                 compile: bool = False, experts: ExpertGroup | None = None) -> None:
+                 compile: bool = False, experts: ExpertGroup | None = None,
+                 context: ContextGroup | None = None) -> None:
         super().__init__()
         self.tp = TPGroup(group, counter)
         self.plan = plan
@@ -73,7 +76,8 @@ class TensorParallel(nn.Module):
         self.rng = rng
         self.compile = compile  # each program through torch.compile (runtime/tp/program.py ``compiled``)
         self.decisions = {d.name: d for d in plan.nodes}
-        captured = _capture(module, plan, loss_fn)  # dropped after loading: it holds the lifted constants
+        # at cp > 1 the rank's own slice of every sequence (runtime/cp/program.py)
+        captured = _capture(module, plan, loss_fn, cp=context.size if context is not None else 1)
         self.graph_module = captured.graph_module
         self.param_nodes, self.buffer_nodes = captured.param_nodes, captured.buffer_nodes  # placeholder -> name
         self._check_graph(captured)
@@ -117,6 +121,12 @@ class TensorParallel(nn.Module):
         self._inputs = placeholders  # the whole program's arguments: the placeholders in graph order
         self._user_slots = [i for i, n in enumerate(placeholders) if not self.holds(n)]
         self._held_values = [self.placeholder_value(n, None) if self.holds(n) else None for n in placeholders]
+        # the positions and attention cores that see the whole sequence over "cp" (runtime/cp/program.py)
+        self.context = None if context is None else ContextParallel(
+            context, plan.training.cp_attention, self.graph_module,
+            user_inputs={placeholders[i].name for i in self._user_slots}, buffers=self._buffers_by_node,
+            module_of={d.name: d.module for d in plan.nodes}, layer_of={d.name: d.layer for d in plan.nodes if d.layer},
+            micro_batch=plan.training.micro_batch_size)
 
     def _param_readers(self) -> tuple[dict[str, list[nn.Parameter]], dict[str, list[nn.Parameter]]]:
         """Per node this rank runs, the parameters it reads (directly, or through a chain of view
@@ -248,13 +258,17 @@ def _check_experts(plan: Plan, regions: list, param_nodes: dict[str, str], ep: i
                         hint="recompile the plan for this model with `partita compile`")
 
 
-def _micro_batch_specs(plan: Plan) -> tuple[list[InputSpec], InputSpec | None]:
-    """The plan's input and target specs with the batch dim set to the micro-batch size."""
+def _micro_batch_specs(plan: Plan, cp: int = 1) -> tuple[list[InputSpec], InputSpec | None]:
+    """The plan's input and target specs with the batch dim set to the micro-batch size (and the
+    sequence, dim 1, to one cp rank's slice of it)."""
     mbs = plan.training.micro_batch_size
 
     def micro(text: str) -> InputSpec:
         spec = parse_input_spec(text)
-        return InputSpec(spec.name, spec.dtype, (mbs, *spec.shape[1:]))
+        rest = spec.shape[1:]
+        if cp > 1 and rest:
+            rest = (rest[0] // cp, *rest[1:])
+        return InputSpec(spec.name, spec.dtype, (mbs, *rest))
 
     if not plan.model.inputs:
         raise PlanError("a tensor-parallel plan must record the model's inputs (plan.model.inputs)",
@@ -262,8 +276,8 @@ def _micro_batch_specs(plan: Plan) -> tuple[list[InputSpec], InputSpec | None]:
     return [micro(s) for s in plan.model.inputs], micro(plan.model.targets) if plan.model.targets else None
 
 
-def _capture(module: nn.Module, plan: Plan, loss_fn: Callable | None) -> CapturedModel:
-    inputs, targets = _micro_batch_specs(plan)
+def _capture(module: nn.Module, plan: Plan, loss_fn: Callable | None, cp: int = 1) -> CapturedModel:
+    inputs, targets = _micro_batch_specs(plan, cp)
     on_meta = any(t.device.type == "meta" for t in module.parameters())
     # A meta module is captured through fake tensors (export cannot run some models on meta);
     # its tensors are replaced by the local shards anyway.
@@ -275,9 +289,10 @@ def apply_tensor_parallel(module: nn.Module, plan: Plan, group: dist.ProcessGrou
                           loss_fn: Callable | None, counter: CollectiveCounter, device: torch.device,
                           precision: PrecisionPolicy, rng: tuple[int, int] | None,
                           weights: str | Path | None = None, compile: bool = False,
-                          experts: ExpertGroup | None = None) -> TensorParallel:
+                          experts: ExpertGroup | None = None, context: ContextGroup | None = None) -> TensorParallel:
     """Compose's tensor-parallel step: this rank's shards of ``module`` and the program over the
     "tp" ``group`` (None: a one-rank group, for a plan that only recomputes or splits experts),
     each MoE layer's experts split over ``experts`` when given."""
     return TensorParallel(module, plan, group, loss_fn=loss_fn, counter=counter, device=device,
-                          weights=weights, precision=precision, rng=rng, compile=compile, experts=experts)
+                          weights=weights, precision=precision, rng=rng, compile=compile, experts=experts,
+                          context=context)

@@ -78,6 +78,7 @@ class LocalProgram(Protocol):
     param_last_reads: Mapping[str, list[nn.Parameter]]  # node -> those forward is done with after it
     buffer_nodes: Mapping[str, str]  # buffer placeholder -> its name
     experts: ExpertLayers | None  # the MoE layers whose experts are split over "ep" (runtime/experts.py)
+    context: Any  # the nodes that see the whole sequence over "cp" (runtime/cp/program.py), or None
 
 
 def op_name(n: torch.fx.Node) -> str:
@@ -237,7 +238,9 @@ class _Builder:
         if n.target is torch.ops.aten._assert_tensor_metadata.default and self.p.precision.low:
             return None  # export's check of the captured (fp32) dtype: the policy computes in another
         experts = self.p.experts
-        if regather:  # the gathered input kept by the op itself, as its slice (runtime/tp/local_ops.py)
+        if self.p.context is not None and self.p.context.replaces(n.name):
+            out = self.p.context.emit(self, n, args, kwargs)
+        elif regather:  # the gathered input kept by the op itself, as its slice (runtime/tp/local_ops.py)
             out = self.graph.call_function(call, (self.attr("regathered", RegatheredLinear(Edge(self.p.tp, d.ins[0]))),
                                                   *args), kwargs)
         elif experts is not None and n.name in experts.region_of:

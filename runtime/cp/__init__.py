@@ -1,0 +1,1 @@
+"""Context parallelism at run time: attention over a sequence split across the "cp" group."""

@@ -1,0 +1,237 @@
+"""Attention over a sequence split across a context-parallel group (core/mesh.py ``Mesh.cp``).
+
+Each rank of a cp group holds two of the ``2 cp`` chunks of every sequence (``sequence_chunks``:
+chunk ``r`` and its mirror, Megatron-LM's causal load balance) and runs every op but attention on
+its own tokens. An attention core meets the rest of its sequence one of two ways:
+
+- **ring** (``RingAttention``; Liu et al. 2023, "Ring Attention with Blockwise Transformers"):
+  the rank's keys and values go round the group, ``cp - 1`` exchanges with the ring's neighbours;
+  each block of scores is merged into the output by the online softmax (running row max and sum),
+  and the next block's exchange is in flight while the current block computes. Backward goes round
+  again: the keys and values travel with their gradients' partial sums, which arrive home after the
+  last block. The causal mask of a block comes from the true positions of its queries and keys.
+- **all-to-all** (``ulysses``; Jacobs et al. 2023, "DeepSpeed Ulysses"): q, k and v go from
+  sequence slices to head groups by one all-to-all each, attention runs on whole sequences of
+  ``heads / cp`` heads (put in position order, so a causal mask is the plain one), and the output
+  comes back by a fourth; backward is the same four the other way.
+
+Both compute in fp32 where they merge blocks (the ring) and cast back to the inputs' dtype. Every
+call is counted on the "cp" axis (runtime/collectives.py), so a step's calls can be checked against
+the plan's.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from partita.core.mesh import MeshAxis, sequence_positions
+from partita.runtime.collectives import CollectiveCounter
+
+CP = MeshAxis.CP.value
+
+
+class ContextGroup:
+    """This rank's context-parallel group: its process group, size and place, the global sequence
+    length, and the positions each rank of the group holds."""
+
+    def __init__(self, group: dist.ProcessGroup, counter: CollectiveCounter, seq_len: int,
+                 device: torch.device) -> None:
+        self.group, self.counter, self.seq_len, self.device = group, counter, seq_len, device
+        self.size = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.peers = [dist.get_global_rank(group, i) for i in range(self.size)]
+        self._positions = [torch.tensor(sequence_positions(seq_len, self.size, r), dtype=torch.int64, device=device)
+                           for r in range(self.size)]
+        self.order = torch.cat(self._positions)  # the position of each row of the group's ranks' rows, in rank order
+
+    def positions(self, rank: int | None = None) -> torch.Tensor:
+        """The positions (int64) rank ``rank`` of the group holds (this rank's by default)."""
+        return self._positions[self.rank if rank is None else rank]
+
+    def _exchange(self, send: list[torch.Tensor], recv: list[torch.Tensor]) -> list[Any]:
+        """Send ``send`` to the next rank of the ring and receive ``recv`` from the previous, begun."""
+        nxt, prev = self.peers[(self.rank + 1) % self.size], self.peers[(self.rank - 1) % self.size]
+        ops = [dist.P2POp(dist.isend, t, nxt, self.group) for t in send]
+        ops += [dist.P2POp(dist.irecv, t, prev, self.group) for t in recv]
+        for t in send:
+            self.counter.record("send_recv", CP, t.numel() * t.element_size())
+        return dist.batch_isend_irecv(ops)
+
+    def pass_on(self, tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[Any]]:
+        """``tensors`` sent on round the ring, and the previous rank's in their place (begun: wait on
+        the works before reading them)."""
+        tensors = [t.contiguous() for t in tensors]
+        received = [torch.empty_like(t) for t in tensors]
+        return received, self._exchange(tensors, received)
+
+    def wait(self, works: list[Any]) -> None:
+        with self.counter.blocking("send_recv", CP):
+            for w in works:
+                w.wait()
+
+    def all_to_all(self, x: torch.Tensor) -> torch.Tensor:
+        """``x``'s dim-0 slice j to rank j of the group, and each rank's slice for this one in its place."""
+        x = x.contiguous()
+        out = torch.empty_like(x)
+        self.counter.record("all_to_all", CP, x.numel() * x.element_size())
+        with self.counter.blocking("all_to_all", CP):
+            dist.all_to_all_single(out, x, group=self.group)
+        return out
+
+
+# -- ring ------------------------------------------------------------------------------------------
+
+
+def _grouped(x: torch.Tensor, heads: int) -> torch.Tensor:
+    """Keys or values of fewer heads (grouped-query attention) repeated to ``heads``."""
+    return x if x.shape[1] == heads else x.repeat_interleave(heads // x.shape[1], dim=1)
+
+
+def _ungrouped(g: torch.Tensor, heads: int) -> torch.Tensor:
+    """A gradient over ``g.shape[1]`` repeated heads summed back to the ``heads`` they repeat."""
+    if g.shape[1] == heads:
+        return g
+    b, h, s, d = g.shape
+    return g.view(b, heads, h // heads, s, d).sum(2)
+
+
+def _scores(g: ContextGroup, q: torch.Tensor, k: torch.Tensor, src: int, causal: bool) -> torch.Tensor:
+    """The scaled scores of this rank's queries (``q``, scaled, fp32) against rank ``src``'s keys,
+    a key after its query's position masked out under a causal mask."""
+    s = q @ k.transpose(-1, -2)
+    if causal:
+        allowed = g.positions(src)[None, :] <= g.positions()[:, None]
+        s = s.masked_fill(~allowed, float("-inf"))
+    return s
+
+
+class RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: ContextGroup, causal: bool,
+                scale: float) -> torch.Tensor:
+        heads = q.shape[1]
+        with torch.autocast(q.device.type, enabled=False):
+            qf = q.float() * scale
+            acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+            row_max = torch.full(q.shape[:-1], float("-inf"), device=q.device)
+            row_sum = torch.zeros(q.shape[:-1], device=q.device)
+            block = [k, v]
+            for step in range(g.size):
+                works: list[Any] = []
+                if step < g.size - 1:  # the next block on its way while this one computes
+                    nxt, works = g.pass_on(block)
+                src = (g.rank - step) % g.size
+                s = _scores(g, qf, _grouped(block[0], heads).float(), src, causal)
+                new_max = torch.maximum(row_max, s.amax(-1))
+                safe = torch.where(torch.isinf(new_max), torch.zeros_like(new_max), new_max)
+                p = torch.exp(s - safe[..., None])
+                alpha = torch.exp(row_max - safe)
+                row_sum = row_sum * alpha + p.sum(-1)
+                acc = acc * alpha[..., None] + p @ _grouped(block[1], heads).float()
+                row_max = new_max
+                if works:
+                    g.wait(works)
+                    block = nxt
+            out = acc / row_sum[..., None]
+            lse = safe + torch.log(row_sum)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.g, ctx.causal, ctx.scale = g, causal, scale
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        q, k, v, out, lse = ctx.saved_tensors
+        g, causal, scale = ctx.g, ctx.causal, ctx.scale
+        heads = q.shape[1]
+        with torch.autocast(q.device.type, enabled=False):
+            do = grad.float()
+            qf = q.float()
+            delta = (do * out).sum(-1)
+            dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+            block = [k, v]
+            dk = torch.zeros(k.shape, dtype=torch.float32, device=q.device)
+            dv = torch.zeros(v.shape, dtype=torch.float32, device=q.device)
+            for step in range(g.size):
+                works: list[Any] = []
+                if step < g.size - 1:  # the next keys and values on their way; their gradients follow
+                    nxt, works = g.pass_on(block)
+                src = (g.rank - step) % g.size
+                kk, vv = _grouped(block[0], heads).float(), _grouped(block[1], heads).float()
+                p = torch.exp(_scores(g, qf * scale, kk, src, causal) - lse[..., None])
+                dv = dv + _ungrouped(p.transpose(-1, -2) @ do, block[1].shape[1])
+                ds = p * (do @ vv.transpose(-1, -2) - delta[..., None])
+                dq = dq + (ds @ kk) * scale
+                dk = dk + _ungrouped((ds.transpose(-1, -2) @ qf) * scale, block[0].shape[1])
+                # the block's gradient sums go on with it: after the last block they reach its owner
+                (dk, dv), sums = g.pass_on([dk, dv])
+                g.wait(sums + works)
+                if works:
+                    block = nxt
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
+
+
+# -- all-to-all (Ulysses) --------------------------------------------------------------------------
+
+
+class _SequenceToHeads(torch.autograd.Function):
+    """[b, h, s/cp, d] sequence slices -> [b, h/cp, s, d] head groups over the whole sequence, in the
+    group's rank order of rows (``ContextGroup.order`` gives each row's position); backward the other way."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, g: ContextGroup) -> torch.Tensor:
+        ctx.g = g
+        return _to_heads(x, g)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        return _to_sequence(grad, ctx.g), None
+
+
+class _HeadsToSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, g: ContextGroup) -> torch.Tensor:
+        ctx.g = g
+        return _to_sequence(x, g)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        return _to_heads(grad, ctx.g), None
+
+
+def _to_heads(x: torch.Tensor, g: ContextGroup) -> torch.Tensor:
+    b, h, s, d = x.shape
+    parts = x.reshape(b, g.size, h // g.size, s, d).transpose(0, 1)  # [cp, b, h/cp, s, d]: part j for rank j
+    got = g.all_to_all(parts)  # got[j]: rank j's rows of this rank's heads
+    return got.permute(1, 2, 0, 3, 4).reshape(b, h // g.size, g.size * s, d)
+
+
+def _to_sequence(x: torch.Tensor, g: ContextGroup) -> torch.Tensor:
+    b, h, s, d = x.shape
+    parts = x.reshape(b, h, g.size, s // g.size, d).permute(2, 0, 1, 3, 4)  # [cp, b, h/cp, s/cp, d]
+    got = g.all_to_all(parts)  # got[j]: head group j of this rank's rows
+    return got.permute(1, 0, 2, 3, 4).reshape(b, h * g.size, s // g.size, d)
+
+
+def ulysses(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: ContextGroup, causal: bool,
+            scale: float) -> torch.Tensor:
+    """Attention by all-to-all: whole sequences of ``heads / cp`` heads on each rank."""
+    heads = q.shape[1]
+    if k.shape[1] % g.size:  # grouped keys and values that do not split over cp go as the queries' heads
+        k, v = _grouped(k, heads), _grouped(v, heads)
+    q, k, v = (_SequenceToHeads.apply(t, g) for t in (q, k, v))
+    rows = torch.argsort(g.order)  # position p's row
+    q, k, v = (t.index_select(2, rows) for t in (q, k, v))
+    y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale,
+                                                         enable_gqa=k.shape[1] != q.shape[1])
+    return _HeadsToSequence.apply(y.index_select(2, g.order), g)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: ContextGroup, strategy: str, causal: bool,
+              scale: float) -> torch.Tensor:
+    """Scaled dot-product attention of this rank's queries over the group's whole sequence."""
+    if strategy == "all-to-all":
+        return ulysses(q, k, v, g, causal, scale)
+    return RingAttention.apply(q, k, v, g, causal, scale)

@@ -1,0 +1,102 @@
+"""What each rank of a context-parallel test measures (tests/integration/test_context_parallel.py
+asserts it).
+
+Every rank builds a plan (a hand choice, tests/tp_choice.py, made context-parallel: ``mesh.cp`` and
+``training.cp_attention`` set, the global batch over dp / cp sample groups), runs partita's
+ParallelModel and, in the same process, one process's run of the same model on the same global
+batch, and returns both runs' losses each step, how far the first step's gradients (gathered back
+to full over "tp") and the parameters after STEPS steps are from the reference's, and the
+collectives counted on "cp".
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from collections.abc import Callable
+
+import torch
+
+from examples.models import GPT, GPTConfig
+from partita.core.mesh import Mesh
+from partita.core.model.inputs import InputSpec
+from partita.core.options import Options
+from partita.runtime.distributed import DistContext
+from partita.runtime.engine import ParallelModel
+from tests.harness import gaps, gather_tp, reference_backward
+from tests.tp_choice import MEGATRON, tp_plan
+from tests.workers.dp_worker import GPT_VOCAB, OPTIMIZERS, SEQ, gpt_batch, gpt_loss
+from tests.workers.tp_worker import hf_llama_tiny
+
+STEPS = 3
+MBS, ACCUM = 2, 2
+
+
+def gpt_cp() -> GPT:
+    """The example GPT (SDPA, causal) with 4 heads of 16: heads divide over cp = 2 and 4 (all-to-all)."""
+    return GPT(GPTConfig(vocab_size=GPT_VOCAB, block_size=64, n_layer=2, n_head=4, n_embd=64))
+
+
+def hf_qwen2_tiny() -> torch.nn.Module:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from examples.models import LogitsOnly
+
+    cfg = Qwen2Config(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                      intermediate_size=128, vocab_size=GPT_VOCAB, max_position_embeddings=64,
+                      attn_implementation="sdpa", bos_token_id=0, eos_token_id=0)
+    return LogitsOnly(Qwen2ForCausalLM(cfg))
+
+
+MODELS: dict[str, tuple[Callable, str]] = {"gpt": (gpt_cp, "idx"), "hf-llama": (hf_llama_tiny, "input_ids"),
+                                           "hf-qwen2": (hf_qwen2_tiny, "input_ids")}
+
+
+def cp_plan(reference: torch.nn.Module, name: str, *, dp: int, cp: int, tp: int = 1, strategy: str = "ring"):
+    """The hand choice at dp x tp, made context-parallel over cp of the dp ranks."""
+    inputs = [InputSpec(MODELS[name][1], torch.int64, (MBS, SEQ))]
+    plan = tp_plan(copy.deepcopy(reference), inputs, gpt_loss, None, tp=tp, dp=dp, mbs=MBS, accum=ACCUM,
+                   pins=MEGATRON if tp > 1 else None)
+    training = dataclasses.replace(plan.training, global_batch=dp // cp * MBS * ACCUM, cp_attention=strategy)
+    return dataclasses.replace(plan, mesh=Mesh(dp=dp, tp=tp, cp=cp), training=training)
+
+
+def compare(ctx: DistContext, name: str, *, cp: int, tp: int = 1, strategy: str = "ring") -> dict:
+    dp = ctx.world_size // tp
+    torch.manual_seed(100)
+    reference = MODELS[name][0]()
+    plan = cp_plan(reference, name, dp=dp, cp=cp, tp=tp, strategy=strategy)
+    model = ParallelModel(copy.deepcopy(reference), plan, Options(loss=gpt_loss, optimizer=OPTIMIZERS["adamw"]),
+                          ctx=ctx)
+    local = model.module.local_parameters()
+    names = {id(p): n for n, (p, _) in local.items()}
+    grads: dict[str, torch.Tensor] = {}
+
+    def grab(optimizer, args, kwargs):
+        if not grads:
+            grads.update({names[id(p)]: p.grad.detach().clone() for g in optimizer.param_groups for p in g["params"]})
+    model.optimizer.register_step_pre_hook(grab)
+    ref_opt = OPTIMIZERS["adamw"](reference.parameters())
+    x, y = gpt_batch(plan.training.global_batch)
+    losses, ref_losses, calls = [], [], []
+    for step in range(STEPS):
+        losses.append(model.train_step(x, targets=y))
+        ref_losses.append(reference_backward(reference, gpt_loss, x, y, 1))
+        if step == 0:
+            ref_grads = {n: p.grad.detach().clone() for n, p in reference.named_parameters()}
+        ref_opt.step()
+        ref_opt.zero_grad()
+        calls.append([c for c in model.collectives.as_tuples() if c[1] == "cp"])
+    full_grads = gather_tp(model.tensor_parallel, grads)
+    full_params = gather_tp(model.tensor_parallel, {n: p.detach() for n, (p, _) in local.items()})
+    ref_final = {n: p.detach() for n, p in reference.named_parameters(remove_duplicate=False)}
+    return {"case": f"{name}/dp={dp // cp}/cp={cp}/tp={tp}/{strategy}", "losses": losses, "ref_losses": ref_losses,
+            "grads": gaps(full_grads, ref_grads), "params": gaps(full_params, ref_final), "calls": calls}
+
+
+def cp2(ctx: DistContext, out: str) -> list[dict]:
+    return [compare(ctx, "gpt", cp=2), compare(ctx, "gpt", cp=2, strategy="all-to-all"),
+            compare(ctx, "hf-llama", cp=2), compare(ctx, "hf-qwen2", cp=2, strategy="all-to-all")]
+
+
+LAUNCHES = {"cp2": (2, cp2)}
