@@ -76,7 +76,7 @@ class ContextParallel:
             where = sorted({module_of.get(name, name) for name in cores})
             raise PlanError("context parallelism runs attention written as scaled_dot_product_attention; "
                             + (f"{where[0]} writes it out (Q K^T, softmax, P V)" if where else
-                               "this model has none"),
+                               "this model calls none (its attention is written out as matmuls, or it has none)"),
                             hint="use F.scaled_dot_product_attention (HF: attn_implementation='sdpa'), or "
                             "recompile with --cp 1")
 

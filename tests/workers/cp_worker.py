@@ -52,20 +52,23 @@ MODELS: dict[str, tuple[Callable, str]] = {"gpt": (gpt_cp, "idx"), "hf-llama": (
                                            "hf-qwen2": (hf_qwen2_tiny, "input_ids")}
 
 
-def cp_plan(reference: torch.nn.Module, name: str, *, dp: int, cp: int, tp: int = 1, strategy: str = "ring"):
+def cp_plan(reference: torch.nn.Module, name: str, *, dp: int, cp: int, tp: int = 1, strategy: str = "ring",
+            zero: int = 0, precision: str = "fp32"):
     """The hand choice at dp x tp, made context-parallel over cp of the dp ranks."""
     inputs = [InputSpec(MODELS[name][1], torch.int64, (MBS, SEQ))]
     plan = tp_plan(copy.deepcopy(reference), inputs, gpt_loss, None, tp=tp, dp=dp, mbs=MBS, accum=ACCUM,
                    pins=MEGATRON if tp > 1 else None)
-    training = dataclasses.replace(plan.training, global_batch=dp // cp * MBS * ACCUM, cp_attention=strategy)
+    training = dataclasses.replace(plan.training, global_batch=dp // cp * MBS * ACCUM, cp_attention=strategy,
+                                   zero_stage=zero, precision=precision)
     return dataclasses.replace(plan, mesh=Mesh(dp=dp, tp=tp, cp=cp), training=training)
 
 
-def compare(ctx: DistContext, name: str, *, cp: int, tp: int = 1, strategy: str = "ring") -> dict:
+def compare(ctx: DistContext, name: str, *, cp: int, tp: int = 1, strategy: str = "ring", zero: int = 0,
+            precision: str = "fp32") -> dict:
     dp = ctx.world_size // tp
     torch.manual_seed(100)
     reference = MODELS[name][0]()
-    plan = cp_plan(reference, name, dp=dp, cp=cp, tp=tp, strategy=strategy)
+    plan = cp_plan(reference, name, dp=dp, cp=cp, tp=tp, strategy=strategy, zero=zero, precision=precision)
     model = ParallelModel(copy.deepcopy(reference), plan, Options(loss=gpt_loss, optimizer=OPTIMIZERS["adamw"]),
                           ctx=ctx)
     local = model.module.local_parameters()
@@ -75,28 +78,60 @@ def compare(ctx: DistContext, name: str, *, cp: int, tp: int = 1, strategy: str 
     def grab(optimizer, args, kwargs):
         if not grads:
             grads.update({names[id(p)]: p.grad.detach().clone() for g in optimizer.param_groups for p in g["params"]})
-    model.optimizer.register_step_pre_hook(grab)
+    if precision == "fp32" and not zero:  # (else the optimizer steps masters or shards: parameters and losses)
+        model.optimizer.register_step_pre_hook(grab)
     ref_opt = OPTIMIZERS["adamw"](reference.parameters())
     x, y = gpt_batch(plan.training.global_batch)
     losses, ref_losses, calls = [], [], []
     for step in range(STEPS):
         losses.append(model.train_step(x, targets=y))
-        ref_losses.append(reference_backward(reference, gpt_loss, x, y, 1))
+        # bf16-mixed: the same recipe in one process (fp32 weights, the forward under bf16 autocast)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision != "fp32"):
+            ref_losses.append(reference_backward(reference, gpt_loss, x, y, 1))
         if step == 0:
             ref_grads = {n: p.grad.detach().clone() for n, p in reference.named_parameters()}
         ref_opt.step()
         ref_opt.zero_grad()
         calls.append([c for c in model.collectives.as_tuples() if c[1] == "cp"])
-    full_grads = gather_tp(model.tensor_parallel, grads)
-    full_params = gather_tp(model.tensor_parallel, {n: p.detach() for n, (p, _) in local.items()})
+    full_grads = gather_tp(model.tensor_parallel, grads) if grads else {}
     ref_final = {n: p.detach() for n, p in reference.named_parameters(remove_duplicate=False)}
-    return {"case": f"{name}/dp={dp // cp}/cp={cp}/tp={tp}/{strategy}", "losses": losses, "ref_losses": ref_losses,
-            "grads": gaps(full_grads, ref_grads), "params": gaps(full_params, ref_final), "calls": calls}
+    full_params = {n: t.float() for n, t in model.full_state_dict(buffers=False).items() if n in ref_final}
+    extra = (f"/zero{zero}" if zero else "") + (f"/{precision}" if precision != "fp32" else "")
+    return {"case": f"{name}/dp={dp // cp}/cp={cp}/tp={tp}/{strategy}{extra}", "precision": precision, "losses": losses, "ref_losses": ref_losses,
+            "grads": gaps(full_grads, ref_grads) if full_grads else None, "params": gaps(full_params, ref_final), "calls": calls}
+
+
+def refusal(ctx: DistContext, what: str) -> dict:
+    """The one message a plan this runtime cannot split gets, before the first step."""
+    from partita.core.errors import PartitaError
+
+    torch.manual_seed(100)
+    if what == "written-out attention":
+        reference = GPT(GPTConfig(vocab_size=GPT_VOCAB, block_size=64, n_layer=2, n_head=4, n_embd=64, flash=False))
+        plan = cp_plan(reference, "gpt", dp=ctx.world_size, cp=2)
+    else:  # a micro-batch as long as a rank's slice of the sequence: positions and batch indices look alike
+        reference = gpt_cp()
+        plan = cp_plan(reference, "gpt", dp=ctx.world_size, cp=2)
+        plan = dataclasses.replace(plan, training=dataclasses.replace(
+            plan.training, micro_batch_size=SEQ // 2, grad_accum_steps=1, global_batch=SEQ // 2))
+    try:
+        ParallelModel(reference, plan, Options(loss=gpt_loss), ctx=ctx)
+    except PartitaError as e:
+        return {"case": f"refused: {what}", "message": str(e)}
+    return {"case": f"refused: {what}", "message": None}
 
 
 def cp2(ctx: DistContext, out: str) -> list[dict]:
     return [compare(ctx, "gpt", cp=2), compare(ctx, "gpt", cp=2, strategy="all-to-all"),
-            compare(ctx, "hf-llama", cp=2), compare(ctx, "hf-qwen2", cp=2, strategy="all-to-all")]
+            compare(ctx, "hf-llama", cp=2), compare(ctx, "hf-qwen2", cp=2, strategy="all-to-all"),
+            compare(ctx, "gpt", cp=2, precision="bf16-mixed"),
+            compare(ctx, "hf-llama", cp=2, strategy="all-to-all", precision="bf16-mixed"),
+            refusal(ctx, "written-out attention"), refusal(ctx, "micro-batch as long as the slice")]
 
 
-LAUNCHES = {"cp2": (2, cp2)}
+def cp4(ctx: DistContext, out: str) -> list[dict]:
+    return [compare(ctx, "gpt", cp=2), compare(ctx, "gpt", cp=2, tp=2), compare(ctx, "gpt", cp=4),
+            compare(ctx, "gpt", cp=4, strategy="all-to-all"), compare(ctx, "hf-llama", cp=2, zero=3)]
+
+
+LAUNCHES = {"cp2": (2, cp2), "cp4": (4, cp4)}
