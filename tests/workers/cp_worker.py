@@ -121,17 +121,55 @@ def refusal(ctx: DistContext, what: str) -> dict:
     return {"case": f"refused: {what}", "message": None}
 
 
+def resume(ctx: DistContext, out: str, to_cp: int) -> dict:
+    """A checkpoint saved at cp = 2 after a step, loaded by a plan at ``to_cp`` over the same ranks:
+    the weights and the optimizer's state come back bit for bit (cp ranks hold the same parameters,
+    so it is one replica's state under any cp), and the next step's loss is one process's."""
+    from pathlib import Path
+
+    torch.manual_seed(100)
+    reference = gpt_cp()
+    opts = Options(loss=gpt_loss, optimizer=OPTIMIZERS["adamw"])
+    first = ParallelModel(copy.deepcopy(reference), cp_plan(reference, "gpt", dp=ctx.world_size, cp=2), opts, ctx=ctx)
+    x, y = gpt_batch(16)
+    n1 = first.plan.training.global_batch
+    first.train_step(x[:n1], targets=y[:n1])
+    path = Path(out, "cp-resume")
+    first.save_checkpoint(path)
+    saved = first.full_state_dict(buffers=False)
+    second = ParallelModel(gpt_cp(), cp_plan(reference, "gpt", dp=ctx.world_size, cp=to_cp), opts, ctx=ctx)
+    second.load_checkpoint(path)
+    loaded = second.full_state_dict(buffers=False)
+    same = sorted(saved) == sorted(loaded) and all(torch.equal(saved[k], loaded[k]) for k in saved)
+    # each parameter's AdamW state (step, and the moments' sums), as a set over the parameters: the
+    # two runs hold their parameters in other orders (cp = 1 at tp = 1 runs the eager module)
+    state = [sorted(tuple(sorted((k, v.double().sum().item()) for k, v in s.items() if torch.is_tensor(v)))
+                    for s in m.optimizer.state.values()) for m in (first, second)]
+    n2 = second.plan.training.global_batch
+    dist_loss = second.train_step(x[:n2], targets=y[:n2])
+    ref_opt = OPTIMIZERS["adamw"](reference.parameters())
+    reference_backward(reference, gpt_loss, x[:n1], y[:n1], 1)
+    ref_opt.step()
+    ref_opt.zero_grad()
+    ref_loss = reference_backward(reference, gpt_loss, x[:n2], y[:n2], 1)
+    return {"case": f"resume cp=2 -> cp={to_cp}", "same_weights": same,
+            "same_optimizer_state": state[0] == state[1],
+            "loss": dist_loss, "ref_loss": ref_loss}
+
+
 def cp2(ctx: DistContext, out: str) -> list[dict]:
     return [compare(ctx, "gpt", cp=2), compare(ctx, "gpt", cp=2, strategy="all-to-all"),
             compare(ctx, "hf-llama", cp=2), compare(ctx, "hf-qwen2", cp=2, strategy="all-to-all"),
             compare(ctx, "gpt", cp=2, precision="bf16-mixed"),
             compare(ctx, "hf-llama", cp=2, strategy="all-to-all", precision="bf16-mixed"),
-            refusal(ctx, "written-out attention"), refusal(ctx, "micro-batch as long as the slice")]
+            refusal(ctx, "written-out attention"), refusal(ctx, "micro-batch as long as the slice"),
+            resume(ctx, out, 1)]
 
 
 def cp4(ctx: DistContext, out: str) -> list[dict]:
     return [compare(ctx, "gpt", cp=2), compare(ctx, "gpt", cp=2, tp=2), compare(ctx, "gpt", cp=4),
-            compare(ctx, "gpt", cp=4, strategy="all-to-all"), compare(ctx, "hf-llama", cp=2, zero=3)]
+            compare(ctx, "gpt", cp=4, strategy="all-to-all"), compare(ctx, "hf-llama", cp=2, zero=3),
+            resume(ctx, out, 4)]
 
 
 LAUNCHES = {"cp2": (2, cp2), "cp4": (4, cp4)}
