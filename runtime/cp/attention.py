@@ -8,8 +8,8 @@ its own tokens. An attention core meets the rest of its sequence one of two ways
   the rank's keys and values go round the group, ``cp - 1`` exchanges with the ring's neighbours;
   each block of scores is merged into the output by the online softmax (running row max and sum),
   and the next block's exchange is in flight while the current block computes. Backward goes round
-  again: the keys and values travel with their gradients' partial sums, which arrive home after the
-  last block. The causal mask of a block comes from the true positions of its queries and keys.
+  again, and each block's key and value gradients are summed along the ring as a reduce-scatter
+  does: from the owner's next rank, ``cp - 1`` hops home, where the owner's own share waits. The causal mask of a block comes from the true positions of its queries and keys.
 - **all-to-all** (``ulysses``; Jacobs et al. 2023, "DeepSpeed Ulysses"): q, k and v go from
   sequence slices to head groups by one all-to-all each, attention runs on whole sequences of
   ``heads / cp`` heads (put in position order, so a causal mask is the plain one), and the output
@@ -152,8 +152,7 @@ class RingAttention(torch.autograd.Function):
             delta = (do * out).sum(-1)
             dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
             block = [k, v]
-            dk = torch.zeros(k.shape, dtype=torch.float32, device=q.device)
-            dv = torch.zeros(v.shape, dtype=torch.float32, device=q.device)
+            travelling: list[torch.Tensor] = []  # the held block's gradient sums, from the ranks it passed
             for step in range(g.size):
                 works: list[Any] = []
                 if step < g.size - 1:  # the next keys and values on their way; their gradients follow
@@ -161,15 +160,21 @@ class RingAttention(torch.autograd.Function):
                 src = (g.rank - step) % g.size
                 kk, vv = _grouped(block[0], heads).float(), _grouped(block[1], heads).float()
                 p = torch.exp(_scores(g, qf * scale, kk, src, causal) - lse[..., None])
-                dv = dv + _ungrouped(p.transpose(-1, -2) @ do, block[1].shape[1])
+                dv_here = _ungrouped(p.transpose(-1, -2) @ do, block[1].shape[1])
                 ds = p * (do @ vv.transpose(-1, -2) - delta[..., None])
                 dq = dq + (ds @ kk) * scale
-                dk = dk + _ungrouped((ds.transpose(-1, -2) @ qf) * scale, block[0].shape[1])
-                # the block's gradient sums go on with it: after the last block they reach its owner
-                (dk, dv), sums = g.pass_on([dk, dv])
-                g.wait(sums + works)
-                if works:
+                dk_here = _ungrouped((ds.transpose(-1, -2) @ qf) * scale, block[0].shape[1])
+                if step == 0:  # this rank's own block: its share stays here for the sums to come home to
+                    dk, dv = dk_here, dv_here
+                else:  # a peer's: added to the sums that travel with it, passed on towards its owner
+                    sums = [a + b for a, b in zip(travelling, (dk_here, dv_here))] if travelling else [dk_here, dv_here]
+                    travelling, sent = g.pass_on(sums)  # after the last block they reach its owner
+                    works += sent
+                g.wait(works)
+                if step < g.size - 1:
                     block = nxt
+            if travelling:  # the other ranks' sums for this rank's own block, home
+                dk, dv = dk + travelling[0], dv + travelling[1]
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
 
 

@@ -39,10 +39,10 @@ REFUSED = {"refused: written-out attention": "context parallelism runs attention
 def calls_per_step(case: str) -> tuple[str, int]:
     """The cp collectives one step sends, worked by hand: per attention core (2 layers) and
     micro-batch (2), the ring sends K and V on cp - 1 times in forward, again in backward, and
-    dK and dV cp times (the last brings them home): 4 (cp - 1) + 2 cp sends; all-to-all sends
-    q, k, v and the output in forward and their gradients in backward: 8."""
+    dK and dV cp - 1 hops home: 6 (cp - 1) sends; all-to-all sends q, k, v and the output in
+    forward and their gradients in backward: 8."""
     cp = int(case.split("/cp=")[1].split("/")[0])
-    per_core = 8 if "all-to-all" in case else 4 * (cp - 1) + 2 * cp
+    per_core = 8 if "all-to-all" in case else 6 * (cp - 1)
     return ("all_to_all" if "all-to-all" in case else "send_recv"), per_core * 2 * cp_worker.ACCUM
 
 
