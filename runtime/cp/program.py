@@ -9,9 +9,13 @@ the plan's inputs, runtime/tp/module.py), so every op but attention already runs
   (core/mesh.py ``sequence_positions``) in its place;
 - each ``scaled_dot_product_attention`` runs over the cp group (runtime/cp/attention.py), causal
   or not as its mask says: ``is_causal``, or a mask computed from positions alone that is the
-  causal one (or none) on a whole sequence. A mask it cannot split (one read from a model input,
-  a padding or sliding-window mask), attention dropout, and attention written out as matmuls are
-  refused before the first step, naming the module.
+  causal one (or none) on a whole sequence;
+- each attention written out (Q K^T, scale, mask, softmax, P V; found as core/recompute.py finds
+  a core) runs the same way from its closing matmul, what it computes found by running the span
+  once on random values: causal or full attention at its scale.
+
+A mask it cannot split (one read from a model input, a padding or sliding-window mask, a bias),
+and attention dropout are refused before the first step, naming the module.
 """
 
 from __future__ import annotations
@@ -24,7 +28,6 @@ import torch.fx
 
 from partita.core.errors import PlanError
 from partita.core.model.ops import ATTENTION
-from partita.core.recompute import attention_cores
 from partita.runtime.cp.attention import ContextGroup, attention
 
 _SDPA = torch.ops.aten.scaled_dot_product_attention.default
@@ -48,7 +51,7 @@ class ContextParallel:
 
     def __init__(self, g: ContextGroup, strategy: str, graph_module: torch.fx.GraphModule, *,
                  user_inputs: set[str], buffers: dict[str, torch.Tensor], module_of: dict[str, str],
-                 layer_of: dict[str, str], micro_batch: int) -> None:
+                 micro_batch: int) -> None:
         self.g, self.strategy = g, strategy
         local = g.seq_len // g.size
         graph = graph_module.graph
@@ -58,27 +61,34 @@ class ContextParallel:
                            and getattr(n.target, "__name__", "").split(".")[0] in ATTENTION]
         for n in attention_nodes:
             self.cores[n.name] = self._core(n, graph_module, user_inputs, buffers, module_of.get(n.name, "") or n.name)
-        masks = _ancestors([_mask_of(n) for n in attention_nodes if isinstance(_mask_of(n), torch.fx.Node)])
+        # attention written out (Q K^T, its scale and mask, softmax, P V): the span runs as one core,
+        # the closing P V computing it and the nodes before it in the span none
+        self.skipped: set[str] = set()
+        self.spans: dict[str, tuple[torch.fx.Node, torch.fx.Node, torch.fx.Node]] = {}  # closing -> q, k^T, v
+        written = []
+        for opening, closing, span in _written_cores(graph, user_inputs):
+            module = module_of.get(closing.name, "") or closing.name
+            self.cores[closing.name] = self._probe(opening, closing, span, graph_module, user_inputs, buffers, module)
+            self.spans[closing.name] = (opening.args[0], opening.args[1], closing.args[1])
+            self.skipped |= {n.name for n in span if n is not closing}
+            written.append(closing)
+        masks = _ancestors([_mask_of(n) for n in attention_nodes if isinstance(_mask_of(n), torch.fx.Node)]
+                           + [m for c in written for m in _outside(graph, self.skipped, self.spans[c.name])])
         for n in graph.nodes:
             # an arange over the slice is its positions where they reach more than a mask (which the
             # attention over "cp" replaces): a position table's index, a rotary angle; a mask's own
             # index over the slice stays as it was captured
             if n.op == "call_function" and n.target in _ARANGE and _spans(n) == local \
-                    and _reaches_beyond(n, masks, set(attention_nodes)):
+                    and _reaches_beyond(n, masks, set(attention_nodes) | set(written)):
                 if micro_batch == local:
                     raise PlanError(f"the micro-batch of {micro_batch} samples equals the {local} tokens each cp rank "
                                     "holds: partita cannot tell the sequence's positions (torch.arange) from the "
                                     "batch's", hint="compile with another --micro-batch-size or --cp")
                 self.positions[n.name] = n.kwargs.get("dtype") or torch.int64
         if not self.cores:
-            cores = attention_cores(graph.nodes, layer_of, {*buffers, *(p.name for p in graph.nodes
-                                                                        if p.op == "placeholder" and p.name not in user_inputs)})
-            where = sorted({module_of.get(name, name) for name in cores})
-            raise PlanError("context parallelism runs attention written as scaled_dot_product_attention; "
-                            + (f"{where[0]} writes it out (Q K^T, softmax, P V)" if where else
-                               "this model calls none (its attention is written out as matmuls, or it has none)"),
-                            hint="use F.scaled_dot_product_attention (HF: attn_implementation='sdpa'), or "
-                            "recompile with --cp 1")
+            raise PlanError("context parallelism splits the sequence around attention, and this model has none "
+                            "(scaled_dot_product_attention, or Q K^T, softmax and P V written out)",
+                            hint="recompile with --cp 1")
 
     def _core(self, n: torch.fx.Node, gm: torch.fx.GraphModule, user_inputs: set[str],
               buffers: dict[str, torch.Tensor], module: str) -> Core:
@@ -103,15 +113,127 @@ class ContextParallel:
         return Core(self.g, self.strategy, causal, float(scale))
 
     def replaces(self, name: str) -> bool:
-        return name in self.positions or name in self.cores
+        return name in self.positions or name in self.cores or name in self.skipped
 
-    def emit(self, builder: Any, n: torch.fx.Node, args: list, kwargs: dict) -> torch.fx.Node:
-        """The node that stands for ``n`` in the rank's program (``builder``: runtime/tp/program.py's)."""
+    def emit(self, builder: Any, n: torch.fx.Node, args: list, kwargs: dict) -> torch.fx.Node | None:
+        """The node that stands for ``n`` in the rank's program (``builder``: runtime/tp/program.py's;
+        None for a node of a written-out core that its closing matmul computes)."""
         if n.name in self.positions:
             return builder.attr("positions", self.g.positions().to(self.positions[n.name]))
+        if n.name in self.skipped:
+            return None
         from partita.runtime.tp.program import call
 
-        return builder.graph.call_function(call, (builder.attr("cp_attention", self.cores[n.name]), *args[:3]))
+        core = builder.attr("cp_attention", self.cores[n.name])
+        if n.name in self.spans:  # written out: q and k^T as the opening matmul read them, v the closing's
+            q, kt, v = (builder.env[x] for x in self.spans[n.name])
+            k = builder.graph.call_function(torch.transpose, (kt, -2, -1))
+            return builder.graph.call_function(call, (core, q, k, v))
+        return builder.graph.call_function(call, (core, *args[:3]))
+
+    def _probe(self, opening: torch.fx.Node, closing: torch.fx.Node, span: list[torch.fx.Node],
+               gm: torch.fx.GraphModule, user_inputs: set[str], buffers: dict[str, torch.Tensor],
+               module: str) -> Core:
+        """What a written-out core computes, found by running it once on random q, k and v over a
+        whole sequence of the slice's length: causal or full scaled dot-product attention at the
+        scale its constants give (or 1/sqrt(head dim)); anything else is refused naming ``module``."""
+        q_node, kt_node, v_node = opening.args[0], opening.args[1], closing.args[1]
+        for x in span:
+            if getattr(x.target, "__name__", "").split(".")[0] in ("dropout", "native_dropout") and x.args[1]:
+                raise PlanError(f"{module}'s attention drops probabilities (p={x.args[1]}): context parallelism "
+                                "does not split attention dropout", hint="set the attention dropout to 0, or --cp 1")
+        inside = set(span)
+        outside = _ancestors([a for x in span for a in x.all_input_nodes if a not in inside
+                              and a not in (q_node, kt_node, v_node)])
+        for x in outside:
+            if x.op == "placeholder" and x.name not in buffers:
+                what = "a model input" if x.name in user_inputs else "a parameter"
+                raise PlanError(f"{module}'s attention reads {what} ({x.name}, a padding mask?) between Q K^T and "
+                                "P V: context parallelism splits a mask computed from positions only",
+                                hint="train on unpadded (packed) sequences without an attention mask, or --cp 1")
+        sub = torch.fx.Graph()
+        env: dict[torch.fx.Node, Any] = {x: sub.placeholder(x.name) for x in (q_node, kt_node, v_node)}
+        feeds = []
+        for x in gm.graph.nodes:
+            if x in outside:
+                if x.op == "placeholder":
+                    env[x] = sub.placeholder(x.name)
+                    feeds.append(buffers[x.name].detach().cpu())
+                else:
+                    env[x] = sub.node_copy(x, lambda a: env[a])
+        for x in span:
+            env[x] = sub.node_copy(x, lambda a: env[a])
+        sub.output(env[closing])
+        shapes = [tuple(x.meta["val"].shape) for x in (q_node, kt_node, v_node)]
+        g = torch.Generator().manual_seed(0)
+        q, kt, v = (torch.randn(s, generator=g, dtype=torch.float64) for s in shapes)
+        with torch.no_grad():
+            got = torch.fx.GraphModule(gm, sub)(q, kt, v, *feeds).double()
+        k = kt.transpose(-2, -1)
+        scales = {1.0 / math.sqrt(q.shape[-1]), _constant_scale(span)}
+        for scale in sorted(scales):
+            for causal in (True, False):
+                want = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
+                if torch.allclose(got, want, rtol=1e-6, atol=1e-8):
+                    return Core(self.g, self.strategy, causal, float(scale))
+        raise PlanError(f"{module} computes attention with more than a scale and a causal mask between Q K^T "
+                        "and P V (a bias, a sliding window?): context parallelism cannot split it",
+                        hint="write it with F.scaled_dot_product_attention, or recompile with --cp 1")
+
+
+def _written_cores(graph: torch.fx.Graph, user_inputs: set[str]
+                   ) -> list[tuple[torch.fx.Node, torch.fx.Node, list[torch.fx.Node]]]:
+    """Attention written out, as core/recompute.py finds its core: a matmul of two values computed
+    from the model's inputs (Q K^T: no parameter, no projection) opens it, and the first matmul
+    it reaches whose other operand is such a value (P V) closes it. Each (opening, closing, the
+    span: the nodes the opening reaches that the closing is computed from, both included)."""
+    from_input: set[torch.fx.Node] = set()
+    for n in graph.nodes:
+        if (n.op == "placeholder" and n.name in user_inputs) or any(a in from_input for a in n.all_input_nodes):
+            from_input.add(n)
+    found = []
+    taken: set[torch.fx.Node] = set()
+    for a in graph.nodes:
+        if a in taken or not _is_matmul(a) or len(a.args) < 2 or not all(
+                isinstance(x, torch.fx.Node) and x in from_input for x in a.args[:2]):
+            continue
+        reach, order = {a}, [a]
+        closing = None
+        for n in graph.nodes:  # program order: the nodes after ``a`` it reaches
+            if n is a or n in reach or not any(x in reach for x in n.all_input_nodes):
+                continue
+            reach.add(n)
+            order.append(n)
+            if _is_matmul(n) and len(n.args) >= 2 and n.args[0] in reach and isinstance(n.args[1], torch.fx.Node) \
+                    and n.args[1] not in reach and n.args[1] in from_input:
+                closing = n
+                break
+        if closing is None:
+            continue
+        span = [n for n in order if n in _ancestors([closing])]
+        found.append((a, closing, span))
+        taken |= set(span)
+    return found
+
+
+def _is_matmul(n: torch.fx.Node) -> bool:
+    return n.op == "call_function" and getattr(n.target, "__name__", "").split(".")[0] in ("matmul", "bmm")
+
+
+def _outside(graph: torch.fx.Graph, skipped: set[str], qkv: tuple[torch.fx.Node, ...]) -> list[torch.fx.Node]:
+    """The nodes written-out cores read from outside them other than their q, k^T and v: their masks'."""
+    span = {n for n in graph.nodes if n.name in skipped}
+    return [a for x in span for a in x.all_input_nodes if a not in span and a not in qkv]
+
+
+def _constant_scale(span: list[torch.fx.Node]) -> float:
+    """The product of the scalar constants a core's scores are multiplied (or divided) by."""
+    scale = 1.0
+    for x in span:
+        name = getattr(x.target, "__name__", "").split(".")[0]
+        if name in ("mul", "div") and len(x.args) > 1 and isinstance(x.args[1], (int, float)):
+            scale = scale * x.args[1] if name == "mul" else scale / x.args[1]
+    return scale
 
 
 def _mask_of(n: torch.fx.Node) -> Any:

@@ -125,8 +125,7 @@ class TensorParallel(nn.Module):
         self.context = None if context is None else ContextParallel(
             context, plan.training.cp_attention, self.graph_module,
             user_inputs={placeholders[i].name for i in self._user_slots}, buffers=self._buffers_by_node,
-            module_of={d.name: d.module for d in plan.nodes}, layer_of={d.name: d.layer for d in plan.nodes if d.layer},
-            micro_batch=plan.training.micro_batch_size)
+            module_of={d.name: d.module for d in plan.nodes}, micro_batch=plan.training.micro_batch_size)
 
     def _param_readers(self) -> tuple[dict[str, list[nn.Parameter]], dict[str, list[nn.Parameter]]]:
         """Per node this rank runs, the parameters it reads (directly, or through a chain of view

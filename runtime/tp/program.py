@@ -224,6 +224,8 @@ class _Builder:
     def _node(self, n: torch.fx.Node) -> Any:
         if n.op == "get_attr":
             return self.attr("constant", _fetch_attr(self.p.graph_module, n.target))
+        if self.p.context is not None and n.name in self.p.context.skipped:
+            return None  # inside a written-out attention core, which its closing matmul runs over "cp"
         d = self.p.decisions[n.name]
         reads = self.p.param_reads.get(n.name) if self.p.param_access is not None else None
         if reads:  # before the inputs are resharded: they read the parameters

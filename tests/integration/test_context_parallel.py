@@ -25,14 +25,13 @@ BF16_LOSS_RTOL, BF16_PARAM_ATOL = 2e-3, 1e-2
 
 CASES = {
     "cp2": ["gpt/dp=1/cp=2/tp=1/ring", "gpt/dp=1/cp=2/tp=1/all-to-all", "hf-llama/dp=1/cp=2/tp=1/ring",
-            "hf-qwen2/dp=1/cp=2/tp=1/all-to-all", "gpt/dp=1/cp=2/tp=1/ring/bf16-mixed",
-            "hf-llama/dp=1/cp=2/tp=1/all-to-all/bf16-mixed", "refused: written-out attention",
+            "hf-qwen2/dp=1/cp=2/tp=1/all-to-all", "gpt/dp=1/cp=2/tp=1/ring/bf16-mixed", "gpt-eager/dp=1/cp=2/tp=1/ring",
+            "hf-llama/dp=1/cp=2/tp=1/all-to-all/bf16-mixed", "refused: attention dropout",
             "refused: micro-batch as long as the slice", "resume cp=2 -> cp=1"],
     "cp4": ["gpt/dp=2/cp=2/tp=1/ring", "gpt/dp=1/cp=2/tp=2/ring", "gpt/dp=1/cp=4/tp=1/ring",
             "gpt/dp=1/cp=4/tp=1/all-to-all", "hf-llama/dp=2/cp=2/tp=1/ring/zero3", "resume cp=2 -> cp=4"],
 }
-REFUSED = {"refused: written-out attention": "context parallelism runs attention written as "
-                                             "scaled_dot_product_attention",
+REFUSED = {"refused: attention dropout": "transformer.h.0.attn's attention drops probabilities (dropout_p=0.1)",
            "refused: micro-batch as long as the slice": "cannot tell the sequence's positions"}
 
 

@@ -48,7 +48,12 @@ def hf_qwen2_tiny() -> torch.nn.Module:
     return LogitsOnly(Qwen2ForCausalLM(cfg))
 
 
-MODELS: dict[str, tuple[Callable, str]] = {"gpt": (gpt_cp, "idx"), "hf-llama": (hf_llama_tiny, "input_ids"),
+def gpt_written_out() -> GPT:
+    """The example GPT with its attention written out (Q K^T, scale, causal mask, softmax, P V)."""
+    return GPT(GPTConfig(vocab_size=GPT_VOCAB, block_size=64, n_layer=2, n_head=4, n_embd=64, flash=False))
+
+
+MODELS: dict[str, tuple[Callable, str]] = {"gpt": (gpt_cp, "idx"), "gpt-eager": (gpt_written_out, "idx"), "hf-llama": (hf_llama_tiny, "input_ids"),
                                            "hf-qwen2": (hf_qwen2_tiny, "input_ids")}
 
 
@@ -106,8 +111,8 @@ def refusal(ctx: DistContext, what: str) -> dict:
     from partita.core.errors import PartitaError
 
     torch.manual_seed(100)
-    if what == "written-out attention":
-        reference = GPT(GPTConfig(vocab_size=GPT_VOCAB, block_size=64, n_layer=2, n_head=4, n_embd=64, flash=False))
+    if what == "attention dropout":
+        reference = GPT(GPTConfig(vocab_size=GPT_VOCAB, block_size=64, n_layer=2, n_head=4, n_embd=64, dropout=0.1))
         plan = cp_plan(reference, "gpt", dp=ctx.world_size, cp=2)
     else:  # a micro-batch as long as a rank's slice of the sequence: positions and batch indices look alike
         reference = gpt_cp()
@@ -160,9 +165,9 @@ def resume(ctx: DistContext, out: str, to_cp: int) -> dict:
 def cp2(ctx: DistContext, out: str) -> list[dict]:
     return [compare(ctx, "gpt", cp=2), compare(ctx, "gpt", cp=2, strategy="all-to-all"),
             compare(ctx, "hf-llama", cp=2), compare(ctx, "hf-qwen2", cp=2, strategy="all-to-all"),
-            compare(ctx, "gpt", cp=2, precision="bf16-mixed"),
+            compare(ctx, "gpt", cp=2, precision="bf16-mixed"), compare(ctx, "gpt-eager", cp=2),
             compare(ctx, "hf-llama", cp=2, strategy="all-to-all", precision="bf16-mixed"),
-            refusal(ctx, "written-out attention"), refusal(ctx, "micro-batch as long as the slice"),
+            refusal(ctx, "attention dropout"), refusal(ctx, "micro-batch as long as the slice"),
             resume(ctx, out, 1)]
 
 
