@@ -83,10 +83,6 @@ def refuse_unsupported(plan: Plan) -> None:
         if not plan.nodes:
             raise PlanError(f"the plan has ep={plan.mesh.ep} but no node decisions to find the expert layers by",
                             hint="recompile the plan with `partita compile`")
-    if plan.mesh.cp > 1 and plan.mesh.pp > 1:
-        raise PlanError(f"the plan splits sequences over cp={plan.mesh.cp} with pp={plan.mesh.pp}: this runtime "
-                        "runs context parallelism on one pipeline stage only",
-                        hint="recompile with `partita compile --pp 1`, or with --cp 1")
     recomputing = [s.index for s in plan.stages if s.recompute != NONE]
     if recomputing and not plan.nodes:
         raise PlanError(f"the plan recomputes activations on stage(s) {recomputing} but has no node "

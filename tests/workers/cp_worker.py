@@ -24,6 +24,7 @@ from partita.core.options import Options
 from partita.runtime.distributed import DistContext
 from partita.runtime.engine import ParallelModel
 from tests.harness import gaps, gather_tp, reference_backward
+from tests.pp_choice import pp_plan
 from tests.tp_choice import MEGATRON, tp_plan
 from tests.workers.dp_worker import GPT_VOCAB, OPTIMIZERS, SEQ, gpt_batch, gpt_loss
 from tests.workers.tp_worker import hf_llama_tiny
@@ -58,22 +59,27 @@ MODELS: dict[str, tuple[Callable, str]] = {"gpt": (gpt_cp, "idx"), "gpt-eager": 
 
 
 def cp_plan(reference: torch.nn.Module, name: str, *, dp: int, cp: int, tp: int = 1, strategy: str = "ring",
-            zero: int = 0, precision: str = "fp32"):
-    """The hand choice at dp x tp, made context-parallel over cp of the dp ranks."""
+            zero: int = 0, precision: str = "fp32", pp: int = 1):
+    """The hand choice at dp x tp (x pp: 1F1B, one layer a stage), made context-parallel over cp of
+    the dp ranks."""
     inputs = [InputSpec(MODELS[name][1], torch.int64, (MBS, SEQ))]
-    plan = tp_plan(copy.deepcopy(reference), inputs, gpt_loss, None, tp=tp, dp=dp, mbs=MBS, accum=ACCUM,
-                   pins=MEGATRON if tp > 1 else None)
+    if pp > 1:
+        plan = pp_plan(copy.deepcopy(reference), inputs, gpt_loss, None, pp=pp, cuts_at=[1], schedule="1f1b",
+                       tp=tp, dp=dp, mbs=MBS, accum=ACCUM, pins=MEGATRON if tp > 1 else None)[0]
+    else:
+        plan = tp_plan(copy.deepcopy(reference), inputs, gpt_loss, None, tp=tp, dp=dp, mbs=MBS, accum=ACCUM,
+                       pins=MEGATRON if tp > 1 else None)
     training = dataclasses.replace(plan.training, global_batch=dp // cp * MBS * ACCUM, cp_attention=strategy,
                                    zero_stage=zero, precision=precision)
-    return dataclasses.replace(plan, mesh=Mesh(dp=dp, tp=tp, cp=cp), training=training)
+    return dataclasses.replace(plan, mesh=Mesh(dp=dp, tp=tp, pp=pp, cp=cp), training=training)
 
 
 def compare(ctx: DistContext, name: str, *, cp: int, tp: int = 1, strategy: str = "ring", zero: int = 0,
-            precision: str = "fp32") -> dict:
-    dp = ctx.world_size // tp
+            precision: str = "fp32", pp: int = 1) -> dict:
+    dp = ctx.world_size // tp // pp
     torch.manual_seed(100)
     reference = MODELS[name][0]()
-    plan = cp_plan(reference, name, dp=dp, cp=cp, tp=tp, strategy=strategy, zero=zero, precision=precision)
+    plan = cp_plan(reference, name, dp=dp, cp=cp, tp=tp, strategy=strategy, zero=zero, precision=precision, pp=pp)
     model = ParallelModel(copy.deepcopy(reference), plan, Options(loss=gpt_loss, optimizer=OPTIMIZERS["adamw"]),
                           ctx=ctx)
     local = model.module.local_parameters()
@@ -101,7 +107,7 @@ def compare(ctx: DistContext, name: str, *, cp: int, tp: int = 1, strategy: str 
     full_grads = gather_tp(model.tensor_parallel, grads) if grads else {}
     ref_final = {n: p.detach() for n, p in reference.named_parameters(remove_duplicate=False)}
     full_params = {n: t.float() for n, t in model.full_state_dict(buffers=False).items() if n in ref_final}
-    extra = (f"/zero{zero}" if zero else "") + (f"/{precision}" if precision != "fp32" else "")
+    extra = (f"/pp={pp}" if pp > 1 else "") + (f"/zero{zero}" if zero else "") + (f"/{precision}" if precision != "fp32" else "")
     return {"case": f"{name}/dp={dp // cp}/cp={cp}/tp={tp}/{strategy}{extra}", "precision": precision, "losses": losses, "ref_losses": ref_losses,
             "grads": gaps(full_grads, ref_grads) if full_grads else None, "params": gaps(full_params, ref_final), "calls": calls}
 
@@ -174,6 +180,7 @@ def cp2(ctx: DistContext, out: str) -> list[dict]:
 def cp4(ctx: DistContext, out: str) -> list[dict]:
     return [compare(ctx, "gpt", cp=2), compare(ctx, "gpt", cp=2, tp=2), compare(ctx, "gpt", cp=4),
             compare(ctx, "gpt", cp=4, strategy="all-to-all"), compare(ctx, "hf-llama", cp=2, zero=3),
+            compare(ctx, "gpt", cp=2, pp=2),
             resume(ctx, out, 4)]
 
 
