@@ -6,8 +6,10 @@ its own tokens. An attention core meets the rest of its sequence one of two ways
 
 - **ring** (``RingAttention``; Liu et al. 2023, "Ring Attention with Blockwise Transformers"):
   the rank's keys and values go round the group, ``cp - 1`` exchanges with the ring's neighbours;
-  each block of scores is merged into the output by the online softmax (running row max and sum),
-  and the next block's exchange is in flight while the current block computes. Backward goes round
+  a block is its chunks against the held keys' chunks, each pair run by the fused attention kernel
+  (causal on a chunk's own diagonal, full against an earlier chunk, skipped against a later one)
+  and merged into the output by the online softmax (the partial outputs weighed by their
+  logsumexps); the next block's exchange is in flight while the current block computes. Backward goes round
   again, and each block's key and value gradients are summed along the ring as a reduce-scatter
   does: from the owner's next rank, ``cp - 1`` hops home, where the owner's own share waits. The causal mask of a block comes from the true positions of its queries and keys.
 - **all-to-all** (``ulysses``; Jacobs et al. 2023, "DeepSpeed Ulysses"): q, k and v go from
@@ -27,7 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from partita.core.mesh import MeshAxis, sequence_positions
+from partita.core.mesh import MeshAxis, sequence_chunks, sequence_positions
 from partita.runtime.collectives import CollectiveCounter
 
 CP = MeshAxis.CP.value
@@ -98,14 +100,63 @@ def _ungrouped(g: torch.Tensor, heads: int) -> torch.Tensor:
     return g.view(b, heads, h // heads, s, d).sum(2)
 
 
-def _scores(g: ContextGroup, q: torch.Tensor, k: torch.Tensor, src: int, causal: bool) -> torch.Tensor:
-    """The scaled scores of this rank's queries (``q``, scaled, fp32) against rank ``src``'s keys,
-    a key after its query's position masked out under a causal mask."""
-    s = q @ k.transpose(-1, -2)
+# A block of attention: (q, k, v, causal, scale) -> (out, logsumexp of each query's scores), and
+# its backward given the whole row's out and logsumexp -> (dq, dk, dv) of this block. On the CPU,
+# PyTorch's fused flash kernel; elsewhere the same arithmetic written out (fp32).
+
+
+def _block_math(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    s = (q.float() @ k.float().transpose(-1, -2)) * scale
     if causal:
-        allowed = g.positions(src)[None, :] <= g.positions()[:, None]
-        s = s.masked_fill(~allowed, float("-inf"))
-    return s
+        s = s.masked_fill(~torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril(), float("-inf"))
+    lse = torch.logsumexp(s, -1)
+    return (torch.exp(s - lse[..., None]) @ v.float()).to(q.dtype), lse
+
+
+def _block_math_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                         lse: torch.Tensor, causal: bool, scale: float) -> tuple[torch.Tensor, ...]:
+    qf, kf, vf, dof = q.float(), k.float(), v.float(), do.float()
+    s = (qf @ kf.transpose(-1, -2)) * scale
+    if causal:
+        s = s.masked_fill(~torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril(), float("-inf"))
+    p = torch.exp(s - lse[..., None])
+    ds = p * (dof @ vf.transpose(-1, -2) - (dof * out.float()).sum(-1, keepdim=True))
+    return (ds @ kf) * scale, (ds.transpose(-1, -2) @ qf) * scale, p.transpose(-1, -2) @ dof
+
+
+def _block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+           scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    if q.device.type == "cpu":
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+    return _block_math(q, k, v, causal, scale)
+
+
+def _block_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                    lse: torch.Tensor, causal: bool, scale: float) -> tuple[torch.Tensor, ...]:
+    if q.device.type == "cpu":
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            do, q, k, v, out, lse, 0.0, causal, scale=scale)
+    return _block_math_backward(do, q, k, v, out, lse, causal, scale)
+
+
+def _pairs(g: ContextGroup, src: int, causal: bool) -> list[tuple[int, int, bool]]:
+    """Which of this rank's two query chunks meet which of rank ``src``'s two key chunks, and whether
+    causally (the same chunk: its diagonal); under a causal mask a later key chunk is not met."""
+    mine, theirs = sequence_chunks(g.size, g.rank), sequence_chunks(g.size, src)
+    out = []
+    for i, qc in enumerate(mine):
+        for j, kc in enumerate(theirs):
+            if not causal or kc < qc:
+                out.append((i, j, False))
+            elif kc == qc:
+                out.append((i, j, True))
+    return out
+
+
+def _halves(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A rank's rows as its two chunks (sequence_chunks' order)."""
+    return x.chunk(2, dim=2)
 
 
 class RingAttention(torch.autograd.Function):
@@ -113,57 +164,67 @@ class RingAttention(torch.autograd.Function):
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: ContextGroup, causal: bool,
                 scale: float) -> torch.Tensor:
         heads = q.shape[1]
+        qs = [c.contiguous() for c in _halves(q)]
+        outs: list[torch.Tensor | None] = [None, None]  # per query chunk, merged so far (fp32)
+        lses: list[torch.Tensor | None] = [None, None]
+        block = [k, v]
         with torch.autocast(q.device.type, enabled=False):
-            qf = q.float() * scale
-            acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-            row_max = torch.full(q.shape[:-1], float("-inf"), device=q.device)
-            row_sum = torch.zeros(q.shape[:-1], device=q.device)
-            block = [k, v]
             for step in range(g.size):
                 works: list[Any] = []
                 if step < g.size - 1:  # the next block on its way while this one computes
                     nxt, works = g.pass_on(block)
                 src = (g.rank - step) % g.size
-                s = _scores(g, qf, _grouped(block[0], heads).float(), src, causal)
-                new_max = torch.maximum(row_max, s.amax(-1))
-                safe = torch.where(torch.isinf(new_max), torch.zeros_like(new_max), new_max)
-                p = torch.exp(s - safe[..., None])
-                alpha = torch.exp(row_max - safe)
-                row_sum = row_sum * alpha + p.sum(-1)
-                acc = acc * alpha[..., None] + p @ _grouped(block[1], heads).float()
-                row_max = new_max
+                ks, vs = _halves(_grouped(block[0], heads)), _halves(_grouped(block[1], heads))
+                for i, j, diag in _pairs(g, src, causal):
+                    o, lse = _block(qs[i], ks[j].contiguous(), vs[j].contiguous(), diag, scale)
+                    if outs[i] is None:
+                        outs[i], lses[i] = o.float(), lse
+                    else:  # the online softmax: two partial outputs merged by their logsumexps
+                        new = torch.logaddexp(lses[i], lse)
+                        outs[i] = outs[i] * torch.exp(lses[i] - new)[..., None] + o.float() * torch.exp(lse - new)[..., None]
+                        lses[i] = new
                 if works:
                     g.wait(works)
                     block = nxt
-            out = acc / row_sum[..., None]
-            lse = safe + torch.log(row_sum)
+        out = torch.cat(outs, dim=2).to(q.dtype)
+        lse = torch.cat(lses, dim=2)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.g, ctx.causal, ctx.scale = g, causal, scale
-        return out.to(q.dtype)
+        return out
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
         q, k, v, out, lse = ctx.saved_tensors
         g, causal, scale = ctx.g, ctx.causal, ctx.scale
         heads = q.shape[1]
+        qs, outs, lses = ([c.contiguous() for c in _halves(t)] for t in (q, out, lse[..., None]))
+        lses = [x[..., 0].contiguous() for x in lses]
+        dos = [c.contiguous() for c in _halves(grad.to(q.dtype))]
+        dq: list[Any] = [None, None]
+        block = [k, v]
+        travelling: list[torch.Tensor] = []  # the held block's gradient sums, from the ranks it passed
         with torch.autocast(q.device.type, enabled=False):
-            do = grad.float()
-            qf = q.float()
-            delta = (do * out).sum(-1)
-            dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-            block = [k, v]
-            travelling: list[torch.Tensor] = []  # the held block's gradient sums, from the ranks it passed
             for step in range(g.size):
                 works: list[Any] = []
                 if step < g.size - 1:  # the next keys and values on their way; their gradients follow
                     nxt, works = g.pass_on(block)
                 src = (g.rank - step) % g.size
-                kk, vv = _grouped(block[0], heads).float(), _grouped(block[1], heads).float()
-                p = torch.exp(_scores(g, qf * scale, kk, src, causal) - lse[..., None])
-                dv_here = _ungrouped(p.transpose(-1, -2) @ do, block[1].shape[1])
-                ds = p * (do @ vv.transpose(-1, -2) - delta[..., None])
-                dq = dq + (ds @ kk) * scale
-                dk_here = _ungrouped((ds.transpose(-1, -2) @ qf) * scale, block[0].shape[1])
+                kk, vv = _grouped(block[0], heads), _grouped(block[1], heads)
+                ks, vs = _halves(kk), _halves(vv)
+                dks: list[Any] = [None, None]
+                dvs: list[Any] = [None, None]
+                for i, j, diag in _pairs(g, src, causal):
+                    a, b, c = _block_backward(dos[i], qs[i], ks[j].contiguous(), vs[j].contiguous(), outs[i],
+                                              lses[i], diag, scale)
+                    dq[i] = a.float() if dq[i] is None else dq[i] + a
+                    dks[j] = b.float() if dks[j] is None else dks[j] + b
+                    dvs[j] = c.float() if dvs[j] is None else dvs[j] + c
+                dk_here = torch.cat([x if x is not None else torch.zeros(y.shape, device=y.device)
+                                     for x, y in zip(dks, ks)], dim=2)
+                dv_here = torch.cat([x if x is not None else torch.zeros(y.shape, device=y.device)
+                                     for x, y in zip(dvs, vs)], dim=2)
+                dk_here = _ungrouped(dk_here, block[0].shape[1])
+                dv_here = _ungrouped(dv_here, block[1].shape[1])
                 if step == 0:  # this rank's own block: its share stays here for the sums to come home to
                     dk, dv = dk_here, dv_here
                 else:  # a peer's: added to the sums that travel with it, passed on towards its owner
@@ -175,7 +236,8 @@ class RingAttention(torch.autograd.Function):
                     block = nxt
             if travelling:  # the other ranks' sums for this rank's own block, home
                 dk, dv = dk + travelling[0], dv + travelling[1]
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
+        dq = [x if x is not None else torch.zeros(c.shape, device=q.device) for x, c in zip(dq, qs)]
+        return torch.cat(dq, dim=2).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
 
 
 # -- all-to-all (Ulysses) --------------------------------------------------------------------------
