@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from partita.core.mesh import MeshAxis, sequence_chunks, sequence_positions
-from partita.runtime.collectives import CollectiveCounter
+from partita.runtime.collectives import CollectiveCounter, all_gather_flat as _all_gather
 
 CP = MeshAxis.CP.value
 
@@ -48,6 +48,7 @@ class ContextGroup:
         self._positions = [torch.tensor(sequence_positions(seq_len, self.size, r), dtype=torch.int64, device=device)
                            for r in range(self.size)]
         self.order = torch.cat(self._positions)  # the position of each row of the group's ranks' rows, in rank order
+        self._pad: tuple[Any, torch.Tensor] | None = None  # the last padding mask gathered (``key_mask``)
 
     def positions(self, rank: int | None = None) -> torch.Tensor:
         """The positions (int64) rank ``rank`` of the group holds (this rank's by default)."""
@@ -73,6 +74,19 @@ class ContextGroup:
         with self.counter.blocking("send_recv", CP):
             for w in works:
                 w.wait()
+
+    def key_mask(self, pad: torch.Tensor) -> torch.Tensor:
+        """Every rank's slice of a padding mask ([cp, b, s/cp], bool: a real token), gathered once per
+        micro-batch (the layers pass the same input tensor)."""
+        key = (pad.data_ptr(), pad._version, tuple(pad.shape))
+        if self._pad is None or self._pad[0] != key:
+            mine = (pad != 0).to(torch.uint8).contiguous()
+            every = mine.new_empty((self.size * mine.shape[0], *mine.shape[1:]))
+            self.counter.record("all_gather", CP, mine.numel())
+            with self.counter.blocking("all_gather", CP):
+                _all_gather(every, mine, group=self.group)
+            self._pad = (key, every.view(self.size, *mine.shape).bool())
+        return self._pad[1]
 
     def all_to_all(self, x: torch.Tensor) -> torch.Tensor:
         """``x``'s dim-0 slice j to rank j of the group, and each rank's slice for this one in its place."""
@@ -100,44 +114,82 @@ def _ungrouped(g: torch.Tensor, heads: int) -> torch.Tensor:
     return g.view(b, heads, h // heads, s, d).sum(2)
 
 
-# A block of attention: (q, k, v, causal, scale) -> (out, logsumexp of each query's scores), and
-# its backward given the whole row's out and logsumexp -> (dq, dk, dv) of this block. On the CPU,
-# PyTorch's fused flash kernel; elsewhere the same arithmetic written out (fp32).
+# A block of attention: (q, k, v, causal, scale, allowed) -> (out, logsumexp of each query's scores;
+# -inf for a query that may see no key of the block), and its backward given the whole row's out and
+# logsumexp -> (dq, dk, dv) of this block. ``allowed`` (bool, [b, 1, q, k]) is a padding mask with
+# the causal one folded in (``causal`` then False). On the CPU, PyTorch's fused flash kernel;
+# elsewhere the same arithmetic written out (fp32).
 
 
-def _block_math(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
-                scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _masked_scores(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float,
+                   allowed: torch.Tensor | None) -> torch.Tensor:
     s = (q.float() @ k.float().transpose(-1, -2)) * scale
     if causal:
         s = s.masked_fill(~torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril(), float("-inf"))
+    if allowed is not None:
+        s = s.masked_fill(~allowed, float("-inf"))
+    return s
+
+
+def _finite(lse: torch.Tensor) -> torch.Tensor:
+    """A logsumexp with -inf (a query that sees no key) read as 0: its probabilities all 0."""
+    return torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+
+
+def _block_math(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
+                allowed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    s = _masked_scores(q, k, causal, scale, allowed)
     lse = torch.logsumexp(s, -1)
-    return (torch.exp(s - lse[..., None]) @ v.float()).to(q.dtype), lse
+    return (torch.exp(s - _finite(lse)[..., None]) @ v.float()).to(q.dtype), lse
 
 
 def _block_math_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                         lse: torch.Tensor, causal: bool, scale: float) -> tuple[torch.Tensor, ...]:
-    qf, kf, vf, dof = q.float(), k.float(), v.float(), do.float()
-    s = (qf @ kf.transpose(-1, -2)) * scale
-    if causal:
-        s = s.masked_fill(~torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril(), float("-inf"))
-    p = torch.exp(s - lse[..., None])
-    ds = p * (dof @ vf.transpose(-1, -2) - (dof * out.float()).sum(-1, keepdim=True))
+                         lse: torch.Tensor, causal: bool, scale: float,
+                         allowed: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+    qf, kf, dof = q.float(), k.float(), do.float()
+    p = torch.exp(_masked_scores(q, k, causal, scale, allowed) - lse[..., None])
+    ds = p * (dof @ v.float().transpose(-1, -2) - (dof * out.float()).sum(-1, keepdim=True))
     return (ds @ kf) * scale, (ds.transpose(-1, -2) @ qf) * scale, p.transpose(-1, -2) @ dof
 
 
-def _block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
-           scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    if q.device.type == "cpu":
+def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A bool mask as the fused kernel takes it: 0 where allowed, -inf elsewhere, in the queries' dtype."""
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, float("-inf"))
+
+
+def _block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
+           allowed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    if q.device.type != "cpu":
+        return _block_math(q, k, v, causal, scale, allowed)
+    if allowed is None:
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
-    return _block_math(q, k, v, causal, scale)
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q, k, v, 0.0, False, attn_mask=_additive(allowed, q.dtype), scale=scale)
+    # the kernel gives a query that sees no key an output of 0 and a logsumexp of 0: -inf here, so
+    # that merging it weighs it 0
+    return out, torch.where(allowed.any(-1).expand(lse.shape), lse, torch.full_like(lse, float("-inf")))
 
 
 def _block_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                    lse: torch.Tensor, causal: bool, scale: float) -> tuple[torch.Tensor, ...]:
-    if q.device.type == "cpu":
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            do, q, k, v, out, lse, 0.0, causal, scale=scale)
-    return _block_math_backward(do, q, k, v, out, lse, causal, scale)
+                    lse: torch.Tensor, causal: bool, scale: float,
+                    allowed: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+    if q.device.type != "cpu":
+        return _block_math_backward(do, q, k, v, out, lse, causal, scale, allowed)
+    mask = None if allowed is None else _additive(allowed, q.dtype)
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        do, q, k, v, out, lse, 0.0, causal and mask is None, attn_mask=mask, scale=scale)
+
+
+def _allowed(valid: torch.Tensor | None, src: int, j: int, diag: bool, queries: int) -> torch.Tensor | None:
+    """The bool mask of a chunk pair under a padding mask: rank ``src``'s key chunk ``j`` where its
+    tokens are real (``valid``: the group's key masks, [cp, b, s/cp]), the causal diagonal folded in."""
+    if valid is None:
+        return None
+    keys = valid[src].chunk(2, dim=1)[j]  # [b, keys]
+    allowed = keys[:, None, None, :].expand(keys.shape[0], 1, queries, keys.shape[1])
+    if diag:
+        allowed = allowed & torch.ones(queries, keys.shape[1], dtype=torch.bool, device=keys.device).tril()
+    return allowed
 
 
 def _pairs(g: ContextGroup, src: int, causal: bool) -> list[tuple[int, int, bool]]:
@@ -162,7 +214,7 @@ def _halves(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 class RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: ContextGroup, causal: bool,
-                scale: float) -> torch.Tensor:
+                scale: float, valid: torch.Tensor | None = None) -> torch.Tensor:
         heads = q.shape[1]
         qs = [c.contiguous() for c in _halves(q)]
         outs: list[torch.Tensor | None] = [None, None]  # per query chunk, merged so far (fp32)
@@ -176,26 +228,29 @@ class RingAttention(torch.autograd.Function):
                 src = (g.rank - step) % g.size
                 ks, vs = _halves(_grouped(block[0], heads)), _halves(_grouped(block[1], heads))
                 for i, j, diag in _pairs(g, src, causal):
-                    o, lse = _block(qs[i], ks[j].contiguous(), vs[j].contiguous(), diag, scale)
+                    allowed = _allowed(valid, src, j, diag, qs[i].shape[2])
+                    o, lse = _block(qs[i], ks[j].contiguous(), vs[j].contiguous(), diag and allowed is None, scale,
+                                    allowed)
                     if outs[i] is None:
                         outs[i], lses[i] = o.float(), lse
                     else:  # the online softmax: two partial outputs merged by their logsumexps
                         new = torch.logaddexp(lses[i], lse)
-                        outs[i] = outs[i] * torch.exp(lses[i] - new)[..., None] + o.float() * torch.exp(lse - new)[..., None]
+                        outs[i] = (outs[i] * torch.exp(lses[i] - _finite(new))[..., None]
+                                   + o.float() * torch.exp(lse - _finite(new))[..., None])
                         lses[i] = new
                 if works:
                     g.wait(works)
                     block = nxt
         out = torch.cat(outs, dim=2).to(q.dtype)
-        lse = torch.cat(lses, dim=2)
+        lse = _finite(torch.cat(lses, dim=2))  # (a query that sees no key: output 0, as one process's)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.g, ctx.causal, ctx.scale = g, causal, scale
+        ctx.g, ctx.causal, ctx.scale, ctx.valid = g, causal, scale, valid
         return out
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
         q, k, v, out, lse = ctx.saved_tensors
-        g, causal, scale = ctx.g, ctx.causal, ctx.scale
+        g, causal, scale, valid = ctx.g, ctx.causal, ctx.scale, ctx.valid
         heads = q.shape[1]
         qs, outs, lses = ([c.contiguous() for c in _halves(t)] for t in (q, out, lse[..., None]))
         lses = [x[..., 0].contiguous() for x in lses]
@@ -214,8 +269,9 @@ class RingAttention(torch.autograd.Function):
                 dks: list[Any] = [None, None]
                 dvs: list[Any] = [None, None]
                 for i, j, diag in _pairs(g, src, causal):
+                    allowed = _allowed(valid, src, j, diag, qs[i].shape[2])
                     a, b, c = _block_backward(dos[i], qs[i], ks[j].contiguous(), vs[j].contiguous(), outs[i],
-                                              lses[i], diag, scale)
+                                              lses[i], diag and allowed is None, scale, allowed)
                     dq[i] = a.float() if dq[i] is None else dq[i] + a
                     dks[j] = b.float() if dks[j] is None else dks[j] + b
                     dvs[j] = c.float() if dvs[j] is None else dvs[j] + c
@@ -237,7 +293,7 @@ class RingAttention(torch.autograd.Function):
             if travelling:  # the other ranks' sums for this rank's own block, home
                 dk, dv = dk + travelling[0], dv + travelling[1]
         dq = [x if x is not None else torch.zeros(c.shape, device=q.device) for x, c in zip(dq, qs)]
-        return torch.cat(dq, dim=2).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
+        return torch.cat(dq, dim=2).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
 
 
 # -- all-to-all (Ulysses) --------------------------------------------------------------------------
@@ -283,7 +339,7 @@ def _to_sequence(x: torch.Tensor, g: ContextGroup) -> torch.Tensor:
 
 
 def ulysses(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: ContextGroup, causal: bool,
-            scale: float) -> torch.Tensor:
+            scale: float, valid: torch.Tensor | None = None) -> torch.Tensor:
     """Attention by all-to-all: whole sequences of ``heads / cp`` heads on each rank."""
     heads = q.shape[1]
     if k.shape[1] % g.size:  # grouped keys and values that do not split over cp go as the queries' heads
@@ -291,14 +347,23 @@ def ulysses(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: ContextGroup, 
     q, k, v = (_SequenceToHeads.apply(t, g) for t in (q, k, v))
     rows = torch.argsort(g.order)  # position p's row
     q, k, v = (t.index_select(2, rows) for t in (q, k, v))
-    y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale,
-                                                         enable_gqa=k.shape[1] != q.shape[1])
+    mask = None
+    if valid is not None:  # the keys' padding in position order, the causal mask folded in
+        keys = valid.permute(1, 0, 2).reshape(valid.shape[1], -1).index_select(1, rows)  # [b, s]
+        s = keys.shape[1]
+        mask = keys[:, None, None, :].expand(keys.shape[0], 1, s, s)
+        if causal:
+            mask = mask & torch.ones(s, s, dtype=torch.bool, device=keys.device).tril()
+    y = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal and mask is None,
+                                                         scale=scale, enable_gqa=k.shape[1] != q.shape[1])
     return _HeadsToSequence.apply(y.index_select(2, g.order), g)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: ContextGroup, strategy: str, causal: bool,
-              scale: float) -> torch.Tensor:
-    """Scaled dot-product attention of this rank's queries over the group's whole sequence."""
+              scale: float, pad: torch.Tensor | None = None) -> torch.Tensor:
+    """Scaled dot-product attention of this rank's queries over the group's whole sequence; ``pad``:
+    this rank's slice of a padding mask (nonzero: a real token), whose keys no query sees."""
+    valid = g.key_mask(pad) if pad is not None else None
     if strategy == "all-to-all":
-        return ulysses(q, k, v, g, causal, scale)
-    return RingAttention.apply(q, k, v, g, causal, scale)
+        return ulysses(q, k, v, g, causal, scale, valid)
+    return RingAttention.apply(q, k, v, g, causal, scale, valid)

@@ -35,15 +35,18 @@ _ARANGE = (torch.ops.aten.arange.default, torch.ops.aten.arange.start, torch.ops
 
 
 class Core(NamedTuple):
-    """One attention call over the cp group: whether causal, and its scale."""
+    """One attention call over the cp group: whether causal, its scale, and the model input that
+    marks padded keys (None: no padding mask)."""
 
     g: ContextGroup
     strategy: str
     causal: bool
     scale: float
+    pad: torch.fx.Node | None = None
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *_: Any, **__: Any) -> torch.Tensor:
-        return attention(q, k, v, self.g, self.strategy, self.causal, self.scale)
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pad: torch.Tensor | None = None
+                 ) -> torch.Tensor:
+        return attention(q, k, v, self.g, self.strategy, self.causal, self.scale, pad)
 
 
 class ContextParallel:
@@ -102,15 +105,16 @@ class ContextParallel:
         if dropout:
             raise PlanError(f"{module}'s attention drops probabilities (dropout_p={dropout}): context parallelism "
                             "does not split attention dropout", hint="set the attention dropout to 0, or --cp 1")
+        pad = None
         if isinstance(mask, torch.fx.Node):
-            causal = _mask_is_causal(mask, gm, user_inputs, buffers, module)
+            causal, pad = _mask_is_causal(mask, gm, user_inputs, buffers, module)
         q = n.args[0].meta["val"]
         scale = n.kwargs.get("scale") or 1.0 / math.sqrt(q.shape[-1])
         heads = q.shape[1]
         if self.strategy == "all-to-all" and heads % self.g.size:
             raise PlanError(f"{module}: {heads} heads on this rank do not divide over cp={self.g.size} for "
                             "all-to-all attention", hint="recompile with --cp-attention ring")
-        return Core(self.g, self.strategy, causal, float(scale))
+        return Core(self.g, self.strategy, causal, float(scale), pad)
 
     def replaces(self, name: str) -> bool:
         return name in self.positions or name in self.cores or name in self.skipped
@@ -129,7 +133,11 @@ class ContextParallel:
             q, kt, v = (builder.env[x] for x in self.spans[n.name])
             k = builder.graph.call_function(torch.transpose, (kt, -2, -1))
             return builder.graph.call_function(call, (core, q, k, v))
-        return builder.graph.call_function(call, (core, *args[:3]))
+        pad = self.cores[n.name].pad
+        if pad is not None and pad not in builder.env:
+            raise PlanError(f"node {n.name}: its attention's padding mask ({pad.name}) is read on another pipeline "
+                            "stage", hint="recompile with --pp 1, or without the attention mask")
+        return builder.graph.call_function(call, (core, *args[:3], *([builder.env[pad]] if pad is not None else [])))
 
     def _probe(self, opening: torch.fx.Node, closing: torch.fx.Node, span: list[torch.fx.Node],
                gm: torch.fx.GraphModule, user_inputs: set[str], buffers: dict[str, torch.Tensor],
@@ -279,37 +287,65 @@ def _spans(n: torch.fx.Node) -> int | None:
 
 
 def _mask_is_causal(mask: torch.fx.Node, gm: torch.fx.GraphModule, user_inputs: set[str],
-                    buffers: dict[str, torch.Tensor], module: str) -> bool:
-    """Whether the attention mask ``mask`` is the causal one (True) or lets every query see every
-    key (False), evaluated on the captured slice as a whole sequence; refused when it reads a
-    model input or parameter, or is another mask."""
+                    buffers: dict[str, torch.Tensor], module: str) -> tuple[bool, torch.fx.Node | None]:
+    """What the attention mask ``mask`` is, evaluated on the captured slice as a whole sequence:
+    (True, None) the causal one, (False, None) none at all; (causal, pad) either of them with the
+    keys a model input ``pad`` marks as padding (0) masked out, the mask a padded batch gives
+    (tried on right-padded and on random rows). Refused when it reads a parameter or two inputs,
+    or is another mask (a sliding window, a bias)."""
     seen: dict[torch.fx.Node, None] = {}
     stack = [mask]
+    pads: list[torch.fx.Node] = []
     while stack:
         x = stack.pop()
         if x in seen:
             continue
         seen[x] = None
         if x.op == "placeholder" and x.name not in buffers:
-            what = "a model input" if x.name in user_inputs else "a parameter"
-            raise PlanError(f"{module}'s attention mask reads {what} ({x.name}, a padding mask?): context "
-                            "parallelism splits a mask computed from positions only",
-                            hint="train on unpadded (packed) sequences without an attention mask, or --cp 1")
+            if x.name not in user_inputs:
+                raise PlanError(f"{module}'s attention mask reads a parameter ({x.name}): context parallelism "
+                                "splits a mask of positions and padding only", hint="recompile with --cp 1")
+            pads.append(x)
         stack += x.all_input_nodes
+    if len(pads) > 1:
+        raise PlanError(f"{module}'s attention mask reads {len(pads)} model inputs "
+                        f"({', '.join(p.name for p in pads)}): context parallelism splits a mask of positions and "
+                        "one padding mask", hint="pass one attention_mask, or --cp 1")
+    pad = pads[0] if pads else None
     sub = torch.fx.Graph()
     env: dict[torch.fx.Node, Any] = {}
-    feeds = []
+    feeds: list[Any] = []
     for x in gm.graph.nodes:
         if x in seen:
             if x.op == "placeholder":
                 env[x] = sub.placeholder(x.name)
-                feeds.append(buffers[x.name].detach().cpu())
+                feeds.append(None if x is pad else buffers[x.name].detach().cpu())
             else:
                 env[x] = sub.node_copy(x, lambda a: env[a])
     sub.output(env[mask])
-    with torch.no_grad():
-        m = torch.fx.GraphModule(gm, sub)(*feeds)
-    s = m.shape[-1]
+    run = torch.fx.GraphModule(gm, sub)
+    trials = [None]
+    if pad is not None:
+        val = pad.meta["val"]
+        b, s = val.shape[0], val.shape[1]
+        g = torch.Generator().manual_seed(0)
+        right = (torch.arange(s)[None, :] < torch.randint(1, s + 1, (b, 1), generator=g)).to(val.dtype)
+        trials = [right, torch.randint(0, 2, (b, s), generator=g).to(val.dtype)]
+    found = set()
+    for values in trials:
+        with torch.no_grad():
+            m = run(*(values if f is None else f for f in feeds))
+        found.add(_kind_of(m, values, module))
+    if len(found) == 1 and None not in found:
+        return found.pop(), pad
+    raise PlanError(f"{module}'s attention mask is neither causal nor full attention"
+                    + (" with padded keys" if pad is not None else "") + " (a sliding window, per-sample "
+                    "positions?): context parallelism cannot split it", hint="recompile with --cp 1")
+
+
+def _kind_of(m: torch.Tensor, pad: torch.Tensor | None, module: str) -> bool | None:
+    """True when the evaluated mask ``m`` is the causal one, False when it allows every key (each less
+    the keys ``pad`` marks as padding), None when it is neither."""
     if m.dtype == torch.bool:
         allowed = m
     else:
@@ -317,11 +353,16 @@ def _mask_is_causal(mask: torch.fx.Node, gm: torch.fx.GraphModule, user_inputs: 
         if not bool((allowed | blocked).all()):
             raise PlanError(f"{module}'s attention mask adds biases to the scores (not only 0 or -inf): context "
                             "parallelism cannot split it", hint="recompile with --cp 1")
-    allowed = allowed.expand(*allowed.shape[:-2], m.shape[-2], s).reshape(-1, m.shape[-2], s)
-    tril = torch.ones(m.shape[-2], s, dtype=torch.bool).tril()
-    if all(torch.equal(a, tril) for a in allowed):
-        return True
-    if bool(allowed.all()):
-        return False
-    raise PlanError(f"{module}'s attention mask is neither causal nor empty (a sliding window, or per-sample?): "
-                    "context parallelism splits causal or full attention", hint="recompile with --cp 1")
+    q, s = allowed.shape[-2], allowed.shape[-1]
+    keys = torch.ones(1, s, dtype=torch.bool) if pad is None else pad != 0  # [b or 1, s]
+    for causal in (True, False):
+        want = keys[:, None, None, :]
+        if causal:
+            want = want & torch.ones(q, s, dtype=torch.bool).tril()
+        try:
+            shape = torch.broadcast_shapes(allowed.shape, want.shape)
+        except RuntimeError:
+            return None
+        if torch.equal(allowed.broadcast_to(shape), want.broadcast_to(shape)):
+            return causal
+    return None

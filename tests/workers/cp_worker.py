@@ -54,7 +54,29 @@ def gpt_written_out() -> GPT:
     return GPT(GPTConfig(vocab_size=GPT_VOCAB, block_size=64, n_layer=2, n_head=4, n_embd=64, flash=False))
 
 
-MODELS: dict[str, tuple[Callable, str]] = {"gpt": (gpt_cp, "idx"), "gpt-eager": (gpt_written_out, "idx"), "hf-llama": (hf_llama_tiny, "input_ids"),
+class PaddedLlama(torch.nn.Module):
+    """HF Llama (sdpa) taking a padding mask: ``forward(input_ids, attention_mask)`` -> logits."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = hf_llama_tiny().model
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+
+
+def padding(rows: int) -> torch.Tensor:
+    """Right padding: each row keeps its first 6 to 16 tokens (all rows but the first padded), one
+    row left-padded (its first 3 tokens padding)."""
+    keep = torch.tensor([SEQ] + [6 + (5 * i) % (SEQ - 5) for i in range(1, rows)])[:rows, None]
+    mask = (torch.arange(SEQ)[None, :] < keep).long()
+    if rows > 1:
+        mask[-1] = (torch.arange(SEQ) >= 3).long()
+    return mask
+
+
+MODELS: dict[str, tuple[Callable, str]] = {"gpt": (gpt_cp, "idx"), "gpt-eager": (gpt_written_out, "idx"),
+                                           "hf-llama-padded": (PaddedLlama, "input_ids"), "hf-llama": (hf_llama_tiny, "input_ids"),
                                            "hf-qwen2": (hf_qwen2_tiny, "input_ids")}
 
 
@@ -63,6 +85,8 @@ def cp_plan(reference: torch.nn.Module, name: str, *, dp: int, cp: int, tp: int 
     """The hand choice at dp x tp (x pp: 1F1B, one layer a stage), made context-parallel over cp of
     the dp ranks."""
     inputs = [InputSpec(MODELS[name][1], torch.int64, (MBS, SEQ))]
+    if name.endswith("-padded"):
+        inputs.append(InputSpec("attention_mask", torch.int64, (MBS, SEQ)))
     if pp > 1:
         plan = pp_plan(copy.deepcopy(reference), inputs, gpt_loss, None, pp=pp, cuts_at=[1], schedule="1f1b",
                        tp=tp, dp=dp, mbs=MBS, accum=ACCUM, pins=MEGATRON if tp > 1 else None)[0]
@@ -93,12 +117,15 @@ def compare(ctx: DistContext, name: str, *, cp: int, tp: int = 1, strategy: str 
         model.optimizer.register_step_pre_hook(grab)
     ref_opt = OPTIMIZERS["adamw"](reference.parameters())
     x, y = gpt_batch(plan.training.global_batch)
+    xs = (x, padding(x.shape[0])) if name.endswith("-padded") else (x,)
     losses, ref_losses, calls = [], [], []
     for step in range(STEPS):
-        losses.append(model.train_step(x, targets=y))
+        losses.append(model.train_step(*xs, targets=y))
         # bf16-mixed: the same recipe in one process (fp32 weights, the forward under bf16 autocast)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision != "fp32"):
-            ref_losses.append(reference_backward(reference, gpt_loss, x, y, 1))
+            loss = gpt_loss(reference(*xs), y)
+        loss.backward()
+        ref_losses.append(float(loss))
         if step == 0:
             ref_grads = {n: p.grad.detach().clone() for n, p in reference.named_parameters()}
         ref_opt.step()
@@ -172,6 +199,7 @@ def cp2(ctx: DistContext, out: str) -> list[dict]:
     return [compare(ctx, "gpt", cp=2), compare(ctx, "gpt", cp=2, strategy="all-to-all"),
             compare(ctx, "hf-llama", cp=2), compare(ctx, "hf-qwen2", cp=2, strategy="all-to-all"),
             compare(ctx, "gpt", cp=2, precision="bf16-mixed"), compare(ctx, "gpt-eager", cp=2),
+            compare(ctx, "hf-llama-padded", cp=2), compare(ctx, "hf-llama-padded", cp=2, strategy="all-to-all"),
             compare(ctx, "hf-llama", cp=2, strategy="all-to-all", precision="bf16-mixed"),
             refusal(ctx, "attention dropout"), refusal(ctx, "micro-batch as long as the slice"),
             resume(ctx, out, 1)]
