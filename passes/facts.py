@@ -10,7 +10,7 @@ from typing import Any
 
 from partita.core.axes import sequence_of
 from partita.core.cluster import ClusterSpec
-from partita.core.model.ops import ATTENTION
+from partita.core.model.ops import ATTENTION, base_op
 from partita.passes.experts import model_experts
 from partita.passes.profile import ModelProfile
 from partita.passes.tp.sequence import residual_nodes
@@ -30,5 +30,5 @@ def attention_heads(G) -> int | None:
     """The heads every fused attention core splits (dim 1 of its query, batch x heads x sequence x
     dim: all-to-all context parallelism's unit), the fewest where they differ; None without one."""
     heads = [a["shapes"][0][1] for _, a in G.nodes(data=True)
-             if a.get("op") in ATTENTION and a.get("shapes") and len(a["shapes"][0]) == 4]
+             if base_op(a.get("op", "")) in ATTENTION and a.get("shapes") and len(a["shapes"][0]) == 4]
     return min(heads) if heads else None

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from partita.core.axes import check_pins
+from partita.core.axes.context import RING
 from partita.core.buckets import DEFAULT_BUCKET_BYTES
 from partita.core.cluster import ClusterSpec
 from partita.core.errors import InfeasibleError, PartitaError
@@ -43,6 +44,18 @@ from partita.core.pins import Pins, TrainingRequest
 from partita.core.plans.plan import Alternative, MemoryBreakdown, Stage
 from partita.core.recompute import FULL, NONE
 from partita.core.tp.vocabulary import Strategy
+from partita.passes.context import (
+    CP_KEYS,
+    context_calls,
+    context_costs,
+    context_parts,
+    context_profile,
+    context_traffic,
+    cp_note,
+    cp_queue,
+    sequence_binds,
+    stage_context_s,
+)
 from partita.passes.cost_model import model_state_memory, state_bytes_per_param, zero_optimizer_time, zero_step_comm
 from partita.passes.dp.buckets import gradient_buckets
 from partita.passes.dp.zero import STRATEGY_NAMES
@@ -93,6 +106,7 @@ class Decision:
     chunks: int = 1  # virtual stages per pipeline rank (interleaved 1F1B): ``stages`` holds pp x chunks
     offload: str = NO_OFFLOAD  # the optimizer's state and masters in host memory (core/optimizers.py)
     sequence_parallel: bool = False  # the residual stream split along the sequence (passes/tp/sequence.py)
+    cp_attention: str = RING  # how attention meets the rest of its sequence at mesh.cp > 1 (passes/context.py)
 
 
 def plan_search(
@@ -115,21 +129,60 @@ def plan_search(
     options: list[Decision] = []
     errors: list[InfeasibleError] = []
     pruned: list[PrunedCandidate] = []
-    layouts = _Layouts(profile, cluster, request)
+    layouts: dict[int, _Layouts] = {}  # per cp: one cp rank's view of the profile (passes/context.py)
+
+    def layouts_at(cp: int) -> _Layouts:
+        if cp not in layouts:
+            layouts[cp] = _Layouts(context_profile(profile, cp), cluster, request)
+        return layouts[cp]
+
     tried_pipeline = False
     # A pinned schedule asks for a pipeline; pinned recomputation is weighed by the pipeline search
     # alone (at p = 1 too), which decides it per stage.
     # every axis's rules, now with the facts the graph and the cluster give (core/axes)
-    check_pins(pins, inference=request.inference, facts=model_facts(profile, cluster))
+    facts = model_facts(profile, cluster)
+    check_pins(pins, inference=request.inference, facts=facts)
     check_ep_pin(model_experts(profile.graph), pins)
-    # the pipeline search alone weighs these (at p = 1 too), per stage
-    pinned_pipeline = pins.recomputes or pins.offload == OFFLOAD_OPTIMIZER or bool(pins.sequence_parallel)
+    # the pipeline search alone weighs these (at p = 1 too), per stage; and context parallelism
+    pinned_pipeline = (pins.recomputes or pins.offload == OFFLOAD_OPTIMIZER or bool(pins.sequence_parallel)
+                       or (pins.cp or 1) > 1)
     if pins.pp in (None, 1) and pins.schedule is None and not pinned_pipeline:
         try:
-            options.append(_from_mesh(choose_mesh(profile, param_numels, cluster, request, replace(pins, pp=None)),
-                                      profile, cluster))
+            options.append(_from_mesh(choose_mesh(profile, param_numels, cluster, request,
+                                                  replace(pins, pp=None, cp=None)), profile, cluster))
         except InfeasibleError as e:
             errors.append(e)
+    residual = bool(residual_nodes(profile.graph))
+
+    def pipelines(queue: list[tuple[int, bool, Pins]]) -> None:
+        """Run the pipeline search at each (tp, sequence parallel, pins) of ``queue``, adding to it the
+        split stream where memory binds."""
+        nonlocal pruned
+        while queue:
+            tp, sp, at = queue.pop(0)
+            best_s = min((o.step_s for o in options), default=math.inf)
+            decision, unfit = None, False
+            cp, lay = at.cp or 1, layouts_at(at.cp or 1)
+            try:
+                decision = choose_pipeline(
+                    profile, cluster, request, replace(at, tp=tp), devices_per_stage=tp,
+                    costs=lambda mb, tp=tp, sp=sp, lay=lay: lay.node_costs(mb, tp, sp),
+                    floor_costs=lay.floor(tp), prune=prune, bound=best_s,
+                )
+            except AllPruned as e:
+                pruned += [replace(x, cp=cp) for x in e.pruned]
+                unfit = all(x.memory for x in e.pruned)
+            except InfeasibleError as e:
+                errors.append(e)
+                unfit = True
+            except PartitaError:
+                pass  # this tp leaves no pipeline split of the batch (e.g. dp does not divide it)
+            if decision is not None:
+                pruned += [replace(x, cp=cp) for x in decision.pruned]
+                options.append(_from_pipeline(decision, profile, cluster, request, tp, lay, sp, at))
+            if (not sp and tp > 1 and residual and pins.sequence_parallel is None
+                    and (unfit or _memory_binds(decision))):
+                queue.append((tp, True, at))  # holds less: weighed where memory binds, after the rest (a tighter bound)
     # where the plain mesh does not fit, the pipeline search weighs recomputation and offload at p = 1 too
     if (pins.pp != 1 and world > 1) or pinned_pipeline or (not options and pins.recompute is None):
         tried_pipeline = (pins.pp != 1 and world > 1) or pinned_pipeline  # not only as the fallback
@@ -139,33 +192,12 @@ def plan_search(
         fits_plain = bool(options) and options[0].zero_stage == 0
         degrees = tp_degrees(cluster, world, pins, pp=pins.pp) if (pins.pp or not fits_plain) else [pins.tp or 1]
         degrees = [1] if (pins.ep or 1) > 1 else degrees  # experts split at tp = 1 (passes/experts.py)
-        residual = bool(residual_nodes(profile.graph))
-        queue = [(t, bool(pins.sequence_parallel) and t > 1, pins) for t in degrees] + [
-            (1, False, at) for at in pipeline_ep_pins(model_experts(profile.graph), world, pins, request)]
-        while queue:
-            tp, sp, at = queue.pop(0)
-            best_s = min((o.step_s for o in options), default=math.inf)
-            decision, unfit = None, False
-            try:
-                decision = choose_pipeline(
-                    profile, cluster, request, replace(at, tp=tp), devices_per_stage=tp,
-                    costs=lambda mb, tp=tp, sp=sp: layouts.node_costs(mb, tp, sp),
-                    floor_costs=layouts.floor(tp), prune=prune, bound=best_s,
-                )
-            except AllPruned as e:
-                pruned += e.pruned
-                unfit = all(x.memory for x in e.pruned)
-            except InfeasibleError as e:
-                errors.append(e)
-                unfit = True
-            except PartitaError:
-                pass  # this tp leaves no pipeline split of the batch (e.g. dp does not divide it)
-            if decision is not None:
-                pruned += decision.pruned
-                options.append(_from_pipeline(decision, profile, cluster, request, tp, layouts, sp))
-            if (not sp and tp > 1 and residual and pins.sequence_parallel is None
-                    and (unfit or _memory_binds(decision))):
-                queue.append((tp, True, at))  # holds less: weighed where memory binds, after the rest (a tighter bound)
+        pipelines([(t, bool(pins.sequence_parallel) and t > 1, pins) for t in degrees] + [
+            (1, False, at) for at in pipeline_ep_pins(model_experts(profile.graph), world, pins, request)])
+    # context parallelism, unpinned, where the sequence binds memory: weighed after the rest (passes/context.py)
+    if pins.cp is None and sequence_binds(options, facts, request, pins):
+        tried_pipeline = True
+        pipelines(cp_queue(cluster, world, pins, facts, request, residual))
     if not options:
         if errors:
             raise errors[-1] if tried_pipeline else errors[0]
@@ -174,12 +206,12 @@ def plan_search(
         raise PartitaError(f"no plan matches the pins ({pins.describe()}) on {world} devices"
                            + (f" ({RUNTIME_ZERO})" if pins.zero_stage else ""),
                            hint="drop a pin to let partita choose that decision")
-    options.sort(key=lambda d: (d.step_s, d.mesh.pp, d.zero_stage, d.mesh.tp))
+    options.sort(key=lambda d: (d.step_s, d.mesh.pp, d.zero_stage, d.mesh.tp, d.mesh.cp))
     best = options[0]
     alternatives = _name_faster_unweighed(_merge_alternatives(options), _pruned_zero(best, cluster, request, pins)) \
         + _pruned_pipelines(pruned, best)
     solved = sum(o.candidates for o in options)
-    notes = best.notes + (f"{len(options)} mesh families weighed "
+    notes = best.notes + cp_note(best, options, pins) + (f"{len(options)} mesh families weighed "
                           f"({', '.join(sorted({f'pp={o.mesh.pp} tp={o.mesh.tp}' for o in options}))})",
                           "ZeRO: per (mesh, micro-batch) the first stage of 0-3 that fits is weighed; larger "
                           "stages are priced at the chosen layout, not planned unless pinned (passes/dp/zero.py)"
@@ -197,11 +229,11 @@ def plan_search(
 def _pruned_pipelines(pruned: Sequence[PrunedCandidate], best: Decision, limit: int = 8) -> tuple[Alternative, ...]:
     """The pipeline groups not cut, in the plan's form: per (pp, tp) the one nearest to winning
     (the lowest bound), the slower-bound ones first; each says why it could not win."""
-    nearest: dict[tuple[int, int], PrunedCandidate] = {}
+    nearest: dict[tuple[int, int, int], PrunedCandidate] = {}
     for x in sorted(pruned, key=lambda x: (x.memory, x.lower_bound_s)):
-        nearest.setdefault((x.pp, x.tp), x)
+        nearest.setdefault((x.pp, x.tp, x.cp), x)
     return tuple(
-        Alternative(mesh=Mesh(dp=x.dp, tp=x.tp, pp=x.pp), micro_batch_size=x.micro_batch_size,
+        Alternative(mesh=Mesh(dp=x.dp, tp=x.tp, pp=x.pp, cp=x.cp), micro_batch_size=x.micro_batch_size,
                     grad_accum_steps=x.micro_batches, zero_stage=x.zero_stage, step_time_s=None, memory_bytes=0,
                     fits=False, chosen=False, reason=x.reason)
         for x in list(nearest.values())[:limit])
@@ -338,7 +370,7 @@ def _memory_binds(decision: PipelineDecision | None) -> bool:
 
 
 def _from_pipeline(d: PipelineDecision, profile: ModelProfile, cluster: ClusterSpec, request: TrainingRequest,
-                   tp: int, layouts: _Layouts, sp: bool = False) -> Decision:
+                   tp: int, layouts: _Layouts, sp: bool = False, pins: Pins = Pins()) -> Decision:
     best = d.best
     c = best.cost
     assert c is not None
@@ -354,23 +386,34 @@ def _from_pipeline(d: PipelineDecision, profile: ModelProfile, cluster: ClusterS
             micro_batch=best.micro_batch_size, batch=profile.batch_size, grad_accum=best.micro_batches,
             precision=request.precision, reduce_dtype=request.reduce_dtype, captured_dtype=profile.param_dtype,
             cluster=cluster), c, best.pp)
+    cp, strategy = pins.cp or 1, RING
+    if cp > 1:  # the slowest rank's exchanges around attention, told apart from its compute (passes/context.py)
+        costs = context_costs(lambda mb: layouts.node_costs(mb, tp, sp and tp > 1), layouts.profile, request, cluster,
+                              cp, tp=tp, pinned=pins.cp_attention)(best.micro_batch_size)
+        strategy = costs.cp_attention
+        per_stage = stage_context_s(costs, node_stage, [st.recompute != NONE for st in best.stages])
+        compute_s, comm = context_parts(compute_s, comm, per_stage, strategy, c.slowest_stage, best.pp,
+                                        best.micro_batches)
+        calls = context_calls(layouts.profile, request, cluster, cp=cp, tp=tp, micro_batch=best.micro_batch_size,
+                              strategy=strategy)
+        traffic = {**traffic, CP_KEYS[strategy]: context_traffic(calls, cp, best.micro_batches)}
     heaviest = max(best.stages, key=lambda s: s.memory.total)
     return Decision(
-        mesh=Mesh(dp=best.dp, tp=tp, pp=best.pp, ep=best.ep), micro_batch_size=best.micro_batch_size,
+        mesh=Mesh(dp=best.dp, tp=tp, pp=best.pp, ep=best.ep, cp=cp), micro_batch_size=best.micro_batch_size,
         grad_accum_steps=best.micro_batches, schedule=best.schedule, zero_stage=best.zero_stage, choice=choice,
         node_stage=node_stage, stages=d.plan_stages(), step_s=best.step_s, compute_s=compute_s, comm_s=comm,
         optimizer_s=c.optimizer_s, traffic_bytes=traffic,
         memory=heaviest.memory, buckets=(), bucket_bytes=DEFAULT_BUCKET_BYTES,
-        alternatives=tuple(_pipeline_alternative(x, x is best, d.reasons[x.key]) for x in _diverse(d.candidates)),
+        alternatives=tuple(_pipeline_alternative(x, x is best, d.reasons[x.key], cp) for x in _diverse(d.candidates)),
         method=f"exact cut DP over layer boundaries x (p, m, schedule) enumeration; TP ILP per (tp={tp}, micro-batch)",
         status="OPTIMAL", gap=0.0, candidates=len(d.candidates), seconds=d.seconds,
         notes=(f"{d.solves} cut programs solved", f"bubble {c.bubble_s / best.step_s:.1%} of the step"),
-        chunks=best.chunks, offload=best.offload, sequence_parallel=sp and tp > 1,
+        chunks=best.chunks, offload=best.offload, sequence_parallel=sp and tp > 1, cp_attention=strategy,
     )
 
 
-def _pipeline_alternative(c: PipelineCandidate, chosen: bool, reason: str) -> Alternative:
-    return Alternative(mesh=Mesh(dp=c.dp, tp=c.tp, pp=c.pp, ep=c.ep), micro_batch_size=c.micro_batch_size,
+def _pipeline_alternative(c: PipelineCandidate, chosen: bool, reason: str, cp: int = 1) -> Alternative:
+    return Alternative(mesh=Mesh(dp=c.dp, tp=c.tp, pp=c.pp, ep=c.ep, cp=cp), micro_batch_size=c.micro_batch_size,
                        grad_accum_steps=c.micro_batches, zero_stage=c.zero_stage,
                        step_time_s=c.step_s if c.fits else None,
                        memory_bytes=c.memory.total, fits=c.fits, chosen=chosen, reason=reason)
@@ -420,5 +463,10 @@ def _merge_alternatives(options: Sequence[Decision], limit: int = 24) -> tuple[A
         if key not in seen:
             seen.add(key)
             unique.append(a)
-    return tuple(_spread(unique, lambda a: a.fits, lambda a: (a.mesh.pp, a.mesh.tp, a.mesh.ep, a.zero_stage),
-                         lambda a: a.zero_stage, limit))
+    picked = _spread(unique, lambda a: a.fits, lambda a: (a.mesh.pp, a.mesh.tp, a.mesh.ep, a.mesh.cp, a.zero_stage),
+                     lambda a: a.zero_stage, limit)
+    # a plan splitting its sequences lists the fastest one that does not, whatever the families above it
+    whole = [a for a in unique if a.fits and a.mesh.cp == 1]
+    if best.mesh.cp > 1 and whole and whole[0] not in picked:
+        picked.append(whole[0])
+    return tuple(picked)

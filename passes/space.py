@@ -90,8 +90,10 @@ def pipeline_groups(devices: int, tp: int, batch: int, pins: Pins) -> list[tuple
     groups = []
     for p in [pins.pp] if pins.pp else divisors(devices // tp):
         dp = devices // (tp * p)
-        if (pins.dp and pins.dp != dp) or batch % dp or (pins.schedule is not None and p == 1) or dp % (pins.ep or 1):
+        cp = pins.cp or 1  # cp ranks share their samples: the batch is split over dp / cp groups (core/mesh.py)
+        if ((pins.dp and pins.dp != dp) or dp % cp or batch % (dp // cp) or (pins.schedule is not None and p == 1)
+                or dp % (pins.ep or 1)):
             continue
-        share = batch // dp
+        share = batch // (dp // cp)
         groups += [(p, dp, mb, share // mb) for mb in micro_batches(share, pins)]
     return groups

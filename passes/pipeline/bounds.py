@@ -35,6 +35,7 @@ class PrunedCandidate:
     memory: bool  # pruned because no cuts fit, not because it was slower
     reason: str
     schedule: str = ""  # the one schedule no cuts fit ("": the whole group)
+    cp: int = 1  # each sequence split over cp of the dp ranks (passes/context.py)
 
 
 class AllPruned(PartitaError):

@@ -199,12 +199,12 @@ class NodeCosts:
     # per position: at a core's first position, the bytes of the activations its nodes read from
     # outside it (what the core keeps when it is recomputed); 0 elsewhere
     core_inputs: tuple[int, ...] = ()
-    # experts split over groups of ``ep`` ranks (passes/experts.py ``expert_node_costs``), per position: the
-    # elements of the expert slices a rank holds (E / ep, out of ZeRO, not in ``param_numel``), and the
-    # seconds of the MoE layers' all-to-alls inside ``forward_s`` and ``backward_s``; () without
+    # per position, at ep > 1 (passes/experts.py): a rank's expert slices (out of ZeRO), its all-to-alls' seconds
     expert_numel: tuple[int, ...] = ()
     all_to_all_s: tuple[tuple[float, float], ...] = ()
     ep: int = 1
+    context_s: tuple[tuple[float, float], ...] = ()  # per position, its core's cp exchanges (passes/context.py)
+    cp_attention: str = ""  # ... by the strategy priced (core/axes/context.py CP_ATTENTION)
 
     @functools.cached_property
     def expert_sums(self) -> tuple[list[float], list[float], list[float]]:

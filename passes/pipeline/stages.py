@@ -34,6 +34,7 @@ from partita.core.pins import Pins, TrainingRequest
 from partita.core.precision import wire_bytes
 from partita.core.recompute import NONE
 from partita.core.schedule import SCHEDULES, chunk_problem, chunks_of, in_flight
+from partita.passes.context import context_costs, context_profile
 from partita.passes.cost_model import (
     collective_time,
     offloaded_state,
@@ -148,6 +149,8 @@ class _CutSearch:
         # a pinned schedule: only pipelines (p > 1) that run it
         self.schedules = (pins.schedule,) if pins.schedule is not None else tuple(schedules)
         self.state = state_bytes_per_param(request.precision, request.optimizer, inference=request.inference)
+        cp = pins.cp or 1
+        profile = context_profile(profile, cp)  # one cp rank's share of every sequence (passes/context.py)
         self.step_buffers = _step_buffers(profile, request, tp)
         self.build = costs or (lambda mb: node_costs(profile, cluster, request, mb, tp=tp))
         if floor_costs is None and costs is None:
@@ -158,6 +161,8 @@ class _CutSearch:
                                                           captured_dtype=profile.param_dtype,
                                                           inference=request.inference)
                                        for f in (self.build, floor_costs))
+        if cp > 1:  # each attention core's exchanges over the cp group in its slots (passes/context.py)
+            self.build = context_costs(self.build, profile, request, cluster, cp, tp=tp, pinned=pins.cp_attention)
         self.cache: dict[int, NodeCosts] = {}
         self.groups = pipeline_groups(self.devices, tp, request.global_batch, pins)  # (p, dp, mb size, mbs)
         self.weigh_recompute = not request.inference and pins.recompute != NONE
