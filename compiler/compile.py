@@ -37,6 +37,7 @@ from partita.core.plans.plan import (
 from partita.core.precision import activation_scale, compute_dtype, element_bytes
 from partita.core.tp.layout import layout_decisions
 from partita.passes.calibrated import prediction_sources
+from partita.passes.context import context_profile
 from partita.passes.cost_model import node_compute_time
 from partita.passes.dp.zero import zero_units
 from partita.passes.experts import expert_param_names
@@ -152,7 +153,8 @@ def micro_batch_graph(model: Any, captured: CapturedModel, profile: ModelProfile
                 G.nodes[n]["layer"] = a["layer"]
         return G, decision
     own = profile_model(small)
-    choice = tp_choice(own, cluster, request, mb, decision.mesh.tp, sp=decision.sequence_parallel)
+    choice = tp_choice(context_profile(own, decision.mesh.cp), cluster, request, mb, decision.mesh.tp,
+                       sp=decision.sequence_parallel)
     node_stage = _stages_by_layer(own.graph, profile.graph, decision.node_stage)
     note = (f"laid out on the model captured at micro-batch {mb}: its graph differs from the one at batch "
             f"{profile.batch_size} ({len(own.graph)} vs {len(profile.graph)} nodes), so its TP layout was solved "
@@ -341,6 +343,7 @@ def build_plan(
         chunks=d.chunks,
         offload=d.offload,
         sequence_parallel=d.sequence_parallel,
+        cp_attention=d.cp_attention,
         inference=request.inference,
         grad_bucket_bytes=d.bucket_bytes,
         reduce_dtype=request.reduce_dtype,

@@ -6,7 +6,8 @@ data-parallel gradient buckets (or ZeRO's collectives) and loss average, each
 stage's tensor-parallel collectives, the pipeline's point-to-point sends and
 loss broadcast, the all-reduce of parameters tied across stages, and under expert
 parallelism the all-to-alls over "ep" and the experts' gradient buckets over "edp"
-(passes/experts.py). Every link comes from the mesh's rank layout (core/mesh.py via
+(passes/experts.py), under context parallelism the ring's sends or the all-to-alls around each
+attention core over "cp" (passes/context.py). Every link comes from the mesh's rank layout (core/mesh.py via
 ``ClusterSpec``), the one the planner priced the decision on.
 """
 
@@ -27,6 +28,7 @@ from partita.core.plans.plan import Collective, ParamDecision
 from partita.core.precision import activation_scale, dtype_bytes, element_bytes
 from partita.core.recompute import FULL, rerun_regions
 from partita.core.tp.layout import forward_collectives, recompute_collectives, tp_collectives
+from partita.passes.context import context_calls, context_profile
 from partita.passes.cost_model import collective_time, padded_bucket, zero_collectives
 from partita.passes.dp.buckets import gradient_buckets
 from partita.passes.experts import all_to_alls, expert_links, model_experts
@@ -46,7 +48,8 @@ def plan_collectives(captured: CapturedModel, params: Sequence[ParamDecision], n
             + _pp_collectives(captured, nodes, d, cluster, request)
             + _tied_collectives(params, tied, d, cluster, request)
             + _buffer_collectives(captured, nodes, d, cluster, request)
-            + _ep_collectives(profile, nodes, d, cluster, request))
+            + _ep_collectives(profile, nodes, d, cluster, request)
+            + _cp_collectives(profile, nodes, d, cluster, request))
 
 
 def _expert(p: ParamDecision) -> bool:
@@ -262,4 +265,30 @@ def _ep_collectives(profile: ModelProfile | None, nodes: Sequence[Any], d: Decis
                            seconds=c.calls * d.grad_accum_steps * collective_time("all_to_all", c.nbytes, ep, link),
                            stage=s if d.mesh.pp > 1 else None)
                 for c in calls]
+    return tuple(out)
+
+
+def _cp_collectives(profile: ModelProfile | None, nodes: Sequence[Any], d: Decision, cluster: ClusterSpec,
+                    request: TrainingRequest) -> tuple[Collective, ...]:
+    """Each micro-batch's exchanges around the attention cores of a cp > 1 plan over "cp"
+    (passes/context.py ``context_calls``: the ring's cp - 1 sends forward and backward, or four
+    all-to-alls each way; a recomputing stage's forward again), times the micro-batches, listed for
+    the (virtual) stage running each core."""
+    cp = d.mesh.cp
+    if cp <= 1 or profile is None:
+        return ()
+    stage = {n.name: n.stage for n in nodes}
+    core_stage = {a["attention_core"]: stage.get(n, 0) for n, a in reversed(list(profile.graph.nodes(data=True)))
+                  if a.get("attention_core")}
+    view = context_profile(profile, cp)
+    out: list[Collective] = []
+    for s in range(d.mesh.pp * d.chunks):
+        rerun = bool(d.stages) and d.stages[s].recompute != "none"
+        calls = context_calls(view, request, cluster, cp=cp, tp=d.mesh.tp, micro_batch=d.micro_batch_size,
+                              strategy=d.cp_attention, held=lambda core, s=s: core_stage.get(core, 0) == s,
+                              recompute=rerun)
+        out += [Collective(kind=kind, axis=MeshAxis.CP.value, bytes=round(size), count=n * d.grad_accum_steps,
+                           group_size=cp, purpose=purpose, seconds=n * d.grad_accum_steps * one,
+                           stage=s if d.mesh.pp > 1 else None)
+                for kind, size, n, purpose, one in calls]
     return tuple(out)

@@ -10,9 +10,10 @@ from rich.markup import escape
 from rich.table import Table
 
 from partita.core.axes import axis_summary
+from partita.core.axes.context import CP_SENDS
 from partita.core.cluster import UNCALIBRATED
 from partita.core.errors import printable
-from partita.core.mesh import MeshAxis, held_experts
+from partita.core.mesh import MeshAxis, held_experts, sequence_chunks
 from partita.core.optimizers import NO_OFFLOAD
 from partita.core.placement import REPLICATE, Placement, is_shard
 from partita.core.plans.plan import MemoryBreakdown, Plan
@@ -205,6 +206,30 @@ def experts_table(plan: Plan) -> Table | None:
     return t
 
 
+def context_table(plan: Plan, limit: int = 8) -> Table | None:
+    """A cp > 1 plan's context-parallel groups (core/mesh.py ``Mesh.groups("cp")``): which ranks share
+    each sequence, the two mirrored chunks of it each holds (``sequence_chunks``), the attention
+    strategy and why the planner split the sequence (its note); None at cp = 1."""
+    m = plan.mesh
+    if m.cp <= 1:
+        return None
+    why = next((n for n in plan.solver.notes if n.startswith(("context parallelism", f"cp={m.cp}"))), "")
+    t = Table(title=f"context parallelism (cp={m.cp}): attention by {plan.training.cp_attention} "
+                    f"({CP_SENDS[plan.training.cp_attention]})" + (f"; {why}" if why else ""),
+              title_justify="left", title_style="bold")
+    for col in ("cp group", "rank", "holds of each sequence (chunks of 2 x cp)"):
+        t.add_column(col)
+    groups = m.groups(MeshAxis.CP.value)
+    for g, ranks in enumerate(groups[:limit]):
+        for r in ranks:
+            a, b = sequence_chunks(m.cp, m.cp_rank(r))
+            t.add_row(f"{g}: ranks {', '.join(map(str, ranks))}" if r == ranks[0] else "", str(r),
+                      f"chunks {a} and {b} of {2 * m.cp}")
+    if len(groups) > limit:
+        t.add_row(f"... {len(groups) - limit} more groups", "", "")
+    return t
+
+
 def plan_summary(plan: Plan) -> RenderableType:
     """The compile summary and the head of `partita show`."""
     m, t, p, c = plan.model, plan.training, plan.predicted, plan.cluster
@@ -214,7 +239,9 @@ def plan_summary(plan: Plan) -> RenderableType:
         ("inputs", ", ".join(m.inputs)),
         ("cluster", f"{c['name']}: {c['nodes']} node(s) x {c['gpus_per_node']} {c.get('device_name', '')}"),
         ("mesh", f"{plan.mesh} = {plan.world_size} device(s)"),
-        ("batch", f"global {t.global_batch} = dp {plan.mesh.dp} x micro-batch {t.micro_batch_size} "
+        ("batch", f"global {t.global_batch} = "
+                  + (f"dp {plan.mesh.dp} / cp {plan.mesh.cp}" if plan.mesh.cp > 1 else f"dp {plan.mesh.dp}")
+                  + f" x micro-batch {t.micro_batch_size} "
                   f"x {t.grad_accum_steps} accumulation step(s)"),
         ("training", f"{t.precision}, {t.optimizer}, ZeRO-{t.zero_stage}"
                      + (", inference" if t.inference else "") + _recompute_note(plan)),
@@ -353,6 +380,8 @@ def plan_report(plan: Plan, *, params: bool = True) -> RenderableType:
         parts.append(tp_layout_table(plan))
     if plan.mesh.ep > 1:
         parts.append(experts_table(plan))
+    if plan.mesh.cp > 1:
+        parts.append(context_table(plan))
     if plan.collectives:
         parts.append(collectives_table(plan))
     if plan.alternatives:
