@@ -87,11 +87,12 @@ def cp_plan(reference: torch.nn.Module, name: str, *, dp: int, cp: int, tp: int 
     inputs = [InputSpec(MODELS[name][1], torch.int64, (MBS, SEQ))]
     if name.endswith("-padded"):
         inputs.append(InputSpec("attention_mask", torch.int64, (MBS, SEQ)))
+    targets = InputSpec("targets", torch.int64, (MBS, SEQ))
     if pp > 1:
-        plan = pp_plan(copy.deepcopy(reference), inputs, gpt_loss, None, pp=pp, cuts_at=[1], schedule="1f1b",
+        plan = pp_plan(copy.deepcopy(reference), inputs, gpt_loss, targets, pp=pp, cuts_at=[1], schedule="1f1b",
                        tp=tp, dp=dp, mbs=MBS, accum=ACCUM, pins=MEGATRON if tp > 1 else None)[0]
     else:
-        plan = tp_plan(copy.deepcopy(reference), inputs, gpt_loss, None, tp=tp, dp=dp, mbs=MBS, accum=ACCUM,
+        plan = tp_plan(copy.deepcopy(reference), inputs, gpt_loss, targets, tp=tp, dp=dp, mbs=MBS, accum=ACCUM,
                        pins=MEGATRON if tp > 1 else None)
     training = dataclasses.replace(plan.training, global_batch=dp // cp * MBS * ACCUM, cp_attention=strategy,
                                    zero_stage=zero, precision=precision)
@@ -125,7 +126,7 @@ def compare(ctx: DistContext, name: str, *, cp: int, tp: int = 1, strategy: str 
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision != "fp32"):
             loss = gpt_loss(reference(*xs), y)
         loss.backward()
-        ref_losses.append(float(loss))
+        ref_losses.append(float(loss.detach()))
         if step == 0:
             ref_grads = {n: p.grad.detach().clone() for n, p in reference.named_parameters()}
         ref_opt.step()
@@ -195,6 +196,30 @@ def resume(ctx: DistContext, out: str, to_cp: int) -> dict:
             "loss": dist_loss, "ref_loss": ref_loss}
 
 
+def loader(ctx: DistContext, out: str) -> dict:
+    """``model.loader`` under cp: each rank loads its sample group's rows (whole sequences) and
+    ``train_step(..., local=True)`` keeps its slice of each: the same losses and parameters as the
+    global batch passed to every rank."""
+    torch.manual_seed(100)
+    reference = gpt_cp()
+    plan = cp_plan(reference, "gpt", dp=ctx.world_size, cp=2)
+    opts = Options(loss=gpt_loss, optimizer=OPTIMIZERS["adamw"])
+    x, y = gpt_batch(plan.training.global_batch * 3)
+    dataset = torch.utils.data.TensorDataset(x, y)
+    runs = []
+    for local in (True, False):
+        m = ParallelModel(copy.deepcopy(reference), plan, opts, ctx=ctx)
+        if local:
+            losses = [m.train_step(xb, targets=yb, local=True) for xb, yb in m.loader(dataset)]
+        else:
+            n = plan.training.global_batch
+            losses = [m.train_step(x[i:i + n], targets=y[i:i + n]) for i in range(0, len(x), n)]
+        runs.append((losses, m.full_state_dict(buffers=False)))
+    (a, pa), (b, pb) = runs
+    return {"case": "loader local=True", "losses": a, "ref_losses": b,
+            "same_params": all(torch.equal(pa[k], pb[k]) for k in pa)}
+
+
 def cp2(ctx: DistContext, out: str) -> list[dict]:
     return [compare(ctx, "gpt", cp=2), compare(ctx, "gpt", cp=2, strategy="all-to-all"),
             compare(ctx, "hf-llama", cp=2), compare(ctx, "hf-qwen2", cp=2, strategy="all-to-all"),
@@ -202,7 +227,7 @@ def cp2(ctx: DistContext, out: str) -> list[dict]:
             compare(ctx, "hf-llama-padded", cp=2), compare(ctx, "hf-llama-padded", cp=2, strategy="all-to-all"),
             compare(ctx, "hf-llama", cp=2, strategy="all-to-all", precision="bf16-mixed"),
             refusal(ctx, "attention dropout"), refusal(ctx, "micro-batch as long as the slice"),
-            resume(ctx, out, 1)]
+            resume(ctx, out, 1), loader(ctx, out)]
 
 
 def cp4(ctx: DistContext, out: str) -> list[dict]:
