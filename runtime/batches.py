@@ -5,7 +5,8 @@ the global batch (the same on every rank) or, with ``local=True``, this rank's
 share of it. ``check_batch`` refuses anything the plan was not made for before
 any of it runs (the number of inputs, then per tensor its batch size, the other
 dims and the dtype, against the captured inputs and targets); ``share`` takes
-this rank's rows over "dp" (of its sample group at cp > 1, and its slice of each sequence); ``check_same_batch`` all-gathers a fingerprint per
+this rank's rows over "dp" (of its sample group at cp > 1, and its slice of each sequence);
+``check_same_batch`` all-gathers a fingerprint per
 rank to catch a rank whose data loader drifted. With ``local=True`` a pipeline
 rank may pass None for an input (or the targets) its stage does not read
 (``stage_reads``): the first stage reads the inputs, the last the targets.

@@ -11,7 +11,7 @@ its own tokens. An attention core meets the rest of its sequence one of two ways
   and merged into the output by the online softmax (the partial outputs weighed by their
   logsumexps); the next block's exchange is in flight while the current block computes. Backward goes round
   again, and each block's key and value gradients are summed along the ring as a reduce-scatter
-  does: from the owner's next rank, ``cp - 1`` hops home, where the owner's own share waits. The causal mask of a block comes from the true positions of its queries and keys.
+  does: from the owner's next rank, ``cp - 1`` hops home, where the owner's own share waits.
 - **all-to-all** (``ulysses``; Jacobs et al. 2023, "DeepSpeed Ulysses"): q, k and v go from
   sequence slices to head groups by one all-to-all each, attention runs on whole sequences of
   ``heads / cp`` heads (put in position order, so a causal mask is the plain one), and the output
@@ -30,7 +30,8 @@ import torch
 import torch.distributed as dist
 
 from partita.core.mesh import MeshAxis, sequence_chunks, sequence_positions
-from partita.runtime.collectives import CollectiveCounter, all_gather_flat as _all_gather
+from partita.runtime.collectives import CollectiveCounter
+from partita.runtime.collectives import all_gather_flat as _all_gather
 
 CP = MeshAxis.CP.value
 

@@ -32,8 +32,8 @@ from partita.core.plans.plan import Plan, tied_stages
 from partita.core.precision import PrecisionPolicy
 from partita.core.schedule import BACKWARD, FORWARD, NONE, SCHEDULES, chunk_problem, gradients_received, rank_order
 from partita.runtime.collectives import CollectiveCounter, all_gather_flat
-from partita.runtime.distributed import new_group
 from partita.runtime.cp.attention import ContextGroup
+from partita.runtime.distributed import new_group
 from partita.runtime.experts import ExpertGroup
 from partita.runtime.processes.watchdog import FLIGHT
 from partita.runtime.step.schedule import micro_rows

@@ -3,7 +3,8 @@
 cp_worker.py runs each case on every rank beside one process's run of the same model on the same
 global batch: ring and all-to-all attention at cp = 2 and 4, beside dp = 2, tp = 2 and ZeRO-3, on
 the own GPT (SDPA, causal, learned positions), HF Llama (sdpa, rotary, its position-built causal
-mask; and with an attention_mask input: right-padded rows and a left-padded one) and HF Qwen2 (grouped KV heads), in fp32 and bf16-mixed; and what cannot be split is refused
+mask; and with an attention_mask input: right-padded rows and a left-padded one) and HF Qwen2
+(grouped KV heads), in fp32 and bf16-mixed; and what cannot be split is refused
 in one message before the first step.
 """
 

@@ -28,7 +28,8 @@ def test_two_key_halves_merged_by_logsumexp_are_the_whole_row():
     g = torch.Generator().manual_seed(1)
     q, k, v = (torch.randn(1, 2, 6, 4, generator=g) for _ in range(3))
     whole, lse = _block(q, k, v, False, 0.5)
-    (o1, l1), (o2, l2) = _block(q, k[:, :, :3], v[:, :, :3], False, 0.5), _block(q, k[:, :, 3:], v[:, :, 3:], False, 0.5)
+    o1, l1 = _block(q, k[:, :, :3], v[:, :, :3], False, 0.5)
+    o2, l2 = _block(q, k[:, :, 3:], v[:, :, 3:], False, 0.5)
     new = torch.logaddexp(l1, l2)
     merged = o1 * torch.exp(l1 - new)[..., None] + o2 * torch.exp(l2 - new)[..., None]
     torch.testing.assert_close(merged, whole, rtol=1e-5, atol=1e-6)

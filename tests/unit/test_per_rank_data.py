@@ -21,9 +21,10 @@ from partita.runtime.data import ShareSampler, share_loader
 
 
 def _program(global_batch: int, dp_rank: int, dp_size: int) -> SimpleNamespace:
-    """What ``share_loader`` reads of a rank's program: the plan's global batch, its dp rank and size."""
+    """What ``share_loader`` reads of a rank's program: the plan's global batch, its sample group and
+    their number (its dp rank and size: no cp)."""
     return SimpleNamespace(plan=SimpleNamespace(training=SimpleNamespace(global_batch=global_batch)),
-                           dp_rank=dp_rank, dp_size=dp_size)
+                           dp_rank=dp_rank, dp_size=dp_size, sample_rank=dp_rank, samples=dp_size)
 
 
 def _joined(per_rank: list[list]) -> list[list]:
@@ -156,7 +157,7 @@ def test_a_pipeline_rank_may_leave_out_only_what_its_stage_does_not_read():
 
     plan = SimpleNamespace(model=SimpleNamespace(inputs=["idx=int64[4,8]"], targets="targets=int64[4,8]"),
                            training=SimpleNamespace(global_batch=4))
-    first = SimpleNamespace(plan=plan, dp_size=1, pipeline=SimpleNamespace(reads=frozenset({0})))
+    first = SimpleNamespace(plan=plan, dp_size=1, samples=1, cp=1, pipeline=SimpleNamespace(reads=frozenset({0})))
     x = torch.zeros(4, 8, dtype=torch.int64)
     check_batch(first, (x,), None, local=True, caller="train_step")  # the first stage: no targets needed
     with pytest.raises(PartitaError, match="this rank's pipeline stage reads it"):

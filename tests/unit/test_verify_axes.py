@@ -131,11 +131,14 @@ def test_the_plans_attention_cores_are_the_graphs():
 
 # -- every axis: one edit compile could not have written, refused by loading --------------------
 
-def _cp_on_sequence(cp: int, seq: int) -> Any:
-    """mesh.cp = ``cp`` on a plan whose inputs carry a sequence of ``seq`` tokens."""
+def _cp_on_sequence(cp: int, seq: int | None) -> Any:
+    """mesh.cp = ``cp`` (each rank's micro-batch ``cp`` times the samples: the batch splits over dp / cp)
+    on a plan whose inputs carry a sequence of ``seq`` tokens (None: as planned)."""
     def edit(data: dict[str, Any]) -> None:
         data["mesh"]["cp"] = cp
-        data["model"]["inputs"] = [s.replace(",64]", f",{seq}]") for s in data["model"]["inputs"]]
+        data["training"]["micro_batch_size"] *= cp
+        if seq is not None:
+            data["model"]["inputs"] = [s.replace(",64]", f",{seq}]") for s in data["model"]["inputs"]]
     return edit
 
 
@@ -144,11 +147,11 @@ def _first_linear(data: dict[str, Any]) -> dict[str, Any]:
 
 
 AXES = {
-    "context: cp on a model without attention": ("cnn-local2", setter("mesh", "cp", value=2),
+    "context: cp on a model without attention": ("cnn-local2", _cp_on_sequence(2, None),
                                                  "mesh.cp = 2: the model has no attention core"),
     "context: cp that does not split the sequence": ("gpt-tiny-local2", _cp_on_sequence(2, 66),
                                                      "mesh.cp = 2 does not split the sequence of 66 tokens"),
-    "context: cp beside ep": ("mixtral-ep2", setter("mesh", "cp", value=2), "mesh.cp = 2 with mesh.ep = 2"),
+    "context: cp beside ep": ("mixtral-ep2", _cp_on_sequence(2, None), "mesh.cp = 2 with mesh.ep = 2"),
     "context: cp_attention unknown": ("gpt-tiny-local2", setter("training", "cp_attention", value="star"),
                                       "training/cp_attention"),
     "data: dp does not give the batch": ("gpt-tiny-local2", setter("mesh", "dp", value=3),
@@ -185,7 +188,8 @@ AXES = {
 
 
 # each edit's axis in the registry (core/axes)
-REGISTERED = {"context": "context parallelism", "data": "data parallelism", "sequence parallel": "sequence parallelism", "experts": "expert parallelism",
+REGISTERED = {"context": "context parallelism", "data": "data parallelism", "sequence parallel": "sequence parallelism",
+              "experts": "expert parallelism",
               "recompute": "recomputation", "offload": "offload", "ZeRO": "ZeRO", "pipeline": "pipeline parallelism",
               "tp": "tensor parallelism"}
 

@@ -76,7 +76,8 @@ def padding(rows: int) -> torch.Tensor:
 
 
 MODELS: dict[str, tuple[Callable, str]] = {"gpt": (gpt_cp, "idx"), "gpt-eager": (gpt_written_out, "idx"),
-                                           "hf-llama-padded": (PaddedLlama, "input_ids"), "hf-llama": (hf_llama_tiny, "input_ids"),
+                                           "hf-llama-padded": (PaddedLlama, "input_ids"),
+                                           "hf-llama": (hf_llama_tiny, "input_ids"),
                                            "hf-qwen2": (hf_qwen2_tiny, "input_ids")}
 
 
@@ -135,9 +136,11 @@ def compare(ctx: DistContext, name: str, *, cp: int, tp: int = 1, strategy: str 
     full_grads = gather_tp(model.tensor_parallel, grads) if grads else {}
     ref_final = {n: p.detach() for n, p in reference.named_parameters(remove_duplicate=False)}
     full_params = {n: t.float() for n, t in model.full_state_dict(buffers=False).items() if n in ref_final}
-    extra = (f"/pp={pp}" if pp > 1 else "") + (f"/zero{zero}" if zero else "") + (f"/{precision}" if precision != "fp32" else "")
-    return {"case": f"{name}/dp={dp // cp}/cp={cp}/tp={tp}/{strategy}{extra}", "precision": precision, "losses": losses, "ref_losses": ref_losses,
-            "grads": gaps(full_grads, ref_grads) if full_grads else None, "params": gaps(full_params, ref_final), "calls": calls}
+    extra = ((f"/pp={pp}" if pp > 1 else "") + (f"/zero{zero}" if zero else "")
+             + (f"/{precision}" if precision != "fp32" else ""))
+    return {"case": f"{name}/dp={dp // cp}/cp={cp}/tp={tp}/{strategy}{extra}", "precision": precision,
+            "losses": losses, "ref_losses": ref_losses, "calls": calls,
+            "grads": gaps(full_grads, ref_grads) if full_grads else None, "params": gaps(full_params, ref_final)}
 
 
 def refusal(ctx: DistContext, what: str) -> dict:
