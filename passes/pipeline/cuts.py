@@ -358,9 +358,11 @@ def solve_cuts(part: Partition, cost: Callable[[int, int, int], float] | None = 
     for s in range(1, p):
         targets = [n] if s == p - 1 else ends
         row, prev = {}, {}
+        seed = -1  # the previous end's best cut: the best cut of the next end is at or after it, mostly
         for k in targets:
             if timed:
-                row[k], prev[k] = _time_scan(part, ends, k, s, best[s - 1])
+                row[k], prev[k] = _time_scan(part, ends, k, s, best[s - 1], seed)
+                seed = prev[k] if prev[k] >= 0 else seed
                 continue
             v_best, j_best = INF, -1
             for j in reversed(ends[:bisect.bisect_left(ends, k)]):
@@ -384,17 +386,26 @@ def solve_cuts(part: Partition, cost: Callable[[int, int, int], float] | None = 
     return v, tuple([0] + bounds[::-1])
 
 
-def _time_scan(part: Partition, ends: Sequence[int], k: int, s: int, before: dict[int, float]) -> tuple[float, int]:
+def _time_scan(part: Partition, ends: Sequence[int], k: int, s: int, before: dict[int, float],
+               seed: int = -1) -> tuple[float, int]:
     """``solve_cuts``' scan of the segments [j, k) of stage s under the default cost and floor
-    (``time_cost``, ``time_floor``), each step as theirs in the same order: a segment that does not
-    fit, or whose compute floor reaches the best found, ends the scan. The DP's inner loop, with
-    the layers of calls between it and the segment's numbers taken out."""
+    (``time_cost``, ``time_floor``): the least bottleneck over every cut j that fits, and the
+    largest j that gives it (what a scan from the top, stopping where a segment does not fit or its
+    compute floor reaches the best found, returns). The DP's inner loop, with the layers of calls
+    between it and the segment's numbers taken out.
+
+    ``seed`` (a cut near the best: the previous end's) is weighed first, so that the scan from the
+    top passes over every cut whose stages before it, or whose compute floor, already cost more
+    than that without weighing its bytes; the comparisons are strict, so a cut that ties the best
+    is still weighed and the largest such cut is the one returned, as without the seed."""
     choices, decide, cap, overhead, p2p, modes = part._choices, part._decide, part.setup.capacity, \
         part.cluster.step_overhead_s, part.p2p, part._modes
     floor = modes[part.first_mode][0]
-    v_best, j_best = INF, -1
     sure, first, chunked = part.surely_fits_from(k, s), part.first_mode, part.setup.chunks > 1
-    for i in range(bisect.bisect_left(ends, k) - 1, -1, -1):
+    top = bisect.bisect_left(ends, k)
+
+    def value(i: int) -> float | None:
+        """Cut ends[i]'s bottleneck; None when the segment does not fit (nor does any longer one)."""
         j = ends[i]
         if i >= sure:  # fits, in its first mode: no need to weigh its bytes
             mode = first
@@ -404,14 +415,28 @@ def _time_scan(part: Partition, ends: Sequence[int], k: int, s: int, before: dic
                 got = choices[j, k, s] = decide(j, k, s)
             total, mode = got
             if total > cap:
-                break  # longer segments cost at least as much
-        if floor[k] - floor[j] + overhead >= v_best:
-            break
-        if before[j] >= v_best or (chunked and part.empty(j, k)):
-            continue
+                return None
+        if chunked and part.empty(j, k):
+            return INF
         compute = modes[mode][0]
-        v = max(before[j], compute[k] - compute[j] + overhead + p2p(j, k, s))
-        if v < v_best:
+        return max(before[j], compute[k] - compute[j] + overhead + p2p(j, k, s))
+
+    v_best, j_best = INF, -1
+    seeded = bisect.bisect_left(ends, seed) if 0 <= seed < k else -1
+    if seeded >= 0 and ends[seeded] == seed and before[seed] < INF:
+        v = value(seeded)
+        if v is not None and v < INF:
+            v_best, j_best = v, seed
+    for i in range(top - 1, -1, -1):
+        j = ends[i]
+        if floor[k] - floor[j] + overhead > v_best:
+            break  # longer segments cost at least as much
+        if before[j] > v_best or before[j] == INF or j == j_best:
+            continue
+        v = value(i)
+        if v is None:
+            break  # longer segments do not fit either
+        if v < v_best or (v == v_best < INF and j > j_best):
             v_best, j_best = v, j
     return v_best, j_best
 

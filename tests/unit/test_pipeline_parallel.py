@@ -362,3 +362,39 @@ def test_a_chunked_schedule_cuts_no_chunk_without_parameters():
     from partita.core.plans.plan import Plan
 
     assert any("stages[1].params = 0 under training.chunks = 2" in p for p in plan_problems(Plan.from_dict(data)))
+
+
+def test_the_seeded_scan_returns_the_unseeded_cuts_ties_included(monkeypatch):
+    """solve_cuts weighs the previous end's cut first (``_time_scan``'s seed) to skip cuts that cannot
+    win: the same value and the same cuts as the plain scan from the top, on graphs whose times tie
+    often (a few values each), so that which of two equal cuts is kept is checked too."""
+    from partita.passes.pipeline import cuts
+
+    rng = random.Random(1)
+    cluster = dataclasses.replace(PRESETS["local"].with_nodes(3), gpus_per_node=1)
+    state = state_bytes_per_param("fp32", "adamw")
+    plain = cuts._time_scan
+    compared = 0
+    for _ in range(200):
+        n = rng.randint(3, 14)
+        send = [0] + [rng.choice([0, 1e6]) for _ in range(n - 1)] + [0]
+        costs = NodeCosts(
+            order=tuple(f"n{i}" for i in range(n)),
+            forward_s=tuple(rng.choice([1e-3, 2e-3]) for _ in range(n)),
+            backward_s=tuple(rng.choice([2e-3, 4e-3]) for _ in range(n)),
+            saved_bytes=tuple(rng.choice([0, 10**7]) for _ in range(n)),
+            param_numel=tuple(rng.choice([0, 10**6]) for _ in range(n)),
+            send_bytes=tuple(round(x) for x in send), grad_bytes=tuple(round(x / 2) for x in send),
+            boundaries=tuple(k for k in range(1, n) if rng.random() < 0.9),
+        )
+        for p in (2, 3, 4):
+            for m in (1, 4):
+                links = stage_links(cluster, p, 1, 1)
+                setup = StageSetup(p, m, "1f1b", links, rng.choice([10**8, 10**9]), state)
+                seeded = solve_cuts(Partition(costs, setup, cluster))
+                monkeypatch.setattr(cuts, "_time_scan", lambda *a: plain(*a[:5]))
+                unseeded = solve_cuts(Partition(costs, setup, cluster))
+                monkeypatch.setattr(cuts, "_time_scan", plain)
+                assert seeded == unseeded, (n, p, m)
+                compared += seeded[0] < INF
+    assert compared > 300
