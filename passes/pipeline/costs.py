@@ -231,19 +231,9 @@ class NodeCosts:
         """The most one micro-batch of positions [j, k) holds beyond its state: at each position, the
         activations saved up to it (backward has freed those of the positions after it; the forward has
         not made them yet) and its live bytes, the largest over [j, k)."""
-        got = self._backward_peaks.get((j, k))
-        if got is None:
-            if not self.live_bytes or k <= j:
-                got = round(self.prefix_sums[2][k] - self.prefix_sums[2][j]) if k > j else 0
-            else:
-                got = round(_range_max(self._backward_table, j, k) - self.prefix_sums[2][j])
-            self._backward_peaks[j, k] = got
-        return got
-
-    @functools.cached_property
-    def _backward_peaks(self) -> dict[tuple[int, int], int]:
-        """``backward_peak``'s answers, by segment: the pipeline searches ask each many times."""
-        return {}
+        if not self.live_bytes or k <= j:
+            return round(self.prefix_sums[2][k] - self.prefix_sums[2][j]) if k > j else 0
+        return round(_range_max(self._backward_table, j, k) - self.prefix_sums[2][j])
 
     @functools.cached_property
     def _label_runs(self) -> tuple[list[int], list[str]]:

@@ -112,6 +112,7 @@ class Partition:
         # per mode: (forward + backward, saved bytes) prefix sums, and its costs (whose ``live_peak``
         # holds a rerun region's rebuilt activations at its own positions)
         self._modes: dict[str, tuple[list[float], list[float], NodeCosts]] = {NONE: (self.compute, self.saved, costs)}
+        self._peaks: dict[tuple[str, int, int], int] = {}  # (mode, j, k) -> the segment's backward peak
         for r in self.rc.options if self.rc is not None else ():
             compute, _, saved, _ = r.costs.prefix_sums
             self._modes[r.mode] = (compute, saved, r.costs)
@@ -195,8 +196,11 @@ class Partition:
         one formula the DP's memory, its fit bound and ``rank_memory``'s total agree on."""
         state, collectives, step, tensors = segment
         _, saved, costs = self._modes[mode]
+        peak = self._peaks.get((mode, j, k))
+        if peak is None:
+            peak = self._peaks[mode, j, k] = costs.backward_peak(j, k)
         # the other micro-batches in flight hold all their saved activations, the one in backward its peak
-        return peak_of(state, (self.held[s] - 1) * (saved[k] - saved[j]) + costs.backward_peak(j, k) + collectives,
+        return peak_of(state, (self.held[s] - 1) * (saved[k] - saved[j]) + peak + collectives,
                        step, tensors, self.cluster)
 
     def _segment(self, j: int, k: int, sends: int = 0) -> tuple[int, int, int, int]:
