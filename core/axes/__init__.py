@@ -68,10 +68,10 @@ def plan_facts(plan: Any) -> dict[str, Any]:
 def sequence_length(inputs: Any) -> int | None:
     """The sequence a model's inputs carry (dim 1, the same in every input of two or more dims; the
     dim context parallelism splits), or None when they carry none or disagree."""
-    from partita.core.model.inputs import parse_input_spec
+    from partita.core.model.inputs import check_input_spec  # (without torch: plan readers run without it)
 
     try:
-        return sequence_of(parse_input_spec(s).shape for s in inputs)
+        return sequence_of(check_input_spec(s)[2] for s in inputs)
     except PartitaError:
         return None  # core/plans/verify.py names a malformed input
 
