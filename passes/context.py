@@ -33,12 +33,13 @@ from typing import Any
 import networkx as nx
 
 from partita.core.axes import check_pins
-from partita.core.axes.context import ALL_TO_ALL, CP_ATTENTION, RING
+from partita.core.axes.context import ALL_TO_ALL, CP_ATTENTION, RING, RING_GRAD_DTYPE
 from partita.core.cluster import ClusterSpec, Link
 from partita.core.errors import PartitaError
 from partita.core.model.ops import ATTENTION, MATMUL, base_op
 from partita.core.optimizers import NO_OFFLOAD
 from partita.core.pins import Pins, TrainingRequest
+from partita.core.precision import dtype_bytes, element_bytes
 from partita.core.recompute import NONE
 from partita.passes.cost_model import collective_time, collective_traffic
 from partita.passes.pipeline.costs import NodeCosts, output_bytes
@@ -147,13 +148,18 @@ class CoreExchange:
     calls: tuple[tuple[str, float, int, int, str], ...]
 
 
-def ring_exchange(kv_bytes: float, fwd_s: float, bwd_s: float, cp: int, link: Link) -> CoreExchange:
-    """Forward: ``cp - 1`` exchanges of the rank's K and V (``kv_bytes``), each beside a block of the
-    forward; backward: ``cp - 1`` of K, V, dK and dV (twice the bytes), beside blocks of the backward."""
-    return CoreExchange(ring_time(fwd_s, kv_bytes, cp, link), ring_time(bwd_s, 2 * kv_bytes, cp, link),
-                        (("send_recv", kv_bytes, cp - 1, 0, "ring attention: keys and values to the next cp rank"),
-                         ("send_recv", 2 * kv_bytes, 0, cp - 1,
-                          "ring attention backward: keys, values and their gradients to the next cp rank")))
+def ring_exchange(kv_bytes: float, fwd_s: float, bwd_s: float, cp: int, link: Link,
+                  grad_bytes: float | None = None) -> CoreExchange:
+    """Forward: ``cp - 1`` exchanges of the rank's K and V (``kv_bytes``, one batched send each), each
+    beside a block of the forward; backward: ``cp - 1`` of K and V again and ``cp - 1`` of the partial
+    sums of their gradients (``grad_bytes``: K and V's elements in RING_GRAD_DTYPE; ``kv_bytes`` by
+    default), beside blocks of the backward: the calls runtime/cp/attention.py makes."""
+    grad_bytes = kv_bytes if grad_bytes is None else grad_bytes
+    return CoreExchange(ring_time(fwd_s, kv_bytes, cp, link), ring_time(bwd_s, kv_bytes + grad_bytes, cp, link),
+                        (("send_recv", kv_bytes, cp - 1, cp - 1, "ring attention: keys and values to the next cp "
+                          "rank (again in backward)"),
+                         ("send_recv", grad_bytes, 0, cp - 1,
+                          "ring attention backward: the keys' and values' gradient sums towards their rank")))
 
 
 def all_to_all_exchange(q_bytes: float, k_bytes: float, v_bytes: float, o_bytes: float, cp: int,
@@ -184,13 +190,19 @@ def a2a_kv_bytes(q: float, kv: float, heads: int, tp: int, cp: int) -> float:
 
 
 def core_exchange(strategy: str, G: nx.DiGraph, c: CoreTensors, nbytes: Callable[[str], float], *, cp: int, tp: int,
-                  fwd_s: float, bwd_s: float, link: Link) -> CoreExchange:
-    """Core ``c``'s exchange under ``strategy`` (``fwd_s``/``bwd_s``: its own compute on the rank)."""
+                  fwd_s: float, bwd_s: float, link: Link, grad_scale: float = 1.0) -> CoreExchange:
+    """Core ``c``'s exchange under ``strategy`` (``fwd_s``/``bwd_s``: its own compute on the rank;
+    ``grad_scale``: bytes of a ring's gradient element over an activation's, ``ring_grad_scale``)."""
     q, k, v, o = local_bytes(G, c, nbytes, cp=cp, tp=tp)
     if strategy == RING:
-        return ring_exchange(k + v, fwd_s, bwd_s, cp, link)
+        return ring_exchange(k + v, fwd_s, bwd_s, cp, link, grad_scale * (k + v))
     return all_to_all_exchange(q, a2a_kv_bytes(q, k, c.heads, tp, cp), a2a_kv_bytes(q, v, c.heads, tp, cp), o, cp,
                                link)
+
+
+def ring_grad_scale(request: TrainingRequest) -> float:
+    """Bytes of an element of the ring's gradient sums (RING_GRAD_DTYPE) over an activation's."""
+    return dtype_bytes(RING_GRAD_DTYPE) / element_bytes(request.precision)
 
 
 def strategies(heads: int | None, tp: int, cp: int, pinned: str | None) -> tuple[str, ...]:
@@ -205,7 +217,7 @@ def strategies(heads: int | None, tp: int, cp: int, pinned: str | None) -> tuple
 
 
 def context_node_costs(costs: NodeCosts, G: nx.DiGraph, cp: int, *, tp: int, nbytes: Callable[[str], float],
-                       link: Link, pinned: str | None = None) -> NodeCosts:
+                       link: Link, pinned: str | None = None, grad_scale: float = 1.0) -> NodeCosts:
     """``costs`` (one cp rank's, ``context_profile``'s) with each attention core's exchanges added to its
     first position: the ring's exposed part (``ring_time``) or the four all-to-alls each way, whichever
     is cheaper over the model's cores (or ``pinned``); the buffers each holds beside the core in its
@@ -225,7 +237,8 @@ def context_node_costs(costs: NodeCosts, G: nx.DiGraph, cp: int, *, tp: int, nby
     priced = {}
     for s in strategies(heads, tp, cp, pinned):
         priced[s] = [core_exchange(s, G, c, nbytes, cp=cp, tp=tp, fwd_s=span.get(c.core, (0, 0))[0],
-                                   bwd_s=span.get(c.core, (0, 0))[1], link=link) for c in cores]
+                                   bwd_s=span.get(c.core, (0, 0))[1], link=link, grad_scale=grad_scale)
+                     for c in cores]
     chosen = min(priced, key=lambda s: (sum(x.forward_s + x.backward_s for x in priced[s]), CP_ATTENTION.index(s)))
     fwd, bwd, live = list(costs.forward_s), list(costs.backward_s), list(costs.live_bytes or [0] * len(costs.order))
     extra = [(0.0, 0.0)] * len(costs.order)
@@ -247,7 +260,7 @@ def context_costs(build: Callable[[int], NodeCosts], view: ModelProfile, request
     profile as one cp rank sees it (``context_profile``)."""
     link = cp_link(cluster, cp=cp, tp=tp)
     return lambda mb: context_node_costs(build(mb), view.graph, cp, tp=tp, link=link, pinned=pinned,
-                                         nbytes=output_bytes(view, request, mb))
+                                         nbytes=output_bytes(view, request, mb), grad_scale=ring_grad_scale(request))
 
 
 # -- a step's parts and the plan's calls ----------------------------------------------------
@@ -284,7 +297,8 @@ def context_calls(view: ModelProfile, request: TrainingRequest, cluster: Cluster
     for c in core_tensors(view.graph):
         if not held(c.core):
             continue
-        x = core_exchange(strategy, view.graph, c, nbytes, cp=cp, tp=tp, fwd_s=0.0, bwd_s=0.0, link=link)
+        x = core_exchange(strategy, view.graph, c, nbytes, cp=cp, tp=tp, fwd_s=0.0, bwd_s=0.0, link=link,
+                          grad_scale=ring_grad_scale(request))
         for kind, size, forward, backward, purpose in x.calls:
             key = (kind, round(size), purpose)
             merged[key] = merged.get(key, 0) + forward * (2 if recompute else 1) + backward

@@ -8,6 +8,10 @@ from __future__ import annotations
 from partita.core.axes.rules import Axis, Rule
 
 RING, ALL_TO_ALL = "ring", "all-to-all"
+# the ring sums each block's key and value gradients along the ring in this dtype, whatever the
+# activations' (a partial sum passes cp - 1 ranks: runtime/cp/attention.py sends it, the planner
+# prices it, passes/context.py)
+RING_GRAD_DTYPE = "fp32"
 CP_ATTENTION = (RING, ALL_TO_ALL)
 # what each strategy sends, in words (the report's and the viewer's)
 CP_SENDS = {RING: "keys and values passed around the cp group, cp - 1 exchanges per attention core, each "

@@ -29,11 +29,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from partita.core.axes.context import RING_GRAD_DTYPE
 from partita.core.mesh import MeshAxis, sequence_chunks, sequence_positions
+from partita.core.precision import torch_dtype
 from partita.runtime.collectives import CollectiveCounter
 from partita.runtime.collectives import all_gather_flat as _all_gather
 
 CP = MeshAxis.CP.value
+_GRAD = torch_dtype(RING_GRAD_DTYPE)  # the gradient sums the ring passes on (core/axes/context.py)
 
 
 class ContextGroup:
@@ -60,8 +63,8 @@ class ContextGroup:
         nxt, prev = self.peers[(self.rank + 1) % self.size], self.peers[(self.rank - 1) % self.size]
         ops = [dist.P2POp(dist.isend, t, nxt, self.group) for t in send]
         ops += [dist.P2POp(dist.irecv, t, prev, self.group) for t in recv]
-        for t in send:
-            self.counter.record("send_recv", CP, t.numel() * t.element_size())
+        # one batched launch: one call of their bytes, as the plan lists it (passes/context.py)
+        self.counter.record("send_recv", CP, sum(t.numel() * t.element_size() for t in send))
         return dist.batch_isend_irecv(ops)
 
     def pass_on(self, tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[Any]]:
@@ -277,9 +280,9 @@ class RingAttention(torch.autograd.Function):
                     dks[j] = b.float() if dks[j] is None else dks[j] + b
                     dvs[j] = c.float() if dvs[j] is None else dvs[j] + c
                 dk_here = torch.cat([x if x is not None else torch.zeros(y.shape, device=y.device)
-                                     for x, y in zip(dks, ks)], dim=2)
+                                     for x, y in zip(dks, ks)], dim=2).to(_GRAD)
                 dv_here = torch.cat([x if x is not None else torch.zeros(y.shape, device=y.device)
-                                     for x, y in zip(dvs, vs)], dim=2)
+                                     for x, y in zip(dvs, vs)], dim=2).to(_GRAD)
                 dk_here = _ungrouped(dk_here, block[0].shape[1])
                 dv_here = _ungrouped(dv_here, block[1].shape[1])
                 if step == 0:  # this rank's own block: its share stays here for the sums to come home to

@@ -40,11 +40,11 @@ REFUSED = {"refused: attention dropout": "transformer.h.0.attn's attention drops
 
 def calls_per_step(case: str) -> tuple[str, int]:
     """The cp collectives one step sends, worked by hand: per attention core (2 layers) and
-    micro-batch (2), the ring sends K and V on cp - 1 times in forward, again in backward, and
-    dK and dV cp - 1 hops home: 6 (cp - 1) sends; all-to-all sends q, k, v and the output in
-    forward and their gradients in backward: 8."""
+    micro-batch (2), the ring sends K and V (one batched send) on cp - 1 times in forward, again in
+    backward, and the sums of dK and dV cp - 1 hops home: 3 (cp - 1) sends; all-to-all sends q, k, v
+    and the output in forward and their gradients in backward: 8."""
     cp = int(case.split("/cp=")[1].split("/")[0])
-    per_core = 8 if "all-to-all" in case else 6 * (cp - 1)
+    per_core = 8 if "all-to-all" in case else 3 * (cp - 1)
     cores = 1 if "/pp=2" in case else 2  # a pipeline rank runs its stage's layer
     return ("all_to_all" if "all-to-all" in case else "send_recv"), per_core * cores * cp_worker.ACCUM
 

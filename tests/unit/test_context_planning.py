@@ -41,12 +41,17 @@ def test_ring_worked_by_hand():
     assert ring_time(1.6e-3, KV_405B, 16, IB) == pytest.approx(15 * (exchange - 100e-6), rel=1e-9)
     # a core of 16 ms hides every exchange under its 1 ms blocks
     assert ring_time(16e-3, KV_405B, 16, IB) == 0.0
-    # backward sends K, V, dK and dV: twice the bytes, beside blocks of the backward
+    # backward sends K and V again and the sums of dK and dV (here as many bytes: fp32 training),
+    # beside blocks of the backward
     x = ring_exchange(KV_405B, 1.6e-3, 3.2e-3, 16, IB)
     back = 40e-6 + 10e-6 + 2 * KV_405B / 50e9  # 217.8 us against blocks of 200 us
     assert x.backward_s == pytest.approx(15 * (back - 200e-6), rel=1e-9)
-    assert [(k, b, f, bw) for k, b, f, bw, _ in x.calls] == [("send_recv", KV_405B, 15, 0),
-                                                            ("send_recv", 2 * KV_405B, 0, 15)]
+    assert [(k, b, f, bw) for k, b, f, bw, _ in x.calls] == [("send_recv", KV_405B, 15, 15),
+                                                            ("send_recv", KV_405B, 0, 15)]
+    # bf16 K and V: their gradients' sums go in fp32 (core/axes/context.py RING_GRAD_DTYPE), twice the bytes
+    x = ring_exchange(KV_405B, 1.6e-3, 3.2e-3, 16, IB, 2 * KV_405B)
+    assert x.backward_s == pytest.approx(15 * (40e-6 + 10e-6 + 3 * KV_405B / 50e9 - 200e-6), rel=1e-9)
+    assert x.calls[1][:4] == ("send_recv", 2 * KV_405B, 0, 15)
     assert ring_time(1.0, KV_405B, 1, IB) == 0.0
 
 
@@ -111,6 +116,30 @@ def test_llama3_405b_long_context_priced_pinned():
     assert (m.tp, m.pp, m.dp, m.cp, m.samples) == (8, 2, 128, 16, 8)
     assert d.cp_attention == RING and d.comm_s.get("cp_ring", 0.0) < 0.01 * d.step_s
     assert 0.55 <= tflops / PUBLISHED_405B_TFLOPS <= 1.15, tflops
+
+
+@pytest.mark.parametrize("precision, grad", [("fp32", 1), ("bf16-mixed", 2)])
+def test_a_ring_plan_lists_the_sends_the_runtime_makes(cli, tmp_path, precision, grad):
+    """The calls runtime/cp/attention.py makes per attention core and micro-batch (counted by
+    tests/integration/test_context_parallel.py): K and V as one batched send, cp - 1 times forward and
+    again backward, and the sums of dK and dV (in fp32) cp - 1 times: so the plan lists them."""
+    path = tmp_path / "ring.json"
+    code, out, err = cli("compile", GPT, "--input", "idx=int64[16,64]", "--devices", "4", "--cp", "2",
+                         "--cp-attention", "ring", "--precision", precision, "-o", path)
+    assert code == 0, err
+    plan = load_plan(path)
+    t = plan.training
+    merged: dict = {}
+    for c in plan.collectives:
+        if c.axis == "cp":
+            merged[c.kind, c.bytes] = merged.get((c.kind, c.bytes), 0) + c.count
+    cp_calls = sorted((kind, nbytes, n) for (kind, nbytes), n in merged.items())
+    # gpt_tiny: 2 layers, 4 heads of 16; one rank's K and V: micro-batch x 64 / 2 tokens x 64 wide, each
+    kv = 2 * t.micro_batch_size * 32 * 64 * (4 if precision == "fp32" else 2)
+    per_step = 2 * t.grad_accum_steps  # cores x micro-batches
+    want = sorted({("send_recv", kv, 2 * per_step), ("send_recv", grad * kv, per_step)}) if grad > 1 else \
+        [("send_recv", kv, 3 * per_step)]
+    assert cp_calls == want, (cp_calls, want)
 
 
 def test_pinned_cp_is_honoured_and_its_collectives_listed(cli, tmp_path):
