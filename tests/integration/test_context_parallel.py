@@ -29,7 +29,8 @@ CASES = {
             "hf-qwen2/dp=1/cp=2/tp=1/all-to-all", "gpt/dp=1/cp=2/tp=1/ring/bf16-mixed", "gpt-eager/dp=1/cp=2/tp=1/ring",
             "hf-llama-padded/dp=1/cp=2/tp=1/ring", "hf-llama-padded/dp=1/cp=2/tp=1/all-to-all",
             "hf-llama/dp=1/cp=2/tp=1/all-to-all/bf16-mixed", "refused: attention dropout",
-            "refused: micro-batch as long as the slice", "resume cp=2 -> cp=1", "loader local=True"],
+            "refused: micro-batch as long as the slice", "resume cp=2 -> cp=1", "loader local=True",
+            "compiled cp=2 ring recompute=selective", "compiled cp=2 all-to-all recompute=full"],
     "cp4": ["gpt/dp=2/cp=2/tp=1/ring", "gpt/dp=1/cp=2/tp=2/ring", "gpt/dp=1/cp=4/tp=1/ring",
             "gpt/dp=1/cp=4/tp=1/all-to-all", "hf-llama/dp=2/cp=2/tp=1/ring/zero3",
             "gpt/dp=1/cp=2/tp=1/ring/pp=2", "resume cp=2 -> cp=4"],
@@ -62,6 +63,14 @@ def test_context_parallel_matches_one_process(name, tmp_path):
                 continue
             if r["case"] == "loader local=True":  # each rank's loaded rows, sliced by the step: the same run
                 assert r["losses"] == r["ref_losses"] and r["same_params"], (what, r["losses"], r["ref_losses"])
+                continue
+            if r["case"].startswith("compiled"):  # the planner's own cp plan, with recomputation
+                cp, strategy, modes = r["plan"]
+                assert cp == 2 and r["case"] == f"compiled cp=2 {strategy} recompute={modes[0]}", (what, r["plan"])
+                assert not numbers_beyond(r["losses"], r["ref_losses"], rtol=RTOL, atol=ATOL), (what, r["losses"])
+                assert not beyond(r["params"], rtol=RTOL, atol=ATOL), what
+                # each step sends the cp calls the plan lists (recomputation's rerun of the cores included)
+                assert all(step == r["planned"] for step in r["calls"]), (what, r["calls"][0], r["planned"])
                 continue
             if r["case"] in REFUSED:
                 assert r["message"] and REFUSED[r["case"]] in r["message"], (what, r["message"])

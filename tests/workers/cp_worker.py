@@ -230,7 +230,45 @@ def cp2(ctx: DistContext, out: str) -> list[dict]:
             compare(ctx, "hf-llama-padded", cp=2), compare(ctx, "hf-llama-padded", cp=2, strategy="all-to-all"),
             compare(ctx, "hf-llama", cp=2, strategy="all-to-all", precision="bf16-mixed"),
             refusal(ctx, "attention dropout"), refusal(ctx, "micro-batch as long as the slice"),
-            resume(ctx, out, 1), loader(ctx, out)]
+            resume(ctx, out, 1), loader(ctx, out), compiled(ctx, "selective"),
+            compiled(ctx, "full", "all-to-all")]
+
+
+def compiled(ctx: DistContext, recompute: str, strategy: str = "ring") -> dict:
+    """A plan ``partita compile`` writes for --cp 2 (and --recompute, --cp-attention), run against one
+    process: the planner's cp plan, its recomputed layers or cores rerun over the cp group."""
+    from partita.compiler.compile import compile_model
+    from partita.core.cluster import load_cluster
+    from partita.core.model.inputs import parse_input_spec
+
+    torch.manual_seed(100)
+    reference = gpt_cp()
+    plan = compile_model(copy.deepcopy(reference), Options(
+        inputs=[parse_input_spec(f"idx=int64[{2 * ctx.world_size // 2},{SEQ}]")],
+        cluster=load_cluster("local", devices=ctx.world_size), world_size=ctx.world_size, cp=2,
+        cp_attention=strategy, recompute=recompute, loss=gpt_loss)).plan
+    model = ParallelModel(copy.deepcopy(reference), plan, Options(loss=gpt_loss, optimizer=OPTIMIZERS["adamw"]),
+                          ctx=ctx)
+    ref_opt = OPTIMIZERS["adamw"](reference.parameters())
+    x, y = gpt_batch(plan.training.global_batch)
+    losses, ref_losses, calls = [], [], []
+    for _ in range(STEPS):
+        model.collectives.reset()
+        losses.append(model.train_step(x, targets=y))
+        calls.append(sorted((k, b, n) for k, a, b, n in model.collectives.as_tuples() if a == "cp"))
+        ref_losses.append(reference_backward(reference, gpt_loss, x, y, 1))
+        ref_opt.step()
+        ref_opt.zero_grad()
+    ref_final = {n: p.detach() for n, p in reference.named_parameters(remove_duplicate=False)}
+    full = {n: t for n, t in model.full_state_dict(buffers=False).items() if n in ref_final}
+    planned: dict = {}
+    for c in plan.collectives:
+        if c.axis == "cp":
+            planned[c.kind, c.bytes] = planned.get((c.kind, c.bytes), 0) + c.count
+    return {"case": f"compiled cp=2 {strategy} recompute={recompute}", "precision": "fp32", "grads": None,
+            "losses": losses, "ref_losses": ref_losses, "params": gaps(full, ref_final), "calls": calls,
+            "planned": sorted((k, b, n) for (k, b), n in planned.items()),
+            "plan": (plan.mesh.cp, plan.training.cp_attention, sorted({s.recompute for s in plan.stages}))}
 
 
 def cp4(ctx: DistContext, out: str) -> list[dict]:
