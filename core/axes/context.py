@@ -56,8 +56,10 @@ def _describe(plan) -> str | None:
     m = plan.mesh
     if m.cp == 1:
         return None
+    groups = m.groups("cp")
+    shown = " ".join("[" + ", ".join(map(str, g)) + "]" for g in groups[:4]) + (" ..." if len(groups) > 4 else "")
     return (f"cp = {m.cp}: each sequence split over {m.cp} data-parallel ranks ({m.samples} sample group"
-            f"{'s' if m.samples != 1 else ''}), attention by {plan.training.cp_attention}")
+            f"{'s' if m.samples != 1 else ''}), attention by {plan.training.cp_attention}; groups {shown}")
 
 
 AXIS = Axis("context parallelism", ("cp", "cp_attention"),

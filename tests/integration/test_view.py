@@ -196,6 +196,25 @@ def test_unsolved_alternatives_and_expert_collectives_are_worded(open_page):
     assert f"of the {plan.solver.candidates} candidates solved" in page.text_content("#alternatives .note")
 
 
+def test_a_context_parallel_plan_shows_its_groups_and_strategy(open_page):
+    """The cp card names the degree, the attention strategy and the cp groups (consecutive dp ranks,
+    tp apart)."""
+    from partita.compiler.compile import compile_model
+    from partita.core.cluster import load_cluster
+    from partita.core.model.inputs import parse_input_spec
+    from partita.core.options import Options
+    from tests.workers.cp_worker import gpt_cp
+
+    plan = compile_model(gpt_cp, Options(inputs=[parse_input_spec("idx=int64[4,16]")],
+                                         cluster=load_cluster("local", devices=4), world_size=4, cp=2,
+                                         cp_attention="ring")).plan
+    page = open_page(render_html(plan))
+    card = page.text_content('#axes .axis[data-axis="context parallelism"]')
+    tp = plan.mesh.tp
+    groups = " ".join(f"[{r}, {r + tp}]" for r in sorted(g[0] for g in plan.mesh.groups("cp")))
+    assert "cp = 2" in card and "attention by ring" in card and f"groups {groups}" in card, (card, plan.mesh)
+
+
 def test_the_schedule_names_its_gap_to_the_plans_step_time(open_page):
     """The timeline's span and the header's step time are different sums: the page gives the step
     time's terms, which add up to it (on a plan the planner made), and the gap between the span and
