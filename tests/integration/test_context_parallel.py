@@ -1,7 +1,7 @@
 """Context parallelism on real gloo processes, against one process (issue 42).
 
 cp_worker.py runs each case on every rank beside one process's run of the same model on the same
-global batch: ring and all-to-all attention at cp = 2 and 4, beside dp = 2, tp = 2 and ZeRO-3, on
+global batch: ring and all-to-all attention at cp = 2 and 4, beside dp = 2, tp = 2 (with sequence parallelism too) and ZeRO-3, on
 the own GPT (SDPA, causal, learned positions), HF Llama (sdpa, rotary, its position-built causal
 mask; and with an attention_mask input: right-padded rows and a left-padded one) and HF Qwen2
 (grouped KV heads), in fp32 and bf16-mixed; and what cannot be split is refused
@@ -31,7 +31,8 @@ CASES = {
             "hf-llama/dp=1/cp=2/tp=1/all-to-all/bf16-mixed", "refused: attention dropout",
             "refused: micro-batch as long as the slice", "resume cp=2 -> cp=1", "loader local=True",
             "compiled cp=2 ring recompute=selective", "compiled cp=2 all-to-all recompute=full"],
-    "cp4": ["gpt/dp=2/cp=2/tp=1/ring", "gpt/dp=1/cp=2/tp=2/ring", "gpt/dp=1/cp=4/tp=1/ring",
+    "cp4": ["gpt/dp=2/cp=2/tp=1/ring", "gpt/dp=1/cp=2/tp=2/ring", "gpt/dp=1/cp=2/tp=2/ring/sp",
+            "gpt/dp=1/cp=4/tp=1/ring",
             "gpt/dp=1/cp=4/tp=1/all-to-all", "hf-llama/dp=2/cp=2/tp=1/ring/zero3",
             "gpt/dp=1/cp=2/tp=1/ring/pp=2", "resume cp=2 -> cp=4"],
 }

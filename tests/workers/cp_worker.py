@@ -82,7 +82,7 @@ MODELS: dict[str, tuple[Callable, str]] = {"gpt": (gpt_cp, "idx"), "gpt-eager": 
 
 
 def cp_plan(reference: torch.nn.Module, name: str, *, dp: int, cp: int, tp: int = 1, strategy: str = "ring",
-            zero: int = 0, precision: str = "fp32", pp: int = 1):
+            zero: int = 0, precision: str = "fp32", pp: int = 1, sp: bool = False):
     """The hand choice at dp x tp (x pp: 1F1B, one layer a stage), made context-parallel over cp of
     the dp ranks."""
     inputs = [InputSpec(MODELS[name][1], torch.int64, (MBS, SEQ))]
@@ -94,18 +94,19 @@ def cp_plan(reference: torch.nn.Module, name: str, *, dp: int, cp: int, tp: int 
                        tp=tp, dp=dp, mbs=MBS, accum=ACCUM, pins=MEGATRON if tp > 1 else None)[0]
     else:
         plan = tp_plan(copy.deepcopy(reference), inputs, gpt_loss, targets, tp=tp, dp=dp, mbs=MBS, accum=ACCUM,
-                       pins=MEGATRON if tp > 1 else None)
+                       pins=MEGATRON if tp > 1 else None, sequence_parallel=sp)
     training = dataclasses.replace(plan.training, global_batch=dp // cp * MBS * ACCUM, cp_attention=strategy,
-                                   zero_stage=zero, precision=precision)
+                                   zero_stage=zero, precision=precision, sequence_parallel=sp)
     return dataclasses.replace(plan, mesh=Mesh(dp=dp, tp=tp, pp=pp, cp=cp), training=training)
 
 
 def compare(ctx: DistContext, name: str, *, cp: int, tp: int = 1, strategy: str = "ring", zero: int = 0,
-            precision: str = "fp32", pp: int = 1) -> dict:
+            precision: str = "fp32", pp: int = 1, sp: bool = False) -> dict:
     dp = ctx.world_size // tp // pp
     torch.manual_seed(100)
     reference = MODELS[name][0]()
-    plan = cp_plan(reference, name, dp=dp, cp=cp, tp=tp, strategy=strategy, zero=zero, precision=precision, pp=pp)
+    plan = cp_plan(reference, name, dp=dp, cp=cp, tp=tp, strategy=strategy, zero=zero, precision=precision, pp=pp,
+                   sp=sp)
     model = ParallelModel(copy.deepcopy(reference), plan, Options(loss=gpt_loss, optimizer=OPTIMIZERS["adamw"]),
                           ctx=ctx)
     local = model.module.local_parameters()
@@ -136,7 +137,7 @@ def compare(ctx: DistContext, name: str, *, cp: int, tp: int = 1, strategy: str 
     full_grads = gather_tp(model.tensor_parallel, grads) if grads else {}
     ref_final = {n: p.detach() for n, p in reference.named_parameters(remove_duplicate=False)}
     full_params = {n: t.float() for n, t in model.full_state_dict(buffers=False).items() if n in ref_final}
-    extra = ((f"/pp={pp}" if pp > 1 else "") + (f"/zero{zero}" if zero else "")
+    extra = ((f"/pp={pp}" if pp > 1 else "") + ("/sp" if sp else "") + (f"/zero{zero}" if zero else "")
              + (f"/{precision}" if precision != "fp32" else ""))
     return {"case": f"{name}/dp={dp // cp}/cp={cp}/tp={tp}/{strategy}{extra}", "precision": precision,
             "losses": losses, "ref_losses": ref_losses, "calls": calls,
@@ -272,7 +273,8 @@ def compiled(ctx: DistContext, recompute: str, strategy: str = "ring") -> dict:
 
 
 def cp4(ctx: DistContext, out: str) -> list[dict]:
-    return [compare(ctx, "gpt", cp=2), compare(ctx, "gpt", cp=2, tp=2), compare(ctx, "gpt", cp=4),
+    return [compare(ctx, "gpt", cp=2), compare(ctx, "gpt", cp=2, tp=2), compare(ctx, "gpt", cp=2, tp=2, sp=True),
+            compare(ctx, "gpt", cp=4),
             compare(ctx, "gpt", cp=4, strategy="all-to-all"), compare(ctx, "hf-llama", cp=2, zero=3),
             compare(ctx, "gpt", cp=2, pp=2),
             resume(ctx, out, 4)]
