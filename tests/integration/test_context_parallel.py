@@ -1,11 +1,13 @@
 """Context parallelism on real gloo processes, against one process (issue 42).
 
 cp_worker.py runs each case on every rank beside one process's run of the same model on the same
-global batch: ring and all-to-all attention at cp = 2 and 4, beside dp = 2, tp = 2 (with sequence parallelism too) and ZeRO-3, on
-the own GPT (SDPA, causal, learned positions), HF Llama (sdpa, rotary, its position-built causal
-mask; and with an attention_mask input: right-padded rows and a left-padded one) and HF Qwen2
-(grouped KV heads), in fp32 and bf16-mixed; and what cannot be split is refused
-in one message before the first step.
+global batch: ring and all-to-all attention at cp = 2 and 4, beside dp = 2, tp = 2 (with sequence
+parallelism too), pp = 2 and ZeRO-3, on the own GPT (SDPA, causal, learned positions; and its
+attention written out), HF Llama (sdpa, rotary, its position-built causal mask; and with an
+attention_mask input: right-padded rows and a left-padded one) and HF Qwen2 (grouped KV heads), in
+fp32 and bf16-mixed; plans the planner writes for --cp 2 with recomputation; a checkpoint resumed
+under another cp; the loader's shares; and what cannot be split is refused in one message before
+the first step.
 """
 
 from __future__ import annotations
