@@ -303,29 +303,19 @@ class RingAttention(torch.autograd.Function):
 # -- all-to-all (Ulysses) --------------------------------------------------------------------------
 
 
-class _SequenceToHeads(torch.autograd.Function):
-    """[b, h, s/cp, d] sequence slices -> [b, h/cp, s, d] head groups over the whole sequence, in the
-    group's rank order of rows (``ContextGroup.order`` gives each row's position); backward the other way."""
+class _Swap(torch.autograd.Function):
+    """``to_heads``: [b, h, s/cp, d] sequence slices -> [b, h/cp, s, d] head groups over the whole
+    sequence, in the group's rank order of rows (``ContextGroup.order`` gives each row's position);
+    else the way back. Backward is the other direction."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, g: ContextGroup) -> torch.Tensor:
-        ctx.g = g
-        return _to_heads(x, g)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        return _to_sequence(grad, ctx.g), None
-
-
-class _HeadsToSequence(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, g: ContextGroup) -> torch.Tensor:
-        ctx.g = g
-        return _to_sequence(x, g)
+    def forward(ctx: Any, x: torch.Tensor, g: ContextGroup, to_heads: bool) -> torch.Tensor:
+        ctx.g, ctx.to_heads = g, to_heads
+        return _to_heads(x, g) if to_heads else _to_sequence(x, g)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        return _to_heads(grad, ctx.g), None
+        return (_to_sequence(grad, ctx.g) if ctx.to_heads else _to_heads(grad, ctx.g)), None, None
 
 
 def _to_heads(x: torch.Tensor, g: ContextGroup) -> torch.Tensor:
@@ -348,7 +338,7 @@ def ulysses(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: ContextGroup, 
     heads = q.shape[1]
     if k.shape[1] % g.size:  # grouped keys and values that do not split over cp go as the queries' heads
         k, v = _grouped(k, heads), _grouped(v, heads)
-    q, k, v = (_SequenceToHeads.apply(t, g) for t in (q, k, v))
+    q, k, v = (_Swap.apply(t, g, True) for t in (q, k, v))
     rows = torch.argsort(g.order)  # position p's row
     q, k, v = (t.index_select(2, rows) for t in (q, k, v))
     mask = None
@@ -360,7 +350,7 @@ def ulysses(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: ContextGroup, 
             mask = mask & torch.ones(s, s, dtype=torch.bool, device=keys.device).tril()
     y = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal and mask is None,
                                                          scale=scale, enable_gqa=k.shape[1] != q.shape[1])
-    return _HeadsToSequence.apply(y.index_select(2, g.order), g)
+    return _Swap.apply(y.index_select(2, g.order), g, False)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: ContextGroup, strategy: str, causal: bool,
