@@ -24,6 +24,7 @@ the plan's.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -215,6 +216,21 @@ def _halves(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return x.chunk(2, dim=2)
 
 
+def _blocks(g: ContextGroup, k: torch.Tensor, v: torch.Tensor, heads: int) -> Iterator[tuple[Any, ...]]:
+    """The ring's blocks in turn, forward and backward alike: (the rank whose block it is, the block
+    as sent [k, v], its two chunks of keys and of values repeated to ``heads``), the next block on its
+    way while the caller computes on this one."""
+    block = [k, v]
+    for step in range(g.size):
+        works: list[Any] = []
+        if step < g.size - 1:
+            nxt, works = g.pass_on(block)
+        yield (g.rank - step) % g.size, block, _halves(_grouped(block[0], heads)), _halves(_grouped(block[1], heads))
+        if works:
+            g.wait(works)
+            block = nxt
+
+
 class RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: ContextGroup, causal: bool,
@@ -223,14 +239,8 @@ class RingAttention(torch.autograd.Function):
         qs = [c.contiguous() for c in _halves(q)]
         outs: list[torch.Tensor | None] = [None, None]  # per query chunk, merged so far (fp32)
         lses: list[torch.Tensor | None] = [None, None]
-        block = [k, v]
         with torch.autocast(q.device.type, enabled=False):
-            for step in range(g.size):
-                works: list[Any] = []
-                if step < g.size - 1:  # the next block on its way while this one computes
-                    nxt, works = g.pass_on(block)
-                src = (g.rank - step) % g.size
-                ks, vs = _halves(_grouped(block[0], heads)), _halves(_grouped(block[1], heads))
+            for src, _, ks, vs in _blocks(g, k, v, heads):
                 for i, j, diag in _pairs(g, src, causal):
                     allowed = _allowed(valid, src, j, diag, qs[i].shape[2])
                     o, lse = _block(qs[i], ks[j].contiguous(), vs[j].contiguous(), diag and allowed is None, scale,
@@ -242,9 +252,6 @@ class RingAttention(torch.autograd.Function):
                         outs[i] = (outs[i] * torch.exp(lses[i] - _finite(new))[..., None]
                                    + o.float() * torch.exp(lse - _finite(new))[..., None])
                         lses[i] = new
-                if works:
-                    g.wait(works)
-                    block = nxt
         out = torch.cat(outs, dim=2).to(q.dtype)
         lse = _finite(torch.cat(lses, dim=2))  # (a query that sees no key: output 0, as one process's)
         ctx.save_for_backward(q, k, v, out, lse)
@@ -256,20 +263,12 @@ class RingAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         g, causal, scale, valid = ctx.g, ctx.causal, ctx.scale, ctx.valid
         heads = q.shape[1]
-        qs, outs, lses = ([c.contiguous() for c in _halves(t)] for t in (q, out, lse[..., None]))
-        lses = [x[..., 0].contiguous() for x in lses]
-        dos = [c.contiguous() for c in _halves(grad.to(q.dtype))]
+        qs, outs, lses, dos = ([c.contiguous() for c in _halves(t)] for t in (q, out, lse, grad.to(q.dtype)))
         dq: list[Any] = [None, None]
-        block = [k, v]
         travelling: list[torch.Tensor] = []  # the held block's gradient sums, from the ranks it passed
         with torch.autocast(q.device.type, enabled=False):
-            for step in range(g.size):
-                works: list[Any] = []
-                if step < g.size - 1:  # the next keys and values on their way; their gradients follow
-                    nxt, works = g.pass_on(block)
-                src = (g.rank - step) % g.size
-                kk, vv = _grouped(block[0], heads), _grouped(block[1], heads)
-                ks, vs = _halves(kk), _halves(vv)
+            # the keys and values go round again; their gradients' sums follow each block
+            for step, (src, block, ks, vs) in enumerate(_blocks(g, k, v, heads)):
                 dks: list[Any] = [None, None]
                 dvs: list[Any] = [None, None]
                 for i, j, diag in _pairs(g, src, causal):
@@ -290,10 +289,7 @@ class RingAttention(torch.autograd.Function):
                 else:  # a peer's: added to the sums that travel with it, passed on towards its owner
                     sums = [a + b for a, b in zip(travelling, (dk_here, dv_here))] if travelling else [dk_here, dv_here]
                     travelling, sent = g.pass_on(sums)  # after the last block they reach its owner
-                    works += sent
-                g.wait(works)
-                if step < g.size - 1:
-                    block = nxt
+                    g.wait(sent)
             if travelling:  # the other ranks' sums for this rank's own block, home
                 dk, dv = dk + travelling[0], dv + travelling[1]
         dq = [x if x is not None else torch.zeros(c.shape, device=q.device) for x, c in zip(dq, qs)]

@@ -21,6 +21,7 @@ and attention dropout are refused before the first step, naming the module.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -159,24 +160,12 @@ class ContextParallel:
                 raise PlanError(f"{module}'s attention reads {what} ({x.name}, a padding mask?) between Q K^T and "
                                 "P V: context parallelism splits a mask computed from positions only",
                                 hint="train on unpadded (packed) sequences without an attention mask, or --cp 1")
-        sub = torch.fx.Graph()
-        env: dict[torch.fx.Node, Any] = {x: sub.placeholder(x.name) for x in (q_node, kt_node, v_node)}
-        feeds = []
-        for x in gm.graph.nodes:
-            if x in outside:
-                if x.op == "placeholder":
-                    env[x] = sub.placeholder(x.name)
-                    feeds.append(buffers[x.name].detach().cpu())
-                else:
-                    env[x] = sub.node_copy(x, lambda a: env[a])
-        for x in span:
-            env[x] = sub.node_copy(x, lambda a: env[a])
-        sub.output(env[closing])
+        run, feeds = _alone(gm, outside | inside, closing, (q_node, kt_node, v_node), buffers)
         shapes = [tuple(x.meta["val"].shape) for x in (q_node, kt_node, v_node)]
         g = torch.Generator().manual_seed(0)
         q, kt, v = (torch.randn(s, generator=g, dtype=torch.float64) for s in shapes)
         with torch.no_grad():
-            got = torch.fx.GraphModule(gm, sub)(q, kt, v, *feeds).double()
+            got = run(q, kt, v, *feeds).double()
         k = kt.transpose(-2, -1)
         scales = {1.0 / math.sqrt(q.shape[-1]), _constant_scale(span)}
         for scale in sorted(scales):
@@ -187,6 +176,25 @@ class ContextParallel:
         raise PlanError(f"{module} computes attention with more than a scale and a causal mask between Q K^T "
                         "and P V (a bias, a sliding window?): context parallelism cannot split it",
                         hint="write it with F.scaled_dot_product_attention, or recompile with --cp 1")
+
+
+def _alone(gm: torch.fx.GraphModule, keep: set[torch.fx.Node], output: torch.fx.Node,
+           given: Sequence[torch.fx.Node], buffers: dict[str, torch.Tensor]) -> tuple[torch.fx.GraphModule, list]:
+    """The nodes ``keep`` of ``gm`` (in its order) as a program of their own returning ``output``: its
+    arguments the values of the ``given`` nodes, then of the buffers it reads, whose values (on the
+    CPU) come back beside it to pass after them."""
+    sub = torch.fx.Graph()
+    env: dict[torch.fx.Node, Any] = {x: sub.placeholder(x.name) for x in given}
+    feeds = []
+    for x in gm.graph.nodes:
+        if x in keep and x not in env:
+            if x.op == "placeholder":
+                env[x] = sub.placeholder(x.name)
+                feeds.append(buffers[x.name].detach().cpu())
+            else:
+                env[x] = sub.node_copy(x, lambda a: env[a])
+    sub.output(env[output])
+    return torch.fx.GraphModule(gm, sub), feeds
 
 
 def _written_cores(graph: torch.fx.Graph, user_inputs: set[str]
@@ -293,37 +301,18 @@ def _mask_is_causal(mask: torch.fx.Node, gm: torch.fx.GraphModule, user_inputs: 
     keys a model input ``pad`` marks as padding (0) masked out, the mask a padded batch gives
     (tried on right-padded and on random rows). Refused when it reads a parameter or two inputs,
     or is another mask (a sliding window, a bias)."""
-    seen: dict[torch.fx.Node, None] = {}
-    stack = [mask]
-    pads: list[torch.fx.Node] = []
-    while stack:
-        x = stack.pop()
-        if x in seen:
-            continue
-        seen[x] = None
-        if x.op == "placeholder" and x.name not in buffers:
-            if x.name not in user_inputs:
-                raise PlanError(f"{module}'s attention mask reads a parameter ({x.name}): context parallelism "
-                                "splits a mask of positions and padding only", hint="recompile with --cp 1")
-            pads.append(x)
-        stack += x.all_input_nodes
+    seen = _ancestors([mask])
+    pads = sorted((x for x in seen if x.op == "placeholder" and x.name not in buffers), key=lambda x: x.name)
+    for x in pads:
+        if x.name not in user_inputs:
+            raise PlanError(f"{module}'s attention mask reads a parameter ({x.name}): context parallelism "
+                            "splits a mask of positions and padding only", hint="recompile with --cp 1")
     if len(pads) > 1:
         raise PlanError(f"{module}'s attention mask reads {len(pads)} model inputs "
                         f"({', '.join(p.name for p in pads)}): context parallelism splits a mask of positions and "
                         "one padding mask", hint="pass one attention_mask, or --cp 1")
     pad = pads[0] if pads else None
-    sub = torch.fx.Graph()
-    env: dict[torch.fx.Node, Any] = {}
-    feeds: list[Any] = []
-    for x in gm.graph.nodes:
-        if x in seen:
-            if x.op == "placeholder":
-                env[x] = sub.placeholder(x.name)
-                feeds.append(None if x is pad else buffers[x.name].detach().cpu())
-            else:
-                env[x] = sub.node_copy(x, lambda a: env[a])
-    sub.output(env[mask])
-    run = torch.fx.GraphModule(gm, sub)
+    run, feeds = _alone(gm, seen, mask, [pad] if pad is not None else [], buffers)
     trials = [None]
     if pad is not None:
         val = pad.meta["val"]
@@ -334,7 +323,7 @@ def _mask_is_causal(mask: torch.fx.Node, gm: torch.fx.GraphModule, user_inputs: 
     found = set()
     for values in trials:
         with torch.no_grad():
-            m = run(*(values if f is None else f for f in feeds))
+            m = run(*([values] if pad is not None else []), *feeds)
         found.add(_kind_of(m, values, module))
     if len(found) == 1 and None not in found:
         return found.pop(), pad
