@@ -43,6 +43,7 @@ from partita.core.precision import dtype_bytes, element_bytes
 from partita.core.recompute import NONE
 from partita.passes.cost_model import collective_time, collective_traffic
 from partita.passes.pipeline.costs import NodeCosts, output_bytes
+from partita.passes.pipeline.decision import binds_memory, recomputes
 from partita.passes.profile import ModelProfile
 from partita.passes.space import tp_degrees
 
@@ -312,7 +313,7 @@ def context_traffic(calls: Sequence[tuple[str, float, int, str, float]], cp: int
                                      for kind, size, n, _, _ in calls))
 
 
-def cp_degrees(world_per_stage: int, sequence: int | None, heads: int | None = None) -> list[int]:
+def cp_degrees(world_per_stage: int, sequence: int | None) -> list[int]:
     """The context-parallel degrees weighed unpinned where the sequence binds memory: the divisors above
     1 of the data-parallel ranks a stage could have whose double divides the sequence (each rank holds
     two mirrored chunks: core/axes/context.py SEQUENCE)."""
@@ -336,12 +337,7 @@ def sequence_binds(options: Sequence[Any], facts: Mapping[str, Any], request: Tr
     if not options:
         return True
     best = min(options, key=lambda o: o.step_s)
-    return best.micro_batch_size == 1 and (recomputes(best) or best.offload != NO_OFFLOAD)
-
-
-def recomputes(d: Any) -> bool:
-    """Whether a decision recomputes on any stage."""
-    return any(s.recompute != NONE for s in d.stages)
+    return best.micro_batch_size == 1 and binds_memory(best)
 
 
 def cp_queue(cluster: ClusterSpec, world: int, pins: Pins, facts: Mapping[str, Any], request: TrainingRequest,

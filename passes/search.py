@@ -65,7 +65,7 @@ from partita.passes.facts import model_facts
 from partita.passes.peak_memory import peak_memory, step_buffers
 from partita.passes.pipeline.bounds import AllPruned, PrunedCandidate
 from partita.passes.pipeline.costs import NodeCosts, node_costs
-from partita.passes.pipeline.decision import PipelineCandidate, PipelineDecision
+from partita.passes.pipeline.decision import PipelineCandidate, PipelineDecision, binds_memory
 from partita.passes.pipeline.stages import choose_pipeline, stage_of_nodes
 from partita.passes.profile import ModelProfile
 from partita.passes.space import tp_degrees, world_size
@@ -363,10 +363,7 @@ def _memory_binds(decision: PipelineDecision | None) -> bool:
     (passes/tp/sequence.py), which holds less, is weighed too; elsewhere the plan is plain Megatron
     tensor parallelism, nothing split along the sequence (sequence parallelism's norms and dropouts
     at 1/t are not weighed there: one more ILP and pipeline search per tp)."""
-    if decision is None:
-        return False
-    best = decision.best
-    return best.offload != NO_OFFLOAD or any(s.recompute != NONE for s in best.stages)
+    return decision is not None and binds_memory(decision.best)
 
 
 def _from_pipeline(d: PipelineDecision, profile: ModelProfile, cluster: ClusterSpec, request: TrainingRequest,

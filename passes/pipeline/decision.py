@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 from partita.core.cluster import ClusterSpec
 from partita.core.errors import InfeasibleError
@@ -105,6 +106,18 @@ class PipelineDecision:
 
 
 # -- why each candidate lost -----------------------------------------------------------
+
+
+def recomputes(c: Any) -> bool:
+    """Whether a plan's candidate (its ``stages``) recomputes activations on any stage."""
+    return any(s.recompute != NONE for s in c.stages)
+
+
+def binds_memory(c: Any) -> bool:
+    """Whether a candidate shows memory binding: it recomputes or offloads to fit (the search then
+    weighs what holds less: the split residual stream, passes/search.py; a split sequence,
+    passes/context.py)."""
+    return c.offload != NO_OFFLOAD or recomputes(c)
 
 
 def _label(c: PipelineCandidate) -> str:
