@@ -26,7 +26,7 @@ from partita.core.pins import TrainingRequest
 from partita.core.placement import is_shard
 from partita.core.plans.plan import Collective, ParamDecision
 from partita.core.precision import activation_scale, dtype_bytes, element_bytes
-from partita.core.recompute import FULL, rerun_regions
+from partita.core.recompute import FULL, NONE, rerun_regions
 from partita.core.tp.layout import forward_collectives, recompute_collectives, tp_collectives
 from partita.passes.context import context_calls, context_profile
 from partita.passes.cost_model import collective_time, padded_bucket, zero_collectives
@@ -283,7 +283,7 @@ def _cp_collectives(profile: ModelProfile | None, nodes: Sequence[Any], d: Decis
     view = context_profile(profile, cp)
     out: list[Collective] = []
     for s in range(d.mesh.pp * d.chunks):
-        rerun = bool(d.stages) and d.stages[s].recompute != "none"
+        rerun = bool(d.stages) and d.stages[s].recompute != NONE
         calls = context_calls(view, request, cluster, cp=cp, tp=d.mesh.tp, micro_batch=d.micro_batch_size,
                               strategy=d.cp_attention, held=lambda core, s=s: core_stage.get(core, 0) == s,
                               recompute=rerun)

@@ -364,24 +364,25 @@ def build_mesh(mesh: Mesh, ctx: DistContext) -> DeviceMesh | None:
 
 def expert_groups(mesh: Mesh, ctx: DistContext) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
     """This rank's expert group ("ep") and the group of dp ranks holding its experts ("edp"),
-    core/mesh.py's rules; every group is created on every rank, in one order (``new_group``'s rule)."""
+    core/mesh.py's rules."""
+    mine = _own_groups(mesh, ctx, (MeshAxis.EP.value, MeshAxis.EDP.value))
+    return mine[MeshAxis.EP.value], mine[MeshAxis.EDP.value]
+
+
+def context_group(mesh: Mesh, ctx: DistContext) -> dist.ProcessGroup:
+    """This rank's context-parallel group ("cp": cp consecutive dp ranks, core/mesh.py)."""
+    return _own_groups(mesh, ctx, (MeshAxis.CP.value,))[MeshAxis.CP.value]
+
+
+def _own_groups(mesh: Mesh, ctx: DistContext, axes: Sequence[str]) -> dict[str, dist.ProcessGroup]:
+    """This rank's group along each of ``axes`` (core/mesh.py ``groups``); every group is created on
+    every rank, in one order (``new_group``'s rule)."""
     mine = {}
-    for axis in ("ep", "edp"):
+    for axis in axes:
         for ranks in mesh.groups(axis):
             group = new_group(axis, ranks)
             if ctx.rank in ranks:
                 mine[axis] = group
-    return mine["ep"], mine["edp"]
-
-
-def context_group(mesh: Mesh, ctx: DistContext) -> dist.ProcessGroup:
-    """This rank's context-parallel group ("cp": cp consecutive dp ranks, core/mesh.py); every group is
-    created on every rank, in one order (``new_group``'s rule)."""
-    mine = None
-    for ranks in mesh.groups(MeshAxis.CP.value):
-        group = new_group(MeshAxis.CP.value, ranks)
-        if ctx.rank in ranks:
-            mine = group
     return mine
 
 

@@ -5,7 +5,7 @@ passes/context.py)."""
 
 from __future__ import annotations
 
-from partita.core.axes.rules import Axis, Rule
+from partita.core.axes.rules import Axis, Rule, carved_out_of_dp
 
 RING, ALL_TO_ALL = "ring", "all-to-all"
 # the ring sums each block's key and value gradients along the ring in this dtype, whatever the
@@ -19,11 +19,8 @@ CP_SENDS = {RING: "keys and values passed around the cp group, cp - 1 exchanges 
             ALL_TO_ALL: "four all-to-alls per attention core: q, k and v from sequence slices to heads, the "
                         "output back"}
 
-DIVIDES_DP = Rule(
-    ("cp", "dp"), lambda v: v["cp"] > 1 and v["dp"] % v["cp"] != 0,
-    lambda say, v: f"{say('cp')} does not divide {say('dp')}: context-parallel groups are carved out of the "
-                   "data-parallel group (dp counts every rank holding the same parameters)",
-    "pin a --cp that divides --dp, or leave --cp out")
+DIVIDES_DP = carved_out_of_dp("cp", "context-parallel groups", "a",
+                              " (dp counts every rank holding the same parameters)")
 NO_ATTENTION = Rule(
     ("cp", "attention_core"), lambda v: v["cp"] > 1 and not v["attention_core"],
     lambda say, v: f"{say('cp')}: the model has no attention core to split the sequence around (scaled dot-product "

@@ -3,16 +3,13 @@ sent to their experts by all-to-alls (core/experts.py, passes/experts.py, runtim
 
 from __future__ import annotations
 
-from partita.core.axes.rules import Axis, Rule
+from partita.core.axes.rules import Axis, Rule, carved_out_of_dp
 from partita.core.experts import EP_RUNS, ep_conflicts
 from partita.core.mesh import MeshAxis
 from partita.core.optimizers import NO_OFFLOAD
 from partita.core.placement import REPLICATE
 
-DIVIDES_DP = Rule(
-    ("ep", "dp"), lambda v: v["ep"] > 1 and v["dp"] % v["ep"] != 0,
-    lambda say, v: f"{say('ep')} does not divide {say('dp')}: expert groups are carved out of the data-parallel group",
-    "pin an --ep that divides --dp, or leave --ep out")
+DIVIDES_DP = carved_out_of_dp("ep", "expert groups", "an")
 NO_EXPERTS = Rule(
     ("ep", "experts"), lambda v: v["ep"] > 1 and not v["experts"],
     lambda say, v: f"{say('ep')}: the model has no mixture-of-experts layer to split (grouped matmuls over "

@@ -67,6 +67,16 @@ class Axis:
     describe: Callable[[Any], str | None] = lambda plan: None  # what a plan decided on it (None: off)
 
 
+def carved_out_of_dp(setting: str, groups: str, article: str, note: str = "") -> Rule:
+    """The rule of an axis whose groups are carved out of the data-parallel group (ep, cp; core/mesh.py):
+    its degree divides dp. ``groups`` names them in the message, ``note`` adds to it."""
+    flag = SETTINGS[setting][0]
+    return Rule((setting, "dp"), lambda v: v[setting] > 1 and v["dp"] % v[setting] != 0,
+                lambda say, v: f"{say(setting)} does not divide {say('dp')}: {groups} are carved out of the "
+                               f"data-parallel group{note}",
+                f"pin {article} {flag} that divides --dp, or leave {flag} out")
+
+
 def pin_voice(values: Mapping[str, Any]) -> Say:
     """Settings in the CLI's words: ``--tp 1``, ``--sequence-parallel``, ``--inference``."""
     def say(name: str, value: Any = None) -> str:
