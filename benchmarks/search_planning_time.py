@@ -113,9 +113,10 @@ def run(name, factory, spec, gpus, batch, inference=False, generate=0, preset="d
     one_dp = "-"
     if pp > 1:
         costs = tp_node_costs(profile, cluster, request, mb, tp)
-        setup = StageSetup(pp, m, d.schedule, stage_links(cluster, pp, dp, tp),
-                           cluster.usable_memory, state_bytes_per_param(request.precision, request.optimizer),
-                           d.zero_stage, dp)
+        v = d.chunks
+        setup = StageSetup(pp * v, m, d.schedule, stage_links(cluster, pp, dp, tp, v),
+                           cluster.usable_memory // v, state_bytes_per_param(request.precision, request.optimizer),
+                           d.zero_stage, dp, chunks=v)
         t = time.perf_counter()
         solve_cuts(Partition(costs, setup, cluster))
         one_dp = f"{(time.perf_counter() - t) * 1e3:.0f} ms"

@@ -158,31 +158,46 @@ def plan_search(
         """Run the pipeline search at each (tp, sequence parallel, pins) of ``queue``, adding to it the
         split stream where memory binds."""
         nonlocal pruned
+
+        def search(tp: int, sp: bool, at: Pins, bound: float, probe: bool = False) -> PipelineDecision:
+            lay = layouts_at(at.cp or 1)
+            return choose_pipeline(profile, cluster, request, replace(at, tp=tp), devices_per_stage=tp,
+                                   costs=lambda mb: lay.node_costs(mb, tp, sp), floor_costs=lay.floor(tp),
+                                   prune=prune, bound=bound, probe=probe)
+
+        # Branch and bound's incumbent, early: each entry's most promising groups (by their lower bound)
+        # up to the first that fits, so that every full search below prunes against the best of them
+        # all. Those groups are weighed again in their own full search: what is chosen does not change.
+        probed = math.inf
+        for tp, sp, at in queue if prune and len(queue) > 1 else ():
+            try:
+                probed = min(probed, search(tp, sp, at, math.inf, probe=True).best.step_s)
+            except PartitaError:
+                pass  # nothing fits in those groups: the full search says why
         while queue:
             tp, sp, at = queue.pop(0)
-            best_s = min((o.step_s for o in options), default=math.inf)
-            decision, unfit = None, False
-            cp, lay = at.cp or 1, layouts_at(at.cp or 1)
+            best_s = min([probed] + [o.step_s for o in options])
+            decision, unfit, lost = None, False, False
+            cp = at.cp or 1
             try:
-                decision = choose_pipeline(
-                    profile, cluster, request, replace(at, tp=tp), devices_per_stage=tp,
-                    costs=lambda mb, tp=tp, sp=sp, lay=lay: lay.node_costs(mb, tp, sp),
-                    floor_costs=lay.floor(tp), prune=prune, bound=best_s,
-                )
+                decision = search(tp, sp, at, best_s)
             except AllPruned as e:
-                pruned += [replace(x, cp=cp) for x in e.pruned]
+                pruned += [replace(x, cp=cp, ep=at.ep or 1) for x in e.pruned]
                 unfit = all(x.memory for x in e.pruned)
+                lost = any(x.schedule and not x.memory for x in e.pruned)  # cut under a cap: it fit, and lost
             except InfeasibleError as e:
                 errors.append(e)
                 unfit = True
             except PartitaError:
                 pass  # this tp leaves no pipeline split of the batch (e.g. dp does not divide it)
             if decision is not None:
-                pruned += [replace(x, cp=cp) for x in decision.pruned]
-                options.append(_from_pipeline(decision, profile, cluster, request, tp, lay, sp, at))
+                pruned += [replace(x, cp=cp, ep=at.ep or 1) for x in decision.pruned]
+                options.append(_from_pipeline(decision, profile, cluster, request, tp, layouts_at(cp), sp, at))
+            # the split stream holds less: weighed where memory binds, after the rest (a tighter bound); and
+            # where groups fit but lost to the best found, which may have been by memory (by recomputing)
             if (not sp and tp > 1 and residual and pins.sequence_parallel is None
-                    and (unfit or _memory_binds(decision))):
-                queue.append((tp, True, at))  # holds less: weighed where memory binds, after the rest (a tighter bound)
+                    and (unfit or lost or _memory_binds(decision))):
+                queue.append((tp, True, at))
     # where the plain mesh does not fit, the pipeline search weighs recomputation and offload at p = 1 too
     if (pins.pp != 1 and world > 1) or pinned_pipeline or (not options and pins.recompute is None):
         tried_pipeline = (pins.pp != 1 and world > 1) or pinned_pipeline  # not only as the fallback
@@ -231,9 +246,9 @@ def _pruned_pipelines(pruned: Sequence[PrunedCandidate], best: Decision, limit: 
     (the lowest bound), the slower-bound ones first; each says why it could not win."""
     nearest: dict[tuple[int, int, int], PrunedCandidate] = {}
     for x in sorted(pruned, key=lambda x: (x.memory, x.lower_bound_s)):
-        nearest.setdefault((x.pp, x.tp, x.cp), x)
+        nearest.setdefault((x.pp, x.tp, x.cp, x.ep), x)
     return tuple(
-        Alternative(mesh=Mesh(dp=x.dp, tp=x.tp, pp=x.pp, cp=x.cp), micro_batch_size=x.micro_batch_size,
+        Alternative(mesh=Mesh(dp=x.dp, tp=x.tp, pp=x.pp, cp=x.cp, ep=x.ep), micro_batch_size=x.micro_batch_size,
                     grad_accum_steps=x.micro_batches, zero_stage=x.zero_stage, step_time_s=None, memory_bytes=0,
                     fits=False, chosen=False, reason=x.reason)
         for x in list(nearest.values())[:limit])

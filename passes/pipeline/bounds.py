@@ -9,7 +9,9 @@ from dataclasses import dataclass, replace
 
 from partita.core.cluster import ClusterSpec
 from partita.core.errors import PartitaError
+from partita.core.optimizers import NO_OFFLOAD
 from partita.core.pins import TrainingRequest
+from partita.core.recompute import NONE
 from partita.passes.cost_model import StateBytes, zero_optimizer_time, zero_step_comm
 from partita.passes.dp.zero import STRATEGY_NAMES
 from partita.passes.pipeline.costs import NodeCosts, Recompute
@@ -36,6 +38,7 @@ class PrunedCandidate:
     reason: str
     schedule: str = ""  # the one schedule no cuts fit ("": the whole group)
     cp: int = 1  # each sequence split over cp of the dp ranks (passes/context.py)
+    ep: int = 1  # the experts split over ep of the dp ranks (passes/experts.py)
 
 
 class AllPruned(PartitaError):
@@ -112,6 +115,29 @@ class PipelineBound:
                                   reduce_dtype=self.request.reduce_dtype).total_s
         return slots, comm * self._SLACK, zero_optimizer_time(numel, self.state, z, dp, self.cluster) * self._SLACK
 
+    def slot_cap(self, setup: StageSetup, mb: int, best_s: float) -> float:
+        """A bound on the cut DP's objective (the slowest stage's slot) under ``setup``: cuts whose
+        slowest slot reaches it give a step above ``best_s``. From ``pipeline_step``: step >=
+        (m + (p - 1) / v) x the slowest rank's slot + the tail, a rank's slot (its v chunks' summed)
+        is at least its slowest chunk's, and the tail is at least this bound's (``parts``: its
+        collectives, and its optimizer pass where the device runs it). A hair above, so that a
+        step equal to the best (a tie its memory may break) is still cut."""
+        if best_s == INF:
+            return INF
+        p, v, m = setup.stages // setup.chunks, setup.chunks, setup.micro_batches
+        _, comm, opt = self.parts(p, setup.dp, mb, m, setup.zero_stage)
+        tail = comm + (opt if setup.offload == NO_OFFLOAD else 0.0)
+        return (best_s - tail) / (m + (p - 1) / v) * (1 + 1e-9)
+
+    def capped(self, setup: StageSetup, dp: int, tp: int, mb: int, cap: float, best_s: float) -> PrunedCandidate:
+        """The record of cuts left unfinished under ``slot_cap``: they fit, but cannot win."""
+        p = setup.stages // setup.chunks
+        offloaded = ", optimizer offloaded" if setup.offload != NO_OFFLOAD else ""
+        return PrunedCandidate(p, dp, tp, mb, setup.micro_batches, setup.zero_stage, best_s, False,
+                               f"not solved to the end: every cut fitting memory has a stage slot above "
+                               f"{cap:.4g} s, a step above the best {best_s:.4g} s ({setup.schedule}, "
+                               f"{STRATEGY_NAMES[setup.zero_stage]}{offloaded})", setup.schedule)
+
     def step(self, p: int, dp: int, mb: int, m: int, zs: Sequence[int]) -> float:
         return min((sum(self.parts(p, dp, mb, m, z)) for z in zs), default=INF)
 
@@ -126,3 +152,48 @@ def cached_costs(cache: dict[int, NodeCosts], build: Callable[[int], NodeCosts],
     if mb not in cache:
         cache[mb] = build(mb)
     return cache[mb]
+
+
+def cut_windows(part: Partition, cap: float) -> list[tuple[int, int]] | None:
+    """Where stage s of any cuts whose every stage fits memory with a slot below ``cap`` ends:
+    ``(lo, hi)`` per stage, the last ``(n, n)``; None where no such cuts exist. A branch-and-bound
+    test that saves ``solve_cuts(part, cap=cap)``, and the rows that call weighs.
+
+    Two greedy passes over a relaxation of ``time_cost``: a segment's sends left out of its memory and
+    its slot, so that a segment inside another of the same stage fits whenever that one does; its
+    recomputation is decided as ``Partition._decide`` does (so no later mode than with the sends, and
+    no more time). Forward: stage s from ``hi`` of stage s - 1 takes the furthest boundary that fits
+    (or none): if some cuts ended stage s later, their stage s would hold that segment. Backward: stage
+    s + 1 ending at ``lo`` of stage s + 1 starts at the earliest boundary that fits (or none), by the
+    same argument from the end. Cuts end each stage within its window, and the first and the last
+    stage fit from 0 and to the end."""
+    p, n, ends = part.setup.stages, part.n, part.boundaries
+    overhead, cap_bytes, rc = part.cluster.step_overhead_s, part.setup.capacity, part.rc
+    modes = (NONE,) if rc is None else (rc.options[0].mode,) if rc.forced else (NONE, *(r.mode for r in rc.options))
+
+    def fits(j: int, k: int, s: int) -> bool:
+        segment = part._segment(j, k)
+        for mode in modes:
+            if part._bytes(j, k, s, mode, segment) <= cap_bytes:
+                return part._compute(j, k, mode) + overhead < cap
+        return False
+
+    hi, j, i = [], 0, 0  # i: the first boundary after j
+    for s in range(p - 1):
+        while i < len(ends) and fits(j, ends[i], s):
+            i += 1
+        j = ends[i - 1] if i and ends[i - 1] > j else j
+        hi.append(j)
+    if not fits(j, n, p - 1):
+        return None
+    lo, k, i = [n], n, len(ends) - 1  # i: the last boundary before k
+    for s in range(p - 1, 0, -1):
+        while i >= 0 and fits(ends[i], k, s):
+            i -= 1
+        k = ends[i + 1] if i + 1 < len(ends) and ends[i + 1] < k else k
+        lo.append(k)
+    if not fits(0, k, 0):
+        return None
+    lo.reverse()
+    windows = list(zip(lo[:-1], hi)) + [(n, n)]
+    return None if any(a > b for a, b in windows) else windows

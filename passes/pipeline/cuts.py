@@ -335,7 +335,8 @@ class Partition:
 
 
 def solve_cuts(part: Partition, cost: Callable[[int, int, int], float] | None = None,
-               floor: Callable[[int, int, int], float] | None = None) -> tuple[float, tuple[int, ...]]:
+               floor: Callable[[int, int, int], float] | None = None, *,
+               cap: float = INF, windows: Sequence[tuple[int, int]] | None = None) -> tuple[float, tuple[int, ...]]:
     """Exact bottleneck partition of positions 0..N into ``part.setup.stages`` segments at
     ``part.boundaries``, minimising the largest ``cost(j, k, s)`` (default: ``part.time_cost``).
 
@@ -344,6 +345,11 @@ def solve_cuts(part: Partition, cost: Callable[[int, int, int], float] | None = 
     segments ending at k are tried longest-last and the scan stops once the floor
     reaches the best found. Returns (objective, bounds) with bounds = (0, b_1, ..., N);
     objective ``inf`` when no partition has a finite cost (then bounds is empty).
+
+    ``cap`` (the default cost only; branch and bound's: a bottleneck the caller has no use for) makes
+    every bottleneck at or above it infinite, so the scans stop there: the result is the same where
+    it is below ``cap``, and ``inf`` otherwise. ``windows`` (``cut_windows(part, cap)``) are where
+    each stage of such cuts may end: the rows are weighed there only.
     """
     timed = cost is None and floor is None  # the default: the scan below, inlined (``_time_scan``)
     if cost is None:
@@ -351,21 +357,28 @@ def solve_cuts(part: Partition, cost: Callable[[int, int, int], float] | None = 
     floor = floor or cost
     p, n = part.setup.stages, part.n
     ends = list(part.boundaries)
+    if not timed:
+        cap, windows = INF, None
+    if windows is None:
+        windows = [(0, n)] * (p - 1) + [(n, n)]
     if p == 1:
         v = cost(0, n, 0)
-        return (v, (0, n)) if v < INF else (INF, ())
+        return (v, (0, n)) if v < cap else (INF, ())
     if len(ends) < p - 1:
         return INF, ()
     # best[s][k]: the least bottleneck of stages 0..s ending at boundary k; back[s][k]: its previous boundary
-    best: list[dict[int, float]] = [{k: cost(0, k, 0) for k in ends}]
+    lo, hi = windows[0]
+    best: list[dict[int, float]] = [{k: v if v < cap else INF for k in ends
+                                     for v in ((cost(0, k, 0) if lo <= k <= hi else INF),)}]
     back: list[dict[int, int]] = [{k: 0 for k in ends}]
     for s in range(1, p):
-        targets = [n] if s == p - 1 else ends
-        row, prev = {}, {}
+        lo, hi = windows[s]
+        targets = [n] if s == p - 1 else ends[bisect.bisect_left(ends, lo):bisect.bisect_right(ends, hi)]
+        row, prev = dict.fromkeys(ends, INF), dict.fromkeys(ends, -1)
         seed = -1  # the previous end's best cut: the best cut of the next end is at or after it, mostly
         for k in targets:
             if timed:
-                row[k], prev[k] = _time_scan(part, ends, k, s, best[s - 1], seed)
+                row[k], prev[k] = _time_scan(part, ends, k, s, best[s - 1], seed, cap)
                 seed = prev[k] if prev[k] >= 0 else seed
                 continue
             v_best, j_best = INF, -1
@@ -381,7 +394,7 @@ def solve_cuts(part: Partition, cost: Callable[[int, int, int], float] | None = 
         best.append(row)
         back.append(prev)
     v = best[p - 1][n]
-    if v == INF:
+    if v >= cap:
         return INF, ()
     bounds, k = [n], n
     for s in range(p - 1, 0, -1):
@@ -391,7 +404,7 @@ def solve_cuts(part: Partition, cost: Callable[[int, int, int], float] | None = 
 
 
 def _time_scan(part: Partition, ends: Sequence[int], k: int, s: int, before: dict[int, float],
-               seed: int = -1) -> tuple[float, int]:
+               seed: int = -1, cap: float = INF) -> tuple[float, int]:
     """``solve_cuts``' scan of the segments [j, k) of stage s under the default cost and floor
     (``time_cost``, ``time_floor``): the least bottleneck over every cut j that fits, and the
     largest j that gives it (what a scan from the top, stopping where a segment does not fit or its
@@ -401,7 +414,8 @@ def _time_scan(part: Partition, ends: Sequence[int], k: int, s: int, before: dic
     ``seed`` (a cut near the best: the previous end's) is weighed first, so that the scan from the
     top passes over every cut whose stages before it, or whose compute floor, already cost more
     than that without weighing its bytes; the comparisons are strict, so a cut that ties the best
-    is still weighed and the largest such cut is the one returned, as without the seed."""
+    is still weighed and the largest such cut is the one returned, as without the seed. A bottleneck
+    at or above ``cap`` is given as ``inf`` (``solve_cuts``): the scan starts from it as the best found."""
     choices, decide, cap, overhead, p2p, modes = part._choices, part._decide, part.setup.capacity, \
         part.cluster.step_overhead_s, part.p2p, part._modes
     floor = modes[part.first_mode][0]
@@ -425,11 +439,11 @@ def _time_scan(part: Partition, ends: Sequence[int], k: int, s: int, before: dic
         compute = modes[mode][0]
         return max(before[j], compute[k] - compute[j] + overhead + p2p(j, k, s))
 
-    v_best, j_best = INF, -1
+    v_best, j_best = cap, -1
     seeded = bisect.bisect_left(ends, seed) if 0 <= seed < k else -1
-    if seeded >= 0 and ends[seeded] == seed and before[seed] < INF:
+    if seeded >= 0 and ends[seeded] == seed and before[seed] < cap:
         v = value(seeded)
-        if v is not None and v < INF:
+        if v is not None and v < v_best:
             v_best, j_best = v, seed
     for i in range(top - 1, -1, -1):
         j = ends[i]
@@ -442,7 +456,7 @@ def _time_scan(part: Partition, ends: Sequence[int], k: int, s: int, before: dic
             break  # longer segments do not fit either
         if v < v_best or (v == v_best < INF and j > j_best):
             v_best, j_best = v, j
-    return v_best, j_best
+    return (v_best, j_best) if v_best < cap else (INF, -1)
 
 
 def any_cuts_fit(part: Partition) -> bool:
@@ -467,5 +481,6 @@ def any_cuts_fit(part: Partition) -> bool:
             return False
         j = reach
     return False
+
 
 

@@ -16,7 +16,7 @@ from partita.passes.cost_model import PipelineStepCost
 from partita.passes.dp.zero import STRATEGY_NAMES
 from partita.passes.explain import CHOSEN, gb, peak_terms, slower, slower_parts, traffic_reason
 from partita.passes.pipeline.bounds import PrunedCandidate
-from partita.passes.pipeline.costs import SharedParam
+from partita.passes.pipeline.costs import NodeCosts, SharedParam
 
 INF = math.inf
 
@@ -169,3 +169,31 @@ def infeasible_error(candidates: list[PipelineCandidate], cluster: ClusterSpec) 
         hint="add devices (more stages), use smaller micro-batches, tensor parallelism within a stage, "
         "or ZeRO to shard the optimizer state",
     )
+
+
+def stage_modules(costs: NodeCosts, j: int, k: int) -> tuple[str, ...]:
+    """Layers as ``prefix.a-b`` runs, then the other modules owning parameters, in order."""
+    out: list[str] = []
+    run: list[str] = []  # [prefix, first index, last index] of the current run of layers
+    for label in costs.module_runs(j, k):
+        prefix, _, index = label.rpartition(".")
+        if label and index.isdigit() and label in costs.layers:
+            if run and run[0] == prefix and int(index) in (int(run[2]), int(run[2]) + 1):
+                run[2] = index
+                continue
+            if run:
+                out.append(_run_name(run))
+            run = [prefix, index, index]
+        elif label and label not in out:
+            if run:
+                out.append(_run_name(run))
+                run = []
+            out.append(label)
+    if run:
+        out.append(_run_name(run))
+    return tuple(out)
+
+
+def _run_name(run: list[str]) -> str:
+    prefix, a, b = run
+    return f"{prefix}.{a}" if a == b else f"{prefix}.{a}-{b}"

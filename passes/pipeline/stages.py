@@ -47,7 +47,7 @@ from partita.passes.dp.zero import STRATEGY_NAMES, zero_stages
 from partita.passes.experts import expert_costs, expert_links, expert_optimizer_time
 from partita.passes.explain import gb
 from partita.passes.peak_memory import StepBuffers, step_buffers
-from partita.passes.pipeline.bounds import AllPruned, PipelineBound, PrunedCandidate, cached_costs
+from partita.passes.pipeline.bounds import AllPruned, PipelineBound, PrunedCandidate, cached_costs, cut_windows
 from partita.passes.pipeline.costs import NodeCosts, Recompute, node_costs, pipeline_order, recompute_costs
 from partita.passes.pipeline.cuts import Partition, StageSetup, any_cuts_fit, solve_cuts
 from partita.passes.pipeline.decision import (
@@ -56,6 +56,7 @@ from partita.passes.pipeline.decision import (
     PipelineStage,
     infeasible_error,
     loss_reason,
+    stage_modules,
 )
 from partita.passes.profile import ModelProfile
 from partita.passes.space import pipeline_groups
@@ -98,6 +99,7 @@ def choose_pipeline(
     floor_costs: Callable[[int], NodeCosts] | None = None,
     prune: bool = False,
     bound: float = INF,
+    probe: bool = False,
 ) -> PipelineDecision:
     """Decide p, m, the schedule and the cuts jointly (docs/cost-model.md, "The pipeline search").
 
@@ -116,14 +118,17 @@ def choose_pipeline(
     failed DP, and the least-memory DP of a group that fits nowhere is run only when
     nothing fits at all. The best candidate is the exhaustive search's: nothing
     pruned could have been faster. When everything here was pruned against an
-    outside ``bound``, ``AllPruned`` carries the record.
+    outside ``bound``, ``AllPruned`` carries the record. ``probe`` stops at the first group (the most
+    promising first) with a candidate that fits: a bound to search the others under.
     """
     search = _CutSearch(profile, cluster, request, pins, devices_per_stage=devices_per_stage, schedules=schedules,
                         costs=costs, floor_costs=floor_costs, prune=prune, bound=bound)
     for index, group in search.visit_order():
         search.weigh_group(index, *group)
+        if probe and any(c.fits for _, c in search.found):
+            break
     if search.bounder is not None and not any(c.fits for _, c in search.found):
-        if bound < INF and (search.found or search.pruned or search.unfit):
+        if probe or (bound < INF and (search.found or search.pruned or search.unfit)):
             raise AllPruned(tuple(search.pruned) + tuple(search.unfit_records()))
         # nothing fits anywhere: the exhaustive search names the least-memory plan
         return choose_pipeline(profile, cluster, request, pins, devices_per_stage=devices_per_stage,
@@ -246,7 +251,7 @@ class _CutSearch:
         """Record and skip a group whose lower bound loses to the best step so far, or that no cuts
         fit even at the floor costs."""
         lower = self.bounder.step(p, dp, mb, m, zero_options)
-        best_s = min([self.bound] + [c.step_s for _, c in self.found])
+        best_s = self.best_s()
         if lower > best_s:
             self.pruned.append(PrunedCandidate(p, dp, self.tp, mb, m, zero_options[0], lower, False,
                                                f"not solved: lower bound {lower:.4g} s > best {best_s:.4g} s "
@@ -267,6 +272,17 @@ class _CutSearch:
             f"({', '.join(STRATEGY_NAMES[z] for z in zero_options)})"))
         return True
 
+    def best_s(self) -> float:
+        """The fastest step found so far, here or elsewhere (``bound``): what a group must beat."""
+        return min([self.bound] + [c.step_s for _, c in self.found])
+
+    def slot_cap(self, setup: StageSetup, mb: int) -> float:
+        """The slowest stage's slot at or above which cuts under ``setup`` cannot beat ``best_s``
+        (``PipelineBound.slot_cap``); infinite without branch and bound."""
+        if self.bounder is None:
+            return INF
+        return self.bounder.slot_cap(setup, mb, self.best_s())
+
     def _weigh_zero_stages(self, index: int, c: NodeCosts, setups: list[StageSetup], mb: int, policy: str,
                            forbid: tuple[int, ...]) -> None:
         """The ZeRO stages of one (group, schedule, policy) in increasing order, until one fits: larger
@@ -274,6 +290,7 @@ class _CutSearch:
         stage, holding less state, might not need to."""
         tp, request = self.tp, self.request
         missed: list[Partition] = []  # smaller ZeRO stages that did not fit
+        fitted = False  # some stage fitted, but lost to the best found (``slot_cap``)
         best_here = INF  # this group's best fitting step so far (over the ZeRO stages)
         for setup in setups:
             p, m, dp, z = setup.stages, setup.micro_batches, setup.dp, setup.zero_stage
@@ -284,8 +301,20 @@ class _CutSearch:
             if self.bounder is not None and not any_cuts_fit(part):
                 missed.append(part)
                 continue
-            value, bounds = solve_cuts(part)
-            self.solves += 1
+            cap = self.slot_cap(setup, mb)
+            value, bounds = INF, ()
+            windows = cut_windows(part, cap) if cap < INF else None
+            if cap == INF or windows is not None:
+                value, bounds = solve_cuts(part, cap=cap, windows=windows)
+                self.solves += 1
+            if value == INF and cap < INF:  # cuts fit (``any_cuts_fit``), but none beat the best
+                self.pruned.append(self.bounder.capped(setup, dp, tp, mb, cap, self.best_s()))
+                missed, fitted = [], True
+                if part.rc is None or part.rc.forced or any_cuts_fit(Partition(c, setup, self.cluster, forbid=forbid)):
+                    # a larger ZeRO stage is weighed after a fit that recomputes; whether these cuts' would,
+                    # they were not finished to say: here, cuts that fit without recomputation say not
+                    return
+                continue  # every fit recomputes: a larger stage, holding less state, might not
             if value == INF:
                 missed.append(part)
                 continue
@@ -298,7 +327,7 @@ class _CutSearch:
             best_here = min(best_here, candidate.step_s)
             if part.rc is None or part.rc.forced or all(st.recompute == NONE for st in candidate.stages):
                 return
-        if best_here < INF or not missed:  # fitted, or no ZeRO stage the runtime executes at this (tp, p)
+        if best_here < INF or fitted or not missed:  # fitted, or no ZeRO stage the runtime executes here
             return
         part = missed[-1]  # the least memory: the largest stage weighed, least-memory cuts
         if self.bounder is not None:
@@ -425,7 +454,7 @@ def _candidate(part: Partition, bounds: tuple[int, ...], dp: int, tp: int, mb: i
             p2p_s=part.p2p(j, k, s), slot_s=part.slot(j, k, s), memory=mem,
             in_flight=in_flight(setup.schedule, s, p, setup.micro_batches, v),
             send_bytes=c.send_bytes[k] if s < p - 1 else 0, ranks=Mesh(dp=dp, tp=tp, pp=ranks).stage_ranks(s % ranks),
-            modules=_modules(part, j, k), recompute=part.recomputes(j, k, s),
+            modules=stage_modules(part.costs, j, k), recompute=part.recomputes(j, k, s),
         ))
     if v > 1:  # a device holds its rank's chunks: their memory together, against the whole device
         segments = list(zip(bounds, bounds[1:], range(p)))
@@ -451,31 +480,3 @@ def _candidate(part: Partition, bounds: tuple[int, ...], dp: int, tp: int, mb: i
         memory=max((st.memory for st in stages), key=lambda mm: mm.total), zero_stage=setup.zero_stage,
         dp_traffic_bytes=max(dp_bytes, default=0), offload=setup.offload, ep=c.ep,
     )
-
-
-def _modules(part: Partition, j: int, k: int) -> tuple[str, ...]:
-    """Layers as ``prefix.a-b`` runs, then the other modules owning parameters, in order."""
-    out: list[str] = []
-    run: list[str] = []  # [prefix, first index, last index] of the current run of layers
-    for label in part.costs.module_runs(j, k):
-        prefix, _, index = label.rpartition(".")
-        if label and index.isdigit() and label in part.costs.layers:
-            if run and run[0] == prefix and int(index) in (int(run[2]), int(run[2]) + 1):
-                run[2] = index
-                continue
-            if run:
-                out.append(_run_name(run))
-            run = [prefix, index, index]
-        elif label and label not in out:
-            if run:
-                out.append(_run_name(run))
-                run = []
-            out.append(label)
-    if run:
-        out.append(_run_name(run))
-    return tuple(out)
-
-
-def _run_name(run: list[str]) -> str:
-    prefix, a, b = run
-    return f"{prefix}.{a}" if a == b else f"{prefix}.{a}-{b}"

@@ -398,3 +398,50 @@ def test_the_seeded_scan_returns_the_unseeded_cuts_ties_included(monkeypatch):
                 assert seeded == unseeded, (n, p, m)
                 compared += seeded[0] < INF
     assert compared > 300
+
+
+def test_a_capped_solve_within_its_windows_returns_the_uncapped_cuts_below_the_cap():
+    """Branch and bound cuts with a cap (a slot the search has no use for, ``PipelineBound.slot_cap``)
+    and only where ``cut_windows`` says each stage may end: below the cap the value and the cuts are
+    the full DP's, ties included; at or above it the capped solve gives inf, and the windows are None
+    only where the full DP's value reaches the cap. Graphs with sends that tie often, and the runtime's
+    buffers in memory, so that the windows' relaxation (sends left out) is exercised."""
+    from partita.passes.peak_memory import step_buffers
+    from partita.passes.pipeline.bounds import cut_windows
+
+    rng = random.Random(2)
+    cluster = dataclasses.replace(PRESETS["local"].with_nodes(3), gpus_per_node=1)
+    state = state_bytes_per_param("fp32", "adamw")
+    compared = capped = 0
+    for _ in range(150):
+        n = rng.randint(3, 14)
+        send = [0] + [rng.choice([0, 1e6, 3e7]) for _ in range(n - 1)] + [0]
+        costs = NodeCosts(
+            order=tuple(f"n{i}" for i in range(n)),
+            forward_s=tuple(rng.choice([1e-3, 2e-3]) for _ in range(n)),
+            backward_s=tuple(rng.choice([2e-3, 4e-3]) for _ in range(n)),
+            saved_bytes=tuple(rng.choice([0, 10**7]) for _ in range(n)),
+            param_numel=tuple(rng.choice([0, 10**6]) for _ in range(n)),
+            send_bytes=tuple(round(x) for x in send), grad_bytes=tuple(round(x / 2) for x in send),
+            boundaries=tuple(k for k in range(1, n) if rng.random() < 0.9),
+        )
+        for p in (2, 3, 4):
+            for m, schedule in ((1, "gpipe"), (4, "1f1b")):
+                buffers = (lambda numel, m=m: step_buffers(precision="fp32", reduce_dtype="fp32", zero_stage=0, dp=1,
+                                                      numel=numel, largest=min(10**6, numel), unit_numel=10**6,
+                                                      bucket_bytes=25 * 2**20, tensors=0, accumulates=m > 1))
+                setup = StageSetup(p, m, schedule, stage_links(cluster, p, 1, 1),
+                                   rng.choice([10**8, 2 * 10**8, 10**9]), state, buffers=buffers)
+                full = solve_cuts(Partition(costs, setup, cluster))
+                for cap in ({full[0], full[0] * (1 + 1e-9), full[0] * 1.1, full[0] * 0.97, rng.uniform(0, 0.05)}
+                            - {INF}):
+                    part = Partition(costs, setup, cluster)
+                    windows = cut_windows(part, cap)
+                    got = solve_cuts(part, cap=cap, windows=windows) if windows is not None else (INF, ())
+                    if full[0] < cap:
+                        assert windows is not None and got == full, (n, p, m, cap)
+                        compared += 1
+                    else:
+                        assert got == (INF, ()), (n, p, m, cap)
+                        capped += windows is None
+    assert compared > 300 and capped > 100, (compared, capped)

@@ -2,7 +2,8 @@
 
 ``plan_search(prune=False)`` cuts every (p, micro-batch) group; the default
 prunes a group whose lower bound (passes/pipeline/stages.PipelineBound)
-exceeds the best step found, or that no cuts fit even at 1/tp of every layer.
+exceeds the best step found, or that no cuts fit even at 1/tp of every layer,
+and cuts the rest under a cap on the slowest slot (``PipelineBound.slot_cap``).
 Both must return the same plan to the last bit of its predicted step, and each
 pruned group must be one the exhaustive search shows losing: every candidate it
 cut there is no faster than the bound, or none fits. The space is also searched
@@ -84,9 +85,11 @@ def test_pruned_search_chooses_the_exhaustive_plan(name, wide_zero, monkeypatch)
     not_cut = [a for a in pruned.alternatives if a.reason.startswith(("not solved", "does not fit: no cuts"))]
     assert not_cut and all(not a.fits and not a.chosen for a in not_cut)
     for a in not_cut:
-        if a.reason.startswith("not solved"):
+        if a.reason.startswith("not solved:"):
             bound, best = (float(x.split(" s")[0]) for x in a.reason.split("lower bound ")[1].split(" > best "))
             assert bound > best >= pruned.step_s * (1 - 1e-3)
+        elif a.reason.startswith("not solved to the end"):  # cut under a cap on the slot, by a (schedule, ZeRO)
+            assert float(a.reason.split("above the best ")[1].split(" s")[0]) >= pruned.step_s * (1 - 1e-3)
 
 
 @pytest.mark.parametrize("tp", [1, 4])
@@ -113,6 +116,10 @@ def test_every_pruned_group_loses_in_the_exhaustive_search(tp, monkeypatch):
         group = by_group.get((x.pp, x.dp, x.micro_batch_size), [])
         if x.memory:
             assert not any(c.fits for c in group if x.schedule in ("", c.schedule)), x.reason
-        else:
+        elif not x.schedule:  # the group's lower bound
             assert all(c.step_s >= x.lower_bound_s for c in group), x.reason
             assert x.lower_bound_s > full.best.step_s
+        else:  # one (schedule, ZeRO stage) of the group, cut under a cap from the best found by then
+            same = [c for c in group if c.schedule == x.schedule and c.zero_stage == x.zero_stage]
+            assert all(c.step_s >= x.lower_bound_s * (1 - 1e-9) for c in same), x.reason
+            assert x.lower_bound_s >= full.best.step_s
