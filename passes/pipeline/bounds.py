@@ -12,10 +12,10 @@ from partita.core.errors import PartitaError
 from partita.core.optimizers import NO_OFFLOAD
 from partita.core.pins import TrainingRequest
 from partita.core.recompute import NONE
-from partita.passes.cost_model import StateBytes, zero_optimizer_time, zero_step_comm
+from partita.passes.cost_model import StateBytes, zero_step_comm
 from partita.passes.dp.zero import STRATEGY_NAMES
 from partita.passes.pipeline.costs import NodeCosts, Recompute
-from partita.passes.pipeline.cuts import Partition, StageSetup
+from partita.passes.pipeline.cuts import Partition, StageSetup, stage_optimizer_time
 
 INF = math.inf
 
@@ -60,17 +60,19 @@ class PipelineBound:
     of the FLOPs, no TP collectives: every strategy's compute fraction is 1/tp or
     1). The slowest tail is at least that of a stage holding 1/p of the local
     parameters (at least 1/tp of each): its data-parallel collectives, one bucket's
-    latency plus the bandwidth of all its bytes, and its optimizer pass, both
-    non-decreasing in the parameters held (cost_model.zero_step_comm,
-    zero_optimizer_time). The tied all-reduce is >= 0. Over the ZeRO stages weighed
-    the least of these bounds is taken: which one fits is not known before cutting.
+    latency plus the bandwidth of all its bytes, and its optimizer pass (the device's,
+    or the host's where offload is weighed, whichever is less), both non-decreasing
+    in the parameters held (cost_model.zero_step_comm, cuts.stage_optimizer_time). The
+    tied all-reduce is >= 0. Over the ZeRO stages weighed the least of these bounds is
+    taken: which one fits is not known before cutting.
     """
 
     _SLACK = 1 - 1e-6  # float sums in another order, and the linear read-off of ``compute``
 
     def __init__(self, cluster: ClusterSpec, request: TrainingRequest, state: StateBytes, tp: int,
-                 floor_costs: Callable[[int], NodeCosts], chunks: int = 1):
+                 floor_costs: Callable[[int], NodeCosts], chunks: int = 1, host: float | None = None):
         self.cluster, self.request, self.state, self.tp = cluster, request, state, tp
+        self.host = host  # bytes per parameter on the host where offload is weighed: its step may be the faster
         self.chunks = chunks  # the most chunks per rank a schedule weighed runs: its bubble is the least
         self._build = floor_costs
         self._floors: dict[int, NodeCosts] = {}
@@ -113,7 +115,10 @@ class PipelineBound:
             link = self.cluster.link_for_group(dp, stride=self.tp)
             comm = zero_step_comm(z, [numel * self.grad_elem], dp, m, link, elem_bytes=self.grad_elem,
                                   reduce_dtype=self.request.reduce_dtype).total_s
-        return slots, comm * self._SLACK, zero_optimizer_time(numel, self.state, z, dp, self.cluster) * self._SLACK
+        opt = stage_optimizer_time(numel, self.state, z, dp, self.cluster)
+        if self.host is not None:
+            opt = min(opt, stage_optimizer_time(numel, self.state, z, dp, self.cluster, self.host))
+        return slots, comm * self._SLACK, opt * self._SLACK
 
     def slot_cap(self, setup: StageSetup, mb: int, best_s: float) -> float:
         """A bound on the cut DP's objective (the slowest stage's slot) under ``setup``: cuts whose
@@ -126,7 +131,7 @@ class PipelineBound:
             return INF
         p, v, m = setup.stages // setup.chunks, setup.chunks, setup.micro_batches
         _, comm, opt = self.parts(p, setup.dp, mb, m, setup.zero_stage)
-        tail = comm + (opt if setup.offload == NO_OFFLOAD else 0.0)
+        tail = comm + opt
         return (best_s - tail) / (m + (p - 1) / v) * (1 + 1e-9)
 
     def capped(self, setup: StageSetup, dp: int, tp: int, mb: int, cap: float, best_s: float) -> PrunedCandidate:

@@ -86,12 +86,19 @@ class StageSetup:
         return 0.0 if self.shared_host else self.host_share
 
     def optimizer_time(self, numel: int, cluster: ClusterSpec) -> float:
-        """One step of the optimizer over a stage's ``numel`` parameters: the device's pass over its
-        ZeRO share of the state, or the host's (offload) over that share's masters and state."""
-        if self.offload == NO_OFFLOAD:
-            return zero_optimizer_time(numel, self.state, self.zero_stage, self.dp, cluster)
-        share = numel * sharded_state(StateBytes(0.0, 0.0, 1.0), self.zero_stage, self.dp).optimizer
-        return offload_step_time(share, self.state, self.host, cluster)
+        return stage_optimizer_time(numel, self.state, self.zero_stage, self.dp, cluster,
+                                    None if self.offload == NO_OFFLOAD else self.host)
+
+
+def stage_optimizer_time(numel: float, state: StateBytes, zero_stage: int, dp: int, cluster: ClusterSpec,
+                         host: float | None = None) -> float:
+    """One step of the optimizer over a stage's ``numel`` parameters: the device's pass over its
+    ZeRO share of the state, or, with ``host`` bytes per parameter offloaded there, the host's over
+    that share's masters and state."""
+    if host is None:
+        return zero_optimizer_time(numel, state, zero_stage, dp, cluster)
+    share = numel * sharded_state(StateBytes(0.0, 0.0, 1.0), zero_stage, dp).optimizer
+    return offload_step_time(share, state, host, cluster)
 
 
 class Partition:

@@ -176,8 +176,11 @@ class _CutSearch:
         self.offloads = (pins.offload,) if pins.offload is not None else (NO_OFFLOAD, OFFLOAD_OPTIMIZER) \
             if cluster.host_bandwidth > 0 and cluster.device != "cpu" and not request.inference else (NO_OFFLOAD,)
         self.recompute_cache: dict[int, Recompute | None] = {}
+        host = offloaded_state(self.state, OFFLOAD_OPTIMIZER, request.precision)[1] \
+            if OFFLOAD_OPTIMIZER in self.offloads else None
         self.bounder = PipelineBound(cluster, request, self.state, tp, floor_costs,
-                                     chunks=max(map(chunks_of, self.schedules))) if prune and floor_costs else None
+                                     chunks=max(map(chunks_of, self.schedules)), host=host) \
+            if prune and floor_costs else None
         self.found: list[tuple[int, PipelineCandidate]] = []  # (group index, candidate)
         self.pruned: list[PrunedCandidate] = []
         self.unfit: list[tuple[Partition, int, int]] = []  # (least-memory partition, dp, mb): the DP deferred

@@ -123,3 +123,21 @@ def test_every_pruned_group_loses_in_the_exhaustive_search(tp, monkeypatch):
             same = [c for c in group if c.schedule == x.schedule and c.zero_stage == x.zero_stage]
             assert all(c.step_s >= x.lower_bound_s * (1 - 1e-9) for c in same), x.reason
             assert x.lower_bound_s >= full.best.step_s
+
+
+def test_the_bound_holds_where_the_optimizer_runs_on_the_host():
+    """With offload pinned, a stage's optimizer step is the host's, which can be faster than the
+    device's pass: the bound takes the lesser (``PipelineBound.host``). Before, its device term put
+    the bound of the best group above that group's own step, so the group pruned itself once the
+    probe had found it, and a slower plan was chosen."""
+    from examples.models import gpt_tiny
+    from partita.core.cluster import load_cluster
+
+    captured = capture(gpt_tiny, [parse_input_spec("idx=int64[8,16]")], loss=default_loss)
+    prof = profile_model(captured)
+    numels = [math.prod(shape) for shape, _ in captured.params.values()]
+    request = TrainingRequest(global_batch=8, precision="bf16-mixed", optimizer="sgd-momentum")
+    pins = Pins(dp=2, zero_stage=2, offload="optimizer", world_size=2)
+    cluster = load_cluster("local", devices=2)
+    _same_plan(plan_search(prof, numels, cluster, request, pins),
+               plan_search(prof, numels, cluster, request, pins, prune=False))
