@@ -184,7 +184,7 @@ def plan_search(
             except AllPruned as e:
                 pruned += [replace(x, cp=cp, ep=at.ep or 1) for x in e.pruned]
                 unfit = all(x.memory for x in e.pruned)
-                lost = any(x.schedule and not x.memory for x in e.pruned)  # cut under a cap: it fit, and lost
+                lost = any(x.binds for x in e.pruned)  # groups fit, by recomputing or offloading, and lost
             except InfeasibleError as e:
                 errors.append(e)
                 unfit = True
@@ -194,7 +194,7 @@ def plan_search(
                 pruned += [replace(x, cp=cp, ep=at.ep or 1) for x in decision.pruned]
                 options.append(_from_pipeline(decision, profile, cluster, request, tp, layouts_at(cp), sp, at))
             # the split stream holds less: weighed where memory binds, after the rest (a tighter bound); and
-            # where groups fit but lost to the best found, which may have been by memory (by recomputing)
+            # where groups fit only by recomputing or offloading, and lost to the best found
             if (not sp and tp > 1 and residual and pins.sequence_parallel is None
                     and (unfit or lost or _memory_binds(decision))):
                 queue.append((tp, True, at))

@@ -39,6 +39,7 @@ class PrunedCandidate:
     schedule: str = ""  # the one schedule no cuts fit ("": the whole group)
     cp: int = 1  # each sequence split over cp of the dp ranks (passes/context.py)
     ep: int = 1  # the experts split over ep of the dp ranks (passes/experts.py)
+    binds: bool = False  # cut under a cap where every fit recomputes or offloads: memory binds there
 
 
 class AllPruned(PartitaError):

@@ -311,12 +311,15 @@ class _CutSearch:
                 value, bounds = solve_cuts(part, cap=cap, windows=windows)
                 self.solves += 1
             if value == INF and cap < INF:  # cuts fit (``any_cuts_fit``), but none beat the best
-                self.pruned.append(self.bounder.capped(setup, dp, tp, mb, cap, self.best_s()))
+                # whether these cuts' fit would recompute, they were not finished to say: here, that no
+                # cuts fit without recomputation says so (and decides as ``binds_memory`` would)
+                recomputes = part.rc is not None and (
+                    part.rc.forced or not any_cuts_fit(Partition(c, setup, self.cluster, forbid=forbid)))
+                self.pruned.append(replace(self.bounder.capped(setup, dp, tp, mb, cap, self.best_s()),
+                                           binds=recomputes or setup.offload != NO_OFFLOAD))
                 missed, fitted = [], True
-                if part.rc is None or part.rc.forced or any_cuts_fit(Partition(c, setup, self.cluster, forbid=forbid)):
-                    # a larger ZeRO stage is weighed after a fit that recomputes; whether these cuts' would,
-                    # they were not finished to say: here, cuts that fit without recomputation say not
-                    return
+                if not recomputes or part.rc.forced:
+                    return  # a larger ZeRO stage is weighed after a fit that recomputes (and not by pin)
                 continue  # every fit recomputes: a larger stage, holding less state, might not
             if value == INF:
                 missed.append(part)
