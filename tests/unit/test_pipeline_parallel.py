@@ -364,6 +364,22 @@ def test_a_chunked_schedule_cuts_no_chunk_without_parameters():
     assert any("stages[1].params = 0 under training.chunks = 2" in p for p in plan_problems(Plan.from_dict(data)))
 
 
+def _tying_costs(rng: random.Random, sends: list[float]) -> tuple[int, NodeCosts]:
+    """A random graph of 3-14 positions whose times, bytes and sends take a few values each (so that
+    segments tie often), with a tenth of its boundaries left out."""
+    n = rng.randint(3, 14)
+    send = [0] + [rng.choice(sends) for _ in range(n - 1)] + [0]
+    return n, NodeCosts(
+        order=tuple(f"n{i}" for i in range(n)),
+        forward_s=tuple(rng.choice([1e-3, 2e-3]) for _ in range(n)),
+        backward_s=tuple(rng.choice([2e-3, 4e-3]) for _ in range(n)),
+        saved_bytes=tuple(rng.choice([0, 10**7]) for _ in range(n)),
+        param_numel=tuple(rng.choice([0, 10**6]) for _ in range(n)),
+        send_bytes=tuple(round(x) for x in send), grad_bytes=tuple(round(x / 2) for x in send),
+        boundaries=tuple(k for k in range(1, n) if rng.random() < 0.9),
+    )
+
+
 def test_the_seeded_scan_returns_the_unseeded_cuts_ties_included(monkeypatch):
     """solve_cuts weighs the previous end's cut first (``_time_scan``'s seed) to skip cuts that cannot
     win: the same value and the same cuts as the plain scan from the top, on graphs whose times tie
@@ -376,17 +392,7 @@ def test_the_seeded_scan_returns_the_unseeded_cuts_ties_included(monkeypatch):
     plain = cuts._time_scan
     compared = 0
     for _ in range(200):
-        n = rng.randint(3, 14)
-        send = [0] + [rng.choice([0, 1e6]) for _ in range(n - 1)] + [0]
-        costs = NodeCosts(
-            order=tuple(f"n{i}" for i in range(n)),
-            forward_s=tuple(rng.choice([1e-3, 2e-3]) for _ in range(n)),
-            backward_s=tuple(rng.choice([2e-3, 4e-3]) for _ in range(n)),
-            saved_bytes=tuple(rng.choice([0, 10**7]) for _ in range(n)),
-            param_numel=tuple(rng.choice([0, 10**6]) for _ in range(n)),
-            send_bytes=tuple(round(x) for x in send), grad_bytes=tuple(round(x / 2) for x in send),
-            boundaries=tuple(k for k in range(1, n) if rng.random() < 0.9),
-        )
+        n, costs = _tying_costs(rng, [0, 1e6])
         for p in (2, 3, 4):
             for m in (1, 4):
                 links = stage_links(cluster, p, 1, 1)
@@ -414,17 +420,7 @@ def test_a_capped_solve_within_its_windows_returns_the_uncapped_cuts_below_the_c
     state = state_bytes_per_param("fp32", "adamw")
     compared = capped = 0
     for _ in range(150):
-        n = rng.randint(3, 14)
-        send = [0] + [rng.choice([0, 1e6, 3e7]) for _ in range(n - 1)] + [0]
-        costs = NodeCosts(
-            order=tuple(f"n{i}" for i in range(n)),
-            forward_s=tuple(rng.choice([1e-3, 2e-3]) for _ in range(n)),
-            backward_s=tuple(rng.choice([2e-3, 4e-3]) for _ in range(n)),
-            saved_bytes=tuple(rng.choice([0, 10**7]) for _ in range(n)),
-            param_numel=tuple(rng.choice([0, 10**6]) for _ in range(n)),
-            send_bytes=tuple(round(x) for x in send), grad_bytes=tuple(round(x / 2) for x in send),
-            boundaries=tuple(k for k in range(1, n) if rng.random() < 0.9),
-        )
+        n, costs = _tying_costs(rng, [0, 1e6, 3e7])
         for p in (2, 3, 4):
             for m, schedule in ((1, "gpipe"), (4, "1f1b")):
                 buffers = (lambda numel, m=m: step_buffers(precision="fp32", reduce_dtype="fp32", zero_stage=0, dp=1,
