@@ -373,12 +373,14 @@ def _from_mesh(d: MeshDecision, profile: ModelProfile, cluster: ClusterSpec) -> 
 
 
 def _memory_binds(decision: PipelineDecision | None) -> bool:
-    """Whether a pipeline search's plan shows memory binding: it recomputes or offloads. There (and
-    where nothing fit) the layout with the residual stream split along the sequence
-    (passes/tp/sequence.py), which holds less, is weighed too; elsewhere the plan is plain Megatron
-    tensor parallelism, nothing split along the sequence (sequence parallelism's norms and dropouts
-    at 1/t are not weighed there: one more ILP and pipeline search per tp)."""
-    return decision is not None and binds_memory(decision.best)
+    """Whether a pipeline search shows memory binding: a candidate that fits recomputes or offloads
+    (any, not only its best: the split stream, holding less, may make another group the fastest). There
+    (and where nothing fit) the layout with the residual stream split along the sequence
+    (passes/tp/sequence.py) is weighed too; elsewhere the plan is plain Megatron tensor parallelism,
+    nothing split along the sequence (sequence parallelism's norms and dropouts at 1/t are not weighed
+    there: one more ILP and pipeline search per tp). Branch and bound's groups cut under a cap say the
+    same of themselves (``PrunedCandidate.binds``)."""
+    return decision is not None and any(c.fits and binds_memory(c) for c in decision.candidates)
 
 
 def _from_pipeline(d: PipelineDecision, profile: ModelProfile, cluster: ClusterSpec, request: TrainingRequest,
