@@ -11,7 +11,6 @@ from partita.core.cluster import ClusterSpec
 from partita.core.errors import PartitaError
 from partita.core.optimizers import NO_OFFLOAD
 from partita.core.pins import TrainingRequest
-from partita.core.recompute import NONE
 from partita.passes.cost_model import StateBytes, zero_step_comm
 from partita.passes.dp.zero import STRATEGY_NAMES
 from partita.passes.pipeline.costs import NodeCosts, Recompute
@@ -126,7 +125,7 @@ class PipelineBound:
         slowest slot reaches it give a step above ``best_s``. From ``pipeline_step``: step >=
         (m + (p - 1) / v) x the slowest rank's slot + the tail, a rank's slot (its v chunks' summed)
         is at least its slowest chunk's, and the tail is at least this bound's (``parts``: its
-        collectives, and its optimizer pass where the device runs it). A hair above, so that a
+        collectives, and its optimizer pass, the device's or the host's). A hair above, so that a
         step equal to the best (a tie its memory may break) is still cut."""
         if best_s == INF:
             return INF
@@ -167,22 +166,18 @@ def cut_windows(part: Partition, cap: float) -> list[tuple[int, int]] | None:
 
     Two greedy passes over a relaxation of ``time_cost``: a segment's sends left out of its memory and
     its slot, so that a segment inside another of the same stage fits whenever that one does; its
-    recomputation is decided as ``Partition._decide`` does (so no later mode than with the sends, and
-    no more time). Forward: stage s from ``hi`` of stage s - 1 takes the furthest boundary that fits
+    recomputation is decided by ``Partition._decide`` (so no later mode than with the sends, and no
+    more time). Forward: stage s from ``hi`` of stage s - 1 takes the furthest boundary that fits
     (or none): if some cuts ended stage s later, their stage s would hold that segment. Backward: stage
     s + 1 ending at ``lo`` of stage s + 1 starts at the earliest boundary that fits (or none), by the
     same argument from the end. Cuts end each stage within its window, and the first and the last
     stage fit from 0 and to the end."""
     p, n, ends = part.setup.stages, part.n, part.boundaries
-    overhead, cap_bytes, rc = part.cluster.step_overhead_s, part.setup.capacity, part.rc
-    modes = (NONE,) if rc is None else (rc.options[0].mode,) if rc.forced else (NONE, *(r.mode for r in rc.options))
+    overhead, cap_bytes = part.cluster.step_overhead_s, part.setup.capacity
 
     def fits(j: int, k: int, s: int) -> bool:
-        segment = part._segment(j, k)
-        for mode in modes:
-            if part._bytes(j, k, s, mode, segment) <= cap_bytes:
-                return part._compute(j, k, mode) + overhead < cap
-        return False
+        total, mode = part._decide(j, k, s, sends=False)
+        return total <= cap_bytes and part._compute(j, k, mode) + overhead < cap
 
     hi, j, i = [], 0, 0  # i: the first boundary after j
     for s in range(p - 1):

@@ -186,8 +186,11 @@ class Partition:
             got = self._choices[j, k, s] = self._decide(j, k, s)
         return got
 
-    def _decide(self, j: int, k: int, s: int) -> tuple[int, str]:
-        segment = self._segment(j, k, self._sends(j, k, s) if self.setup.buffers is not None else 0)
+    def _decide(self, j: int, k: int, s: int, sends: bool = True) -> tuple[int, str]:
+        """``_choice`` uncached; ``sends=False`` leaves the segment's sends out of its bytes (the
+        relaxation branch and bound cuts by, ``bounds.cut_windows``)."""
+        held = self._sends(j, k, s) if sends and self.setup.buffers is not None else 0
+        segment = self._segment(j, k, held)
         plain = self._bytes(j, k, s, NONE, segment)
         rc, cap = self.rc, self.setup.capacity
         if rc is None or (not rc.forced and plain <= cap):
@@ -375,8 +378,10 @@ def solve_cuts(part: Partition, cost: Callable[[int, int, int], float] | None = 
         return INF, ()
     # best[s][k]: the least bottleneck of stages 0..s ending at boundary k; back[s][k]: its previous boundary
     lo, hi = windows[0]
-    best: list[dict[int, float]] = [{k: v if v < cap else INF for k in ends
-                                     for v in ((cost(0, k, 0) if lo <= k <= hi else INF),)}]
+    best: list[dict[int, float]] = [dict.fromkeys(ends, INF)]
+    for k in ends[bisect.bisect_left(ends, lo):bisect.bisect_right(ends, hi)]:
+        v = cost(0, k, 0)
+        best[0][k] = v if v < cap else INF
     back: list[dict[int, int]] = [{k: 0 for k in ends}]
     for s in range(1, p):
         lo, hi = windows[s]
@@ -488,6 +493,3 @@ def any_cuts_fit(part: Partition) -> bool:
             return False
         j = reach
     return False
-
-
-
