@@ -48,6 +48,8 @@ from torch.utils._pytree import tree_flatten
 
 from partita.core.model.capture import CapturedModel
 from partita.core.model.ops import tensor_values
+from partita.passes.layer_replay import expand, shortcut
+from partita.passes.repeats import RepeatedBlock
 
 
 class _Allocations(TorchDispatchMode):
@@ -123,8 +125,8 @@ class _SavedTensorRecorder(torch.fx.Interpreter):
         self.inputs: dict[int, int] = {}  # storage -> index of the running node's tensor input holding it
         self.saved_inputs: dict[str, dict[int, int]] = {}  # node -> input index -> bytes saved of it
         allocations.freed.append(self._forget)
-        self.batch_bytes = 0
-        self.fixed_bytes = 0
+        self.batch_bytes: dict[str, int] = {}  # node -> bytes it saved that scale with the batch
+        self.fixed_bytes: dict[str, int] = {}  # node -> the rest
         self.grad_fns: set[Any] = set()  # autograd nodes already attributed
 
     def run_node(self, n: torch.fx.Node) -> Any:
@@ -177,10 +179,8 @@ class _SavedTensorRecorder(torch.fx.Interpreter):
             held[j] = held.get(j, 0) + nbytes
         # A tensor created inside this node (an op's internal mean/rstd, a mask) belongs to it.
         origin = self.producer.get(key, self.current)
-        if self.G.nodes[origin]["depends_on_input"]:
-            self.batch_bytes += nbytes
-        else:
-            self.fixed_bytes += nbytes
+        split = self.batch_bytes if self.G.nodes[origin]["depends_on_input"] else self.fixed_bytes
+        split[self.current] = split.get(self.current, 0) + nbytes
         return t
 
 
@@ -190,10 +190,34 @@ def _naming(allocations: _Allocations, name: str) -> Callable[..., None]:
     return prehook
 
 
-def annotate_saved_activations(G: nx.DiGraph, captured: CapturedModel) -> nx.DiGraph:
+def annotate_saved_activations(G: nx.DiGraph, captured: CapturedModel,
+                               blocks: list[RepeatedBlock] | None = None) -> nx.DiGraph:
     """Write ``saved_bytes`` and ``transient_bytes`` per node and the graph's totals (see the
-    module docstring)."""
-    gm = captured.graph_module
+    module docstring). With ``blocks`` (``find_repeated_layers``), three layers of the largest
+    stand for all of them (passes/layer_replay.py) where its layers allow it."""
+    cut = shortcut(captured.graph_module, G, blocks or [])
+    if cut is not None:
+        recorder, allocations, births, backward_at = _replay(cut.graph_module, G)
+        full = expand(cut, allocations.events, births, backward_at)
+        if full is not None:
+            events, births = full
+            for layer in cut.left_out:
+                for mine, theirs in zip(layer, cut.middle):
+                    for table in (recorder.saved, recorder.saved_inputs, recorder.batch_bytes,
+                                  recorder.fixed_bytes):
+                        if theirs in table:
+                            table[mine] = table[theirs]
+            _write(G, recorder, events, births)
+            return G
+    recorder, allocations, births, _ = _replay(captured.graph_module, G)
+    _write(G, recorder, allocations.events, births)
+    return G
+
+
+def _replay(gm: torch.fx.GraphModule, G: nx.DiGraph) -> tuple[_SavedTensorRecorder, _Allocations,
+                                                              list[tuple[int, int]], int]:
+    """Run ``gm`` forward and backward on fake tensors: the recorder, the allocations' events, the
+    parameters' gradients' births (event index, bytes) and the index of the first backward event."""
     allocations = _Allocations(set())
     recorder = _SavedTensorRecorder(gm, G, allocations)
     params: list[torch.Tensor] = []
@@ -210,34 +234,41 @@ def annotate_saved_activations(G: nx.DiGraph, captured: CapturedModel) -> nx.DiG
             out = recorder.run(*args)
             outputs = [t for t in tensor_values(out) if t.requires_grad]
             allocations.node = None
+            backward_at = len(allocations.events)
             if outputs:  # the step's backward, from the loss (a non-scalar output: a gradient of ones)
                 torch.autograd.backward(outputs, [torch.ones_like(t) if t.numel() > 1 else None for t in outputs])
         grads = {_storage_key(p.grad) for p in params if p.grad is not None}
-    transient, grads_by, peak, tensors = _transients(allocations, grads)
+    births = sorted((allocations.born[k], allocations.size[k]) for k in grads if k in allocations.born)
+    return recorder, allocations, births, backward_at
+
+
+def _write(G: nx.DiGraph, recorder: _SavedTensorRecorder, events: list[tuple[str | None, int, int, int]],
+           births: list[tuple[int, int]]) -> None:
+    transient, grads_by, peak, tensors = _transients(events, births)
     for name, attrs in G.nodes(data=True):
         attrs["saved_bytes"] = recorder.saved.get(name, 0)
         held = recorder.saved_inputs.get(name, {})
         attrs["saved_input_bytes"] = [held.get(j, 0) for j in range(len(attrs.get("inputs", ())))]
         attrs["transient_bytes"] = transient.get(name, 0)
         attrs["grad_bytes"] = grads_by.get(name, 0)
-    G.graph["saved_bytes_batch"] = recorder.batch_bytes
-    G.graph["saved_bytes_fixed"] = recorder.fixed_bytes
+    G.graph["saved_bytes_batch"] = sum(recorder.batch_bytes.values())
+    G.graph["saved_bytes_fixed"] = sum(recorder.fixed_bytes.values())
     G.graph["transient_node"] = max(transient, key=transient.get, default="")
     G.graph["step_peak_bytes"] = peak
     G.graph["step_peak_tensors"] = tensors
-    return G
 
 
-def _transients(allocations: _Allocations, grads: set[int]) -> tuple[dict[str, int], dict[str, int], int, int]:
+def _transients(events: list[tuple[str | None, int, int, int]],
+                births: list[tuple[int, int]]) -> tuple[dict[str, int], dict[str, int], int, int]:
     """Per node, the most bytes alive during its ops beyond the saved tensors then alive and the
     parameters' gradients, and the parameters' gradients alive by its last op; the most bytes alive
     at any point, the gradients excluded, and how many storages were alive then (each a block the
     allocator rounds)."""
-    sizes = sorted((allocations.born[k], allocations.size[k]) for k in grads if k in allocations.born)
+    sizes = sorted(births)
     transient: dict[str, int] = {}
     grads_by: dict[str, int] = {}
     peak = grads_held = i = tensors = 0
-    for at, (node, live, saved, count) in enumerate(allocations.events):
+    for at, (node, live, saved, count) in enumerate(events):
         while i < len(sizes) and sizes[i][0] <= at:  # a parameter's gradient lives to the step's end
             grads_held += sizes[i][1]
             i += 1

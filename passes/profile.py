@@ -97,10 +97,10 @@ def profile_model(captured: CapturedModel) -> ModelProfile:
     start = time.perf_counter()
     G = to_networkx(captured)
     annotate_flops(G)
-    annotate_saved_activations(G, captured)
+    repeated = find_repeated_layers(G)
+    annotate_saved_activations(G, captured, repeated)  # three layers of the largest block replayed
     annotate_live_bytes(G)
     annotate_kv_cache(G)
-    repeated = find_repeated_layers(G)
     layer_of = {n: a["layer"] for n, a in G.nodes(data=True) if a.get("layer")}
     for n, core in attention_cores(captured.graph_module.graph.nodes, layer_of,
                                    {*captured.param_nodes, *captured.buffer_nodes}).items():
