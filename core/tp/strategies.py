@@ -69,11 +69,41 @@ def node_strategies(G: Any, node: str, t: int) -> list[Strategy]:
     """
     cache = G.graph.get("tp_strategies")
     if cache is None or cache[0] != G.number_of_nodes():
-        cache = G.graph["tp_strategies"] = (G.number_of_nodes(), {})
+        cache = G.graph["tp_strategies"] = (G.number_of_nodes(), {}, {})
     key = (node, t)
     if key not in cache[1]:
-        cache[1][key] = tuple(_node_strategies(G, node, t))
+        alike = _what_is_read(G, node, t)  # a call's strategies follow from these alone: one list per kind
+        if alike is None:
+            cache[1][key] = tuple(_node_strategies(G, node, t))
+        else:
+            if alike not in cache[2]:
+                cache[2][alike] = tuple(_node_strategies(G, node, t))
+            cache[1][key] = cache[2][alike]
     return list(cache[1][key])
+
+
+def _what_is_read(G: Any, node: str, t: int) -> tuple | None:
+    """All that ``_node_strategies`` reads of a call node (every node of a repeated layer matches its
+    peers'), or None for the other kinds."""
+    a = G.nodes[node]
+    if a["kind"] != "call":
+        return None
+    flows = grad_flows(G)
+    in_dtypes, in_shapes = _inputs(G, node)
+    return (a["op"], repr(a.get("args", [])), repr(a.get("kwargs", {})), tuple(in_dtypes), tuple(in_shapes),
+            tuple(tuple(s) for s in a["shapes"]), tuple(a["dtypes"]), bool(flows.get(node, False)),
+            tuple(bool(flows.get(s, False)) for s in a["inputs"]), len(a["inputs"]), t)
+
+
+def _inputs(G: Any, node: str) -> tuple[list[str], list[tuple[int, ...]]]:
+    """The dtypes and shapes of the tensors ``node`` reads, in argument order."""
+    a = G.nodes[node]
+    srcs = a["inputs"]
+    idx = [input_index(G, node, j) for j in range(len(srcs))]
+    in_dtypes = [G.nodes[s]["dtypes"][i] if G.nodes[s]["dtypes"] else "" for s, i in zip(srcs, idx)]
+    in_shapes = [tuple(G.nodes[s]["shapes"][i]) if G.nodes[s]["shapes"] else tuple(sh)
+                 for s, i, sh in zip(srcs, idx, a["in_shapes"])]
+    return in_dtypes, in_shapes
 
 
 def _node_strategies(G: Any, node: str, t: int) -> list[Strategy]:
@@ -90,10 +120,7 @@ def _node_strategies(G: Any, node: str, t: int) -> list[Strategy]:
                     for d, size in enumerate(a["shapes"][0]) if size >= t and size % t == 0]
         return out
     srcs = a["inputs"]
-    idx = [input_index(G, node, j) for j in range(n_in)]
-    in_dtypes = [G.nodes[s]["dtypes"][i] if G.nodes[s]["dtypes"] else "" for s, i in zip(srcs, idx)]
-    in_shapes = [tuple(G.nodes[s]["shapes"][i]) if G.nodes[s]["shapes"] else tuple(sh)
-                 for s, i, sh in zip(srcs, idx, a["in_shapes"])]
+    in_dtypes, in_shapes = _inputs(G, node)
     strategies = [replicated(n_in, n_out)]
     name, overload = op_key(a["op"])
     rule = op_rule(name)

@@ -31,6 +31,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 import networkx as nx
+import numpy as np
 
 from partita.core.cluster import ClusterSpec
 from partita.core.model.graph import per_graph
@@ -225,7 +226,7 @@ class NodeCosts:
     @functools.cached_property
     def _backward_table(self) -> list[list[float]]:
         saved = self.prefix_sums[2]
-        return _max_table([saved[i + 1] + live for i, live in enumerate(self.live_bytes)])
+        return _max_table(np.add(saved[1:len(self.live_bytes) + 1], self.live_bytes))
 
     def backward_peak(self, j: int, k: int) -> int:
         """The most one micro-batch of positions [j, k) holds beyond its state: at each position, the
@@ -482,12 +483,15 @@ def _prefix(values: Sequence[float]) -> list[float]:
     return list(itertools.accumulate(values, initial=0))
 
 
-def _max_table(values: Sequence[float]) -> list[list[float]]:
-    """Sparse table of ``values``: row r holds the max over each window of 2**r positions."""
-    table = [list(values)]
-    while 2 ** len(table) <= len(values):
-        prev, half = table[-1], 2 ** (len(table) - 1)
-        table.append(list(map(max, prev[:len(prev) - half], prev[half:])))
+def _max_table(values: Sequence[float] | np.ndarray) -> list[list[float]]:
+    """Sparse table of ``values``: row r holds the max over each window of 2**r positions (rows built
+    by numpy, held as lists: the DP reads single entries, which lists give fastest)."""
+    row = np.asarray(values)
+    table, n = [row.tolist()], len(row)
+    while 2 ** len(table) <= n:
+        half = 2 ** (len(table) - 1)
+        row = np.maximum(row[:len(row) - half], row[half:])
+        table.append(row.tolist())
     return table
 
 

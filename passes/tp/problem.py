@@ -264,7 +264,14 @@ def _price_layout(G: nx.DiGraph, setting: TPSetting, cluster: ClusterSpec, strat
     price = TPCosts(G, cluster, t, setting.micro_batch, setting.captured_batch, setting.precision,
                     setting.inference, setting.kv_ratio, setting.captured_dtype, setting.sequence_parallel)
     own = _own_strategies(G, t, strategies, setting.micro_batch, setting.sequence_parallel)
-    groups = _split_unlike(G, _classes(G, repeated), own)
+    static = per_graph(_STATIC, G)  # what no setting changes: the edges and the classes
+    edge_table = static.get("edges")
+    if edge_table is None:
+        edge_table = static["edges"] = _edge_table(G)
+    tying = ("classes", tuple((b.prefix, tuple(b.indices), b.nodes_per_layer) for b in repeated))
+    if tying not in static:
+        static[tying] = _classes(G, repeated)
+    groups = _split_unlike(G, static[tying], own)
     class_of = {n: key for key, members in groups.items() for n in members}
     strat = {key: own[key] for key in groups}
     for key, ss in strat.items():
@@ -275,31 +282,28 @@ def _price_layout(G: nx.DiGraph, setting: TPSetting, cluster: ClusterSpec, strat
     folded: dict[str, list[list[float]]] = {k: [[0.0, 0.0, 1.0] for _ in strat[k]] for k in groups}
     edge_acc: dict[tuple[str, str], dict[tuple, int]] = {}  # edge class -> {matrix key: edges}
     matrix_cache: dict[tuple, tuple] = {}
-    num_edges = 0
-    for v in G.nodes:
-        for j, u in enumerate(G.nodes[v].get("inputs", [])):
-            num_edges += 1
-            cu, cv = class_of[u], class_of[v]
-            i_out = input_index(G, v, j)
-            nbytes = price.tensor_bytes(u, i_out)
-            # each end's own strategies: members of a class agree on layouts, not on which inputs carry gradients
-            # a regathered input's backward overlaps the consumer's (TPCosts.reshard_s)
-            consumer = v if setting.sequence_parallel and may_regather(G.nodes[v]["op"], j) else ""
-            key = (id(own[u]), id(own[v]), i_out, j, nbytes, price.node_key(v) if consumer else None)
-            if key not in matrix_cache:
-                matrix_cache[key] = _edge_matrix(own[u], own[v], i_out, j, nbytes, price, consumer)
-            fwd, bwd = matrix_cache[key]
-            if cu == cv:  # both ends run the same strategy
-                for s in range(len(strat[cu])):
-                    if fwd[s][s] is None:
-                        folded[cu][s][2] = 0.0
-                    else:
-                        folded[cu][s][0] += fwd[s][s]
-                        folded[cu][s][1] += bwd[s][s]
-                continue
-            # identical edges (the same position in every repeated layer) are summed once, times their count
-            same = edge_acc.setdefault((cu, cv), {})
-            same[key] = same.get(key, 0) + 1
+    num_edges = len(edge_table)
+    for u, v, j, i_out, regathers in edge_table:
+        cu, cv = class_of[u], class_of[v]
+        nbytes = price.tensor_bytes(u, i_out)
+        # each end's own strategies: members of a class agree on layouts, not on which inputs carry gradients
+        # a regathered input's backward overlaps the consumer's (TPCosts.reshard_s)
+        consumer = v if setting.sequence_parallel and regathers else ""
+        key = (id(own[u]), id(own[v]), i_out, j, nbytes, price.node_key(v) if consumer else None)
+        if key not in matrix_cache:
+            matrix_cache[key] = _edge_matrix(own[u], own[v], i_out, j, nbytes, price, consumer)
+        fwd, bwd = matrix_cache[key]
+        if cu == cv:  # both ends run the same strategy
+            for s in range(len(strat[cu])):
+                if fwd[s][s] is None:
+                    folded[cu][s][2] = 0.0
+                else:
+                    folded[cu][s][0] += fwd[s][s]
+                    folded[cu][s][1] += bwd[s][s]
+            continue
+        # identical edges (the same position in every repeated layer) are summed once, times their count
+        same = edge_acc.setdefault((cu, cv), {})
+        same[key] = same.get(key, 0) + 1
 
     class_costs: dict[str, list[tuple[float, float, float, float, float, bool]]] = {}
     param_numel: dict[str, list[float]] = {}
@@ -359,6 +363,17 @@ def _own_strategies(G: nx.DiGraph, t: int, strategies: StrategyFn, micro_batch: 
 def _layouts(ss: Sequence[Strategy]) -> tuple:
     """What tying may share between members: each strategy's layouts and costs, not its gradients."""
     return tuple((s.name, s.out, s.ins, s.compute_fraction, s.memory_fraction, s.internal) for s in ss)
+
+
+# graph -> {"edges": _edge_table, ("classes", blocks): _classes} (graph.per_graph)
+_STATIC: weakref.WeakKeyDictionary[nx.DiGraph, tuple[int, dict]] = weakref.WeakKeyDictionary()
+
+
+def _edge_table(G: nx.DiGraph) -> tuple[tuple[str, str, int, int, bool], ...]:
+    """Every edge in graph order: (producer, consumer, which input, which output of the producer,
+    whether the consumer may regather that input under sequence parallelism)."""
+    return tuple((u, v, j, input_index(G, v, j), may_regather(G.nodes[v]["op"], j))
+                 for v in G.nodes for j, u in enumerate(G.nodes[v].get("inputs", [])))
 
 
 def _split_unlike(G: nx.DiGraph, groups: dict[str, list[str]],
