@@ -214,8 +214,12 @@ def expert_node_costs(costs: NodeCosts, G: nx.DiGraph, ep: int, *, micro_batch: 
     at = {n: i for i, n in enumerate(costs.order)}
     shared = {sp.name for sp in costs.shared}
     params, held = list(costs.param_numel), [0] * len(costs.order)
+    by_name: dict[str, list[str]] = {}
+    for n, a in G.nodes(data=True):
+        if a["kind"] == "param":
+            by_name.setdefault(a["param_name"], []).append(n)
     for name in experts - shared:
-        nodes = [n for n, a in G.nodes(data=True) if a["kind"] == "param" and a["param_name"] == name]
+        nodes = by_name[name]
         numel = math.prod(G.nodes[nodes[0]]["shapes"][0])
         i = min([at[u] for n in nodes for u in G.successors(n)] or [at[n] for n in nodes])
         params[i] -= numel
