@@ -33,7 +33,8 @@ Comparisons with the single-process reference:
   everything is close.
 
 Plans: ``calls`` (a plan's or a run's collectives per kind, axis and bytes), ``fast_cluster`` (a
-cluster file whose links make TP pay), ``gather_tp`` (full tensors from a rank's TP shards).
+cluster file whose links make TP pay), ``gather_tp`` (full tensors from a rank's TP shards),
+``plans_spread`` (rank-side: a launch's plans made once, spread over its ranks, and gathered).
 """
 
 from __future__ import annotations
@@ -521,3 +522,30 @@ def gather_tp(tp_program, local: Mapping[str, torch.Tensor]) -> dict[str, torch.
             t = torch.cat(parts, dim=int(placement[6:-1]))
         out[name] = t
     return out
+
+
+
+def plans_spread(ctx, makers: Sequence[Callable[[], Any]]) -> list:
+    """Rank-side: each case's plan, ``makers[i]()`` (its ``compile_model(...).plan``), made on one rank
+    alone (rank ``i mod world``, all ranks at once) and gathered to every rank, so that a launch of
+    many cases spreads its planning over the ranks instead of planning each case on every one (the
+    plan does not depend on the rank that makes it, as the decorator's rank 0 plans for all). What a
+    maker raised stands in its place (a ``PartitaError`` with its ``message`` and ``hint``), for the
+    case to raise. Every rank calls it with the same makers."""
+    import pickle
+
+    import torch.distributed as dist
+
+    mine: dict[int, Any] = {}
+    for i in range(ctx.rank, len(makers), ctx.world_size):
+        try:
+            mine[i] = makers[i]()
+        except Exception as e:  # sent as it is if it survives pickling (its attributes too), else named
+            try:
+                pickle.loads(pickle.dumps(e))
+                mine[i] = e
+            except Exception:
+                mine[i] = RuntimeError(f"{type(e).__name__}: {e}")
+    gathered: list[Any] = [None] * ctx.world_size
+    dist.all_gather_object(gathered, mine)
+    return [gathered[i % ctx.world_size][i] for i in range(len(makers))]

@@ -13,6 +13,7 @@ runtime refuses returns the message, so the test can say which cell fails and wh
 from __future__ import annotations
 
 import copy
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -28,7 +29,7 @@ from partita.core.precision import PrecisionPolicy
 from partita.runtime.distributed import DistContext
 from partita.runtime.engine import ParallelModel
 from partita.runtime.mixed_precision import kept_whole
-from tests.harness import gaps
+from tests.harness import gaps, plans_spread
 
 STEPS, BATCH, SEQ, VOCAB = 2, 4, 8, 128
 MESHES = {"dp2": dict(dp=2), "tp2": dict(tp=2), "pp2": dict(pp=2), "zero3": dict(dp=2, zero=3)}
@@ -149,16 +150,30 @@ def _optimizer(params: Any) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=0.01, momentum=0.9, weight_decay=0.1)
 
 
-def case(ctx: DistContext, name: str, mesh: str, precision: str, fast_cluster: str) -> dict:
+def _setup(name: str, mesh: str, precision: str, fast_cluster: str) -> tuple[Callable, Any, Callable, Options]:
+    """A cell's factory, loss, batch and options."""
     factory, specs, loss, batch = _models()[name]
     loss = resolve_loss(loss, "last_hidden_state" if name == "clip-vision" else None)
     targets = f"y=int64[{BATCH}]" if name == "clip-vision" else None  # its loss's, not implied by the output
     options = Options(inputs=specs, targets=targets, cluster=fast_cluster if mesh == "tp2" else "local", devices=2,
                       world_size=2, precision=precision, loss=loss, optimizer=_optimizer, log_every=0,
                       **MESHES[mesh])
+    return factory, loss, batch, options
+
+
+def _plan(name: str, mesh: str, precision: str, fast_cluster: str) -> Any:
+    factory, _, _, options = _setup(name, mesh, precision, fast_cluster)
+    return compile_model(factory, options, name=name).plan
+
+
+def case(ctx: DistContext, planned: Any, name: str, mesh: str, precision: str, fast_cluster: str) -> dict:
+    """One cell, given its plan (or what planning it raised)."""
+    factory, loss, batch, options = _setup(name, mesh, precision, fast_cluster)
     out: dict[str, Any] = {"case": f"{name}/{mesh}/{precision}"}
     try:
-        plan = compile_model(factory, options, name=name).plan
+        if isinstance(planned, Exception):
+            raise planned
+        plan = planned
         torch.manual_seed(0)
         built = factory()
         plain_keys = sorted(built.state_dict())
@@ -183,4 +198,6 @@ def case(ctx: DistContext, name: str, mesh: str, precision: str, fast_cluster: s
 
 
 def run(ctx: DistContext, cells: list[tuple[str, str, str]], fast_cluster: str) -> list[dict]:
-    return [case(ctx, name, mesh, precision, fast_cluster) for name, mesh, precision in cells]
+    """Every cell's plan, each made on one of the ranks (``plans_spread``), then each cell in turn."""
+    plans = plans_spread(ctx, [functools.partial(_plan, *cell, fast_cluster) for cell in cells])
+    return [case(ctx, plan, *cell, fast_cluster) for plan, cell in zip(plans, cells)]

@@ -7,7 +7,9 @@ step, what the rank ran and what the plan lists for its stage: calls by (kind, a
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
+from typing import Any
 
 import torch
 
@@ -15,6 +17,7 @@ from partita.compiler.compile import compile_model
 from partita.core.options import Options
 from partita.runtime.distributed import DistContext
 from partita.runtime.engine import ParallelModel
+from tests.harness import plans_spread
 from tests.workers import expert_worker
 from tests.workers.any_model_worker import _optimizer
 
@@ -32,10 +35,18 @@ def gpt() -> torch.nn.Module:
 FACTORIES = {"gpt": gpt, "mixtral": expert_worker.mixtral}
 
 
-def case(ctx: DistContext, name: str, pins: dict) -> dict:
-    options = Options(inputs=[SPEC[name]], cluster="local", devices=ctx.world_size, world_size=ctx.world_size,
-                      optimizer=_optimizer, log_every=0, **pins)
-    plan = compile_model(FACTORIES[name], options, name=name).plan
+def _options(world: int, name: str, pins: dict) -> Options:
+    return Options(inputs=[SPEC[name]], cluster="local", devices=world, world_size=world, optimizer=_optimizer,
+                   log_every=0, **pins)
+
+
+def _plan(world: int, name: str, pins: dict) -> Any:
+    return compile_model(FACTORIES[name], _options(world, name, pins), name=name).plan
+
+
+def case(ctx: DistContext, plan: Any, name: str, pins: dict) -> dict:
+    """One case, given its plan."""
+    options = _options(ctx.world_size, name, pins)
     model = ParallelModel(FACTORIES[name](), plan, options, ctx=ctx)
     g = torch.Generator().manual_seed(1)
     for _ in range(2):  # the second step's: the first also runs the batch check and the first-run shape checks
@@ -53,4 +64,9 @@ def case(ctx: DistContext, name: str, pins: dict) -> dict:
 
 
 def run(ctx: DistContext, cases: list[tuple[str, dict]]) -> list[dict]:
-    return [case(ctx, name, pins) for name, pins in cases]
+    """Every case's plan, each made on one of the ranks (``plans_spread``), then each case in turn."""
+    plans = plans_spread(ctx, [functools.partial(_plan, ctx.world_size, name, pins) for name, pins in cases])
+    for p in plans:
+        if isinstance(p, Exception):
+            raise p
+    return [case(ctx, plan, name, pins) for plan, (name, pins) in zip(plans, cases)]

@@ -11,6 +11,7 @@ all-to-alls the step ran over "ep".
 from __future__ import annotations
 
 import copy
+import functools
 from typing import Any
 
 import torch
@@ -22,7 +23,7 @@ from partita.core.options import Options
 from partita.core.precision import PrecisionPolicy
 from partita.runtime.distributed import DistContext
 from partita.runtime.engine import ParallelModel
-from tests.harness import gaps
+from tests.harness import gaps, plans_spread
 from tests.workers.any_model_worker import _optimizer, reference
 
 STEPS, SEQ, VOCAB, EXPERTS = 3, 8, 128, 4
@@ -66,16 +67,28 @@ STACKED = {"mixtral": ("experts.gate_up_proj", "experts.down_proj"),
            "dbrx": ("experts.mlp.w1", "experts.mlp.v1", "experts.mlp.w2")}
 
 
-def case(ctx: DistContext, dp: int, ep: int, precision: str, micro_batches: int = 1, recompute: str | None = None,
-         zero: int | None = None, pp: int | None = None, family: str = "mixtral") -> dict:
+def _options(world: int, dp: int, ep: int, precision: str = "fp32", micro_batches: int = 1,
+             recompute: str | None = None, zero: int | None = None, pp: int | None = None) -> Options:
+    return Options(inputs=[f"input_ids=int64[{2 * dp * micro_batches},{SEQ}]"], cluster="local", devices=world,
+                   world_size=world, precision=precision, optimizer=_optimizer, log_every=0, dp=dp, ep=ep,
+                   grad_accum_steps=micro_batches, recompute=recompute, zero=zero, pp=pp)
+
+
+def _plan(world: int, family: str, *cell: Any) -> Any:
+    return compile_model(FAMILIES[family], _options(world, *cell), name=family).plan
+
+
+def case(ctx: DistContext, planned: Any, dp: int, ep: int, precision: str, micro_batches: int = 1,
+         recompute: str | None = None, zero: int | None = None, pp: int | None = None, family: str = "mixtral") -> dict:
+    """One cell, given its plan (or what planning it raised)."""
     batch = 2 * dp * micro_batches
-    options = Options(inputs=[f"input_ids=int64[{batch},{SEQ}]"], cluster="local", devices=ctx.world_size,
-                      world_size=ctx.world_size, precision=precision, optimizer=_optimizer, log_every=0, dp=dp, ep=ep,
-                      grad_accum_steps=micro_batches, recompute=recompute, zero=zero, pp=pp)
+    options = _options(ctx.world_size, dp, ep, precision, micro_batches, recompute, zero, pp)
     out: dict[str, Any] = {"case": f"{family} dp{dp}/ep{ep}/{precision}/m{micro_batches}/{recompute}/z{zero}/pp{pp}"}
     factory = FAMILIES[family]
     try:
-        plan = compile_model(factory, options, name=family).plan
+        if isinstance(planned, Exception):
+            raise planned
+        plan = planned
         torch.manual_seed(0)
         built = factory()
         model = ParallelModel(copy.deepcopy(built), plan, options, ctx=ctx)
@@ -124,31 +137,36 @@ def case(ctx: DistContext, dp: int, ep: int, precision: str, micro_batches: int 
 
 
 def run(ctx: DistContext, cells: list[tuple]) -> list[dict]:
-    return [case(ctx, *cell) for cell in cells]
+    """Every cell's plan, each made on one of the ranks (``plans_spread``), then each cell in turn."""
+    plans = plans_spread(ctx, [functools.partial(_plan, ctx.world_size, _family(cell), *cell[:7]) for cell in cells])
+    return [case(ctx, plan, *cell) for plan, cell in zip(plans, cells)]
 
 
-def _model(ctx: DistContext, dp: int, ep: int, seed: int) -> tuple[ParallelModel, list[torch.Tensor], torch.Tensor]:
+def _family(cell: tuple) -> str:
+    return cell[7] if len(cell) > 7 else "mixtral"
+
+
+def _model(ctx: DistContext, plan: Any, dp: int, ep: int, seed: int
+           ) -> tuple[ParallelModel, list[torch.Tensor], torch.Tensor]:
     batch = 2 * dp
-    options = Options(inputs=[f"input_ids=int64[{batch},{SEQ}]"], cluster="local", devices=ctx.world_size,
-                      world_size=ctx.world_size, optimizer=_optimizer, log_every=0, dp=dp, ep=ep)
-    plan = compile_model(mixtral, options, name="mixtral").plan
+    options = _options(ctx.world_size, dp, ep)
     torch.manual_seed(seed)
     model = ParallelModel(mixtral(), plan, options, ctx=ctx)
     idx = torch.randint(0, VOCAB, (batch, SEQ + 1), generator=torch.Generator().manual_seed(1))
     return model, [idx[:, :-1]], idx[:, 1:]
 
 
-def checkpoint(ctx: DistContext, outdir: str, dp: int, ep_from: int, ep_to: int) -> dict:
+def checkpoint(ctx: DistContext, plans: tuple[Any, Any], outdir: str, dp: int, ep_from: int, ep_to: int) -> dict:
     """A checkpoint saved with the experts split over ``ep_from`` loads into a model (built from
     another seed) whose plan splits them over ``ep_to``: the whole state it holds then, and the
     next steps' losses, against the run that saved it going on."""
     path = f"{outdir}/ep{ep_from}-to-ep{ep_to}"
-    a, xs, y = _model(ctx, dp, ep_from, seed=0)
+    a, xs, y = _model(ctx, plans[0], dp, ep_from, seed=0)
     a.train_step(*xs, targets=y)
     a.save_checkpoint(path)
     saved = {k: v.float() for k, v in a.full_state_dict().items()}
     going_on = [float(a.train_step(*xs, targets=y)) for _ in range(2)]
-    b, xs, y = _model(ctx, dp, ep_to, seed=1)
+    b, xs, y = _model(ctx, plans[1], dp, ep_to, seed=1)
     b.load_checkpoint(path)
     loaded = {k: v.float() for k, v in b.full_state_dict().items()}
     resumed = [float(b.train_step(*xs, targets=y)) for _ in range(2)]
@@ -157,4 +175,10 @@ def checkpoint(ctx: DistContext, outdir: str, dp: int, ep_from: int, ep_to: int)
 
 
 def checkpoints(ctx: DistContext, outdir: str, cells: list[tuple]) -> list[dict]:
-    return [checkpoint(ctx, outdir, *cell) for cell in cells]
+    """Both plans of every cell, each made on one of the ranks (``plans_spread``), then each cell in turn."""
+    plans = plans_spread(ctx, [functools.partial(_plan, ctx.world_size, "mixtral", dp, ep)
+                               for dp, ep_from, ep_to in cells for ep in (ep_from, ep_to)])
+    for p in plans:
+        if isinstance(p, Exception):
+            raise p
+    return [checkpoint(ctx, (plans[2 * i], plans[2 * i + 1]), outdir, *cell) for i, cell in enumerate(cells)]
