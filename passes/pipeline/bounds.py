@@ -179,18 +179,17 @@ def cut_windows(part: Partition, cap: float) -> list[tuple[int, int]] | None:
         total, mode = part._decide(j, k, s, sends=False)
         return total <= cap_bytes and part._compute(j, k, mode) + overhead < cap
 
+    # a segment inside another fits whenever that one does: the ends that fit are a run, found by bisection
     hi, j, i = [], 0, 0  # i: the first boundary after j
     for s in range(p - 1):
-        while i < len(ends) and fits(j, ends[i], s):
-            i += 1
+        i = _first(i, len(ends), lambda x, j=j, s=s: not fits(j, ends[x], s))
         j = ends[i - 1] if i and ends[i - 1] > j else j
         hi.append(j)
     if not fits(j, n, p - 1):
         return None
     lo, k, i = [n], n, len(ends) - 1  # i: the last boundary before k
     for s in range(p - 1, 0, -1):
-        while i >= 0 and fits(ends[i], k, s):
-            i -= 1
+        i = _first(0, i + 1, lambda x, k=k, s=s: fits(ends[x], k, s)) - 1  # the last start before k not fitting
         k = ends[i + 1] if i + 1 < len(ends) and ends[i + 1] < k else k
         lo.append(k)
     if not fits(0, k, 0):
@@ -198,3 +197,15 @@ def cut_windows(part: Partition, cap: float) -> list[tuple[int, int]] | None:
     lo.reverse()
     windows = list(zip(lo[:-1], hi)) + [(n, n)]
     return None if any(a > b for a, b in windows) else windows
+
+
+def _first(lo: int, hi: int, turned: Callable[[int], bool]) -> int:
+    """The first index in [lo, hi) where ``turned`` holds (``hi`` where none does), for a ``turned``
+    that, once true, stays true."""
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if turned(mid):
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo

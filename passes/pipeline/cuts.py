@@ -485,11 +485,16 @@ def any_cuts_fit(part: Partition) -> bool:
     for s in range(p):
         if part.memory_total(j, n, s) <= cap:
             return True
-        reach = -1
-        while i < len(ends) and part.memory_total(j, ends[i], s) <= cap:
-            reach = ends[i]
-            i += 1
-        if reach < 0:
+        # the furthest boundary that still fits, by bisection: a fit never turns from no to yes as the
+        # segment grows, so the boundaries from i that fit are a run from i
+        lo, hi = i, len(ends)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if part.memory_total(j, ends[mid], s) <= cap:
+                lo = mid + 1
+            else:
+                hi = mid
+        if lo == i:
             return False
-        j = reach
+        j, i = ends[lo - 1], lo
     return False
