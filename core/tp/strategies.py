@@ -40,8 +40,11 @@ def op_key(op: str) -> tuple[str, str]:
 
 def input_index(G: Any, node: str, j: int) -> int:
     """Which tensor output of its producer the node's j-th tensor input is (getitem's index, else 0)."""
+    if j:
+        return 0
     a = G.nodes[node]
-    if op_key(a["op"])[0] == "getitem" and j == 0:
+    op = a["op"]
+    if "getitem" in op and op_key(op)[0] == "getitem":
         return int(a["args"][1])
     return 0
 

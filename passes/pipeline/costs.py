@@ -41,6 +41,7 @@ from partita.core.precision import is_floating
 from partita.core.recompute import FULL, NONE, SELECTIVE
 from partita.passes.cost_model import NODE_TIME_ATTRS, node_compute_time, precision_factor
 from partita.passes.peak_memory import node_transient
+from partita.passes.pipeline.ranges import max_table, prefix, range_max
 from partita.passes.profile import ModelProfile
 
 _PLACEHOLDERS = ("param", "buffer", "input")
@@ -211,22 +212,22 @@ class NodeCosts:
     def expert_sums(self) -> tuple[list[float], list[float], list[float]]:
         """Prefix sums of (expert elements, forward all-to-all seconds, backward ones) over the order."""
         n = len(self.order)
-        return (_prefix(self.expert_numel or [0] * n), _prefix([f for f, _ in self.all_to_all_s] or [0.0] * n),
-                _prefix([b for _, b in self.all_to_all_s] or [0.0] * n))
+        return (prefix(self.expert_numel or [0] * n), prefix([f for f, _ in self.all_to_all_s] or [0.0] * n),
+                prefix([b for _, b in self.all_to_all_s] or [0.0] * n))
 
     @functools.cached_property
     def _live_table(self) -> list[list[float]]:
-        return _max_table(self.live_bytes)
+        return max_table(self.live_bytes)
 
     def live_peak(self, j: int, k: int) -> int:
         """The largest ``live_bytes`` over positions [j, k): an inference stage's activations, a training
         stage's costliest transient."""
-        return _range_max(self._live_table, j, k) if self.live_bytes else 0
+        return range_max(self._live_table, j, k) if self.live_bytes else 0
 
     @functools.cached_property
     def _backward_table(self) -> list[list[float]]:
         saved = self.prefix_sums[2]
-        return _max_table(np.add(saved[1:len(self.live_bytes) + 1], self.live_bytes))
+        return max_table(np.add(saved[1:len(self.live_bytes) + 1], self.live_bytes))
 
     def backward_peak(self, j: int, k: int) -> int:
         """The most one micro-batch of positions [j, k) holds beyond its state: at each position, the
@@ -234,7 +235,7 @@ class NodeCosts:
         not made them yet) and its live bytes, the largest over [j, k)."""
         if not self.live_bytes or k <= j:
             return round(self.prefix_sums[2][k] - self.prefix_sums[2][j]) if k > j else 0
-        return round(_range_max(self._backward_table, j, k) - self.prefix_sums[2][j])
+        return round(range_max(self._backward_table, j, k) - self.prefix_sums[2][j])
 
     @functools.cached_property
     def _label_runs(self) -> tuple[list[int], list[str]]:
@@ -258,8 +259,8 @@ class NodeCosts:
     @functools.cached_property
     def prefix_sums(self) -> tuple[list[float], list[float], list[float], list[float]]:
         """Prefix sums of (forward + backward, forward, saved bytes, parameters) over the order."""
-        return (_prefix([f + b for f, b in zip(self.forward_s, self.backward_s)]), _prefix(self.forward_s),
-                _prefix(self.saved_bytes), _prefix(self.param_numel))
+        return (prefix([f + b for f, b in zip(self.forward_s, self.backward_s)]), prefix(self.forward_s),
+                prefix(self.saved_bytes), prefix(self.param_numel))
 
     def __post_init__(self) -> None:
         n = len(self.order)
@@ -477,28 +478,3 @@ def _spans(G: nx.DiGraph, order: Sequence[str]) -> tuple[tuple[str, int, int, bo
 
 def _running(diff: list[float]) -> tuple[int, ...]:
     return tuple(map(round, itertools.accumulate(diff[:-1])))
-
-
-def _prefix(values: Sequence[float]) -> list[float]:
-    return list(itertools.accumulate(values, initial=0))
-
-
-def _max_table(values: Sequence[float] | np.ndarray) -> list[list[float]]:
-    """Sparse table of ``values``: row r holds the max over each window of 2**r positions (rows built
-    by numpy, held as lists: the DP reads single entries, which lists give fastest)."""
-    row = np.asarray(values)
-    table, n = [row.tolist()], len(row)
-    while 2 ** len(table) <= n:
-        half = 2 ** (len(table) - 1)
-        row = np.maximum(row[:len(row) - half], row[half:])
-        table.append(row.tolist())
-    return table
-
-
-def _range_max(table: list[list[float]], j: int, k: int) -> float:
-    """The largest of a ``_max_table``'s values over positions [j, k) (0 where empty)."""
-    if k <= j:
-        return 0
-    r = (k - j).bit_length() - 1
-    row = table[r]
-    return max(row[j], row[k - (1 << r)])

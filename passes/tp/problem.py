@@ -10,9 +10,9 @@ per-node TP cost (passes/tp/costs.py ``TPCosts``) and returns a ``TPProblem``;
 ``evaluate`` prices one choice of strategy per class. The formulation the solver
 builds over it is in passes/tp/ilp.py. Writes nothing on the graph.
 
-Classes (``_classes``): the node at position p of every identical repeated layer shares
-one class, each member keeping its own strategy list (``_own_strategies``) and a member
-whose strategies differ in anything else getting its own class (``_split_unlike``);
+Classes (passes/tp/classes.py ``tying_classes``): the node at position p of every identical
+repeated layer shares one class, each member keeping its own strategy list (``_own_strategies``) and a member
+whose strategies differ in anything else getting its own class (``split_unlike``);
 parameter nodes with one ``param_name`` (tied weights) share a class, their state counted
 once; edges between layers become one edge class with multiplicity L - 1. Why these are
 exact, what tying the layers restricts, and why elementwise chains are not merged:
@@ -37,6 +37,7 @@ from partita.core.tp.vocabulary import Strategy
 from partita.passes.activations import peak_live_bytes
 from partita.passes.cost_model import param_step_time, sharded_state, state_bytes_per_param
 from partita.passes.repeats import RepeatedBlock
+from partita.passes.tp.classes import split_unlike, tying_classes
 from partita.passes.tp.costs import TPCosts
 from partita.passes.tp.sequence import honour_sequence_parallel
 
@@ -270,8 +271,8 @@ def _price_layout(G: nx.DiGraph, setting: TPSetting, cluster: ClusterSpec, strat
         edge_table = static["edges"] = _edge_table(G)
     tying = ("classes", tuple((b.prefix, tuple(b.indices), b.nodes_per_layer) for b in repeated))
     if tying not in static:
-        static[tying] = _classes(G, repeated)
-    groups = _split_unlike(G, static[tying], own)
+        static[tying] = tying_classes(G, repeated)
+    groups = split_unlike(G, static[tying], own)
     class_of = {n: key for key, members in groups.items() for n in members}
     strat = {key: own[key] for key in groups}
     for key, ss in strat.items():
@@ -360,12 +361,7 @@ def _own_strategies(G: nx.DiGraph, t: int, strategies: StrategyFn, micro_batch: 
     return own
 
 
-def _layouts(ss: Sequence[Strategy]) -> tuple:
-    """What tying may share between members: each strategy's layouts and costs, not its gradients."""
-    return tuple((s.name, s.out, s.ins, s.compute_fraction, s.memory_fraction, s.internal) for s in ss)
-
-
-# graph -> {"edges": _edge_table, ("classes", blocks): _classes} (graph.per_graph)
+# graph -> {"edges": _edge_table, ("classes", blocks): tying_classes} (graph.per_graph)
 _STATIC: weakref.WeakKeyDictionary[nx.DiGraph, tuple[int, dict]] = weakref.WeakKeyDictionary()
 
 
@@ -374,29 +370,6 @@ def _edge_table(G: nx.DiGraph) -> tuple[tuple[str, str, int, int, bool], ...]:
     whether the consumer may regather that input under sequence parallelism)."""
     return tuple((u, v, j, input_index(G, v, j), may_regather(G.nodes[v]["op"], j))
                  for v in G.nodes for j, u in enumerate(G.nodes[v].get("inputs", [])))
-
-
-def _split_unlike(G: nx.DiGraph, groups: dict[str, list[str]],
-                  own: Mapping[str, tuple[Strategy, ...]]) -> dict[str, list[str]]:
-    """Each class split into members whose strategy lists match layout for layout.
-
-    Members may still differ in which inputs carry a gradient (the first of a
-    stack of layers reads the model's input, the others the previous layer's
-    output): they keep their own strategies, index for index, so tying picks
-    one layout for all and never changes what a member's own inputs need.
-    """
-    out: dict[str, list[str]] = {}
-    for members in groups.values():
-        if len(members) == 1:
-            out[members[0]] = members
-            continue
-        by_layout: dict[tuple, list[str]] = {}
-        for n in members:
-            by_layout.setdefault(_layouts(own[n]), []).append(n)
-        for part in by_layout.values():
-            out[part[0]] = part
-    position = {n: i for i, n in enumerate(G.nodes)}
-    return dict(sorted(out.items(), key=lambda kv: position[kv[0]]))  # graph order, as _classes gives
 
 
 def _edge_matrix(src: Sequence[Strategy], dst: Sequence[Strategy], i_out: int, j: int, nbytes: float,
@@ -437,43 +410,6 @@ def _param_numel(G: nx.DiGraph, members: Sequence[str], st: Strategy, t: int) ->
         sharded = bool(st.out) and is_shard(st.out[0])
         total += math.prod(a["shapes"][0]) / (t if sharded else 1)
     return total
-
-
-def _classes(G: nx.DiGraph, repeated: Sequence[RepeatedBlock]) -> dict[str, list[str]]:
-    """Union of nodes at the same position of identical layers, and of parameter nodes sharing a name."""
-    parent = {n: n for n in G.nodes}
-
-    def find(n: str) -> str:
-        while parent[n] != n:
-            parent[n] = parent[parent[n]]
-            n = parent[n]
-        return n
-
-    def union(a: str, b: str) -> None:
-        ra, rb = find(a), find(b)
-        if ra != rb:
-            parent[rb] = ra
-
-    by_layer: dict[str, list[str]] = {}
-    for n, a in G.nodes(data=True):
-        if a.get("layer"):
-            by_layer.setdefault(a["layer"], []).append(n)
-    for block in repeated:
-        layers = [by_layer.get(name, []) for name in block.layers]
-        first = layers[0]
-        for other in layers[1:]:
-            if len(other) != len(first):
-                raise ValueError(f"repeated block {block.prefix}: layers of {len(first)} and {len(other)} nodes")
-            for a, b in zip(first, other):
-                union(a, b)
-    by_param: dict[str, str] = {}
-    for n, a in G.nodes(data=True):
-        if a["kind"] == "param":
-            union(by_param.setdefault(a["param_name"], n), n)
-    groups: dict[str, list[str]] = {}
-    for n in G.nodes:  # graph order: the representative is the first member
-        groups.setdefault(find(n), []).append(n)
-    return {members[0]: members for members in groups.values()}
 
 
 # -- evaluating a choice -----------------------------------------------------------------
