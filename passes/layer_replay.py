@@ -89,10 +89,14 @@ def shortcut(gm: torch.fx.GraphModule, G: nx.DiGraph, blocks: list[RepeatedBlock
 
 
 def _wiring(layer: list[torch.fx.Node], k: int, where: dict[torch.fx.Node, tuple[int, int]]) -> list[Any]:
-    """Each node's inputs: inside its layer or the one before by position, elsewhere by name."""
+    """Each node's target and constant arguments, and its inputs: inside its layer or the one before by
+    position, elsewhere by name. (A constant that differs from layer to layer, say a per-layer scale or
+    window, makes the layers unlike: their ops could then allocate differently.)"""
     rows = []
     for node in layer:
-        row = []
+        named = node.op in ("placeholder", "get_attr")  # a parameter: its target is its own name
+        row: list[Any] = [node.op, "" if named else str(node.target),
+                          repr(torch.fx.map_arg((node.args, node.kwargs), lambda _: None))]
         for src in node.all_input_nodes:
             at = where.get(src)
             if at is not None and at[0] == k:

@@ -116,3 +116,37 @@ def test_a_short_block_is_replayed_whole() -> None:
     blocks = find_repeated_layers(G)
     assert len(blocks[0].indices) == 3 < layer_replay.MIN_LAYERS
     assert layer_replay.shortcut(captured.graph_module, G, blocks) is None
+
+
+class _ScaledLayer(nn.Module):
+    def __init__(self, scale: float) -> None:
+        super().__init__()
+        self.fc, self.scale = nn.Linear(16, 16), scale
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.fc(x)) * self.scale
+
+
+class _Scaled(nn.Module):
+    """Layers alike in ops and shapes whose constant differs by layer (a per-layer scale): not one layer for all."""
+
+    def __init__(self, scales: tuple[float, ...] = (1.0, 0.5, 0.25, 0.125, 0.0625)) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(_ScaledLayer(s) for s in scales)
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+def test_layers_whose_constants_differ_are_replayed_whole() -> None:
+    captured = capture(_Scaled, [parse_input_spec("x=float32[8,16]")])
+    G = annotate_flops(to_networkx(captured))
+    blocks = find_repeated_layers(G)
+    assert blocks and len(blocks[0].indices) == 5  # alike by the repeated-layer signature
+    assert layer_replay.shortcut(captured.graph_module, G, blocks) is None
+    alike = capture(lambda: _Scaled((0.5,) * 5), [parse_input_spec("x=float32[8,16]")])  # the same, one scale
+    H = annotate_flops(to_networkx(alike))
+    assert layer_replay.shortcut(alike.graph_module, H, find_repeated_layers(H)) is not None
