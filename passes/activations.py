@@ -238,7 +238,7 @@ def _replay(gm: torch.fx.GraphModule, G: nx.DiGraph) -> tuple[_SavedTensorRecord
             if outputs:  # the step's backward, from the loss (a non-scalar output: a gradient of ones)
                 torch.autograd.backward(outputs, [torch.ones_like(t) if t.numel() > 1 else None for t in outputs])
         grads = {_storage_key(p.grad) for p in params if p.grad is not None}
-    births = sorted((allocations.born[k], allocations.size[k]) for k in grads if k in allocations.born)
+    births = [(allocations.born[k], allocations.size[k]) for k in grads if k in allocations.born]
     return recorder, allocations, births, backward_at
 
 

@@ -524,7 +524,6 @@ def gather_tp(tp_program, local: Mapping[str, torch.Tensor]) -> dict[str, torch.
     return out
 
 
-
 def plans_spread(ctx, makers: Sequence[Callable[[], Any]]) -> list:
     """Rank-side: each case's plan, ``makers[i]()`` (its ``compile_model(...).plan``), made on one rank
     alone (rank ``i mod world``, all ranks at once) and gathered to every rank, so that a launch of

@@ -15,6 +15,7 @@ from partita.passes.cost_model import StateBytes, zero_step_comm
 from partita.passes.dp.zero import STRATEGY_NAMES
 from partita.passes.pipeline.costs import NodeCosts, Recompute
 from partita.passes.pipeline.cuts import Partition, StageSetup, stage_optimizer_time
+from partita.passes.pipeline.ranges import first_turned
 
 INF = math.inf
 
@@ -182,14 +183,14 @@ def cut_windows(part: Partition, cap: float) -> list[tuple[int, int]] | None:
     # a segment inside another fits whenever that one does: the ends that fit are a run, found by bisection
     hi, j, i = [], 0, 0  # i: the first boundary after j
     for s in range(p - 1):
-        i = _first(i, len(ends), lambda x, j=j, s=s: not fits(j, ends[x], s))
+        i = first_turned(i, len(ends), lambda x, j=j, s=s: not fits(j, ends[x], s))
         j = ends[i - 1] if i and ends[i - 1] > j else j
         hi.append(j)
     if not fits(j, n, p - 1):
         return None
     lo, k, i = [n], n, len(ends) - 1  # i: the last boundary before k
     for s in range(p - 1, 0, -1):
-        i = _first(0, i + 1, lambda x, k=k, s=s: fits(ends[x], k, s)) - 1  # the last start before k not fitting
+        i = first_turned(0, i + 1, lambda x, k=k, s=s: fits(ends[x], k, s)) - 1  # the last start before k not fitting
         k = ends[i + 1] if i + 1 < len(ends) and ends[i + 1] < k else k
         lo.append(k)
     if not fits(0, k, 0):
@@ -197,15 +198,3 @@ def cut_windows(part: Partition, cap: float) -> list[tuple[int, int]] | None:
     lo.reverse()
     windows = list(zip(lo[:-1], hi)) + [(n, n)]
     return None if any(a > b for a, b in windows) else windows
-
-
-def _first(lo: int, hi: int, turned: Callable[[int], bool]) -> int:
-    """The first index in [lo, hi) where ``turned`` holds (``hi`` where none does), for a ``turned``
-    that, once true, stays true."""
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if turned(mid):
-            hi = mid
-        else:
-            lo = mid + 1
-    return lo

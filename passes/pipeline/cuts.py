@@ -37,6 +37,7 @@ from partita.passes.cost_model import (
 from partita.passes.experts import split_state
 from partita.passes.peak_memory import StepBuffers, peak_memory, peak_of
 from partita.passes.pipeline.costs import NodeCosts, Recompute, SharedParam
+from partita.passes.pipeline.ranges import first_turned
 
 INF = math.inf
 
@@ -485,16 +486,10 @@ def any_cuts_fit(part: Partition) -> bool:
     for s in range(p):
         if part.memory_total(j, n, s) <= cap:
             return True
-        # the furthest boundary that still fits, by bisection: a fit never turns from no to yes as the
-        # segment grows, so the boundaries from i that fit are a run from i
-        lo, hi = i, len(ends)
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if part.memory_total(j, ends[mid], s) <= cap:
-                lo = mid + 1
-            else:
-                hi = mid
-        if lo == i:
+        # the furthest boundary that still fits: a fit never turns from no to yes as the segment grows,
+        # so the boundaries from i that fit are a run from i
+        stop = first_turned(i, len(ends), lambda x, j=j, s=s: part.memory_total(j, ends[x], s) > cap)
+        if stop == i:
             return False
-        j, i = ends[lo - 1], lo
+        j, i = ends[stop - 1], stop
     return False

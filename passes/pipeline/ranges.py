@@ -1,10 +1,11 @@
 """Prefix sums and range maxima over the pipeline order: what the cut DP reads of a stage's positions
-[j, k) in constant time (passes/pipeline/costs.py ``NodeCosts``)."""
+[j, k) in constant time (passes/pipeline/costs.py ``NodeCosts``); and the bisection that finds where
+a segment grown boundary by boundary stops fitting (``first_turned``)."""
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -32,3 +33,15 @@ def range_max(table: list[list[float]], j: int, k: int) -> float:
     r = (k - j).bit_length() - 1
     row = table[r]
     return max(row[j], row[k - (1 << r)])
+
+
+def first_turned(lo: int, hi: int, turned: Callable[[int], bool]) -> int:
+    """The first index in [lo, hi) where ``turned`` holds (``hi`` where none does), by bisection, for a
+    ``turned`` that, once true, stays true (a segment that grew past fitting)."""
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if turned(mid):
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
