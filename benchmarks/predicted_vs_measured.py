@@ -118,7 +118,7 @@ def main(nprocs: list[int], rounds: int) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from partita.compiler.cli import calibrated_cluster
+    from partita.compiler.commands.calibrate import calibrated_cluster
     from partita.compiler.compile import compile_model
     from partita.compiler.report import fmt_time
     from partita.core.model.inputs import parse_input_spec

@@ -21,27 +21,26 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import click
-from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from partita.compiler.commands.calibrate import calibrate
 from partita.compiler.console import console, err_console
+from partita.compiler.console import progress_bar as _progress
 from partita.compiler.flags import FLOAT, INT, Endpoint, Number, verbose_flag
 from partita.compiler.report import plain
 from partita.compiler.run import NodeCount
 from partita.core.errors import PartitaError
-from partita.core.files import writable_path, write_text, writes
+from partita.core.files import writable_path, writes
 from partita.core.options import ALIASES, Options, flag_of, option_fields
-
-
-def _progress() -> Progress:
-    return Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(),
-                    console=err_console, transient=False)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="partita")
 def cli() -> None:
     """partita: plan how to train a PyTorch model across many devices, then run the plan."""
+
+
+cli.add_command(calibrate)
 
 
 def option_flags(command: str) -> Callable[[Any], Any]:
@@ -314,96 +313,6 @@ def _estimate_extras(profile: Any, micro_batch: int, precision: str, device: str
             "unit_numel": max(units.values(), default=0), "tensors": G.graph.get("step_peak_tensors", 0)}
 
 
-def _cuda_available() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
-
-
-def _calibrate_gpu(output: str) -> None:
-    """`partita calibrate --device cuda`: runtime/calibrate.py ``calibrate_gpu`` into a cluster file."""
-    import datetime
-
-    from partita.compiler.report import fmt_bytes, fmt_time
-    from partita.passes.calibrated import calibrated_gpu
-    from partita.runtime.calibrate import calibrate_gpu
-
-    writable_path(output)
-    try:
-        with _progress() as progress:
-            task = progress.add_task("measuring GEMMs, memory, launches and NCCL on this machine's GPUs", total=1)
-            r = calibrate_gpu()
-            progress.update(task, completed=1)
-    except RuntimeError as e:
-        raise PartitaError(f"cannot calibrate a GPU: {e}", hint="pass --device cpu to measure CPU processes") from e
-    spec = calibrated_gpu(r, date=datetime.date.today().isoformat())
-    write_text(output, spec.to_toml())
-    t = Table(title=f"calibration: {plain(r.device_name)} x {r.devices}", show_header=False, title_justify="left")
-    t.add_row("GEMM efficiency (bf16, large)", f"{r.efficiency:.3f} of {r.peak_flops / 1e12:.0f} TFLOP/s "
-              f"({plain(r.peak_source)})")
-    t.add_row("per-kernel cost", fmt_time(r.kernel_s))
-    for m, n, k, sec in r.gemm:
-        t.add_row(f"  GEMM {m} x {n} x {k}", f"{2 * m * n * k / sec / 1e12:.0f} TFLOP/s")
-    t.add_row("memory bandwidth (copy)", f"{fmt_bytes(r.hbm_bandwidth)}/s")
-    t.add_row("elementwise ops reach", f"{r.memory_efficiency:.2f} of it")
-    t.add_row("launching an op (host)", fmt_time(r.launch_s))
-    t.add_row("attention efficiency", f"{r.attention_efficiency:.3f}")
-    if r.allreduce_beta:
-        t.add_row("NCCL all-reduce beta / alpha", f"{fmt_bytes(r.allreduce_beta)}/s / {fmt_time(r.allreduce_alpha)}")
-    console.print(t)
-    console.print(f"cluster file written to [bold]{plain(output)}[/]; use it with --cluster {plain(output)}")
-
-
-def calibrated_cluster(r: Any) -> Any:
-    """The cluster file's figures from a calibration (``runtime.calibrate.CalibrationResult``)."""
-    from partita.passes.calibrated import calibrated_local
-
-    return calibrated_local(nproc=r.nproc, cpu_name=r.cpu_name, memory_bytes=r.memory_bytes_per_process,
-                            matmul_flops=r.matmul_flops, beta=r.allreduce_beta, alpha=r.allreduce_alpha,
-                            call_seconds=r.call_seconds, call_bytes=r.call_bytes, seconds=r.seconds,
-                            memory_bandwidth=r.memory_bandwidth, op_seconds=r.op_seconds)
-
-
-@cli.command()
-@click.option("--nproc", type=INT, default=4, show_default=True, help="local processes to measure between")
-@click.option("-o", "--output", metavar="PATH", default="local.toml", show_default=True)
-@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True,
-              help="what to measure: CPU processes on gloo, or this machine's GPUs (auto: cuda where torch sees one)")
-@writes("output")
-def calibrate(nproc: int, output: str, device: str) -> None:
-    """Measure this machine into a cluster file: on CPU, matmul FLOP/s, memory bandwidth, gloo all-reduce
-    bandwidth and latency and each collective's cost per call; on a GPU, GEMM efficiency by shape, memory
-    bandwidth, the cost of launching an op, attention's efficiency and NCCL's collectives."""
-    from partita.runtime.calibrate import calibrate as measure
-
-    if device == "cuda" or (device == "auto" and _cuda_available()):
-        _calibrate_gpu(output)
-        return
-    if nproc < 2:
-        raise PartitaError(f"--nproc {nproc}: calibration needs at least 2 processes",
-                           hint="pass --nproc 2 or more (one per device it measures between)")
-    writable_path(output)
-    with _progress() as progress:
-        task = progress.add_task(f"measuring matmul and gloo all-reduce on {nproc} processes", total=1)
-        r = measure(nproc)
-        progress.update(task, completed=1)
-    spec = calibrated_cluster(r)
-    write_text(output, spec.to_toml())
-    from partita.compiler.report import fmt_bytes, fmt_time
-
-    t = Table(title="calibration", show_header=False, title_justify="left")
-    t.add_row("matmul (fp32, per process)", f"{r.matmul_flops / 1e9:.1f} GFLOP/s")
-    t.add_row("all-reduce bandwidth (beta)", f"{fmt_bytes(r.allreduce_beta)}/s")
-    t.add_row("all-reduce latency (alpha)", fmt_time(r.allreduce_alpha))
-    t.add_row("memory bandwidth (copy, per process)", f"{fmt_bytes(r.memory_bandwidth)}/s")
-    t.add_row("per-kernel cost (host)", fmt_time(r.op_seconds))
-    t.add_row("memory per process", fmt_bytes(r.memory_bytes_per_process))
-    for kind, s in spec.call_latency.items():
-        t.add_row(f"{kind} cost per call", f"{fmt_time(s)} (a {fmt_bytes(r.call_bytes)} call between matmuls "
-                  f"added {fmt_time(r.call_seconds[kind])})")
-    console.print(t)
-    console.print(f"cluster file written to [bold]{plain(output)}[/]; use it with --cluster {plain(output)}")
-
 
 @cli.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
 @option_flags("run")
@@ -496,3 +405,4 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
+

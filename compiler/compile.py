@@ -302,7 +302,7 @@ def build_plan(
         tokens_per_s=B * profile.seq_len / step if profile.seq_len else None,
         model_tflops_per_device=achieved / 1e12,
         mfu=achieved / peak,
-        sources=prediction_sources(cluster),
+        sources={**prediction_sources(cluster), **({"expert routing": d.routing} if d.routing else {})},
     )
     Gm = micro_graph if micro_graph is not None else G
     missing = _strategies_not_offered(Gm, d)
@@ -344,6 +344,7 @@ def build_plan(
         offload=d.offload,
         sequence_parallel=d.sequence_parallel,
         cp_attention=d.cp_attention,
+        expert_load=d.expert_load,
         inference=request.inference,
         grad_bucket_bytes=d.bucket_bytes,
         reduce_dtype=request.reduce_dtype,

@@ -21,10 +21,12 @@ such a plan.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from partita.core.errors import PartitaError
 from partita.core.model.ops import op_name, tensor_values
 
 if TYPE_CHECKING:  # torch is imported by the functions that read fx nodes: the plan's checks run without it
@@ -226,3 +228,106 @@ def ep_conflicts(*, inference: bool, tp: int, offload: bool, sequence_parallel: 
     ``"inference"``, ``"tp"``, ``"offload"``, ``"sequence_parallel"``; [] where ep > 1 may run."""
     return [name for name, on in (("inference", inference), ("tp", tp > 1), ("offload", offload),
                                   ("sequence_parallel", sequence_parallel)) if on]
+
+
+# -- routing: how evenly a layer's rows fall on the ranks of an expert group ------------------------
+
+ROUTER_PROFILE = "partita router profile"  # the ``kind`` of the file `partita calibrate --router` writes
+LOAD_HINT = ("pin --expert-load with a number >= 1 (the slowest expert rank's rows over the mean), or a "
+             "router profile written by `partita calibrate --router`")
+BALANCED = ("assumed balanced: every rank of an expert group gets the mean rows (pin --expert-load, or "
+            "measure the router with `partita calibrate --router`)")
+
+
+def rank_load(counts: Sequence[int], ep: int) -> float:
+    """The slowest of ``ep`` expert ranks' rows over the mean, for one MoE layer whose experts got
+    ``counts`` rows each, the experts placed as core/mesh.py ``held_experts`` places them: 1 balanced,
+    ``ep`` at most (every row on one rank); 1 at ep = 1 (each rank runs every expert on its own rows)."""
+    from partita.core.mesh import held_experts
+
+    total = sum(counts)
+    if ep <= 1 or total <= 0:
+        return 1.0
+    return max(sum(counts[e] for e in held_experts(len(counts), ep, i)) for i in range(ep)) * ep / total
+
+
+@dataclass(frozen=True)
+class ExpertLoad:
+    """What the planner takes routing to be: ``factor`` pinned (the slowest expert rank's rows over
+    the mean, at every ep > 1, at most ep), or ``counts`` measured (each MoE layer's rows per
+    expert, in graph order, by `partita calibrate --router`), or neither: balanced. ``source`` says
+    which, in the report's words."""
+
+    factor: float | None = None
+    counts: tuple[tuple[int, ...], ...] | None = None
+    source: str = BALANCED
+
+    def loads(self, experts: Sequence[int], ep: int) -> tuple[float, ...]:
+        """Each MoE layer's load at ``ep`` (``experts``: each layer's expert count, in graph order):
+        the slowest rank of its expert group over the mean (``rank_load``)."""
+        if self.counts is not None and [len(c) for c in self.counts] != list(experts):
+            raise PartitaError(
+                f"the router profile has {len(self.counts)} MoE layer(s) of "
+                f"{'/'.join(str(len(c)) for c in self.counts) or 'no'} experts, the model {len(experts)} of "
+                f"{'/'.join(map(str, experts)) or 'no'}: it was measured on another model", hint=LOAD_HINT)
+        if ep <= 1:
+            return (1.0,) * len(experts)
+        if self.counts is not None:
+            return tuple(rank_load(c, ep) for c in self.counts)
+        return (min(self.factor or 1.0, float(ep)),) * len(experts)
+
+
+def expert_load(value: str | float | None) -> ExpertLoad:
+    """A ``--expert-load`` pin as the planner takes it: a number >= 1, or the path of a router profile
+    (`partita calibrate --router`); None: balanced. Refused, in the CLI's words, otherwise."""
+    if value is None:
+        return ExpertLoad()
+    try:
+        factor = float(value)
+    except ValueError:
+        import os
+
+        try:  # read once per version of the file (the search asks at every candidate)
+            stamp = os.stat(value).st_mtime_ns
+        except (OSError, ValueError):
+            stamp = None  # read_user_text names what is wrong
+        return _read_profile(str(value), stamp)
+    if not factor >= 1 or factor == float("inf"):
+        raise PartitaError(f"--expert-load {value} must be a number >= 1: the slowest expert rank's rows over "
+                           "the mean (1: balanced)", hint=LOAD_HINT)
+    return ExpertLoad(factor=factor, source=f"pinned: --expert-load {factor:g}, the slowest rank of each expert "
+                                            f"group running {factor:g}x the mean rows (at most ep)")
+
+
+@functools.lru_cache(maxsize=16)
+def _read_profile(path: str, stamp: int | None) -> ExpertLoad:
+    """A router profile (``router_profile``'s JSON), each field checked (``stamp``: its modification
+    time, so that a file written again is read again)."""
+    import json
+    import os
+
+    from partita.core.files import read_user_text
+
+    text = read_user_text(path, what="router profile", limit=1 << 24, hint=LOAD_HINT)
+    try:
+        data = json.loads(text)
+    except ValueError as e:
+        raise PartitaError(f"{path} is not a router profile: {e}", hint=LOAD_HINT) from e
+    layers = data.get("layers") if isinstance(data, dict) else None
+    if not isinstance(data, dict) or data.get("kind") != ROUTER_PROFILE or not isinstance(layers, list) or not all(
+            isinstance(x, dict) and isinstance(x.get("counts"), list) and x["counts"] and all(
+                isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in x["counts"]) for x in layers):
+        raise PartitaError(f"{path} is not a router profile: it needs \"kind\": \"{ROUTER_PROFILE}\" and \"layers\", "
+                           "each with \"counts\", the rows routed to each expert (whole numbers >= 0)",
+                           hint=LOAD_HINT)
+    counts = tuple(tuple(x["counts"]) for x in layers)
+    tokens = data.get("tokens")
+    return ExpertLoad(counts=counts, source=f"measured: {os.path.basename(path)}, the router's choices on "
+                                            f"{tokens if isinstance(tokens, int) else 'a batch of'} tokens "
+                                            f"({data.get('model', 'a model')}), {len(counts)} MoE layer(s)")
+
+
+def router_profile(counts: Sequence[Sequence[int]], *, tokens: int, model: str, layers: Sequence[str]) -> dict:
+    """The router profile `partita calibrate --router` writes: each MoE layer's rows per expert."""
+    return {"kind": ROUTER_PROFILE, "model": model, "tokens": tokens,
+            "layers": [{"layer": name, "counts": [int(c) for c in cs]} for name, cs in zip(layers, counts)]}

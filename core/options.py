@@ -118,6 +118,10 @@ class Options:
     cp_attention: str | None = option(None, PIN, "how attention meets the rest of its sequence at --cp > 1: ring "
                                       "(keys and values passed around) or all-to-all (sequence slices swapped "
                                       "for heads) [default: the planner's]", choices=CP_ATTENTION)
+    expert_load: str | None = option(None, PIN, "how unevenly the routers load the expert ranks: the slowest rank of "
+                                     "an expert group's rows over the mean (a number >= 1, at most ep), or a router "
+                                     "profile from `partita calibrate --router` [default: balanced]",
+                                     metavar="LOAD|FILE")
     world_size: int | None = option(None, PIN, "the processes the plan runs on (torchrun's)", flag=None)
 
     # -- how the runtime runs --------------------------------------------------------------------
@@ -318,7 +322,7 @@ class Options:
                     grad_accum_steps=self.grad_accum_steps, world_size=world_size or self.world_size,
                     schedule=self.schedule, recompute=self.recompute, offload=self.offload,
                     sequence_parallel=self.sequence_parallel, ep=self.ep, cp=self.cp,
-                    cp_attention=self.cp_attention)
+                    cp_attention=self.cp_attention, expert_load=self.expert_load)
 
     def cluster_spec(self) -> Any:
         """The cluster to plan for: a preset or cluster file by name, scaled by ``nodes`` / ``devices``."""

@@ -12,6 +12,7 @@ from typing import Any
 from partita.core.axes import check_pins
 from partita.core.axes.context import CP_ATTENTION
 from partita.core.errors import MAX_COUNT, POSITIVE_HINT, PartitaError, too_large
+from partita.core.experts import expert_load
 from partita.core.optimizers import OFFLOAD
 from partita.core.plans.plan import OPTIMIZERS
 from partita.core.precision import PRECISIONS, REDUCE_DTYPES
@@ -54,6 +55,9 @@ class Pins:
     ep: int | None = None  # experts split over groups of ep dp ranks (core/mesh.py Mesh.ep), or the planner's
     cp: int | None = None  # each sequence split over cp dp ranks (core/mesh.py Mesh.cp), or the planner's
     cp_attention: str | None = None  # core/axes/context.py CP_ATTENTION, or the planner's
+    # routing: the slowest expert rank's rows over the mean (a number), or a router profile's path
+    # (core/experts.py ``expert_load``); None: balanced
+    expert_load: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "recompute", recompute_mode(self.recompute))
@@ -77,6 +81,9 @@ class Pins:
             raise PartitaError(f"--cp-attention {self.cp_attention!r} is not one of {', '.join(CP_ATTENTION)}",
                                hint="ring passes keys and values around the cp group; all-to-all swaps sequence "
                                "slices for heads; leave it out to let partita choose")
+        if self.expert_load is not None:
+            object.__setattr__(self, "expert_load", str(self.expert_load))
+            expert_load(self.expert_load)  # a number >= 1 or a readable router profile
         check_pins(self)  # every axis's rules over what the pins fix (core/axes)
 
     # The planners decide every axis; a tp pin is checked against the cluster in
@@ -86,7 +93,7 @@ class Pins:
         """The pins in the CLI's words (``--dp 2 --zero 1``), or "no pins"."""
         flags = {"zero_stage": "zero", "world_size": "devices"}
         parts = []
-        for name in ("dp", "tp", "pp", "ep", "cp", "cp_attention", "zero_stage", "micro_batch_size",
+        for name in ("dp", "tp", "pp", "ep", "cp", "cp_attention", "expert_load", "zero_stage", "micro_batch_size",
                      "grad_accum_steps", "schedule", "world_size"):
             v = getattr(self, name)
             if v is not None:

@@ -28,7 +28,7 @@ import networkx as nx
 from partita.core.buckets import DEFAULT_BUCKET_BYTES
 from partita.core.cluster import ClusterSpec, Link
 from partita.core.errors import PartitaError
-from partita.core.experts import ExpertRegion, ep_conflicts, ep_degrees, expert_params
+from partita.core.experts import ExpertLoad, ExpertRegion, ep_conflicts, ep_degrees, expert_params
 from partita.core.optimizers import NO_OFFLOAD
 from partita.core.pins import Pins, TrainingRequest
 from partita.core.precision import activation_scale, element_bytes
@@ -43,7 +43,7 @@ from partita.passes.cost_model import (
     zero_step_comm,
 )
 from partita.passes.dp.buckets import gradient_buckets
-from partita.passes.pipeline.costs import NodeCosts
+from partita.passes.pipeline.costs import NodeCosts, node_costs
 
 EP_ALL_TO_ALL = "ep_all_to_all"  # the comm key of the all-to-alls over the expert group
 EDP_ALL_REDUCE = "edp_all_reduce"  # the comm key of the expert gradients' all-reduce
@@ -51,6 +51,7 @@ COUNT_BYTES = 8  # one int64 per expert: the rows a rank sends to it (runtime/ex
 DISPATCH = "expert dispatch: token rows to their experts' ranks (their gradients back in backward)"
 COMBINE = "expert combine: expert outputs back to their tokens' ranks (their gradients out in backward)"
 COUNTS = "expert counts: the rows each rank sends to each expert, before the dispatch"
+BALANCED = ExpertLoad()  # routing taken as even over every expert group's ranks
 CARRIED = "expert per-row values (a bias gathered by expert id, a scale) sent with their rows"
 
 
@@ -144,19 +145,21 @@ class AllToAll:
 
 
 def all_to_alls(regions: Sequence[ExpertRegion], micro_batch: int, batch: int, act_scale: float, *,
-                inference: bool = False, recompute: bool = False) -> tuple[AllToAll, ...]:
+                inference: bool = False, recompute: bool = False,
+                loads: Sequence[float] | None = None) -> tuple[AllToAll, ...]:
     """One micro-batch's all-to-alls on one rank, merged by (size, purpose): per MoE layer the
     counts (``E`` int64s), the dispatch of its ``rows x row_bytes``, the combine of its
     ``rows x out_bytes`` and each per-row value sent with the rows (``ExpertRegion.carried``),
     rows at the micro-batch (``rows x micro_batch / batch``, ``batch`` the captured one) and bytes
     at the precision's element size (``act_scale``); in backward each but the counts again, reversed
     (their gradients), and with ``recompute`` (whole layers rerun, core/recompute.py) the forward's
-    again."""
+    again. ``loads``: each layer's slowest expert rank's rows over the mean (``ExpertLoad.loads``; None:
+    balanced): that rank's rows, the all-to-all's largest buffer, set its time."""
     forward = 2 if recompute else 1
     passes = forward + (0 if inference else 1)
     calls: dict[tuple[int, str], int] = {}
-    for r in regions:
-        rows = r.rows * micro_batch / batch
+    for r, load in zip(regions, loads or [1.0] * len(regions)):
+        rows = r.rows * micro_batch / batch * load
         carried = [(round(rows * b * act_scale), CARRIED, passes) for _, _, b in r.carried]
         for nbytes, purpose, n in ((r.experts * COUNT_BYTES, COUNTS, forward),
                                    (round(rows * r.row_bytes * act_scale), DISPATCH, passes),
@@ -178,15 +181,16 @@ class ExpertStep:
 def expert_step(regions: Sequence[ExpertRegion], local_numels: Sequence[int], *, ep: int, dp: int, tp: int = 1,
                 micro_batch: int, batch: int, grad_accum: int, precision: str, reduce_dtype: str, captured_dtype: str,
                 cluster: ClusterSpec, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                recompute: bool = False) -> ExpertStep:
+                recompute: bool = False, loads: Sequence[float] | None = None) -> ExpertStep:
     """The all-to-alls of ``grad_accum`` micro-batches over the expert group (``all_to_alls``,
     each ``collective_time("all_to_all", S, ep, link)``), then the all-reduce of the rank's expert
     gradients (``local_numels``: its shards' elements, bucketed as the runtime buckets them) over
     the ``dp / ep`` ranks holding the same experts, as stage 0 of ``zero_step_comm`` (sent in
-    ``reduce_dtype``). ``recompute``: whole layers rerun in backward, their all-to-alls with them."""
+    ``reduce_dtype``). ``recompute``: whole layers rerun in backward, their all-to-alls with them.
+    ``loads``: routing as ``all_to_alls`` takes it."""
     ep_link, edp_link = expert_links(cluster, dp=dp, tp=tp, ep=ep)
     calls = all_to_alls(regions, micro_batch, batch, activation_scale(precision, captured_dtype),
-                        recompute=recompute)
+                        recompute=recompute, loads=loads)
     elem = element_bytes(precision)  # gradients are held in the compute dtype
     edp = zero_step_comm(0, gradient_buckets(local_numels, elem, bucket_bytes), dp // ep, grad_accum, edp_link,
                          elem_bytes=elem, reduce_dtype=reduce_dtype)
@@ -200,17 +204,20 @@ def expert_step(regions: Sequence[ExpertRegion], local_numels: Sequence[int], *,
 
 
 def expert_node_costs(costs: NodeCosts, G: nx.DiGraph, ep: int, *, micro_batch: int, batch: int,
-                      act_scale: float, link: Link, inference: bool = False) -> NodeCosts:
+                      act_scale: float, link: Link, inference: bool = False,
+                      loads: Sequence[float] | None = None) -> NodeCosts:
     """``costs`` (passes/pipeline/costs.py, at tp = 1) with the experts split over groups of ``ep``
     ranks on ``link``: each expert parameter's elements moved from ``param_numel`` to
     ``expert_numel`` at 1/ep, where ``node_costs`` put them (its first user's position), and each
     MoE layer's all-to-alls of one micro-batch (``all_to_alls``) added to its first grouped matmul:
     the counts, dispatch and combine to its forward, their gradients to its backward. So the stage
     holding a layer is charged them in its slot (the bubble, and a whole-layer recomputation's rerun
-    of the forward, follow), and holds a rank's slices of its experts."""
+    of the forward, follow), and holds a rank's slices of its experts. ``loads``: routing
+    (``ExpertLoad.loads``), the slowest rank's expert work and all-to-alls at it (``imbalanced``)."""
     experts = expert_param_names(G)
     if ep == 1 or not experts:
         return costs
+    costs = imbalanced(costs, model_experts(G), loads)
     at = {n: i for i, n in enumerate(costs.order)}
     shared = {sp.name for sp in costs.shared}
     params, held = list(costs.param_numel), [0] * len(costs.order)
@@ -225,9 +232,10 @@ def expert_node_costs(costs: NodeCosts, G: nx.DiGraph, ep: int, *, micro_batch: 
         params[i] -= numel
         held[i] += numel // ep
     fwd, bwd, a2a = list(costs.forward_s), list(costs.backward_s), [(0.0, 0.0)] * len(costs.order)
-    for r in model_experts(G):
+    for r, load in zip(model_experts(G), loads or [1.0] * len(model_experts(G))):
         f, total = (sum(c.calls * collective_time("all_to_all", c.nbytes, ep, link)
-                        for c in all_to_alls([r], micro_batch, batch, act_scale, inference=forward_only))
+                        for c in all_to_alls([r], micro_batch, batch, act_scale, inference=forward_only,
+                                             loads=[load]))
                     for forward_only in (True, inference))
         i = at[r.first]
         fwd[i], bwd[i], a2a[i] = fwd[i] + f, bwd[i] + total - f, (a2a[i][0] + f, a2a[i][1] + total - f)
@@ -236,19 +244,72 @@ def expert_node_costs(costs: NodeCosts, G: nx.DiGraph, ep: int, *, micro_batch: 
 
 
 def expert_costs(build: Callable[[int], NodeCosts], G: nx.DiGraph, ep: int, *, batch: int, precision: str,
-                 captured_dtype: str, cluster: ClusterSpec, tp: int = 1,
-                 inference: bool = False) -> Callable[[int], NodeCosts]:
+                 captured_dtype: str, cluster: ClusterSpec, tp: int = 1, inference: bool = False,
+                 load: ExpertLoad = BALANCED) -> Callable[[int], NodeCosts]:
     """``build`` (micro-batch -> per-node costs) with the experts split over ``ep`` (``expert_node_costs``),
-    the all-to-alls on the expert groups' link: the pipeline search's costs at a pinned ep."""
+    the all-to-alls on the expert groups' link, routing as ``load`` says: the pipeline search's costs at a
+    pinned ep."""
     link = cluster.link_for_group(ep, stride=tp)
     act = activation_scale(precision, captured_dtype)
+    loads = layer_loads(model_experts(G), ep, load)
     return lambda mb: expert_node_costs(build(mb), G, ep, micro_batch=mb, batch=batch, act_scale=act, link=link,
-                                        inference=inference)
+                                        inference=inference, loads=loads)
+
+
+def layer_loads(regions: Sequence[ExpertRegion], ep: int, load: ExpertLoad) -> tuple[float, ...]:
+    """Each MoE layer's slowest expert rank's rows over the mean at ``ep`` (core/experts.py ``ExpertLoad``)."""
+    return load.loads([r.experts for r in regions], ep)
+
+
+def routing(G: nx.DiGraph, ep: int, load: ExpertLoad) -> tuple[float, str]:
+    """Routing as a plan at ``ep`` is priced: the highest layer load (1 at ep = 1 or balanced) and, for a
+    model with experts, what it assumes and where from (the plan's ``sources``; "" without experts)."""
+    regions = model_experts(G)
+    if not regions:
+        return 1.0, ""
+    loads = layer_loads(regions, ep, load)
+    if ep == 1:
+        return 1.0, f"{load.source}; at ep = 1 every rank runs every expert on its own rows, so routing moves no time"
+    low, high = min(loads), max(loads)
+    spread = f"{high:.3g}x" if high - low < 5e-4 else f"{low:.3g}x to {high:.3g}x (by layer)"
+    return high, f"{load.source}; priced: the slowest rank of each expert group at {spread} the mean rows at ep = {ep}"
+
+
+def expert_rows(r: ExpertRegion) -> frozenset[str]:
+    """The nodes of an MoE layer that run on its dispatched rows: its grouped matmuls and the ops between
+    (``ExpertRegion.local``), not its weights' views. Their work grows with the rows a rank gets."""
+    return (r.local | frozenset(r.matmuls)) - r.chains
+
+
+def imbalanced(costs: NodeCosts, regions: Sequence[ExpertRegion], loads: Sequence[float] | None) -> NodeCosts:
+    """``costs`` on the slowest rank of each expert group: each layer's ``expert_rows`` forward and
+    backward seconds times its load (the rank's rows over the mean; ``costs`` as they are where
+    every load is 1). The step waits for that rank: the all-to-all after the experts ends when it has."""
+    if loads is None or all(x == 1 for x in loads):
+        return costs
+    at = {n: i for i, n in enumerate(costs.order)}
+    fwd, bwd = list(costs.forward_s), list(costs.backward_s)
+    for r, load in zip(regions, loads):
+        for i in sorted(at[n] for n in expert_rows(r) if n in at):
+            fwd[i], bwd[i] = fwd[i] * load, bwd[i] * load
+    return dataclasses.replace(costs, forward_s=tuple(fwd), backward_s=tuple(bwd))
+
+
+def imbalance_s(profile, cluster: ClusterSpec, request, micro_batch: int, loads: Sequence[float]) -> float:
+    """The seconds one micro-batch's forward and backward take longer on the slowest expert rank than
+    balanced (``imbalanced`` over the per-node costs at tp = 1, passes/pipeline/costs.py): what the mesh
+    search adds to a candidate's compute at ep > 1."""
+    if all(x == 1 for x in loads):
+        return 0.0
+    costs = node_costs(profile, cluster, request, micro_batch, tp=1)
+    slow = imbalanced(costs, model_experts(profile.graph), loads)
+    return sum(slow.forward_s) + sum(slow.backward_s) - sum(costs.forward_s) - sum(costs.backward_s)
 
 
 def stage_expert_steps(G: nx.DiGraph, node_stage: Mapping[str, int], recomputes: Sequence[bool], *, ep: int,
                        dp: int, tp: int = 1, micro_batch: int, batch: int, grad_accum: int, precision: str,
-                       reduce_dtype: str, captured_dtype: str, cluster: ClusterSpec) -> list[ExpertStep]:
+                       reduce_dtype: str, captured_dtype: str, cluster: ClusterSpec,
+                       load: ExpertLoad = BALANCED) -> list[ExpertStep]:
     """Each (virtual) stage's ``expert_step``: the all-to-alls of the MoE layers whose first grouped
     matmul it runs (``recomputes[s]``: it reruns whole layers, their forward's again) and the edp
     all-reduce of the expert slices it holds (each parameter on its first user's stage)."""
@@ -258,10 +319,11 @@ def stage_expert_steps(G: nx.DiGraph, node_stage: Mapping[str, int], recomputes:
             seen.add(a["param_name"])
             local[node_stage[n]].append(math.prod(a["shapes"][0]) // ep)
     regions = model_experts(G)
-    return [expert_step([r for r in regions if node_stage[r.first] == s], local[s], ep=ep, dp=dp, tp=tp,
-                        micro_batch=micro_batch, batch=batch, grad_accum=grad_accum, precision=precision,
-                        reduce_dtype=reduce_dtype, captured_dtype=captured_dtype, cluster=cluster, recompute=rerun)
-            for s, rerun in enumerate(recomputes)]
+    loads = dict(zip(regions, layer_loads(regions, ep, load)))
+    return [expert_step(at, local[s], ep=ep, dp=dp, tp=tp, micro_batch=micro_batch, batch=batch, grad_accum=grad_accum,
+                        precision=precision, reduce_dtype=reduce_dtype, captured_dtype=captured_dtype, cluster=cluster,
+                        recompute=rerun, loads=[loads[r] for r in at])
+            for s, rerun in enumerate(recomputes) for at in [[r for r in regions if node_stage[r.first] == s]]]
 
 
 def expert_parts(compute_s: float, comm: Mapping[str, float], traffic: Mapping[str, int], dp_key: str,

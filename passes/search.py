@@ -38,6 +38,7 @@ from partita.core.axes.context import RING
 from partita.core.buckets import DEFAULT_BUCKET_BYTES
 from partita.core.cluster import ClusterSpec
 from partita.core.errors import InfeasibleError, PartitaError
+from partita.core.experts import expert_load
 from partita.core.mesh import Mesh
 from partita.core.optimizers import NO_OFFLOAD, OFFLOAD_OPTIMIZER
 from partita.core.pins import Pins, TrainingRequest
@@ -59,7 +60,14 @@ from partita.passes.context import (
 from partita.passes.cost_model import model_state_memory, state_bytes_per_param, zero_optimizer_time, zero_step_comm
 from partita.passes.dp.buckets import gradient_buckets
 from partita.passes.dp.zero import STRATEGY_NAMES
-from partita.passes.experts import check_ep_pin, expert_parts, model_experts, pipeline_ep_pins, stage_expert_steps
+from partita.passes.experts import (
+    check_ep_pin,
+    expert_parts,
+    model_experts,
+    pipeline_ep_pins,
+    routing,
+    stage_expert_steps,
+)
 from partita.passes.explain import traffic_reason
 from partita.passes.facts import model_facts
 from partita.passes.peak_memory import peak_memory, step_buffers
@@ -107,6 +115,8 @@ class Decision:
     offload: str = NO_OFFLOAD  # the optimizer's state and masters in host memory (core/optimizers.py)
     sequence_parallel: bool = False  # the residual stream split along the sequence (passes/tp/sequence.py)
     cp_attention: str = RING  # how attention meets the rest of its sequence at mesh.cp > 1 (passes/context.py)
+    expert_load: float = 1.0  # the slowest expert rank's rows over the mean, as priced (passes/experts.py routing)
+    routing: str = ""  # what the expert load assumes, and where from ("" without experts)
 
 
 def plan_search(
@@ -237,8 +247,9 @@ def plan_search(
         notes += (f"{solved} candidates solved; {len(pruned)} pipeline (p, micro-batch) groups pruned before "
                   f"cutting: {slower} by a lower bound above the best step found, {len(pruned) - slower} "
                   "because no cuts fit memory (passes/pipeline/bounds.py PipelineBound)",)
+    load, said = routing(profile.graph, best.mesh.ep, expert_load(pins.expert_load))
     return replace(best, alternatives=alternatives, seconds=time.perf_counter() - t0, notes=notes,
-                   candidates=solved, pruned=len(pruned))
+                   candidates=solved, pruned=len(pruned), expert_load=load, routing=said)
 
 
 def _pruned_pipelines(pruned: Sequence[PrunedCandidate], best: Decision, limit: int = 8) -> tuple[Alternative, ...]:
@@ -399,7 +410,7 @@ def _from_pipeline(d: PipelineDecision, profile: ModelProfile, cluster: ClusterS
             profile.graph, node_stage, [st.recompute == FULL for st in best.stages], ep=best.ep, dp=best.dp, tp=tp,
             micro_batch=best.micro_batch_size, batch=profile.batch_size, grad_accum=best.micro_batches,
             precision=request.precision, reduce_dtype=request.reduce_dtype, captured_dtype=profile.param_dtype,
-            cluster=cluster), c, best.pp)
+            cluster=cluster, load=expert_load(pins.expert_load)), c, best.pp)
     cp, strategy = pins.cp or 1, RING
     if cp > 1:  # the slowest rank's exchanges around attention, told apart from its compute (passes/context.py)
         costs = context_costs(lambda mb: layouts.node_costs(mb, tp, sp and tp > 1), layouts.profile, request, cluster,

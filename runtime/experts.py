@@ -141,3 +141,41 @@ class ExpertLayers:
         for r in regions:
             for reader, value, _ in r.carried:
                 self.carried.setdefault(reader, (r, set()))[1].add(value)
+
+
+# -- routing as it falls: `partita calibrate --router` ------------------------------------------------
+
+
+def measure_routing(module: torch.nn.Module, args: tuple[Any, ...]) -> list[list[int]]:
+    """Each MoE layer's rows per expert when ``module`` runs forward on ``args`` (a real batch),
+    in the order the layers run (the graph's): read off the offsets every grouped matmul takes
+    (core/experts.py), the same argument the planner finds the layers by. Loop-style experts run
+    as grouped matmuls, as they are captured (core/model/moe_loops.py)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from partita.core.experts import is_grouped_mm_op
+    from partita.core.model.moe_loops import traceable_experts
+
+    class Routing(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.counts: list[list[int]] = []
+            self.last: torch.Tensor | None = None  # held, so a new layer's offsets are a new tensor
+
+        def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+            kwargs = kwargs or {}
+            offs = args[2] if len(args) > 2 else kwargs.get("offs")
+            if is_grouped_mm_op(str(func)) and isinstance(offs, torch.Tensor) and offs is not self.last:
+                self.last = offs  # one layer's grouped matmuls share its offsets: counted once
+                ends = [int(x) for x in offs.tolist()]
+                self.counts.append([b - a for a, b in zip([0] + ends[:-1], ends)])
+            return func(*args, **kwargs)
+
+    was = module.training
+    module.eval()
+    try:
+        with torch.no_grad(), traceable_experts(module), Routing() as seen:
+            module(*args)
+    finally:
+        module.train(was)
+    return seen.counts

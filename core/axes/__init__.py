@@ -26,7 +26,15 @@ def pin_settings(pins: Any, *, inference: bool | None = None) -> dict[str, Any]:
     values = {name: getattr(pins, name, None) for name in SETTINGS}
     values["recompute"] = None if pins.recompute is None else frozenset((pins.recompute,))
     values["inference"] = inference
+    values["expert_load"] = _number(pins.expert_load)  # a router profile's load depends on ep: the planner's
     return values
+
+
+def _number(value: Any) -> float | None:
+    try:
+        return None if value is None else float(value)
+    except ValueError:
+        return None
 
 
 def check_pins(pins: Any, *, inference: bool | None = None, facts: Mapping[str, Any] | None = None) -> None:
@@ -44,7 +52,7 @@ def plan_settings(plan: Any) -> dict[str, Any]:
             "zero_stage": t.zero_stage, "schedule": t.schedule,
             "grad_accum_steps": t.grad_accum_steps,
             "recompute": frozenset(s.recompute for s in plan.stages), "offload": t.offload,
-            "sequence_parallel": t.sequence_parallel, "inference": t.inference}
+            "sequence_parallel": t.sequence_parallel, "inference": t.inference, "expert_load": t.expert_load}
 
 
 def plan_facts(plan: Any) -> dict[str, Any]:

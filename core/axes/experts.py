@@ -27,6 +27,17 @@ def _beside(setting: str, flag: str) -> Rule:
                 f"{EP_RUNS}", f"drop {flag}, or drop --ep")
 
 
+LOAD_WITHOUT_EXPERTS = Rule(
+    ("expert_load", "experts"), lambda v: v["expert_load"] != 1 and not v["experts"],
+    lambda say, v: f"{say('expert_load')}: the model has no mixture-of-experts layer whose routing it could weigh",
+    "drop --expert-load")
+LOAD_ABOVE_EP = Rule(
+    ("expert_load", "ep"), lambda v: not 1 <= v["expert_load"] <= max(v["ep"], 1),
+    lambda say, v: f"{say('expert_load')} with {say('ep')}: the slowest rank of an expert group runs 1 to ep times "
+                   "the mean rows (at ep = 1 each rank runs every expert on its own rows: no imbalance)",
+    "pin --expert-load between 1 and --ep, or drop one of them")
+
+
 def _plan_checks(plan) -> list[str]:
     """An ep layout is an expert weight's: compile gives it to the parameters its grouped matmuls read
     and to no other (by module: a plan names no placeholder's parameter; check_layouts compares
@@ -43,8 +54,9 @@ def _plan_checks(plan) -> list[str]:
     return out
 
 
-AXIS = Axis("expert parallelism", ("ep",),
+AXIS = Axis("expert parallelism", ("ep", "expert_load"),
             (DIVIDES_DP, NO_EXPERTS, _beside("tp", "--tp"), _beside("inference", "--inference"),
-             _beside("offload", "--offload"), _beside("sequence_parallel", "--sequence-parallel")), _plan_checks,
+             _beside("offload", "--offload"), _beside("sequence_parallel", "--sequence-parallel"),
+             LOAD_WITHOUT_EXPERTS, LOAD_ABOVE_EP), _plan_checks,
             lambda plan: (f"ep = {plan.mesh.ep}: each MoE layer's experts split over groups of {plan.mesh.ep} "
                           "data-parallel ranks" if plan.mesh.ep > 1 else None))

@@ -24,6 +24,7 @@ SETTINGS: dict[str, tuple[str, str]] = {
     "ep": ("--ep", "mesh.ep"),
     "cp": ("--cp", "mesh.cp"),
     "cp_attention": ("--cp-attention", "training.cp_attention"),
+    "expert_load": ("--expert-load", "training.expert_load"),
     "zero_stage": ("--zero", "training.zero_stage"),
     "schedule": ("--schedule", "training.schedule"),
     "grad_accum_steps": ("--grad-accum-steps", "training.grad_accum_steps"),

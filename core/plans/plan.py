@@ -90,6 +90,9 @@ class Training:
     # how attention meets the rest of its sequence at mesh.cp > 1 (core/axes/context.py CP_ATTENTION):
     # "ring" passes keys and values around the cp group, "all-to-all" swaps sequence slices for heads
     cp_attention: str = "ring"
+    # routing as priced: the slowest rank of an expert group's rows over the mean, the highest over the MoE
+    # layers (core/experts.py ``ExpertLoad``); 1 balanced, and at ep = 1 (each rank runs every expert)
+    expert_load: float = 1.0
 
     def __post_init__(self) -> None:
         if self.zero_stage not in (0, 1, 2, 3):

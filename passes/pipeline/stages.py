@@ -28,6 +28,7 @@ from dataclasses import replace
 from partita.core.buckets import DEFAULT_BUCKET_BYTES, unit_of
 from partita.core.cluster import ClusterSpec, Link
 from partita.core.errors import InfeasibleError, PartitaError
+from partita.core.experts import expert_load
 from partita.core.mesh import Mesh
 from partita.core.optimizers import NO_OFFLOAD, OFFLOAD_OPTIMIZER
 from partita.core.pins import Pins, TrainingRequest
@@ -161,10 +162,11 @@ class _CutSearch:
         if floor_costs is None and costs is None:
             floor_costs = self.build
         if (pins.ep or 1) > 1:  # a rank's slices of the experts, the all-to-alls in the slots (passes/experts.py)
+            load = expert_load(pins.expert_load)  # routing: the slowest expert rank's rows
             self.build, floor_costs = (f and expert_costs(f, profile.graph, pins.ep, batch=profile.batch_size,
                                                           precision=request.precision, cluster=cluster, tp=tp,
                                                           captured_dtype=profile.param_dtype,
-                                                          inference=request.inference)
+                                                          inference=request.inference, load=load)
                                        for f in (self.build, floor_costs))
         if cp > 1:  # each attention core's exchanges over the cp group in its slots (passes/context.py)
             self.build = context_costs(self.build, profile, request, cluster, cp, tp=tp, pinned=pins.cp_attention)

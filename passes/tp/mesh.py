@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from partita.core.buckets import unit_of
 from partita.core.cluster import ClusterSpec
 from partita.core.errors import InfeasibleError, PartitaError
+from partita.core.experts import expert_load
 from partita.core.mesh import Mesh
 from partita.core.pins import Pins, TrainingRequest
 from partita.core.placement import shard_dim
@@ -58,6 +59,8 @@ from partita.passes.experts import (
     expert_param_names,
     expert_shards,
     expert_step,
+    imbalance_s,
+    layer_loads,
     model_experts,
     split_state,
 )
@@ -249,14 +252,16 @@ def choose_mesh(
                         grad_accum=accum, dp=dp, tp=tp, grad_buckets=list(buckets), state=state, cluster=cluster,
                         reduce_dtype=request.reduce_dtype, zero_stage=z, local_params=sum(dense.values()),
                         state_bytes=state_per_param)
-                    if ep > 1:
+                    if ep > 1:  # routing as pinned or measured: the slowest expert rank's work (passes/experts.py)
+                        loads = layer_loads(regions, ep, expert_load(pins.expert_load))
                         moe = expert_step(regions, mine, ep=ep, dp=dp, tp=tp, micro_batch=mb, batch=profile.batch_size,
                                           grad_accum=accum, precision=request.precision,
                                           reduce_dtype=request.reduce_dtype, captured_dtype=profile.param_dtype,
-                                          cluster=cluster, bucket_bytes=bucket_bytes)
+                                          cluster=cluster, bucket_bytes=bucket_bytes, loads=loads)
                         opt = (zero_optimizer_time(sum(dense.values()), state_per_param, z, dp, cluster)
                                + expert_optimizer_time(sum(mine), state_per_param, cluster))
-                        cost = StepCost(cost.compute_s, {**cost.comm_s, **moe.seconds}, opt,
+                        slow = accum * imbalance_s(profile, cluster, request, mb, loads)
+                        cost = StepCost(cost.compute_s + slow, {**cost.comm_s, **moe.seconds}, opt,
                                         {**cost.traffic_bytes, **moe.traffic_bytes})
                     if request.inference:
                         cost = StepCost(cost.compute_s, {k: v for k, v in cost.comm_s.items() if k.startswith("tp_")},

@@ -1,0 +1,1 @@
+"""CLI commands kept apart from compiler/cli.py, each registered on its group there."""
