@@ -15,7 +15,8 @@ bias (its gradient's reduction).
 
 Forward rules (one multiply-add = 2 FLOPs):
 - matmul-likes (mm, addmm, bmm, matmul, linear, baddbmm): 2 m n k, i.e.
-  2 x output elements x the contracted dim;
+  2 x output elements x the contracted dim; a grouped matmul over experts (core/experts.py: rows
+  (R, K) against stacked weights (E, K, N), each row by its expert's): 2 R K N, the same rule;
 - convolution: 2 x output elements x (C_in / groups) x kernel elements;
 - scaled_dot_product_attention: 4 b heads s_q s_k d (QK^T and AV; no saving
   for the causal mask, as in Megatron's count);
@@ -24,7 +25,7 @@ Forward rules (one multiply-add = 2 FLOPs):
 - everything else (elementwise, norms, softmax, dropout, activations): 1 per output element.
 
 Backward rules:
-- matmul-likes and convolution: the forward count for each of the two operands
+- matmul-likes (grouped ones too) and convolution: the forward count for each of the two operands
   (activation, weight) that needs a gradient: 2x when both do, 1x when only one
   does (the first layer's input needs none);
 - attention: 2.5x forward, FlashAttention's accounting (the backward recomputes
@@ -40,6 +41,7 @@ import math
 
 import networkx as nx
 
+from partita.core.experts import is_grouped_mm_op
 from partita.core.model.graph import gradient_flows
 from partita.core.model.ops import ATTENTION as _ATTENTION
 from partita.core.model.ops import CONV as _CONV
@@ -91,8 +93,13 @@ def is_view(op: str) -> bool:
     return base_op(op) in _VIEWS or returns_view(op)
 
 
+def _matmul_like(op: str, a: dict) -> bool:
+    """A matmul, a grouped matmul over experts (its op named in full in ``a``) or a convolution."""
+    return op in _MATMUL or op in _CONV or is_grouped_mm_op(a.get("op", ""))
+
+
 def _backward_kernels(a: dict, op: str) -> int:
-    if op in _MATMUL or op in _CONV:
+    if _matmul_like(op, a):
         bias = op in ("addmm", "baddbmm") or (op in ("linear", "convolution", "conv1d", "conv2d", "conv3d")
                                              and len(a.get("inputs", ())) >= 3)
         return 2 + int(bias)
@@ -104,7 +111,7 @@ def _forward(a: dict, op: str) -> int:
         return 0
     out = math.prod(a["shapes"][0])
     ins = a["in_shapes"]
-    if op in _MATMUL:
+    if op in _MATMUL or is_grouped_mm_op(a["op"]):
         operand = ins[1] if op in ("addmm", "baddbmm") else ins[0]
         if op == "linear":
             return 2 * out * ins[1][-1]  # weight (out, in)
@@ -126,7 +133,7 @@ def _backward(G: nx.DiGraph, name: str, op: str) -> int:
     a = G.nodes[name]
     if a["kind"] != "call":
         return 0
-    if op in _MATMUL or op in _CONV:
+    if _matmul_like(op, a):
         preds = _ordered_operands(G, name, op)
         return a["flops_fwd"] * sum(1 for p in preds if G.nodes[p]["requires_grad"])
     if op in _ATTENTION:
