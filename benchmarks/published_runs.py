@@ -245,12 +245,16 @@ class Priced:
 def price(r: Run, pins: Pins | None = None) -> Priced:
     """The published configuration (or ``pins``) through ``plan_search``; relax memory if it does not fit."""
     prof, numels = profile_of(r)
-    request = TrainingRequest(global_batch=r.batch, precision="bf16-mixed")
+    # DeepSpeed's ZeRO (the ZeRO-3 rows) reduced gradients in the training dtype (fp16 in 2021); Megatron-LM
+    # in fp32 (its main gradients), partita's default
+    request = TrainingRequest(global_batch=r.batch, precision="bf16-mixed",
+                              reduce_dtype="bf16" if r.zero_stage == 3 else "fp32")
     # The runs' recomputation (full, or Korthikanti's selective), pinned on every stage; partita does
     # not recompute under ZeRO-3, so those rows are priced without it.
     pinned = r.recompute if r.recompute in ("full", "selective") and r.zero_stage < 3 else None
     pins = pins or Pins(dp=r.dp if r.pp == 1 else None, tp=r.tp, pp=r.pp, micro_batch_size=r.micro_batch or None,
                         zero_stage=r.zero_stage, recompute=pinned, offload="none",  # none of the runs offloaded
+                        cp=1,  # nor split sequences (unpinned, a run that does not fit would be priced with cp)
                         schedule=r.schedule if r.pp > 1 else None, sequence_parallel=r.sequence_parallel or None)
     cluster = cluster_for(r)
     try:
