@@ -29,8 +29,11 @@ INTERLEAVED = "interleaved-1f1b"
 NONE = "none"
 # the pipeline schedules, in the order the planner weighs them
 SCHEDULES: tuple[str, ...] = (ONE_F_ONE_B, INTERLEAVED, GPIPE)
-# schedules running several model chunks per rank -> the chunks per rank (v) the planner weighs
+# schedules running several model chunks per rank -> the fewest chunks per rank (v) they run
 CHUNKED: dict[str, int] = {INTERLEAVED: 2}
+# the most chunks per rank the planner weighs: the bubble falls as 1 / v, the sends grow as v
+# (Megatron-LM runs its published GPT-3 and Llama 3 configurations at 2 to 8 layers' chunks)
+MAX_CHUNKS = 8
 
 FORWARD, BACKWARD = "forward", "backward"
 
@@ -43,8 +46,14 @@ def check_schedule(schedule: str, *, allow_none: bool = True) -> None:
 
 
 def chunks_of(schedule: str) -> int:
-    """Model chunks per pipeline rank the planner cuts for ``schedule`` (1 but for a chunked one)."""
+    """The fewest model chunks per pipeline rank ``schedule`` runs (1 but for a chunked one)."""
     return CHUNKED.get(schedule, 1)
+
+
+def chunk_counts(schedule: str) -> range:
+    """The chunks per pipeline rank the planner weighs for ``schedule``: 1, or for a chunked one every
+    count from its fewest to ``MAX_CHUNKS`` (each cut where the model has parts enough)."""
+    return range(chunks_of(schedule), MAX_CHUNKS + 1) if schedule in CHUNKED else range(1, 2)
 
 
 def chunk_problem(schedule: str, ranks: int, chunks: int, micro_batches: int) -> str | None:

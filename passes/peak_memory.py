@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from partita.core.buckets import DEFAULT_BUCKET_BYTES, unit_of
 from partita.core.cluster import ClusterSpec
 from partita.core.plans.plan import MemoryBreakdown
 from partita.core.precision import dtype_bytes, element_bytes
@@ -167,3 +168,31 @@ def peak_memory(state: ModelStateMemory, *, activations: float, capacity: int, c
     total = peak_total(m.state, m.activations + m.transient, buffers, cluster, grads=m.grads,
                        backward_grads=m.backward_grads)
     return dataclasses.replace(m, allocator=total - m.total)
+
+
+def stage_buffers(profile: Any, request: Any,
+                  tp: int) -> Callable[[int, int, int], Callable[[int], StepBuffers] | None]:
+    """(ZeRO stage, dp, micro-batches) -> the runtime's buffers of a pipeline stage by its parameter
+    elements (``step_buffers``): its largest parameter and ZeRO-3 unit taken as the model's (a
+    ``ModelProfile``'s), split over tp; None for inference (``request``: a ``TrainingRequest``)."""
+    G = profile.graph
+    whole: dict[str, int] = {}
+    for _, a in G.nodes(data=True):
+        if a["kind"] == "param":
+            whole[a["param_name"]] = math.prod(a["shapes"][0]) if a["shapes"] else 0
+    layers = [layer for r in profile.repeated for layer in r.layers]
+    units: dict[str, int] = {}
+    for name, n in whole.items():
+        units[unit_of(name, layers)] = units.get(unit_of(name, layers), 0) + n
+    largest = math.ceil(max(whole.values(), default=0) / tp)
+    unit = math.ceil(max(units.values(), default=0) / tp)
+    tensors = G.graph.get("step_peak_tensors", 0)
+
+    def of(z: int, dp: int, m: int) -> Callable[[int], StepBuffers] | None:
+        if request.inference:
+            return None
+        return lambda numel: step_buffers(precision=request.precision, reduce_dtype=request.reduce_dtype,
+                                          zero_stage=z, dp=dp, numel=numel, largest=min(largest, numel),
+                                          unit_numel=unit, bucket_bytes=DEFAULT_BUCKET_BYTES, tensors=tensors,
+                                          accumulates=dp > 1 or m > 1)
+    return of

@@ -80,9 +80,9 @@ class PipelineCandidate:
         return self.cost.step_s if self.cost else INF
 
     @property
-    def key(self) -> tuple[int, int, int, str, str, int, str]:
+    def key(self) -> tuple[int, int, int, str, str, int, str, int]:
         return (self.pp, self.dp, self.micro_batch_size, self.schedule, self.shared_policy, self.zero_stage,
-                self.offload)
+                self.offload, self.chunks)
 
 
 @dataclass(frozen=True)
@@ -121,7 +121,7 @@ def binds_memory(c: Any) -> bool:
 
 
 def _label(c: PipelineCandidate) -> str:
-    sched = "" if c.schedule == "none" else f" {c.schedule.upper()}"
+    sched = "" if c.schedule == "none" else f" {c.schedule.upper()}" + (f" x {c.chunks} chunks" if c.chunks > 1 else "")
     zero = f", {STRATEGY_NAMES[c.zero_stage]}" if c.zero_stage else ""
     return f"pp={c.pp} x dp={c.dp}, {c.micro_batches} micro-batch(es) of {c.micro_batch_size}{sched}{zero}"
 

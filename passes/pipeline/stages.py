@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 
-from partita.core.buckets import DEFAULT_BUCKET_BYTES, unit_of
+from partita.core.buckets import unit_of
 from partita.core.cluster import ClusterSpec, Link
 from partita.core.errors import InfeasibleError, PartitaError
 from partita.core.experts import expert_load
@@ -34,7 +34,7 @@ from partita.core.optimizers import NO_OFFLOAD, OFFLOAD_OPTIMIZER
 from partita.core.pins import Pins, TrainingRequest
 from partita.core.precision import wire_bytes
 from partita.core.recompute import NONE
-from partita.core.schedule import SCHEDULES, chunk_problem, chunks_of, in_flight
+from partita.core.schedule import SCHEDULES, chunk_counts, chunk_problem, in_flight
 from partita.passes.context import context_costs, context_profile
 from partita.passes.cost_model import (
     collective_time,
@@ -47,7 +47,7 @@ from partita.passes.dp.buckets import gradient_buckets
 from partita.passes.dp.zero import STRATEGY_NAMES, zero_stages
 from partita.passes.experts import expert_costs, expert_links, expert_optimizer_time
 from partita.passes.explain import gb
-from partita.passes.peak_memory import StepBuffers, step_buffers
+from partita.passes.peak_memory import stage_buffers
 from partita.passes.pipeline.bounds import AllPruned, PipelineBound, PrunedCandidate, cached_costs, cut_windows
 from partita.passes.pipeline.costs import NodeCosts, Recompute, node_costs, pipeline_order, recompute_costs
 from partita.passes.pipeline.cuts import Partition, StageSetup, any_cuts_fit, solve_cuts
@@ -128,6 +128,8 @@ def choose_pipeline(
         search.weigh_group(index, *group)
         if probe and any(c.fits for _, c in search.found):
             break
+    if not probe:
+        search.more_chunks()
     if search.bounder is not None and not any(c.fits for _, c in search.found):
         if probe or (bound < INF and (search.found or search.pruned or search.unfit)):
             raise AllPruned(tuple(search.pruned) + tuple(search.unfit_records()))
@@ -157,7 +159,7 @@ class _CutSearch:
         self.state = state_bytes_per_param(request.precision, request.optimizer, inference=request.inference)
         cp = pins.cp or 1
         profile = context_profile(profile, cp)  # one cp rank's share of every sequence (passes/context.py)
-        self.step_buffers = _step_buffers(profile, request, tp)
+        self.step_buffers = stage_buffers(profile, request, tp)
         self.build = costs or (lambda mb: node_costs(profile, cluster, request, mb, tp=tp))
         if floor_costs is None and costs is None:
             floor_costs = self.build
@@ -181,7 +183,7 @@ class _CutSearch:
         host = offloaded_state(self.state, OFFLOAD_OPTIMIZER, request.precision)[1] \
             if OFFLOAD_OPTIMIZER in self.offloads else None
         self.bounder = PipelineBound(cluster, request, self.state, tp, floor_costs,
-                                     chunks=max(map(chunks_of, self.schedules)), host=host) \
+                                     chunks=max(chunk_counts(s)[0] for s in self.schedules), host=host) \
             if prune and floor_costs else None
         self.found: list[tuple[int, PipelineCandidate]] = []  # (group index, candidate)
         self.pruned: list[PrunedCandidate] = []
@@ -225,11 +227,12 @@ class _CutSearch:
     def _schedules(self, p: int, m: int, zero_options: tuple[int, ...], c: NodeCosts
                    ) -> list[tuple[str, int, tuple[int, ...]]]:
         """(schedule, chunks per rank, ZeRO stages) weighed at p stages of m micro-batches: a chunked
-        schedule where its chunks run (core/schedule.py ``chunk_problem``), there are boundaries for
-        p v stages, and ZeRO is off (runtime/compose.py runs it with one chunk per rank only)."""
+        schedule at its fewest chunks (more: ``more_chunks``) where its chunks run (core/schedule.py
+        ``chunk_problem``), there are boundaries for p v stages, and ZeRO is off (runtime/compose.py
+        runs it with one chunk per rank only)."""
         out = []
         for schedule in (("none",) if p == 1 else self.schedules):
-            v = chunks_of(schedule)
+            v = chunk_counts(schedule)[0]
             # every chunk holds parameters of its own (passes/pipeline/cuts.py ``Partition.empty``)
             held = _holding(c) if v > 1 else 0
             if v > 1 and p * v > held and not chunk_problem(schedule, p, v, m):
@@ -240,6 +243,28 @@ class _CutSearch:
             if zs:
                 out.append((schedule, v, zs))
         return out
+
+    def more_chunks(self) -> None:
+        """The fastest candidate's group cut again at every chunk count above the fewest (core/schedule.py
+        ``chunk_counts``) of each chunked schedule weighed, without ZeRO, as far as the model has parts:
+        the bubble falls as 1 / v and the sends grow as v, so the count is weighed once the rest of the
+        plan is settled (every count on every group would multiply the cut programs: 175B's search went
+        from 8 to 119 s)."""
+        fitting = [(i, c) for i, c in self.found if c.fits]
+        if not fitting:
+            return
+        index, _ = min(fitting, key=lambda ic: (ic[1].step_s, ic[1].memory.total, ic[1].schedule != "1f1b",
+                                                 ic[1].pp))
+        p, dp, mb, m = self.groups[index]
+        c = self.cache[mb]
+        if p == 1 or 0 not in self.zero_options(p, dp):
+            return
+        for schedule in self.schedules:
+            for v in chunk_counts(schedule)[1:]:
+                if chunk_problem(schedule, p, v, m) or p * v > min(len(c.boundaries) + 1, _holding(c)):
+                    break  # more chunks have fewer parts each: none runs either
+                for policy, forbid in _shared_policies(c, p * v):
+                    self._weigh_zero_stages(index, c, self._setups(p, m, schedule, v, dp, (0,)), mb, policy, forbid)
 
     def _setups(self, p: int, m: int, schedule: str, v: int, dp: int, zs: tuple[int, ...]) -> list[StageSetup]:
         """The cut problems of p ranks x v chunks, in the order they are weighed: each ZeRO stage of
@@ -376,34 +401,6 @@ class _CutSearch:
         any_costs = next(iter(self.cache.values()))
         return PipelineDecision(best, tuple(ordered), reasons, any_costs.order, any_costs.boundaries,
                                 any_costs.shared, self.solves, time.perf_counter() - self.t0, tuple(self.pruned))
-
-
-def _step_buffers(profile: ModelProfile, request: TrainingRequest,
-                  tp: int) -> Callable[[int, int, int], Callable[[int], StepBuffers] | None]:
-    """(ZeRO stage, dp, micro-batches) -> the runtime's buffers of a stage by its parameter elements
-    (peak_memory.step_buffers): its largest parameter and ZeRO-3 unit taken as the model's, split over
-    tp; None for inference."""
-    G = profile.graph
-    whole: dict[str, int] = {}
-    for _, a in G.nodes(data=True):
-        if a["kind"] == "param":
-            whole[a["param_name"]] = math.prod(a["shapes"][0]) if a["shapes"] else 0
-    layers = [layer for r in profile.repeated for layer in r.layers]
-    units: dict[str, int] = {}
-    for name, n in whole.items():
-        units[unit_of(name, layers)] = units.get(unit_of(name, layers), 0) + n
-    largest = math.ceil(max(whole.values(), default=0) / tp)
-    unit = math.ceil(max(units.values(), default=0) / tp)
-    tensors = G.graph.get("step_peak_tensors", 0)
-
-    def of(z: int, dp: int, m: int) -> Callable[[int], StepBuffers] | None:
-        if request.inference:
-            return None
-        return lambda numel: step_buffers(precision=request.precision, reduce_dtype=request.reduce_dtype,
-                                          zero_stage=z, dp=dp, numel=numel, largest=min(largest, numel),
-                                          unit_numel=unit, bucket_bytes=DEFAULT_BUCKET_BYTES, tensors=tensors,
-                                          accumulates=dp > 1 or m > 1)
-    return of
 
 
 def _unfit_record(part: Partition, dp: int, tp: int, mb: int, cluster: ClusterSpec) -> PrunedCandidate:

@@ -441,3 +441,25 @@ def test_a_capped_solve_within_its_windows_returns_the_uncapped_cuts_below_the_c
                         assert got == (INF, ()), (n, p, m, cap)
                         capped += windows is None
     assert compared > 300 and capped > 100, (compared, capped)
+
+
+def test_more_chunks_per_rank_where_the_bubble_outweighs_the_sends(monkeypatch):
+    """At few micro-batches the interleaved schedule's bubble, (p - 1) / (v m) of the compute, shrinks with
+    every chunk a rank runs: the chosen group is cut again at 3, 4, ... chunks (``more_chunks``) and the
+    most that the model's layers allow wins where sends cost nothing; with chunks capped at 2 the plan is
+    the slower one, so the search weighed them and did not merely relabel."""
+    import partita.core.schedule as schedule
+
+    deep = _profile(_gpt(n_layer=16, n_embd=1024, n_head=16))
+    cluster = dataclasses.replace(PRESETS["dgx-a100"].with_devices(4), kernel_s=0.0, launch_s=0.0, call_latency={})
+    req = TrainingRequest(global_batch=32, precision="bf16-mixed")
+    pins = Pins(pp=4, grad_accum_steps=4, schedule="interleaved-1f1b")
+    best = _choose(deep, cluster, req, pins, prune=True).best
+    assert best.schedule == "interleaved-1f1b" and best.chunks > 2
+    c = best.cost
+    assert c.bubble_s / (c.compute_s + c.p2p_s) == pytest.approx(bubble_fraction(4, 4, best.chunks))
+    assert len(best.stages) == 4 * best.chunks and all(st.params for st in best.stages)
+    assert _choose(deep, cluster, req, pins, prune=False).best.step_s == pytest.approx(best.step_s)
+    monkeypatch.setattr(schedule, "MAX_CHUNKS", 2)
+    two = _choose(deep, cluster, req, pins, prune=True).best
+    assert two.chunks == 2 and two.step_s > best.step_s

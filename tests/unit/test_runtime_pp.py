@@ -6,7 +6,7 @@ summed, forward-only inference), pp=4 (GPT with both schedules and their
 traces, HF Llama whose rotary embeddings are relayed through the middle
 stages), dp=2 x pp=2, tp=2 x pp=2, and dp=2 x tp=2 x pp=2 on 8 processes; interleaved 1F1B
 with 2 chunks per rank on pp=2 (GPT with its trace, the tied GPT), dp=2 x pp=2 (HF Llama) and
-tp=2 x pp=2:
+tp=2 x pp=2, and with 3 chunks per rank on pp=2 (a 4-layer GPT):
 losses each step, first-step gradients and parameters after 3 steps per
 stage, and the p2p sends per step equal to the tensors crossing the cuts; forward-only
 inference's output; the traces' spans, in each schedule's order.
@@ -22,7 +22,7 @@ RTOL, ATOL = 1e-4, 2e-5
 CASES = {
     "pp2": ["gpt/dp=1/tp=1/pp=2/gpipe/m=4", "gpt/dp=1/tp=1/pp=2/1f1b/m=4", "tied-gpt/dp=1/tp=1/pp=2/1f1b/m=4",
             "gpt/inference/dp=1/pp=2", "gpt/dp=1/tp=1/pp=2/interleaved-1f1b/m=4",
-            "tied-gpt/dp=1/tp=1/pp=2/interleaved-1f1b/m=6"],
+            "tied-gpt/dp=1/tp=1/pp=2/interleaved-1f1b/m=6", "gpt-4l/dp=1/tp=1/pp=2/interleaved-1f1b/m=4"],
     "pp4-dp2xpp2-tp2xpp2": ["gpt/dp=1/tp=1/pp=4/1f1b/m=4", "gpt/dp=1/tp=1/pp=4/gpipe/m=4",
                             "hf-llama/dp=1/tp=1/pp=4/1f1b/m=4", "gpt/dp=2/tp=1/pp=2/1f1b/m=4",
                             "gpt/dp=1/tp=2/pp=2/gpipe/m=4", "gpt/inference/dp=2/pp=2",

@@ -153,17 +153,22 @@ def test_a_pinned_schedule_gives_a_pipeline_with_that_schedule():
         Pins(schedule="zb")
 
 
-def test_recomputation_only_on_the_stages_where_memory_binds():
+def test_recomputation_only_on_the_stages_where_memory_binds(monkeypatch):
     """GPT-3 175B, t=8 x p=8 on 64 A100s with micro-batches of 2, sequence parallelism off: every rank
     holds each layer's norms, dropouts and residual stream whole (the 10 s b h of Korthikanti et al.'s
     s b h (10 + 24/t + 5 a s / h t) a layer saves without it), and without recomputation no cut fits.
     Weighed per stage, recomputation goes to every model part but the last (its backward follows its
     forward at once, so it holds the fewest micro-batches): 20.6 s, faster than forced everywhere
     (21.2 s). (The optimizer's state stays on the device: offloaded, 2.7B parameters a GPU step in
-    1.8 s more.)"""
+    1.8 s more.) At 2 chunks a rank: with more (6, 19.9 s) every part recomputes, and the bubble
+    the extra chunks save outweighs it."""
+    import partita.core.schedule as schedule
+
     model = _gpt(96, 12288, 96, vocab=50257, seq=2048)
     cluster = PRESETS["dgx-a100"].with_nodes(8)
     pins = dict(tp=8, pp=8, micro_batch_size=2, offload="none", sequence_parallel=False)
+    more = _search(model, cluster, 64, Pins(**pins))
+    monkeypatch.setattr(schedule, "MAX_CHUNKS", 2)
     with pytest.raises(InfeasibleError, match="no pipeline plan fits"):
         _search(model, cluster, 64, Pins(**pins, recompute=False))
     d = _search(model, cluster, 64, Pins(**pins))
@@ -172,6 +177,7 @@ def test_recomputation_only_on_the_stages_where_memory_binds():
     assert all(s.memory_bytes <= cluster.usable_memory for s in d.stages)
     forced = _search(model, cluster, 64, Pins(**pins, recompute=True))
     assert all(s.recompute == "full" for s in forced.stages) and forced.step_s > d.step_s
+    assert more.chunks > 2 and more.step_s < d.step_s
     # a recomputing stage's backward runs its layers' forward again
     for s in forced.stages:
         if any(m.startswith("transformer.h.") for m in s.modules):  # a stage of the head alone has no layer

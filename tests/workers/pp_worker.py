@@ -42,6 +42,11 @@ def tied_gpt() -> TiedGPT:
     return TiedGPT(GPTConfig(vocab_size=256, block_size=64, n_layer=2, n_head=4, n_embd=64))
 
 
+def gpt_4l() -> GPT:
+    """gpt_tiny at 4 layers: parts enough for 2 ranks x 3 chunks."""
+    return GPT(GPTConfig(vocab_size=256, block_size=64, n_layer=4, n_head=4, n_embd=64))
+
+
 def gpt_manual() -> GPT:
     """gpt_tiny with its attention written out (matmul, softmax, matmul): selective recomputation's case."""
     return GPT(GPTConfig(vocab_size=256, block_size=64, n_layer=2, n_head=4, n_embd=64, flash=False))
@@ -52,6 +57,7 @@ MODELS: dict[str, tuple[Callable, InputSpec]] = {
     "tied-gpt": (tied_gpt, InputSpec("idx", torch.int64, (1, SEQ))),
     "hf-llama": (hf_llama_tiny, InputSpec("input_ids", torch.int64, (1, SEQ))),
     "gpt-manual": (gpt_manual, InputSpec("idx", torch.int64, (1, SEQ))),
+    "gpt-4l": (gpt_4l, InputSpec("idx", torch.int64, (1, SEQ))),
 }
 
 
@@ -154,7 +160,9 @@ def pp2(ctx: DistContext, out: str) -> list[dict]:
             compare_inference(ctx, "gpt", pp=2, cuts_at=[1]),
             # interleaved 1F1B, 2 chunks per rank: the tied embedding's copies on rank 0 (chunk 0) and rank 1
             compare(ctx, "gpt", pp=2, cuts_at=[0, 1, 2], schedule="interleaved-1f1b", chunks=2, trace_dir=out),
-            compare(ctx, "tied-gpt", pp=2, cuts_at=[0, 1, 2], schedule="interleaved-1f1b", chunks=2, accum=6)]
+            compare(ctx, "tied-gpt", pp=2, cuts_at=[0, 1, 2], schedule="interleaved-1f1b", chunks=2, accum=6),
+            # 3 chunks per rank (the planner weighs up to core/schedule.py MAX_CHUNKS)
+            compare(ctx, "gpt-4l", pp=2, cuts_at=[0, 1, 2, 3, 4], schedule="interleaved-1f1b", chunks=3)]
 
 
 def pp4_dp2xpp2_tp2xpp2(ctx: DistContext, out: str) -> list[dict]:
