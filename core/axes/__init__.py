@@ -10,6 +10,7 @@ says what a new axis declares here and which files it touches.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from typing import Any
 
@@ -46,13 +47,13 @@ def check_pins(pins: Any, *, inference: bool | None = None, facts: Mapping[str, 
 
 
 def plan_settings(plan: Any) -> dict[str, Any]:
-    """A plan's settings, every one known; ``recompute`` the set of its stages' modes."""
-    m, t = plan.mesh, plan.training
-    return {"dp": m.dp, "tp": m.tp, "pp": m.pp, "ep": m.ep, "cp": m.cp, "cp_attention": t.cp_attention,
-            "zero_stage": t.zero_stage, "schedule": t.schedule,
-            "grad_accum_steps": t.grad_accum_steps,
-            "recompute": frozenset(s.recompute for s in plan.stages), "offload": t.offload,
-            "sequence_parallel": t.sequence_parallel, "inference": t.inference, "expert_load": t.expert_load}
+    """A plan's settings, every one known, each read at its plan field (``SETTINGS``); ``recompute`` the
+    set of its stages' modes."""
+    values: dict[str, Any] = {"recompute": frozenset(s.recompute for s in plan.stages)}
+    for name, (_, field) in SETTINGS.items():
+        if name not in values:
+            values[name] = functools.reduce(getattr, field.split("."), plan)
+    return values
 
 
 def plan_facts(plan: Any) -> dict[str, Any]:
