@@ -283,27 +283,29 @@ def expert_rows(r: ExpertRegion) -> frozenset[str]:
 
 def imbalanced(costs: NodeCosts, regions: Sequence[ExpertRegion], loads: Sequence[float] | None) -> NodeCosts:
     """``costs`` on the slowest rank of each expert group: each layer's ``expert_rows`` forward and
-    backward seconds times its load (the rank's rows over the mean; ``costs`` as they are where
-    every load is 1). The step waits for that rank: the all-to-all after the experts ends when it has."""
+    backward seconds and saved bytes times its load (the rank's rows over the mean; ``costs`` as they
+    are where every load is 1). The step waits for that rank (the all-to-all after the experts ends
+    when it has), and that rank holds the most."""
     if loads is None or all(x == 1 for x in loads):
         return costs
     at = {n: i for i, n in enumerate(costs.order)}
-    fwd, bwd = list(costs.forward_s), list(costs.backward_s)
+    fwd, bwd, saved = list(costs.forward_s), list(costs.backward_s), list(costs.saved_bytes)
     for r, load in zip(regions, loads):
         for i in sorted(at[n] for n in expert_rows(r) if n in at):
-            fwd[i], bwd[i] = fwd[i] * load, bwd[i] * load
-    return dataclasses.replace(costs, forward_s=tuple(fwd), backward_s=tuple(bwd))
+            fwd[i], bwd[i], saved[i] = fwd[i] * load, bwd[i] * load, round(saved[i] * load)
+    return dataclasses.replace(costs, forward_s=tuple(fwd), backward_s=tuple(bwd), saved_bytes=tuple(saved))
 
 
-def imbalance_s(profile, cluster: ClusterSpec, request, micro_batch: int, loads: Sequence[float]) -> float:
-    """The seconds one micro-batch's forward and backward take longer on the slowest expert rank than
-    balanced (``imbalanced`` over the per-node costs at tp = 1, passes/pipeline/costs.py): what the mesh
-    search adds to a candidate's compute at ep > 1."""
+def imbalance(profile, cluster: ClusterSpec, request, micro_batch: int, loads: Sequence[float]) -> tuple[float, int]:
+    """What one micro-batch costs the slowest expert rank beyond balanced routing: the seconds its
+    forward and backward take longer, and the activation bytes it saves more (``imbalanced`` over
+    the per-node costs at tp = 1, passes/pipeline/costs.py): what the mesh search adds at ep > 1."""
     if all(x == 1 for x in loads):
-        return 0.0
+        return 0.0, 0
     costs = node_costs(profile, cluster, request, micro_batch, tp=1)
     slow = imbalanced(costs, model_experts(profile.graph), loads)
-    return sum(slow.forward_s) + sum(slow.backward_s) - sum(costs.forward_s) - sum(costs.backward_s)
+    return (sum(slow.forward_s) + sum(slow.backward_s) - sum(costs.forward_s) - sum(costs.backward_s),
+            sum(slow.saved_bytes) - sum(costs.saved_bytes))
 
 
 def stage_expert_steps(G: nx.DiGraph, node_stage: Mapping[str, int], recomputes: Sequence[bool], *, ep: int,

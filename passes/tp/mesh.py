@@ -59,7 +59,7 @@ from partita.passes.experts import (
     expert_param_names,
     expert_shards,
     expert_step,
-    imbalance_s,
+    imbalance,
     layer_loads,
     model_experts,
     split_state,
@@ -238,7 +238,11 @@ def choose_mesh(
                     transient, buffers, autocast, backward_grads = _step_extras(
                         profile, cluster, request, mb, dp, z, local, _unit_numels(dense, layer_units)
                         if z == 3 else [], bucket_bytes, sol.choice, accum)
-                    memory = peak_memory(state, activations=sol.activation_bytes, capacity=cluster.usable_memory,
+                    # routing as pinned or measured: the slowest expert rank's work and activations (passes/experts.py)
+                    loads = layer_loads(regions, ep, expert_load(pins.expert_load))
+                    slow_s, slow_bytes = imbalance(profile, cluster, request, mb, loads) if ep > 1 else (0.0, 0)
+                    memory = peak_memory(state, activations=sol.activation_bytes + slow_bytes,
+                                         capacity=cluster.usable_memory,
                                          cluster=cluster, transient=transient, buffers=buffers, autocast=autocast,
                                          backward_grads=backward_grads)
                     if not memory.fits:  # at the optimizer step (its fp32 gradients), or ZeRO's buffers at this layout
@@ -252,16 +256,14 @@ def choose_mesh(
                         grad_accum=accum, dp=dp, tp=tp, grad_buckets=list(buckets), state=state, cluster=cluster,
                         reduce_dtype=request.reduce_dtype, zero_stage=z, local_params=sum(dense.values()),
                         state_bytes=state_per_param)
-                    if ep > 1:  # routing as pinned or measured: the slowest expert rank's work (passes/experts.py)
-                        loads = layer_loads(regions, ep, expert_load(pins.expert_load))
+                    if ep > 1:
                         moe = expert_step(regions, mine, ep=ep, dp=dp, tp=tp, micro_batch=mb, batch=profile.batch_size,
                                           grad_accum=accum, precision=request.precision,
                                           reduce_dtype=request.reduce_dtype, captured_dtype=profile.param_dtype,
                                           cluster=cluster, bucket_bytes=bucket_bytes, loads=loads)
                         opt = (zero_optimizer_time(sum(dense.values()), state_per_param, z, dp, cluster)
                                + expert_optimizer_time(sum(mine), state_per_param, cluster))
-                        slow = accum * imbalance_s(profile, cluster, request, mb, loads)
-                        cost = StepCost(cost.compute_s + slow, {**cost.comm_s, **moe.seconds}, opt,
+                        cost = StepCost(cost.compute_s + accum * slow_s, {**cost.comm_s, **moe.seconds}, opt,
                                         {**cost.traffic_bytes, **moe.traffic_bytes})
                     if request.inference:
                         cost = StepCost(cost.compute_s, {k: v for k, v in cost.comm_s.items() if k.startswith("tp_")},

@@ -116,6 +116,10 @@ def test_a_skewed_router_is_priced_slower_by_its_experts_work(mesh_plans):
     assert once > 0
     extra = skewed.plan.predicted.compute_s - even.plan.predicted.compute_s
     assert extra == pytest.approx(even.plan.training.grad_accum_steps * once, rel=1e-9)
+    # and the slowest rank saves those nodes' activations for twice the rows
+    saved = sum(s for n, s in zip(costs.order, costs.saved_bytes) if n in rows)
+    assert saved > 0
+    assert skewed.plan.predicted.memory.activations - even.plan.predicted.memory.activations == saved
     sources = skewed.plan.predicted.sources["expert routing"]
     assert sources.startswith("pinned: --expert-load 2") and "at 2x the mean rows at ep = 2" in sources
     assert even.plan.predicted.sources["expert routing"].startswith("assumed balanced")
@@ -128,6 +132,7 @@ def test_a_skewed_router_slows_a_pipelines_slots():
     assert (even.mesh.pp, skewed.mesh.pp, skewed.training.expert_load) == (2, 2, 2.0)
     assert max(s.forward_s + s.backward_s for s in skewed.stages) > max(s.forward_s + s.backward_s
                                                                        for s in even.stages)
+    assert max(s.memory_bytes for s in skewed.stages) > max(s.memory_bytes for s in even.stages)
     assert skewed.predicted.step_time_s > even.predicted.step_time_s
 
 
