@@ -429,7 +429,7 @@ def _time_scan(part: Partition, ends: Sequence[int], k: int, s: int, before: dic
     than that without weighing its bytes; the comparisons are strict, so a cut that ties the best
     is still weighed and the largest such cut is the one returned, as without the seed. A bottleneck
     at or above ``cap`` is given as ``inf`` (``solve_cuts``): the scan starts from it as the best found."""
-    choices, decide, cap, overhead, p2p, modes = part._choices, part._decide, part.setup.capacity, \
+    choices, decide, budget, overhead, p2p, modes = part._choices, part._decide, part.setup.capacity, \
         part.cluster.step_overhead_s, part.p2p, part._modes
     floor = modes[part.first_mode][0]
     sure, first, chunked = part.surely_fits_from(k, s), part.first_mode, part.setup.chunks > 1
@@ -445,7 +445,7 @@ def _time_scan(part: Partition, ends: Sequence[int], k: int, s: int, before: dic
             if got is None:
                 got = choices[j, k, s] = decide(j, k, s)
             total, mode = got
-            if total > cap:
+            if total > budget:
                 return None
         if chunked and part.empty(j, k):
             return INF
