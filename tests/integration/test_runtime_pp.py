@@ -13,7 +13,12 @@ from tests.workers import pp_worker
 @pytest.mark.parametrize("name", list(pp_worker.LAUNCHES))
 def test_pipeline_parallel_matches_single_process(name, tmp_path):
     world, checks = pp_worker.LAUNCHES[name]
-    for rank, results in enumerate(launch(world, checks, str(tmp_path))):
+    check(name, launch(world, checks, str(tmp_path)))
+
+
+def check(name: str, per_rank: list) -> None:
+    """Each rank's results of launch ``name`` (the 8-rank one's: tests/integration/test_mesh8.py)."""
+    for rank, results in enumerate(per_rank):
         assert [r["case"] for r in results] == CASES[name]
         for r in results:
             what = f"rank {rank} {r['case']}" + (f" stage {r['stage']}" if "stage" in r else "")

@@ -24,10 +24,16 @@ CASES = {
     "dp2xtp2": ["gpt/zero3/dp=2/tp=2/pp=1/none/m=2", "hf-llama/zero3/dp=2/tp=2/pp=1/none/m=2"],
     "dp2xtp2xpp2": ["gpt/zero3/dp=2/tp=2/pp=2/1f1b/m=2"],
 }
+
+
 @pytest.mark.parametrize("name", list(zero_mesh_worker.LAUNCHES))
 def test_zero_with_tp_and_pp_matches_single_process(name, tmp_path):
     world, checks = zero_mesh_worker.LAUNCHES[name]
-    per_rank = launch(world, checks, str(tmp_path))
+    check(name, launch(world, checks, str(tmp_path)))
+
+
+def check(name: str, per_rank: list) -> None:
+    """Each rank's results of launch ``name`` (the 8-rank one's: tests/integration/test_mesh8.py)."""
     for rank, results in enumerate(per_rank):
         assert [r["case"] for r in results] == CASES[name]
         for r in results:

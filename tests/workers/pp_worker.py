@@ -180,8 +180,9 @@ def dp2xtp2xpp2(ctx: DistContext, out: str) -> list[dict]:
     return [compare(ctx, "gpt", pp=2, tp=2, dp=2, cuts_at=[1], schedule="1f1b", accum=2)]
 
 
-# launch name -> (world size, the checks each rank runs)
+# launch name -> (world size, the checks each rank runs); dp2xtp2xpp2 (8 ranks) runs in the 8-rank mesh's
+# one launch with the other files' 8-rank parts (mesh8_worker.py)
 LAUNCHES: dict[str, tuple[int, Callable[[DistContext, str], list[dict]]]] = {
-    "pp2": (2, pp2), "pp4-dp2xpp2-tp2xpp2": (4, pp4_dp2xpp2_tp2xpp2), "dp2xtp2xpp2": (8, dp2xtp2xpp2),
+    "pp2": (2, pp2), "pp4-dp2xpp2-tp2xpp2": (4, pp4_dp2xpp2_tp2xpp2),
 }
 

@@ -1,5 +1,5 @@
-"""Tied models through the planner's own pipeline plans (run by tests/integration/test_runtime_tied.py at
-4 and 8 ranks on the harness's groups, ``run``; imported by it for the single-process reference).
+"""Tied models through the planner's own pipeline plans (run on the harness's groups, ``run``, at 4 ranks by
+tests/integration/test_runtime_tied.py and at 8 by test_mesh8.py; imported for the single-process reference).
 
 usage: tied_script.py OUTDIR NAME=PLAN.json [NAME=PLAN.json ...]   (the repository's root on PYTHONPATH)
 
