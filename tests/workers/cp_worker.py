@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 from collections.abc import Callable
 
 import torch
@@ -23,7 +24,7 @@ from partita.core.model.inputs import InputSpec
 from partita.core.options import Options
 from partita.runtime.distributed import DistContext
 from partita.runtime.engine import ParallelModel
-from tests.harness import gaps, gather_tp, reference_backward
+from tests.harness import gaps, gather_tp, plans_spread, reference_backward
 from tests.pp_choice import pp_plan
 from tests.tp_choice import MEGATRON, tp_plan
 from tests.workers.dp_worker import GPT_VOCAB, OPTIMIZERS, SEQ, gpt_batch, gpt_loss
@@ -225,29 +226,39 @@ def loader(ctx: DistContext, out: str) -> dict:
 
 
 def cp2(ctx: DistContext, out: str) -> list[dict]:
+    # the planner's two plans, each made on one of the ranks (``plans_spread``), before the cases run
+    selective, full = plans_spread(ctx, [functools.partial(compiled_plan, ctx.world_size, "selective"),
+                                         functools.partial(compiled_plan, ctx.world_size, "full", "all-to-all")])
     return [compare(ctx, "gpt", cp=2), compare(ctx, "gpt", cp=2, strategy="all-to-all"),
             compare(ctx, "hf-llama", cp=2), compare(ctx, "hf-qwen2", cp=2, strategy="all-to-all"),
             compare(ctx, "gpt", cp=2, precision="bf16-mixed"), compare(ctx, "gpt-eager", cp=2),
             compare(ctx, "hf-llama-padded", cp=2), compare(ctx, "hf-llama-padded", cp=2, strategy="all-to-all"),
             compare(ctx, "hf-llama", cp=2, strategy="all-to-all", precision="bf16-mixed"),
             refusal(ctx, "attention dropout"), refusal(ctx, "micro-batch as long as the slice"),
-            resume(ctx, out, 1), loader(ctx, out), compiled(ctx, "selective"),
-            compiled(ctx, "full", "all-to-all")]
+            resume(ctx, out, 1), loader(ctx, out), compiled(ctx, selective, "selective"),
+            compiled(ctx, full, "full", "all-to-all")]
 
 
-def compiled(ctx: DistContext, recompute: str, strategy: str = "ring") -> dict:
-    """A plan ``partita compile`` writes for --cp 2 (and --recompute, --cp-attention), run against one
-    process: the planner's cp plan, its recomputed layers or cores rerun over the cp group."""
+def compiled_plan(world: int, recompute: str, strategy: str = "ring"):
+    """The plan ``partita compile`` writes for --cp 2 (and --recompute, --cp-attention) at ``world`` ranks."""
     from partita.compiler.compile import compile_model
     from partita.core.cluster import load_cluster
     from partita.core.model.inputs import parse_input_spec
 
     torch.manual_seed(100)
-    reference = gpt_cp()
-    plan = compile_model(copy.deepcopy(reference), Options(
-        inputs=[parse_input_spec(f"idx=int64[{2 * ctx.world_size // 2},{SEQ}]")],
-        cluster=load_cluster("local", devices=ctx.world_size), world_size=ctx.world_size, cp=2,
+    return compile_model(gpt_cp(), Options(
+        inputs=[parse_input_spec(f"idx=int64[{2 * world // 2},{SEQ}]")],
+        cluster=load_cluster("local", devices=world), world_size=world, cp=2,
         cp_attention=strategy, recompute=recompute, loss=gpt_loss)).plan
+
+
+def compiled(ctx: DistContext, plan, recompute: str, strategy: str = "ring") -> dict:
+    """``plan`` (``compiled_plan``'s, or what making it raised), run against one process: the planner's
+    cp plan, its recomputed layers or cores rerun over the cp group."""
+    if isinstance(plan, Exception):
+        raise plan
+    torch.manual_seed(100)
+    reference = gpt_cp()
     model = ParallelModel(copy.deepcopy(reference), plan, Options(loss=gpt_loss, optimizer=OPTIMIZERS["adamw"]),
                           ctx=ctx)
     ref_opt = OPTIMIZERS["adamw"](reference.parameters())

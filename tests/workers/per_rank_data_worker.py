@@ -1,18 +1,19 @@
 """What each rank measures for per-rank data loading (test_per_rank_data.py asserts it).
 
 A tiny GPT, planned once per mesh (dp2; tp2 on a fast-link cluster, where the plan really shards;
-pp2; dp2 with ZeRO-3), trains ``STEPS`` steps twice from the same initial weights: in the
-global-batch mode (every rank loads each whole global batch and ``train_step`` takes its share)
-and through ``model.loader(...)`` with ``local=True``. Each run returns its losses, its final
-``full_state_dict()`` (as a list of numbers, compared exactly by the test) and how many bytes
-and which samples its dataset's ``__getitem__`` handed out on this rank. On pp2 a third run loads
-one dataset per field (inputs, targets): each stage fetches only the one it reads, passing None
-for the other.
+pp2; dp2 with ZeRO-3; each plan made on one of the ranks, ``plans_spread``), trains ``STEPS``
+steps twice from the same initial weights: in the global-batch mode (every rank loads each whole
+global batch and ``train_step`` takes its share) and through ``model.loader(...)`` with
+``local=True``. Each run returns its losses, its final ``full_state_dict()`` (as a list of
+numbers, compared exactly by the test) and how many bytes and which samples its dataset's
+``__getitem__`` handed out on this rank. On pp2 a third run loads one dataset per field (inputs,
+targets): each stage fetches only the one it reads, passing None for the other.
 """
 
 from __future__ import annotations
 
 import copy
+import functools
 from typing import Any
 
 import torch
@@ -23,6 +24,7 @@ from partita.compiler.compile import compile_model
 from partita.core.options import Options
 from partita.runtime.distributed import DistContext
 from partita.runtime.engine import ParallelModel
+from tests.harness import plans_spread
 
 STEPS, BATCH, SEQ, VOCAB, SEED = 3, 8, 8, 64, 5
 MESHES = {"dp2": dict(dp=2), "tp2": dict(tp=2), "pp2": dict(pp=2), "zero3": dict(dp=2, zero=3)}
@@ -73,10 +75,18 @@ def _train(model: ParallelModel, batches: Any, *, local: bool) -> dict:
     return {"losses": losses, "state": {n: t.flatten().tolist() for n, t in state.items()}}
 
 
-def case(ctx: DistContext, mesh: str, fast_cluster: str) -> dict:
-    options = Options(inputs=[f"idx=int64[{BATCH},{SEQ}]"], cluster=fast_cluster if mesh == "tp2" else "local",
-                      devices=2, world_size=2, optimizer="adamw", log_every=0, **MESHES[mesh])
-    plan = compile_model(_gpt, options, name="gpt").plan
+def _options(mesh: str, fast_cluster: str) -> Options:
+    return Options(inputs=[f"idx=int64[{BATCH},{SEQ}]"], cluster=fast_cluster if mesh == "tp2" else "local",
+                   devices=2, world_size=2, optimizer="adamw", log_every=0, **MESHES[mesh])
+
+
+def _plan(mesh: str, fast_cluster: str) -> Any:
+    return compile_model(_gpt, _options(mesh, fast_cluster), name="gpt").plan
+
+
+def case(ctx: DistContext, mesh: str, plan: Any, fast_cluster: str) -> dict:
+    """One mesh's runs, given its plan."""
+    options = _options(mesh, fast_cluster)
     torch.manual_seed(0)
     built = _gpt()
     # the global-batch mode: every rank loads whole global batches, drawn as the per-rank loader draws them
@@ -102,4 +112,9 @@ def case(ctx: DistContext, mesh: str, fast_cluster: str) -> dict:
 
 
 def run(ctx: DistContext, fast_cluster: str) -> list[dict]:
-    return [case(ctx, mesh, fast_cluster) for mesh in MESHES]
+    """Every mesh's plan, each made on one of the ranks (``plans_spread``), then each mesh in turn."""
+    plans = plans_spread(ctx, [functools.partial(_plan, mesh, fast_cluster) for mesh in MESHES])
+    for p in plans:
+        if isinstance(p, Exception):
+            raise p
+    return [case(ctx, mesh, plan, fast_cluster) for mesh, plan in zip(MESHES, plans)]

@@ -14,15 +14,21 @@ from partita.compiler.compile import compile_model
 from partita.core.options import Options
 from partita.runtime.distributed import DistContext
 from partita.runtime.engine import ParallelModel
-from tests.harness import gaps, reference_step
+from tests.harness import gaps, plans_spread, reference_step
 from tests.workers.dp_worker import OPTIMIZERS, SEQ, gpt_batch, gpt_loss
 
 STEPS, BATCH = 3, 8
 
 
-def run(ctx: DistContext) -> dict:
-    plan = compile_model(gpt_tiny, Options(inputs=[f"idx=int64[{BATCH},{SEQ}]"], cluster="local", devices=2,
+def _plan():
+    return compile_model(gpt_tiny, Options(inputs=[f"idx=int64[{BATCH},{SEQ}]"], cluster="local", devices=2,
                                            world_size=2, dp=2, zero=3, loss=gpt_loss)).plan
+
+
+def run(ctx: DistContext) -> dict:
+    plan, = plans_spread(ctx, [_plan])  # made on rank 0 alone, given to both
+    if isinstance(plan, Exception):
+        raise plan
     torch.manual_seed(0)
     reference = gpt_tiny()
     model = ParallelModel(copy.deepcopy(reference), plan, Options(loss=gpt_loss, optimizer=OPTIMIZERS["adamw"]),
