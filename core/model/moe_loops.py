@@ -1,9 +1,12 @@
 """Loop-style experts captured as grouped matmuls.
 
 Some Hugging Face MoE layers run their experts in a Python loop over the experts a batch hits
-(DBRX: ``nonzero`` over the expert mask, then one matmul per expert), which torch.export cannot
-capture: how many experts run is data. transformers offers no other implementation of them. For
-the capture alone (``traceable_experts``), such a layer's forward is replaced by the same
+(DBRX: ``nonzero`` over the expert mask, then one matmul per expert; JetMoE: the rows per expert
+as a Python list, ``expert_size.tolist()``, in its feed-forward and its attention experts), which
+torch.export cannot capture: how many experts run, or how many rows each takes, is data.
+transformers offers no other implementation of them. For the capture alone
+(``traceable_experts``), such a layer's forward (JetMoE's attention experts: ``map`` and
+``reduce``) is replaced by the same
 computation written the way Mixtral's default experts are: the token rows sorted by expert, the
 rows per expert counted (a fixed ``E``-long histogram, their running sum the offsets), and one
 grouped matmul per weight over all experts at once (transformers' own ``_grouped_mm``, so the graph
@@ -62,8 +65,61 @@ def _dbrx_experts(self: Any, hidden_states: torch.Tensor, top_k_index: torch.Ten
     return torch.zeros_like(x).index_add_(0, perm // k, out).view(batch, -1, self.hidden_size)
 
 
-# class name -> the grouped-matmul forward that replaces its loop during the capture
-LOOP_EXPERTS: dict[str, Callable[..., torch.Tensor]] = {"DbrxExperts": _dbrx_experts}
+def _jetmoe_route(router: Any, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """JetMoeTopKGating's routing without its ``expert_size.tolist()``: (logits, each token's top-k
+    experts, their softmaxed gates)."""
+    logits = router.layer(x).float()
+    top_logits, top_index = logits.topk(router.top_k, dim=1)
+    return logits, top_index, torch.softmax(top_logits, dim=1).type_as(x)
+
+
+def _jetmoe_moe(self: Any, layer_input: torch.Tensor) -> torch.Tensor:
+    """JetMoeMoE.forward (its feed-forward experts) as grouped matmuls over its (E, out, in) weights."""
+    bsz, length, emb = layer_input.size()
+    x = layer_input.reshape(-1, emb)
+    _, top_index, gates = _jetmoe_route(self.router, x)
+    rows, perm, offs = _sorted_rows(x, top_index, self.router.num_experts)
+    gate, up = _grouped_mm(rows, self.input_linear.weight.transpose(-2, -1), offs).chunk(2, dim=-1)
+    out = _grouped_mm(self.activation(gate) * up, self.output_linear.weight.transpose(-2, -1), offs)
+    out = out * gates.reshape(-1)[perm].unsqueeze(-1)
+    k = top_index.shape[-1]
+    y = out.new_zeros((bsz * length, self.input_size)).index_add(0, perm // k, out)  # (out's dtype as run)
+    return y.view(bsz, length, self.input_size) + self.bias
+
+
+def _jetmoe_map(self: Any, layer_input: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tuple]:
+    """JetMoeMoA.map (its attention experts' query projections) as one grouped matmul; the routing it
+    returns for ``reduce`` holds tensors, not the rows per expert as a list."""
+    bsz, length, emb = layer_input.size()
+    x = layer_input.reshape(-1, emb)
+    logits, top_index, gates = _jetmoe_route(self.router, x)
+    rows, perm, offs = _sorted_rows(x, top_index, self.num_experts)
+    out = _grouped_mm(rows, self.input_linear.weight.transpose(-2, -1), offs)
+    q = out.new_zeros((bsz * length * self.top_k, self.hidden_size))
+    return q.index_add(0, perm, out).view(bsz, length, self.top_k, -1), logits, (perm, top_index, gates)
+
+
+def _jetmoe_reduce(self: Any, layer_input: torch.Tensor, topo: tuple) -> torch.Tensor:
+    """JetMoeMoA.reduce (the attention experts' output projections) as one grouped matmul. Its offsets
+    are counted again: ``map``'s and ``reduce``'s matmuls are two expert layers (core/experts.py finds a
+    layer by its offsets), attention between them running on each token's own rank."""
+    perm, top_index, gates = topo
+    bsz, length, k, hidden = layer_input.size()
+    ids = top_index.reshape(-1).float()
+    offs = torch.cumsum(torch.histc(ids, bins=self.num_experts, min=0, max=self.num_experts - 1), dim=0,
+                        dtype=torch.int32)
+    out = _grouped_mm(layer_input.reshape(-1, hidden)[perm], self.output_linear.weight.transpose(-2, -1), offs)
+    out = out * gates.reshape(-1)[perm].unsqueeze(-1)
+    y = out.new_zeros((bsz * length, self.input_size)).index_add(0, perm // k, out)
+    return y.view(bsz, length, self.input_size) + self.bias
+
+
+# class name -> {method: the grouped-matmul version that replaces its loop during the capture}
+LOOP_EXPERTS: dict[str, dict[str, Callable[..., Any]]] = {
+    "DbrxExperts": {"forward": _dbrx_experts},
+    "JetMoeMoE": {"forward": _jetmoe_moe},
+    "JetMoeMoA": {"map": _jetmoe_map, "reduce": _jetmoe_reduce},
+}
 
 
 @contextlib.contextmanager
@@ -72,10 +128,12 @@ def traceable_experts(module: torch.nn.Module) -> Iterator[list[str]]:
     grouped matmuls; the names of those replaced are yielded. Their forwards are restored after."""
     replaced = [(name, m) for name, m in module.named_modules() if type(m).__name__ in LOOP_EXPERTS]
     for _, m in replaced:
-        m.forward = types.MethodType(LOOP_EXPERTS[type(m).__name__], m)
+        for method, fn in LOOP_EXPERTS[type(m).__name__].items():
+            setattr(m, method, types.MethodType(fn, m))
     try:
         yield [name for name, _ in replaced]
     finally:
         for _, m in replaced:
-            with contextlib.suppress(AttributeError):
-                del m.forward
+            for method in LOOP_EXPERTS[type(m).__name__]:
+                with contextlib.suppress(AttributeError):
+                    delattr(m, method)

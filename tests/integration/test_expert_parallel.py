@@ -37,7 +37,7 @@ def _check(results: list[list[dict]], cells: list[tuple]) -> None:
 
 def _check_exchanges(r: dict, what: str, dp: int, ep: int, micro_batches: int, recompute: str | None) -> None:
     """The all-to-alls over "ep" and the all-reduce over "edp" a step ran, against the plan's."""
-    rows_only = _all_to_alls(micro_batches, recompute, r["moe_layers"])
+    rows_only = _all_to_alls(micro_batches, recompute, r["expert_layers"])
     if r["case"].startswith("gpt-oss"):  # and each per-row value carried with the rows, there and back
         assert r["calls"].get("all_to_all/ep", 0) > rows_only, (what, r["calls"])
     else:
@@ -72,6 +72,14 @@ def test_dbrx_loop_experts_are_captured_and_train_at_ep_1_and_2_as_one_process()
     capture writes the loop as grouped matmuls over its (E x F, H) weights (core/model/moe_loops.py); at
     ep=1 (dp2: the eager loop runs) and at ep=2 with ZeRO-1 and ZeRO-3 it trains as one process."""
     cells = [(2, 1, "fp32", 1, None, None, None, "dbrx"), (2, 2, "bf16-mixed", 2, None, 1, None, "dbrx")]
+    _check(launch(2, worker.run, cells), cells)
+def test_jetmoe_feed_forward_and_attention_experts_train_at_ep_1_and_2_as_one_process():
+    """JetMoE routes its feed-forward and its attention experts by a gate that lists the rows per expert
+    in Python (``tolist``): not capturable before. The capture writes each as grouped matmuls
+    (core/model/moe_loops.py); the attention experts' query and output projections are two expert layers,
+    attention running between them on each token's own rank. At ep=1 (dp2, fp32) and at ep=2 with ZeRO-1
+    and 2 micro-batches (bf16-mixed) it trains as one process."""
+    cells = [(2, 1, "fp32", 1, None, None, None, "jetmoe"), (2, 2, "bf16-mixed", 2, None, 1, None, "jetmoe")]
     _check(launch(2, worker.run, cells), cells)
 def test_experts_split_over_four_ranks_with_micro_batches_recomputation_and_zero_train_as_one_process():
     cells = [(4, 2, "fp32"), (4, 4, "bf16-mixed"), (4, 2, "fp32", 2, "full"), (4, 2, "bf16-mixed", 2, None),

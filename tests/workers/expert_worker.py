@@ -60,11 +60,27 @@ def dbrx() -> torch.nn.Module:
         ffn_config={"ffn_hidden_size": 64, "moe_num_experts": EXPERTS, "moe_top_k": 2}))
 
 
-FAMILIES = {"mixtral": mixtral, "gpt-oss": gpt_oss, "dbrx": dbrx}
+def jetmoe() -> torch.nn.Module:
+    """A tiny JetMoE: feed-forward and attention experts, each routed by a top-k gate that lists the rows
+    per expert in Python (captured as grouped matmuls, core/model/moe_loops.py): three expert layers a
+    layer (the feed-forward, the attention's query and output projections)."""
+    import transformers as tf
+
+    return tf.JetMoeForCausalLM(tf.JetMoeConfig(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_key_value_heads=2, kv_channels=16,
+        intermediate_size=64, num_local_experts=EXPERTS, num_experts_per_tok=2, max_position_embeddings=32,
+        use_cache=False))
+
+
+FAMILIES = {"mixtral": mixtral, "gpt-oss": gpt_oss, "dbrx": dbrx, "jetmoe": jetmoe}
+# expert layers (regions of grouped matmuls sharing offsets, core/experts.py) per transformer layer
+REGIONS = {"jetmoe": 3}
 # each family's weights stacked over experts (the first names a layer's), by their names' endings
 STACKED = {"mixtral": ("experts.gate_up_proj", "experts.down_proj"),
            "gpt-oss": ("experts.gate_up_proj", "experts.down_proj"),
-           "dbrx": ("experts.mlp.w1", "experts.mlp.v1", "experts.mlp.w2")}
+           "dbrx": ("experts.mlp.w1", "experts.mlp.v1", "experts.mlp.w2"),
+           "jetmoe": ("mlp.input_linear.weight", "mlp.output_linear.weight", "experts.input_linear.weight",
+                      "experts.output_linear.weight")}
 
 
 def _options(world: int, dp: int, ep: int, precision: str = "fp32", micro_batches: int = 1,
@@ -132,6 +148,7 @@ def case(ctx: DistContext, planned: Any, dp: int, ep: int, precision: str, micro
                planned_sizes=planned_sizes, param_bytes=param_bytes, predicted_params=plan.predicted.memory.params,
                param_numel=sum(q.numel() for q, _ in held.values()), stage_params=plan.stages[stage].params,
                moe_layers=sum(n.endswith(first) for n in held),
+               expert_layers=sum(n.endswith(first) for n in held) * REGIONS.get(family, 1),
                layouts={p.name: dict(p.layout) for p in plan.params if p.name.endswith((first, *stacked))})
     return out
 
