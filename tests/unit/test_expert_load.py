@@ -196,3 +196,21 @@ def test_router_and_load_mistakes_are_one_message(cli, tmp_path):
              "has no mixture-of-experts layer whose routing")):
         code, out, err = cli(*args, "-o", tmp_path / "out.json")
         assert code == 2 and words in err and "Traceback" not in err, (args, err)
+
+
+def test_a_grouped_matmul_counts_as_a_matmul_by_hand():
+    """Each row meets its expert's (K, N) weight: 2 R K N FLOPs forward, twice that backward (the rows'
+    gradient and the weights'), two backward kernels (passes/flops.py). Mixtral's gate_up (K = hidden 32,
+    N = 2 x 64) and down (K = 64, N = 32) projections over R = 4 x 8 tokens x 2 experts each."""
+    result = compile_model(mixtral(), Options(inputs=[INPUT], cluster="local", devices=2, dp=2), name="mixtral")
+    G = result.profile.graph
+    rows = BATCH * SEQ * TOP_K
+    seen = []
+    for r in model_experts(G):
+        for n in r.matmuls:
+            a = G.nodes[n]
+            k, out = a["in_shapes"][0][-1], a["shapes"][0][-1]
+            seen.append((k, out))
+            assert a["flops_fwd"] == 2 * rows * k * out, (n, a["flops_fwd"])
+            assert a["flops_bwd"] == 2 * a["flops_fwd"] and a["kernels_bwd"] == 2, n
+    assert sorted(set(seen)) == [(32, 128), (64, 32)]
