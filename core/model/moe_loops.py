@@ -45,8 +45,13 @@ def _sorted_rows(x: torch.Tensor, top_k_index: torch.Tensor, experts: int
     the offsets: the running sum of the rows per expert)."""
     k = top_k_index.shape[-1]
     ids, perm = torch.sort(top_k_index.reshape(-1), stable=True)
+    return x[perm // k], perm, _offsets(ids, experts)
+
+
+def _offsets(ids: torch.Tensor, experts: int) -> torch.Tensor:
+    """The running sum of the rows per expert (``ids``: each row's expert), as a grouped matmul takes it."""
     counts = torch.histc(ids.float(), bins=experts, min=0, max=experts - 1)
-    return x[perm // k], perm, torch.cumsum(counts, dim=0, dtype=torch.int32)
+    return torch.cumsum(counts, dim=0, dtype=torch.int32)
 
 
 def _dbrx_experts(self: Any, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
@@ -81,9 +86,16 @@ def _jetmoe_moe(self: Any, layer_input: torch.Tensor) -> torch.Tensor:
     rows, perm, offs = _sorted_rows(x, top_index, self.router.num_experts)
     gate, up = _grouped_mm(rows, self.input_linear.weight.transpose(-2, -1), offs).chunk(2, dim=-1)
     out = _grouped_mm(self.activation(gate) * up, self.output_linear.weight.transpose(-2, -1), offs)
+    return _jetmoe_merge(self, out, gates, perm, top_index.shape[-1], bsz, length)
+
+
+def _jetmoe_merge(self: Any, out: torch.Tensor, gates: torch.Tensor, perm: torch.Tensor, k: int, bsz: int,
+                  length: int) -> torch.Tensor:
+    """The expert rows ``out`` (in expert order, ``perm``) weighted by their gates and summed back to
+    their tokens, plus the layer's bias: how JetMoE's feed-forward and attention experts end. The sum
+    is made in ``out``'s dtype as run (autocast's, not the capture's)."""
     out = out * gates.reshape(-1)[perm].unsqueeze(-1)
-    k = top_index.shape[-1]
-    y = out.new_zeros((bsz * length, self.input_size)).index_add(0, perm // k, out)  # (out's dtype as run)
+    y = out.new_zeros((bsz * length, self.input_size)).index_add(0, perm // k, out)
     return y.view(bsz, length, self.input_size) + self.bias
 
 
@@ -105,13 +117,9 @@ def _jetmoe_reduce(self: Any, layer_input: torch.Tensor, topo: tuple) -> torch.T
     layer by its offsets), attention between them running on each token's own rank."""
     perm, top_index, gates = topo
     bsz, length, k, hidden = layer_input.size()
-    ids = top_index.reshape(-1).float()
-    offs = torch.cumsum(torch.histc(ids, bins=self.num_experts, min=0, max=self.num_experts - 1), dim=0,
-                        dtype=torch.int32)
+    offs = _offsets(top_index.reshape(-1), self.num_experts)
     out = _grouped_mm(layer_input.reshape(-1, hidden)[perm], self.output_linear.weight.transpose(-2, -1), offs)
-    out = out * gates.reshape(-1)[perm].unsqueeze(-1)
-    y = out.new_zeros((bsz * length, self.input_size)).index_add(0, perm // k, out)
-    return y.view(bsz, length, self.input_size) + self.bias
+    return _jetmoe_merge(self, out, gates, perm, k, bsz, length)
 
 
 # class name -> {method: the grouped-matmul version that replaces its loop during the capture}

@@ -237,7 +237,7 @@ class _CutSearch:
             held = _holding(c) if v > 1 else 0
             if v > 1 and p * v > held and not chunk_problem(schedule, p, v, m):
                 self.empty_chunks = (schedule, p, v, held)
-            if v > 1 and (chunk_problem(schedule, p, v, m) or p * v > min(len(c.boundaries) + 1, held)):
+            if v > 1 and not _chunks_run(schedule, p, v, m, c, held):
                 continue
             zs = zero_options if v == 1 else tuple(z for z in zero_options if z == 0)
             if zs:
@@ -259,9 +259,10 @@ class _CutSearch:
         c = self.cache[mb]
         if p == 1 or 0 not in self.zero_options(p, dp):
             return
+        held = _holding(c)
         for schedule in self.schedules:
             for v in chunk_counts(schedule)[1:]:
-                if chunk_problem(schedule, p, v, m) or p * v > min(len(c.boundaries) + 1, _holding(c)):
+                if not _chunks_run(schedule, p, v, m, c, held):
                     break  # more chunks have fewer parts each: none runs either
                 for policy, forbid in _shared_policies(c, p * v):
                     self._weigh_zero_stages(index, c, self._setups(p, m, schedule, v, dp, (0,)), mb, policy, forbid)
@@ -416,6 +417,12 @@ def _holding(c: NodeCosts) -> int:
     chunked schedule cuts no more chunks than these."""
     held = {i for i, n in enumerate(c.param_numel) if n} | {u for sp in c.shared for u in sp.users}
     return len(held | {i for i, n in enumerate(c.expert_numel) if n})
+
+
+def _chunks_run(schedule: str, p: int, v: int, m: int, c: NodeCosts, held: int) -> bool:
+    """Whether p ranks x v chunks of ``schedule`` run m micro-batches (core/schedule.py ``chunk_problem``)
+    on a model with p v parts: boundaries for them, each holding parameters (``held``: ``_holding(c)``)."""
+    return not chunk_problem(schedule, p, v, m) and p * v <= min(len(c.boundaries) + 1, held)
 
 
 def _shared_policies(c: NodeCosts, p: int) -> list[tuple[str, tuple[int, ...]]]:

@@ -170,6 +170,7 @@ def choose_mesh(
     candidates: list[MeshCandidate] = []
     best: tuple[MeshCandidate, TPSolution, tuple[int, ...], tuple[int, ...]] | None = None
     solves = 0
+    slow: dict[tuple[int, int], tuple[float, int]] = {}  # (micro-batch, ep) -> routing's cost (ZeRO does not move it)
     for tp in _degrees(cluster, world, pins):
         dp = world // tp
         if B % dp:
@@ -240,7 +241,8 @@ def choose_mesh(
                         if z == 3 else [], bucket_bytes, sol.choice, accum)
                     # routing as pinned or measured: the slowest expert rank's work and activations (passes/experts.py)
                     loads = layer_loads(regions, ep, expert_load(pins.expert_load))
-                    slow_s, slow_bytes = imbalance(profile, cluster, request, mb, loads) if ep > 1 else (0.0, 0)
+                    slow_s, slow_bytes = slow.get((mb, ep)) or slow.setdefault(
+                        (mb, ep), imbalance(profile, cluster, request, mb, loads) if ep > 1 else (0.0, 0))
                     memory = peak_memory(state, activations=sol.activation_bytes + slow_bytes,
                                          capacity=cluster.usable_memory,
                                          cluster=cluster, transient=transient, buffers=buffers, autocast=autocast,
